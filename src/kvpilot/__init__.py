@@ -1,0 +1,14 @@
+"""kvpilot: a fast LLM inference server that explains its own speed."""
+
+from kvpilot.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "__version__"]
+
+
+def __getattr__(name: str):  # LLM pulls in torch: import it only when asked for
+    if name == "LLM":
+        from kvpilot.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'kvpilot' has no attribute {name!r}")

@@ -1,0 +1,127 @@
+"""Programmatic entry point: one bench (single run or sweep) from a :class:`BenchConfig`.
+
+The CLI is a thin layer over :func:`run_bench`; the doctor and tests call it directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from rich.console import Console
+
+from kvpilot.bench.client import Target
+from kvpilot.bench.clientlag import DEFAULT_MAX_LAG_MS
+from kvpilot.bench.console import make_progress, print_summary
+from kvpilot.bench.datasets import DatasetConfig, build_dataset
+from kvpilot.bench.load import LoadShape
+from kvpilot.bench.records import RequestRecord, WorkItem
+from kvpilot.bench.report_html import write_html
+from kvpilot.bench.result import Knee, RunResult, build_result, write_csv, write_json
+from kvpilot.bench.runner import run_load
+from kvpilot.bench.sweep import find_knee, run_sweep
+from kvpilot.bench.tokens import Tokenizer, load_tokenizer
+
+
+class BenchError(RuntimeError):
+    """A problem that stops the bench before any load is sent (message says what to do)."""
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Everything one ``kvpilot bench`` invocation needs. ``model`` None: first of ``/v1/models``.
+    ``metrics_url`` None: ``<base_url>/metrics``; empty string: do not scrape."""
+
+    target: Target
+    dataset: DatasetConfig = DatasetConfig()
+    load: LoadShape = LoadShape()
+    slos: dict[str, float] = field(default_factory=dict)
+    tokenizer: Any = None
+    sweep: bool = False
+    sweep_num_points: int = 5
+    goodput_target: float = 0.9
+    metrics_url: str | None = None
+    scrape_interval_s: float = 1.0
+    max_lag_ms: float = DEFAULT_MAX_LAG_MS
+    json_path: str | None = None
+    csv_path: str | None = None
+    html_path: str | None = None
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class BenchOutcome:
+    runs: list[RunResult]
+    knee: Knee | None
+    result: dict[str, Any]
+
+
+def resolve_model(base_url: str, api_key: str | None, timeout_s: float = 10.0) -> str:
+    """First model id from ``GET /v1/models``."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    url = base_url.rstrip("/") + "/v1/models"
+    try:
+        resp = httpx.get(url, headers=headers, timeout=timeout_s)
+        resp.raise_for_status()
+        return str(resp.json()["data"][0]["id"])
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
+        raise BenchError(f"could not get a model name from {url} ({type(exc).__name__}: {exc}). "
+                         f"Check --base-url, or pass --model NAME") from exc
+
+
+def _config_json(cfg: BenchConfig, tok: Tokenizer) -> dict[str, Any]:
+    target = dataclasses.asdict(cfg.target)
+    target["api_key"] = "***" if cfg.target.api_key else None  # never write secrets to results
+    return {"target": target, "dataset": dataclasses.asdict(cfg.dataset),
+            "load": dataclasses.asdict(cfg.load), "slos_ms": dict(cfg.slos), "tokenizer": tok.name,
+            "sweep": cfg.sweep, "sweep_num_points": cfg.sweep_num_points,
+            "goodput_target": cfg.goodput_target, "max_lag_ms": cfg.max_lag_ms}
+
+
+async def _run_all(cfg: BenchConfig, target: Target, items: list[WorkItem], tok: Tokenizer,
+                   console: Console) -> list[RunResult]:
+    metrics_url = (target.base_url.rstrip("/") + "/metrics") if cfg.metrics_url is None else cfg.metrics_url
+
+    async def one(label: str, shape: LoadShape) -> RunResult:
+        with make_progress(console, disable=not cfg.progress) as progress:
+            total = shape.num_requests if shape.num_requests is not None else None
+            task = progress.add_task(label, total=total, errors=0)
+            counts = {"errors": 0}
+
+            def on_record(rec: RequestRecord) -> None:
+                counts["errors"] += 0 if rec.ok else 1
+                progress.update(task, advance=1, errors=counts["errors"])
+
+            out = await run_load(target, items, shape, tok, metrics_url=metrics_url or None,
+                                 scrape_interval_s=cfg.scrape_interval_s,
+                                 on_record=on_record)
+        return RunResult.analyse(label, out, cfg.slos, cfg.max_lag_ms)
+
+    if cfg.sweep:
+        return await run_sweep(cfg.load, one, cfg.sweep_num_points)
+    return [await one(cfg.load.label(), cfg.load)]
+
+
+def run_bench(cfg: BenchConfig, console: Console | None = None) -> BenchOutcome:
+    """Build the dataset, run, print the summary and write the requested files."""
+    console = console or Console(stderr=True)
+    target = cfg.target
+    if not target.model:
+        target = dataclasses.replace(target, model=resolve_model(target.base_url, target.api_key))
+    tok = load_tokenizer(cfg.tokenizer)
+    num_requests = cfg.load.num_requests or 1000
+    items = build_dataset(cfg.dataset, tok, num_requests)
+    runs = asyncio.run(_run_all(cfg, target, items, tok, console))
+    knee = find_knee(runs, cfg.slos, cfg.goodput_target) if cfg.sweep else None
+    result = build_result(_config_json(dataclasses.replace(cfg, target=target), tok), runs, knee)
+    print_summary(console, runs, knee)
+    if cfg.json_path:
+        write_json(cfg.json_path, result)
+    if cfg.csv_path:
+        write_csv(cfg.csv_path, runs)
+    if cfg.html_path:
+        write_html(cfg.html_path, runs, knee)
+    return BenchOutcome(runs, knee, result)

@@ -1,0 +1,114 @@
+"""Typed contracts shared by the bench modules: what to send, and what one request measured.
+
+All times in records are milliseconds; ``*_s`` fields are seconds on the run's clock (0 = run start).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One user turn: the text to send and how many tokens to ask back.
+
+    ``num_prompt_tokens`` is the token length of ``text`` alone (before chat templates or history),
+    exact when the dataset was built with the model's tokenizer.
+    """
+
+    text: str
+    num_prompt_tokens: int
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    """A unit the load shape schedules: a single prompt, or a multi-turn chat session.
+
+    Turns of one item run one after another, each carrying the history (earlier turns plus the
+    server's answers). ``arrival_s`` is set only by trace replay (seconds after run start).
+    ``group_id`` names the prefix group (shared-prefix) or the class ("long"/"short").
+    """
+
+    item_id: int
+    turns: tuple[Turn, ...]
+    group_id: str | None = None
+    arrival_s: float | None = None
+    messages: tuple[dict[str, str], ...] | None = None  # JSONL chat prompts sent verbatim (1 turn)
+
+
+@dataclass(frozen=True)
+class ServerTimings:
+    """Per-request stage timings the kvpilot server reports (the ``"kvpilot"`` field), in ms."""
+
+    request_id: str
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_preemptions: int
+    queue_ms: float
+    tokenize_ms: float
+    prefill_ms: float
+    ttft_ms: float
+    decode_ms: float
+    serialize_ms: float
+    e2e_ms: float
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """Everything the client measured for one request.
+
+    Invariants: ``ok`` implies ``status == 200`` and ``error is None``; ``ttft_ms`` and ``e2e_ms`` are
+    measured from the moment the request was sent (after any client-side slot wait), so
+    ``queue_wait_ms`` (waiting for a concurrency slot) is never inside TTFT. ``sched_lag_ms`` is how
+    late the client dispatched the request versus its planned arrival (client overload, not server).
+    """
+
+    request_index: int
+    item_id: int
+    turn_index: int
+    group_id: str | None
+    ok: bool
+    status: int | None
+    error_kind: str | None
+    error: str | None
+    scheduled_s: float
+    sent_s: float
+    queue_wait_ms: float
+    sched_lag_ms: float
+    ttft_ms: float | None
+    e2e_ms: float | None
+    itl_ms: tuple[float, ...]
+    num_prompt_tokens: int | None
+    num_output_tokens: int
+    output_tokens_source: str
+    num_chunks: int
+    retry_after_s: float | None = None
+    server: ServerTimings | None = None
+    output_text: str = field(default="", repr=False)
+
+    @property
+    def tpot_ms(self) -> float | None:
+        """vLLM's TPOT: (E2E - TTFT) / (output tokens - 1); None with fewer than 2 tokens."""
+        if not self.ok or self.ttft_ms is None or self.e2e_ms is None or self.num_output_tokens < 2:
+            return None
+        return (self.e2e_ms - self.ttft_ms) / (self.num_output_tokens - 1)
+
+    def to_json(self, include_text: bool = False) -> dict[str, Any]:
+        d = asdict(self)
+        d["itl_ms"] = list(self.itl_ms)
+        d["tpot_ms"] = self.tpot_ms
+        if not include_text:
+            d.pop("output_text")
+        return d
+
+
+def record_from_json(d: dict[str, Any]) -> RequestRecord:
+    """Inverse of :meth:`RequestRecord.to_json` (used by readers of result files)."""
+    d = dict(d)
+    d.pop("tpot_ms", None)
+    server = d.pop("server", None)
+    d["itl_ms"] = tuple(d.get("itl_ms", ()))
+    d.setdefault("output_text", "")
+    return RequestRecord(**d, server=ServerTimings(**server) if server else None)

@@ -1,0 +1,189 @@
+"""Drive one run: warmup, then closed- or open-loop load, with metrics scraping and lag tracking."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import httpx
+import numpy as np
+
+from kvpilot.bench.arrivals import arrival_times
+from kvpilot.bench.client import Outcome, Target, build_payload, execute
+from kvpilot.bench.load import LoadShape
+from kvpilot.bench.records import RequestRecord, WorkItem
+from kvpilot.bench.scrape import MetricsSample, Scraper
+from kvpilot.bench.tokens import Tokenizer, count_tokens
+
+LOOP_TICK_S = 0.01
+OnRecord = Callable[[RequestRecord], None]
+
+
+@dataclass(frozen=True)
+class RunOutput:
+    """Measured records (warmup excluded) plus the client's own health and server metrics.
+
+    ``loop_lag_ms`` samples how late a 10 ms event-loop tick fired, as (t_s, lag_ms): high values
+    mean the client itself was the bottleneck.
+    """
+
+    shape: LoadShape
+    records: list[RequestRecord]
+    wall_s: float
+    start_unix: float
+    loop_lag_ms: list[tuple[float, float]]
+    metrics: list[MetricsSample] = field(default_factory=list)
+    metrics_error: str | None = None
+
+
+def _record(idx: int, item: WorkItem, turn_idx: int, out: Outcome, t0: float, scheduled: float,
+            started: float, acquired: float, prompt_text: str, tok: Tokenizer) -> RequestRecord:
+    usage = out.usage or {}
+    if isinstance(usage.get("completion_tokens"), int):
+        num_out, source = usage["completion_tokens"], "usage"
+    else:
+        num_out, source = count_tokens(tok, out.text), tok.name
+    chunks = out.chunk_times
+    ttft = (chunks[0] - out.t_sent) * 1000 if chunks else None
+    return RequestRecord(
+        request_index=idx, item_id=item.item_id, turn_index=turn_idx, group_id=item.group_id,
+        ok=out.ok, status=out.status, error_kind=out.error_kind, error=out.error,
+        scheduled_s=scheduled - t0, sent_s=out.t_sent - t0,
+        queue_wait_ms=(acquired - started) * 1000, sched_lag_ms=max(0.0, started - scheduled) * 1000,
+        ttft_ms=ttft if out.ok else None,
+        e2e_ms=((out.t_end or out.t_sent) - out.t_sent) * 1000,
+        itl_ms=tuple(float(b - a) * 1000 for a, b in itertools.pairwise(chunks)) if out.ok else (),
+        num_prompt_tokens=usage.get("prompt_tokens") or count_tokens(tok, prompt_text),
+        num_output_tokens=num_out if out.ok else 0, output_tokens_source=source,
+        num_chunks=len(chunks), retry_after_s=out.retry_after_s, server=out.server,
+        output_text=out.text,
+    )
+
+
+class _Run:
+    """State of one run; every request loop is bounded by the request budget or the deadline."""
+
+    def __init__(self, http: httpx.AsyncClient, target: Target, shape: LoadShape, tok: Tokenizer,
+                 on_record: OnRecord | None) -> None:
+        self.http, self.target, self.shape, self.tok, self.on_record = http, target, shape, tok, on_record
+        self.t0 = time.perf_counter()
+        self.next_index = 0
+        self.records: list[RequestRecord] = []
+        cap = shape.max_concurrency if not shape.closed_loop else None
+        self.slots = asyncio.Semaphore(cap) if cap else None
+
+    def claim(self, limit: int | None, deadline: float | None) -> int | None:
+        """Next request index, or None once the budget or the deadline is reached."""
+        if (limit is not None and self.next_index >= limit) or (
+                deadline is not None and time.perf_counter() >= deadline):
+            return None
+        self.next_index += 1
+        return self.next_index - 1
+
+    async def run_item(self, item: WorkItem, scheduled: float, limit: int | None,
+                       deadline: float | None, measured: bool = True) -> None:
+        """Send the item's turns in order, each carrying the history of earlier turns and answers."""
+        history: list[dict[str, str]] = list(item.messages or [])
+        for turn_idx, turn in enumerate(item.turns):
+            idx = self.claim(limit, deadline)
+            if idx is None:
+                return
+            started = time.perf_counter()
+            if item.messages is None:
+                history.append({"role": "user", "content": turn.text})
+            prompt = "\n".join(m["content"] for m in history)
+            payload = build_payload(self.target, prompt, history, turn.max_tokens)
+            if self.slots is not None:
+                await self.slots.acquire()
+            acquired = time.perf_counter()
+            try:
+                out = await execute(self.http, self.target, payload)
+            finally:
+                if self.slots is not None:
+                    self.slots.release()
+            rec = _record(idx, item, turn_idx, out, self.t0, scheduled, started, acquired, prompt, self.tok)
+            if measured:
+                self.records.append(rec)
+                if self.on_record:
+                    self.on_record(rec)
+            if not out.ok:
+                return  # a session cannot continue without the answer it builds on
+            history.append({"role": "assistant", "content": out.text})
+            scheduled = time.perf_counter()
+
+    async def closed_loop(self, items: Iterator[WorkItem], limit: int | None, deadline: float | None) -> None:
+        async def worker() -> None:
+            while self.next_index < (limit if limit is not None else math.inf):
+                if deadline is not None and time.perf_counter() >= deadline:
+                    return
+                await self.run_item(next(items), time.perf_counter(), limit, deadline)
+
+        await asyncio.gather(*(worker() for _ in range(self.shape.concurrency or 1)))
+
+    async def open_loop(self, items: list[WorkItem], limit: int | None, deadline: float | None) -> None:
+        shape = self.shape
+        traced = all(it.arrival_s is not None for it in items)
+        expected = limit if limit is not None else int(shape.request_rate * (shape.duration_s or 0) * 2) + 100
+        num_items = len(items) if traced else max(1, min(expected, 1_000_000))
+        times = ([it.arrival_s or 0.0 for it in items] if traced else
+                 arrival_times(shape.request_rate, num_items, np.random.default_rng(shape.seed),
+                               shape.arrival, shape.burstiness))
+        cycle = itertools.cycle(items)
+        start, tasks, num_planned = time.perf_counter(), [], 0
+        for offset in times:
+            if (limit is not None and num_planned >= limit) or (
+                    deadline is not None and time.perf_counter() >= deadline):
+                break
+            planned = start + offset
+            await asyncio.sleep(max(0.0, planned - time.perf_counter()))
+            item = next(cycle)
+            num_planned += len(item.turns)
+            tasks.append(asyncio.create_task(self.run_item(item, planned, limit, deadline)))
+        await asyncio.gather(*tasks)
+
+
+async def _loop_lag(stop: asyncio.Event, t0: float, out: list[tuple[float, float]]) -> None:
+    while not stop.is_set():
+        before = time.perf_counter()
+        await asyncio.sleep(LOOP_TICK_S)
+        now = time.perf_counter()
+        out.append((now - t0, max(0.0, (now - before - LOOP_TICK_S) * 1000)))
+
+
+async def run_load(target: Target, items: list[WorkItem], shape: LoadShape, tok: Tokenizer, *,
+                   metrics_url: str | None = None, scrape_interval_s: float = 1.0,
+                   on_record: OnRecord | None = None) -> RunOutput:
+    """Run warmup then the measured load; never raises for server faults (they become records)."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(limits=limits, timeout=target.timeout_s) as http:
+        if shape.num_warmup:
+            warm = _Run(http, target, shape, tok, None)
+            for item in itertools.islice(itertools.cycle(items), shape.num_warmup):
+                await warm.run_item(item, time.perf_counter(), shape.num_warmup, None, measured=False)
+        run = _Run(http, target, shape, tok, on_record)
+        stop, lag = asyncio.Event(), []
+        scraper = Scraper(http, metrics_url, run.t0, scrape_interval_s) if metrics_url else None
+        if scraper:
+            await scraper.scrape("before")
+        background = [asyncio.create_task(_loop_lag(stop, run.t0, lag))]
+        if scraper:
+            background.append(asyncio.create_task(scraper.poll(stop)))
+        start_unix, t_start = time.time(), time.perf_counter()
+        deadline = t_start + shape.duration_s if shape.duration_s else None
+        if shape.closed_loop:
+            await run.closed_loop(itertools.cycle(items), shape.num_requests, deadline)
+        else:
+            await run.open_loop(items, shape.num_requests, deadline)
+        wall = time.perf_counter() - t_start
+        stop.set()
+        await asyncio.gather(*background)
+        if scraper:
+            await scraper.scrape("after")
+    records = sorted(run.records, key=lambda r: r.request_index)
+    return RunOutput(shape, records, wall, start_unix, lag,
+                     scraper.samples if scraper else [],
+                     scraper.last_error if scraper and not scraper.samples else None)

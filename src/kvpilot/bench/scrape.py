@@ -1,0 +1,122 @@
+"""Scrape a Prometheus ``/metrics`` endpoint (vLLM names, old and new) before/during/after a run."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+# Normalised key -> accepted sample names, newest first (vLLM V1, then V0 names).
+METRIC_NAMES: dict[str, tuple[str, ...]] = {
+    "running": ("vllm:num_requests_running",),
+    "waiting": ("vllm:num_requests_waiting",),
+    "kv_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    "preemptions": ("vllm:num_preemptions_total", "vllm:num_preemptions"),
+    "prefix_queries": ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total"),
+    "prefix_hits": ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total"),
+    "prefix_hit_rate": ("vllm:gpu_prefix_cache_hit_rate",),
+}
+
+
+@dataclass(frozen=True)
+class MetricsSample:
+    """One scrape: ``t_s`` on the run clock, ``phase`` before/during/after, normalised values
+    (summed over label sets, e.g. over several engines)."""
+
+    t_s: float
+    phase: str
+    values: dict[str, float]
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> normalised values (keys of :data:`METRIC_NAMES` that are present)."""
+    sums: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.endswith("_created"):
+                continue
+            sums[sample.name] = sums.get(sample.name, 0.0) + float(sample.value)
+    out: dict[str, float] = {}
+    for key, names in METRIC_NAMES.items():
+        for name in names:
+            if name in sums:
+                out[key] = sums[name]
+                break
+    return out
+
+
+@dataclass(frozen=True)
+class MetricsSummary:
+    """Server-side view over a run; None where the server exposes no such metric."""
+
+    num_samples: int
+    kv_usage_max: float | None
+    kv_usage_mean: float | None
+    waiting_max: float | None
+    waiting_mean: float | None
+    running_max: float | None
+    num_preemptions: float | None
+    prefix_cache_hit_rate: float | None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _series(samples: list[MetricsSample], key: str) -> list[float]:
+    return [s.values[key] for s in samples if key in s.values]
+
+
+def summarize(samples: list[MetricsSample]) -> MetricsSummary:
+    """Gauges over the during-phase; counters as after minus before."""
+    during = [s for s in samples if s.phase == "during"] or samples
+
+    def stat(key: str, fn: Any) -> float | None:
+        vals = _series(during, key)
+        return float(fn(vals)) if vals else None
+
+    def delta(key: str) -> float | None:
+        vals = _series(samples, key)
+        return vals[-1] - vals[0] if len(vals) >= 2 else None
+
+    queries, hits = delta("prefix_queries"), delta("prefix_hits")
+    hit_rate = hits / queries if queries and hits is not None else stat("prefix_hit_rate", max)
+    return MetricsSummary(
+        num_samples=len(samples),
+        kv_usage_max=stat("kv_usage", max), kv_usage_mean=stat("kv_usage", lambda v: sum(v) / len(v)),
+        waiting_max=stat("waiting", max), waiting_mean=stat("waiting", lambda v: sum(v) / len(v)),
+        running_max=stat("running", max), num_preemptions=delta("preemptions"),
+        prefix_cache_hit_rate=hit_rate,
+    )
+
+
+class Scraper:
+    """Polls ``url`` every ``interval_s`` while running; failures are counted, never raised."""
+
+    def __init__(self, http: httpx.AsyncClient, url: str, t0: float, interval_s: float = 1.0) -> None:
+        self.http, self.url, self.t0, self.interval_s = http, url, t0, interval_s
+        self.samples: list[MetricsSample] = []
+        self.num_failures = 0
+        self.last_error: str | None = None
+
+    async def scrape(self, phase: str) -> None:
+        try:
+            resp = await self.http.get(self.url, timeout=5.0)
+            resp.raise_for_status()
+            values = parse_metrics(resp.text)
+        except (httpx.HTTPError, ValueError) as exc:
+            self.num_failures += 1
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            return
+        self.samples.append(MetricsSample(time.perf_counter() - self.t0, phase, values))
+
+    async def poll(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await self.scrape("during")
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=self.interval_s)
+            except asyncio.TimeoutError:
+                pass

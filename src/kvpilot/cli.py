@@ -1,0 +1,98 @@
+"""The `kvpilot` command: generate, chat, fit, bench (serve and doctor arrive with their issues)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+from kvpilot.bench.cli import bench_command
+from kvpilot.cli_options import (BlockSizeOpt, DeviceOpt, DtypeOpt, GpuUtilOpt, KvCacheMemoryOpt, LoadFormatOpt,
+                                 MaxBatchedTokensOpt, MaxModelLenOpt, MaxNumSeqsOpt, ModelOpt, PolicyOpt,
+                                 PrefixCachingOpt, SeedOpt)
+from kvpilot.fit.cli import fit_command
+
+app = typer.Typer(help="kvpilot: a fast LLM inference server that explains its own speed.",
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+app.command("fit")(fit_command)
+app.command("bench")(bench_command)
+
+
+def _engine_kwargs(**kwargs: object) -> dict[str, object]:
+    return kwargs
+
+
+def _build_llm(kwargs: dict[str, object]):
+    """Builds the LLM, turning user errors (bad model, bad flag) into one clear line and exit code 2."""
+    from kvpilot.engine.config import EngineConfigError
+    from kvpilot.llm import LLM
+    from kvpilot.model.errors import ModelLoadError
+
+    try:
+        return LLM(**kwargs)
+    except (ModelLoadError, EngineConfigError, ValueError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+
+
+@app.command()
+def generate(
+    prompt: Annotated[str, typer.Argument(help="Prompt text (raw, no chat template; see `kvpilot chat`).")],
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Most tokens to generate.")] = 128,
+    temperature: Annotated[float, typer.Option("--temperature", help="0 = greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass.")] = 1.0,
+    top_k: Annotated[int, typer.Option("--top-k", help="Sample among the k likeliest tokens; -1 = off.")] = -1,
+    sample_seed: Annotated[Optional[int], typer.Option("--sample-seed", help="Seed of the sampling stream.")] = None,
+    chat_template: Annotated[bool, typer.Option("--chat/--raw", help="Apply the chat template to the prompt.")] = False,
+    model: ModelOpt = None, load_format: LoadFormatOpt = "auto", dtype: DtypeOpt = "auto", device: DeviceOpt = None,
+    max_model_len: MaxModelLenOpt = None, kv_cache_memory: KvCacheMemoryOpt = None, seed: SeedOpt = 0,
+) -> None:
+    """Generate a completion for one prompt and print it (streamed as it is produced)."""
+    from kvpilot.sampling_params import SamplingParams
+
+    llm = _build_llm(_engine_kwargs(model=model, load_format=load_format, dtype=dtype, device=device,
+                                    max_model_len=max_model_len, kv_cache_memory=kv_cache_memory, seed=seed))
+    params = _sampling_params(SamplingParams, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                              top_k=top_k, seed=sample_seed)
+    prompt_ids = llm.tokenizer.encode_chat([{"role": "user", "content": prompt}]) if chat_template else prompt
+    for output in llm.stream(prompt_ids, params):
+        sys.stdout.write(output.delta_text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+
+
+def _sampling_params(cls, **kwargs):
+    try:
+        return cls(**kwargs)
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+
+
+@app.command()
+def chat(
+    system: Annotated[Optional[str], typer.Option("--system", help="System message (default: the template's).")] = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Most tokens per reply.")] = 256,
+    temperature: Annotated[float, typer.Option("--temperature", help="0 = greedy.")] = 0.7,
+    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass.")] = 0.9,
+    model: ModelOpt = None, load_format: LoadFormatOpt = "auto", dtype: DtypeOpt = "auto", device: DeviceOpt = None,
+    max_model_len: MaxModelLenOpt = None, kv_cache_memory: KvCacheMemoryOpt = None, seed: SeedOpt = 0,
+) -> None:
+    """Interactive chat in the terminal; replies stream token by token. Ctrl-D or /exit quits, /reset clears."""
+    from kvpilot.chat_session import run_chat
+    from kvpilot.sampling_params import SamplingParams
+
+    llm = _build_llm(_engine_kwargs(model=model, load_format=load_format, dtype=dtype, device=device,
+                                    max_model_len=max_model_len, kv_cache_memory=kv_cache_memory, seed=seed))
+    params = _sampling_params(SamplingParams, max_tokens=max_tokens, temperature=temperature, top_p=top_p)
+    run_chat(llm, params, system)
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app()
+
+
+_ = (BlockSizeOpt, GpuUtilOpt, MaxBatchedTokensOpt, MaxNumSeqsOpt, PolicyOpt, PrefixCachingOpt)  # used by serve

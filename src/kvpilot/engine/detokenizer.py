@@ -1,0 +1,78 @@
+"""Incremental detokenization with stop strings: streaming-safe text deltas.
+
+Text is decoded over a small sliding window of tokens (so BPE merges across token boundaries and multi-byte
+UTF-8 characters split over tokens come out right), and a delta is released only once it is complete: never
+a half character (U+FFFD) and never the beginning of a stop string that may still complete.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+REPLACEMENT_CHAR = "\ufffd"
+CONTEXT_TOKENS = 6  # tokens of left context re-decoded with each new token
+
+
+class Decoder(Protocol):
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+
+@dataclass
+class IncrementalDetokenizer:
+    """Feed generated token ids one step at a time; read `text` (final) and the deltas returned by `push`.
+
+    Invariants: `text` never contains a stop string nor anything after one; the concatenation of all
+    returned deltas equals `text` once `finish()` has been called.
+    """
+
+    decoder: Decoder
+    stop: list[str] = field(default_factory=list)
+    skip_special_tokens: bool = True
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""  # all text decoded so far (stop-truncated once a stop string matched)
+    stop_reason: str | None = None
+    _prefix_offset: int = 0
+    _read_offset: int = 0
+    _emitted: int = 0  # characters of `text` already returned as deltas
+
+    def push(self, new_token_ids: list[int]) -> str:
+        """Adds tokens; returns the newly safe text delta ('' if it must wait). Sets stop_reason on a match."""
+        for token_id in new_token_ids:
+            self.token_ids.append(token_id)
+            self._decode_next()
+            if self._check_stop():
+                break
+        return self._release(final=self.stop_reason is not None)
+
+    def finish(self) -> str:
+        """Returns whatever text was held back (the request has ended)."""
+        return self._release(final=True)
+
+    def _decode_next(self) -> None:
+        prefix = self.decoder.decode(self.token_ids[self._prefix_offset:self._read_offset], self.skip_special_tokens)
+        full = self.decoder.decode(self.token_ids[self._prefix_offset:], self.skip_special_tokens)
+        if len(full) > len(prefix) and not full.endswith(REPLACEMENT_CHAR):
+            self.text += full[len(prefix):]
+            self._read_offset = len(self.token_ids)
+            self._prefix_offset = max(self._read_offset - CONTEXT_TOKENS, 0)
+
+    def _check_stop(self) -> bool:
+        # Only the tail can hold a new match: look back by the longest stop string.
+        window = max((len(s) for s in self.stop), default=0)
+        start = max(self._emitted, len(self.text) - window - 1) if window else len(self.text)
+        for stop in self.stop:
+            index = self.text.find(stop, max(start - len(stop), 0))
+            if index != -1:
+                self.text = self.text[:index]
+                self.stop_reason = stop
+                return True
+        return False
+
+    def _release(self, final: bool) -> str:
+        end = len(self.text)
+        if not final and self.stop:
+            end = max(self._emitted, end - (max(len(s) for s in self.stop) - 1))
+        delta = self.text[self._emitted:end]
+        self._emitted = end
+        return delta

@@ -1,0 +1,161 @@
+"""LLMEngine: the loop shared by the offline API and the server.
+
+One step: scheduler.schedule() -> runner.execute_and_sample() -> scheduler.update_from_output() ->
+incremental detokenization (stop strings) -> RequestOutputs. Torch stays inside the ModelRunner.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Protocol, Sequence
+
+from kvpilot.engine.detokenizer import IncrementalDetokenizer
+from kvpilot.engine.request import FinishReason, Request
+from kvpilot.engine.scheduler import Scheduler
+from kvpilot.engine.scheduler_output import RequestUpdate, ScheduledChunk
+from kvpilot.outputs import CompletionOutput, RequestOutput
+from kvpilot.sampling_params import SamplingParams
+
+
+class Runner(Protocol):
+    def execute_and_sample(self, chunks: Sequence[ScheduledChunk],
+                           params_by_id: dict[str, SamplingParams]) -> dict[str, int]: ...
+
+    def release(self, request_ids: Sequence[str]) -> None: ...
+
+
+class PromptError(ValueError):
+    """The prompt cannot be used (empty, token ids out of the vocabulary, no tokenizer for text)."""
+
+
+@dataclass
+class _Tracked:
+    """Engine-side state of one request: the scheduler's Request plus its text stream."""
+
+    request: Request
+    prompt: str | None
+    detokenizer: IncrementalDetokenizer
+    stop_token_ids: frozenset[int] = field(default_factory=frozenset)
+
+
+class LLMEngine:
+    """Owns requests from add_request until their final RequestOutput.
+
+    Invariants: every request id is unique while unfinished; a finished request's blocks are freed in the
+    same step (scheduler) and its per-request runner state released; step() never raises for one bad request.
+    """
+
+    def __init__(self, scheduler: Scheduler, runner: Runner, tokenizer: Any, vocab_size: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.clock = clock
+        self._tracked: dict[str, _Tracked] = {}
+        self._ids = itertools.count()
+        self._pending_aborts: list[str] = []  # aborted since the last step: their final outputs are owed
+        self.extra_eos_token_ids: tuple[int, ...] = tuple(getattr(tokenizer, "eos_token_ids", ())[1:])
+
+    # ---- requests in ---------------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise PromptError("this model has no tokenizer: pass prompts as lists of token ids")
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            token_ids = [int(t) for t in prompt]
+        if not token_ids:
+            raise PromptError("the prompt is empty: send at least one token")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise PromptError(f"token ids {bad[:5]} are outside the vocabulary (0..{self.vocab_size - 1})")
+        return token_ids
+
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams, *, request_id: str | None = None,
+                    priority: int = 0, arrival_time: float | None = None,
+                    prompt_token_ids: list[int] | None = None) -> str:
+        """Tokenizes (timed on the request's timeline) and queues a request; returns its id.
+
+        Raises PromptError / ValueError (too long for max_model_len or the cache) without side effects.
+        """
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        arrival = self.clock() if arrival_time is None else arrival_time
+        token_ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
+        if not params.ignore_eos and self.extra_eos_token_ids:
+            params = replace(params, stop_token_ids=[*params.stop_token_ids, *self.extra_eos_token_ids])
+        request = Request(request_id, token_ids, params, arrival_time=arrival, priority=priority)
+        request.timeline.tokenized = self.clock()
+        self.scheduler.add_request(request)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, stop=list(params.stop),
+                                             skip_special_tokens=params.skip_special_tokens)
+        self._tracked[request_id] = _Tracked(request, prompt if isinstance(prompt, str) else None, detokenizer,
+                                             frozenset(params.stop_token_ids))
+        return request_id
+
+    def abort_request(self, request_ids: str | Sequence[str]) -> None:
+        """Aborts at once (blocks freed now); the aborted requests' final outputs come from the next step()."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        self.scheduler.abort_requests(ids)
+        self._pending_aborts.extend(i for i in ids if i in self._tracked)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._pending_aborts)
+
+    # ---- one step ------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one scheduler step; returns an output for every request that got tokens or finished."""
+        outputs = [self._finish_aborted(rid) for rid in self._pending_aborts]
+        self._pending_aborts.clear()
+        scheduled = self.scheduler.schedule()
+        sampled: dict[str, int] = {}
+        if scheduled.chunks:
+            params = {c.request_id: self._tracked[c.request_id].request.sampling_params for c in scheduled.chunks}
+            sampled = self.runner.execute_and_sample(scheduled.chunks, params)
+        updates = self.scheduler.update_from_output(scheduled, sampled)
+        outputs.extend(self._process(update) for update in updates)
+        return [o for o in outputs if o is not None]
+
+    def _process(self, update: RequestUpdate) -> RequestOutput | None:
+        tracked = self._tracked.get(update.request_id)
+        if tracked is None:
+            return None
+        token_ids = list(update.new_token_ids)
+        finish_reason = update.finish_reason
+        text_ids = token_ids
+        stop_reason: str | int | None = None
+        if finish_reason is FinishReason.STOP and token_ids and token_ids[-1] in tracked.stop_token_ids:
+            text_ids, stop_reason = token_ids[:-1], token_ids[-1]  # a stop token's text is not output
+        delta = tracked.detokenizer.push(text_ids)
+        if tracked.detokenizer.stop_reason is not None and finish_reason is None:
+            self.scheduler.finish_requests(update.request_id, FinishReason.STOP)
+            finish_reason, stop_reason = FinishReason.STOP, tracked.detokenizer.stop_reason
+        if finish_reason is not None:
+            delta += tracked.detokenizer.finish()
+        return self._output(tracked, delta, token_ids, finish_reason, stop_reason)
+
+    def _finish_aborted(self, request_id: str) -> RequestOutput | None:
+        tracked = self._tracked.get(request_id)
+        if tracked is None:
+            return None
+        return self._output(tracked, tracked.detokenizer.finish(), [], FinishReason.ABORT, None)
+
+    def _output(self, tracked: _Tracked, delta: str, delta_ids: list[int], finish_reason: FinishReason | None,
+                stop_reason: str | int | None) -> RequestOutput:
+        request = tracked.request
+        finished = finish_reason is not None
+        if finished:
+            self._tracked.pop(request.request_id, None)
+            self.runner.release([request.request_id])
+        completion = CompletionOutput(index=0, text=tracked.detokenizer.text, token_ids=list(request.output_token_ids),
+                                      finish_reason=finish_reason.value if finished else None,
+                                      stop_reason=stop_reason)
+        return RequestOutput(request_id=request.request_id, prompt=tracked.prompt,
+                             prompt_token_ids=request.prompt_token_ids, outputs=[completion], finished=finished,
+                             metrics=request.metrics() if finished else None,
+                             num_cached_tokens=request.num_cached_tokens, delta_text=delta,
+                             delta_token_ids=delta_ids)

@@ -1,0 +1,99 @@
+"""A request's timeline (one stamp per state transition) and the per-request metrics derived from it.
+
+Metrics, logs, response timings, bench and doctor all read this one timeline, so their numbers agree.
+All stamps come from the scheduler's injected clock (seconds, monotonic by default).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Timeline:
+    """Stamps of one request's life, in clock seconds.
+
+    Invariants: arrival <= tokenized <= first_scheduled <= token_times[0] <= ... <= finished when set;
+    token_times has one entry per generated token (kept across preemptions); preempted_times and
+    resumed_times have one entry per preemption / re-admission.
+    """
+
+    arrival: float
+    tokenized: float | None = None  # set by the caller (engine / server) after tokenizing the prompt
+    first_scheduled: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    preempted_times: list[float] = field(default_factory=list)
+    resumed_times: list[float] = field(default_factory=list)
+    finished: float | None = None
+
+    @property
+    def first_token(self) -> float | None:
+        return self.token_times[0] if self.token_times else None
+
+    @property
+    def last_token(self) -> float | None:
+        return self.token_times[-1] if self.token_times else None
+
+
+def _diff(end: float | None, start: float | None) -> float | None:
+    return None if end is None or start is None else end - start
+
+
+@dataclass(frozen=True)
+class RequestMetrics:
+    """Per-request timings (seconds) and counts, derived from a Timeline; None where a stage was not reached.
+
+    queue_time: first scheduled - queued (tokenized, else arrival); prefill_time: first token - first scheduled;
+    ttft: first token - arrival; decode_time: last token - first token; e2e_latency: finished - arrival.
+    """
+
+    request_id: str
+    num_prompt_tokens: int
+    num_generated_tokens: int
+    num_cached_tokens: int
+    num_preemptions: int
+    finish_reason: str | None
+    tokenize_time: float | None
+    queue_time: float | None
+    prefill_time: float | None
+    ttft: float | None
+    decode_time: float | None
+    e2e_latency: float | None
+    inter_token_latencies: tuple[float, ...]
+
+    @property
+    def mean_tpot(self) -> float | None:
+        """Mean time per output token after the first (vLLM's TPOT), None with fewer than two tokens."""
+        if not self.inter_token_latencies:
+            return None
+        return sum(self.inter_token_latencies) / len(self.inter_token_latencies)
+
+    @classmethod
+    def from_timeline(
+        cls,
+        timeline: Timeline,
+        *,
+        request_id: str,
+        num_prompt_tokens: int,
+        num_cached_tokens: int,
+        num_preemptions: int,
+        finish_reason: str | None,
+    ) -> RequestMetrics:
+        t = timeline
+        queued = t.tokenized if t.tokenized is not None else t.arrival
+        times = t.token_times
+        return cls(
+            request_id=request_id,
+            num_prompt_tokens=num_prompt_tokens,
+            num_generated_tokens=len(times),
+            num_cached_tokens=num_cached_tokens,
+            num_preemptions=num_preemptions,
+            finish_reason=finish_reason,
+            tokenize_time=_diff(t.tokenized, t.arrival),
+            queue_time=_diff(t.first_scheduled, queued),
+            prefill_time=_diff(t.first_token, t.first_scheduled),
+            ttft=_diff(t.first_token, t.arrival),
+            decode_time=_diff(t.last_token, t.first_token),
+            e2e_latency=_diff(t.finished, t.arrival),
+            inter_token_latencies=tuple(b - a for a, b in zip(times, times[1:])),
+        )

@@ -1,0 +1,116 @@
+"""EngineArgs: every engine setting, named like the server flags (and vLLM's), validated in one place.
+
+`build_engine(args)` loads the model, sizes the KV cache, and wires scheduler + runner into an LLMEngine.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from kvpilot.engine.config import CacheConfig, EngineConfigError, SchedulerConfig, check_model_len_fits
+from kvpilot.engine.engine import LLMEngine
+from kvpilot.engine.scheduler import Scheduler
+from kvpilot.engine.scheduler_output import ScheduledChunk
+from kvpilot.memory_size import format_bytes, parse_memory_size
+from kvpilot.model.kv_cache import kv_cache_bytes_per_block
+from kvpilot.model.loader import LoadedModel, load_model
+from kvpilot.model.runner import ModelRunner
+
+logger = logging.getLogger("kvpilot")
+
+DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3  # like vLLM's VLLM_CPU_KVCACHE_SPACE, but 2 GiB: RSS matters on small boxes
+
+
+@dataclass(kw_only=True)
+class EngineArgs:
+    """Engine settings. None means "derive a sensible value" (documented per field in the CLI help)."""
+
+    model: str | None = None
+    load_format: str = "auto"
+    dtype: str = "auto"
+    device: str | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    kv_cache_memory: int | str | None = None
+    gpu_memory_utilization: float = 0.9
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"
+    seed: int = 0
+
+    def check(self) -> None:
+        """Validates what can be checked before loading the model; EngineConfigError names the setting."""
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise EngineConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory is not None:
+            try:
+                parse_memory_size(self.kv_cache_memory, "kv_cache_memory")
+            except ValueError as exc:
+                raise EngineConfigError(str(exc)) from exc
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
+            raise EngineConfigError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
+        CacheConfig(num_blocks=1, block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching)
+        SchedulerConfig(max_model_len=1, max_num_seqs=self.max_num_seqs,
+                        max_num_batched_tokens=self.max_num_batched_tokens or max(2048, self.max_num_seqs),
+                        scheduling_policy=self.scheduling_policy)
+
+
+def _cuda_kv_budget(loaded: LoadedModel, utilization: float, num_tokens: int, block_size: int) -> int:
+    """vLLM-style: GPU memory * utilization, minus what is in use, minus a full-budget forward's activations."""
+    device = loaded.device
+    num_blocks = num_tokens // block_size + 1
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    baseline = torch.cuda.memory_allocated(device)
+    profiler = ModelRunner(loaded, num_blocks, block_size)
+    cache_bytes = torch.cuda.memory_allocated(device) - baseline
+    profiler.execute([ScheduledChunk("profile", [0] * num_tokens, 0, list(range(num_blocks)), True)])
+    torch.cuda.synchronize(device)
+    activations = torch.cuda.max_memory_allocated(device) - baseline - cache_bytes
+    del profiler
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    return int(total * utilization - (total - free) - activations)
+
+
+def kv_cache_budget_bytes(args: EngineArgs, loaded: LoadedModel, max_num_batched_tokens: int) -> int:
+    """Bytes for the KV cache: kv_cache_memory if given; on CUDA from gpu_memory_utilization; else the CPU default."""
+    if args.kv_cache_memory is not None:
+        return parse_memory_size(args.kv_cache_memory, "kv_cache_memory")
+    if loaded.device.type == "cuda":
+        return _cuda_kv_budget(loaded, args.gpu_memory_utilization, max_num_batched_tokens, args.block_size)
+    return DEFAULT_CPU_KV_CACHE_BYTES
+
+
+def build_engine(args: EngineArgs) -> tuple[LLMEngine, LoadedModel]:
+    """Loads the model and builds the engine; EngineConfigError / ModelLoadError say what to change."""
+    args.check()
+    loaded = load_model(args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
+                        max_model_len=args.max_model_len, seed=args.seed)
+    max_model_len = args.max_model_len or loaded.config.max_position_embeddings
+    scheduler_config = SchedulerConfig(
+        max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens or max(2048, args.max_num_seqs),
+        scheduling_policy=args.scheduling_policy)
+    bytes_per_block = kv_cache_bytes_per_block(loaded.config, args.block_size, loaded.dtype)
+    budget = kv_cache_budget_bytes(args, loaded, scheduler_config.max_num_batched_tokens)
+    num_blocks = budget // bytes_per_block
+    if num_blocks < 1:
+        raise EngineConfigError(f"the KV cache budget of {format_bytes(budget)} holds no block of "
+                                f"{format_bytes(bytes_per_block)}: raise kv_cache_memory")
+    cache_config = CacheConfig(num_blocks=num_blocks, block_size=args.block_size,
+                               enable_prefix_caching=args.enable_prefix_caching)
+    check_model_len_fits(scheduler_config, cache_config)
+    logger.info("KV cache: %d blocks x %d tokens = %d tokens (%s); max concurrency for %d-token requests: %.1fx",
+                num_blocks, args.block_size, cache_config.num_tokens, format_bytes(num_blocks * bytes_per_block),
+                max_model_len, cache_config.num_tokens / max_model_len)
+    runner = ModelRunner(loaded, num_blocks, args.block_size)
+    eos = loaded.tokenizer.eos_token_ids[0] if loaded.tokenizer and loaded.tokenizer.eos_token_ids else (
+        loaded.config.eos_token_ids[0] if loaded.config.eos_token_ids else None)
+    scheduler = Scheduler(scheduler_config, cache_config, eos)
+    engine = LLMEngine(scheduler, runner, loaded.tokenizer, loaded.config.vocab_size)
+    return engine, loaded

@@ -1,0 +1,104 @@
+"""`kvpilot fit`: memory and roofline planner (registered by kvpilot.cli as `app.command("fit")`)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from kvpilot.fit.errors import FitError
+from kvpilot.fit.hardware import GPUS, parse_device_arg
+from kvpilot.fit.model_catalog import get_repo_id, list_models
+from kvpilot.fit.model_source import load_model
+from kvpilot.fit.plan import build_report, compare_gpus, report_to_json
+from kvpilot.fit.render import render_comparison, render_report
+from kvpilot.fit.workload import FitInputs
+
+
+def _fail(message: str) -> typer.Exit:
+    """One clear line on stderr, exit code 2 (bad input)."""
+    print(f"kvpilot fit: error: {message}", file=sys.stderr)
+    return typer.Exit(2)
+
+
+def _print_catalogs(console: Console) -> None:
+    console.print("[bold]Models[/bold]")
+    for name in list_models():
+        console.print(f"  {name:18} {get_repo_id(name)}")
+    console.print("[bold]Devices[/bold] (--gpu NAME[:count])")
+    for name, device in GPUS.items():
+        console.print(f"  {name:18} {device.source}")
+    console.print("  cpu                this machine (RAM from /proc/meminfo)")
+
+
+def _emit_json(payload: Any) -> None:
+    print(json.dumps(payload, indent=2))
+
+
+def fit_command(
+    model: Annotated[str, typer.Argument(
+        help="Catalog name or HF repo id (see --list), a config.json or its directory, or a GGUF file.")] = "smollm2-135m",
+    gpu: Annotated[str, typer.Option("--gpu", "-g", help="Device NAME[:count], e.g. h100-sxm:8, l4, or cpu.")] = "cpu",
+    weight_dtype: Annotated[str, typer.Option(
+        help="Weight format: auto, fp32, bf16, fp16, fp8, int8, int4 or a GGUF type (q4_k, q8_0...).")] = "auto",
+    dtype: Annotated[str, typer.Option(help="Activation dtype (vLLM --dtype): auto, bf16, fp16, fp32.")] = "auto",
+    kv_cache_dtype: Annotated[str, typer.Option(help="KV cache dtype (vLLM --kv-cache-dtype): auto or fp8.")] = "auto",
+    gpu_memory_utilization: Annotated[float, typer.Option(
+        help="Fraction of device memory the server may use (vLLM default 0.9).")] = 0.9,
+    kv_cache_memory_bytes: Annotated[int | None, typer.Option(
+        help="Cap the KV cache at this many bytes per device (vLLM --kv-cache-memory-bytes).")] = None,
+    input_len: Annotated[int, typer.Option(help="Prompt tokens per request.")] = 1024,
+    output_len: Annotated[int, typer.Option(help="Generated tokens per request.")] = 256,
+    concurrency: Annotated[int, typer.Option(help="Target number of requests in flight.")] = 16,
+    max_model_len: Annotated[int | None, typer.Option(
+        help="Longest request to support (default: the model's max_position_embeddings).")] = None,
+    block_size: Annotated[int, typer.Option(help="Tokens per KV-cache block.")] = 16,
+    max_num_batched_tokens: Annotated[int, typer.Option(
+        help="Tokens per engine step (sizes the activation peak).")] = 8192,
+    max_num_seqs: Annotated[int, typer.Option(help="Sequences per engine step (sizes the logits buffer).")] = 256,
+    price_per_hour: Annotated[float | None, typer.Option(
+        help="Price of one device per hour, for the cost per million output tokens.")] = None,
+    cpu_bandwidth_gbps: Annotated[float | None, typer.Option(
+        help="Memory bandwidth of this machine in GB/s for --gpu cpu (default 25, measured).")] = None,
+    compare_gpus_: Annotated[bool, typer.Option(
+        "--compare-gpus", help="Rank every catalog GPU for this model and workload.")] = False,
+    url: Annotated[str | None, typer.Option(
+        help="A running kvpilot server: show its actual KV capacity next to the prediction.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
+    list_catalog: Annotated[bool, typer.Option("--list", help="List catalog models and devices.")] = False,
+) -> None:
+    """Plan memory and speed for a model on given hardware: does it fit, KV capacity, roofline, flags."""
+    console = Console()
+    if list_catalog:
+        _print_catalogs(console)
+        return
+    if url is not None:
+        raise _fail("--url needs the server's capacity endpoint, which kvpilot serve does not expose yet.")
+    inputs = FitInputs(
+        weight_dtype=weight_dtype, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+        gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=kv_cache_memory_bytes,
+        input_len=input_len, output_len=output_len, concurrency=concurrency, max_model_len=max_model_len,
+        block_size=block_size, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+        price_per_hour=price_per_hour,
+    )
+    try:
+        inputs.validate()
+        loaded = load_model(model)
+        if compare_gpus_:
+            rows = compare_gpus(loaded, inputs)
+            if as_json:
+                _emit_json([{"gpu": r.gpu, "tokens_per_s_per_device": r.tokens_per_s_per_device,
+                             "report": report_to_json(r.report) if r.report else None} for r in rows])
+            else:
+                render_comparison(rows, console)
+            return
+        report = build_report(loaded, parse_device_arg(gpu, cpu_bandwidth_gbps), inputs)
+    except FitError as exc:
+        raise _fail(str(exc)) from None
+    if as_json:
+        _emit_json(report_to_json(report))
+    else:
+        render_report(report, console)

@@ -1,0 +1,126 @@
+"""KV-cache sizes: bytes per token for any architecture, and the paged-cache contract the engine uses.
+
+Per token and layer, standard attention stores K and V for every KV head:
+    2 * num_key_value_heads * head_dim * dtype_bytes
+Multi-head Latent Attention (DeepSeek-V2/V3) stores one compressed latent plus the shared RoPE key:
+    (kv_lora_rank + qk_rope_head_dim) * dtype_bytes          (as vLLM's MLA backends do)
+Sliding-window layers keep at most `sliding_window` tokens per sequence.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol
+
+from kvpilot.fit.model_spec import ModelSpec
+
+
+class KvShape(Protocol):
+    """What the paged cache needs to know; both ModelSpec and the engine's ModelConfig satisfy it."""
+
+    num_hidden_layers: int
+    num_key_value_heads: int
+    head_dim: int
+
+
+def kv_cache_bytes_per_block(spec: KvShape, block_size: int, kv_dtype_bytes: int) -> int:
+    """Bytes of one block in the engine's cache: per layer one K and one V tensor, each
+    [num_blocks, block_size, num_key_value_heads, head_dim]. So 2 * layers * block * heads * dim * bytes."""
+    if block_size <= 0 or kv_dtype_bytes <= 0:
+        raise ValueError(f"block_size ({block_size}) and kv_dtype_bytes ({kv_dtype_bytes}) must be positive")
+    return 2 * spec.num_hidden_layers * block_size * spec.num_key_value_heads * spec.head_dim * kv_dtype_bytes
+
+
+def num_kv_blocks_for_memory(spec: KvShape, memory_bytes: int, block_size: int, kv_dtype_bytes: int) -> int:
+    """Whole blocks that fit in `memory_bytes` (0 when the budget is negative or smaller than a block)."""
+    return max(0, memory_bytes // kv_cache_bytes_per_block(spec, block_size, kv_dtype_bytes))
+
+
+@dataclass(frozen=True)
+class KvCapacity:
+    """The engine's KV capacity, predicted (by `fit`) or actual (reported by a running server).
+
+    Invariant: num_tokens == num_blocks * block_size; max_concurrency = num_tokens / max_model_len.
+    """
+
+    num_blocks: int
+    block_size: int
+    bytes_per_block: int
+    max_model_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def num_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+    @property
+    def max_concurrency(self) -> float:
+        """Requests of max_model_len tokens that fit at once (vLLM's "Maximum concurrency" figure)."""
+        blocks_per_request = math.ceil(self.max_model_len / self.block_size)
+        return self.num_blocks / blocks_per_request
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "num_tokens": self.num_tokens, "num_bytes": self.num_bytes,
+                "max_concurrency": round(self.max_concurrency, 4)}
+
+
+def kv_capacity_for_memory(
+    spec: KvShape, memory_bytes: int, block_size: int, kv_dtype_bytes: int, max_model_len: int
+) -> KvCapacity:
+    """The capacity the engine gets from a KV memory budget (same arithmetic the engine allocates with)."""
+    return KvCapacity(
+        num_blocks=num_kv_blocks_for_memory(spec, memory_bytes, block_size, kv_dtype_bytes),
+        block_size=block_size,
+        bytes_per_block=kv_cache_bytes_per_block(spec, block_size, kv_dtype_bytes),
+        max_model_len=max_model_len,
+    )
+
+
+def format_capacity_line(capacity: KvCapacity) -> str:
+    """One start-up line, e.g. 'KV cache: 1,234 blocks x 16 = 19,744 tokens (1.13 GiB); maximum
+    concurrency for 8,192 tokens per request: 2.41x'."""
+    return (
+        f"KV cache: {capacity.num_blocks:,} blocks x {capacity.block_size} = {capacity.num_tokens:,} tokens "
+        f"({capacity.num_bytes / 2**30:.2f} GiB); maximum concurrency for {capacity.max_model_len:,} "
+        f"tokens per request: {capacity.max_concurrency:.2f}x"
+    )
+
+
+# ---- any architecture (fit's own model): MLA, sliding windows, tensor parallelism ----
+
+
+def kv_heads_per_gpu(spec: ModelSpec, tensor_parallel_size: int) -> int:
+    """KV heads stored on each GPU; vLLM replicates KV heads when TP exceeds their number."""
+    return max(1, spec.num_key_value_heads // tensor_parallel_size)
+
+
+def kv_bytes_per_token_per_layer(spec: ModelSpec, kv_dtype_bytes: int, tensor_parallel_size: int = 1) -> int:
+    """Bytes one token adds to one layer's cache on one GPU (the MLA latent is replicated, not split)."""
+    if spec.mla is not None:
+        return (spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim) * kv_dtype_bytes
+    return 2 * kv_heads_per_gpu(spec, tensor_parallel_size) * spec.head_dim * kv_dtype_bytes
+
+
+def kv_bytes_per_token(spec: ModelSpec, kv_dtype_bytes: int, tensor_parallel_size: int = 1) -> int:
+    """Bytes per token over all layers on one GPU, ignoring sliding windows (the headline figure)."""
+    return spec.num_hidden_layers * kv_bytes_per_token_per_layer(spec, kv_dtype_bytes, tensor_parallel_size)
+
+
+def kv_bytes_per_sequence(
+    spec: ModelSpec, num_tokens: int, kv_dtype_bytes: int, tensor_parallel_size: int = 1, block_size: int = 1
+) -> int:
+    """Cache bytes of one sequence of `num_tokens` on one GPU, rounded up to whole blocks per layer;
+    sliding-window layers hold at most the window (plus one block, as a paged cache frees whole blocks)."""
+    per_layer = kv_bytes_per_token_per_layer(spec, kv_dtype_bytes, tensor_parallel_size)
+    full_tokens = math.ceil(num_tokens / block_size) * block_size
+    num_full_layers = spec.num_hidden_layers - spec.num_sliding_layers
+    total = num_full_layers * full_tokens * per_layer
+    if spec.num_sliding_layers and spec.sliding_window:
+        window_blocks = math.ceil((spec.sliding_window + block_size - 1) / block_size)
+        window_tokens = min(full_tokens, window_blocks * block_size)
+        total += spec.num_sliding_layers * window_tokens * per_layer
+    return total

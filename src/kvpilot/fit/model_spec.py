@@ -1,0 +1,180 @@
+"""ModelSpec: the architecture facts the planner needs, parsed from an HF-style config dict.
+
+Supported shapes: dense decoder-only transformers (Llama, Mistral, Qwen2/3, Gemma-2), Mixture-of-Experts
+(Mixtral, Qwen3-MoE, DeepSeek-V3) and Multi-head Latent Attention (DeepSeek-V2/V3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvpilot.fit.errors import ConfigError
+
+_REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+# Qwen2's attention has q/k/v biases although its config.json has no `attention_bias` key.
+_QKV_BIAS_MODEL_TYPES = frozenset({"qwen2", "qwen2_moe"})
+# Qwen3 normalises q and k per head (q_norm, k_norm weights of size head_dim in every layer).
+_QK_NORM_MODEL_TYPES = frozenset({"qwen3", "qwen3_moe"})
+# Gemma-2 has pre- and post-norms around both attention and MLP: 4 norm vectors per layer.
+_FOUR_NORM_MODEL_TYPES = frozenset({"gemma2", "gemma3_text"})
+# Gemma's config class ties embeddings by default and its config.json omits the key.
+_TIED_BY_DEFAULT_MODEL_TYPES = frozenset({"gemma", "gemma2", "gemma3_text"})
+
+
+@dataclass(frozen=True)
+class MoeDims:
+    """Mixture-of-Experts FFN. Invariant: 0 < num_experts_per_tok <= num_experts."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    expert_intermediate_size: int
+    num_shared_experts: int
+    num_dense_layers: int  # leading layers that keep a dense FFN (DeepSeek's first_k_dense_replace)
+    has_router_bias: bool  # DeepSeek-V3's e_score_correction_bias (one float per expert)
+
+
+@dataclass(frozen=True)
+class MlaDims:
+    """Multi-head Latent Attention (DeepSeek-V2/V3): the KV cache stores one compressed latent."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Architecture of one model. Invariant: all counts are positive; num_key_value_heads divides
+    num_attention_heads; 0 <= num_sliding_layers <= num_hidden_layers."""
+
+    name: str
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    torch_dtype: str
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    norms_per_layer: int = 2
+    moe: MoeDims | None = None
+    mla: MlaDims | None = None
+    sliding_window: int | None = None
+    num_sliding_layers: int = 0
+    checkpoint_quantization: str | None = None  # quantization_config.quant_method, e.g. "fp8"
+
+    @property
+    def is_moe(self) -> bool:
+        return self.moe is not None
+
+
+def _text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """Multimodal configs nest the language model under `text_config`."""
+    nested = config.get("text_config")
+    return {**config, **nested} if isinstance(nested, dict) else config
+
+
+def _int(config: dict[str, Any], key: str, default: int | None = None) -> int:
+    value = config.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise ConfigError(f"config field '{key}' must be a positive number, got {value!r}.")
+    return int(value)
+
+
+def _moe_dims(cfg: dict[str, Any], num_hidden_layers: int) -> MoeDims | None:
+    num_experts = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts")
+    if not num_experts:
+        return None
+    top_k = _int(cfg, "num_experts_per_tok")
+    if top_k > num_experts:
+        raise ConfigError(f"num_experts_per_tok={top_k} exceeds the {num_experts} experts.")
+    dense_layers = int(cfg.get("first_k_dense_replace") or 0) + len(cfg.get("mlp_only_layers") or [])
+    return MoeDims(
+        num_experts=int(num_experts),
+        num_experts_per_tok=top_k,
+        expert_intermediate_size=_int(cfg, "moe_intermediate_size", cfg.get("intermediate_size")),
+        num_shared_experts=int(cfg.get("n_shared_experts") or 0),
+        num_dense_layers=min(dense_layers, num_hidden_layers),
+        has_router_bias=cfg.get("topk_method") == "noaux_tc",
+    )
+
+
+def _mla_dims(cfg: dict[str, Any]) -> MlaDims | None:
+    if not cfg.get("kv_lora_rank"):
+        return None
+    return MlaDims(
+        q_lora_rank=cfg.get("q_lora_rank"),
+        kv_lora_rank=_int(cfg, "kv_lora_rank"),
+        qk_nope_head_dim=_int(cfg, "qk_nope_head_dim"),
+        qk_rope_head_dim=_int(cfg, "qk_rope_head_dim"),
+        v_head_dim=_int(cfg, "v_head_dim"),
+    )
+
+
+def _num_sliding_layers(cfg: dict[str, Any], num_hidden_layers: int) -> tuple[int | None, int]:
+    """(window, number of layers using it). Qwen configs carry a window but disable it."""
+    window = cfg.get("sliding_window")
+    if not window or cfg.get("use_sliding_window") is False:
+        return None, 0
+    layer_types = cfg.get("layer_types")
+    if isinstance(layer_types, list) and layer_types:
+        return int(window), sum(1 for t in layer_types if t == "sliding_attention")
+    if cfg.get("model_type") == "gemma2":
+        return int(window), (num_hidden_layers + 1) // 2  # even layers slide, odd layers are global
+    return int(window), num_hidden_layers
+
+
+def _quant_method(cfg: dict[str, Any]) -> str | None:
+    quant = cfg.get("quantization_config")
+    return str(quant.get("quant_method")) if isinstance(quant, dict) and quant.get("quant_method") else None
+
+
+def spec_from_hf_config(config: dict[str, Any], name: str = "model") -> ModelSpec:
+    """Parse an HF config.json dict. Raises ConfigError naming the missing or bad field."""
+    if not isinstance(config, dict):
+        raise ConfigError(f"{name}: a config must be a JSON object, got {type(config).__name__}.")
+    cfg = _text_config(config)
+    missing = [key for key in _REQUIRED if key not in cfg]
+    if missing:
+        raise ConfigError(f"{name}: config lacks {', '.join(missing)}; is this an LLM config.json?")
+    hidden, num_hidden_layers = _int(cfg, "hidden_size"), _int(cfg, "num_hidden_layers")
+    num_heads = _int(cfg, "num_attention_heads")
+    num_key_value_heads = _int(cfg, "num_key_value_heads", num_heads)
+    if num_heads % num_key_value_heads:
+        raise ConfigError(f"{name}: num_key_value_heads={num_key_value_heads} does not divide {num_heads} heads.")
+    model_type = str(cfg.get("model_type", "llama"))
+    window, num_sliding = _num_sliding_layers(cfg, num_hidden_layers)
+    return ModelSpec(
+        name=name,
+        model_type=model_type,
+        hidden_size=hidden,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_key_value_heads,
+        head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+        intermediate_size=_int(cfg, "intermediate_size", 4 * hidden),
+        vocab_size=_int(cfg, "vocab_size"),
+        max_position_embeddings=int(cfg.get("max_position_embeddings") or 4096),
+        tie_word_embeddings=bool(
+            cfg.get("tie_word_embeddings", model_type in _TIED_BY_DEFAULT_MODEL_TYPES)
+        ),
+        torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
+        qkv_bias=bool(cfg.get("attention_bias")) or model_type in _QKV_BIAS_MODEL_TYPES,
+        o_bias=bool(cfg.get("attention_bias")) and model_type not in _QKV_BIAS_MODEL_TYPES,
+        qk_norm=model_type in _QK_NORM_MODEL_TYPES,
+        norms_per_layer=4 if model_type in _FOUR_NORM_MODEL_TYPES else 2,
+        moe=_moe_dims(cfg, num_hidden_layers),
+        mla=_mla_dims(cfg),
+        sliding_window=window,
+        num_sliding_layers=num_sliding,
+        checkpoint_quantization=_quant_method(cfg),
+    )

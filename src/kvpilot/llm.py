@@ -1,0 +1,82 @@
+"""LLM: the offline API (vLLM-shaped), driving the same engine loop as the server."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Sequence
+
+from kvpilot.engine_args import EngineArgs, build_engine
+from kvpilot.outputs import RequestOutput
+from kvpilot.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
+Messages = list[dict[str, Any]]
+
+
+class LLM:
+    """`LLM(model=None)` loads the embedded SmolLM2-135M-Instruct; keyword arguments are EngineArgs fields
+    (max_model_len, max_num_seqs, max_num_batched_tokens, kv_cache_memory, gpu_memory_utilization, block_size,
+    enable_prefix_caching, scheduling_policy, dtype, load_format, device, seed)."""
+
+    def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
+        unknown = set(engine_kwargs) - set(EngineArgs.__dataclass_fields__)
+        if unknown:
+            allowed = ", ".join(sorted(EngineArgs.__dataclass_fields__))
+            raise TypeError(f"LLM() got unknown settings {sorted(unknown)}; allowed: {allowed}")
+        self.engine, self.loaded = build_engine(EngineArgs(model=model, **engine_kwargs))
+        self.tokenizer = self.loaded.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams]
+                 | None = None, *, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Runs all prompts together (continuous batching); returns their final outputs in prompt order.
+
+        A prompt is a string or a list of token ids; a single prompt may be passed without a list.
+        """
+        prompt_list = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompt_list))
+        priorities = list(priority) if priority is not None else [0] * len(prompt_list)
+        ids = [self.engine.add_request(p, sp, priority=pr) for p, sp, pr in zip(prompt_list, params, priorities)]
+        finals = {o.request_id: o for o in self._drain() if o.finished}
+        return [finals[i] for i in ids]
+
+    def chat(self, messages: Messages | Sequence[Messages], sampling_params: SamplingParams | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Applies the model's chat template to each conversation, then generates."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so no chat template: use generate() with token ids")
+        prompts = [self.tokenizer.encode_chat(c, add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params)
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yields this request's outputs step by step (text deltas in `delta_text`) until it finishes."""
+        request_id = self.engine.add_request(prompt, sampling_params or SamplingParams())
+        while self.engine.has_unfinished_requests():
+            for output in self.engine.step():
+                if output.request_id == request_id:
+                    yield output
+                    if output.finished:
+                        return
+
+    def _drain(self) -> Iterator[RequestOutput]:
+        while self.engine.has_unfinished_requests():
+            yield from self.engine.step()
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    items = list(prompts)
+    if items and all(isinstance(t, int) for t in items):
+        return [items]  # one prompt given as token ids
+    return items
+
+
+def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} SamplingParams for {n} prompts: pass one, or one per prompt")
+    return params

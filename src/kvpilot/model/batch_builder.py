@@ -1,0 +1,100 @@
+"""Turns one step's scheduled chunks into the flattened tensors the model runs on.
+
+Contract (kvpilot.engine.scheduler_output.ScheduledChunk): each chunk has token_ids, start_position and the
+request's block table; token i of a chunk has position start_position + i and is stored in slot
+block_ids[pos // block_size] * block_size + pos % block_size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+
+from kvpilot.model.layers.attention_metadata import AttentionMetadata, DecodeBatch, PrefillSeq
+
+
+class ChunkLike(Protocol):
+    request_id: str
+    token_ids: list[int]
+    start_position: int
+    block_ids: list[int]
+    needs_sample: bool
+
+
+@dataclass(frozen=True)
+class ModelInput:
+    """Flattened step input. Invariant: sample_rows[i] is the last row of the i-th chunk that needs a sample."""
+
+    token_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # [N] long
+    sample_request_ids: list[str]
+
+
+def _slots(chunk: ChunkLike, block_size: int) -> list[int]:
+    blocks = chunk.block_ids
+    return [blocks[p // block_size] * block_size + p % block_size
+            for p in range(chunk.start_position, chunk.start_position + len(chunk.token_ids))]
+
+
+def _prefill_mask(start: int, query_len: int, device: torch.device) -> torch.Tensor | None:
+    if start == 0:
+        return None
+    query_pos = torch.arange(start, start + query_len, device=device)[:, None]
+    key_pos = torch.arange(start + query_len, device=device)[None, :]
+    return key_pos <= query_pos
+
+
+def _decode_batch(chunks: Sequence[ChunkLike], rows: list[int], block_size: int,
+                  device: torch.device) -> DecodeBatch | None:
+    if not chunks:
+        return None
+    max_blocks = max(len(c.block_ids) for c in chunks)
+    tables = torch.zeros(len(chunks), max_blocks, dtype=torch.long)
+    context_lens = torch.empty(len(chunks), dtype=torch.long)
+    for i, chunk in enumerate(chunks):
+        tables[i, : len(chunk.block_ids)] = torch.tensor(chunk.block_ids, dtype=torch.long)
+        context_lens[i] = chunk.start_position + 1
+    key_pos = torch.arange(max_blocks * block_size)[None, :]
+    bias = torch.zeros(len(chunks), max_blocks * block_size, dtype=torch.float32)
+    bias.masked_fill_(key_pos >= context_lens[:, None], float("-inf"))
+    return DecodeBatch(token_rows=torch.tensor(rows, dtype=torch.long, device=device),
+                       block_tables=tables.to(device), key_bias=bias[:, None, None, :].to(device))
+
+
+def build_model_input(chunks: Sequence[ChunkLike], block_size: int, device: torch.device) -> ModelInput:
+    """Flattens chunks in their given order; single-token chunks (with context) join the batched decode."""
+    token_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    prefills: list[PrefillSeq] = []
+    decode_chunks: list[ChunkLike] = []
+    decode_rows: list[int] = []
+    sample_rows: list[int] = []
+    sample_ids: list[str] = []
+    for chunk in chunks:
+        start_row, n = len(token_ids), len(chunk.token_ids)
+        token_ids.extend(chunk.token_ids)
+        positions.extend(range(chunk.start_position, chunk.start_position + n))
+        slots.extend(_slots(chunk, block_size))
+        if n == 1 and chunk.start_position > 0:
+            decode_chunks.append(chunk)
+            decode_rows.append(start_row)
+        else:
+            prefills.append(PrefillSeq(
+                query_start=start_row, query_len=n, context_len=chunk.start_position + n,
+                block_ids=torch.tensor(chunk.block_ids, dtype=torch.long, device=device),
+                mask=_prefill_mask(chunk.start_position, n, device)))
+        if chunk.needs_sample:
+            sample_rows.append(start_row + n - 1)
+            sample_ids.append(chunk.request_id)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device), prefills=prefills,
+        decode=_decode_batch(decode_chunks, decode_rows, block_size, device), num_tokens=len(token_ids))
+    return ModelInput(token_ids=torch.tensor(token_ids, dtype=torch.long, device=device),
+                      positions=torch.tensor(positions, dtype=torch.long, device=device), meta=meta,
+                      sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=device),
+                      sample_request_ids=sample_ids)

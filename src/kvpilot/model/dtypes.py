@@ -1,0 +1,23 @@
+"""dtype names accepted by --dtype, and what "auto" means on each device."""
+
+from __future__ import annotations
+
+import torch
+
+from kvpilot.model.errors import ModelLoadError
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """"auto" is bfloat16 (fast on AVX-512-BF16 CPUs and on GPUs); float16 only on CUDA."""
+    if name == "auto":
+        return torch.bfloat16
+    if name not in DTYPES:
+        raise ModelLoadError(f"dtype {name!r} is not supported; use auto, float32, bfloat16 or float16 (CUDA)")
+    dtype = DTYPES[name]
+    if dtype == torch.float16 and device.type != "cuda":
+        raise ModelLoadError("float16 is only supported on CUDA (CPU half-precision matmuls are very slow); "
+                             "use bfloat16 or float32")
+    return dtype

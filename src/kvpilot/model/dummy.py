@@ -1,0 +1,54 @@
+"""Dummy (random) weights for any supported architecture, like vLLM's `--load-format dummy`.
+
+The config comes from a config.json file/directory or the built-in catalog (`kvpilot.fit.model_catalog`),
+so large architectures can be benchmarked without their weights.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvpilot.model.errors import ModelLoadError
+from kvpilot.model.hf_dir import read_hf_config
+
+DUMMY_INIT_STD = 0.02  # small weights keep activations finite through many layers
+
+
+def dummy_hf_config(name_or_path: str) -> dict[str, Any]:
+    """HF config dict for a dummy model: a config.json (file or its directory) or a catalog name."""
+    path = Path(name_or_path)
+    if path.is_dir():
+        return read_hf_config(path)
+    if path.is_file():
+        return read_hf_config(path.parent) if path.name == "config.json" else _read_json(path)
+    from kvpilot.fit.model_catalog import UnknownModelError, get_hf_config
+
+    try:
+        return get_hf_config(name_or_path)
+    except UnknownModelError as exc:
+        raise ModelLoadError(f"dummy model {name_or_path!r}: {exc}") from exc
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    import json
+
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{path}: malformed JSON config ({exc})") from exc
+
+
+@torch.no_grad()
+def init_dummy_weights(module: torch.nn.Module, seed: int = 0) -> None:
+    """Fills every parameter in place: norms with 1, everything else N(0, DUMMY_INIT_STD), reproducibly."""
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    for name, param in module.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        elif param.device.type == "cpu":
+            param.normal_(0.0, DUMMY_INIT_STD, generator=generator)
+        else:
+            param.copy_(torch.randn(param.shape, generator=generator).mul_(DUMMY_INIT_STD))

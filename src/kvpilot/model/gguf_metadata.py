@@ -1,0 +1,107 @@
+"""Reads a GGUF file's header: hyper-parameters as an HF-style config dict, and the tokenizer fields.
+
+Torch-free (the `fit` planner uses it too). Every failure becomes a ModelLoadError naming the file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from kvpilot.model.errors import ModelLoadError
+
+# GGUF `general.architecture` -> HF `architectures[0]`
+GGUF_ARCHITECTURES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+def open_gguf(path: str | Path) -> Any:
+    """Opens a GGUF file with the `gguf` package; a missing, truncated or corrupt file is a ModelLoadError."""
+    path = Path(path)
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: no such GGUF file")
+    from gguf import GGUFReader
+
+    try:
+        with path.open("rb") as f:
+            magic = f.read(4)
+        if magic != b"GGUF":
+            raise ModelLoadError(f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
+        return GGUFReader(str(path))
+    except ModelLoadError:
+        raise
+    except Exception as exc:  # the gguf reader raises ValueError, IndexError, struct errors...
+        raise ModelLoadError(f"{path}: GGUF file is truncated or corrupt ({type(exc).__name__}: {exc})") from exc
+
+
+def field_value(reader: Any, key: str, default: Any = None) -> Any:
+    """The decoded value of one metadata field, or `default` when absent."""
+    fld = reader.fields.get(key)
+    if fld is None:
+        return default
+    value = fld.contents()
+    return value
+
+
+def _arch_key(reader: Any, arch: str, key: str, path: Path, required: bool = True) -> Any:
+    value = field_value(reader, f"{arch}.{key}")
+    if value is None and required:
+        raise ModelLoadError(f"{path}: GGUF metadata lacks '{arch}.{key}'")
+    return value
+
+
+def hf_config_from_reader(reader: Any, path: str | Path) -> dict[str, Any]:
+    """Builds an HF-style config dict from an open GGUF reader (see `hf_config_from_gguf`)."""
+    path = Path(path)
+    arch = field_value(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        supported = ", ".join(sorted(GGUF_ARCHITECTURES))
+        raise ModelLoadError(f"{path}: unsupported GGUF architecture {arch!r}; kvpilot supports {supported}")
+    heads = int(_arch_key(reader, arch, "attention.head_count", path))
+    hidden = int(_arch_key(reader, arch, "embedding_length", path))
+    tokens = field_value(reader, "tokenizer.ggml.tokens")
+    vocab = _arch_key(reader, arch, "vocab_size", path, required=False) or (len(tokens) if tokens else None)
+    if vocab is None:
+        raise ModelLoadError(f"{path}: GGUF metadata has neither '{arch}.vocab_size' nor a token list")
+    tensor_names = {t.name for t in reader.tensors}
+    cfg: dict[str, Any] = {
+        "architectures": [GGUF_ARCHITECTURES[arch]],
+        "model_type": arch,
+        "hidden_size": hidden,
+        "intermediate_size": int(_arch_key(reader, arch, "feed_forward_length", path)),
+        "num_hidden_layers": int(_arch_key(reader, arch, "block_count", path)),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(_arch_key(reader, arch, "attention.head_count_kv", path, False) or heads),
+        "head_dim": int(_arch_key(reader, arch, "attention.key_length", path, False) or hidden // heads),
+        "vocab_size": int(vocab),
+        "rms_norm_eps": float(_arch_key(reader, arch, "attention.layer_norm_rms_epsilon", path)),
+        "rope_theta": float(_arch_key(reader, arch, "rope.freq_base", path, False) or 10000.0),
+        "max_position_embeddings": int(_arch_key(reader, arch, "context_length", path, False) or 4096),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "bos_token_id": field_value(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": field_value(reader, "tokenizer.ggml.eos_token_id"),
+        "torch_dtype": "float32",
+        "_name_or_path": str(field_value(reader, "general.name", path.stem)),
+    }
+    if arch == "qwen2":
+        cfg["attention_bias"] = True
+    factor = _arch_key(reader, arch, "rope.scaling.factor", path, False)
+    scaling_type = _arch_key(reader, arch, "rope.scaling.type", path, False)
+    if scaling_type not in (None, "none") or "rope_freqs.weight" in tensor_names:
+        # llama.cpp stores llama3 scaling as a rope_freqs tensor; linear/yarn as metadata. Neither is
+        # implemented yet: refuse rather than run a silently wrong model.
+        raise ModelLoadError(f"{path}: GGUF rope scaling ({scaling_type or 'rope_freqs tensor'}, "
+                             f"factor {factor}) is not supported yet; use the HF checkpoint instead")
+    return cfg
+
+
+def hf_config_from_gguf(path: str | Path) -> dict[str, Any]:
+    """An HF config.json-like dict (architectures, sizes, rope, eos/bos ids) read from a GGUF file's metadata.
+
+    Raises ModelLoadError naming the file for a missing/corrupt file or an unsupported architecture.
+    """
+    return hf_config_from_reader(open_gguf(path), path)

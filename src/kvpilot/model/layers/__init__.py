@@ -1,0 +1,1 @@
+"""Model layers: norm, rotary embedding, paged attention."""

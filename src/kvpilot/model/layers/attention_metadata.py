@@ -1,0 +1,49 @@
+"""AttentionMetadata: how the flattened tokens of one step map onto sequences and KV cache slots.
+
+Built once per step by the ModelRunner and shared by every layer (no hidden globals).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class PrefillSeq:
+    """One sequence computing several tokens this step (a prompt or a chunk of it).
+
+    Invariants: rows query_start..query_start+query_len-1 of the flattened batch belong to it; its keys are
+    positions 0..context_len-1, of which the last query_len are the queries themselves
+    (context_len = start_position + query_len). `mask` is None when start_position == 0 (plain causal).
+    """
+
+    query_start: int
+    query_len: int
+    context_len: int
+    block_ids: torch.Tensor  # [num_blocks_of_seq] long
+    mask: torch.Tensor | None  # [query_len, context_len] bool, True = may attend
+
+
+@dataclass(frozen=True)
+class DecodeBatch:
+    """Sequences computing exactly one token this step, attended together as one batched matmul.
+
+    Invariants: token_rows[b] is the row of sequence b in the flattened batch; block_tables is padded with
+    block 0 (masked out by key_bias, which is 0 for positions < context_lens[b] and -inf beyond).
+    """
+
+    token_rows: torch.Tensor  # [B] long
+    block_tables: torch.Tensor  # [B, max_blocks] long
+    key_bias: torch.Tensor  # [B, 1, 1, max_blocks * block_size] float32
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Per-step attention inputs: where to write each token's K/V and how each sequence reads its KV."""
+
+    slot_mapping: torch.Tensor  # [T] long: cache slot of each token (block_id * block_size + offset)
+    prefills: list[PrefillSeq]
+    decode: DecodeBatch | None
+    num_tokens: int

@@ -1,0 +1,133 @@
+"""One parameterised Llama-family decoder: Llama 2/3, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm), SmolLM.
+
+Q/K/V and gate/up projections are fused into one matmul each (fewer, larger GEMMs); `load_weights` takes
+an HF-named state dict and fuses it, checking every shape against the config.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvpilot.model.config import ModelConfig
+from kvpilot.model.errors import ModelLoadError
+from kvpilot.model.layers.attention_metadata import AttentionMetadata
+from kvpilot.model.layers.norm import RMSNorm
+from kvpilot.model.layers.paged_attention import paged_attention
+from kvpilot.model.layers.rope import RotaryEmbedding, apply_rotary
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.scale = self.head_dim ** -0.5
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """forward(token_ids [T], positions [T], kv_caches, meta) -> hidden [T, hidden]; logits(hidden) -> [N, V]."""
+
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
+                                                                         bias=False)
+        self.rotary = RotaryEmbedding(config, max_positions)
+
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(token_ids)
+        cos, sin = self.rotary.tables(positions, x.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, kv_cache, meta)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, state: dict[str, torch.Tensor], source: str) -> None:
+        """Copies HF-named weights in (fusing q/k/v and gate/up); every parameter must be present, right-shaped."""
+        fused = fuse_hf_state_dict(state, self.config)
+        params = dict(self.named_parameters())
+        missing = sorted(set(params) - set(fused))
+        if missing:
+            raise ModelLoadError(f"{source}: missing weights {missing[:4]}{' ...' if len(missing) > 4 else ''} "
+                                 f"({len(missing)} in all) for a {self.config.architecture} model")
+        for name, param in params.items():
+            tensor = fused[name]
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise ModelLoadError(f"{source}: weight {name} has shape {tuple(tensor.shape)} but the config "
+                                     f"implies {tuple(param.shape)}: config and weights do not match")
+            param.copy_(tensor.to(param.dtype))
+
+
+def _strip_model_prefix(name: str) -> str:
+    return name[len("model."):] if name.startswith("model.") else name
+
+
+def fuse_hf_state_dict(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """HF names -> this module's names; q/k/v and gate/up concatenated along the output dimension."""
+    out = {_strip_model_prefix(k): v for k, v in state.items()}
+    if config.tie_word_embeddings:
+        out.pop("lm_head.weight", None)
+    for i in range(config.num_hidden_layers):
+        prefix = f"layers.{i}"
+        for kind in ("weight", "bias"):
+            parts = [out.pop(f"{prefix}.self_attn.{p}_proj.{kind}", None) for p in "qkv"]
+            if all(p is not None for p in parts):
+                out[f"{prefix}.self_attn.qkv_proj.{kind}"] = torch.cat(parts, dim=0)
+        gate, up = out.pop(f"{prefix}.mlp.gate_proj.weight", None), out.pop(f"{prefix}.mlp.up_proj.weight", None)
+        if gate is not None and up is not None:
+            out[f"{prefix}.mlp.gate_up_proj.weight"] = torch.cat([gate, up], dim=0)
+    return out

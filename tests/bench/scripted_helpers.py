@@ -1,0 +1,22 @@
+"""Helper: run a load against the scripted server process."""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvpilot.bench.client import Target
+from kvpilot.bench.datasets import DatasetConfig, build_dataset
+from kvpilot.bench.load import LoadShape
+from kvpilot.bench.runner import RunOutput, run_load
+from kvpilot.bench.scripted_process import ScriptedProcess
+from kvpilot.bench.tokens import Tokenizer, WordTokenizer
+
+
+def run_scripted(server: ScriptedProcess, shape: LoadShape, *, num_items: int = 20,
+                 dataset: DatasetConfig | None = None, endpoint: str = "completions",
+                 stream: bool = True, metrics: bool = False, tok: Tokenizer | None = None) -> RunOutput:
+    tok = tok or WordTokenizer()
+    items = build_dataset(dataset or DatasetConfig(input_len=16, output_len=8), tok, num_items)
+    target = Target(server.base_url, server.model, endpoint, stream=stream, timeout_s=20.0)  # type: ignore[arg-type]
+    url = server.base_url + "/metrics" if metrics else None
+    return asyncio.run(run_load(target, items, shape, tok, metrics_url=url, scrape_interval_s=0.1))

@@ -1,0 +1,59 @@
+"""Prometheus scraping: vLLM names old and new, summaries, and scraping during a run."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpilot.bench.load import LoadShape
+from kvpilot.bench.scrape import MetricsSample, parse_metrics, summarize
+from kvpilot.bench.scripted_process import ScriptedProcess
+from kvpilot.bench.scripted_server import Behavior
+
+from .scripted_helpers import run_scripted
+
+NEW = """# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0"} 3
+vllm:num_requests_running{engine="1"} 2
+vllm:num_requests_waiting 7
+vllm:kv_cache_usage_perc 0.5
+# TYPE vllm:num_preemptions counter
+vllm:num_preemptions_total 4
+vllm:num_preemptions_created 1.7e9
+# TYPE vllm:prefix_cache_queries counter
+vllm:prefix_cache_queries_total 100
+# TYPE vllm:prefix_cache_hits counter
+vllm:prefix_cache_hits_total 25
+"""
+OLD = """vllm:gpu_cache_usage_perc{model_name="m"} 0.25
+vllm:gpu_prefix_cache_hit_rate{model_name="m"} 0.4
+vllm:num_preemptions_total{model_name="m"} 2
+"""
+
+
+def test_parse_new_and_old_names() -> None:
+    assert parse_metrics(NEW) == {"running": 5.0, "waiting": 7.0, "kv_usage": 0.5, "preemptions": 4.0,
+                                  "prefix_queries": 100.0, "prefix_hits": 25.0}
+    assert parse_metrics(OLD) == {"kv_usage": 0.25, "prefix_hit_rate": 0.4, "preemptions": 2.0}
+
+
+def test_summary_uses_counter_deltas_and_gauges_during() -> None:
+    samples = [MetricsSample(0.0, "before", {"preemptions": 1, "prefix_queries": 100, "prefix_hits": 10,
+                                             "kv_usage": 0.0}),
+               MetricsSample(1.0, "during", {"kv_usage": 0.6, "waiting": 4}),
+               MetricsSample(2.0, "during", {"kv_usage": 0.2, "waiting": 0}),
+               MetricsSample(3.0, "after", {"preemptions": 4, "prefix_queries": 300, "prefix_hits": 110,
+                                            "kv_usage": 0.0})]
+    s = summarize(samples)
+    assert s.kv_usage_max == 0.6 and s.kv_usage_mean == pytest.approx(0.4) and s.waiting_max == 4
+    assert s.num_preemptions == 3 and s.prefix_cache_hit_rate == pytest.approx(0.5)
+
+
+def test_scrapes_before_during_after_a_run(scripted: ScriptedProcess) -> None:
+    scripted.set_script(Behavior(ttft_s=0.05, itl_s=0.01, num_output_tokens=20, num_cached_tokens=4,
+                                 num_preemptions=1))
+    out = run_scripted(scripted, LoadShape(concurrency=4, num_requests=8), num_items=8, metrics=True)
+    phases = [s.phase for s in out.metrics]
+    assert phases[0] == "before" and phases[-1] == "after" and "during" in phases
+    s = summarize(out.metrics)
+    assert s.running_max is not None and s.running_max >= 2  # the server saw requests in flight
+    assert s.num_preemptions == 8 and s.prefix_cache_hit_rate == pytest.approx(32 / (8 * 16))

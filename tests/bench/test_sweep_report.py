@@ -1,0 +1,86 @@
+"""A sweep against a capacity-limited scripted server, its knee, and the JSON/CSV/HTML outputs."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from kvpilot.bench.api import BenchConfig, BenchOutcome, run_bench
+from kvpilot.bench.client import Target
+from kvpilot.bench.datasets import DatasetConfig
+from kvpilot.bench.load import LoadShape
+from kvpilot.bench.result import SCHEMA_VERSION
+from kvpilot.bench.scripted_process import ScriptedProcess
+from kvpilot.bench.scripted_server import Behavior
+from kvpilot.bench.stats import parse_slo
+from kvpilot.bench.sweep import sweep_rates
+
+
+@pytest.fixture(scope="module")
+def sweep_outcome(scripted: ScriptedProcess, tmp_path_factory: pytest.TempPathFactory) -> tuple[BenchOutcome, Path]:
+    # Two requests decode at once (20 ms TTFT + 5 x 5 ms): all-at-once load queues, synchronous does not.
+    scripted.set_script(Behavior(ttft_s=0.02, itl_s=0.005, num_output_tokens=6, num_cached_tokens=2),
+                        max_running=2)
+    out_dir = tmp_path_factory.mktemp("sweep")
+    cfg = BenchConfig(
+        target=Target(scripted.base_url, "", timeout_s=20.0),
+        dataset=DatasetConfig(kind="shared-prefix", input_len=12, prefix_len=8, num_prefixes=2,
+                              num_suffixes=3, output_len=6),
+        load=LoadShape(num_requests=12, num_warmup=2), slos=parse_slo("ttft=70ms"), sweep=True,
+        sweep_num_points=3, scrape_interval_s=0.1, json_path=str(out_dir / "r.json"),
+        csv_path=str(out_dir / "r.csv"), html_path=str(out_dir / "r.html"), progress=False)
+    console = Console(record=True, width=140)
+    outcome = run_bench(cfg, console)
+    (out_dir / "console.txt").write_text(console.export_text())
+    scripted.set_script(Behavior())
+    return outcome, out_dir
+
+
+def test_sweep_rates_between() -> None:
+    assert sweep_rates(1.0, 5.0, 3) == pytest.approx([2.0, 3.0, 4.0])
+    assert sweep_rates(5.0, 5.0, 3) == []
+
+
+def test_sweep_finds_the_knee(sweep_outcome: tuple[BenchOutcome, Path]) -> None:
+    outcome, _ = sweep_outcome
+    labels = [r.label for r in outcome.runs]
+    assert labels[0] == "synchronous" and labels[-1] == "max-throughput" and len(labels) == 3
+    knee = outcome.knee
+    assert knee is not None and knee.index is not None and knee.index < 2
+    assert (outcome.runs[knee.index].aggregates.good_fraction or 0) >= 0.9
+    assert (outcome.runs[-1].aggregates.good_fraction or 0) < 0.9  # 12 at once: TTFT queues up
+    assert all(r.aggregates.num_requests == 12 for r in outcome.runs)  # warmup left out
+
+
+def test_result_json_schema(sweep_outcome: tuple[BenchOutcome, Path]) -> None:
+    _, out_dir = sweep_outcome
+    doc = json.loads((out_dir / "r.json").read_text())
+    assert doc["schema_version"] == SCHEMA_VERSION == 1
+    assert doc["config"]["target"]["model"] == "scripted-model"  # resolved from /v1/models
+    assert doc["config"]["dataset"]["kind"] == "shared-prefix" and doc["config"]["slos_ms"] == {"ttft": 70.0}
+    assert doc["sweep"]["index"] == 0 or doc["sweep"]["index"] == 1
+    run = doc["runs"][-1]
+    assert run["load"]["request_rate"] == "inf"
+    assert set(run) >= {"label", "load", "aggregates", "client_lag", "server_metrics", "requests"}
+    req = run["requests"][0]
+    assert req["group_id"] in {"prefix-0", "prefix-1"} and req["server"]["num_cached_tokens"] == 2
+    assert {"ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "queue_wait_ms", "sched_lag_ms", "status"} <= set(req)
+    assert run["server_metrics"]["summary"]["waiting_max"] >= 1  # the server queue was seen
+    assert run["aggregates"]["stages_ms"]["queue"]["max"] > 20  # admission waits show as queue
+    assert "loop_lag_samples" in run["client_lag"]
+
+
+def test_csv_has_one_row_per_request(sweep_outcome: tuple[BenchOutcome, Path]) -> None:
+    _, out_dir = sweep_outcome
+    rows = list(csv.DictReader((out_dir / "r.csv").open()))
+    assert len(rows) == 36 and {r["run"] for r in rows} == {"synchronous", "max-throughput", rows[12]["run"]}
+    assert all(float(r["e2e_ms"]) > 0 and r["network_ms"] != "" for r in rows)
+
+
+def test_console_summary(sweep_outcome: tuple[BenchOutcome, Path]) -> None:
+    text = (sweep_outcome[1] / "console.txt").read_text()
+    assert "<== knee" in text and "TTFT" in text and "prefix cache hit rate" in text

@@ -1,0 +1,70 @@
+"""fit and the engine size the KV cache with the same function, so plan and server agree."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvpilot.fit.hardware import DeviceGroup, cpu_device
+from kvpilot.fit.kv_cache import kv_cache_bytes_per_block, kv_capacity_for_memory, num_kv_blocks_for_memory
+from kvpilot.fit.memory import plan_memory
+from kvpilot.fit.model_catalog import get_hf_config, list_models
+from kvpilot.fit.model_source import LoadedModel, load_model
+from kvpilot.fit.workload import FitInputs
+
+BUDGET = 64 * 2**20 + 12345  # an awkward budget: not a whole number of blocks
+BLOCK_SIZE = 16
+KV_BYTES = 2
+
+
+def _engine_config(name_or_config: str | dict):  # the loader's torch-free ModelConfig
+    config_module = pytest.importorskip("kvpilot.model.config")
+    config = get_hf_config(name_or_config) if isinstance(name_or_config, str) else name_or_config
+    return config_module.from_hf_config(config, "test")
+
+
+@pytest.mark.slow
+def test_predicted_capacity_of_the_embedded_model_equals_the_engine_allocation(
+    embedded_model: LoadedModel, gguf_path: Path
+) -> None:
+    torch = pytest.importorskip("torch")
+    gguf_metadata = pytest.importorskip("kvpilot.model.gguf_metadata")
+
+    engine_cfg = _engine_config(gguf_metadata.hf_config_from_gguf(gguf_path))
+    engine_blocks = num_kv_blocks_for_memory(engine_cfg, BUDGET, BLOCK_SIZE, KV_BYTES)
+
+    inputs = FitInputs(kv_cache_dtype="bf16", kv_cache_memory_bytes=BUDGET, block_size=BLOCK_SIZE)
+    plan = plan_memory(embedded_model, DeviceGroup(cpu_device(memory_bytes=8 * 2**30)), inputs)
+    assert plan.num_kv_blocks == engine_blocks > 0
+
+    # The engine's layout: per layer one K and one V tensor [num_blocks, block_size, kv_heads, head_dim].
+    def allocated_bytes(num_blocks: int) -> int:
+        shape = (num_blocks, BLOCK_SIZE, engine_cfg.num_key_value_heads, engine_cfg.head_dim)
+        with torch.device("meta"):
+            tensors = [torch.empty(shape, dtype=torch.bfloat16) for _ in range(2 * engine_cfg.num_hidden_layers)]
+        return sum(t.nbytes for t in tensors)
+
+    assert allocated_bytes(engine_blocks) == engine_blocks * kv_cache_bytes_per_block(engine_cfg, BLOCK_SIZE, 2)
+    assert allocated_bytes(engine_blocks) <= BUDGET < allocated_bytes(engine_blocks + 1)
+
+
+ENGINE_MODELS = ["smollm2-135m", "qwen3-0.6b", "llama-3.2-1b", "llama-3.1-8b", "mistral-7b", "qwen2.5-72b"]
+
+
+@pytest.mark.parametrize("name", ENGINE_MODELS)
+def test_fit_and_engine_config_agree_on_params_and_blocks(name: str) -> None:
+    engine_cfg = _engine_config(name)
+    model = load_model(name)
+    assert engine_cfg.num_parameters() == model.params.num_total
+    assert num_kv_blocks_for_memory(engine_cfg, BUDGET, BLOCK_SIZE, KV_BYTES) == num_kv_blocks_for_memory(
+        model.spec, BUDGET, BLOCK_SIZE, KV_BYTES)
+
+
+@pytest.mark.parametrize("name", [n for n in list_models() if n != "deepseek-v3"])
+def test_plan_blocks_equal_the_engine_formula_for_standard_attention(name: str) -> None:
+    model = load_model(name)
+    inputs = FitInputs(kv_cache_memory_bytes=BUDGET, kv_cache_dtype="bf16")
+    plan = plan_memory(model, DeviceGroup(cpu_device(memory_bytes=2**50)), inputs)
+    expected = kv_capacity_for_memory(model.spec, BUDGET, BLOCK_SIZE, KV_BYTES, 8192)
+    assert plan.num_kv_blocks == expected.num_blocks

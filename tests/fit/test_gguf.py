@@ -1,0 +1,51 @@
+"""The embedded SmolLM2-135M GGUF: the planner's numbers against the file's real tensor table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvpilot.fit.errors import ConfigError
+from kvpilot.fit.model_source import LoadedModel, load_model
+from kvpilot.fit.weights import weight_bytes
+
+pytestmark = pytest.mark.slow
+
+
+def test_parameter_count_matches_the_gguf_tensor_sizes_exactly(embedded_model: LoadedModel) -> None:
+    assert embedded_model.gguf is not None
+    assert embedded_model.gguf.num_params == 134_515_008
+    assert embedded_model.params.num_total == embedded_model.gguf.num_params
+    assert load_model("smollm2-135m").params.num_total == embedded_model.gguf.num_params
+
+
+def test_gguf_spec_agrees_with_the_catalog(embedded_model: LoadedModel) -> None:
+    catalog = load_model("smollm2-135m").spec
+    spec = embedded_model.spec
+    fields = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+              "intermediate_size", "vocab_size", "tie_word_embeddings", "max_position_embeddings")
+    assert {f: getattr(spec, f) for f in fields} == {f: getattr(catalog, f) for f in fields}
+
+
+def test_gguf_weight_bytes_are_the_files_tensor_bytes(embedded_model: LoadedModel, gguf_path: Path) -> None:
+    g = embedded_model.gguf
+    assert g is not None
+    assert g.tensor_types == {"Q4_1": 210, "F32": 61, "Q8_0": 1}
+    # Q8_0 embedding: 49152*576 weights in blocks of 32 stored in 34 bytes
+    assert g.num_bytes_embedding == 49152 * 576 // 32 * 34
+    assert g.num_bytes_lm_head == 0  # tied
+    weights = weight_bytes(embedded_model)
+    assert weights.num_bytes == g.num_bytes
+    assert g.num_bytes < gguf_path.stat().st_size < g.num_bytes + 8 * 2**20  # plus header and tokenizer
+
+
+def test_requantizing_a_gguf_model_uses_the_formula(embedded_model: LoadedModel) -> None:
+    assert weight_bytes(embedded_model, "bf16").num_bytes == 2 * 134_515_008
+
+
+def test_a_corrupt_gguf_is_a_config_error(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 10)
+    with pytest.raises(ConfigError, match="bad.gguf"):
+        load_model(str(bad))
