@@ -96,3 +96,7 @@ def main() -> None:
 
 
 _ = (BlockSizeOpt, GpuUtilOpt, MaxBatchedTokensOpt, MaxNumSeqsOpt, PolicyOpt, PrefixCachingOpt)  # used by serve
+
+
+if __name__ == "__main__":
+    main()

@@ -35,3 +35,9 @@ def test_bad_load_shapes_raise_with_the_flag_name() -> None:
     with pytest.raises(LoadShapeError, match="--num-requests or --duration"):
         LoadShape(num_requests=None)
     assert LoadShape(request_rate=2.0, max_concurrency=4).label() == "rate=2/s, max_concurrency=4"
+
+
+def test_duration_alone_needs_a_finite_rate() -> None:
+    with pytest.raises(LoadShapeError, match="without end"):
+        LoadShape(num_requests=None, duration_s=1.0)
+    assert LoadShape(num_requests=None, duration_s=1.0, request_rate=5.0).duration_s == 1.0

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+from pathlib import Path
 
 import pytest
 
@@ -14,7 +16,7 @@ from kvpilot.bench.datasets import DatasetConfig, build_dataset
 from kvpilot.bench.load import LoadShape
 from kvpilot.bench.runner import run_load
 from kvpilot.bench.scripted_process import ScriptedProcess
-from kvpilot.bench.scripted_server import Behavior
+from kvpilot.bench.scripted_server import Behavior, ScriptedServer
 from kvpilot.bench.tokens import WordTokenizer
 
 from .scripted_helpers import run_scripted
@@ -70,3 +72,43 @@ def test_a_client_that_cannot_keep_up_is_detected(scripted: ScriptedProcess) -> 
     assert lag.dispatch_lag_ms.max is not None and lag.dispatch_lag_ms.max > 40
     ok_out = run_scripted(scripted, LoadShape(request_rate=50.0, num_requests=5, arrival="constant"), num_items=5)
     assert not judge_client_lag(ok_out.records, ok_out.loop_lag_ms, max_lag_ms=30).overloaded
+
+
+def test_duration_bounds_a_closed_loop_run(scripted: ScriptedProcess) -> None:
+    scripted.set_script(Behavior(ttft_s=0.01, itl_s=0.005, num_output_tokens=3))
+    out = run_scripted(scripted, LoadShape(concurrency=2, num_requests=None, duration_s=0.3), num_items=5)
+    assert 4 <= len(out.records) <= 40 and all(r.ok for r in out.records)
+    assert max(r.sent_s for r in out.records) - min(r.sent_s for r in out.records) < 0.3 + 0.05
+
+
+def test_trace_replay_follows_timestamps(scripted: ScriptedProcess, tmp_path: Path) -> None:
+    scripted.set_script(Behavior(ttft_s=0.002, itl_s=0.001, num_output_tokens=2))
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("\n".join(json.dumps({"timestamp": t, "input_len": 4, "output_len": 2})
+                               for t in (10.0, 10.1, 10.25, 10.3)))
+    ds = DatasetConfig(kind="trace", path=str(trace))
+    out = run_scripted(scripted, LoadShape(num_requests=4), num_items=4, dataset=ds)
+    assert [round(r.scheduled_s - out.records[0].scheduled_s, 3) for r in out.records] == [0.0, 0.1, 0.25, 0.3]
+    arrivals = sorted(s["arrival"] for s in scripted.served())
+    assert abs((arrivals[-1] - arrivals[0]) - 0.3) < 0.05
+
+
+def test_output_tokens_fall_back_to_the_tokenizer_without_usage(scripted: ScriptedProcess) -> None:
+    scripted.set_script(Behavior(ttft_s=0.002, itl_s=0.001, num_output_tokens=6, include_usage=False))
+    out = run_scripted(scripted, LoadShape(concurrency=1, num_requests=2), num_items=2)
+    assert all(r.ok and r.num_output_tokens == 6 and r.output_tokens_source == "fallback-words"
+               for r in out.records)
+
+
+def test_in_process_scripted_server_with_a_script_function() -> None:
+    def script(index: int, body: dict[str, object]) -> Behavior:
+        return Behavior(ttft_s=0.002, itl_s=0.001, status=200 if index % 2 == 0 else 503)
+
+    with ScriptedServer(script, old_metric_names=True) as server:
+        tok = WordTokenizer()
+        items = build_dataset(DatasetConfig(input_len=2, output_len=3), tok, 4)
+        out = asyncio.run(run_load(Target(server.base_url, server.model), items,
+                                   LoadShape(concurrency=1, num_requests=4), tok,
+                                   metrics_url=server.base_url + "/metrics"))
+        assert [r.status for r in out.records] == [200, 503, 200, 503]
+        assert len(server.log) == 4 and "kv_usage" in out.metrics[0].values

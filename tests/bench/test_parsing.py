@@ -8,6 +8,7 @@ import pytest
 
 from kvpilot.bench.breakdown import (parse_kvpilot_field, parse_server_timing_header, stage_breakdown,
                                      timings_from_header)
+from kvpilot.bench.client import Target, _delta_text, build_payload
 from kvpilot.bench.sse import SseParser
 
 from .test_stats import BASE
@@ -52,3 +53,20 @@ def test_stage_breakdown_sums_to_client_e2e() -> None:
     assert stages["network"] == pytest.approx(10.0) and stages["other"] == pytest.approx(2.0)
     assert sum(stages.values()) == pytest.approx(100.0)
     assert stage_breakdown(BASE) is None
+
+
+def test_payloads_follow_the_openai_protocol() -> None:
+    t = Target("http://h:1/", "m", "chat", ignore_eos=True)
+    body = build_payload(t, "hi", [{"role": "user", "content": "hi"}], 5)
+    assert t.url == "http://h:1/v1/chat/completions"
+    assert body == {"model": "m", "max_tokens": 5, "stream": True, "messages": [{"role": "user", "content": "hi"}],
+                    "stream_options": {"include_usage": True}, "ignore_eos": True}
+    plain = build_payload(Target("http://h:1", "m", stream=False), "hi", None, 3)
+    assert plain == {"model": "m", "max_tokens": 3, "stream": False, "prompt": "hi"}
+
+
+def test_output_text_of_chunks() -> None:
+    assert _delta_text({"choices": [{"text": "a"}]}) == "a"
+    assert _delta_text({"choices": [{"delta": {"role": "assistant", "content": ""}}]}) == ""
+    assert _delta_text({"choices": [{"delta": {"reasoning_content": "hmm"}}]}) == "hmm"
+    assert _delta_text({"choices": [], "usage": {"completion_tokens": 3}}) is None

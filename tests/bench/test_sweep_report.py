@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,8 @@ from kvpilot.bench.scripted_process import ScriptedProcess
 from kvpilot.bench.scripted_server import Behavior
 from kvpilot.bench.stats import parse_slo
 from kvpilot.bench.sweep import sweep_rates
+
+from .chromium_probe import chromium_path, probe
 
 
 @pytest.fixture(scope="module")
@@ -84,3 +87,21 @@ def test_csv_has_one_row_per_request(sweep_outcome: tuple[BenchOutcome, Path]) -
 def test_console_summary(sweep_outcome: tuple[BenchOutcome, Path]) -> None:
     text = (sweep_outcome[1] / "console.txt").read_text()
     assert "<== knee" in text and "TTFT" in text and "prefix cache hit rate" in text
+
+
+def test_html_is_self_contained_and_renders_offline(sweep_outcome: tuple[BenchOutcome, Path],
+                                                    tmp_path: Path) -> None:
+    if chromium_path() is None:
+        pytest.skip("chromium is not installed: run scripts/install_chromium.sh")
+    report = sweep_outcome[1] / "r.html"
+    text = report.read_text()
+    assert not re.search(r"<(script|link|img|iframe)[^>]+(src|href)\s*=\s*[\"']?(https?:)?//", text, re.I)
+    # Control: the recording proxy does see a page's external requests.
+    leaky = tmp_path / "leaky.html"
+    leaky.write_text('<html><body><script src="http://example.org/a.js"></script></body></html>')
+    assert "example.org" in probe(leaky).page_hosts()
+    result = probe(report)
+    assert result.page_hosts() == []
+    # All five plots (CDFs, sweep latency, throughput, stages, KV/queue) were drawn by plotly.js.
+    assert result.dom.count('class="plot-container plotly"') == 5
+    assert "knee" in result.dom and "Per-request latency by stage" in result.dom

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from engine_fakes import make_request
 from kvpilot.engine.block_pool import KVCacheIntegrityError
 from kvpilot.engine.config import CacheConfig
 from kvpilot.engine.kv_manager import KVCacheManager
 from kvpilot.engine.request import Request
+
+from .engine_fakes import make_request
 
 PROMPT = list(range(1, 11))  # 10 tokens: 2 full blocks of 4 + 2
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine_fakes import FakePagedModel, ManualClock, make_request, make_scheduler, step
 from kvpilot.engine.request import FinishReason, RequestStatus
 from kvpilot.engine.timeline import RequestMetrics, Timeline
+
+from .engine_fakes import FakePagedModel, ManualClock, make_request, make_scheduler, step
 
 
 def test_status_maps_to_finish_reason() -> None:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from engine_fakes import FakePagedModel, generate_alone, make_request, make_scheduler, run_to_completion, step
 from kvpilot.engine.request import FinishReason, RequestStatus
+
+from .engine_fakes import FakePagedModel, generate_alone, make_request, make_scheduler, run_to_completion, step
 
 
 def _shape(output) -> list[tuple[str, int, int, bool]]:

@@ -11,9 +11,10 @@ import random
 
 import pytest
 
-from engine_fakes import FakePagedModel, make_request, make_scheduler, next_token, step
 from kvpilot.engine.block_pool import HashFn, chained_block_hash
 from kvpilot.engine.request import FinishReason, Request
+
+from .engine_fakes import FakePagedModel, make_request, make_scheduler, next_token, step
 
 EOS = 107
 

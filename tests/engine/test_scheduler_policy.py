@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine_fakes import FakePagedModel, make_request, make_scheduler, run_to_completion
 from kvpilot.engine.request_queue import make_request_queue
+
+from .engine_fakes import FakePagedModel, make_request, make_scheduler, run_to_completion
 
 
 def _admission_order(policy: str, priorities: dict[str, int]) -> list[str]:
@@ -40,3 +41,23 @@ def test_head_of_line_request_is_not_overtaken_when_it_does_not_fit() -> None:
 def test_unknown_policy_is_rejected() -> None:
     with pytest.raises(ValueError, match="fcfs"):
         make_request_queue("lifo")
+
+
+def test_priority_queue_remove_and_requeue_keep_order() -> None:
+    queue = make_request_queue("priority")
+    reqs = {rid: make_request(rid, [1], priority=p) for rid, p in (("a", 2), ("b", 1), ("c", 1))}
+    for order, r in enumerate(reqs.values()):
+        queue.add(r, order)
+    assert [r.request_id for r in queue] == ["b", "c", "a"]
+    queue.remove(reqs["c"])
+    assert queue.pop() is reqs["b"]
+    queue.push_front(reqs["b"], 1)  # a preempted request goes back to its place, not behind later arrivals
+    assert [r.request_id for r in queue] == ["b", "a"] and len(queue) == 2
+
+
+def test_fcfs_queue_puts_preempted_requests_first() -> None:
+    queue = make_request_queue("fcfs")
+    first, second = make_request("first", [1]), make_request("second", [1])
+    queue.add(second, 1)
+    queue.push_front(first, 0)
+    assert queue.peek() is first and [r.request_id for r in queue] == ["first", "second"]

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from engine_fakes import FakePagedModel, generate_alone, make_request, make_scheduler, run_to_completion, step
 from kvpilot.engine.request import RequestStatus
+
+from .engine_fakes import FakePagedModel, generate_alone, make_request, make_scheduler, run_to_completion, step
 
 A_PROMPT = [1, 2, 3, 4]
 B_PROMPT = [5, 6, 7, 8]
@@ -20,6 +21,8 @@ def test_newest_request_is_preempted_and_recomputed() -> None:
 
     out, _ = step(sched, model)
     assert [(c.request_id, c.block_ids) for c in out.chunks] == [("a", [0]), ("b", [1])]
+    stats = sched.make_stats()
+    assert (stats.kv_cache_usage, stats.num_running, stats.num_used_blocks, stats.num_free_blocks) == (0.5, 2, 2, 2)
     for _ in range(4):  # decodes at positions 4..7 fill one more block each
         out, _ = step(sched, model)
     assert (a.block_ids, b.block_ids) == ([0, 2], [1, 3])

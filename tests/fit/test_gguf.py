@@ -47,5 +47,5 @@ def test_requantizing_a_gguf_model_uses_the_formula(embedded_model: LoadedModel)
 def test_a_corrupt_gguf_is_a_config_error(tmp_path: Path) -> None:
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + b"\x00" * 10)
-    with pytest.raises(ConfigError, match="bad.gguf"):
+    with pytest.raises(ConfigError, match=r"bad\.gguf"):
         load_model(str(bad))

@@ -5,7 +5,7 @@ import pytest
 from kvpilot.fit.errors import FitError
 from kvpilot.fit.hardware import DeviceGroup, get_gpu, parse_device_arg
 from kvpilot.fit.kv_cache import kv_bytes_per_sequence
-from kvpilot.fit.memory import RUNTIME_GPU_BYTES, activation_bytes, plan_memory
+from kvpilot.fit.memory import CPU_DEFAULT_KV_CACHE_BYTES, RUNTIME_GPU_BYTES, activation_bytes, plan_memory
 from kvpilot.fit.model_source import load_model
 from kvpilot.fit.plan import build_report, min_devices
 from kvpilot.fit.workload import FitInputs
@@ -15,9 +15,17 @@ def test_budget_identity_and_block_count() -> None:
     model = load_model("llama-3.1-8b")
     plan = plan_memory(model, parse_device_arg("h100-sxm"), FitInputs())
     assert plan.budget_bytes == int(81559 * 2**20 * 0.9)
-    assert plan.kv_budget_bytes == plan.budget_bytes - plan.weight_bytes_per_device - plan.activation_bytes - RUNTIME_GPU_BYTES
+    used = plan.weight_bytes_per_device + plan.activation_bytes + RUNTIME_GPU_BYTES
+    assert plan.kv_budget_bytes == plan.budget_bytes - used
     assert plan.num_kv_blocks == plan.kv_budget_bytes // (16 * 131_072)
     assert plan.num_kv_tokens == plan.num_kv_blocks * 16
+
+
+def test_cpu_plans_the_engines_default_fixed_kv_cache() -> None:
+    plan = plan_memory(load_model("smollm2-135m"), parse_device_arg("cpu"), FitInputs())
+    assert plan.fixed_kv_bytes == CPU_DEFAULT_KV_CACHE_BYTES == 2 * 2**30
+    assert plan.kv_budget_bytes == 2 * 2**30
+    assert plan.num_kv_blocks == 2 * 2**30 // (16 * 23_040)
 
 
 def test_llama_70b_bf16_needs_two_h100s() -> None:
@@ -53,11 +61,16 @@ def test_max_requests_and_max_context_are_tight() -> None:
     assert plan.workload_margin_bytes == plan.kv_budget_bytes - 64 * per_request
 
 
-def test_kv_cache_memory_cap() -> None:
-    inputs = FitInputs(kv_cache_memory_bytes=2**30)
-    plan = plan_memory(load_model("llama-3.1-8b"), parse_device_arg("h100-sxm"), inputs)
+def test_fixed_kv_cache_memory_replaces_the_utilization_fraction() -> None:
+    model = load_model("llama-3.1-8b")
+    plan = plan_memory(model, parse_device_arg("h100-sxm"), FitInputs(kv_cache_memory_bytes=2**30))
     assert plan.kv_budget_bytes == 2**30
     assert plan.num_kv_blocks == 2**30 // (16 * 131_072)
+    too_big = FitInputs(kv_cache_memory_bytes=100 * 2**30)
+    report = build_report(model, parse_device_arg("h100-sxm"), too_big)
+    free = 81559 * 2**20 - report.memory.weight_bytes_per_device - report.memory.activation_bytes - RUNTIME_GPU_BYTES
+    assert report.memory.kv_budget_bytes == free
+    assert any("exceeds the free memory" in note for note in report.notes)
 
 
 def test_deepseek_v3_fp8_fits_on_eight_h200_not_eight_h100() -> None:

@@ -7,7 +7,8 @@ final JSON / last SSE chunk, and non-streaming responses carry a ``Server-Timing
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 from kvpilot.bench.records import RequestRecord, ServerTimings
 

@@ -95,7 +95,10 @@ def _delta_text(obj: dict[str, Any]) -> str | None:
     if "text" in choice:
         return choice.get("text") or ""
     delta = choice.get("delta") or choice.get("message") or {}
-    return delta.get("content") or "" if isinstance(delta, dict) else ""
+    if not isinstance(delta, dict):
+        return ""
+    # Reasoning models stream their thinking first; it is output too (TTFT counts from it).
+    return delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning") or ""
 
 
 def _handle_event(out: Outcome, data: str, now: float) -> bool:
@@ -125,7 +128,7 @@ def _handle_event(out: Outcome, data: str, now: float) -> bool:
 
 async def _read_stream(resp: httpx.Response, out: Outcome) -> None:
     parser, done = SseParser(), False
-    async for chunk in resp.aiter_raw():
+    async for chunk in resp.aiter_bytes():
         now = time.perf_counter()
         for data in parser.feed(chunk):
             done = _handle_event(out, data, now)

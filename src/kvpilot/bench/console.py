@@ -62,7 +62,7 @@ def sweep_table(runs: list[RunResult], knee: Knee) -> Table:
     table = Table(title="Sweep (increasing load)")
     for col in ("run", "req/s", "out tok/s", "good %", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99",
                 "errors", "knee"):
-        table.add_column(col, justify="left" if col == "run" else "right")
+        table.add_column(col, justify="left" if col == "run" else "right", no_wrap=col == "run")
     for i, r in enumerate(runs):
         a = r.aggregates
         good = "-" if a.good_fraction is None else f"{a.good_fraction:.0%}"

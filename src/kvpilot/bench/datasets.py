@@ -162,7 +162,7 @@ def trace_dataset(cfg: DatasetConfig, tok: Tokenizer, n: int) -> list[WorkItem]:
     except (KeyError, TypeError, ValueError) as exc:
         raise DatasetError("every trace row needs a numeric 'timestamp' (s) or 'timestamp_ms'") from exc
     t0 = min(stamps)
-    items = [_row_item(i, row, cfg, tok, rng, ts - t0) for i, (row, ts) in enumerate(zip(rows, stamps))]
+    items = [_row_item(i, row, cfg, tok, rng, ts - t0) for i, (row, ts) in enumerate(zip(rows, stamps, strict=True))]
     return sorted(items, key=lambda it: it.arrival_s or 0.0)
 
 

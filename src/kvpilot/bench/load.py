@@ -40,6 +40,9 @@ class LoadShape:
             raise LoadShapeError("--num-requests must be >= 1")
         if self.duration_s is not None and self.duration_s <= 0:
             raise LoadShapeError("--duration must be > 0")
+        if not self.closed_loop and math.isinf(self.request_rate) and self.num_requests is None:
+            raise LoadShapeError("--duration alone at an infinite --request-rate would send without end: "
+                                 "add --num-requests, a finite --request-rate, or --concurrency")
         if self.request_rate <= 0 or self.burstiness <= 0:
             raise LoadShapeError("--request-rate and --burstiness must be > 0")
 

@@ -33,8 +33,10 @@ class RunResult:
     def analyse(label: str, output: RunOutput, slos: dict[str, float],
                 max_lag_ms: float) -> RunResult:
         summary = summarize(output.metrics) if output.metrics else None
-        return RunResult(label, output, aggregate(output.records, slos),
-                         judge_client_lag(output.records, output.loop_lag_ms, max_lag_ms), summary)
+        shape = output.shape
+        scheduled = not shape.closed_loop and not math.isinf(shape.request_rate)
+        lag = judge_client_lag(output.records, output.loop_lag_ms, max_lag_ms, has_schedule=scheduled)
+        return RunResult(label, output, aggregate(output.records, slos), lag, summary)
 
     def to_json(self) -> dict[str, Any]:
         shape = asdict(self.output.shape)

@@ -7,7 +7,7 @@ import itertools
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import numpy as np
@@ -70,7 +70,7 @@ class _Run:
     def __init__(self, http: httpx.AsyncClient, target: Target, shape: LoadShape, tok: Tokenizer,
                  on_record: OnRecord | None) -> None:
         self.http, self.target, self.shape, self.tok, self.on_record = http, target, shape, tok, on_record
-        self.t0 = time.perf_counter()
+        self.t0, self.start_unix = time.perf_counter(), time.time()
         self.next_index = 0
         self.records: list[RequestRecord] = []
         cap = shape.max_concurrency if not shape.closed_loop else None
@@ -172,7 +172,7 @@ async def run_load(target: Target, items: list[WorkItem], shape: LoadShape, tok:
         background = [asyncio.create_task(_loop_lag(stop, run.t0, lag))]
         if scraper:
             background.append(asyncio.create_task(scraper.poll(stop)))
-        start_unix, t_start = time.time(), time.perf_counter()
+        t_start = time.perf_counter()
         deadline = t_start + shape.duration_s if shape.duration_s else None
         if shape.closed_loop:
             await run.closed_loop(itertools.cycle(items), shape.num_requests, deadline)
@@ -184,6 +184,6 @@ async def run_load(target: Target, items: list[WorkItem], shape: LoadShape, tok:
         if scraper:
             await scraper.scrape("after")
     records = sorted(run.records, key=lambda r: r.request_index)
-    return RunOutput(shape, records, wall, start_unix, lag,
+    return RunOutput(shape, records, wall, run.start_unix, lag,
                      scraper.samples if scraper else [],
                      scraper.last_error if scraper and not scraper.samples else None)

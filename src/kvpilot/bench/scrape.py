@@ -118,5 +118,5 @@ class Scraper:
             await self.scrape("during")
             try:
                 await asyncio.wait_for(stop.wait(), timeout=self.interval_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass

@@ -5,10 +5,12 @@ from __future__ import annotations
 import re
 from collections import Counter
 from dataclasses import asdict, dataclass
-from typing import Any, Iterable
+from typing import Any
+from collections.abc import Iterable
 
 import numpy as np
 
+from kvpilot.bench.breakdown import stage_breakdown
 from kvpilot.bench.records import RequestRecord
 
 PERCENTILES: tuple[int, ...] = (50, 90, 95, 99)
@@ -121,8 +123,6 @@ def run_duration_s(records: list[RequestRecord]) -> float:
 def aggregate(records: list[RequestRecord], slos: dict[str, float],
               duration_s: float | None = None) -> Aggregates:
     """Aggregate request records; ``duration_s`` defaults to :func:`run_duration_s`."""
-    from kvpilot.bench.breakdown import stage_breakdown  # noqa: PLC0415 (avoid an import cycle)
-
     ok = [r for r in records if r.ok]
     duration = duration_s if duration_s is not None else run_duration_s(records)
     duration = max(duration, 1e-9)

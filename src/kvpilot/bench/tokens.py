@@ -12,11 +12,12 @@ import numpy as np
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Common English words: the fallback tokenizer counts one token per word.
-_WORDS = ("the of and to in is was for on that with as by at from it his an were are which this be "
-          "or had not but first one their its new after who they have her she two been other when "
-          "there all during into school time may years more most only over city some world would "
-          "where later up such used many can state about national out known university united then "
-          "made between").split()
+_WORDS: tuple[str, ...] = tuple((
+    "the of and to in is was for on that with as by at from it his an were are which this be or had "
+    "not but first one their its new after who they have her she two been other when there all during "
+    "into school time may years more most only over city some world would where later up such used "
+    "many can state about national out known university united then made between"
+).split())
 
 
 class TokenizerError(RuntimeError):

@@ -37,7 +37,10 @@ class IncrementalDetokenizer:
     _emitted: int = 0  # characters of `text` already returned as deltas
 
     def push(self, new_token_ids: list[int]) -> str:
-        """Adds tokens; returns the newly safe text delta ('' if it must wait). Sets stop_reason on a match."""
+        """Adds tokens; returns the newly safe text delta ('' if it must wait). Sets stop_reason on a match;
+        tokens pushed after a stop matched are ignored (the text has ended)."""
+        if self.stop_reason is not None:
+            return ""
         for token_id in new_token_ids:
             self.token_ids.append(token_id)
             self._decode_next()

@@ -26,6 +26,13 @@ class Runner(Protocol):
     def release(self, request_ids: Sequence[str]) -> None: ...
 
 
+class _NoText:
+    """Decoder of a model without a tokenizer: token ids only, no text."""
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return ""
+
+
 class PromptError(ValueError):
     """The prompt cannot be used (empty, token ids out of the vocabulary, no tokenizer for text)."""
 
@@ -90,7 +97,7 @@ class LLMEngine:
         request = Request(request_id, token_ids, params, arrival_time=arrival, priority=priority)
         request.timeline.tokenized = self.clock()
         self.scheduler.add_request(request)
-        detokenizer = IncrementalDetokenizer(self.tokenizer, stop=list(params.stop),
+        detokenizer = IncrementalDetokenizer(self.tokenizer or _NoText(), stop=list(params.stop),
                                              skip_special_tokens=params.skip_special_tokens)
         self._tracked[request_id] = _Tracked(request, prompt if isinstance(prompt, str) else None, detokenizer,
                                              frozenset(params.stop_token_ids))

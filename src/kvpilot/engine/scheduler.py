@@ -50,6 +50,7 @@ class Scheduler:
     Invariants (check_integrity): every unfinished request is either RUNNING (in the running list, sorted
     by policy order, holding blocks for its computed tokens) or WAITING/PREEMPTED (in the waiting queue,
     holding no blocks); len(running) <= max_num_seqs; block bookkeeping is consistent.
+    Not thread-safe: call it (aborts included) from the engine loop's thread, between steps.
     """
 
     def __init__(

@@ -40,7 +40,8 @@ def _emit_json(payload: Any) -> None:
 
 def fit_command(
     model: Annotated[str, typer.Argument(
-        help="Catalog name or HF repo id (see --list), a config.json or its directory, or a GGUF file.")] = "smollm2-135m",
+        help="Catalog name or HF repo id (see --list), a config.json or its directory, or a GGUF file."),
+    ] = "smollm2-135m",
     gpu: Annotated[str, typer.Option("--gpu", "-g", help="Device NAME[:count], e.g. h100-sxm:8, l4, or cpu.")] = "cpu",
     weight_dtype: Annotated[str, typer.Option(
         help="Weight format: auto, fp32, bf16, fp16, fp8, int8, int4 or a GGUF type (q4_k, q8_0...).")] = "auto",
@@ -49,7 +50,8 @@ def fit_command(
     gpu_memory_utilization: Annotated[float, typer.Option(
         help="Fraction of device memory the server may use (vLLM default 0.9).")] = 0.9,
     kv_cache_memory_bytes: Annotated[int | None, typer.Option(
-        help="Cap the KV cache at this many bytes per device (vLLM --kv-cache-memory-bytes).")] = None,
+        help="Fixed KV cache size per device, replacing the utilization fraction "
+             "(vLLM --kv-cache-memory-bytes; default on cpu: 2 GiB, as kvpilot serve).")] = None,
     input_len: Annotated[int, typer.Option(help="Prompt tokens per request.")] = 1024,
     output_len: Annotated[int, typer.Option(help="Generated tokens per request.")] = 256,
     concurrency: Annotated[int, typer.Option(help="Target number of requests in flight.")] = 16,

@@ -19,14 +19,17 @@ from kvpilot.fit.model_spec import ModelSpec
 class KvShape(Protocol):
     """What the paged cache needs to know; both ModelSpec and the engine's ModelConfig satisfy it."""
 
-    num_hidden_layers: int
-    num_key_value_heads: int
-    head_dim: int
+    @property
+    def num_hidden_layers(self) -> int: ...
+    @property
+    def num_key_value_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
 
 
 def kv_cache_bytes_per_block(spec: KvShape, block_size: int, kv_dtype_bytes: int) -> int:
-    """Bytes of one block in the engine's cache: per layer one K and one V tensor, each
-    [num_blocks, block_size, num_key_value_heads, head_dim]. So 2 * layers * block * heads * dim * bytes."""
+    """Bytes of one block in the engine's cache, which holds K and V for every layer (per layer
+    [2, num_blocks, block_size, num_key_value_heads, head_dim]): 2 * layers * block * heads * dim * bytes."""
     if block_size <= 0 or kv_dtype_bytes <= 0:
         raise ValueError(f"block_size ({block_size}) and kv_dtype_bytes ({kv_dtype_bytes}) must be positive")
     return 2 * spec.num_hidden_layers * block_size * spec.num_key_value_heads * spec.head_dim * kv_dtype_bytes

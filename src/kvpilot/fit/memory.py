@@ -2,6 +2,9 @@
 
 Per device (vLLM's own accounting, `gpu_worker.determine_available_memory`):
     kv_budget = total * gpu_memory_utilization - weights/num_devices - activation_peak - runtime
+With a fixed KV size (vLLM --kv-cache-memory-bytes; on a CPU 2 GiB by default, as kvpilot serve
+allocates) the utilization fraction is ignored and
+    kv_budget = min(fixed size, total - weights/num_devices - activation_peak - runtime)
 Constants (estimates; vLLM measures these at start-up and logs them, expect +-1 GiB per GPU):
 - RUNTIME_GPU_BYTES 1 GiB: CUDA context, cuBLAS/NCCL workspaces (~0.5 GiB of "non-torch memory" in
   vLLM's profiling log) plus CUDA graphs (vLLM logs 0.3-1 GiB for "Graph capturing").
@@ -26,6 +29,9 @@ from kvpilot.fit.weight_formats import compute_dtype, dtype_bytes, kv_dtype_byte
 from kvpilot.fit.weights import WeightBytes, weight_bytes
 from kvpilot.fit.workload import FitInputs
 
+# kvpilot serve on a CPU allocates a fixed KV cache unless told otherwise (vLLM's CPU backend does the
+# same with VLLM_CPU_KVCACHE_SPACE); the engine's default, kept here so plan and server agree.
+CPU_DEFAULT_KV_CACHE_BYTES = 2 * GIB
 RUNTIME_GPU_BYTES = 1 * GIB
 RUNTIME_CPU_BYTES = GIB // 2
 MAX_TENSOR_PARALLEL = 8
@@ -61,7 +67,8 @@ class MemoryPlan:
     parallelism: Parallelism
     weights: WeightBytes
     total_bytes: int
-    budget_bytes: int
+    budget_bytes: int  # total * utilization, or total when the KV size is fixed
+    fixed_kv_bytes: int | None  # the requested fixed KV size (--kv-cache-memory-bytes or the CPU default)
     weight_bytes_per_device: int
     activation_bytes: int
     runtime_bytes: int
@@ -140,11 +147,15 @@ def plan_memory(model: LoadedModel, group: DeviceGroup, inputs: FitInputs) -> Me
     act = activation_bytes(spec, inputs, dtype_bytes(compute_dtype(spec, inputs.dtype)), tp)
     runtime = RUNTIME_GPU_BYTES if group.device.is_gpu else RUNTIME_CPU_BYTES
     total = group.device.memory_bytes
-    budget = math.floor(total * inputs.gpu_memory_utilization)
+    # A fixed KV size replaces the utilization fraction, as in vLLM; it cannot exceed what is free.
+    fixed_kv = inputs.kv_cache_memory_bytes
+    if fixed_kv is None and not group.device.is_gpu:
+        fixed_kv = CPU_DEFAULT_KV_CACHE_BYTES
+    budget = total if fixed_kv is not None else math.floor(total * inputs.gpu_memory_utilization)
     weights_per_device = math.ceil(weights.num_bytes / par.num_devices)
     kv_budget = budget - weights_per_device - act - runtime
-    if inputs.kv_cache_memory_bytes is not None:
-        kv_budget = min(kv_budget, inputs.kv_cache_memory_bytes) if kv_budget > 0 else kv_budget
+    if fixed_kv is not None:
+        kv_budget = min(kv_budget, fixed_kv)
     per_token = math.ceil(kv_bytes_per_token(spec, kvb, tp) / pp)
     num_blocks = max(0, kv_budget // (per_token * inputs.block_size))
     limit = inputs.max_model_len or spec.max_position_embeddings
@@ -154,6 +165,7 @@ def plan_memory(model: LoadedModel, group: DeviceGroup, inputs: FitInputs) -> Me
         weights=weights,
         total_bytes=total,
         budget_bytes=budget,
+        fixed_kv_bytes=fixed_kv,
         weight_bytes_per_device=weights_per_device,
         activation_bytes=act,
         runtime_bytes=runtime,

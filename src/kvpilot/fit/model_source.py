@@ -4,7 +4,7 @@ directory), or a GGUF file."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +24,12 @@ class LoadedModel:
     params: ParamCounts
     source: str
     gguf: GgufSizes | None = None
+    hf_config: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)  # as read
 
 
 def _from_config(config: dict[str, Any], name: str, source: str) -> LoadedModel:
     spec = spec_from_hf_config(config, name)
-    return LoadedModel(spec=spec, params=count_params(spec), source=source)
+    return LoadedModel(spec=spec, params=count_params(spec), source=source, hf_config=config)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -52,7 +53,7 @@ def _from_gguf(path: Path) -> LoadedModel:
     except ModelLoadError as exc:
         raise ConfigError(str(exc)) from exc
     loaded = _from_config(config, path.stem, f"GGUF file {path}")
-    return LoadedModel(loaded.spec, loaded.params, loaded.source, gguf_sizes(reader))
+    return LoadedModel(loaded.spec, loaded.params, loaded.source, gguf_sizes(reader), config)
 
 
 def _is_gguf(path: Path) -> bool:

@@ -84,7 +84,8 @@ def _text_config(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def _int(config: dict[str, Any], key: str, default: int | None = None) -> int:
-    value = config.get(key, default)
+    value = config.get(key)
+    value = default if value is None else value  # some configs write null for "use the default"
     if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
         raise ConfigError(f"config field '{key}' must be a positive number, got {value!r}.")
     return int(value)

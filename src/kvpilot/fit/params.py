@@ -57,7 +57,8 @@ def _attention_counts(spec: ModelSpec) -> tuple[int, int]:
             q_matrix, q_vector = h * m.q_lora_rank + m.q_lora_rank * heads * qk_dim, m.q_lora_rank
         else:
             q_matrix, q_vector = h * heads * qk_dim, 0
-        kv_matrix = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim)
+        kv_a = h * (m.kv_lora_rank + m.qk_rope_head_dim)  # compressed latent + shared rope key
+        kv_matrix = kv_a + m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim)
         o_matrix = heads * m.v_head_dim * h
         return q_matrix + kv_matrix + o_matrix, q_vector + m.kv_lora_rank
     matrix = h * heads * hd + 2 * h * kv * hd + heads * hd * h

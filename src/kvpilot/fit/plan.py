@@ -62,6 +62,10 @@ def _notes(report_plan: MemoryPlan, model: LoadedModel, group: DeviceGroup, inpu
                      "the rest queue or get preempted.")
         if inputs.kv_cache_dtype == "auto" and report_plan.kv_dtype_bytes > 1 and group.device.fp8_flops:
             notes.append("--kv-cache-dtype fp8 would halve KV bytes per token.")
+    fixed_kv = report_plan.fixed_kv_bytes
+    if fixed_kv is not None and report_plan.kv_budget_bytes < fixed_kv:
+        notes.append(f"the fixed KV size of {fixed_kv:,} bytes exceeds the free memory "
+                     f"({max(0, report_plan.kv_budget_bytes):,} bytes): the server would run out of memory.")
     if model.spec.num_sliding_layers:
         notes.append(f"{model.spec.num_sliding_layers} of {model.spec.num_hidden_layers} layers use a "
                      f"{model.spec.sliding_window}-token sliding window: their KV is capped per request.")
@@ -144,7 +148,8 @@ def _jsonable(value: Any) -> Any:
 
 def report_to_json(report: FitReport) -> dict[str, Any]:
     """Plain JSON: the dataclass fields plus the derived answers (fits, margins, flags as argv)."""
-    data = _jsonable(report)
+    data: dict[str, Any] = _jsonable(report)
+    del data["model"]["hf_config"]  # the input, not an answer
     p = report.model.params
     data["model"]["params"].update(num_total=p.num_total, num_active=p.num_active)
     m = report.memory

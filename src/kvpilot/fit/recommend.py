@@ -7,9 +7,6 @@ from dataclasses import dataclass
 from kvpilot.fit.memory import MemoryPlan
 from kvpilot.fit.workload import FitInputs
 
-# vLLM V1's largest default --max-num-seqs; more concurrent sequences rarely help decode throughput.
-MAX_RECOMMENDED_NUM_SEQS = 1024
-
 
 @dataclass(frozen=True)
 class RecommendedFlags:
@@ -58,7 +55,8 @@ def recommend_flags(plan: MemoryPlan, inputs: FitInputs, checkpoint_quantization
         pipeline_parallel_size=plan.parallelism.pipeline_parallel_size,
         gpu_memory_utilization=inputs.gpu_memory_utilization,
         max_model_len=min(plan.max_model_len, plan.max_context_single_request),
-        max_num_seqs=max(1, min(plan.max_num_requests, MAX_RECOMMENDED_NUM_SEQS)),
+        # no more than fit without preemption, nor than the activation estimate assumed
+        max_num_seqs=max(1, min(plan.max_num_requests, inputs.max_num_seqs)),
         kv_cache_dtype=inputs.kv_cache_dtype,
         block_size=inputs.block_size,
         quantization=quantization,

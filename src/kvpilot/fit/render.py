@@ -41,12 +41,18 @@ def _memory_table(r: FitReport) -> Table:
     t = _table(f"Memory per device (tp={m.parallelism.tensor_parallel_size}, "
                f"pp={m.parallelism.pipeline_parallel_size})")
     t.add_row("total", units.gib(m.total_bytes))
-    t.add_row(f"budget (x{r.inputs.gpu_memory_utilization:g})", units.gib(m.budget_bytes))
+    if m.fixed_kv_bytes is None:
+        t.add_row(f"budget (x{r.inputs.gpu_memory_utilization:g})", units.gib(m.budget_bytes))
     t.add_row("- weights", units.gib(m.weight_bytes_per_device))
     t.add_row("- activation peak", units.gib(m.activation_bytes))
     t.add_row("- runtime", units.gib(m.runtime_bytes))
     style = "green" if m.kv_budget_bytes > 0 else "red"
-    t.add_row("= KV cache", Text(units.gib(m.kv_budget_bytes), style=style))
+    if m.fixed_kv_bytes is None:
+        t.add_row("= KV cache", Text(units.gib(m.kv_budget_bytes), style=style))
+    else:
+        free = m.budget_bytes - m.weight_bytes_per_device - m.activation_bytes - m.runtime_bytes
+        t.add_row("= free", units.gib(free))
+        t.add_row("KV cache (fixed size)", Text(units.gib(m.kv_budget_bytes), style=style))
     t.add_row("KV capacity", f"{m.num_kv_blocks:,} blocks x {m.block_size} = {m.num_kv_tokens:,} tokens")
     return t
 
@@ -89,26 +95,31 @@ def _model_ref(r: FitReport) -> str:
         return r.model.source.split(" ")[-1]
 
 
-def _flags(r: FitReport) -> Text | None:
+def _flag_lines(r: FitReport) -> list[str]:
     if r.flags is None:
-        return None
+        return []
     ref = _model_ref(r)
-    text = Text("Recommended flags\n", style="bold")
-    text.append("  vllm serve " + shlex.join([ref, *r.flags.vllm_args()]) + "\n")
+    lines = ["vllm serve " + shlex.join([ref, *r.flags.vllm_args()])]
     if r.flags.tensor_parallel_size * r.flags.pipeline_parallel_size == 1:
-        text.append("  kvpilot serve " + shlex.join(["--model", ref, *r.flags.kvpilot_args()]) + "\n")
-    return text
+        lines.append("kvpilot serve " + shlex.join(["--model", ref, *r.flags.kvpilot_args()]))
+    return lines
 
 
 def render_report(r: FitReport, console: Console) -> None:
-    parts = [_model_table(r), _memory_table(r), _capacity_table(r), _roofline_table(r), _flags(r)]
-    notes = Text("".join(f"note: {n}\n" for n in r.notes), style="yellow")
-    console.print(Group(*[p for p in parts if p is not None], notes))
+    parts = [_model_table(r), _memory_table(r), _capacity_table(r), _roofline_table(r)]
+    console.print(Group(*[p for p in parts if p is not None]))
+    lines = _flag_lines(r)
+    if lines:
+        console.print("Recommended flags", style="bold")
+        for line in lines:  # unwrapped, so the command can be copied whole
+            console.print(Text(line), soft_wrap=True)
+    for note in r.notes:
+        console.print(Text(f"note: {note}", style="yellow"))
 
 
 def render_comparison(rows: list[GpuComparison], console: Console) -> None:
     table = Table(title="GPUs ranked by decode throughput per device (roofline bounds)", title_justify="left")
-    for name in ("GPU", "count", "KV tokens/device", "TTFT", "decode/seq", "total decode", "per device"):
+    for name in ("GPU", "count", "KV tokens", "TTFT", "decode/seq", "total decode", "per device"):
         table.add_column(name, justify="left" if name == "GPU" else "right")
     for row in rows:
         r = row.report

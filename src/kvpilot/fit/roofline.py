@@ -21,7 +21,7 @@ from kvpilot.fit.hardware import DeviceGroup
 from kvpilot.fit.kv_cache import kv_bytes_per_sequence
 from kvpilot.fit.memory import MemoryPlan
 from kvpilot.fit.model_source import LoadedModel
-from kvpilot.fit.model_spec import ModelSpec
+from kvpilot.fit.model_spec import ModelSpec, MoeDims
 
 MAX_BATCH_SEARCHED = 1 << 16
 
@@ -57,9 +57,9 @@ class Roofline:
     cost_per_million_output_tokens: float | None
 
 
-def _expected_experts(spec: ModelSpec, batch: int) -> float:
-    assert spec.moe is not None  # only called for MoE models
-    e, k = spec.moe.num_experts, spec.moe.num_experts_per_tok
+def _expected_experts(moe: MoeDims, batch: int) -> float:
+    """Distinct experts per layer that `batch` tokens route to, with uniform independent routing."""
+    e, k = moe.num_experts, moe.num_experts_per_tok
     return e * (1 - (1 - k / e) ** batch)
 
 
@@ -69,8 +69,8 @@ def weights_read_bytes(model: LoadedModel, plan: MemoryPlan, batch: int) -> floa
     head = w.num_bytes_lm_head if w.num_bytes_lm_head else w.num_bytes_embedding
     layers = float(w.num_bytes_layers)
     if spec.moe is not None and w.num_bytes_expert:
-        moe_layers = model.params.num_moe_layers
-        layers -= moe_layers * w.num_bytes_expert * (spec.moe.num_experts - _expected_experts(spec, batch))
+        idle_experts = spec.moe.num_experts - _expected_experts(spec.moe, batch)
+        layers -= model.params.num_moe_layers * w.num_bytes_expert * idle_experts
     return layers + head
 
 
@@ -94,8 +94,9 @@ def flops_per_token(model: LoadedModel, context: int) -> float:
 def _peak_flops(group: DeviceGroup, plan: MemoryPlan) -> float:
     """FLOP/s of the whole group."""
     device = group.device
-    use_fp8 = plan.weights.format_name == "fp8" and device.fp8_flops
-    return (device.fp8_flops if use_fp8 else device.bf16_flops) * group.count
+    if plan.weights.format_name == "fp8" and device.fp8_flops is not None:
+        return device.fp8_flops * group.count
+    return device.bf16_flops * group.count
 
 
 def decode_point(model: LoadedModel, group: DeviceGroup, plan: MemoryPlan, batch: int, context: int) -> DecodePoint:

@@ -81,7 +81,7 @@ QWEN25_72B: dict[str, Any] = {
     "initializer_range": 0.02,
     "intermediate_size": 29568,
     "max_position_embeddings": 32768,
-    "max_window_layers": 80,
+    "max_window_layers": 70,
     "model_type": "qwen2",
     "num_attention_heads": 64,
     "num_hidden_layers": 80,

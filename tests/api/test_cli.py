@@ -1,0 +1,48 @@
+"""The `kvpilot` command, run as a user would run it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+KVPILOT = [sys.executable, "-m", "kvpilot.cli"]
+
+
+def _run(*args: str, stdin: str | None = None, timeout: int = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([*KVPILOT, *args], input=stdin, capture_output=True, text=True, timeout=timeout)
+
+
+def test_help_lists_commands_and_explains_flags():
+    top = _run("--help")
+    assert top.returncode == 0
+    for command in ("generate", "chat", "fit", "bench"):
+        assert command in top.stdout
+    gen = _run("generate", "--help")
+    assert "--kv-cache-memory" in gen.stdout and "Default: the embedded" in gen.stdout.replace("\n", " ")
+
+
+@pytest.mark.slow
+def test_generate_prints_the_greedy_completion():
+    result = _run("generate", "What is the capital of France?", "--chat", "--max-tokens", "16", "--dtype", "float32",
+                  "--kv-cache-memory", "512MiB", "--max-model-len", "1024")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "The capital of France is Paris."
+
+
+@pytest.mark.slow
+def test_chat_keeps_history_and_streams_replies():
+    result = _run("chat", "--temperature", "0", "--max-tokens", "24", "--dtype", "float32", "--kv-cache-memory",
+                  "512MiB", "--max-model-len", "1024",
+                  stdin="What is the capital of France?\nAnd what did I just ask you?\n/exit\n")
+    assert result.returncode == 0, result.stderr
+    assert "The capital of France is Paris." in result.stdout
+    assert result.stdout.count("\n") >= 3
+
+
+def test_bad_model_path_is_one_clear_line():
+    result = _run("generate", "hi", "--model", "/nonexistent/model.gguf")
+    assert result.returncode == 2
+    assert "error: /nonexistent/model.gguf: no such GGUF file" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -1,0 +1,97 @@
+"""`kvpilot bench` through its typer command: help text, every dataset, bad input without tracebacks."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import typing
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from kvpilot.bench.cli import bench_command
+from kvpilot.bench.scripted_process import ScriptedProcess, free_port
+from kvpilot.bench.scripted_server import Behavior
+
+app = typer.Typer()
+app.command("bench")(bench_command)
+runner = CliRunner()
+FAST = ["--num-requests", "6", "--concurrency", "2", "--output-len", "3", "--input-len", "8",
+        "--no-progress", "--scrape-interval", "0.1"]
+
+
+def invoke(*args: str) -> tuple[int, str]:
+    result = runner.invoke(app, list(args))
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    return result.exit_code, " ".join(result.output.split())  # rich wraps long lines
+
+
+def test_help_explains_every_flag() -> None:
+    code, text = invoke("--help")
+    assert code == 0
+    flags = [name.replace("_", "-") for name in inspect.signature(bench_command).parameters]
+    missing = [f for f in flags if f"--{f}" not in text]
+    assert missing == []
+    for name, hint in typing.get_type_hints(bench_command, include_extras=True).items():
+        if name != "return":
+            info = hint.__metadata__[0] if hasattr(hint, "__metadata__") else None
+            assert info is not None and len(info.help or "") > 10, f"--{name} has no help"
+
+
+@pytest.mark.parametrize("dataset", ["random", "shared-prefix", "long-short", "multi-turn", "jsonl", "trace"])
+def test_every_dataset_runs(scripted: ScriptedProcess, tmp_path: Path, dataset: str) -> None:
+    scripted.set_script(Behavior(ttft_s=0.005, itl_s=0.002))
+    extra: list[str] = ["--endpoint", "chat"] if dataset == "multi-turn" else []
+    if dataset in ("jsonl", "trace"):
+        path = tmp_path / "data.jsonl"
+        path.write_text("\n".join(json.dumps({"timestamp": i * 0.01, "prompt": f"hello {i}"}) for i in range(6)))
+        extra += ["--dataset-path", str(path)]
+    if dataset == "long-short":
+        extra += ["--long-input-len", "40", "--long-fraction", "0.5"]
+    if dataset == "shared-prefix":
+        extra += ["--prefix-len", "4", "--num-prefixes", "2", "--num-suffixes", "3"]
+    out = tmp_path / "r.json"
+    code, text = invoke("--base-url", scripted.base_url, "--dataset", dataset, *FAST, *extra, "--output", str(out))
+    assert code == 0, text
+    doc = json.loads(out.read_text())
+    run = doc["runs"][0]
+    assert doc["config"]["dataset"]["kind"] == dataset
+    assert run["aggregates"]["num_ok"] == 6 and "Latency (ms)" in text
+
+
+def test_errors_are_summarised_without_traceback(scripted: ScriptedProcess, tmp_path: Path) -> None:
+    scripted.set_script(Behavior(ttft_s=0.005, itl_s=0.002), Behavior(status=429, retry_after_s=1),
+                        Behavior(ttft_s=0.005, itl_s=0.002, die_after_tokens=1),
+                        Behavior(ttft_s=0.005, itl_s=0.002, malformed_after_tokens=1))
+    code, text = invoke("--base-url", scripted.base_url, *FAST, "--html", str(tmp_path / "r.html"),
+                        "--csv", str(tmp_path / "r.csv"))
+    assert code == 0 and "Traceback" not in text
+    for kind in ("http_429", "stream_incomplete", "malformed_sse"):
+        assert f"errors: {kind}" in text
+    assert (tmp_path / "r.html").stat().st_size > 0 and (tmp_path / "r.csv").exists()
+
+
+def test_unreachable_server() -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    code, text = invoke("--base-url", url, *FAST)
+    assert code == 2 and "pass --model" in text and "Traceback" not in text
+    code, text = invoke("--base-url", url, "--model", "m", *FAST)
+    assert code == 1 and "errors: connect_error" in text and "every request failed" in text
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--slo", "ttft=fast"], "bad SLO"), (["--dataset", "nope"], "--dataset"),
+    (["--dataset", "jsonl"], "--dataset-path"), (["--request-rate", "0"], "--request-rate"),
+    (["--endpoint", "embeddings"], "--endpoint")])
+def test_bad_options_say_what_to_do(scripted: ScriptedProcess, args: list[str], message: str) -> None:
+    code, text = invoke("--base-url", scripted.base_url, "--model", "m", "--num-requests", "1", *args)
+    assert code == 2 and message in text and "Traceback" not in text
+
+
+def test_dataset_help_lists_every_dataset() -> None:
+    from kvpilot.bench.cli import DATASETS_HELP  # noqa: PLC0415
+    from kvpilot.bench.datasets import DATASET_KINDS  # noqa: PLC0415
+
+    assert DATASETS_HELP == ", ".join(DATASET_KINDS)

@@ -1,0 +1,48 @@
+"""Incremental detokenization: deltas add up to the full text, multi-byte characters split across tokens are
+never emitted half-done, and stop strings never reach the output."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpilot.engine.detokenizer import IncrementalDetokenizer
+from kvpilot.model.gguf_metadata import open_gguf
+from kvpilot.model.tokenizer import tokenizer_from_gguf
+
+TEXT = "Grüße aus Köln! 日本語のテキスト 😀🎉 and plain ASCII at the end."
+
+
+@pytest.fixture(scope="module")
+def tokenizer(gguf_path):
+    return tokenizer_from_gguf(open_gguf(gguf_path), gguf_path)
+
+
+def test_deltas_concatenate_to_text_without_broken_characters(tokenizer):
+    ids = tokenizer.encode(TEXT)
+    assert len(ids) > len(TEXT.split())  # multi-byte characters really are split over several tokens
+    detok = IncrementalDetokenizer(tokenizer)
+    deltas = [detok.push([token]) for token in ids] + [detok.finish()]
+    assert "".join(deltas) == TEXT == detok.text
+    assert all("\ufffd" not in d for d in deltas)
+
+
+def test_stop_string_is_cut_and_never_streamed(tokenizer):
+    ids = tokenizer.encode("The answer is 42. STOP here and more text")
+    detok = IncrementalDetokenizer(tokenizer, stop=["STOP"])
+    deltas = []
+    for token in ids:
+        deltas.append(detok.push([token]))
+        if detok.stop_reason:
+            break
+    deltas.append(detok.finish())
+    assert detok.stop_reason == "STOP"
+    assert detok.text == "The answer is 42. "
+    assert "".join(deltas) == detok.text
+    assert not any("S" in d for d in deltas)
+
+
+def test_stop_string_spanning_tokens(tokenizer):
+    ids = tokenizer.encode("alpha beta gamma delta")
+    detok = IncrementalDetokenizer(tokenizer, stop=["ta gam"])
+    streamed = "".join(detok.push([t]) for t in ids) + detok.finish()
+    assert detok.text == "alpha be" and streamed == "alpha be"
