@@ -14,14 +14,17 @@ from kvpilot.engine.config import CacheConfig, EngineConfigError, SchedulerConfi
 from kvpilot.engine.engine import LLMEngine
 from kvpilot.engine.scheduler import Scheduler
 from kvpilot.engine.scheduler_output import ScheduledChunk
+from kvpilot.fit.kv_cache import format_capacity_line, kv_capacity_for_memory
+from kvpilot.fit.memory import CPU_DEFAULT_KV_CACHE_BYTES
 from kvpilot.memory_size import format_bytes, parse_memory_size
-from kvpilot.model.kv_cache import kv_cache_bytes_per_block
 from kvpilot.model.loader import LoadedModel, load_model
 from kvpilot.model.runner import ModelRunner
 
 logger = logging.getLogger("kvpilot")
 
-DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3  # like vLLM's VLLM_CPU_KVCACHE_SPACE, but 2 GiB: RSS matters on small boxes
+# Like vLLM's VLLM_CPU_KVCACHE_SPACE (4 GiB there), 2 GiB here: RSS matters on small boxes. Defined in `fit`
+# so the planner and the engine use one number.
+DEFAULT_CPU_KV_CACHE_BYTES = CPU_DEFAULT_KV_CACHE_BYTES
 
 
 @dataclass(kw_only=True)
@@ -86,28 +89,30 @@ def kv_cache_budget_bytes(args: EngineArgs, loaded: LoadedModel, max_num_batched
     return DEFAULT_CPU_KV_CACHE_BYTES
 
 
-def build_engine(args: EngineArgs) -> tuple[LLMEngine, LoadedModel]:
-    """Loads the model and builds the engine; EngineConfigError / ModelLoadError say what to change."""
+def build_engine(args: EngineArgs, loaded: LoadedModel | None = None) -> tuple[LLMEngine, LoadedModel]:
+    """Loads the model (or reuses `loaded`: its weights are read-only, so engines may share them) and builds
+    the engine; EngineConfigError / ModelLoadError say what to change."""
     args.check()
-    loaded = load_model(args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
-                        max_model_len=args.max_model_len, seed=args.seed)
+    if loaded is None:
+        loaded = load_model(args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
+                            max_model_len=args.max_model_len, seed=args.seed)
     max_model_len = args.max_model_len or loaded.config.max_position_embeddings
     scheduler_config = SchedulerConfig(
         max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens or max(2048, args.max_num_seqs),
         scheduling_policy=args.scheduling_policy)
-    bytes_per_block = kv_cache_bytes_per_block(loaded.config, args.block_size, loaded.dtype)
     budget = kv_cache_budget_bytes(args, loaded, scheduler_config.max_num_batched_tokens)
-    num_blocks = budget // bytes_per_block
-    if num_blocks < 1:
+    element_size = torch.tensor([], dtype=loaded.dtype).element_size()
+    # The same function `kvpilot fit` predicts with: plan and engine agree by construction.
+    capacity = kv_capacity_for_memory(loaded.config, budget, args.block_size, element_size, max_model_len)
+    if capacity.num_blocks < 1:
         raise EngineConfigError(f"the KV cache budget of {format_bytes(budget)} holds no block of "
-                                f"{format_bytes(bytes_per_block)}: raise kv_cache_memory")
-    cache_config = CacheConfig(num_blocks=num_blocks, block_size=args.block_size,
+                                f"{format_bytes(capacity.bytes_per_block)}: raise kv_cache_memory")
+    cache_config = CacheConfig(num_blocks=capacity.num_blocks, block_size=args.block_size,
                                enable_prefix_caching=args.enable_prefix_caching)
     check_model_len_fits(scheduler_config, cache_config)
-    logger.info("KV cache: %d blocks x %d tokens = %d tokens (%s); max concurrency for %d-token requests: %.1fx",
-                num_blocks, args.block_size, cache_config.num_tokens, format_bytes(num_blocks * bytes_per_block),
-                max_model_len, cache_config.num_tokens / max_model_len)
+    logger.info(format_capacity_line(capacity))
+    num_blocks = capacity.num_blocks
     runner = ModelRunner(loaded, num_blocks, args.block_size)
     eos = loaded.tokenizer.eos_token_ids[0] if loaded.tokenizer and loaded.tokenizer.eos_token_ids else (
         loaded.config.eos_token_ids[0] if loaded.config.eos_token_ids else None)

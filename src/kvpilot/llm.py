@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Iterator, Sequence
 
 from kvpilot.engine_args import EngineArgs, build_engine
+from kvpilot.model.loader import LoadedModel
 from kvpilot.outputs import RequestOutput
 from kvpilot.sampling_params import SamplingParams
 
@@ -17,12 +18,13 @@ class LLM:
     (max_model_len, max_num_seqs, max_num_batched_tokens, kv_cache_memory, gpu_memory_utilization, block_size,
     enable_prefix_caching, scheduling_policy, dtype, load_format, device, seed)."""
 
-    def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
+    def __init__(self, model: str | None = None, *, loaded: LoadedModel | None = None, **engine_kwargs: Any) -> None:
+        """`loaded` reuses the weights of another LLM (`other.loaded`) with different engine settings."""
         unknown = set(engine_kwargs) - set(EngineArgs.__dataclass_fields__)
         if unknown:
             allowed = ", ".join(sorted(EngineArgs.__dataclass_fields__))
             raise TypeError(f"LLM() got unknown settings {sorted(unknown)}; allowed: {allowed}")
-        self.engine, self.loaded = build_engine(EngineArgs(model=model, **engine_kwargs))
+        self.engine, self.loaded = build_engine(EngineArgs(model=model, **engine_kwargs), loaded)
         self.tokenizer = self.loaded.tokenizer
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams]

@@ -5,15 +5,28 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability and the top-N alternatives [(token_id, logprob)], best first."""
+
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]]
+
+
 @dataclass
 class CompletionOutput:
-    """One generated sequence. `finish_reason` is None while running, then "stop", "length" or "abort"."""
+    """One generated sequence. `finish_reason` is None while running, then "stop", "length" or "abort".
+
+    `logprobs` (when requested) has one entry per generated token id, aligned with `token_ids`.
+    """
 
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass

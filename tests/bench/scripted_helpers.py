@@ -36,6 +36,9 @@ def run_quiet(server: ScriptedProcess, shape: LoadShape, max_server_ttft_ms: flo
         out = run_scripted(server, shape, **kw)  # type: ignore[arg-type]
         server_late = any(r.server is not None and r.server.ttft_ms > max_server_ttft_ms
                           for r in out.records)
+        lag = judge_client_lag(out.records, out.loop_lag_ms)
+        print("attempt:", server_late, lag.message, [round(r.ttft_ms or 0) for r in out.records],
+              [round(r.server.ttft_ms) for r in out.records if r.server])  # shown when a test fails
         if not server_late and not judge_client_lag(out.records, out.loop_lag_ms).overloaded:
             return out
     return out

@@ -51,17 +51,19 @@ def test_poisson_arrivals_hit_the_rate_at_the_server(scripted: ScriptedProcess) 
     scripted.set_script(Behavior(ttft_s=0.005, itl_s=0.001, num_output_tokens=2))
     rate, n = 40.0, 80
     out = run_scripted(scripted, LoadShape(request_rate=rate, num_requests=n, seed=3), num_items=n)
-    arrivals = sorted(s["arrival"] for s in scripted.served())
+    arrivals = np.sort([s["arrival"] for s in scripted.served()])
+    planned = np.sort([r.scheduled_s for r in out.records])
     assert len(arrivals) == n and all(r.ok for r in out.records)
-    measured = (n - 1) / (arrivals[-1] - arrivals[0])
-    planned = [r.scheduled_s for r in out.records]
-    planned_rate = (n - 1) / (max(planned) - min(planned))
-    # The server sees the client's planned schedule (within 10%) ...
-    assert abs(measured - planned_rate) / planned_rate < 0.10
-    # ... and the plan is a Poisson process at the requested rate (n=80: ~3 sigma is 35%).
-    assert abs(planned_rate - rate) / rate < 0.35
-    gaps = np.diff(sorted(planned))
+    # The plan is a Poisson process at the requested rate (n=80: 3 sigma is ~35%) ...
+    assert abs((n - 1) / (planned[-1] - planned[0]) - rate) / rate < 0.35
+    gaps = np.diff(planned)
     assert 0.6 < gaps.std() / gaps.mean() < 1.4  # exponential gaps: coefficient of variation ~1
+    # ... and the server sees that plan: arrival minus planned time is a constant (clock offset)
+    # plus small delays, for 90% of requests (outliers: connection setup, a busy shared CPU).
+    delay = arrivals - planned
+    assert np.percentile(np.abs(delay - np.median(delay)), 90) < 0.015
+    server_rate = 1.0 / np.polyfit(np.arange(n), arrivals, 1)[0]
+    assert abs(server_rate - rate) / rate < 0.35
 
 
 def test_client_queue_wait_is_reported_separately_from_ttft(scripted: ScriptedProcess) -> None:
@@ -82,7 +84,6 @@ def test_closed_loop_keeps_n_in_flight(scripted: ScriptedProcess) -> None:
     scripted.set_script(Behavior(ttft_s=0.020, itl_s=0.010, num_output_tokens=4))
     out = run_scripted(scripted, LoadShape(concurrency=3, num_requests=12), num_items=12)
     assert [r.request_index for r in out.records] == list(range(12))
-    sent = sorted(r.sent_s for r in out.records)
-    # Three go out at once, the fourth only after one of them finished (~50 ms later).
-    assert sent[2] - sent[0] < 0.02 and sent[3] - sent[0] > 0.04
-
+    spans = [(r.sent_s, r.sent_s + (r.e2e_ms or 0) / 1000) for r in out.records]
+    in_flight = [sum(1 for s, e in spans if s <= t < e) for t, _ in spans]
+    assert max(in_flight) == 3  # never more than N, and N reached

@@ -65,3 +65,13 @@ def test_record_json_round_trip() -> None:
     back = record_from_json(r.to_json())
     assert back == dataclasses.replace(r, output_text="")
     assert r.to_json()["tpot_ms"] == pytest.approx(300.0)
+
+
+def test_latency_by_group() -> None:
+    records = [rec(group_id="short", ttft_ms=10.0), rec(request_index=1, group_id="short", ttft_ms=20.0),
+               rec(request_index=2, group_id="long", ttft_ms=300.0)]
+    groups = aggregate(records, {}).groups_ms
+    assert groups is not None and set(groups) == {"short", "long"}
+    assert groups["short"]["ttft"].mean == 15.0 and groups["long"]["ttft"].max == 300.0
+    many = [rec(request_index=i, group_id=f"session-{i}") for i in range(20)]
+    assert aggregate(many, {}).groups_ms is None

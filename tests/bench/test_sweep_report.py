@@ -87,6 +87,7 @@ def test_csv_has_one_row_per_request(sweep_outcome: tuple[BenchOutcome, Path]) -
 def test_console_summary(sweep_outcome: tuple[BenchOutcome, Path]) -> None:
     text = (sweep_outcome[1] / "console.txt").read_text()
     assert "<== knee" in text and "TTFT" in text and "prefix cache hit rate" in text
+    assert "By prompt group" in text and "prefix-1" in text
 
 
 def test_html_is_self_contained_and_renders_offline(sweep_outcome: tuple[BenchOutcome, Path],

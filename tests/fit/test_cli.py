@@ -35,6 +35,15 @@ def test_json_answers_for_llama_8b_on_h100() -> None:
     assert data["roofline"]["cost_per_million_output_tokens"] > 0
 
 
+def test_cpu_plan_matches_kvpilots_engine_flags() -> None:
+    code, out, _ = run("smollm2-135m", "--gpu", "cpu", "--kv-cache-memory", "1GiB", "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert data["memory"]["kv_budget_bytes"] == 2**30
+    assert data["memory"]["num_kv_blocks"] == 2**30 // (16 * 23_040)
+    assert data["flags"]["kvpilot_args"][:2] == ["--kv-cache-memory", "1GiB"]
+
+
 def test_table_output_mentions_the_answers() -> None:
     code, out, _ = run("llama-3.1-70b", "--gpu", "h100-sxm:2")
     assert code == 0
@@ -82,6 +91,7 @@ def _one_line_error(args: list[str], expected: str) -> None:
     (["llama-3.1-8b", "--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
     (["llama-3.1-8b", "--url", "http://127.0.0.1:1"], "capacity endpoint"),
     (["missing/config.json"], "no such file"),
+    (["llama-3.1-8b", "--kv-cache-memory", "lots"], "--kv-cache-memory 'lots' is not a size"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(args: list[str], expected: str) -> None:
     _one_line_error(args, expected)

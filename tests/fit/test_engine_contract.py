@@ -25,26 +25,19 @@ def _engine_config(name_or_config: str | dict):  # the loader's torch-free Model
 @pytest.mark.slow
 def test_predicted_capacity_of_the_embedded_model_equals_the_engine_allocation(embedded_model: LoadedModel) -> None:
     torch = pytest.importorskip("torch")
-    # the loader's config for the same GGUF header (read by kvpilot.model.gguf_metadata in load_model)
-    engine_cfg = _engine_config(embedded_model.hf_config)
-    engine_blocks = num_kv_blocks_for_memory(engine_cfg, BUDGET, BLOCK_SIZE, KV_BYTES)
+    from kvpilot.engine_args import EngineArgs, build_engine
 
     inputs = FitInputs(kv_cache_dtype="bf16", kv_cache_memory_bytes=BUDGET, block_size=BLOCK_SIZE)
     plan = plan_memory(embedded_model, DeviceGroup(cpu_device(memory_bytes=8 * 2**30)), inputs)
-    assert plan.num_kv_blocks == engine_blocks > 0
 
-    # What the engine allocates for that many blocks (on the meta device: shapes only, no memory)
-    engine_kv = pytest.importorskip("kvpilot.model.kv_cache")
-
-    def allocated_bytes(num_blocks: int) -> int:
-        tensors = engine_kv.allocate_kv_cache(engine_cfg, num_blocks, BLOCK_SIZE, torch.bfloat16,
-                                              torch.device("meta"))
-        return sum(t.nbytes for t in tensors)
-
-    assert allocated_bytes(engine_blocks) == engine_blocks * kv_cache_bytes_per_block(engine_cfg, BLOCK_SIZE, 2)
-    assert allocated_bytes(engine_blocks) <= BUDGET < allocated_bytes(engine_blocks + 1)
-    assert engine_kv.kv_cache_bytes_per_block(engine_cfg, BLOCK_SIZE, torch.bfloat16) == kv_cache_bytes_per_block(
-        engine_cfg, BLOCK_SIZE, 2)
+    # The real engine on the embedded GGUF (bf16 KV), given the same budget
+    engine, _ = build_engine(EngineArgs(dtype="bfloat16", kv_cache_memory=BUDGET, block_size=BLOCK_SIZE,
+                                        max_model_len=1024))
+    allocated = sum(t.nbytes for t in engine.runner.kv_caches)
+    assert plan.num_kv_blocks == engine.runner.num_blocks == engine.scheduler.cache_config.num_blocks > 0
+    assert allocated == plan.num_kv_blocks * kv_cache_bytes_per_block(embedded_model.spec, BLOCK_SIZE, KV_BYTES)
+    assert allocated <= BUDGET < allocated + kv_cache_bytes_per_block(embedded_model.spec, BLOCK_SIZE, KV_BYTES)
+    assert all(t.dtype == torch.bfloat16 for t in engine.runner.kv_caches)
 
 
 ENGINE_MODELS = ["smollm2-135m", "qwen3-0.6b", "llama-3.2-1b", "llama-3.1-8b", "mistral-7b", "qwen2.5-72b"]

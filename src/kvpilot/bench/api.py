@@ -86,7 +86,7 @@ async def _run_all(cfg: BenchConfig, target: Target, items: list[WorkItem], tok:
     metrics_url = (target.base_url.rstrip("/") + "/metrics") if cfg.metrics_url is None else cfg.metrics_url
 
     async def one(label: str, shape: LoadShape) -> RunResult:
-        with make_progress(console, disable=not cfg.progress) as progress:
+        with make_progress(console, disable=not (cfg.progress and console.is_terminal)) as progress:
             total = shape.num_requests if shape.num_requests is not None else None
             task = progress.add_task(label, total=total, errors=0)
             counts = {"errors": 0}

@@ -35,6 +35,19 @@ def latency_table(run: RunResult) -> Table:
     return table
 
 
+def group_table(run: RunResult) -> Table | None:
+    groups = run.aggregates.groups_ms
+    if not groups:
+        return None
+    table = Table(title="By prompt group (ms)")
+    for col in ("group", "n", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "E2E p50", "E2E p99"):
+        table.add_column(col, justify="left" if col == "group" else "right")
+    for name, d in groups.items():
+        table.add_row(name, str(d["e2e"].num_samples), _fmt(d["ttft"].median), _fmt(d["ttft"].p99),
+                      _fmt(d["tpot"].median), _fmt(d["tpot"].p99), _fmt(d["e2e"].median), _fmt(d["e2e"].p99))
+    return table
+
+
 def throughput_table(run: RunResult) -> Table:
     a = run.aggregates
     table = Table(title="Throughput and errors", show_header=False)
@@ -62,7 +75,7 @@ def sweep_table(runs: list[RunResult], knee: Knee) -> Table:
     table = Table(title="Sweep (increasing load)")
     for col in ("run", "req/s", "out tok/s", "good %", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99",
                 "errors", "knee"):
-        table.add_column(col, justify="left" if col == "run" else "right", no_wrap=col == "run")
+        table.add_column(col, justify="left" if col == "run" else "right", no_wrap=col in ("run", "knee"))
     for i, r in enumerate(runs):
         a = r.aggregates
         good = "-" if a.good_fraction is None else f"{a.good_fraction:.0%}"
@@ -79,6 +92,9 @@ def print_summary(console: Console, runs: list[RunResult], knee: Knee | None) ->
         console.print(f"Knee: {knee.reason}")
     last = runs[knee.index if knee is not None and knee.index is not None else -1]
     console.print(latency_table(last))
+    groups = group_table(last)
+    if groups is not None:
+        console.print(groups)
     console.print(throughput_table(last))
     for r in runs:
         style = "bold red" if r.client_lag.overloaded else "green"

@@ -99,9 +99,24 @@ class Aggregates:
     queue_wait_ms: Distribution
     sched_lag_ms: Distribution
     stages_ms: dict[str, Distribution] | None
+    groups_ms: dict[str, dict[str, Distribution]] | None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+MAX_GROUPS = 16
+
+
+def by_group(ok: list[RequestRecord]) -> dict[str, dict[str, Distribution]] | None:
+    """TTFT/TPOT/E2E per ``group_id`` (long vs short, prefix groups); None without groups or with
+    more than :data:`MAX_GROUPS` (per-session groups would only bloat the summary)."""
+    groups = sorted({r.group_id for r in ok if r.group_id is not None})
+    if not groups or len(groups) > MAX_GROUPS:
+        return None
+    return {g: {"ttft": Distribution.of(r.ttft_ms for r in ok if r.group_id == g),
+                "tpot": Distribution.of(r.tpot_ms for r in ok if r.group_id == g and r.tpot_ms is not None),
+                "e2e": Distribution.of(r.e2e_ms for r in ok if r.group_id == g)} for g in groups}
 
 
 def error_key(record: RequestRecord) -> str:
@@ -150,4 +165,5 @@ def aggregate(records: list[RequestRecord], slos: dict[str, float],
         queue_wait_ms=Distribution.of(r.queue_wait_ms for r in records),
         sched_lag_ms=Distribution.of(r.sched_lag_ms for r in records),
         stages_ms=stage_dists,
+        groups_ms=by_group(ok),
     )

@@ -15,15 +15,33 @@ from kvpilot.engine.detokenizer import IncrementalDetokenizer
 from kvpilot.engine.request import FinishReason, Request
 from kvpilot.engine.scheduler import Scheduler
 from kvpilot.engine.scheduler_output import RequestUpdate, ScheduledChunk
-from kvpilot.outputs import CompletionOutput, RequestOutput
+from kvpilot.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from kvpilot.sampling_params import SamplingParams
+
+
+class Sampled(Protocol):
+    token_id: int
+    logprob: float | None
+    top_logprobs: list[tuple[int, float]] | None
 
 
 class Runner(Protocol):
     def execute_and_sample(self, chunks: Sequence[ScheduledChunk],
-                           params_by_id: dict[str, SamplingParams]) -> dict[str, int]: ...
+                           requests: dict[str, Request]) -> dict[str, Sampled]: ...
 
     def release(self, request_ids: Sequence[str]) -> None: ...
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """One engine step, for metrics and tests: tokens computed, split by kind, and how long it took."""
+
+    num_batched_tokens: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_scheduled_seqs: int
+    num_preempted: int
+    duration: float
 
 
 class _NoText:
@@ -45,6 +63,7 @@ class _Tracked:
     prompt: str | None
     detokenizer: IncrementalDetokenizer
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)
+    logprobs: list[TokenLogprob] | None = None
 
 
 class LLMEngine:
@@ -55,7 +74,8 @@ class LLMEngine:
     """
 
     def __init__(self, scheduler: Scheduler, runner: Runner, tokenizer: Any, vocab_size: int,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 on_step: Callable[[StepStats], None] | None = None) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.tokenizer = tokenizer
@@ -64,6 +84,7 @@ class LLMEngine:
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
         self._pending_aborts: list[str] = []  # aborted since the last step: their final outputs are owed
+        self.on_step = on_step  # observer of every step (metrics, tests)
         self.extra_eos_token_ids: tuple[int, ...] = tuple(getattr(tokenizer, "eos_token_ids", ())[1:])
 
     # ---- requests in ---------------------------------------------------------------------------------
@@ -100,7 +121,8 @@ class LLMEngine:
         detokenizer = IncrementalDetokenizer(self.tokenizer or _NoText(), stop=list(params.stop),
                                              skip_special_tokens=params.skip_special_tokens)
         self._tracked[request_id] = _Tracked(request, prompt if isinstance(prompt, str) else None, detokenizer,
-                                             frozenset(params.stop_token_ids))
+                                             frozenset(params.stop_token_ids),
+                                             [] if params.logprobs is not None else None)
         return request_id
 
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
@@ -118,14 +140,24 @@ class LLMEngine:
         """Runs one scheduler step; returns an output for every request that got tokens or finished."""
         outputs = [self._finish_aborted(rid) for rid in self._pending_aborts]
         self._pending_aborts.clear()
+        started = self.clock()
         scheduled = self.scheduler.schedule()
-        sampled: dict[str, int] = {}
+        sampled: dict[str, Sampled] = {}
         if scheduled.chunks:
-            params = {c.request_id: self._tracked[c.request_id].request.sampling_params for c in scheduled.chunks}
-            sampled = self.runner.execute_and_sample(scheduled.chunks, params)
-        updates = self.scheduler.update_from_output(scheduled, sampled)
+            requests = {c.request_id: self._tracked[c.request_id].request for c in scheduled.chunks}
+            sampled = self.runner.execute_and_sample(scheduled.chunks, requests)
+            self._record_logprobs(sampled)
+        updates = self.scheduler.update_from_output(scheduled, {r: s.token_id for r, s in sampled.items()})
         outputs.extend(self._process(update) for update in updates)
+        if self.on_step is not None and scheduled.chunks:
+            self.on_step(_step_stats(scheduled, self.clock() - started))
         return [o for o in outputs if o is not None]
+
+    def _record_logprobs(self, sampled: dict[str, Sampled]) -> None:
+        for request_id, result in sampled.items():
+            tracked = self._tracked[request_id]
+            if tracked.logprobs is not None and result.logprob is not None:
+                tracked.logprobs.append(TokenLogprob(result.token_id, result.logprob, result.top_logprobs or []))
 
     def _process(self, update: RequestUpdate) -> RequestOutput | None:
         tracked = self._tracked.get(update.request_id)
@@ -160,9 +192,18 @@ class LLMEngine:
             self.runner.release([request.request_id])
         completion = CompletionOutput(index=0, text=tracked.detokenizer.text, token_ids=list(request.output_token_ids),
                                       finish_reason=finish_reason.value if finished else None,
-                                      stop_reason=stop_reason)
+                                      stop_reason=stop_reason,
+                                      logprobs=list(tracked.logprobs) if tracked.logprobs is not None else None)
         return RequestOutput(request_id=request.request_id, prompt=tracked.prompt,
                              prompt_token_ids=request.prompt_token_ids, outputs=[completion], finished=finished,
                              metrics=request.metrics() if finished else None,
                              num_cached_tokens=request.num_cached_tokens, delta_text=delta,
                              delta_token_ids=delta_ids)
+
+
+def _step_stats(scheduled: Any, duration: float) -> StepStats:
+    decode = sum(1 for c in scheduled.chunks if c.num_tokens == 1 and c.start_position > 0)
+    return StepStats(num_batched_tokens=scheduled.num_batched_tokens,
+                     num_prefill_tokens=scheduled.num_batched_tokens - decode, num_decode_tokens=decode,
+                     num_scheduled_seqs=len(scheduled.chunks), num_preempted=len(scheduled.preempted_request_ids),
+                     duration=duration)

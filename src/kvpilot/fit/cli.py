@@ -16,12 +16,23 @@ from kvpilot.fit.model_source import load_model
 from kvpilot.fit.plan import build_report, compare_gpus, report_to_json
 from kvpilot.fit.render import render_comparison, render_report
 from kvpilot.fit.workload import FitInputs
+from kvpilot.memory_size import parse_memory_size
 
 
 def _fail(message: str) -> typer.Exit:
     """One clear line on stderr, exit code 2 (bad input)."""
     print(f"kvpilot fit: error: {message}", file=sys.stderr)
     return typer.Exit(2)
+
+
+def _memory_size(text: str | None) -> int | None:
+    """'4GiB', '512MiB', '2GB' or a byte count (kvpilot's own size syntax); FitError otherwise."""
+    if text is None:
+        return None
+    try:
+        return parse_memory_size(text, "--kv-cache-memory")
+    except ValueError as exc:
+        raise FitError(str(exc)) from exc
 
 
 def _print_catalogs(console: Console) -> None:
@@ -49,9 +60,9 @@ def fit_command(
     kv_cache_dtype: Annotated[str, typer.Option(help="KV cache dtype (vLLM --kv-cache-dtype): auto or fp8.")] = "auto",
     gpu_memory_utilization: Annotated[float, typer.Option(
         help="Fraction of device memory the server may use (vLLM default 0.9).")] = 0.9,
-    kv_cache_memory_bytes: Annotated[int | None, typer.Option(
-        help="Fixed KV cache size per device, replacing the utilization fraction "
-             "(vLLM --kv-cache-memory-bytes; default on cpu: 2 GiB, as kvpilot serve).")] = None,
+    kv_cache_memory: Annotated[str | None, typer.Option(
+        help="Fixed KV cache size per device, bytes or with a unit (4GiB), replacing the utilization "
+             "fraction (vLLM --kv-cache-memory-bytes). Default on cpu: 2GiB, as kvpilot's engine.")] = None,
     input_len: Annotated[int, typer.Option(help="Prompt tokens per request.")] = 1024,
     output_len: Annotated[int, typer.Option(help="Generated tokens per request.")] = 256,
     concurrency: Annotated[int, typer.Option(help="Target number of requests in flight.")] = 16,
@@ -68,7 +79,8 @@ def fit_command(
     compare_gpus_: Annotated[bool, typer.Option(
         "--compare-gpus", help="Rank every catalog GPU for this model and workload.")] = False,
     url: Annotated[str | None, typer.Option(
-        help="A running kvpilot server: show its actual KV capacity next to the prediction.")] = None,
+        help="A running kvpilot server: show its actual KV capacity next to the prediction "
+             "(pending the server's capacity endpoint).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
     list_catalog: Annotated[bool, typer.Option("--list", help="List catalog models and devices.")] = False,
 ) -> None:
@@ -79,15 +91,15 @@ def fit_command(
         return
     if url is not None:
         raise _fail("--url needs the server's capacity endpoint, which kvpilot serve does not expose yet.")
-    inputs = FitInputs(
-        weight_dtype=weight_dtype, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
-        gpu_memory_utilization=gpu_memory_utilization, kv_cache_memory_bytes=kv_cache_memory_bytes,
-        input_len=input_len, output_len=output_len, concurrency=concurrency, max_model_len=max_model_len,
-        block_size=block_size, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-        price_per_hour=price_per_hour,
-    )
     try:
-        inputs.validate()
+        inputs = FitInputs(
+            weight_dtype=weight_dtype, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+            gpu_memory_utilization=gpu_memory_utilization,
+            kv_cache_memory_bytes=_memory_size(kv_cache_memory),
+            input_len=input_len, output_len=output_len, concurrency=concurrency, max_model_len=max_model_len,
+            block_size=block_size, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+            price_per_hour=price_per_hour,
+        ).validate()
         loaded = load_model(model)
         if compare_gpus_:
             rows = compare_gpus(loaded, inputs)

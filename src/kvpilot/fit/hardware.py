@@ -50,7 +50,7 @@ GPUS: dict[str, Device] = {
     for d in (
         _gpu("l4", 23034, 0.300, 121.0, 242.0, "NVIDIA L4 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/l4)"),
         _gpu("a10g", 23028, 0.600, 70.0, None,
-             "AWS EC2 G5 (NVIDIA A10G) documentation; NVIDIA publishes no A10G datasheet"),
+             "AWS EC2 G5 (A10G) specs as compared in baseten.co 'NVIDIA A10 vs A10G'; no NVIDIA datasheet"),
         _gpu("rtx-4090", 24564, 1.008, 165.2, 330.3,
              "NVIDIA Ada Lovelace architecture whitepaper (RTX 4090, FP32 accumulate)"),
         _gpu("l40s", 46068, 0.864, 362.05, 733.0, "NVIDIA L40S datasheet (nvidia.com/en-us/data-center/l40s)"),
@@ -63,7 +63,7 @@ GPUS: dict[str, Device] = {
         _gpu("mi300x", 196608, 5.3, 1307.4, 2614.9, "AMD Instinct MI300X accelerator datasheet"),
     )
 }
-_GPU_ALIASES = {"h100": "h100-sxm", "a100": "a100-80gb", "4090": "rtx-4090", "a10": "a10g"}
+_GPU_ALIASES = {"h100": "h100-sxm", "a100": "a100-80gb", "4090": "rtx-4090"}
 
 
 def get_gpu(name: str) -> Device:

@@ -68,7 +68,7 @@ class MemoryPlan:
     weights: WeightBytes
     total_bytes: int
     budget_bytes: int  # total * utilization, or total when the KV size is fixed
-    fixed_kv_bytes: int | None  # the requested fixed KV size (--kv-cache-memory-bytes or the CPU default)
+    fixed_kv_bytes: int | None  # the requested fixed KV size (--kv-cache-memory or the CPU default)
     weight_bytes_per_device: int
     activation_bytes: int
     runtime_bytes: int

@@ -9,7 +9,8 @@ import torch
 from kvpilot.model.batch_builder import ChunkLike, build_model_input
 from kvpilot.model.kv_cache import allocate_kv_cache
 from kvpilot.model.loader import LoadedModel
-from kvpilot.model.sampler import SamplingBatch, sample
+from kvpilot.model.logits_processors import TokenHistory, apply_min_tokens, apply_penalties
+from kvpilot.model.sampler import SampleResult, SamplingBatch, gather_logprobs, sample
 from kvpilot.sampling_params import SamplingParams
 
 
@@ -27,6 +28,8 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.kv_caches = allocate_kv_cache(loaded.config, num_blocks, block_size, loaded.dtype, loaded.device)
         self._generators: dict[str, torch.Generator] = {}  # per-request seeded streams
+        tokenizer_eos = loaded.tokenizer.eos_token_ids if loaded.tokenizer else ()
+        self.eos_token_ids = tuple(dict.fromkeys([*tokenizer_eos, *loaded.config.eos_token_ids]))
 
     def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator | None:
         if params.seed is None or params.is_greedy:
@@ -43,15 +46,22 @@ class ModelRunner:
             self._generators.pop(request_id, None)
 
     def execute_and_sample(self, chunks: Sequence[ChunkLike],
-                           params_by_id: dict[str, SamplingParams]) -> dict[str, int]:
-        """Runs one step and samples a token for every chunk that needs one: {request_id: token_id}."""
+                           requests: dict[str, TokenHistory]) -> dict[str, SampleResult]:
+        """Runs one step and samples a token for every chunk that needs one: {request_id: SampleResult}.
+
+        `requests` gives each request's sampling params and token history (for penalties and min_tokens).
+        """
         request_ids, logits = self.execute(chunks)
         if not request_ids:
             return {}
-        params = [params_by_id[r] for r in request_ids]
+        histories = [requests[r] for r in request_ids]
+        params = [h.sampling_params for h in histories]
+        logits = apply_penalties(logits, histories)
+        logits = apply_min_tokens(logits, histories, self.eos_token_ids)
         batch = SamplingBatch.build(params, [self._generator(r, p) for r, p in zip(request_ids, params)],
                                     logits.shape[-1], logits.device)
-        return dict(zip(request_ids, sample(logits, batch).tolist()))
+        results = gather_logprobs(logits, sample(logits, batch), [p.logprobs for p in params])
+        return dict(zip(request_ids, results))
 
     @torch.inference_mode()
     def execute(self, chunks: Sequence[ChunkLike]) -> tuple[list[str], torch.Tensor]:

@@ -63,6 +63,33 @@ def _exponential_noise(shape: torch.Size, generators: list[torch.Generator | Non
     return noise
 
 
+@dataclass(frozen=True)
+class SampleResult:
+    """One row's sampled token; with logprobs requested, its log-probability and the top-N alternatives."""
+
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+def gather_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: Sequence[int | None]) -> list[SampleResult]:
+    """Log-softmax of the (processed) logits: the sampled token's logprob and the top-N per row."""
+    wanted = [n for n in num_top if n is not None]
+    if not wanted:
+        return [SampleResult(int(t)) for t in token_ids.tolist()]
+    logprobs = torch.log_softmax(logits, dim=-1)
+    chosen = logprobs.gather(1, token_ids[:, None])[:, 0].tolist()
+    top_values, top_ids = logprobs.topk(max(max(wanted), 1), dim=-1)
+    results = []
+    for row, (token, n) in enumerate(zip(token_ids.tolist(), num_top)):
+        if n is None:
+            results.append(SampleResult(token))
+            continue
+        top = list(zip(top_ids[row, :n].tolist(), top_values[row, :n].tolist()))
+        results.append(SampleResult(token, chosen[row], top))
+    return results
+
+
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Token ids [N] for float32 logits [N, vocab]. Greedy rows take the argmax (ties: lowest id)."""
     greedy_ids = logits.argmax(dim=-1)
