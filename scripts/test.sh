@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh test
+bash scripts/install_chromium.sh   # headless Chromium for the bench HTML report test
 exec "${KVPILOT_VENV:-.venv}/bin/python" -m pytest "$@"

@@ -31,7 +31,11 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """A request's state after a step. Invariant: `finished` iff outputs[0].finish_reason is not None."""
+    """A request's state after a step. Invariant: `finished` iff outputs[0].finish_reason is not None.
+
+    `metrics` (kvpilot.engine.timeline.RequestMetrics) is a snapshot of the request's timeline so far: queue,
+    prefill, TTFT, decode, inter-token latencies, cached prompt tokens, preemptions.
+    """
 
     request_id: str
     prompt: str | None

@@ -66,3 +66,13 @@ def test_failed_turn_ends_its_session_but_not_the_run(scripted: ScriptedProcess)
                        endpoint="chat")
     # Session 0: turn 0 ok, turn 1 fails -> turn 2 skipped; session 1 runs its turns.
     assert [(r.item_id, r.turn_index, r.ok) for r in out.records][:3] == [(0, 0, True), (0, 1, False), (1, 0, True)]
+
+
+def test_a_silent_server_times_out(scripted: ScriptedProcess) -> None:
+    scripted.set_script(Behavior(ttft_s=2.0, num_output_tokens=2), OK)
+    tok = WordTokenizer()
+    items = build_dataset(DatasetConfig(input_len=2, output_len=2), tok, 2)
+    target = Target(scripted.base_url, scripted.model, timeout_s=0.2)
+    out = asyncio.run(run_load(target, items, LoadShape(concurrency=1, num_requests=2), tok))
+    assert [r.error_kind for r in out.records] == ["timeout", None]
+    assert out.records[0].e2e_ms is not None and out.records[0].e2e_ms < 1000

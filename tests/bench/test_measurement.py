@@ -24,8 +24,6 @@ def test_ttft_tpot_itl_match_the_script(scripted: ScriptedProcess) -> None:
     out = run_quiet(scripted, LoadShape(concurrency=2, num_requests=20), max_server_ttft_ms=85.0)
     agg = aggregate(out.records, {})
     assert agg.num_ok == 20 and agg.num_errors == 0
-    served_max_tokens = [s["max_tokens"] for s in scripted.served()]
-    assert len(served_max_tokens) == 20
     # Truth per request, in server arrival order (= request index order is not guaranteed: use counts).
     by_tokens = {7: behaviors[0], 10: behaviors[1]}
     true_ttft, true_tpot, true_itl = [], [], []

@@ -34,6 +34,8 @@ def test_parse_new_and_old_names() -> None:
     assert parse_metrics(NEW) == {"running": 5.0, "waiting": 7.0, "kv_usage": 0.5, "preemptions": 4.0,
                                   "prefix_queries": 100.0, "prefix_hits": 25.0}
     assert parse_metrics(OLD) == {"kv_usage": 0.25, "prefix_hit_rate": 0.4, "preemptions": 2.0}
+    two_engines = 'vllm:kv_cache_usage_perc{engine="0"} 0.2\nvllm:kv_cache_usage_perc{engine="1"} 0.6\n'
+    assert parse_metrics(two_engines)["kv_usage"] == pytest.approx(0.4)  # ratios average
 
 
 def test_summary_uses_counter_deltas_and_gauges_during() -> None:

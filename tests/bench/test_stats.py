@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 
@@ -15,7 +16,7 @@ BASE = RequestRecord(request_index=0, item_id=0, turn_index=0, group_id=None, ok
                      num_prompt_tokens=10, num_output_tokens=4, output_tokens_source="usage", num_chunks=4)
 
 
-def rec(**kw: object) -> RequestRecord:
+def rec(**kw: Any) -> RequestRecord:
     return dataclasses.replace(BASE, **kw)
 
 

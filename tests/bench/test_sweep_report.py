@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -14,7 +15,8 @@ from kvpilot.bench.api import BenchConfig, BenchOutcome, run_bench
 from kvpilot.bench.client import Target
 from kvpilot.bench.datasets import DatasetConfig
 from kvpilot.bench.load import LoadShape
-from kvpilot.bench.result import SCHEMA_VERSION
+from kvpilot.bench.records import record_from_json
+from kvpilot.bench.result import SCHEMA_VERSION, ResultFileError, read_result
 from kvpilot.bench.scripted_process import ScriptedProcess
 from kvpilot.bench.scripted_server import Behavior
 from kvpilot.bench.stats import parse_slo
@@ -60,9 +62,11 @@ def test_sweep_finds_the_knee(sweep_outcome: tuple[BenchOutcome, Path]) -> None:
 
 
 def test_result_json_schema(sweep_outcome: tuple[BenchOutcome, Path]) -> None:
-    _, out_dir = sweep_outcome
-    doc = json.loads((out_dir / "r.json").read_text())
+    outcome, out_dir = sweep_outcome
+    doc = read_result(out_dir / "r.json")
     assert doc["schema_version"] == SCHEMA_VERSION == 1
+    records = [record_from_json(r) for r in doc["runs"][0]["requests"]]
+    assert records == [dataclasses.replace(r, output_text="") for r in outcome.runs[0].output.records]
     assert doc["config"]["target"]["model"] == "scripted-model"  # resolved from /v1/models
     assert doc["config"]["dataset"]["kind"] == "shared-prefix" and doc["config"]["slos_ms"] == {"ttft": 70.0}
     assert doc["sweep"]["index"] == 0 or doc["sweep"]["index"] == 1
@@ -106,3 +110,12 @@ def test_html_is_self_contained_and_renders_offline(sweep_outcome: tuple[BenchOu
     # All five plots (CDFs, sweep latency, throughput, stages, KV/queue) were drawn by plotly.js.
     assert result.dom.count('class="plot-container plotly"') == 5
     assert "knee" in result.dom and "Per-request latency by stage" in result.dom
+
+
+def test_read_result_checks_the_schema_version(tmp_path: Path) -> None:
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"schema_version": 0}))
+    with pytest.raises(ResultFileError, match="re-run"):
+        read_result(old)
+    with pytest.raises(ResultFileError, match="cannot read"):
+        read_result(tmp_path / "missing.json")

@@ -108,6 +108,8 @@ async def _run_all(cfg: BenchConfig, target: Target, items: list[WorkItem], tok:
 def run_bench(cfg: BenchConfig, console: Console | None = None) -> BenchOutcome:
     """Build the dataset, run, print the summary and write the requested files."""
     console = console or Console(stderr=True)
+    if cfg.sweep and cfg.load.num_requests is None:
+        raise BenchError("--sweep needs --num-requests: its max-throughput run sends them all at once")
     target = cfg.target
     if not target.model:
         target = dataclasses.replace(target, model=resolve_model(target.base_url, target.api_key))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -12,7 +12,7 @@ import typer
 DATASETS_HELP = "random, shared-prefix, long-short, multi-turn, jsonl, trace"
 
 
-def _choice(value: str, allowed: tuple[str, ...], flag: str) -> str:
+def _choice(value: str, allowed: tuple[str, ...], flag: str) -> Any:  # Any: becomes a Literal type
     if value not in allowed:
         raise typer.BadParameter(f"{value!r}: use one of {', '.join(allowed)}", param_hint=flag)
     return value

@@ -93,6 +93,23 @@ def _clean(obj: Any) -> Any:
     return obj
 
 
+class ResultFileError(ValueError):
+    """A result file that cannot be read as this schema."""
+
+
+def read_result(path: str | Path) -> dict[str, Any]:
+    """Load a result JSON written by ``--output``, checking its schema version."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ResultFileError(f"cannot read bench result '{path}': {exc}") from exc
+    version = doc.get("schema_version") if isinstance(doc, dict) else None
+    if version != SCHEMA_VERSION:
+        raise ResultFileError(f"'{path}' has schema_version {version!r}; this kvpilot reads "
+                              f"{SCHEMA_VERSION}: re-run `kvpilot bench --output` with this version")
+    return doc
+
+
 def write_json(path: str | Path, result: dict[str, Any]) -> None:
     Path(path).write_text(json.dumps(_clean(result), indent=1, allow_nan=False))
 

@@ -32,20 +32,27 @@ class MetricsSample:
     values: dict[str, float]
 
 
+RATIO_KEYS = frozenset({"kv_usage", "prefix_hit_rate"})
+
+
 def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text -> normalised values (keys of :data:`METRIC_NAMES` that are present)."""
+    """Prometheus text -> normalised values (keys of :data:`METRIC_NAMES` that are present).
+
+    Several label sets (e.g. one per engine) are summed, except ratios, which are averaged.
+    """
     sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name.endswith("_created"):
                 continue
             sums[sample.name] = sums.get(sample.name, 0.0) + float(sample.value)
+            counts[sample.name] = counts.get(sample.name, 0) + 1
     out: dict[str, float] = {}
     for key, names in METRIC_NAMES.items():
-        for name in names:
-            if name in sums:
-                out[key] = sums[name]
-                break
+        name = next((n for n in names if n in sums), None)
+        if name is not None:
+            out[key] = sums[name] / counts[name] if key in RATIO_KEYS else sums[name]
     return out
 
 

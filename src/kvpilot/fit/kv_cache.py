@@ -29,7 +29,7 @@ class KvShape(Protocol):
 
 def kv_cache_bytes_per_block(spec: KvShape, block_size: int, kv_dtype_bytes: int) -> int:
     """Bytes of one block in the engine's cache, which holds K and V for every layer (per layer
-    [2, num_blocks, block_size, num_key_value_heads, head_dim]): 2 * layers * block * heads * dim * bytes."""
+    [2, num_key_value_heads, num_blocks, block_size, head_dim]): 2 * layers * block * heads * dim * bytes."""
     if block_size <= 0 or kv_dtype_bytes <= 0:
         raise ValueError(f"block_size ({block_size}) and kv_dtype_bytes ({kv_dtype_bytes}) must be positive")
     return 2 * spec.num_hidden_layers * block_size * spec.num_key_value_heads * spec.head_dim * kv_dtype_bytes

@@ -48,10 +48,27 @@ def _prefill_mask(start: int, query_len: int, device: torch.device) -> torch.Ten
     return key_pos <= query_pos
 
 
+DECODE_GROUP_SPREAD = 1.5  # a group's longest block table is at most this times its shortest...
+MIN_DECODE_GROUP = 8  # ...unless the group is still small (tiny matmuls cost more than padding)
+
+
+def _decode_groups(chunks: Sequence[ChunkLike], rows: list[int], block_size: int,
+                   device: torch.device) -> list[DecodeBatch]:
+    """Decodes grouped by context length, so padding to the longest table wastes little gather bandwidth."""
+    order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].block_ids))
+    groups: list[list[int]] = []
+    for i in order:
+        group = groups[-1] if groups else None
+        if group is None or (len(chunks[i].block_ids) > DECODE_GROUP_SPREAD * len(chunks[group[0]].block_ids)
+                             and len(group) >= MIN_DECODE_GROUP):
+            groups.append([i])
+        else:
+            group.append(i)
+    return [_decode_batch([chunks[i] for i in g], [rows[i] for i in g], block_size, device) for g in groups]
+
+
 def _decode_batch(chunks: Sequence[ChunkLike], rows: list[int], block_size: int,
-                  device: torch.device) -> DecodeBatch | None:
-    if not chunks:
-        return None
+                  device: torch.device) -> DecodeBatch:
     max_blocks = max(len(c.block_ids) for c in chunks)
     tables = torch.zeros(len(chunks), max_blocks, dtype=torch.long)
     context_lens = torch.empty(len(chunks), dtype=torch.long)
@@ -93,7 +110,7 @@ def build_model_input(chunks: Sequence[ChunkLike], block_size: int, device: torc
             sample_ids.append(chunk.request_id)
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device), prefills=prefills,
-        decode=_decode_batch(decode_chunks, decode_rows, block_size, device), num_tokens=len(token_ids))
+        decodes=_decode_groups(decode_chunks, decode_rows, block_size, device), num_tokens=len(token_ids))
     return ModelInput(token_ids=torch.tensor(token_ids, dtype=torch.long, device=device),
                       positions=torch.tensor(positions, dtype=torch.long, device=device), meta=meta,
                       sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=device),

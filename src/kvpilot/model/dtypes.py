@@ -10,9 +10,25 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 
 
+def cpu_has_fast_bf16(cpuinfo_path: str = "/proc/cpuinfo") -> bool:
+    """True when the CPU computes bf16 natively (AVX512_BF16 or AMX). Without it, torch emulates bf16
+    matmuls, which is 5-40x slower than float32 (measured on an AVX-512 Xeon without bf16)."""
+    try:
+        with open(cpuinfo_path) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    return False
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """"auto" is bfloat16 (fast on AVX-512-BF16 CPUs and on GPUs); float16 only on CUDA."""
+    """"auto" is bfloat16 on GPUs and on CPUs with native bf16, else float32; float16 only on CUDA."""
     if name == "auto":
+        if device.type == "cpu" and not cpu_has_fast_bf16():
+            return torch.float32
         return torch.bfloat16
     if name not in DTYPES:
         raise ModelLoadError(f"dtype {name!r} is not supported; use auto, float32, bfloat16 or float16 (CUDA)")

@@ -1,4 +1,5 @@
-"""Allocation of the paged KV cache tensors: one [2, num_blocks, block_size, kv_heads, head_dim] per layer.
+"""Allocation of the paged KV cache tensors: one [2, kv_heads, num_blocks, block_size, head_dim]
+per layer (head-major: a gather by block id yields [kv_heads, tokens, head_dim] with no transpose).
 
 Its size in bytes is `kvpilot.fit.kv_cache.kv_cache_bytes_per_block` per block (the engine sizes it with fit)."""
 
@@ -12,5 +13,5 @@ from kvpilot.model.config import ModelConfig
 def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                       device: torch.device) -> list[torch.Tensor]:
     """Zeroed caches (zeros keep padded, masked-out slots finite)."""
-    shape = (2, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+    shape = (2, config.num_key_value_heads, num_blocks, block_size, config.head_dim)
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]

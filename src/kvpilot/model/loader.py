@@ -42,7 +42,7 @@ def _build_model(config: ModelConfig, max_positions: int, dtype: torch.dtype,
 
 
 def _load_gguf(path: Path, max_model_len: int | None, dtype: torch.dtype, device: torch.device) -> LoadedModel:
-    from kvpilot.model.gguf_metadata import hf_config_from_reader, open_gguf
+    from kvpilot.model.gguf_metadata import field_value, hf_config_from_reader, open_gguf
     from kvpilot.model.gguf_weights import load_gguf_state_dict
     from kvpilot.model.tokenizer import tokenizer_from_gguf
 
@@ -50,7 +50,9 @@ def _load_gguf(path: Path, max_model_len: int | None, dtype: torch.dtype, device
     config = from_hf_config(hf_config_from_reader(reader, path), str(path))
     model = _build_model(config, max_model_len or config.max_position_embeddings, dtype, device)
     model.load_weights(load_gguf_state_dict(reader, path, config), str(path))
-    tokenizer = tokenizer_from_gguf(reader, path)
+    # A GGUF without vocabulary metadata still runs on token ids.
+    has_vocab = field_value(reader, "tokenizer.ggml.tokens") is not None
+    tokenizer = tokenizer_from_gguf(reader, path) if has_vocab else None
     return LoadedModel(config, model, tokenizer, config.name or path.stem, str(path), "gguf", dtype, device)
 
 

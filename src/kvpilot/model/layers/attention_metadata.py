@@ -45,5 +45,5 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [T] long: cache slot of each token (block_id * block_size + offset)
     prefills: list[PrefillSeq]
-    decode: DecodeBatch | None
+    decodes: list[DecodeBatch]  # groups of similar context length
     num_tokens: int

@@ -1,8 +1,10 @@
 """Attention over a paged KV cache, with plain torch ops (the same code runs on CPU and CUDA).
 
-KV cache layout per layer: [2, num_blocks, block_size, num_kv_heads, head_dim] (K then V). New K/V are
-written through the slot mapping; each sequence reads its keys through its block table. Decodes are batched
-into one masked matmul (on CPU this is ~5x faster than scaled_dot_product_attention for single queries);
+KV cache layout per layer: [2, kv_heads, num_blocks, block_size, head_dim] (K then V), head-major so that
+gathering a sequence's blocks yields [kv_heads, tokens, head_dim], the layout matmuls want, with one
+row copy and no transpose. New K/V are written through the slot mapping (slot = block * block_size +
+offset); each sequence reads its keys through its block table. Decodes of similar context length are
+batched into one masked bmm (on CPU ~5x faster than scaled_dot_product_attention for single queries);
 prefills use scaled_dot_product_attention per sequence.
 """
 
@@ -16,38 +18,52 @@ from kvpilot.model.layers.attention_metadata import AttentionMetadata, DecodeBat
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Stores k, v ([T, kv_heads, head_dim]) at their slots of this layer's cache."""
-    num_slots = kv_cache.shape[1] * kv_cache.shape[2]
-    flat = kv_cache.view(2, num_slots, kv_cache.shape[3], kv_cache.shape[4])
-    flat[0].index_copy_(0, slot_mapping, k)
-    flat[1].index_copy_(0, slot_mapping, v)
+    two, kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
+    flat = kv_cache.view(two, kv_heads, num_blocks * block_size, head_dim)
+    flat[0].index_copy_(1, slot_mapping, k.transpose(0, 1))
+    flat[1].index_copy_(1, slot_mapping, v.transpose(0, 1))
+
+
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """[kv_heads, num_blocks, block_size, D] cache, flat block ids [n] -> [kv_heads, n * block_size, D].
+
+    One contiguous row copy per (head, block): index_select on a 3-D view is a plain memcpy loop, several
+    times faster than advanced indexing.
+    """
+    kv_heads, num_blocks, block_size, head_dim = cache.shape
+    rows = cache.view(kv_heads, num_blocks, block_size * head_dim).index_select(1, block_ids)
+    return rows.view(kv_heads, -1, head_dim)
 
 
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, seq: PrefillSeq,
              scale: float) -> torch.Tensor:
     rows = slice(seq.query_start, seq.query_start + seq.query_len)
     if seq.mask is None:
-        keys, values = k[rows], v[rows]
+        keys, values = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
     else:
-        kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
-        keys = kv_cache[0, seq.block_ids].reshape(-1, kv_heads, head_dim)[: seq.context_len]
-        values = kv_cache[1, seq.block_ids].reshape(-1, kv_heads, head_dim)[: seq.context_len]
+        keys = gather_blocks(kv_cache[0], seq.block_ids)[:, : seq.context_len]
+        values = gather_blocks(kv_cache[1], seq.block_ids)[:, : seq.context_len]
     out = F.scaled_dot_product_attention(
-        q[rows].transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0),
+        q[rows].transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
         attn_mask=seq.mask, is_causal=seq.mask is None, scale=scale, enable_gqa=True)
     return out.squeeze(0).transpose(0, 1)
 
 
 def _decode(q: torch.Tensor, kv_cache: torch.Tensor, batch: DecodeBatch, scale: float) -> torch.Tensor:
-    num_seqs = batch.token_rows.shape[0]
-    kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
+    num_seqs, max_blocks = batch.block_tables.shape
+    kv_heads, head_dim = kv_cache.shape[1], kv_cache.shape[4]
     group = q.shape[1] // kv_heads
-    queries = q[batch.token_rows].view(num_seqs, kv_heads, group, head_dim)
-    keys = kv_cache[0, batch.block_tables].view(num_seqs, -1, kv_heads, head_dim)  # [B, L, kvH, D]
-    values = kv_cache[1, batch.block_tables].view(num_seqs, -1, kv_heads, head_dim)
-    scores = torch.matmul(queries, keys.permute(0, 2, 3, 1)).float() * scale  # [B, kvH, G, L]
-    probs = torch.softmax(scores + batch.key_bias, dim=-1).to(values.dtype)
-    out = torch.matmul(probs, values.transpose(1, 2))  # [B, kvH, G, D]
-    return out.reshape(num_seqs, kv_heads * group, head_dim)
+    # [B, H, D] -> [kvH * B, G, D]: query heads grouped under their KV head, KV head outermost
+    queries = q[batch.token_rows].view(num_seqs, kv_heads, group, head_dim).transpose(0, 1)
+    queries = queries.reshape(kv_heads * num_seqs, group, head_dim)
+    flat_ids = batch.block_tables.reshape(-1)
+    keys = gather_blocks(kv_cache[0], flat_ids).view(kv_heads * num_seqs, -1, head_dim)  # [kvH*B, L, D]
+    values = gather_blocks(kv_cache[1], flat_ids).view(kv_heads * num_seqs, -1, head_dim)
+    scores = torch.bmm(queries, keys.transpose(1, 2)).float() * scale  # [kvH*B, G, L]
+    scores = scores.view(kv_heads, num_seqs, group, -1) + batch.key_bias[:, 0][None]
+    probs = torch.softmax(scores, dim=-1).to(values.dtype).view(kv_heads * num_seqs, group, -1)
+    out = torch.bmm(probs, values).view(kv_heads, num_seqs, group, head_dim)  # [kvH, B, G, D]
+    return out.transpose(0, 1).reshape(num_seqs, kv_heads * group, head_dim)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -60,6 +76,6 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     out = torch.empty_like(q)
     for seq in meta.prefills:
         out[seq.query_start: seq.query_start + seq.query_len] = _prefill(q, k, v, kv_cache, seq, scale)
-    if meta.decode is not None:
-        out[meta.decode.token_rows] = _decode(q, kv_cache, meta.decode, scale)
+    for group in meta.decodes:
+        out[group.token_rows] = _decode(q, kv_cache, group, scale)
     return out

@@ -1,0 +1,65 @@
+"""BackgroundServer: the app under uvicorn in a daemon thread on 127.0.0.1 and a free port (tests, benchmarks)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from types import TracebackType
+
+import uvicorn
+from fastapi import FastAPI
+
+from kvpilot.server.state import ServerState
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+class BackgroundServer:
+    """Context manager; on enter the server listens and (with wait_ready) the engine is loaded.
+
+    Signal handling stays with the main thread (uvicorn installs none off it); `stop()` ends the server.
+    """
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int | None = None,
+                 wait_ready: bool = True, timeout_s: float = 120.0) -> None:
+        self.app = app
+        self.host, self.port = host, port or free_port(host)
+        self.wait_ready, self.timeout_s = wait_ready, timeout_s
+        config = uvicorn.Config(app, host=self.host, port=self.port, log_level="warning", access_log=False,
+                                timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self.server.run, name="kvpilot-uvicorn", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def state(self) -> ServerState:
+        return self.app.state.kvpilot
+
+    def __enter__(self) -> BackgroundServer:
+        self._thread.start()
+        deadline = time.monotonic() + self.timeout_s
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the server on {self.url} did not start")
+            time.sleep(0.02)
+        if self.wait_ready:
+            while not self.state.client.ready.wait(0.05):
+                if self.state.client.error is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the engine did not load: {self.state.client.error}")
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self._thread.join(self.timeout_s)
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()

@@ -1,0 +1,101 @@
+"""`kvpilot serve`: the OpenAI-compatible server (registered by kvpilot.cli as `app.command("serve")`).
+
+Flags are named like `vllm serve`'s where the concept is the same; engine flags are shared with
+`generate` and `chat` through kvpilot.cli_options.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Annotated, Optional
+
+import typer
+
+from kvpilot.cli_options import (BlockSizeOpt, DeviceOpt, DtypeOpt, GpuUtilOpt, KvCacheMemoryOpt, LoadFormatOpt,
+                                 MaxBatchedTokensOpt, MaxModelLenOpt, MaxNumSeqsOpt, ModelOpt, PolicyOpt,
+                                 PrefixCachingOpt, SeedOpt)
+
+logger = logging.getLogger("kvpilot.server")
+
+
+def _served_names(names: list[str] | None, model: str | None) -> tuple[str, ...]:
+    """vLLM's default: the --model argument as given; for the embedded model, its name."""
+    if names:
+        return tuple(names)
+    if model is None:
+        from kvpilot.model.default_model import DEFAULT_MODEL_NAME
+
+        return (DEFAULT_MODEL_NAME,)
+    return (model.removeprefix("dummy:") if model.startswith("dummy:") else model,)
+
+
+def serve_command(
+    model: ModelOpt = None, load_format: LoadFormatOpt = "auto", dtype: DtypeOpt = "auto", device: DeviceOpt = None,
+    max_model_len: MaxModelLenOpt = None, max_num_seqs: MaxNumSeqsOpt = 256,
+    max_num_batched_tokens: MaxBatchedTokensOpt = None, kv_cache_memory: KvCacheMemoryOpt = None,
+    gpu_memory_utilization: GpuUtilOpt = 0.9, block_size: BlockSizeOpt = 16,
+    enable_prefix_caching: PrefixCachingOpt = True, scheduling_policy: PolicyOpt = "fcfs", seed: SeedOpt = 0,
+    host: Annotated[str, typer.Option("--host", help="Address to bind (0.0.0.0 for all interfaces).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="Port to listen on.")] = 8000,
+    served_model_name: Annotated[Optional[list[str]], typer.Option(
+        "--served-model-name", help="Model name(s) clients send in `model` (repeatable); the first is reported. "
+        "Default: the --model argument.")] = None,
+    api_key: Annotated[Optional[str], typer.Option(
+        "--api-key", envvar="KVPILOT_API_KEY", help="Require `Authorization: Bearer <key>` on /v1 routes.")] = None,
+    max_num_queued_reqs: Annotated[Optional[int], typer.Option(
+        "--max-num-queued-reqs", help="Most requests waiting to run; beyond it: 429 + Retry-After. Default: "
+        "no limit.")] = None,
+    max_num_queued_tokens: Annotated[Optional[int], typer.Option(
+        "--max-num-queued-tokens", help="Most prompt tokens waiting to run; beyond it: 429 + Retry-After. "
+        "Default: no limit.")] = None,
+    drain_timeout: Annotated[float, typer.Option(
+        "--drain-timeout", help="On SIGTERM, seconds in-flight requests may take to finish (new ones get "
+        "503) before they are aborted and the server exits 0.")] = 30.0,
+    log_prompts: Annotated[bool, typer.Option(
+        "--log-prompts", help="Include prompt text in the per-request JSON access log.")] = False,
+    uvicorn_log_level: Annotated[str, typer.Option("--uvicorn-log-level", help="uvicorn's own log level.")]
+    = "warning",
+) -> None:
+    """Start the OpenAI-compatible server (/v1/completions, /v1/chat/completions, /metrics, /health)."""
+    from kvpilot.engine.config import EngineConfigError
+    from kvpilot.engine_args import EngineArgs
+    from kvpilot.server.config import ServerArgs, ServerConfigError
+
+    try:
+        engine_args = EngineArgs(model=model, load_format=load_format, dtype=dtype, device=device,
+                                 max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                                 max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv_cache_memory,
+                                 gpu_memory_utilization=gpu_memory_utilization, block_size=block_size,
+                                 enable_prefix_caching=enable_prefix_caching, scheduling_policy=scheduling_policy,
+                                 seed=seed)
+        engine_args.check()
+        server_args = ServerArgs(host=host, port=port, served_model_names=_served_names(served_model_name, model),
+                                 api_key=api_key, max_num_queued_reqs=max_num_queued_reqs,
+                                 max_num_queued_tokens=max_num_queued_tokens, drain_timeout=drain_timeout,
+                                 log_prompts=log_prompts)
+    except (EngineConfigError, ServerConfigError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+    raise typer.Exit(run_server(engine_args, server_args, uvicorn_log_level))
+
+
+def run_server(engine_args, server_args, uvicorn_log_level: str = "warning") -> int:  # type: ignore[no-untyped-def]
+    """Serves until SIGTERM/SIGINT (drained) and returns the exit code: 0, or 1 if the engine failed."""
+    import uvicorn
+
+    from kvpilot.server.app import create_app
+    from kvpilot.server.drain import DrainingServer
+    from kvpilot.server.served_engine import engine_factory
+
+    app = create_app(engine_factory(engine_args), server_args)
+    config = uvicorn.Config(app, host=server_args.host, port=server_args.port, log_level=uvicorn_log_level,
+                            access_log=False, timeout_graceful_shutdown=5)
+    server = DrainingServer(config, app.state.kvpilot, server_args.drain_timeout)
+    logger.info("kvpilot serve: http://%s:%d (model %s loading)", server_args.host, server_args.port,
+                server_args.model_name)
+    server.run()
+    error = app.state.kvpilot.client.error
+    if error is not None:
+        typer.echo(f"error: {error}", err=True)
+        return 1
+    return 0

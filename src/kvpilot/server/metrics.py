@@ -1,0 +1,152 @@
+"""Prometheus metrics with vLLM's names and meanings (so its dashboards work), plus kvpilot's own.
+
+One CollectorRegistry per app (never the global one), so tests can run several servers in one process.
+Per-request series are observed once, when the request's final output arrives; scheduler state (running,
+waiting, KV usage, prefix-cache and preemption counters) is read at scrape time from the engine thread's
+latest snapshot, so the gauges and counters are exactly the engine's.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvpilot.engine.engine import StepStats
+from kvpilot.engine.scheduler_stats import SchedulerStats
+from kvpilot.engine.timeline import RequestMetrics
+
+# vLLM's buckets (vllm/v1/metrics/loggers.py), so histograms line up with vLLM dashboards.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                   240.0, 480.0, 960.0, 1920.0, 7680.0)
+MAX_TOKEN_BUCKET = 1_000_000
+FAST_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+def build_1_2_5_buckets(max_value: int) -> tuple[float, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's token-count buckets)."""
+    buckets: list[float] = []
+    exponent = 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10 ** exponent
+            if value > max_value:
+                return tuple(buckets)
+            buckets.append(float(value))
+        exponent += 1
+
+
+class _SchedulerCollector(Collector):
+    """Scrape-time view of the engine's latest SchedulerStats snapshot."""
+
+    def __init__(self, snapshot: Callable[[], SchedulerStats | None], model_name: str) -> None:
+        self._snapshot = snapshot
+        self._model = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._snapshot()
+        if stats is None:
+            return
+        labels = ["model_name"]
+        gauges = [("vllm:num_requests_running", "Number of requests in model execution batches.", stats.num_running),
+                  ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", stats.num_waiting),
+                  ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", stats.kv_cache_usage)]
+        for name, doc, value in gauges:
+            family = GaugeMetricFamily(name, doc, labels=labels)
+            family.add_metric([self._model], value)
+            yield family
+        counters = [("vllm:num_preemptions", "Cumulative number of preemptions.", stats.num_preemptions),
+                    ("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.", stats.prefix_cache_queries),
+                    ("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", stats.prefix_cache_hits)]
+        for name, doc, value in counters:
+            family = CounterMetricFamily(name, doc, labels=labels)
+            family.add_metric([self._model], value)
+            yield family
+        blocks = GaugeMetricFamily("kvpilot:kv_cache_blocks", "KV cache blocks by state.",
+                                   labels=["model_name", "state"])
+        for state, value in (("free", stats.num_free_blocks), ("cached", stats.num_cached_blocks),
+                             ("used", stats.num_used_blocks), ("total", stats.num_total_blocks)):
+            blocks.add_metric([self._model, state], value)
+        yield blocks
+
+
+class ServerMetrics:
+    """All series of one server. Thread-safe (prometheus-client's own locks): the engine thread observes
+    steps, the event loop observes requests."""
+
+    def __init__(self, model_name: str, snapshot: Callable[[], SchedulerStats | None]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.model_name = model_name
+        r, m = self.registry, ["model_name"]
+        # vLLM sizes these from max_model_len; the app exists before the engine does, so a fixed range.
+        token_buckets = build_1_2_5_buckets(MAX_TOKEN_BUCKET)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", m, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.", m,
+                                         registry=r)
+        self.request_success = Counter("vllm:request_success", "Count of finished requests.",
+                                       ["model_name", "finished_reason"], registry=r)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token in seconds.", m,
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Inter-token latency in seconds.", m,
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End to end request latency in seconds.", m,
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("vllm:request_queue_time_seconds", "Time spent in the WAITING phase.", m,
+                               buckets=LATENCY_BUCKETS, registry=r)
+        self.prefill = Histogram("vllm:request_prefill_time_seconds", "Time spent in the PREFILL phase.", m,
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.decode = Histogram("vllm:request_decode_time_seconds", "Time spent in the DECODE phase.", m,
+                                buckets=LATENCY_BUCKETS, registry=r)
+        self.request_prompt_tokens = Histogram("vllm:request_prompt_tokens", "Prompt tokens per request.", m,
+                                               buckets=token_buckets, registry=r)
+        self.request_generation_tokens = Histogram("vllm:request_generation_tokens",
+                                                   "Generation tokens per request.", m, buckets=token_buckets,
+                                                   registry=r)
+        self.iteration_tokens = Histogram("vllm:iteration_tokens_total", "Tokens per engine step.", m,
+                                          buckets=token_buckets, registry=r)
+        self.tokenization = Histogram("kvpilot:tokenization_time_seconds", "Prompt tokenization time.", m,
+                                      buckets=FAST_BUCKETS, registry=r)
+        self.serialization = Histogram("kvpilot:serialization_time_seconds",
+                                       "Last token to final response handed to the client.", m,
+                                       buckets=FAST_BUCKETS, registry=r)
+        self.rejected = Counter("kvpilot:requests_rejected", "Requests refused before reaching the engine.",
+                                ["model_name", "reason"], registry=r)
+        r.register(_SchedulerCollector(snapshot, model_name))
+
+    def observe_step(self, stats: StepStats) -> None:
+        """Engine-thread hook (LLMEngine.on_step)."""
+        self.iteration_tokens.labels(self.model_name).observe(stats.num_batched_tokens)
+
+    def observe_finished(self, metrics: RequestMetrics) -> None:
+        """Once per finished request (any reason, aborts included), from its final RequestOutput."""
+        name = self.model_name
+        self.prompt_tokens.labels(name).inc(metrics.num_prompt_tokens)
+        self.generation_tokens.labels(name).inc(metrics.num_generated_tokens)
+        self.request_success.labels(name, metrics.finish_reason or "abort").inc()
+        self.request_prompt_tokens.labels(name).observe(metrics.num_prompt_tokens)
+        self.request_generation_tokens.labels(name).observe(metrics.num_generated_tokens)
+        for histogram, value in ((self.ttft, metrics.ttft), (self.e2e, metrics.e2e_latency),
+                                 (self.queue, metrics.queue_time), (self.prefill, metrics.prefill_time),
+                                 (self.decode, metrics.decode_time)):
+            if value is not None:
+                histogram.labels(name).observe(value)
+        for gap in metrics.inter_token_latencies:
+            self.itl.labels(name).observe(gap)
+
+    def observe_tokenization(self, seconds: float) -> None:
+        self.tokenization.labels(self.model_name).observe(seconds)
+
+    def observe_serialization(self, seconds: float) -> None:
+        self.serialization.labels(self.model_name).observe(seconds)
+
+    def reject(self, reason: str) -> None:
+        self.rejected.labels(self.model_name, reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

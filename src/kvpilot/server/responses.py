@@ -1,0 +1,95 @@
+"""OpenAI response bodies and SSE chunks for both endpoints, as plain dicts (one place for the shapes)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from kvpilot.outputs import RequestOutput, TokenLogprob
+
+
+class TokenText(Protocol):
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+
+@dataclass(frozen=True)
+class ResponseShape:
+    """What is fixed for one request's responses: endpoint kind, id, model, creation time."""
+
+    chat: bool
+    request_id: str
+    model: str
+    created: int
+
+    def _head(self, chunk: bool) -> dict[str, Any]:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
+        return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model}
+
+    def choice(self, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None, *, chunk: bool,
+               stop_reason: str | int | None = None) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "logprobs": logprobs, "finish_reason": finish_reason}
+        if not self.chat:
+            choice["text"] = text
+        elif chunk:
+            choice["delta"] = {"content": text} if text or finish_reason is None else {}
+        else:
+            choice["message"] = {"role": "assistant", "content": text}
+        if finish_reason is not None:
+            choice["stop_reason"] = stop_reason
+        return choice
+
+    def body(self, choice: dict[str, Any], usage: dict[str, Any], kvpilot: dict[str, Any]) -> dict[str, Any]:
+        return {**self._head(False), "choices": [choice], "usage": usage, "kvpilot": kvpilot}
+
+    def chunk(self, choices: list[dict[str, Any]], **extra: Any) -> str:
+        """One SSE event: `data: {json}\\n\\n`."""
+        return sse({**self._head(True), "choices": choices, **extra})
+
+    def role_chunk(self) -> str:
+        """Chat streams open with the assistant role (as OpenAI's do)."""
+        return self.chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                            "finish_reason": None}])
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def usage(output: RequestOutput) -> dict[str, Any]:
+    """OpenAI usage with vLLM's prompt_tokens_details.cached_tokens (prefix-cache hits)."""
+    num_prompt = len(output.prompt_token_ids)
+    num_generated = len(output.outputs[0].token_ids)
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_generated,
+            "total_tokens": num_prompt + num_generated,
+            "prompt_tokens_details": {"cached_tokens": output.num_cached_tokens}}
+
+
+def _text(tokenizer: TokenText | None, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False) if tokenizer is not None else f"<{token_id}>"
+
+
+def completion_logprobs(entries: list[TokenLogprob], tokenizer: TokenText | None,
+                        text_offset: int = 0) -> dict[str, Any]:
+    """Legacy completions shape: tokens, token_logprobs, top_logprobs ({text: logprob}), text_offset."""
+    tokens = [_text(tokenizer, e.token_id) for e in entries]
+    offsets, position = [], text_offset
+    for token in tokens:
+        offsets.append(position)
+        position += len(token)
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{_text(tokenizer, t): lp for t, lp in e.top_logprobs} for e in entries],
+            "text_offset": offsets}
+
+
+def chat_logprobs(entries: list[TokenLogprob], tokenizer: TokenText | None) -> dict[str, Any]:
+    """Chat shape: content = [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]."""
+    def item(token_id: int, logprob: float) -> dict[str, Any]:
+        text = _text(tokenizer, token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top_logprobs]}
+                        for e in entries]}

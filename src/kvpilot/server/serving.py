@@ -1,0 +1,231 @@
+"""One request's way through the HTTP layer: validate -> tokenize (timed) -> admit -> engine -> respond.
+
+Streaming responses abort their request when the client goes away (the generator is closed or cancelled);
+non-streaming ones poll for a disconnect while they wait. Either way the engine frees the blocks before its
+next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator, Awaitable, Callable
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from kvpilot.engine.timeline import RequestMetrics
+from kvpilot.outputs import RequestOutput
+from kvpilot.server.errors import APIError, from_value_error
+from kvpilot.server.messages import AddRequest
+from kvpilot.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvpilot.server.responses import (SSE_DONE, ResponseShape, chat_logprobs, completion_logprobs, usage)
+from kvpilot.server.state import ServerState
+from kvpilot.server.timings import RequestTimings, access_log_line, kvpilot_field
+
+access_logger = logging.getLogger("kvpilot.access")
+DISCONNECT_POLL_S = 0.5
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A validated, tokenized request, admitted to the queue."""
+
+    shape: ResponseShape
+    message: AddRequest
+    tokenize_s: float
+    stream: bool
+    include_usage: bool
+    endpoint: str
+    prompt_text: str | None
+
+
+def _tokenize(state: ServerState, body: CompletionRequest | ChatCompletionRequest) -> tuple[list[int], str | None]:
+    tokenizer = state.tokenizer
+    if isinstance(body, ChatCompletionRequest):
+        if tokenizer is None:
+            raise APIError(400, "this model has no tokenizer, so no chat template: use /v1/completions with "
+                                "token ids", param="messages")
+        try:
+            return tokenizer.encode_chat(body.conversation(), body.add_generation_prompt), None
+        except ValueError as exc:
+            raise APIError(400, f"messages: {exc}", param="messages") from exc
+    prompt = body.single_prompt()
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise APIError(400, "this model has no tokenizer: send the prompt as a list of token ids",
+                           param="prompt")
+        return tokenizer.encode(prompt), prompt
+    return list(prompt), None
+
+
+def _check_tokens(state: ServerState, token_ids: list[int]) -> None:
+    if not token_ids:
+        raise APIError(400, "prompt: the prompt is empty; send at least one token", param="prompt")
+    vocab = state.info.vocab_size
+    bad = [t for t in token_ids if not 0 <= t < vocab]
+    if bad:
+        raise APIError(400, f"prompt: token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})",
+                       param="prompt")
+
+
+def prepare(state: ServerState, body: CompletionRequest | ChatCompletionRequest, arrival: float) -> Prepared:
+    """Validates and tokenizes; raises APIError (400/404/429/503) with nothing left behind."""
+    chat = isinstance(body, ChatCompletionRequest)
+    state.check_serving()
+    state.check_model(body.model)
+    body.check_n()
+    started = time.monotonic()
+    token_ids, prompt_text = _tokenize(state, body)
+    tokenize_s = time.monotonic() - started
+    state.metrics.observe_tokenization(tokenize_s)
+    _check_tokens(state, token_ids)
+    limit = state.info.max_model_len
+    max_tokens = body.default_max_tokens(limit - len(token_ids))
+    if len(token_ids) + max_tokens > limit:
+        state.metrics.reject("too_long")
+        raise APIError(400, f"this model's maximum context length is {limit} tokens (max_model_len), but the "
+                            f"prompt has {len(token_ids)} tokens and max_tokens is {max_tokens} "
+                            f"({len(token_ids) + max_tokens} in all): shorten the prompt or lower max_tokens",
+                       param="max_tokens", code="context_length_exceeded")
+    try:
+        num_logprobs = body.num_logprobs() if chat else body.logprobs  # type: ignore[union-attr]
+        params = body.sampling_params(max_tokens, num_logprobs)
+    except ValueError as exc:
+        raise from_value_error(exc) from exc
+    request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    try:
+        state.admission.admit(request_id, len(token_ids))
+    except APIError:
+        state.metrics.reject("queue_full")
+        raise
+    shape = ResponseShape(chat, request_id, body.model or state.args.model_name, int(time.time()))
+    message = AddRequest(request_id, token_ids, params, arrival, body.priority, prompt_text)
+    return Prepared(shape, message, tokenize_s, body.stream, body.include_usage,
+                    "/v1/chat/completions" if chat else "/v1/completions",
+                    (prompt_text or str(body.model_dump().get("messages", ""))) if state.args.log_prompts else None)
+
+
+class _Finisher:
+    """Builds the final timings once, observes serialization, writes the access log line."""
+
+    def __init__(self, state: ServerState, prepared: Prepared) -> None:
+        self.state, self.prepared = state, prepared
+
+    def timings(self, final: RequestOutput | None) -> tuple[RequestTimings, RequestMetrics | None]:
+        metrics = final.metrics if final is not None and isinstance(final.metrics, RequestMetrics) else None
+        timings = RequestTimings.build(arrival=self.prepared.message.arrival_time,
+                                       tokenize_s=self.prepared.tokenize_s, metrics=metrics)
+        if metrics is not None and metrics.ttft is not None:
+            self.state.metrics.observe_serialization(timings.serialize_ms / 1000.0)
+        return timings, metrics
+
+    def field(self, final: RequestOutput, timings: RequestTimings, metrics: RequestMetrics | None) -> dict:
+        return kvpilot_field(self.prepared.shape.request_id, metrics, len(final.prompt_token_ids), timings)
+
+    def log(self, status: int, timings: RequestTimings, metrics: RequestMetrics | None) -> None:
+        p = self.prepared
+        access_logger.info(access_log_line(request_id=p.shape.request_id, endpoint=p.endpoint, status=status,
+                                           stream=p.stream, metrics=metrics,
+                                           num_prompt_tokens=len(p.message.prompt_token_ids), timings=timings,
+                                           prompt=p.prompt_text))
+
+
+def _logprobs(state: ServerState, shape: ResponseShape, output: RequestOutput, num_new: int | None,
+              text_offset: int = 0) -> dict | None:
+    entries = output.outputs[0].logprobs
+    if entries is None:
+        return None
+    if num_new is not None:
+        entries = entries[len(entries) - num_new:] if num_new else []
+    return chat_logprobs(entries, state.tokenizer) if shape.chat else \
+        completion_logprobs(entries, state.tokenizer, text_offset)
+
+
+def _raise_item(state: ServerState, item: BaseException) -> None:
+    if isinstance(item, ValueError):
+        raise from_value_error(item)
+    raise APIError(503, str(item), code="engine_failed")
+
+
+async def respond_whole(state: ServerState, prepared: Prepared,
+                        is_disconnected: Callable[[], Awaitable[bool]]) -> JSONResponse:
+    """Non-streaming: wait for the final output; abort if the client leaves meanwhile."""
+    rid = prepared.shape.request_id
+    stream = state.client.add(prepared.message)
+    final: RequestOutput | None = None
+    try:
+        while final is None:
+            try:
+                item = await asyncio.wait_for(stream.get(), DISCONNECT_POLL_S)
+            except TimeoutError:
+                if await is_disconnected():
+                    state.client.abort([rid])
+                continue
+            if isinstance(item, BaseException):
+                _raise_item(state, item)
+            elif item.finished:
+                final = item
+    finally:
+        state.admission.release(rid)
+        if final is None:
+            state.client.abort([rid])
+    finisher = _Finisher(state, prepared)
+    timings, metrics = finisher.timings(final)
+    out = final.outputs[0]
+    choice = prepared.shape.choice(out.text, out.finish_reason, _logprobs(state, prepared.shape, final, None),
+                                   chunk=False, stop_reason=out.stop_reason)
+    body = prepared.shape.body(choice, usage(final), finisher.field(final, timings, metrics))
+    finisher.log(200, timings, metrics)
+    return JSONResponse(body, headers={"Server-Timing": timings.server_timing_header()})
+
+
+async def _events(state: ServerState, prepared: Prepared,
+                  stream: asyncio.Queue[RequestOutput | BaseException]) -> AsyncIterator[str]:
+    shape, rid = prepared.shape, prepared.shape.request_id
+    finisher = _Finisher(state, prepared)
+    done = False
+    text_offset = 0
+    try:
+        if shape.chat:
+            yield shape.role_chunk()
+        while not done:
+            item = await stream.get()
+            if isinstance(item, BaseException):
+                done = True
+                try:
+                    _raise_item(state, item)
+                except APIError as exc:
+                    yield exc.sse_data()
+                break
+            out = item.outputs[0]
+            logprobs = _logprobs(state, shape, item, len(item.delta_token_ids), text_offset)
+            text_offset += len(item.delta_text)
+            if not item.finished:
+                if item.delta_text or logprobs is not None:
+                    yield shape.chunk([shape.choice(item.delta_text, None, logprobs, chunk=True)])
+                continue
+            done = True
+            timings, metrics = finisher.timings(item)
+            field = {"kvpilot": finisher.field(item, timings, metrics)}
+            choice = shape.choice(item.delta_text, out.finish_reason, logprobs, chunk=True,
+                                  stop_reason=out.stop_reason)
+            if prepared.include_usage:
+                yield shape.chunk([choice])
+                yield shape.chunk([], usage=usage(item), **field)
+            else:
+                yield shape.chunk([choice], **field)
+            yield SSE_DONE
+            finisher.log(200, timings, metrics)
+    finally:
+        state.admission.release(rid)
+        if not done:  # client gone (generator closed/cancelled): free the request's blocks now
+            state.client.abort([rid])
+
+
+def respond_stream(state: ServerState, prepared: Prepared) -> StreamingResponse:
+    stream = state.client.add(prepared.message)
+    return StreamingResponse(_events(state, prepared, stream), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Request-Id": prepared.shape.request_id})

@@ -1,0 +1,55 @@
+"""ServerState: everything the route handlers share, created once per app (no module globals)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvpilot.server.admission import AdmissionController
+from kvpilot.server.config import ServerArgs
+from kvpilot.server.engine_client import EngineClient
+from kvpilot.server.errors import APIError
+from kvpilot.server.metrics import ServerMetrics
+from kvpilot.server.served_engine import EngineInfo
+
+
+@dataclass
+class ServerState:
+    """Invariant: `draining` only goes False -> True; once True, no request is admitted. `info` and
+    `tokenizer` are read only after the engine is ready (check_serving)."""
+
+    args: ServerArgs
+    client: EngineClient
+    metrics: ServerMetrics
+    admission: AdmissionController
+    draining: bool = False
+
+    @property
+    def info(self) -> EngineInfo:
+        assert self.client.served is not None, "check_serving() first"
+        return self.client.served.info
+
+    @property
+    def tokenizer(self) -> Any:
+        assert self.client.served is not None, "check_serving() first"
+        return self.client.served.engine.tokenizer
+
+    def check_serving(self) -> None:
+        """503 while the engine loads, after it failed, or while draining."""
+        if self.draining:
+            self.metrics.reject("draining")
+            raise APIError(503, "the server is shutting down (draining): send the request to another replica",
+                           code="draining")
+        if self.client.error is not None:
+            raise APIError(503, f"the engine failed: {self.client.error}; restart the server", code="engine_failed")
+        if not self.client.ready.is_set():
+            self.metrics.reject("loading")
+            raise APIError(503, "the model is still loading: retry when GET /health returns 200", code="loading",
+                           headers={"Retry-After": "5"})
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.args.served_model_names:
+            self.metrics.reject("unknown_model")
+            raise APIError(404, f"the model {model!r} does not exist here; this server serves "
+                                f"{', '.join(self.args.served_model_names)} (see GET /v1/models)",
+                           param="model", code="model_not_found")

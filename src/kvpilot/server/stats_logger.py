@@ -1,0 +1,41 @@
+"""The periodic status line while busy (like vLLM's): throughput, running/waiting, KV usage, prefix hits."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from kvpilot.engine.scheduler_stats import SchedulerStats
+
+logger = logging.getLogger("kvpilot.server")
+
+
+@dataclass(frozen=True)
+class TokenTotals:
+    """Cumulative prompt / generation tokens, read from the metrics counters."""
+
+    num_prompt_tokens: float
+    num_generation_tokens: float
+
+
+def status_line(stats: SchedulerStats, before: TokenTotals, now: TokenTotals, elapsed_s: float) -> str:
+    prompt_tps = (now.num_prompt_tokens - before.num_prompt_tokens) / elapsed_s
+    gen_tps = (now.num_generation_tokens - before.num_generation_tokens) / elapsed_s
+    return (f"Avg prompt throughput: {prompt_tps:.1f} tokens/s, Avg generation throughput: {gen_tps:.1f} "
+            f"tokens/s, Running: {stats.num_running} reqs, Waiting: {stats.num_waiting} reqs, "
+            f"KV cache usage: {stats.kv_cache_usage * 100:.1f}%, Prefix cache hit rate: "
+            f"{stats.prefix_cache_hit_rate * 100:.1f}%")
+
+
+async def log_stats_forever(read_stats, read_totals, interval_s: float) -> None:
+    """Logs a line every interval while there is work or tokens moved since the last line; cancel to stop."""
+    before, last = read_totals(), time.monotonic()
+    while True:
+        await asyncio.sleep(interval_s)
+        stats, now, t = read_stats(), read_totals(), time.monotonic()
+        busy = stats is not None and (stats.num_running or stats.num_waiting)
+        if stats is not None and (busy or now != before):
+            logger.info(status_line(stats, before, now, max(t - last, 1e-9)))
+        before, last = now, t

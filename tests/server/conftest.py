@@ -1,0 +1,49 @@
+"""A live kvpilot server on the real embedded model (float32), started once per test session.
+
+It reuses the session's `llm_fp32` weights (no second load) with its own engine, on 127.0.0.1 and a free
+port, in a background thread. Tests that need special flags start their own (see helpers.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from kvpilot.engine_args import EngineArgs
+from kvpilot.server import ServerArgs, create_app, engine_factory
+from kvpilot.server.background import BackgroundServer
+
+API_KEY = "test-key"
+MODEL = "smollm2-test"
+
+
+def server_engine_args(**overrides: object) -> EngineArgs:
+    settings: dict[str, object] = dict(dtype="float32", kv_cache_memory="256MiB", max_model_len=1024)
+    settings.update(overrides)
+    return EngineArgs(**settings)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="session")
+def live_server(llm_fp32) -> Iterator[BackgroundServer]:
+    app = create_app(engine_factory(server_engine_args(), llm_fp32.loaded, warmup=True),
+                     ServerArgs(served_model_names=(MODEL, "alias"), api_key=API_KEY))
+    with BackgroundServer(app) as server:
+        yield server
+
+
+@pytest.fixture()
+def http(live_server: BackgroundServer) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=live_server.url, headers={"Authorization": f"Bearer {API_KEY}"},
+                      timeout=120) as client:
+        yield client
+
+
+@pytest.fixture()
+def openai_client(live_server: BackgroundServer):
+    import openai
+
+    client = openai.OpenAI(base_url=f"{live_server.url}/v1", api_key=API_KEY, timeout=120, max_retries=0)
+    yield client
+    client.close()
