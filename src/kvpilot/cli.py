@@ -1,4 +1,4 @@
-"""The `kvpilot` command: generate, chat, fit, bench (serve and doctor arrive with their issues)."""
+"""The `kvpilot` command: serve, generate, chat, bench, fit, doctor."""
 
 from __future__ import annotations
 
@@ -9,19 +9,18 @@ from typing import Annotated, Optional
 import typer
 
 from kvpilot.bench.cli import bench_command
-from kvpilot.cli_options import (BlockSizeOpt, DeviceOpt, DtypeOpt, GpuUtilOpt, KvCacheMemoryOpt, LoadFormatOpt,
-                                 MaxBatchedTokensOpt, MaxModelLenOpt, MaxNumSeqsOpt, ModelOpt, PolicyOpt,
-                                 PrefixCachingOpt, SeedOpt)
+from kvpilot.cli_options import (DeviceOpt, DtypeOpt, KvCacheMemoryOpt, LoadFormatOpt, MaxModelLenOpt, ModelOpt,
+                                 SeedOpt)
+from kvpilot.doctor.cli import doctor_command
 from kvpilot.fit.cli import fit_command
+from kvpilot.server.cli import serve_command
 
 app = typer.Typer(help="kvpilot: a fast LLM inference server that explains its own speed.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+app.command("serve")(serve_command)
 app.command("fit")(fit_command)
 app.command("bench")(bench_command)
-
-
-def _engine_kwargs(**kwargs: object) -> dict[str, object]:
-    return kwargs
+app.command("doctor")(doctor_command)
 
 
 def _build_llm(kwargs: dict[str, object]):
@@ -52,7 +51,7 @@ def generate(
     """Generate a completion for one prompt and print it (streamed as it is produced)."""
     from kvpilot.sampling_params import SamplingParams
 
-    llm = _build_llm(_engine_kwargs(model=model, load_format=load_format, dtype=dtype, device=device,
+    llm = _build_llm(dict(model=model, load_format=load_format, dtype=dtype, device=device,
                                     max_model_len=max_model_len, kv_cache_memory=kv_cache_memory, seed=seed))
     params = _sampling_params(SamplingParams, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                               top_k=top_k, seed=sample_seed)
@@ -84,7 +83,7 @@ def chat(
     from kvpilot.chat_session import run_chat
     from kvpilot.sampling_params import SamplingParams
 
-    llm = _build_llm(_engine_kwargs(model=model, load_format=load_format, dtype=dtype, device=device,
+    llm = _build_llm(dict(model=model, load_format=load_format, dtype=dtype, device=device,
                                     max_model_len=max_model_len, kv_cache_memory=kv_cache_memory, seed=seed))
     params = _sampling_params(SamplingParams, max_tokens=max_tokens, temperature=temperature, top_p=top_p)
     run_chat(llm, params, system)
@@ -94,8 +93,6 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app()
 
-
-_ = (BlockSizeOpt, GpuUtilOpt, MaxBatchedTokensOpt, MaxNumSeqsOpt, PolicyOpt, PrefixCachingOpt)  # used by serve
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ ModelOpt = Annotated[Optional[str], typer.Option(
 LoadFormatOpt = Annotated[str, typer.Option(
     "--load-format", help="auto (from the path), gguf, safetensors, or dummy (random weights from a config).")]
 DtypeOpt = Annotated[str, typer.Option(
-    "--dtype", help="auto (bfloat16), float32, bfloat16, or float16 (CUDA only).")]
+    "--dtype", help="auto (bfloat16 on GPUs and on CPUs with native bf16, else float32), float32, bfloat16, or float16 (CUDA only).")]
 DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="cpu or cuda[:N]. Default: cuda if available.")]
 MaxModelLenOpt = Annotated[Optional[int], typer.Option(
     "--max-model-len", help="Longest prompt + output of one request, in tokens. Default: the model's context.")]

@@ -106,3 +106,17 @@ def test_models_health_version(openai_client, http) -> None:
     assert http.get("/version").json()["version"]
     alias = openai_client.completions.create(model="alias", prompt=PROMPT, max_tokens=1, temperature=0)
     assert alias.model == "alias"
+
+
+def test_one_json_access_log_line_per_request_without_prompt(openai_client, caplog) -> None:
+    import json
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="kvpilot.access"):
+        completion = openai_client.completions.create(model=MODEL, prompt="secret words", max_tokens=2,
+                                                      temperature=0)
+    request_id = completion.model_extra["kvpilot"]["request_id"]
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "kvpilot.access"]
+    mine = [line for line in lines if line["request_id"] == request_id]
+    assert len(mine) == 1 and "prompt" not in mine[0]
+    assert mine[0]["generation_tokens"] == 2 and mine[0]["status"] == 200 and mine[0]["e2e_ms"] > 0

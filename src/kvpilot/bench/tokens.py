@@ -119,3 +119,28 @@ def _gguf_tokenizer(path: Path) -> Any:
     from kvpilot.model.tokenizer import tokenizer_from_gguf  # noqa: PLC0415
 
     return tokenizer_from_gguf(open_gguf(path), path).backend
+
+
+def text_of_length(tok: Tokenizer, num_tokens: int, rng: np.random.Generator) -> str:
+    """Random text that re-encodes to exactly ``num_tokens`` tokens (best effort after 10 tries).
+
+    Decoding random ids and re-encoding can merge or split tokens, so trim/extend and retry.
+    """
+    if num_tokens <= 0:
+        return ""
+    ids = tok.sample_ids(rng, num_tokens)
+    text = tok.decode(ids)
+    for _ in range(10):
+        re_ids = tok.encode(text)
+        if len(re_ids) == num_tokens:
+            return text
+        if len(re_ids) > num_tokens:
+            re_ids = re_ids[:num_tokens]
+        else:
+            re_ids = re_ids + tok.sample_ids(rng, num_tokens - len(re_ids))
+        text = tok.decode(re_ids)
+    return text
+
+
+def count_tokens(tok: Tokenizer, text: str) -> int:
+    return len(tok.encode(text)) if text else 0

@@ -49,9 +49,10 @@ def _on_final(state: ServerState, output: RequestOutput) -> None:
 
 
 def _totals(metrics: ServerMetrics) -> TokenTotals:
-    name = metrics.model_name
-    return TokenTotals(metrics.prompt_tokens.labels(name)._value.get(),  # noqa: SLF001 - prometheus-client
-                       metrics.generation_tokens.labels(name)._value.get())  # has no public read
+    labels = {"model_name": metrics.model_name}
+    read = metrics.registry.get_sample_value
+    return TokenTotals(read("vllm:prompt_tokens_total", labels) or 0.0,
+                       read("vllm:generation_tokens_total", labels) or 0.0)
 
 
 def create_app(factory: EngineFactory, args: ServerArgs | None = None) -> FastAPI:
@@ -155,13 +156,13 @@ def _add_ops_routes(app: FastAPI, state: ServerState, auth: list[Any]) -> None:
 
     @app.get("/v1/kvpilot/capacity", dependencies=auth)
     async def capacity() -> dict[str, Any]:
-        state.check_serving()
+        state.check_ready()
         return state.info.capacity
 
     @app.get("/v1/kvpilot/integrity", dependencies=auth)
     async def integrity() -> JSONResponse:
         """Runs the scheduler's invariant checks between steps; 500 names the broken invariant."""
-        state.check_serving()
+        state.check_ready()
 
         def check(engine: Any) -> dict[str, Any]:
             engine.scheduler.check_integrity()

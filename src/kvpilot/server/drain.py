@@ -55,6 +55,7 @@ class DrainingServer(uvicorn.Server):
             return
         # Not recorded in _captured_signals: uvicorn would re-raise it after serving and the exit code
         # would be the signal's instead of 0.
+        logger.info("%s received: draining (new requests get 503)", signal.Signals(sig).name)
         # A plain signal handler runs between bytecodes: wake the loop's selector through the self-pipe.
         loop = asyncio.get_event_loop()
         self._drain_task = loop.create_future()

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from kvpilot.engine.engine import LLMEngine, StepStats
 from kvpilot.engine.scheduler_stats import SchedulerStats
+from kvpilot.model.errors import ModelLoadError
 from kvpilot.outputs import RequestOutput
 from kvpilot.server.messages import Abort, AddRequest, Call, EngineMessage, Shutdown
 from kvpilot.server.served_engine import ServedEngine
@@ -127,7 +128,10 @@ class EngineClient:
             self.stats = served.engine.scheduler.make_stats()
             self.served = served
         except BaseException as exc:  # reported through /health and every request
-            logger.exception("loading the engine failed")
+            if isinstance(exc, (ModelLoadError, ValueError, OSError)):  # user errors: the message says what to do
+                logger.error("loading the engine failed: %s", exc)
+            else:
+                logger.exception("loading the engine failed")
             self.error = exc
             return
         self.ready.set()

@@ -204,7 +204,9 @@ async def _events(state: ServerState, prepared: Prepared,
             logprobs = _logprobs(state, shape, item, len(item.delta_token_ids), text_offset)
             text_offset += len(item.delta_text)
             if not item.finished:
-                if item.delta_text or logprobs is not None:
+                # One chunk per step that produced tokens, even when the detokenizer holds text back (or the
+                # model has no tokenizer): clients time tokens by chunks.
+                if item.delta_text or item.delta_token_ids:
                     yield shape.chunk([shape.choice(item.delta_text, None, logprobs, chunk=True)])
                 continue
             done = True

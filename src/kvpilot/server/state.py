@@ -40,6 +40,10 @@ class ServerState:
             self.metrics.reject("draining")
             raise APIError(503, "the server is shutting down (draining): send the request to another replica",
                            code="draining")
+        self.check_ready()
+
+    def check_ready(self) -> None:
+        """503 while the engine loads or after it failed (ops endpoints keep working while draining)."""
         if self.client.error is not None:
             raise APIError(503, f"the engine failed: {self.client.error}; restart the server", code="engine_failed")
         if not self.client.ready.is_set():

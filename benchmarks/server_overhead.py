@@ -1,0 +1,130 @@
+"""Server overhead: the same workload offline through `LLM` and through `kvpilot serve` (HTTP, SSE streaming).
+
+Same model, weights, dtype, engine settings (max_num_seqs = the client concurrency) and requests (token-id
+prompts, ignore_eos, fixed output lengths), one after the other in one run: never two engines at once.
+The server runs as its own process (`python -m kvpilot.server`, i.e. `kvpilot serve`), the client in this one.
+
+    .venv/bin/python benchmarks/server_overhead.py                        # 64 requests, 32 concurrent
+    .venv/bin/python benchmarks/server_overhead.py --num-requests 16 --concurrency 8 --output-len 32
+
+Target: the server keeps >= 90% of offline throughput (output tokens/s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+
+from kvpilot import LLM, SamplingParams
+from kvpilot.server.background import free_port
+
+
+def make_prompts(num_requests: int, input_len: int, seed: int, vocab: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    # Distinct first tokens: no prefix-cache hits in either run.
+    return [[100 + i] + [rng.randrange(1000, vocab) for _ in range(input_len - 1)] for i in range(num_requests)]
+
+
+def run_offline(args: argparse.Namespace, prompts: list[list[int]]) -> float:
+    llm = LLM(dtype=args.dtype, max_num_seqs=args.concurrency, kv_cache_memory=args.kv_cache_memory,
+              max_model_len=args.max_model_len)
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate([prompts[0][:8]], SamplingParams(temperature=0, max_tokens=2))  # warm-up, as the server does
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    assert sum(len(o.outputs[0].token_ids) for o in outputs) == len(prompts) * args.output_len
+    return elapsed
+
+
+async def _one(client: httpx.AsyncClient, prompt: list[int], output_len: int) -> int:
+    body = {"model": "bench", "prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    tokens = 0
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if line.startswith("data: {"):
+                usage = json.loads(line[6:]).get("usage")
+                tokens = usage["completion_tokens"] if usage else tokens
+    return tokens
+
+
+async def _client_run(url: str, prompts: list[list[int]], output_len: int, concurrency: int) -> tuple[float, int]:
+    queue: asyncio.Queue[list[int]] = asyncio.Queue()
+    for prompt in prompts:
+        queue.put_nowait(prompt)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as client:
+        async def worker() -> int:
+            total = 0
+            while not queue.empty():
+                total += await _one(client, queue.get_nowait(), output_len)
+            return total
+
+        start = time.perf_counter()
+        totals = await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return time.perf_counter() - start, sum(totals)
+
+
+def run_server(args: argparse.Namespace, prompts: list[list[int]]) -> float:
+    port = free_port()
+    command = [sys.executable, "-m", "kvpilot.server", "--dtype", args.dtype, "--port", str(port),
+               "--max-num-seqs", str(args.concurrency), "--kv-cache-memory", args.kv_cache_memory,
+               "--max-model-len", str(args.max_model_len), "--served-model-name", "bench"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not start: {' '.join(command)}")
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        elapsed, tokens = asyncio.run(_client_run(url, prompts, args.output_len, args.concurrency))
+        assert tokens == len(prompts) * args.output_len, f"{tokens} tokens streamed"
+        return elapsed
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=60)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--kv-cache-memory", default="1GiB")
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    prompts = make_prompts(args.num_requests, args.input_len, args.seed, vocab=49152)
+    num_tokens = args.num_requests * args.output_len
+    offline_s = run_offline(args, prompts)
+    server_s = run_server(args, prompts)
+    offline_tps, server_tps = num_tokens / offline_s, num_tokens / server_s
+    print(f"workload: {args.num_requests} requests, {args.concurrency} concurrent, {args.input_len} in / "
+          f"{args.output_len} out (ignore_eos), dtype {args.dtype}")
+    print(f"offline LLM.generate : {offline_tps:8.1f} output tokens/s ({offline_s:.1f} s)")
+    print(f"HTTP server streaming: {server_tps:8.1f} output tokens/s ({server_s:.1f} s)")
+    print(f"server / offline     : {server_tps / offline_tps:8.1%}  (target >= 90%)")
+
+
+if __name__ == "__main__":
+    main()

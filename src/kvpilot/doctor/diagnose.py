@@ -1,0 +1,97 @@
+"""Run the rules, rank the findings, and say how much headroom a healthy deployment has left."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from kvpilot.doctor.findings import Finding, Severity
+from kvpilot.doctor.inputs import DoctorInputs
+from kvpilot.doctor.rules import RULES, Rule, RuleContext
+from kvpilot.doctor.signals import median
+from kvpilot.doctor.split import LatencySplit
+from kvpilot.doctor.thresholds import Thresholds
+
+EXIT_HEALTHY, EXIT_FINDINGS, EXIT_UNUSABLE = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class DoctorReport:
+    """The diagnosis. Invariants: ``findings`` are ranked (severity, then confidence x impact);
+    ``healthy`` is True exactly when no finding is above low severity."""
+
+    findings: tuple[Finding, ...]
+    splits: tuple[LatencySplit, ...]
+    headroom: tuple[str, ...]
+    sources: tuple[str, ...]
+    metrics_source: str
+    roofline: dict[str, Any] | None
+    created_unix: float
+
+    @property
+    def healthy(self) -> bool:
+        return all(f.severity is Severity.LOW for f in self.findings)
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_HEALTHY if self.healthy else EXIT_FINDINGS
+
+    @property
+    def verdict(self) -> str:
+        if self.healthy:
+            return "healthy: no bottleneck found" + (f" ({len(self.findings)} low-severity notes)"
+                                                     if self.findings else "")
+        top = self.findings[0]
+        return f"bottleneck: {top.title} ({top.rule_id}, {top.severity.value}, confidence {top.confidence:.0%})"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"tool": "kvpilot doctor", "schema_version": 1, "created_unix": self.created_unix,
+                "healthy": self.healthy, "verdict": self.verdict, "exit_code": self.exit_code,
+                "findings": [f.to_json() for f in self.findings],
+                "latency_split_ms": [s.to_json() for s in self.splits],
+                "headroom": list(self.headroom), "sources": list(self.sources),
+                "metrics_source": self.metrics_source, "roofline": self.roofline}
+
+
+def rank(findings: list[Finding]) -> tuple[Finding, ...]:
+    """Severity first, then confidence x impact; rule id breaks ties so the order is stable."""
+    return tuple(sorted(findings, key=lambda f: (-f.severity.rank, -f.score, f.rule_id)))
+
+
+def _headroom(ctx: RuleContext) -> list[str]:
+    """What is left before the first limit, from what was measured."""
+    lines = []
+    view, roof, peak = ctx.view, ctx.inputs.roofline, ctx.inputs.peak_run
+    if view.kv_usage_max is not None:
+        lines.append(f"KV cache peaked at {view.kv_usage_max:.0%}: {1 - view.kv_usage_max:.0%} free")
+    split = ctx.server_split
+    if split is not None and split.queue_ms is not None:
+        where = f" at {split.in_flight:.1f} requests in flight" if split.in_flight is not None else f" ({split.source})"
+        lines.append(f"queue time {split.queue_ms:.1f} ms{where}")
+    if view.num_preemptions is not None:
+        lines.append(f"{view.num_preemptions:.0f} preemptions")
+    low = ctx.inputs.runs[0] if ctx.inputs.runs else None
+    tpot = median(r.tpot_ms for r in low.ok) if low is not None else None
+    if roof is not None and low is not None and tpot:
+        lines.append(f"decode at {roof.decode_step_ms / tpot:.0%} of the roofline TPOT floor "
+                     f"({roof.decode_step_ms:.1f} ms vs {tpot:.1f} ms measured at {low.in_flight:.1f} in flight)")
+    if peak is not None:
+        lines.append(f"peak output throughput {peak.output_throughput:,.1f} tok/s at "
+                     f"{peak.in_flight:.1f} requests in flight")
+        if roof is not None and roof.aggregate_tokens_per_s > 0:
+            lines.append(f"that is {peak.output_throughput / roof.aggregate_tokens_per_s:.0%} of the roofline "
+                         f"({roof.aggregate_tokens_per_s:,.0f} tok/s at batch {roof.batch_size} on {roof.gpu})")
+    return lines
+
+
+def diagnose(inputs: DoctorInputs, thresholds: Thresholds | None = None,
+             rules: tuple[Rule, ...] = RULES) -> DoctorReport:
+    """Apply every rule to the inputs; pure apart from the timestamp."""
+    ctx = RuleContext.build(inputs, thresholds or Thresholds())
+    findings = [f for rule in rules if (f := rule(ctx)) is not None]
+    roof = inputs.roofline
+    return DoctorReport(
+        findings=rank(findings), splits=ctx.splits, headroom=tuple(_headroom(ctx)), sources=inputs.sources,
+        metrics_source=ctx.view.source, roofline=roof.__dict__.copy() if roof is not None else None,
+        created_unix=time.time())

@@ -1,0 +1,158 @@
+"""What the rules look at: runs from saved bench results, a /metrics snapshot, an optional roofline.
+
+Bench result files are read with :func:`kvpilot.bench.result.read_result` (schema checked there) and
+their requests rebuilt with :func:`kvpilot.bench.records.record_from_json`.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvpilot.bench.records import RequestRecord, record_from_json
+from kvpilot.bench.result import ResultFileError, read_result
+from kvpilot.doctor.errors import DoctorInputError
+from kvpilot.doctor.prometheus import MetricsSnapshot, metrics_delta, parse_prometheus_text
+from kvpilot.doctor.roofline_ref import RooflineRef, roofline_for
+
+
+@dataclass(frozen=True)
+class RunData:
+    """One measured run (a bench run or one point of a sweep).
+
+    ``in_flight`` is the mean number of requests in flight over the run (Little's law: sum of E2E /
+    duration), comparable across closed-loop, open-loop and sweep runs. ``server_metrics`` is the
+    bench's scraped summary (keys of docs/bench.md ``server_metrics.summary``) or None.
+    """
+
+    source: str
+    label: str
+    records: tuple[RequestRecord, ...]
+    in_flight: float
+    output_throughput: float
+    errors_by_kind: dict[str, int] = field(default_factory=dict)
+    client_lag: dict[str, Any] | None = None
+    server_metrics: dict[str, Any] | None = None
+    dataset: dict[str, Any] = field(default_factory=dict)
+    slos_ms: dict[str, float] = field(default_factory=dict)
+    burst: bool = False  # all requests sent at once (rate inf, no concurrency cap): a capacity probe
+
+    @property
+    def ok(self) -> list[RequestRecord]:
+        return [r for r in self.records if r.ok]
+
+    @property
+    def with_server(self) -> list[RequestRecord]:
+        """Successful requests that carry kvpilot's per-stage server timings."""
+        return [r for r in self.records if r.ok and r.server is not None]
+
+
+@dataclass(frozen=True)
+class DoctorInputs:
+    """Everything one diagnosis reads. Invariant: at least one run or a metrics snapshot.
+    ``runs`` are sorted by ``in_flight`` (lowest load first)."""
+
+    runs: tuple[RunData, ...] = ()
+    metrics: MetricsSnapshot | None = None
+    roofline: RooflineRef | None = None
+    sources: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.runs and self.metrics is None:
+            raise DoctorInputError("nothing to diagnose: give --from RESULT.json (from `kvpilot bench "
+                                   "--output`) and/or --metrics-file METRICS.txt")
+
+    @property
+    def ok_records(self) -> list[RequestRecord]:
+        return [r for run in self.runs for r in run.ok]
+
+    @property
+    def peak_run(self) -> RunData | None:
+        return self.runs[-1] if self.runs else None
+
+
+def _in_flight(records: list[RequestRecord], duration_s: float) -> float:
+    busy_s = sum((r.e2e_ms or 0.0) for r in records) / 1000.0
+    return busy_s / duration_s if duration_s > 0 else 0.0
+
+
+def runs_from_result(doc: dict[str, Any], source: str) -> list[RunData]:
+    """RunData for every run of one result document."""
+    config = doc.get("config") or {}
+    runs = []
+    for i, run in enumerate(doc.get("runs") or []):
+        try:
+            records = tuple(record_from_json(r) for r in run.get("requests") or [])
+        except (TypeError, KeyError) as exc:
+            raise DoctorInputError(f"{source}: run {i} has malformed request records ({exc}); re-run "
+                                   f"`kvpilot bench --output`") from exc
+        agg = run.get("aggregates") or {}
+        duration = float(agg.get("duration_s") or 0.0)
+        metrics = run.get("server_metrics") or {}
+        load = run.get("load") or {}
+        burst = (str(load.get("request_rate")) == "inf" and not load.get("concurrency")
+                 and not load.get("max_concurrency"))
+        runs.append(RunData(
+            source=source, label=str(run.get("label", f"run {i}")), records=records,
+            in_flight=_in_flight([r for r in records if r.ok], duration),
+            output_throughput=float(agg.get("output_token_throughput") or 0.0),
+            errors_by_kind=dict(agg.get("errors_by_kind") or {}),
+            client_lag=run.get("client_lag"), server_metrics=metrics.get("summary"),
+            dataset=dict(config.get("dataset") or {}), slos_ms=dict(config.get("slos_ms") or {}),
+            burst=burst))
+    return runs
+
+
+def load_metrics(paths: list[str]) -> MetricsSnapshot | None:
+    """One file: that scrape. Two or more: counters over first -> last, gauges from the last."""
+    snaps = []
+    for path in paths:
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise DoctorInputError(f"cannot read --metrics-file '{path}': {exc}") from exc
+        try:
+            snaps.append(parse_prometheus_text(text))
+        except DoctorInputError as exc:
+            raise DoctorInputError(f"{path}: {exc}") from exc
+    if not snaps:
+        return None
+    return snaps[0] if len(snaps) == 1 else metrics_delta(snaps[0], snaps[-1])
+
+
+def _median_int(values: list[int]) -> int:
+    return int(statistics.median(values)) if values else 1
+
+
+def load_inputs(result_paths: list[str], metrics_paths: list[str] | None = None, model: str | None = None,
+                gpu: str | None = None) -> DoctorInputs:
+    """Read the files; raises :class:`DoctorInputError` (one line, what to do) for unusable input."""
+    docs = []
+    for path in result_paths:
+        try:
+            docs.append((read_result(path), str(path)))
+        except ResultFileError as exc:
+            raise DoctorInputError(str(exc)) from exc
+    return inputs_from_documents(docs, load_metrics(metrics_paths or []), model, gpu,
+                                 tuple([*result_paths, *(metrics_paths or [])]))
+
+
+def inputs_from_documents(docs: list[tuple[dict[str, Any], str]], metrics: MetricsSnapshot | None = None,
+                          model: str | None = None, gpu: str | None = None,
+                          sources: tuple[str, ...] = ()) -> DoctorInputs:
+    """In-memory result documents (e.g. ``BenchOutcome.result``) with a name each -> inputs."""
+    runs = [run for doc, name in docs for run in runs_from_result(doc, name)]
+    if docs and not any(run.ok for run in runs):
+        raise DoctorInputError("no successful request in the bench results: fix the errors `kvpilot bench` "
+                               "reported (server down? wrong --base-url?) and measure again")
+    runs.sort(key=lambda r: r.in_flight)
+    roofline = None
+    if model or gpu:
+        ok = [r for run in runs for r in run.ok]
+        roofline = roofline_for(model or "smollm2-135m", gpu or "cpu",
+                                _median_int([r.num_prompt_tokens or 0 for r in ok]),
+                                _median_int([r.num_output_tokens for r in ok]),
+                                max(1, round(max((run.in_flight for run in runs), default=1.0))))
+    return DoctorInputs(tuple(runs), metrics, roofline, sources or tuple(name for _, name in docs))

@@ -1,0 +1,151 @@
+"""Prometheus ``/metrics`` text (kvpilot's or vLLM's names, old and new) -> a normalised snapshot.
+
+kvpilot serves vLLM's names, so one table covers both; where vLLM renamed a series (V0 -> V1) the
+newest name wins when both are present. Several label sets (engines, finish reasons) are summed,
+ratios averaged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvpilot.doctor.errors import DoctorInputError
+
+# Normalised key -> sample names, newest first.
+SCALARS: dict[str, tuple[str, ...]] = {
+    "running": ("vllm:num_requests_running",),
+    "waiting": ("vllm:num_requests_waiting",),
+    "kv_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    "preemptions": ("vllm:num_preemptions_total", "vllm:num_preemptions"),
+    "prefix_queries": ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total"),
+    "prefix_hits": ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total"),
+    "prefix_hit_rate": ("vllm:gpu_prefix_cache_hit_rate",),
+    "swapped": ("vllm:num_requests_swapped",),
+    "cpu_kv_usage": ("vllm:cpu_cache_usage_perc",),
+    "num_finished": ("vllm:request_success_total",),
+    "prompt_tokens": ("vllm:prompt_tokens_total",),
+    "generation_tokens": ("vllm:generation_tokens_total",),
+    "rejected": ("kvpilot:requests_rejected_total",),
+    "swap_total_bytes": ("node_memory_SwapTotal_bytes",),
+    "swap_free_bytes": ("node_memory_SwapFree_bytes",),
+}
+COUNTERS = frozenset({"preemptions", "prefix_queries", "prefix_hits", "num_finished", "prompt_tokens",
+                      "generation_tokens", "rejected"})
+RATIOS = frozenset({"kv_usage", "prefix_hit_rate", "cpu_kv_usage"})
+# Histogram key -> base names (samples are <base>_sum / <base>_count), newest first. Seconds.
+HISTOGRAMS: dict[str, tuple[str, ...]] = {
+    "ttft": ("vllm:time_to_first_token_seconds",),
+    "itl": ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
+    "e2e": ("vllm:e2e_request_latency_seconds",),
+    "queue": ("vllm:request_queue_time_seconds",),
+    "prefill": ("vllm:request_prefill_time_seconds",),
+    "decode": ("vllm:request_decode_time_seconds",),
+    "tokenize": ("kvpilot:tokenization_time_seconds",),
+    "iteration_tokens": ("vllm:iteration_tokens_total",),
+}
+INFO_NAMES = ("vllm:cache_config_info",)
+
+
+@dataclass(frozen=True)
+class HistogramSum:
+    """Count and sum of one histogram (summed over label sets)."""
+
+    count: float
+    total: float
+
+    @property
+    def mean(self) -> float | None:
+        return self.total / self.count if self.count > 0 else None
+
+
+@dataclass(frozen=True)
+class MetricsSnapshot:
+    """Normalised values of one scrape, or the difference of two (counters and histograms as
+    after - before, gauges as after). ``names`` maps each key to the metric name it came from."""
+
+    values: dict[str, float] = field(default_factory=dict)
+    histograms: dict[str, HistogramSum] = field(default_factory=dict)
+    info: dict[str, str] = field(default_factory=dict)
+    names: dict[str, str] = field(default_factory=dict)
+
+    def get(self, key: str) -> float | None:
+        return self.values.get(key)
+
+    def mean_ms(self, key: str) -> float | None:
+        """Mean of a seconds histogram in ms (None when absent or empty)."""
+        h = self.histograms.get(key)
+        mean = h.mean if h is not None else None
+        return None if mean is None or key == "iteration_tokens" else mean * 1000.0
+
+    @property
+    def swap_used_bytes(self) -> float | None:
+        total, free = self.values.get("swap_total_bytes"), self.values.get("swap_free_bytes")
+        return total - free if total is not None and free is not None else None
+
+    @property
+    def prefix_caching_enabled(self) -> bool | None:
+        flag = self.info.get("enable_prefix_caching")
+        return None if flag is None else flag.lower() == "true"
+
+    @property
+    def flavor(self) -> str:
+        """Which naming the server used: "vllm-v0" (old names) or "vllm-v1" (kvpilot uses these)."""
+        return "vllm-v0" if self.names.get("kv_usage") == "vllm:gpu_cache_usage_perc" else "vllm-v1"
+
+
+def _sample_sums(text: str) -> tuple[dict[str, float], dict[str, int], dict[str, str]]:
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    info: dict[str, str] = {}
+    try:
+        families = list(text_string_to_metric_families(text))
+    except (ValueError, TypeError) as exc:
+        raise DoctorInputError(f"cannot parse Prometheus text: {exc}. Pass the raw output of "
+                               f"`curl <server>/metrics` to --metrics-file") from exc
+    for family in families:
+        for s in family.samples:
+            if s.name.endswith("_created"):
+                continue
+            if s.name in INFO_NAMES:
+                info.update({k: str(v) for k, v in s.labels.items()})
+            sums[s.name] = sums.get(s.name, 0.0) + float(s.value)
+            counts[s.name] = counts.get(s.name, 0) + 1
+    return sums, counts, info
+
+
+def parse_prometheus_text(text: str) -> MetricsSnapshot:
+    """Raises :class:`DoctorInputError` for text that is not Prometheus exposition format or that
+    holds none of the known series."""
+    sums, counts, info = _sample_sums(text)
+    values: dict[str, float] = {}
+    names: dict[str, str] = {}
+    for key, candidates in SCALARS.items():
+        name = next((n for n in candidates if n in sums), None)
+        if name is not None:
+            values[key] = sums[name] / counts[name] if key in RATIOS else sums[name]
+            names[key] = name
+    histograms: dict[str, HistogramSum] = {}
+    for key, bases in HISTOGRAMS.items():
+        base = next((b for b in bases if b + "_count" in sums), None)
+        if base is not None:
+            histograms[key] = HistogramSum(sums[base + "_count"], sums.get(base + "_sum", 0.0))
+            names[key] = base
+    if not values and not histograms:
+        raise DoctorInputError("the metrics text has no vllm: series the doctor knows (e.g. "
+                               "vllm:num_requests_waiting, vllm:kv_cache_usage_perc): is it a vLLM or "
+                               "kvpilot server's /metrics?")
+    return MetricsSnapshot(values, histograms, info, names)
+
+
+def metrics_delta(before: MetricsSnapshot, after: MetricsSnapshot) -> MetricsSnapshot:
+    """Counters and histograms over the interval between two scrapes; gauges as of ``after``."""
+    values = dict(after.values)
+    for key in COUNTERS & after.values.keys() & before.values.keys():
+        values[key] = after.values[key] - before.values[key]
+    histograms = dict(after.histograms)
+    for key in after.histograms.keys() & before.histograms.keys():
+        a, b = after.histograms[key], before.histograms[key]
+        histograms[key] = HistogramSum(a.count - b.count, a.total - b.total)
+    return MetricsSnapshot(values, histograms, {**before.info, **after.info}, {**before.names, **after.names})

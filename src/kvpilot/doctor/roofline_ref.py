@@ -1,0 +1,47 @@
+"""The physical limit for the measured workload, from `kvpilot fit` (``--model`` and ``--gpu``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvpilot.doctor.errors import DoctorInputError
+from kvpilot.fit.errors import FitError
+from kvpilot.fit.hardware import parse_device_arg
+from kvpilot.fit.model_source import load_model
+from kvpilot.fit.plan import build_report
+from kvpilot.fit.workload import FitInputs
+
+
+@dataclass(frozen=True)
+class RooflineRef:
+    """Upper bounds for ``model`` on ``gpu`` at the measured prompt/output lengths.
+
+    ``decode_step_ms`` is the fastest possible batch-1 decode step (TPOT floor); ``ttft_ms`` the
+    fastest prefill of the median prompt on an idle server; ``aggregate_tokens_per_s`` decode
+    throughput at the measured peak concurrency (capped by what fits in the KV cache)."""
+
+    model: str
+    gpu: str
+    decode_step_ms: float
+    ttft_ms: float
+    aggregate_tokens_per_s: float
+    batch_size: int
+    bound: str  # "memory bandwidth" or "compute" at batch 1
+
+
+def roofline_for(model: str, gpu: str, input_len: int, output_len: int, concurrency: int) -> RooflineRef:
+    """Raises :class:`DoctorInputError` when fit cannot place the model (unknown name, does not fit)."""
+    try:
+        report = build_report(load_model(model), parse_device_arg(gpu),
+                              FitInputs(input_len=max(1, input_len), output_len=max(1, output_len),
+                                        concurrency=max(1, concurrency)))
+    except FitError as exc:
+        raise DoctorInputError(f"--model/--gpu: {exc}") from exc
+    rl = report.roofline
+    if rl is None:
+        raise DoctorInputError(f"--model {model} does not fit on --gpu {gpu} (see `kvpilot fit {model} "
+                               f"--gpu {gpu}`), so it has no roofline to compare with")
+    return RooflineRef(model=model, gpu=gpu, decode_step_ms=rl.decode_single.step_seconds * 1000.0,
+                       ttft_ms=rl.ttft_seconds * 1000.0,
+                       aggregate_tokens_per_s=rl.decode_at_concurrency.tokens_per_s_aggregate,
+                       batch_size=rl.decode_at_concurrency.batch_size, bound=rl.decode_single.bound)

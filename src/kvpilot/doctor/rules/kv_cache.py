@@ -1,0 +1,162 @@
+"""Rules on memory: KV-cache pressure, prefix-cache misses, spillover to host memory or swap."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvpilot.doctor.findings import Evidence, Finding, Fix, Severity, clamp01
+from kvpilot.doctor.rules.context import RuleContext
+from kvpilot.doctor.signals import median, ratio
+
+
+def kv_pressure(ctx: RuleContext) -> Finding | None:
+    """KV usage near 100% and/or preemptions (recomputed prefills), often with requests waiting."""
+    th, view = ctx.th, ctx.view
+    usage, preempt = view.kv_usage_max, view.num_preemptions or 0.0
+    full = usage is not None and usage >= th.kv_usage_high
+    if not full and preempt <= 0:
+        return _filling_up(ctx) if usage is not None and usage >= th.kv_usage_warn else None
+    num_finished = len(ctx.inputs.ok_records) or (ctx.inputs.metrics.get("num_finished")
+                                                   if ctx.inputs.metrics else None) or 0
+    per_request = preempt / num_finished if num_finished else (1.0 if preempt else 0.0)
+    waiting = (view.waiting_mean or 0.0) >= th.min_waiting_mean or (view.waiting_max or 0.0) >= 1
+    # High when requests are actually held back: a full pool with a queue, or frequent preemptions
+    # while the pool is full or requests wait (a few lifetime preemptions alone are a warning).
+    often = per_request >= th.preemptions_per_request_high
+    severity = Severity.HIGH if (full or waiting) and (often or (full and waiting)) else Severity.MEDIUM
+    split = ctx.server_split
+    queue_share = ratio(split.queue_ms, split.server_ttft_ms) if split else None
+    evidence = [Evidence("KV-cache usage, peak", usage, "%", view.source)] if usage is not None else []
+    evidence.append(Evidence("preemptions", preempt, "", view.source))
+    if num_finished:
+        evidence.append(Evidence("preemptions per request", per_request))
+    if view.waiting_max is not None:
+        evidence.append(Evidence("requests waiting, max", view.waiting_max, "", view.source))
+    if view.running_max is not None:
+        evidence.append(Evidence("requests running at most", view.running_max, "", view.source))
+    signals = sum([full, preempt > 0, waiting])
+    what = " and ".join(p for p in (f"KV cache {usage:.0%} full" if usage is not None else "",
+                                    f"{preempt:.0f} preemptions" if preempt else "") if p)
+    return Finding(
+        rule_id="kv-cache-pressure", title="KV cache is too small for the traffic",
+        severity=severity, confidence=min(0.95, 0.5 + 0.2 * signals),
+        impact=clamp01(max(queue_share or 0.0, min(1.0, per_request), 0.4)),
+        summary=(f"{what}: " + ("new requests cannot get blocks, so they wait" if waiting else
+                                "the pool is close to its limit")
+                 + (", and running requests are preempted and recomputed" if preempt else "") + "."),
+        evidence=tuple(evidence),
+        fixes=(Fix("give the KV cache more memory", kvpilot="--kv-cache-memory <2x current>",
+                   vllm="--gpu-memory-utilization 0.95 (or --kv-cache-memory-bytes)"),
+               Fix("store KV in 8 bits: half the bytes per token", vllm="--kv-cache-dtype fp8"),
+               Fix("cap the context length so fewer blocks are reserved per request",
+                   kvpilot="--max-model-len <longest real request>", vllm="--max-model-len <longest real request>"),
+               Fix("run fewer sequences at once: fewer preemptions", kvpilot="--max-num-seqs <lower>",
+                   vllm="--max-num-seqs <lower>"),
+               Fix("add memory: more GPUs (tensor parallel) or a larger GPU", vllm="--tensor-parallel-size 2")))
+
+
+def _filling_up(ctx: RuleContext) -> Finding:
+    """Low-severity note: the pool has headroom, but not much."""
+    usage = ctx.view.kv_usage_max or 0.0
+    return Finding(
+        rule_id="kv-cache-pressure", title="KV cache is filling up", severity=Severity.LOW,
+        confidence=0.5, impact=0.1,
+        summary=f"KV cache peaked at {usage:.0%} with no preemptions: fine now, little room for bursts.",
+        evidence=(Evidence("KV-cache usage, peak", usage, "%", ctx.view.source),),
+        fixes=(Fix("give the KV cache more memory before traffic grows", kvpilot="--kv-cache-memory <larger>",
+                   vllm="--gpu-memory-utilization 0.95"),))
+
+
+def _expected_hit_rate(dataset: dict[str, Any], num_requests: int) -> float | None:
+    """Share of prompt tokens a perfect prefix cache would serve for bench's shared-prefix dataset:
+    the prefix share of each prompt, for every request but the first of each prefix."""
+    if dataset.get("kind") != "shared-prefix" or not num_requests:
+        return None
+    prefix, total = float(dataset.get("prefix_len") or 0), float(dataset.get("input_len") or 0)
+    groups = int(dataset.get("num_prefixes") or 1)
+    return (min(prefix, total) / total) * max(0.0, 1 - groups / num_requests) if total > 0 else None
+
+
+def _shared_groups(ctx: RuleContext) -> int:
+    """Prefix groups (group_id ``prefix-*``) with more than one request."""
+    counts: dict[str, int] = {}
+    for r in ctx.inputs.ok_records:
+        if r.group_id and r.group_id.startswith("prefix"):
+            counts[r.group_id] = counts.get(r.group_id, 0) + 1
+    return sum(1 for n in counts.values() if n > 1)
+
+
+def prefix_cache_miss(ctx: RuleContext) -> Finding | None:
+    """Traffic shares prefixes but the server's prefix-cache hit rate is low (or caching is off)."""
+    th, view = ctx.th, ctx.view
+    expected = max((e for run in ctx.inputs.runs
+                    if (e := _expected_hit_rate(run.dataset, len(run.ok))) is not None), default=None)
+    shared = _shared_groups(ctx)
+    if expected is None and shared == 0:
+        return None
+    bar = expected if expected is not None else th.min_expected_hit_rate / th.prefix_hit_share_of_expected
+    if bar < th.min_expected_hit_rate:
+        return None
+    hit, disabled = view.prefix_hit_rate, view.prefix_caching_enabled is False
+    if not disabled and (hit is None or hit >= th.prefix_hit_share_of_expected * bar):
+        return None
+    evidence = [Evidence("prefix groups with repeated prefixes", shared, "", "request group ids")]
+    if expected is not None:
+        evidence.append(Evidence("achievable hit rate (shared-prefix dataset)", expected, "%"))
+    if hit is not None:
+        evidence.append(Evidence("measured prefix-cache hit rate", hit, "%", view.source))
+    if disabled:
+        evidence.append(Evidence("enable_prefix_caching (vllm:cache_config_info)", 0.0))
+    lost = (expected or bar) - (hit or 0.0)
+    return Finding(
+        rule_id="prefix-cache-miss", title="Shared prompt prefixes are recomputed instead of reused",
+        severity=Severity.HIGH if disabled or (hit or 0.0) < 0.2 * bar else Severity.MEDIUM,
+        confidence=0.9 if disabled or expected is not None else 0.6, impact=clamp01(lost),
+        summary=("The traffic repeats prompt prefixes ("
+                 + (f"up to {expected:.0%} of prompt tokens reusable" if expected is not None
+                    else f"{shared} groups of requests share one") + ") but "
+                 + ("prefix caching is disabled." if disabled or hit is None else
+                    f"only {hit:.0%} hit the cache: their prefill is recomputed every time.")),
+        evidence=tuple(evidence),
+        fixes=(Fix("turn prefix caching on", kvpilot="--enable-prefix-caching", vllm="--enable-prefix-caching"),
+               Fix("keep the shared part first and byte-identical (no timestamps or ids before it)"),
+               Fix("keep cached prefixes from being evicted: more KV memory",
+                   kvpilot="--kv-cache-memory <larger>", vllm="--gpu-memory-utilization 0.95"),
+               Fix("route requests with the same prefix to the same replica (prefix-aware routing)")))
+
+
+def memory_spillover(ctx: RuleContext) -> Finding | None:
+    """Host memory or swap in use (swapped requests, CPU KV cache, node swap) with decode far below
+    the roofline: weights or KV live in a slower tier."""
+    th, view, roof = ctx.th, ctx.view, ctx.inputs.roofline
+    spill = [(name, value) for name, value in (("requests swapped to CPU", view.swapped),
+                                               ("CPU KV-cache usage", view.cpu_kv_usage),
+                                               ("host swap in use (GiB)",
+                                                view.swap_used_bytes / 2**30 if view.swap_used_bytes else None))
+             if value is not None and value > 0]
+    if not spill:
+        return None
+    low_run = ctx.inputs.runs[0] if ctx.inputs.runs else None
+    tpot = median(r.tpot_ms for r in low_run.ok) if low_run else None
+    efficiency = ratio(roof.decode_step_ms, tpot) if roof is not None else None
+    if efficiency is not None and efficiency >= th.spillover_roofline_efficiency * 2:
+        return None  # spill exists but decode runs near the limit: not the bottleneck
+    evidence = [Evidence(name.removesuffix(" (GiB)"), value, "%" if "usage" in name else
+                         ("GiB" if "GiB" in name else ""), view.source) for name, value in spill]
+    if efficiency is not None and roof is not None:
+        evidence.append(Evidence(f"decode speed vs roofline ({roof.model} on {roof.gpu})", efficiency, "%"))
+    slow = efficiency is not None and efficiency < th.spillover_roofline_efficiency
+    return Finding(
+        rule_id="memory-spillover", title="Memory spills to host RAM or swap",
+        severity=Severity.HIGH if slow else Severity.MEDIUM, confidence=0.85 if slow else 0.55,
+        impact=clamp01(1 - efficiency if efficiency is not None else 0.5),
+        summary=("Part of the working set lives in host memory or swap"
+                 + (f", and decode runs at {efficiency:.0%} of the hardware limit." if efficiency is not None
+                    else "; compare with the roofline (--model, --gpu) to see what it costs.")),
+        evidence=tuple(evidence),
+        fixes=(Fix("keep KV and weights in device memory: no CPU swap space or offload",
+                   vllm="--swap-space 0 --cpu-offload-gb 0"),
+               Fix("size the KV cache to what the device holds", kvpilot="--kv-cache-memory <fits in RAM>",
+                   vllm="--gpu-memory-utilization 0.9"),
+               Fix("disable host swap for the server (swapoff -a) or give the host more RAM"),
+               Fix("use a smaller or quantized model", vllm="--quantization fp8")))

@@ -1,0 +1,156 @@
+"""Numbers the rules share: robust statistics, the merged server-metrics view, request timelines.
+
+Everything here is a pure function of :class:`DoctorInputs`; rules decide what the numbers mean.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from kvpilot.bench.records import RequestRecord
+from kvpilot.doctor.inputs import DoctorInputs
+
+
+def median(values: Iterable[float | None]) -> float | None:
+    vals = [v for v in values if v is not None and not math.isnan(v)]
+    return float(statistics.median(vals)) if vals else None
+
+
+def quantile(values: Iterable[float | None], q: float) -> float | None:
+    """Linear-interpolated quantile, q in [0, 1] (numpy's default method)."""
+    vals = sorted(v for v in values if v is not None and not math.isnan(v))
+    if not vals:
+        return None
+    pos = q * (len(vals) - 1)
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return vals[lo] + (vals[hi] - vals[lo]) * (pos - lo)
+
+
+def pearson(xs: Sequence[float], ys: Sequence[float]) -> float | None:
+    """Correlation; None with fewer than 3 points or no spread."""
+    if len(xs) < 3 or len(xs) != len(ys):
+        return None
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
+    sxx = sum((x - mx) ** 2 for x in xs)
+    syy = sum((y - my) ** 2 for y in ys)
+    return sxy / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else None
+
+
+def slope(xs: Sequence[float], ys: Sequence[float]) -> float | None:
+    """Least-squares slope of ys over xs; None without spread in xs."""
+    if len(xs) < 2:
+        return None
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx if sxx > 0 else None
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b is not None and b > 0 else None
+
+
+@dataclass(frozen=True)
+class MetricsView:
+    """Server-side state merged from the bench's scrapes and ``--metrics-file`` (None: not exposed).
+    ``source`` names where the values came from, for evidence lines."""
+
+    kv_usage_max: float | None
+    waiting_mean: float | None
+    waiting_max: float | None
+    running_max: float | None
+    num_preemptions: float | None
+    prefix_hit_rate: float | None
+    prefix_caching_enabled: bool | None
+    swapped: float | None
+    cpu_kv_usage: float | None
+    swap_used_bytes: float | None
+    source: str
+
+
+def _max(values: Iterable[float | None]) -> float | None:
+    vals = [v for v in values if v is not None]
+    return max(vals) if vals else None
+
+
+def _sum(values: Iterable[float | None]) -> float | None:
+    vals = [v for v in values if v is not None]
+    return sum(vals) if vals else None
+
+
+def _records_hit_rate(records: list[RequestRecord]) -> float | None:
+    with_server = [r for r in records if r.server is not None and r.server.num_prompt_tokens > 0]
+    prompt = sum(r.server.num_prompt_tokens for r in with_server if r.server)
+    return sum(r.server.num_cached_tokens for r in with_server if r.server) / prompt if prompt else None
+
+
+def metrics_view(inputs: DoctorInputs) -> MetricsView:
+    """Bench scrapes first (they cover exactly the measured runs), the metrics file fills gaps."""
+    summaries = [run.server_metrics for run in inputs.runs if run.server_metrics]
+    snap = inputs.metrics
+
+    def from_runs(key: str, combine: Callable[[Iterable[float | None]], float | None] = _max) -> float | None:
+        return combine(s.get(key) for s in summaries)
+
+    def snap_get(key: str) -> float | None:
+        return snap.get(key) if snap is not None else None
+
+    preempt_records = _sum(r.server.num_preemptions for r in inputs.ok_records if r.server)
+    hit_rate = from_runs("prefix_cache_hit_rate")
+    if hit_rate is None and snap is not None:
+        queries, hits = snap.get("prefix_queries"), snap.get("prefix_hits")
+        hit_rate = hits / queries if queries and hits is not None else snap.get("prefix_hit_rate")
+    if hit_rate is not None and hit_rate < 0:  # vLLM V0 reports -1 when prefix caching is off
+        hit_rate = None
+    if hit_rate is None:
+        hit_rate = _records_hit_rate(inputs.ok_records)
+    sources = (["bench scrapes of /metrics"] if summaries else []) + (
+        [f"metrics file ({snap.flavor} names)"] if snap is not None else [])
+    return MetricsView(
+        kv_usage_max=_max([from_runs("kv_usage_max"), snap_get("kv_usage")]),
+        waiting_mean=from_runs("waiting_mean") if summaries else snap_get("waiting"),
+        waiting_max=_max([from_runs("waiting_max"), snap_get("waiting")]),
+        running_max=_max([from_runs("running_max"), snap_get("running")]),
+        num_preemptions=_max([from_runs("num_preemptions", _sum), snap_get("preemptions"), preempt_records]),
+        prefix_hit_rate=hit_rate,
+        prefix_caching_enabled=snap.prefix_caching_enabled if snap is not None else None,
+        swapped=snap_get("swapped"), cpu_kv_usage=snap_get("cpu_kv_usage"),
+        swap_used_bytes=snap.swap_used_bytes if snap is not None else None,
+        source=" + ".join(sources) or "none")
+
+
+def first_token_s(r: RequestRecord) -> float | None:
+    """When the request's first token arrived, on the run clock."""
+    return r.sent_s + r.ttft_ms / 1000.0 if r.ttft_ms is not None else None
+
+
+def gap_ends(r: RequestRecord) -> list[tuple[float, float]]:
+    """(time the gap ended on the run clock, gap ms) for every inter-token gap of a request."""
+    t = first_token_s(r)
+    if t is None:
+        return []
+    out = []
+    for gap in r.itl_ms:
+        t += gap / 1000.0
+        out.append((t, gap))
+    return out
+
+
+def is_long(r: RequestRecord, median_prompt: float, factor: float) -> bool:
+    return r.group_id == "long" or (r.num_prompt_tokens or 0) >= factor * median_prompt > 0
+
+
+def median_prompt_len(records: list[RequestRecord]) -> float:
+    return median(float(r.num_prompt_tokens or 0) for r in records) or 0.0
+
+
+def overlaps_prefill(t0: float, t1: float, longs: list[RequestRecord], exclude: RequestRecord) -> bool:
+    """Whether [t0, t1] intersects another long request's prefill window [sent, first token]."""
+    for other in longs:
+        end = first_token_s(other)
+        if other is not exclude and end is not None and other.sent_s <= t1 and end >= t0:
+            return True
+    return False

@@ -1,0 +1,122 @@
+"""Every threshold the doctor's rules use, in one place, each with its rationale.
+
+Rules read a :class:`Thresholds` instance passed to them (never module globals), so tests and users
+can tighten or relax one number without touching rule code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Limits at which a symptom becomes a finding. Times in ms, shares and ratios as fractions."""
+
+    queue_share_of_ttft: float = 0.5
+    """Queueing: server queue time / server TTFT (medians) at or above which waiting dominates TTFT.
+    Half is the point where adding capacity helps more than any prefill optimisation."""
+
+    min_queue_ms: float = 20.0
+    """Queueing: median queue time below this is never a finding (one engine step on a GPU is
+    10-50 ms, so shorter waits are just step alignment)."""
+
+    min_waiting_mean: float = 1.0
+    """Queueing from metrics alone: mean ``num_requests_waiting`` during the run at or above this means
+    a queue persisted rather than flickered."""
+
+    tokenize_share_of_ttft: float = 0.25
+    """Tokenization: tokenize time / server TTFT at or above which preprocessing is a bottleneck
+    (fast tokenizers take ~1 ms per 1k tokens, a few percent of a healthy TTFT)."""
+
+    min_tokenize_ms: float = 5.0
+    """Tokenization: median tokenize time below this is never a finding."""
+
+    kv_usage_high: float = 0.9
+    """KV pressure: peak KV-cache usage at or above this leaves no room for a new request's blocks."""
+
+    kv_usage_warn: float = 0.75
+    """KV pressure, low severity: peak usage at or above this (without preemptions) is a note that
+    the pool is filling up: a burst or longer prompts would start queueing."""
+
+    preemptions_per_request_high: float = 0.05
+    """KV pressure: preemptions per finished request at or above this make the finding high severity
+    (each preemption recomputes a whole prefill); any preemption at all is medium."""
+
+    prefill_min_correlation: float = 0.7
+    """Prefill-bound: Pearson correlation of prompt length and prefill time (or TTFT) needed to say
+    TTFT grows with prompt length."""
+
+    prefill_length_share: float = 0.5
+    """Prefill-bound: share of p90 TTFT explained by prompt length (slope x length spread)."""
+
+    ttft_high_ms: float = 500.0
+    """TTFT (p90) above which a prompt-length effect is worth fixing when the run has no TTFT SLO;
+    about the delay at which chat users notice a stall."""
+
+    min_length_spread: float = 2.0
+    """Prefill-bound / long-short: p90 / p10 prompt length needed to see any length effect."""
+
+    decode_roofline_efficiency_low: float = 0.3
+    """Decode-bound: measured per-sequence decode speed at the lowest concurrency / roofline bound
+    below this means the kernels or memory path waste bandwidth (good engines reach 0.5-0.8)."""
+
+    tpot_growth_high: float = 2.0
+    """Decode-bound: median TPOT at the highest / lowest concurrency at or above this means decode
+    slows with batch size (memory-bound decode should stay nearly flat until the compute-bound batch)."""
+
+    min_concurrency_ratio: float = 4.0
+    """Rules comparing runs (static batching, TPOT growth) need the highest concurrency to be at least
+    this multiple of the lowest."""
+
+    flat_throughput_ratio: float = 1.3
+    """Static batching: output throughput at the highest / lowest concurrency below this is flat
+    (continuous batching normally gains 3x or more over 4x concurrency before the knee)."""
+
+    itl_spike_ratio: float = 5.0
+    """Interactivity: a gap at least this multiple of the median inter-token latency is a stall."""
+
+    min_itl_spike_ms: float = 50.0
+    """Interactivity: gaps shorter than this are never stalls (below what a reader notices)."""
+
+    spike_overlap_share: float = 0.5
+    """Interactivity: share of stalls that coincide with another request's long prefill needed to
+    blame prefill batching; random stalls (GC, network) coincide far less often."""
+
+    min_num_spikes: int = 3
+    """Interactivity: fewer stalls than this are noise."""
+
+    long_prompt_ratio: float = 4.0
+    """Long/short: a prompt at least this multiple of the median prompt length counts as long."""
+
+    short_ttft_inflation: float = 2.0
+    """Long/short: short requests' median TTFT while a long prefill runs / without one, at or above
+    which long prompts block short ones (head-of-line blocking)."""
+
+    min_group_size: int = 3
+    """Comparisons of two request groups need at least this many requests in each."""
+
+    prefix_hit_share_of_expected: float = 0.5
+    """Prefix-cache misses: measured hit rate below this fraction of the hit rate the traffic's shared
+    prefixes allow."""
+
+    min_expected_hit_rate: float = 0.2
+    """Prefix-cache misses: traffic whose shared prefixes could save less than this is not worth a
+    finding."""
+
+    network_min_ms: float = 30.0
+    """Network overhead: median client TTFT minus server TTFT below this is normal transport."""
+
+    network_share_of_ttft: float = 0.3
+    """Network overhead: that gap / client TTFT at or above which a proxy or gateway dominates."""
+
+    max_client_lag_ms: float = 10.0
+    """Client limits: p99 dispatch or event-loop lag of the load generator above this taints latencies
+    (same default as ``kvpilot bench --max-client-lag-ms``)."""
+
+    spillover_roofline_efficiency: float = 0.2
+    """Memory spillover: decode speed below this fraction of the roofline, together with swap or host
+    KV use, means memory spilled to a slower tier."""
+
+    min_requests: int = 5
+    """Rules drawing statistics over requests need at least this many successful ones."""

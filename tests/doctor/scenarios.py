@@ -1,0 +1,184 @@
+"""One staged input per rule, each shaped like the deployment fault that causes it (and a healthy one).
+
+Every scenario returns the arguments of ``load_inputs``: (result paths, metrics paths, model, gpu).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+from kvpilot.bench.datasets import DatasetConfig
+from kvpilot.bench.records import RequestRecord
+from tests.doctor.builders import closed_loop, jitter, req, run, samples, write
+
+Scenario = tuple[list[str], list[str], str | None, str | None]
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def healthy(tmp: Path) -> Scenario:
+    """A well-configured server at concurrency 4: short queue, small KV use, steady decode."""
+    rng = random.Random(1)
+    recs = closed_loop(40, 4, lambda i, t: req(i, t, prompt=int(jitter(rng, 256)), prefill=jitter(rng, 40),
+                                                itl=[jitter(rng, 12, 0.2) for _ in range(31)]))
+    metrics = samples(2, running=4, waiting=0, kv=0.3)
+    return [write(tmp / "r.json", [run("concurrency=4", recs, metrics=metrics)])], [], None, None
+
+
+def queueing(tmp: Path) -> Scenario:
+    """`--max-num-seqs 1` under 8 concurrent clients: each request waits for the seven before it."""
+    rng = random.Random(2)
+    service = 0.04 + 31 * 0.012
+    recs = closed_loop(40, 8, lambda i, t: req(i, t, queue=jitter(rng, 7 * service * 1000), prefill=40.0))
+    return [write(tmp / "r.json", [run("concurrency=8", recs, concurrency=8,
+                                       metrics=samples(5, running=1, waiting=7, kv=0.05))])], [], None, None
+
+
+def tokenization(tmp: Path) -> Scenario:
+    """An artificially slow (pure-Python) tokenizer: 0.2 ms per prompt token."""
+    rng = random.Random(3)
+
+    def make(i: int, t: float) -> RequestRecord:
+        prompt = rng.randint(500, 4000)
+        return req(i, t, prompt=prompt, tokenize=0.2 * prompt, prefill=30 + 0.005 * prompt)
+    recs = closed_loop(30, 2, make)
+    return [write(tmp / "r.json", [run("concurrency=2", recs, concurrency=2,
+                                       metrics=samples(3, running=2, waiting=0, kv=0.2))])], [], None, None
+
+
+def kv_pressure(tmp: Path) -> Scenario:
+    """A KV pool far too small: usage pinned at 99%, requests preempted and waiting."""
+    rng = random.Random(4)
+    recs = closed_loop(40, 16, lambda i, t: req(i, t, queue=jitter(rng, 90), prefill=jitter(rng, 60),
+                                                 preempt=1 if i % 3 == 0 else 0))
+    return [write(tmp / "r.json", [run("concurrency=16", recs, concurrency=16,
+                                       metrics=samples(3, running=5, waiting=11, kv=0.99, preemptions=14))])], \
+        [], None, None
+
+
+def prefill_bound(tmp: Path) -> Scenario:
+    """Prompts from 256 to 8k tokens on a slow prefill path: 0.25 ms per prompt token, decode normal."""
+    rng = random.Random(5)
+
+    def make(i: int, t: float) -> RequestRecord:
+        prompt = rng.choice([256, 512, 1024, 2048, 4096, 8192])
+        return req(i, t, prompt=prompt, prefill=jitter(rng, 0.25 * prompt, 0.05), num_out=16)
+    recs = closed_loop(36, 1, make)
+    return [write(tmp / "r.json", [run("concurrency=1", recs, concurrency=1,
+                                       metrics=samples(20, running=1, waiting=0, kv=0.2))])], [], None, None
+
+
+def decode_bound(tmp: Path) -> Scenario:
+    """Llama-3.1-8B on an H100 (roofline TPOT ~4.5 ms) decoding at 30 ms per token at batch 1."""
+    rng = random.Random(6)
+    recs = closed_loop(20, 1, lambda i, t: req(i, t, prompt=512, prefill=jitter(rng, 25),
+                                                itl=[jitter(rng, 30, 0.05) for _ in range(63)]))
+    return [write(tmp / "r.json", [run("synchronous", recs, concurrency=1,
+                                       metrics=samples(20, running=1, waiting=0, kv=0.02))])], \
+        [], "llama-3.1-8b", "h100-sxm"
+
+
+def static_batching(tmp: Path) -> Scenario:
+    """A server without continuous batching or metrics (client-only timings): at 8 clients requests
+    simply take turns, so throughput stays flat and TTFT absorbs the wait."""
+    rng = random.Random(7)
+    service_ms = 40 + 31 * 12
+    one = closed_loop(20, 1, lambda i, t: req(i, t, server=False, itl=jitter(rng, 12, 0.02)))
+    eight = closed_loop(40, 8, lambda i, t: req(i, t, server=False, prefill=40 + jitter(rng, 7 * service_ms, 0.02),
+                                                 itl=jitter(rng, 12, 0.02)))
+    return [write(tmp / "one.json", [run("concurrency=1", one, concurrency=1)]),
+            write(tmp / "eight.json", [run("concurrency=8", eight, concurrency=8)])], [], None, None
+
+
+def _decoding_shorts(rng: random.Random, stall_windows: list[tuple[float, float]]) -> list[RequestRecord]:
+    """Seven short requests streaming 15 ms gaps from t=0, stalled during each window."""
+    recs = []
+    for i in range(7):
+        sent = 0.01 * i
+        t = sent + 0.042
+        gaps = []
+        for _ in range(199):
+            gap = jitter(rng, 15, 0.1)
+            for a, b in stall_windows:
+                if t < b <= t + gap / 1000 or a <= t < b:
+                    gap = (b - t) * 1000 + 5
+            gaps.append(gap)
+            t += gap / 1000
+        recs.append(req(i, sent, prompt=128, itl=gaps))
+    return recs
+
+
+def prefill_interrupts_decode(tmp: Path) -> Scenario:
+    """A huge token budget: two 8k-token prompts arrive and prefill in one 600 ms step each, stalling
+    everyone's decoding."""
+    rng = random.Random(8)
+    windows = [(1.0, 1.6), (2.2, 2.8)]
+    recs = _decoding_shorts(rng, windows)
+    recs += [req(7 + k, a, prompt=8192, prefill=(b - a) * 1000 - 3.5, itl=15.0, num_out=20)
+             for k, (a, b) in enumerate(windows)]
+    return [write(tmp / "r.json", [run("concurrency=9", recs, concurrency=9,
+                                       metrics=samples(3, running=9, waiting=0, kv=0.4))])], [], None, None
+
+
+def long_short(tmp: Path) -> Scenario:
+    """Open loop, 5% 8k-token prompts: short requests arriving during a long prefill wait for it."""
+    rng = random.Random(9)
+    recs, longs = [], [(k * 1.0 + 0.3, k * 1.0 + 1.1) for k in range(3)]
+    for i in range(60):
+        sent = i * 0.05
+        for a, b in longs:
+            if a <= sent < b:
+                wait = (b - sent) * 1000
+                break
+        else:
+            wait = 0.0
+        recs.append(req(i, sent, prompt=128, prefill=jitter(rng, 30) + wait, num_out=1, group="short"))
+    recs += [req(60 + k, a, prompt=8192, prefill=(b - a) * 1000 - 3.5, num_out=1, group="long")
+             for k, (a, b) in enumerate(longs)]
+    return [write(tmp / "r.json", [run("rate=20/s", recs, concurrency=None, request_rate=20.0,
+                                       metrics=samples(3, running=3, waiting=0, kv=0.3))])], [], None, None
+
+
+def prefix_cache_miss(tmp: Path) -> Scenario:
+    """Shared-prefix traffic (4 prefixes of 512 of 640 tokens) with prefix caching off: 0 cached tokens."""
+    rng = random.Random(10)
+    recs = closed_loop(40, 4, lambda i, t: req(i, t, prompt=640, prefill=jitter(rng, 60), group=f"prefix-{i % 4}"))
+    dataset = DatasetConfig(kind="shared-prefix", input_len=640, prefix_len=512, num_prefixes=4, num_suffixes=10)
+    metrics = samples(3, running=4, waiting=0, kv=0.3, prefix_queries=40 * 640, prefix_hits=0)
+    return [write(tmp / "r.json", [run("concurrency=4", recs, metrics=metrics)], dataset=dataset)], [], None, None
+
+
+def network_overhead(tmp: Path) -> Scenario:
+    """A delaying proxy in front of the server: 150 ms between client and server."""
+    rng = random.Random(11)
+    recs = closed_loop(30, 4, lambda i, t: req(i, t, net=jitter(rng, 150), prefill=jitter(rng, 40)))
+    metrics = samples(3, running=4, waiting=0, kv=0.3)
+    return [write(tmp / "r.json", [run("concurrency=4", recs, metrics=metrics)])], [], None, None
+
+
+def client_overload(tmp: Path) -> Scenario:
+    """The load generator's event loop stalls 40 ms at a time (an overloaded client process)."""
+    rng = random.Random(12)
+    recs = closed_loop(40, 4, lambda i, t: req(i, t, prefill=jitter(rng, 40)))
+    lag = [(k * 0.01, 40.0 if k % 20 == 0 else 0.5) for k in range(400)]
+    return [write(tmp / "r.json", [run("concurrency=4", recs, loop_lag=lag,
+                                       metrics=samples(3, running=4, waiting=0, kv=0.3))])], [], None, None
+
+
+def memory_spillover(tmp: Path) -> Scenario:
+    """An 8B model on an H100 whose KV spills to CPU swap space (vLLM V0 names): 60 ms per token."""
+    rng = random.Random(13)
+    recs = closed_loop(20, 1, lambda i, t: req(i, t, server=False, prompt=512, prefill=jitter(rng, 40),
+                                                itl=[jitter(rng, 60, 0.05) for _ in range(63)]))
+    return ([write(tmp / "r.json", [run("synchronous", recs, concurrency=1)])],
+            [str(FIXTURES / "vllm_v0_swapping.txt")], "llama-3.1-8b", "h100-sxm")
+
+
+SCENARIOS: dict[str, Callable[[Path], Scenario]] = {
+    "queueing": queueing, "tokenization": tokenization, "kv-cache-pressure": kv_pressure,
+    "prefill-bound": prefill_bound, "decode-bound": decode_bound, "static-batching": static_batching,
+    "prefill-interrupts-decode": prefill_interrupts_decode, "long-short-mixing": long_short,
+    "prefix-cache-miss": prefix_cache_miss, "network-overhead": network_overhead,
+    "client-overload": client_overload, "memory-spillover": memory_spillover,
+}

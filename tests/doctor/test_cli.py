@@ -1,0 +1,84 @@
+"""`kvpilot doctor` as users call it: exit codes 0 / 1 / 2, --json, --html, one-line errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from typer.testing import CliRunner, Result
+
+from kvpilot.doctor.cli import doctor_command
+from tests.doctor.scenarios import SCENARIOS, healthy
+
+app = typer.Typer()
+app.command()(doctor_command)
+FIX = Path(__file__).parent / "fixtures"
+
+
+def _invoke(*args: str) -> Result:
+    return CliRunner().invoke(app, list(args))
+
+
+def test_healthy_exits_0(tmp_path: Path) -> None:
+    (path,), _, _, _ = healthy(tmp_path)
+    result = _invoke("--from", path)
+    assert result.exit_code == 0, result.output
+    assert "healthy" in result.output and "Headroom" in result.output
+
+
+def test_findings_exit_1_with_json(tmp_path: Path) -> None:
+    (path,), _, _, _ = SCENARIOS["queueing"](tmp_path)
+    result = _invoke("--from", path, "--json")
+    assert result.exit_code == 1, result.output
+    doc = json.loads(result.stdout)
+    assert doc["healthy"] is False and doc["exit_code"] == 1
+    top = doc["findings"][0]
+    assert top["rule_id"] == "queueing" and top["severity"] == "high"
+    assert top["evidence"] and top["fixes"][0]["kvpilot"].startswith("--max-num-seqs")
+    assert doc["latency_split_ms"][0]["source"] == "server timings"
+
+
+def test_several_results_and_roofline(tmp_path: Path) -> None:
+    paths, _, _, _ = SCENARIOS["static-batching"](tmp_path)
+    result = _invoke("--from", paths[0], "--from", paths[1], "--model", "llama-3.1-8b", "--gpu", "h100-sxm",
+                     "--json")
+    doc = json.loads(result.stdout)
+    assert [s["label"] for s in doc["latency_split_ms"]] == ["concurrency=1", "concurrency=8"]
+    assert doc["roofline"]["gpu"] == "h100-sxm" and doc["findings"][0]["rule_id"] == "static-batching"
+
+
+def test_console_output_names_fixes_for_both_engines() -> None:
+    result = _invoke("--metrics-file", str(FIX / "vllm_v1_pressure.txt"))
+    assert result.exit_code == 1
+    assert "kv-cache-pressure" in result.output and "kvpilot:" in result.output and "vLLM:" in result.output
+
+
+def test_html_fragment_written(tmp_path: Path) -> None:
+    out = tmp_path / "doctor.html"
+    result = _invoke("--metrics-file", str(FIX / "vllm_v1_pressure.txt"), "--html", str(out))
+    assert result.exit_code == 1
+    assert out.read_text().startswith('<section id="kvpilot-doctor">')
+
+
+def _assert_unusable(result: Result, needle: str) -> None:
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in result.output
+
+
+def test_unusable_inputs_exit_2_with_one_line(tmp_path: Path) -> None:
+    _assert_unusable(_invoke(), "nothing to diagnose")
+    _assert_unusable(_invoke("--from", str(tmp_path / "missing.json")), "cannot read bench result")
+    bad = tmp_path / "old.json"
+    bad.write_text(json.dumps({"schema_version": 0}))
+    _assert_unusable(_invoke("--from", str(bad)), "schema_version")
+    text = tmp_path / "m.txt"
+    text.write_text("hello world\n")
+    _assert_unusable(_invoke("--metrics-file", str(text)), "m.txt")
+    (path,), _, _, _ = healthy(tmp_path)
+    _assert_unusable(_invoke("--from", path, "--model", "lama-3.1-8b"), "unknown model")
+
+
+def test_url_is_not_available_yet() -> None:
+    _assert_unusable(_invoke("--url", "http://127.0.0.1:8000"), "--from result.json")

@@ -1,0 +1,72 @@
+"""Renderers and contracts: HTML section (escaped, self-contained), JSON round trip, ranking, thresholds."""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from kvpilot.doctor import thresholds
+from kvpilot.doctor.diagnose import diagnose, rank
+from kvpilot.doctor.findings import Evidence, Finding, Fix, Severity
+from kvpilot.doctor.inputs import DoctorInputs, load_inputs
+from kvpilot.doctor.prometheus import parse_prometheus_text
+from kvpilot.doctor.render_html import doctor_html_section
+from tests.doctor.scenarios import SCENARIOS, healthy
+
+
+def _finding(rule: str, severity: Severity, confidence: float, impact: float = 0.5) -> Finding:
+    return Finding(rule, rule.title(), severity, confidence, impact, "s", (Evidence("x", 1.0),), (Fix("a", "b", "c"),))
+
+
+def test_rank_orders_by_severity_then_score() -> None:
+    ranked = rank([_finding("a", Severity.MEDIUM, 0.99), _finding("b", Severity.HIGH, 0.5),
+                   _finding("c", Severity.HIGH, 0.9, 0.9), _finding("d", Severity.LOW, 1.0)])
+    assert [f.rule_id for f in ranked] == ["c", "b", "a", "d"]
+
+
+def test_finding_rejects_confidence_out_of_range() -> None:
+    with pytest.raises(ValueError, match="confidence"):
+        _finding("a", Severity.LOW, 1.5)
+
+
+def test_html_section_is_escaped_and_self_contained() -> None:
+    snap = parse_prometheus_text((Path(__file__).parent / "fixtures" / "vllm_v1_pressure.txt").read_text())
+    report = diagnose(DoctorInputs(metrics=snap))
+    html = doctor_html_section(report)
+    assert html.startswith('<section id="kvpilot-doctor">') and html.endswith("</section>")
+    assert 'data-rule="kv-cache-pressure"' in html and "--kv-cache-dtype fp8" in html
+    assert not re.search(r"<script|src=|href=", html)
+    tricky = _finding("x<script>", Severity.HIGH, 0.9)
+    html = doctor_html_section(type(report)((tricky,), (), (), (), "none", None, 0.0))
+    assert "<script>" not in html and "x&lt;script&gt;" in html
+
+
+def test_healthy_html_shows_headroom(tmp_path: Path) -> None:
+    report = diagnose(load_inputs(healthy(tmp_path)[0]))
+    html = doctor_html_section(report)
+    assert "healthy" in html and "<h3>Headroom</h3>" in html
+
+
+def test_json_report_is_strict_json(tmp_path: Path) -> None:
+    report = diagnose(load_inputs(*SCENARIOS["decode-bound"](tmp_path)))
+    doc = json.loads(json.dumps(report.to_json(), allow_nan=False))
+    assert doc["findings"][0]["rule_id"] == "decode-bound"
+    assert doc["roofline"]["model"] == "llama-3.1-8b" and doc["roofline"]["decode_step_ms"] > 0
+
+
+def test_every_threshold_documents_its_rationale() -> None:
+    """The one place for thresholds: each field is followed by a docstring explaining it."""
+    tree = ast.parse(Path(thresholds.__file__).read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Thresholds")
+    body = cls.body
+    fields = [(i, n.target.id) for i, n in enumerate(body)
+              if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)]
+    assert len(fields) >= 20
+    for i, name in fields:
+        doc = body[i + 1] if i + 1 < len(body) else None
+        text = doc.value.value if isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) else None
+        assert isinstance(text, str) and len(text) > 30, name

@@ -1,0 +1,65 @@
+"""End to end over real HTTP: `run_bench` against the bench's scripted server (its own process, so
+client timings stay close to the scripted truth), result JSON on disk, then the doctor."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from kvpilot.bench.api import BenchConfig, run_bench
+from kvpilot.bench.client import Target
+from kvpilot.bench.datasets import DatasetConfig
+from kvpilot.bench.load import LoadShape
+from kvpilot.bench.scripted_process import ScriptedProcess
+from kvpilot.bench.scripted_server import Behavior
+from kvpilot.doctor.diagnose import DoctorReport, diagnose
+from kvpilot.doctor.findings import Severity
+from kvpilot.doctor.inputs import inputs_from_documents, load_inputs
+
+
+@pytest.fixture(scope="module")
+def scripted() -> Iterator[ScriptedProcess]:
+    with ScriptedProcess() as server:
+        yield server
+
+
+def _bench_and_diagnose(server: ScriptedProcess, path: Path, num_requests: int,
+                        in_memory: bool = False) -> tuple[DoctorReport, bool]:
+    """Returns the report and whether the bench client kept up (the machine is shared). The result
+    goes through the JSON file, or with ``in_memory`` straight from ``BenchOutcome.result``."""
+    cfg = BenchConfig(Target(server.base_url, server.model, timeout_s=20.0),
+                      dataset=DatasetConfig(input_len=16, output_len=8),
+                      load=LoadShape(concurrency=4, num_requests=num_requests), scrape_interval_s=0.1,
+                      json_path=str(path), progress=False)
+    outcome = run_bench(cfg, Console(file=io.StringIO()))  # the summary is not under test
+    inputs = inputs_from_documents([(outcome.result, "bench")]) if in_memory else load_inputs([str(path)])
+    return diagnose(inputs), not outcome.runs[0].client_lag.overloaded
+
+
+def test_max_num_seqs_1_is_named_queueing(scripted: ScriptedProcess, tmp_path: Path) -> None:
+    """The server admits one request at a time (like --max-num-seqs 1) under 4 concurrent clients."""
+    scripted.set_script(Behavior(ttft_s=0.03, itl_s=0.005), max_running=1)
+    report, _ = _bench_and_diagnose(scripted, tmp_path / "q.json", 12)
+    ranked = [f.rule_id for f in report.findings]
+    assert ranked[0] in ("queueing", "client-overload"), ranked
+    assert "queueing" in ranked
+    queueing = next(f for f in report.findings if f.rule_id == "queueing")
+    share = next(e.value for e in queueing.evidence if e.name == "queue share of server TTFT")
+    assert share > 0.6  # three requests ahead, each ~65 ms, against a 30 ms scripted TTFT
+
+
+def test_healthy_scripted_server_is_healthy(scripted: ScriptedProcess, tmp_path: Path) -> None:
+    scripted.set_script(Behavior(ttft_s=0.03, itl_s=0.01))
+    for attempt in range(3):
+        report, kept_up = _bench_and_diagnose(scripted, tmp_path / f"h{attempt}.json", 16, in_memory=True)
+        if kept_up:
+            break
+    if kept_up:
+        assert all(f.severity is Severity.LOW for f in report.findings), [f.rule_id for f in report.findings]
+        assert report.exit_code == 0
+    else:  # a busy shared machine: then the doctor must say the client, not the server, lagged
+        assert report.findings[0].rule_id == "client-overload"
