@@ -110,6 +110,7 @@ def test_html_is_self_contained_and_renders_offline(sweep_outcome: tuple[BenchOu
     # All five plots (CDFs, sweep latency, throughput, stages, KV/queue) were drawn by plotly.js.
     assert result.dom.count('class="plot-container plotly"') == 5
     assert "knee" in result.dom and "Per-request latency by stage" in result.dom
+    assert 'id="kvpilot-doctor"' in result.dom  # the doctor's diagnosis of the run is part of the report
 
 
 def test_read_result_checks_the_schema_version(tmp_path: Path) -> None:

@@ -125,5 +125,19 @@ def run_bench(cfg: BenchConfig, console: Console | None = None) -> BenchOutcome:
     if cfg.csv_path:
         write_csv(cfg.csv_path, runs)
     if cfg.html_path:
-        write_html(cfg.html_path, runs, knee)
+        write_html(cfg.html_path, runs, knee, extra_html=_doctor_section(result, console))
     return BenchOutcome(runs, knee, result)
+
+
+def _doctor_section(result: dict, console: Console) -> str:
+    """The doctor's diagnosis of this run as an HTML section ('' if it cannot diagnose it)."""
+    from kvpilot.doctor.diagnose import diagnose  # noqa: PLC0415 (the doctor reads bench results: import late)
+    from kvpilot.doctor.errors import DoctorInputError  # noqa: PLC0415
+    from kvpilot.doctor.inputs import inputs_from_documents  # noqa: PLC0415
+    from kvpilot.doctor.render_html import doctor_html_section  # noqa: PLC0415
+
+    try:
+        return doctor_html_section(diagnose(inputs_from_documents([(result, "this run")])))
+    except DoctorInputError as exc:
+        console.print(f"[yellow]doctor section left out of the report: {exc}[/yellow]")
+        return ""

@@ -112,8 +112,12 @@ def _summary_html(runs: list[RunResult]) -> str:
     return f"<table><tr>{head}</tr>{''.join(body)}</table>"
 
 
-def render_html(runs: list[RunResult], knee: Knee | None, title: str = "kvpilot bench report") -> str:
-    """The report as one HTML string; the first figure inlines plotly.js, the rest reuse it."""
+def render_html(runs: list[RunResult], knee: Knee | None, title: str = "kvpilot bench report",
+                extra_html: str = "") -> str:
+    """The report as one HTML string; the first figure inlines plotly.js, the rest reuse it.
+
+    `extra_html` (already escaped, e.g. the doctor's section) is placed after the summary table.
+    """
     shown = runs[knee.index] if knee is not None and knee.index is not None else runs[-1]
     figs = [latency_cdfs(runs)]
     if knee is not None and len(runs) > 1:
@@ -125,8 +129,8 @@ def render_html(runs: list[RunResult], knee: Knee | None, title: str = "kvpilot 
              "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}")
     return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
             f"<style>{style}</style></head><body><h1>{html.escape(title)}</h1>"
-            f"{_summary_html(runs)}{''.join(divs)}</body></html>")
+            f"{_summary_html(runs)}{extra_html}{''.join(divs)}</body></html>")
 
 
-def write_html(path: str | Path, runs: list[RunResult], knee: Knee | None) -> None:
-    Path(path).write_text(render_html(runs, knee), encoding="utf-8")
+def write_html(path: str | Path, runs: list[RunResult], knee: Knee | None, extra_html: str = "") -> None:
+    Path(path).write_text(render_html(runs, knee, extra_html=extra_html), encoding="utf-8")
