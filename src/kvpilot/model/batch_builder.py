@@ -79,7 +79,8 @@ def _decode_batch(chunks: Sequence[ChunkLike], rows: list[int], block_size: int,
     bias = torch.zeros(len(chunks), max_blocks * block_size, dtype=torch.float32)
     bias.masked_fill_(key_pos >= context_lens[:, None], float("-inf"))
     return DecodeBatch(token_rows=torch.tensor(rows, dtype=torch.long, device=device),
-                       block_tables=tables.to(device), key_bias=bias[:, None, None, :].to(device))
+                       block_tables=tables.to(device), context_lens=context_lens.to(device),
+                       key_bias=bias[:, None, None, :].to(device))
 
 
 def build_model_input(chunks: Sequence[ChunkLike], block_size: int, device: torch.device) -> ModelInput:

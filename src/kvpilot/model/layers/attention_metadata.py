@@ -36,6 +36,7 @@ class DecodeBatch:
 
     token_rows: torch.Tensor  # [B] long
     block_tables: torch.Tensor  # [B, max_blocks] long
+    context_lens: torch.Tensor  # [B] long: keys 0..context_lens[b]-1 (the new token included)
     key_bias: torch.Tensor  # [B, 1, 1, max_blocks * block_size] float32
 
 

@@ -4,8 +4,9 @@ KV cache layout per layer: [2, kv_heads, num_blocks, block_size, head_dim] (K th
 gathering a sequence's blocks yields [kv_heads, tokens, head_dim], the layout matmuls want, with one
 row copy and no transpose. New K/V are written through the slot mapping (slot = block * block_size +
 offset); each sequence reads its keys through its block table. Decodes of similar context length are
-batched into one masked bmm (on CPU ~5x faster than scaled_dot_product_attention for single queries);
-prefills use scaled_dot_product_attention per sequence.
+batched into one masked bmm (on CPU ~5x faster than scaled_dot_product_attention for single queries),
+or, for float32 on CPU, run by a C++ kernel that reads K/V in place (cpu_decode_kernel.py); prefills use
+scaled_dot_product_attention per sequence.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpilot.model.layers.attention_metadata import AttentionMetadata, DecodeBatch, PrefillSeq
+from kvpilot.model.layers.cpu_decode_kernel import get_kernel
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -49,7 +51,21 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.
     return out.squeeze(0).transpose(0, 1)
 
 
-def _decode(q: torch.Tensor, kv_cache: torch.Tensor, batch: DecodeBatch, scale: float) -> torch.Tensor:
+def decode_kernel(q: torch.Tensor, kv_cache: torch.Tensor, batch: DecodeBatch, scale: float) -> torch.Tensor | None:
+    """The C++ kernel's result for float32 CPU tensors (reads K/V in place), or None when it does not apply."""
+    if q.device.type != "cpu" or q.dtype != torch.float32:
+        return None
+    kernel = get_kernel()
+    if kernel is None:
+        return None
+    queries = q[batch.token_rows].contiguous()
+    out = torch.empty_like(queries)
+    kernel.paged_decode(out, queries, kv_cache[0], kv_cache[1], batch.block_tables, batch.context_lens, scale)
+    return out
+
+
+def decode_torch(q: torch.Tensor, kv_cache: torch.Tensor, batch: DecodeBatch, scale: float) -> torch.Tensor:
+    """Any device and dtype: gather the group's blocks, then two bmm and one softmax."""
     num_seqs, max_blocks = batch.block_tables.shape
     kv_heads, head_dim = kv_cache.shape[1], kv_cache.shape[4]
     group = q.shape[1] // kv_heads
@@ -77,5 +93,6 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     for seq in meta.prefills:
         out[seq.query_start: seq.query_start + seq.query_len] = _prefill(q, k, v, kv_cache, seq, scale)
     for group in meta.decodes:
-        out[group.token_rows] = _decode(q, kv_cache, group, scale)
+        result = decode_kernel(q, kv_cache, group, scale)
+        out[group.token_rows] = result if result is not None else decode_torch(q, kv_cache, group, scale)
     return out
