@@ -11,17 +11,13 @@ from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvpilot.bench.scrape import METRIC_NAMES, RATIO_KEYS
 from kvpilot.doctor.errors import DoctorInputError
 
-# Normalised key -> sample names, newest first.
+# Normalised key -> sample names, newest first: the bench's scrape table (one list of vLLM V0/V1 names for
+# both tools), plus what only the diagnosis needs.
 SCALARS: dict[str, tuple[str, ...]] = {
-    "running": ("vllm:num_requests_running",),
-    "waiting": ("vllm:num_requests_waiting",),
-    "kv_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
-    "preemptions": ("vllm:num_preemptions_total", "vllm:num_preemptions"),
-    "prefix_queries": ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total"),
-    "prefix_hits": ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total"),
-    "prefix_hit_rate": ("vllm:gpu_prefix_cache_hit_rate",),
+    **METRIC_NAMES,
     "swapped": ("vllm:num_requests_swapped",),
     "cpu_kv_usage": ("vllm:cpu_cache_usage_perc",),
     "num_finished": ("vllm:request_success_total",),
@@ -33,7 +29,7 @@ SCALARS: dict[str, tuple[str, ...]] = {
 }
 COUNTERS = frozenset({"preemptions", "prefix_queries", "prefix_hits", "num_finished", "prompt_tokens",
                       "generation_tokens", "rejected"})
-RATIOS = frozenset({"kv_usage", "prefix_hit_rate", "cpu_kv_usage"})
+RATIOS = RATIO_KEYS | {"cpu_kv_usage"}
 # Histogram key -> base names (samples are <base>_sum / <base>_count), newest first. Seconds.
 HISTOGRAMS: dict[str, tuple[str, ...]] = {
     "ttft": ("vllm:time_to_first_token_seconds",),
