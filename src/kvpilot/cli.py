@@ -9,8 +9,8 @@ from typing import Annotated, Optional
 import typer
 
 from kvpilot.bench.cli import bench_command
-from kvpilot.cli_options import (DeviceOpt, DtypeOpt, KvCacheMemoryOpt, LoadFormatOpt, MaxModelLenOpt, ModelOpt,
-                                 SeedOpt)
+from kvpilot.cli_options import (DeviceOpt, DtypeOpt, KvCacheDtypeOpt, KvCacheMemoryOpt, LoadFormatOpt,
+                                 MaxModelLenOpt, ModelOpt, SeedOpt)
 from kvpilot.doctor.cli import doctor_command
 from kvpilot.fit.cli import fit_command
 from kvpilot.server.cli import serve_command
@@ -46,13 +46,15 @@ def generate(
     sample_seed: Annotated[Optional[int], typer.Option("--sample-seed", help="Seed of the sampling stream.")] = None,
     chat_template: Annotated[bool, typer.Option("--chat/--raw", help="Apply the chat template to the prompt.")] = False,
     model: ModelOpt = None, load_format: LoadFormatOpt = "auto", dtype: DtypeOpt = "auto", device: DeviceOpt = None,
-    max_model_len: MaxModelLenOpt = None, kv_cache_memory: KvCacheMemoryOpt = None, seed: SeedOpt = 0,
+    max_model_len: MaxModelLenOpt = None, kv_cache_memory: KvCacheMemoryOpt = None,
+    kv_cache_dtype: KvCacheDtypeOpt = "auto", seed: SeedOpt = 0,
 ) -> None:
     """Generate a completion for one prompt and print it (streamed as it is produced)."""
     from kvpilot.sampling_params import SamplingParams
 
     llm = _build_llm(dict(model=model, load_format=load_format, dtype=dtype, device=device,
-                                    max_model_len=max_model_len, kv_cache_memory=kv_cache_memory, seed=seed))
+                           max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
+                           kv_cache_dtype=kv_cache_dtype, seed=seed))
     params = _sampling_params(SamplingParams, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                               top_k=top_k, seed=sample_seed)
     prompt_ids = llm.tokenizer.encode_chat([{"role": "user", "content": prompt}]) if chat_template else prompt
@@ -77,14 +79,16 @@ def chat(
     temperature: Annotated[float, typer.Option("--temperature", help="0 = greedy.")] = 0.7,
     top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass.")] = 0.9,
     model: ModelOpt = None, load_format: LoadFormatOpt = "auto", dtype: DtypeOpt = "auto", device: DeviceOpt = None,
-    max_model_len: MaxModelLenOpt = None, kv_cache_memory: KvCacheMemoryOpt = None, seed: SeedOpt = 0,
+    max_model_len: MaxModelLenOpt = None, kv_cache_memory: KvCacheMemoryOpt = None,
+    kv_cache_dtype: KvCacheDtypeOpt = "auto", seed: SeedOpt = 0,
 ) -> None:
     """Interactive chat in the terminal; replies stream token by token. Ctrl-D or /exit quits, /reset clears."""
     from kvpilot.chat_session import run_chat
     from kvpilot.sampling_params import SamplingParams
 
     llm = _build_llm(dict(model=model, load_format=load_format, dtype=dtype, device=device,
-                                    max_model_len=max_model_len, kv_cache_memory=kv_cache_memory, seed=seed))
+                           max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
+                           kv_cache_dtype=kv_cache_dtype, seed=seed))
     params = _sampling_params(SamplingParams, max_tokens=max_tokens, temperature=temperature, top_p=top_p)
     run_chat(llm, params, system)
 

@@ -17,6 +17,7 @@ from kvpilot.engine.scheduler_output import ScheduledChunk
 from kvpilot.fit.kv_cache import format_capacity_line, kv_capacity_for_memory
 from kvpilot.fit.memory import CPU_DEFAULT_KV_CACHE_BYTES
 from kvpilot.memory_size import format_bytes, parse_memory_size
+from kvpilot.model.kv_dtype import check_kv_cache_dtype, kv_dtype_name, resolve_kv_cache_dtype
 from kvpilot.model.loader import LoadedModel, load_model
 from kvpilot.model.runner import ModelRunner
 
@@ -39,6 +40,7 @@ class EngineArgs:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     kv_cache_memory: int | str | None = None
+    kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float = 0.9
     block_size: int = 16
     enable_prefix_caching: bool = True
@@ -54,6 +56,10 @@ class EngineArgs:
                 parse_memory_size(self.kv_cache_memory, "kv_cache_memory")
             except ValueError as exc:
                 raise EngineConfigError(str(exc)) from exc
+        try:
+            check_kv_cache_dtype(self.kv_cache_dtype)
+        except ValueError as exc:
+            raise EngineConfigError(str(exc)) from exc
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
             raise EngineConfigError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
         CacheConfig(num_blocks=1, block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching)
@@ -62,14 +68,15 @@ class EngineArgs:
                         scheduling_policy=self.scheduling_policy)
 
 
-def _cuda_kv_budget(loaded: LoadedModel, utilization: float, num_tokens: int, block_size: int) -> int:
+def _cuda_kv_budget(loaded: LoadedModel, utilization: float, num_tokens: int, block_size: int,
+                    kv_dtype: torch.dtype) -> int:
     """vLLM-style: GPU memory * utilization, minus what is in use, minus a full-budget forward's activations."""
     device = loaded.device
     num_blocks = num_tokens // block_size + 1
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     baseline = torch.cuda.memory_allocated(device)
-    profiler = ModelRunner(loaded, num_blocks, block_size)
+    profiler = ModelRunner(loaded, num_blocks, block_size, kv_dtype)
     cache_bytes = torch.cuda.memory_allocated(device) - baseline
     profiler.execute([ScheduledChunk("profile", [0] * num_tokens, 0, list(range(num_blocks)), True)])
     torch.cuda.synchronize(device)
@@ -80,12 +87,14 @@ def _cuda_kv_budget(loaded: LoadedModel, utilization: float, num_tokens: int, bl
     return int(total * utilization - (total - free) - activations)
 
 
-def kv_cache_budget_bytes(args: EngineArgs, loaded: LoadedModel, max_num_batched_tokens: int) -> int:
+def kv_cache_budget_bytes(args: EngineArgs, loaded: LoadedModel, max_num_batched_tokens: int,
+                          kv_dtype: torch.dtype) -> int:
     """Bytes for the KV cache: kv_cache_memory if given; on CUDA from gpu_memory_utilization; else the CPU default."""
     if args.kv_cache_memory is not None:
         return parse_memory_size(args.kv_cache_memory, "kv_cache_memory")
     if loaded.device.type == "cuda":
-        return _cuda_kv_budget(loaded, args.gpu_memory_utilization, max_num_batched_tokens, args.block_size)
+        return _cuda_kv_budget(loaded, args.gpu_memory_utilization, max_num_batched_tokens, args.block_size,
+                               kv_dtype)
     return DEFAULT_CPU_KV_CACHE_BYTES
 
 
@@ -101,8 +110,9 @@ def build_engine(args: EngineArgs, loaded: LoadedModel | None = None) -> tuple[L
         max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens or max(2048, args.max_num_seqs),
         scheduling_policy=args.scheduling_policy)
-    budget = kv_cache_budget_bytes(args, loaded, scheduler_config.max_num_batched_tokens)
-    element_size = torch.tensor([], dtype=loaded.dtype).element_size()
+    kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, loaded.dtype)
+    budget = kv_cache_budget_bytes(args, loaded, scheduler_config.max_num_batched_tokens, kv_dtype)
+    element_size = torch.tensor([], dtype=kv_dtype).element_size()
     # The same function `kvpilot fit` predicts with: plan and engine agree by construction.
     capacity = kv_capacity_for_memory(loaded.config, budget, args.block_size, element_size, max_model_len)
     if capacity.num_blocks < 1:
@@ -111,9 +121,8 @@ def build_engine(args: EngineArgs, loaded: LoadedModel | None = None) -> tuple[L
     cache_config = CacheConfig(num_blocks=capacity.num_blocks, block_size=args.block_size,
                                enable_prefix_caching=args.enable_prefix_caching)
     check_model_len_fits(scheduler_config, cache_config)
-    logger.info(format_capacity_line(capacity))
-    num_blocks = capacity.num_blocks
-    runner = ModelRunner(loaded, num_blocks, args.block_size)
+    logger.info("%s; KV stored as %s", format_capacity_line(capacity), kv_dtype_name(kv_dtype))
+    runner = ModelRunner(loaded, capacity.num_blocks, args.block_size, kv_dtype)
     eos = loaded.tokenizer.eos_token_ids[0] if loaded.tokenizer and loaded.tokenizer.eos_token_ids else (
         loaded.config.eos_token_ids[0] if loaded.config.eos_token_ids else None)
     scheduler = Scheduler(scheduler_config, cache_config, eos)

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from kvpilot.bench.api import BenchConfig, BenchOutcome, run_bench
+from kvpilot.bench.api import BenchConfig, BenchOutcome, run_bench, sweep_point_items
 from kvpilot.bench.client import Target
-from kvpilot.bench.datasets import DatasetConfig
+from kvpilot.bench.datasets import DatasetConfig, build_dataset
 from kvpilot.bench.load import LoadShape
 from kvpilot.bench.records import record_from_json
 from kvpilot.bench.result import SCHEMA_VERSION, ResultFileError, read_result
@@ -21,6 +21,7 @@ from kvpilot.bench.scripted_process import ScriptedProcess
 from kvpilot.bench.scripted_server import Behavior
 from kvpilot.bench.stats import parse_slo
 from kvpilot.bench.sweep import sweep_rates
+from kvpilot.bench.tokens import load_tokenizer
 
 from .chromium_probe import chromium_path, probe
 
@@ -120,3 +121,19 @@ def test_read_result_checks_the_schema_version(tmp_path: Path) -> None:
         read_result(old)
     with pytest.raises(ResultFileError, match="cannot read"):
         read_result(tmp_path / "missing.json")
+
+
+
+def test_each_sweep_run_draws_new_prompts_unless_the_dataset_is_a_file() -> None:
+    """A later run must not find its prompts in the server's prefix cache from an earlier run."""
+    tok = load_tokenizer(None)
+    cfg = BenchConfig(target=Target("http://unused", "m"),
+                      dataset=DatasetConfig(kind="shared-prefix", input_len=24, prefix_len=16, num_prefixes=2))
+    first = build_dataset(cfg.dataset, tok, 6)
+    texts = [{item.turns[0].text for item in sweep_point_items(cfg, tok, first, k)} for k in range(3)]
+    assert sweep_point_items(cfg, tok, first, 0) is first
+    assert all(not (a & b) for i, a in enumerate(texts) for b in texts[i + 1:])
+    prefixes = [{t.split(" ")[0] for t in run} for run in texts]
+    assert not (prefixes[0] & prefixes[1])  # new shared prefixes too
+    trace_cfg = dataclasses.replace(cfg, dataset=DatasetConfig(kind="trace", path="unused.jsonl"))
+    assert sweep_point_items(trace_cfg, tok, first, 2) is first

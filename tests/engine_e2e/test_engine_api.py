@@ -19,6 +19,7 @@ from tests.engine_e2e.conftest import assert_no_leak
     ({"block_size": 12}, "block_size must be a power of two"),
     ({"max_num_seqs": 512, "max_num_batched_tokens": 256}, "max_num_batched_tokens \\(256\\) must be >= max_num_seqs"),
     ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization must be in \\(0, 1\\]"),
+    ({"kv_cache_dtype": "int3"}, "kv_cache_dtype must be one of auto, float32, bfloat16, float16, fp8"),
 ])
 def test_bad_engine_settings_are_named(kwargs, message):
     with pytest.raises(EngineConfigError, match=message):

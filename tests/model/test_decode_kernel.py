@@ -17,10 +17,12 @@ class _Chunk:
 
 
 @pytest.mark.skipif(get_kernel() is None, reason="no C++ toolchain: the torch path is used")
-@pytest.mark.parametrize("heads, kv_heads, block_size", [(9, 3, 16), (8, 8, 4), (16, 2, 8)])
-def test_kernel_matches_torch_path(heads, kv_heads, block_size):
+@pytest.mark.parametrize("heads, kv_heads, block_size, head_dim",
+                         [(9, 3, 16, 64), (8, 8, 4, 64), (16, 2, 8, 128), (4, 2, 16, 80)])
+def test_kernel_matches_torch_path(heads, kv_heads, block_size, head_dim):
+    """Head dims 64 and 128 take the compiled-size paths, 80 the generic one."""
     gen = torch.Generator().manual_seed(0)
-    head_dim, num_blocks = 64, 40
+    num_blocks = 40
     cache = torch.randn(2, kv_heads, num_blocks, block_size, head_dim, generator=gen)
     contexts = [1, block_size, block_size + 1, 3 * block_size - 2, 60]
     perm = torch.randperm(num_blocks, generator=gen).tolist()
@@ -34,3 +36,34 @@ def test_kernel_matches_torch_path(heads, kv_heads, block_size):
     fast = decode_kernel(q, cache, batch, head_dim ** -0.5)
     assert fast is not None
     torch.testing.assert_close(fast, decode_torch(q, cache, batch, head_dim ** -0.5), rtol=1e-5, atol=1e-5)
+
+
+def test_torch_path_builds_the_padding_bias_when_the_batch_has_none():
+    gen = torch.Generator().manual_seed(1)
+    block_size, head_dim = 4, 64
+    cache = torch.randn(2, 2, 12, block_size, head_dim, generator=gen)
+    chunks = [_Chunk(2, [5]), _Chunk(9, [0, 7, 3])]
+    q = torch.randn(2, 4, head_dim, generator=gen)
+    with_bias = _decode_batch(chunks, [0, 1], block_size, torch.device("cpu"), with_bias=True)
+    without = _decode_batch(chunks, [0, 1], block_size, torch.device("cpu"), with_bias=False)
+    assert without.key_bias is None
+    torch.testing.assert_close(decode_torch(q, cache, without, 0.125), decode_torch(q, cache, with_bias, 0.125))
+
+
+@pytest.mark.skipif(get_kernel() is None, reason="no C++ toolchain: the torch path is used")
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn])
+def test_kernel_widens_16_and_8_bit_kv_like_torch(kv_dtype):
+    """The kernel's own bf16/fp16/fp8 -> float32 conversion equals torch's, subnormals and signs included."""
+    gen = torch.Generator().manual_seed(2)
+    block_size, head_dim = 8, 64
+    cache = torch.randn(2, 2, 20, block_size, head_dim, generator=gen)
+    cache[..., :4] *= 1e-6  # subnormal in fp16 / fp8 (fp8 has them below 2^-6)
+    cache[..., 4:8] *= 0.01
+    stored = cache.to(kv_dtype)
+    chunks = [_Chunk(0, [3]), _Chunk(20, [0, 9, 4]), _Chunk(37, [1, 2, 5, 6, 7])]
+    batch = _decode_batch(chunks, [0, 1, 2], block_size, torch.device("cpu"), with_bias=False)
+    q = torch.randn(3, 6, head_dim, generator=gen)
+    fast = decode_kernel(q, stored, batch, 0.125)
+    assert fast is not None
+    torch.testing.assert_close(fast, decode_torch(q, stored.float(), batch, 0.125), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(decode_torch(q, stored, batch, 0.125), decode_torch(q, stored.float(), batch, 0.125))

@@ -81,11 +81,27 @@ def _config_json(cfg: BenchConfig, tok: Tokenizer) -> dict[str, Any]:
             "goodput_target": cfg.goodput_target, "max_lag_ms": cfg.max_lag_ms}
 
 
+GENERATED_KINDS = ("random", "shared-prefix", "long-short", "multi-turn")
+
+
+def sweep_point_items(cfg: BenchConfig, tok: Tokenizer, items: list[WorkItem], point: int) -> list[WorkItem]:
+    """The prompts of a sweep's `point`-th run: generated datasets get a new seed per run, so no run's
+    prompts (or shared prefixes) are already in the server's prefix cache from an earlier run, which would
+    make higher loads look faster than they are. File datasets (jsonl, trace) are replayed as given."""
+    if point == 0 or cfg.dataset.kind not in GENERATED_KINDS:
+        return items
+    return build_dataset(dataclasses.replace(cfg.dataset, seed=cfg.dataset.seed + point), tok, len(items))
+
+
 async def _run_all(cfg: BenchConfig, target: Target, items: list[WorkItem], tok: Tokenizer,
                    console: Console) -> list[RunResult]:
     metrics_url = (target.base_url.rstrip("/") + "/metrics") if cfg.metrics_url is None else cfg.metrics_url
+    num_runs = 0
 
     async def one(label: str, shape: LoadShape) -> RunResult:
+        nonlocal num_runs
+        run_items = sweep_point_items(cfg, tok, items, num_runs)
+        num_runs += 1
         with make_progress(console, disable=not (cfg.progress and console.is_terminal)) as progress:
             total = shape.num_requests if shape.num_requests is not None else None
             task = progress.add_task(label, total=total, errors=0)
@@ -95,7 +111,7 @@ async def _run_all(cfg: BenchConfig, target: Target, items: list[WorkItem], tok:
                 counts["errors"] += 0 if rec.ok else 1
                 progress.update(task, advance=1, errors=counts["errors"])
 
-            out = await run_load(target, items, shape, tok, metrics_url=metrics_url or None,
+            out = await run_load(target, run_items, shape, tok, metrics_url=metrics_url or None,
                                  scrape_interval_s=cfg.scrape_interval_s,
                                  on_record=on_record)
         return RunResult.analyse(label, out, cfg.slos, cfg.max_lag_ms)

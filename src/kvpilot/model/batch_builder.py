@@ -12,7 +12,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from kvpilot.model.layers.attention_metadata import AttentionMetadata, DecodeBatch, PrefillSeq
+from kvpilot.model.layers.attention_metadata import AttentionMetadata, DecodeBatch, PrefillSeq, make_key_bias
 
 
 class ChunkLike(Protocol):
@@ -53,8 +53,15 @@ MIN_DECODE_GROUP = 8  # ...unless the group is still small (tiny matmuls cost mo
 
 
 def _decode_groups(chunks: Sequence[ChunkLike], rows: list[int], block_size: int,
-                   device: torch.device) -> list[DecodeBatch]:
-    """Decodes grouped by context length, so padding to the longest table wastes little gather bandwidth."""
+                   device: torch.device, decode_kernel: bool) -> list[DecodeBatch]:
+    """Decodes grouped by context length, so padding to the longest table wastes little gather bandwidth.
+
+    The C++ kernel reads only each sequence's own blocks, so it takes every decode in one batch, unpadded.
+    """
+    if not chunks:
+        return []
+    if decode_kernel:
+        return [_decode_batch(chunks, rows, block_size, device, with_bias=False)]
     order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].block_ids))
     groups: list[list[int]] = []
     for i in order:
@@ -64,27 +71,27 @@ def _decode_groups(chunks: Sequence[ChunkLike], rows: list[int], block_size: int
             groups.append([i])
         else:
             group.append(i)
-    return [_decode_batch([chunks[i] for i in g], [rows[i] for i in g], block_size, device) for g in groups]
+    return [_decode_batch([chunks[i] for i in g], [rows[i] for i in g], block_size, device, with_bias=True)
+            for g in groups]
 
 
 def _decode_batch(chunks: Sequence[ChunkLike], rows: list[int], block_size: int,
-                  device: torch.device) -> DecodeBatch:
+                  device: torch.device, with_bias: bool = True) -> DecodeBatch:
     max_blocks = max(len(c.block_ids) for c in chunks)
-    tables = torch.zeros(len(chunks), max_blocks, dtype=torch.long)
-    context_lens = torch.empty(len(chunks), dtype=torch.long)
-    for i, chunk in enumerate(chunks):
-        tables[i, : len(chunk.block_ids)] = torch.tensor(chunk.block_ids, dtype=torch.long)
-        context_lens[i] = chunk.start_position + 1
-    key_pos = torch.arange(max_blocks * block_size)[None, :]
-    bias = torch.zeros(len(chunks), max_blocks * block_size, dtype=torch.float32)
-    bias.masked_fill_(key_pos >= context_lens[:, None], float("-inf"))
+    # one tensor from padded lists: a per-row torch.tensor() costs more than the rest of this at batch 128
+    tables = torch.tensor([c.block_ids + [0] * (max_blocks - len(c.block_ids)) for c in chunks], dtype=torch.long)
+    context_lens = torch.tensor([c.start_position + 1 for c in chunks], dtype=torch.long)
+    bias = make_key_bias(context_lens, max_blocks * block_size).to(device) if with_bias else None
     return DecodeBatch(token_rows=torch.tensor(rows, dtype=torch.long, device=device),
-                       block_tables=tables.to(device), context_lens=context_lens.to(device),
-                       key_bias=bias[:, None, None, :].to(device))
+                       block_tables=tables.to(device), context_lens=context_lens.to(device), key_bias=bias)
 
 
-def build_model_input(chunks: Sequence[ChunkLike], block_size: int, device: torch.device) -> ModelInput:
-    """Flattens chunks in their given order; single-token chunks (with context) join the batched decode."""
+def build_model_input(chunks: Sequence[ChunkLike], block_size: int, device: torch.device,
+                      decode_kernel: bool = False) -> ModelInput:
+    """Flattens chunks in their given order; single-token chunks (with context) join the batched decode.
+
+    decode_kernel: decode attention will run in the C++ kernel (one unpadded batch, no key bias).
+    """
     token_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -111,7 +118,8 @@ def build_model_input(chunks: Sequence[ChunkLike], block_size: int, device: torc
             sample_ids.append(chunk.request_id)
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device), prefills=prefills,
-        decodes=_decode_groups(decode_chunks, decode_rows, block_size, device), num_tokens=len(token_ids))
+        decodes=_decode_groups(decode_chunks, decode_rows, block_size, device, decode_kernel),
+        num_tokens=len(token_ids))
     return ModelInput(token_ids=torch.tensor(token_ids, dtype=torch.long, device=device),
                       positions=torch.tensor(positions, dtype=torch.long, device=device), meta=meta,
                       sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=device),

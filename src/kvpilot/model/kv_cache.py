@@ -12,6 +12,6 @@ from kvpilot.model.config import ModelConfig
 
 def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                       device: torch.device) -> list[torch.Tensor]:
-    """Zeroed caches (zeros keep padded, masked-out slots finite)."""
+    """Zeroed caches (zeros keep padded, masked-out slots finite). `dtype` is the storage (kv_cache_dtype)."""
     shape = (2, config.num_key_value_heads, num_blocks, block_size, config.head_dim)
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]

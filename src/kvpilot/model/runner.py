@@ -8,6 +8,7 @@ import torch
 
 from kvpilot.model.batch_builder import ChunkLike, build_model_input
 from kvpilot.model.kv_cache import allocate_kv_cache
+from kvpilot.model.layers.cpu_decode_kernel import kernel_applies
 from kvpilot.model.loader import LoadedModel
 from kvpilot.model.logits_processors import TokenHistory, apply_min_tokens, apply_penalties
 from kvpilot.model.sampler import SampleResult, SamplingBatch, gather_logprobs, sample
@@ -20,13 +21,17 @@ class ModelRunner:
     Invariant: block ids in chunks are < num_blocks; the caller (KV manager) owns which block is whose.
     """
 
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int) -> None:
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int,
+                 kv_dtype: torch.dtype | None = None) -> None:
+        """kv_dtype: how K/V are stored (None: the model's dtype)."""
         self.loaded = loaded
         self.model = loaded.model
         self.device = loaded.device
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.kv_caches = allocate_kv_cache(loaded.config, num_blocks, block_size, loaded.dtype, loaded.device)
+        self.kv_dtype = kv_dtype or loaded.dtype
+        self.kv_caches = allocate_kv_cache(loaded.config, num_blocks, block_size, self.kv_dtype, loaded.device)
+        self.decode_kernel = kernel_applies(loaded.device, loaded.dtype, self.kv_dtype)  # decode attention in C++
         self._generators: dict[str, torch.Generator] = {}  # per-request seeded streams
         tokenizer_eos = loaded.tokenizer.eos_token_ids if loaded.tokenizer else ()
         self.eos_token_ids = tuple(dict.fromkeys([*tokenizer_eos, *loaded.config.eos_token_ids]))
@@ -66,7 +71,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, chunks: Sequence[ChunkLike]) -> tuple[list[str], torch.Tensor]:
         """Runs the chunks; returns (request ids needing a sample, their float32 logits [N, vocab])."""
-        inp = build_model_input(chunks, self.block_size, self.device)
+        inp = build_model_input(chunks, self.block_size, self.device, self.decode_kernel)
         hidden = self.model(inp.token_ids, inp.positions, self.kv_caches, inp.meta)
         if not inp.sample_request_ids:
             return [], hidden.new_empty((0, self.loaded.config.vocab_size), dtype=torch.float32)

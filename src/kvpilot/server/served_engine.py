@@ -11,6 +11,7 @@ from kvpilot.engine.engine import LLMEngine
 from kvpilot.engine_args import DEFAULT_CPU_KV_CACHE_BYTES, EngineArgs, build_engine
 from kvpilot.fit.kv_cache import kv_cache_bytes_per_block
 from kvpilot.memory_size import parse_memory_size
+from kvpilot.model.kv_dtype import kv_dtype_name, resolve_kv_cache_dtype
 from kvpilot.model.loader import LoadedModel
 from kvpilot.sampling_params import SamplingParams
 
@@ -43,11 +44,12 @@ def _kv_budget(args: EngineArgs, loaded: LoadedModel, allocated: int) -> int:
 def describe(engine: LLMEngine, loaded: LoadedModel, args: EngineArgs) -> EngineInfo:
     scheduler = engine.scheduler
     config, cache = loaded.config, scheduler.cache_config
-    kv_dtype_bytes = torch.tensor([], dtype=loaded.dtype).element_size()
+    kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, loaded.dtype)
+    kv_dtype_bytes = torch.tensor([], dtype=kv_dtype).element_size()
     bytes_per_block = kv_cache_bytes_per_block(config, cache.block_size, kv_dtype_bytes)
     capacity = {"model": loaded.name, "num_hidden_layers": config.num_hidden_layers,
                 "num_key_value_heads": config.num_key_value_heads, "head_dim": config.head_dim,
-                "kv_dtype_bytes": kv_dtype_bytes,
+                "kv_dtype_bytes": kv_dtype_bytes, "kv_cache_dtype": kv_dtype_name(kv_dtype),
                 "kv_cache_memory_bytes": _kv_budget(args, loaded, cache.num_blocks * bytes_per_block),
                 "block_size": cache.block_size, "num_blocks": cache.num_blocks, "bytes_per_block": bytes_per_block,
                 "max_model_len": scheduler.config.max_model_len}

@@ -28,16 +28,17 @@ class PrefillSeq:
 
 @dataclass(frozen=True)
 class DecodeBatch:
-    """Sequences computing exactly one token this step, attended together as one batched matmul.
+    """Sequences computing exactly one token this step, attended together (one kernel call or batched matmul).
 
     Invariants: token_rows[b] is the row of sequence b in the flattened batch; block_tables is padded with
-    block 0 (masked out by key_bias, which is 0 for positions < context_lens[b] and -inf beyond).
+    block 0 (masked out by key_bias, which is 0 for positions < context_lens[b] and -inf beyond). key_bias
+    is None when the C++ decode kernel runs the batch: it stops at context_lens itself.
     """
 
     token_rows: torch.Tensor  # [B] long
     block_tables: torch.Tensor  # [B, max_blocks] long
     context_lens: torch.Tensor  # [B] long: keys 0..context_lens[b]-1 (the new token included)
-    key_bias: torch.Tensor  # [B, 1, 1, max_blocks * block_size] float32
+    key_bias: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] float32
 
 
 @dataclass(frozen=True)
@@ -48,3 +49,11 @@ class AttentionMetadata:
     prefills: list[PrefillSeq]
     decodes: list[DecodeBatch]  # groups of similar context length
     num_tokens: int
+
+
+def make_key_bias(context_lens: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """[B, 1, 1, num_keys] float32: 0 for key positions < context_lens[b], -inf beyond (padding)."""
+    key_pos = torch.arange(num_keys, device=context_lens.device)[None, :]
+    bias = torch.zeros(len(context_lens), num_keys, dtype=torch.float32, device=context_lens.device)
+    bias.masked_fill_(key_pos >= context_lens[:, None], float("-inf"))
+    return bias[:, None, None, :]

@@ -14,14 +14,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvpilot.model.layers.attention_metadata import AttentionMetadata, DecodeBatch, PrefillSeq
-from kvpilot.model.layers.cpu_decode_kernel import get_kernel
+from kvpilot.model.layers.attention_metadata import AttentionMetadata, DecodeBatch, PrefillSeq, make_key_bias
+from kvpilot.model.kv_dtype import FP8_DTYPES
+from kvpilot.model.layers.cpu_decode_kernel import get_kernel, kernel_applies
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Stores k, v ([T, kv_heads, head_dim]) at their slots of this layer's cache."""
+    """Stores k, v ([T, kv_heads, head_dim]) at their slots of this layer's cache (rounded to its dtype)."""
     two, kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
     flat = kv_cache.view(two, kv_heads, num_blocks * block_size, head_dim)
+    k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
+    if kv_cache.dtype in FP8_DTYPES:  # index_copy_ has no fp8 kernel: copy the same bytes as uint8
+        flat, k, v = flat.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
     flat[0].index_copy_(1, slot_mapping, k.transpose(0, 1))
     flat[1].index_copy_(1, slot_mapping, v.transpose(0, 1))
 
@@ -43,8 +47,8 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.
     if seq.mask is None:
         keys, values = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
     else:
-        keys = gather_blocks(kv_cache[0], seq.block_ids)[:, : seq.context_len]
-        values = gather_blocks(kv_cache[1], seq.block_ids)[:, : seq.context_len]
+        keys = gather_blocks(kv_cache[0], seq.block_ids)[:, : seq.context_len].to(q.dtype)
+        values = gather_blocks(kv_cache[1], seq.block_ids)[:, : seq.context_len].to(q.dtype)
     out = F.scaled_dot_product_attention(
         q[rows].transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
         attn_mask=seq.mask, is_causal=seq.mask is None, scale=scale, enable_gqa=True)
@@ -52,12 +56,10 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.
 
 
 def decode_kernel(q: torch.Tensor, kv_cache: torch.Tensor, batch: DecodeBatch, scale: float) -> torch.Tensor | None:
-    """The C++ kernel's result for float32 CPU tensors (reads K/V in place), or None when it does not apply."""
-    if q.device.type != "cpu" or q.dtype != torch.float32:
+    """The C++ kernel's result for float32 CPU queries (reads K/V in place), or None when it does not apply."""
+    if not kernel_applies(q.device, q.dtype, kv_cache.dtype):
         return None
     kernel = get_kernel()
-    if kernel is None:
-        return None
     queries = q[batch.token_rows].contiguous()
     out = torch.empty_like(queries)
     kernel.paged_decode(out, queries, kv_cache[0], kv_cache[1], batch.block_tables, batch.context_lens, scale)
@@ -73,10 +75,11 @@ def decode_torch(q: torch.Tensor, kv_cache: torch.Tensor, batch: DecodeBatch, sc
     queries = q[batch.token_rows].view(num_seqs, kv_heads, group, head_dim).transpose(0, 1)
     queries = queries.reshape(kv_heads * num_seqs, group, head_dim)
     flat_ids = batch.block_tables.reshape(-1)
-    keys = gather_blocks(kv_cache[0], flat_ids).view(kv_heads * num_seqs, -1, head_dim)  # [kvH*B, L, D]
-    values = gather_blocks(kv_cache[1], flat_ids).view(kv_heads * num_seqs, -1, head_dim)
+    keys = gather_blocks(kv_cache[0], flat_ids).view(kv_heads * num_seqs, -1, head_dim).to(q.dtype)  # [kvH*B, L, D]
+    values = gather_blocks(kv_cache[1], flat_ids).view(kv_heads * num_seqs, -1, head_dim).to(q.dtype)
     scores = torch.bmm(queries, keys.transpose(1, 2)).float() * scale  # [kvH*B, G, L]
-    scores = scores.view(kv_heads, num_seqs, group, -1) + batch.key_bias[:, 0][None]
+    bias = batch.key_bias if batch.key_bias is not None else make_key_bias(batch.context_lens, keys.shape[1])
+    scores = scores.view(kv_heads, num_seqs, group, -1) + bias[:, 0][None]
     probs = torch.softmax(scores, dim=-1).to(values.dtype).view(kv_heads * num_seqs, group, -1)
     out = torch.bmm(probs, values).view(kv_heads, num_seqs, group, head_dim)  # [kvH, B, G, D]
     return out.transpose(0, 1).reshape(num_seqs, kv_heads * group, head_dim)

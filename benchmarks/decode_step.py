@@ -1,0 +1,61 @@
+"""Decode-step profile: B requests of prompt length L decoding together on the embedded model; prints the
+mean step time (ms), tokens/s, and the top operators by self CPU time (torch.profiler).
+
+    .venv/bin/python benchmarks/decode_step.py --batch 64 --context 300 --steps 10
+
+This is the micro-benchmark behind engine speed changes: the offline throughput's decode phase is these steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import torch
+
+from kvpilot import LLM, SamplingParams
+
+
+def fill_to_decode(llm: LLM, batch: int, context: int, max_tokens: int, seed: int) -> None:
+    """Adds `batch` requests and steps until every one has finished its prefill (all now decode)."""
+    rng = random.Random(seed)
+    vocab = llm.loaded.config.vocab_size
+    for _ in range(batch):
+        prompt = [rng.randrange(100, vocab) for _ in range(context)]
+        llm.engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    produced: set[str] = set()
+    while len(produced) < batch:
+        produced.update(o.request_id for o in llm.engine.step())
+
+
+def timed_steps(llm: LLM, steps: int) -> float:
+    start = time.perf_counter()
+    for _ in range(steps):
+        llm.engine.step()
+    return (time.perf_counter() - start) / steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--context", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--profile", action="store_true", help="Also print the top operators.")
+    args = parser.parse_args()
+    llm = LLM(dtype=args.dtype, max_model_len=args.context + 4 * args.steps + 16, max_num_seqs=args.batch,
+              kv_cache_memory="2GiB")
+    fill_to_decode(llm, args.batch, args.context, max_tokens=4 * args.steps + 16, seed=0)
+    timed_steps(llm, 2)  # warm-up
+    step_s = timed_steps(llm, args.steps)
+    print(f"decode step: batch {args.batch}, context ~{args.context}: {step_s * 1e3:.1f} ms "
+          f"= {args.batch / step_s:.1f} tok/s ({torch.get_num_threads()} threads, {args.dtype})")
+    if args.profile:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            timed_steps(llm, args.steps)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18))
+
+
+if __name__ == "__main__":
+    main()
