@@ -14,6 +14,7 @@ from kvpilot.model.dtypes import resolve_dtype
 from kvpilot.model.errors import ModelLoadError
 from kvpilot.model.llama import LlamaForCausalLM
 from kvpilot.model.tokenizer import Tokenizer
+from kvpilot.model.weight_layout import relayout_linear_weights
 
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 
@@ -101,19 +102,27 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
         raise ModelLoadError(f"load_format {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
     torch_device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch_dtype = resolve_dtype(dtype, torch_device)
+    loaded = _load(model, load_format, max_model_len, torch_dtype, torch_device, seed)
+    if torch_device.type == "cpu":
+        relayout_linear_weights(loaded.model)
+    return loaded
+
+
+def _load(model: str | None, load_format: str, max_model_len: int | None, dtype: torch.dtype,
+          device: torch.device, seed: int) -> LoadedModel:
     if model and model.startswith("dummy:"):
         model, load_format = model[len("dummy:"):], "dummy"
     if load_format == "dummy":
-        return _load_dummy(model or "smollm2-135m", max_model_len, torch_dtype, torch_device, seed)
+        return _load_dummy(model or "smollm2-135m", max_model_len, dtype, device, seed)
     if model is None:
-        loaded = _load_gguf(default_model_path(), max_model_len, torch_dtype, torch_device)
+        loaded = _load_gguf(default_model_path(), max_model_len, dtype, device)
         loaded.name = DEFAULT_MODEL_NAME
         return loaded
     path = Path(model).expanduser()
     if path.is_dir():
-        return _load_hf_dir(path, max_model_len, torch_dtype, torch_device)
+        return _load_hf_dir(path, max_model_len, dtype, device)
     if path.is_file() or path.suffix == ".gguf":
-        return _load_gguf(path, max_model_len, torch_dtype, torch_device)
+        return _load_gguf(path, max_model_len, dtype, device)
     raise ModelLoadError(f"{model}: no such file or directory. Pass a .gguf file or an HF model directory with "
                          "config.json and *.safetensors (kvpilot never downloads at run time), or "
                          f"--load-format dummy to run the {model!r} architecture with random weights")
