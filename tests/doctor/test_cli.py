@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 
 import typer
@@ -80,5 +81,11 @@ def test_unusable_inputs_exit_2_with_one_line(tmp_path: Path) -> None:
     _assert_unusable(_invoke("--from", path, "--model", "lama-3.1-8b"), "unknown model")
 
 
-def test_url_is_not_available_yet() -> None:
-    _assert_unusable(_invoke("--url", "http://127.0.0.1:8000"), "--from result.json")
+def test_url_unreachable_or_mixed_with_files_exits_2(tmp_path: Path) -> None:
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    _assert_unusable(_invoke("--url", url, "--quick"), "cannot probe")
+    (path,), _, _, _ = healthy(tmp_path)
+    _assert_unusable(_invoke("--url", url, "--from", path), "use one or the other")
+    _assert_unusable(_invoke("--from", path, "--quick"), "go with --url")

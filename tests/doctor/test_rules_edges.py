@@ -55,3 +55,18 @@ def test_decode_growth_across_result_files(tmp_path: Path) -> None:
              write(tmp_path / "b.json", [run("c16", many, concurrency=16)])]
     ids = _ids(diagnose(load_inputs(paths)))
     assert ids[0] == "decode-bound" and "static-batching" not in ids
+
+
+def test_waiting_for_the_step_in_progress_is_not_queueing(tmp_path: Path) -> None:
+    """A CPU server at 4 clients (measured shape): steps of ~160 ms, a new request waits ~1.7 steps for
+    the step in progress and its own admission, 55% of its TTFT. Twice as long a wait is queueing."""
+    rng = random.Random(6)
+
+    def at(queue_ms: float) -> list:
+        return closed_loop(24, 4, lambda i, t: req(i, t, queue=jitter(rng, queue_ms), prefill=jitter(rng, 220),
+                                                    itl=jitter(rng, 160, 0.05), num_out=8))
+
+    step_wait = write(tmp_path / "a.json", [run("c4", at(280.0), metrics=samples(2, running=4, waiting=0.3, kv=0.2))])
+    assert "queueing" not in _ids(diagnose(load_inputs([step_wait])))
+    waits = write(tmp_path / "b.json", [run("c4", at(560.0), metrics=samples(2, running=4, waiting=1.5, kv=0.2))])
+    assert "queueing" in _ids(diagnose(load_inputs([waits])))

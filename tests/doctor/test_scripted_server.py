@@ -4,11 +4,14 @@ client timings stay close to the scripted truth), result JSON on disk, then the 
 from __future__ import annotations
 
 import io
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import typer
 from rich.console import Console
+from typer.testing import CliRunner
 
 from kvpilot.bench.api import BenchConfig, run_bench
 from kvpilot.bench.client import Target
@@ -16,9 +19,18 @@ from kvpilot.bench.datasets import DatasetConfig
 from kvpilot.bench.load import LoadShape
 from kvpilot.bench.scripted_process import ScriptedProcess
 from kvpilot.bench.scripted_server import Behavior
+from kvpilot.doctor.cli import doctor_command
 from kvpilot.doctor.diagnose import DoctorReport, diagnose
+from kvpilot.doctor.errors import DoctorInputError
 from kvpilot.doctor.findings import Severity
 from kvpilot.doctor.inputs import inputs_from_documents, load_inputs
+from kvpilot.doctor.probe import check_endpoint
+
+
+def _cli() -> typer.Typer:
+    app = typer.Typer()
+    app.command()(doctor_command)
+    return app
 
 
 @pytest.fixture(scope="module")
@@ -63,3 +75,27 @@ def test_healthy_scripted_server_is_healthy(scripted: ScriptedProcess, tmp_path:
         assert report.exit_code == 0
     else:  # a busy shared machine: then the doctor must say the client, not the server, lagged
         assert report.findings[0].rule_id == "client-overload"
+
+
+def test_url_quick_probe_of_the_scripted_server(scripted: ScriptedProcess, tmp_path: Path) -> None:
+    """`kvpilot doctor --url --quick --json --html`: every phase runs against the server, and the one
+    thing the scripted server lacks, a prefix cache (it reports no hits), is the finding."""
+    scripted.set_script(Behavior(ttft_s=0.03, itl_s=0.005))
+    html = tmp_path / "doctor.html"
+    result = CliRunner().invoke(_cli(), ["--url", scripted.base_url, "--quick", "--json", "--html", str(html)])
+    assert result.exit_code == 1, result.output
+    doc = json.loads(result.stdout)
+    phases = doc["probe"]["phases"]
+    assert [p["name"] for p in phases] == ["baseline", "long-short", "shared-prefix", "ramp-8"]
+    assert all(p["num_ok"] == p["num_sent"] > 0 for p in phases) and doc["probe"]["max_in_flight"] == 8
+    above_low = [f["rule_id"] for f in doc["findings"] if f["severity"] != "low"]
+    assert [r for r in above_low if r != "client-overload"] == ["prefix-cache-miss"], above_low
+    assert "live probe &#x27;ramp-8&#x27;" in html.read_text()  # the HTML names the probes as inputs
+
+
+def test_check_endpoint_reads_the_model_list(scripted: ScriptedProcess) -> None:
+    endpoint = check_endpoint(scripted.base_url + "/v1/")  # a pasted OpenAI base URL works too
+    assert endpoint.base_url == scripted.base_url and endpoint.model == scripted.model
+    assert endpoint.max_model_len is None  # not reported: prompts are sized for 2048 tokens
+    with pytest.raises(DoctorInputError, match="does not serve --model-name 'other'"):
+        check_endpoint(scripted.base_url, model_name="other")

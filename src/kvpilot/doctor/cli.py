@@ -6,9 +6,16 @@ Exit codes: 0 healthy, 1 findings above low severity, 2 unusable input (one line
 from __future__ import annotations
 
 import json
-from typing import Annotated
+import logging
+import time
+from typing import TYPE_CHECKING, Annotated
 
 import typer
+
+from kvpilot.doctor.errors import DoctorInputError
+
+if TYPE_CHECKING:
+    from kvpilot.doctor.probe import ProbeSession
 
 EXIT_UNUSABLE = 2
 
@@ -16,6 +23,24 @@ EXIT_UNUSABLE = 2
 def _fail(message: str) -> typer.Exit:
     typer.echo(f"kvpilot doctor: error: {message}", err=True)
     return typer.Exit(EXIT_UNUSABLE)
+
+
+def _probe(url: str, quick: bool, api_key: str | None, model_name: str | None, tokenizer: str | None,
+           has_files: bool) -> ProbeSession:
+    """Check the endpoint and run the live probes (progress lines on stderr)."""
+    from rich.console import Console  # noqa: PLC0415
+
+    from kvpilot.doctor.probe import check_endpoint, probe_endpoint  # noqa: PLC0415
+    from kvpilot.doctor.probe_plan import FULL, QUICK  # noqa: PLC0415
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # it logs every request (and /metrics scrape) at INFO
+    if has_files:
+        raise DoctorInputError("--url probes the server live; --from and --metrics-file diagnose saved "
+                               "measurements: use one or the other")
+    endpoint = check_endpoint(url, api_key, model_name)
+    # A new seed per session: prompts of an earlier probe may still sit in the server's prefix cache.
+    return probe_endpoint(endpoint, QUICK if quick else FULL, Console(stderr=True), tokenizer,
+                          seed=int(time.time()) % 100_000)
 
 
 def doctor_command(
@@ -31,10 +56,27 @@ def doctor_command(
     ] = None,
     url: Annotated[
         str | None,
-        typer.Option("--url", help="Live server to probe with short workloads (not available yet: use "
-                     "`kvpilot bench --output` and --from)."),
+        typer.Option("--url", help="Live server to probe (base URL, e.g. http://127.0.0.1:8000): the doctor runs "
+                     "its own short bench workloads (a single-request baseline, short vs long prompts, shared vs "
+                     "unique prefixes, a concurrency ramp; at most 16 requests in flight, about 3 minutes) and "
+                     "scrapes /metrics before and after. Not with --from/--metrics-file."),
     ] = None,
-    quick: Annotated[bool, typer.Option("--quick", help="With --url: probe for under a minute.")] = False,
+    quick: Annotated[bool, typer.Option("--quick", help="With --url: a smaller probe, under a minute (ramp "
+                                        "to 8 in flight, no unique-prefix control).")] = False,
+    api_key: Annotated[
+        str | None,
+        typer.Option("--api-key", envvar="OPENAI_API_KEY", help="With --url: bearer token for the server."),
+    ] = None,
+    model_name: Annotated[
+        str | None,
+        typer.Option("--model-name", help="With --url: the served model to probe (default: the first of "
+                     "/v1/models)."),
+    ] = None,
+    tokenizer: Annotated[
+        str | None,
+        typer.Option("--tokenizer", help="With --url: tokenizer for token-exact prompt lengths (HF name/dir, "
+                     ".gguf, 'embedded'); default: approximate word counts (the server reports exact ones)."),
+    ] = None,
     model: Annotated[
         str | None,
         typer.Option("--model", help="Model for the roofline (catalog name, config.json or GGUF; see "
@@ -55,28 +97,34 @@ def doctor_command(
     from rich.console import Console  # noqa: PLC0415 (lazy: `kvpilot --help` stays fast)
 
     from kvpilot.doctor.diagnose import diagnose  # noqa: PLC0415
-    from kvpilot.doctor.errors import DoctorInputError  # noqa: PLC0415
     from kvpilot.doctor.inputs import load_inputs  # noqa: PLC0415
     from kvpilot.doctor.render_console import print_report  # noqa: PLC0415
     from kvpilot.doctor.render_html import doctor_html_section  # noqa: PLC0415
 
-    if url is not None:
-        # TODO(issue 7, live probing): run the probe workloads here with kvpilot.bench.api.run_bench
-        # (single-request baseline, short vs long prompts, shared vs unique prefixes, a concurrency
-        # ramp; bounded to a few minutes, --quick under one), scrape <url>/metrics before and after,
-        # then feed the outcomes' `result` documents to runs_from_result() and diagnose them.
-        raise _fail("live probing (--url) needs the kvpilot server probes, not built yet: run "
-                    "`kvpilot bench --base-url URL --output result.json` and pass --from result.json")
-    del quick  # used by the live probes (TODO above)
+    probe = None
     try:
-        inputs = load_inputs(from_ or [], metrics_file or [], model, gpu)
+        if url is not None:
+            probe = _probe(url, quick, api_key, model_name, tokenizer, bool(from_ or metrics_file))
+            inputs = probe.inputs(model, gpu)
+        else:
+            if quick or model_name or tokenizer:
+                raise DoctorInputError("--quick, --model-name and --tokenizer go with --url")
+            inputs = load_inputs(from_ or [], metrics_file or [], model, gpu)
     except DoctorInputError as exc:
         raise _fail(str(exc)) from None
     report = diagnose(inputs)
     if as_json:
-        typer.echo(json.dumps(report.to_json(), indent=1))
+        doc = report.to_json()
+        doc["probe"] = probe.to_json() if probe is not None else None
+        typer.echo(json.dumps(doc, indent=1))
     else:
+        if probe is not None:
+            Console().print(f"findings from live probes of {probe.endpoint.base_url} "
+                            f"({len(probe.phases)} phases, {sum(p.num_sent for p in probe.phases)} requests, "
+                            f"{probe.wall_s:.0f} s)", markup=False)
         print_report(Console(), report)
+    for note in probe.notes if probe is not None else ():
+        Console(stderr=as_json).print(f"note: {note}", style="yellow", markup=False)
     if html:
         try:
             with open(html, "w", encoding="utf-8") as fh:

@@ -50,4 +50,5 @@ def doctor_html_section(report: DoctorReport) -> str:
             f'<p style="font-weight:bold;color:{color}">{escape(report.verdict)}</p>'
             f"<h3>Latency split (median ms)</h3>{_splits(report)}{findings}"
             + (f"<h3>{'Headroom' if report.healthy else 'Measured'}</h3><ul>{headroom}</ul>" if headroom else "")
-            + "</section>")
+            + f"<p><small>inputs: {escape(', '.join(report.sources) or '-')}; server metrics: "
+            f"{escape(report.metrics_source)}</small></p></section>")

@@ -54,7 +54,12 @@ def decode_bound(ctx: RuleContext) -> Finding | None:
         rule_id="decode-bound", title="Decode is slow per token",
         severity=Severity.HIGH if severe else Severity.MEDIUM,
         confidence=0.8 if slow and grows else 0.7, impact=_decode_share(ctx),
-        summary="; ".join(parts).capitalize() + ".", evidence=tuple(evidence), fixes=tuple(fixes))
+        summary=_sentence("; ".join(parts)), evidence=tuple(evidence), fixes=tuple(fixes))
+
+
+def _sentence(text: str) -> str:
+    """First letter up, the rest as written (str.capitalize would turn "TPOT" into "Tpot")."""
+    return text[:1].upper() + text[1:] + "."
 
 
 def static_batching(ctx: RuleContext) -> Finding | None:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+import math
 
 from kvpilot.doctor.findings import Evidence, Finding, Fix, Severity, clamp01
+from kvpilot.doctor.inputs import RunData
 from kvpilot.doctor.rules.context import RuleContext
-from kvpilot.doctor.signals import median, ratio
+from kvpilot.doctor.signals import first_token_s, median, ratio
 
 
 def kv_pressure(ctx: RuleContext) -> Finding | None:
@@ -47,7 +48,8 @@ def kv_pressure(ctx: RuleContext) -> Finding | None:
         evidence=tuple(evidence),
         fixes=(Fix("give the KV cache more memory", kvpilot="--kv-cache-memory <2x current>",
                    vllm="--gpu-memory-utilization 0.95 (or --kv-cache-memory-bytes)"),
-               Fix("store KV in 8 bits: half the bytes per token", vllm="--kv-cache-dtype fp8"),
+               Fix("store KV in fewer bits: fp8 halves a 16-bit cache, bfloat16 halves a float32 one",
+                   kvpilot="--kv-cache-dtype fp8 (bfloat16 for a float32 model)", vllm="--kv-cache-dtype fp8"),
                Fix("cap the context length so fewer blocks are reserved per request",
                    kvpilot="--max-model-len <longest real request>", vllm="--max-model-len <longest real request>"),
                Fix("run fewer sequences at once: fewer preemptions", kvpilot="--max-num-seqs <lower>",
@@ -67,14 +69,26 @@ def _filling_up(ctx: RuleContext) -> Finding:
                    vllm="--gpu-memory-utilization 0.95"),))
 
 
-def _expected_hit_rate(dataset: dict[str, Any], num_requests: int) -> float | None:
-    """Share of prompt tokens a perfect prefix cache would serve for bench's shared-prefix dataset:
-    the prefix share of each prompt, for every request but the first of each prefix."""
-    if dataset.get("kind") != "shared-prefix" or not num_requests:
+def _expected_hit_rate(run: RunData) -> float | None:
+    """Share of prompt tokens a perfect prefix cache could have served in a run of bench's
+    shared-prefix dataset: the prefix share of each prompt, for every request sent after another
+    request of its prefix group had its first token (that prefix was computed and cached by then).
+    Requests sent before that (a closed loop's first round sends several of a group at once) cannot
+    reuse it in any engine: blocks are shared once computed, not while being prefilled. Without the
+    timing, a probe whose one round was all concurrent would "expect" hits no server can give."""
+    dataset, ok = run.dataset, run.ok
+    if dataset.get("kind") != "shared-prefix" or not ok:
         return None
     prefix, total = float(dataset.get("prefix_len") or 0), float(dataset.get("input_len") or 0)
-    groups = int(dataset.get("num_prefixes") or 1)
-    return (min(prefix, total) / total) * max(0.0, 1 - groups / num_requests) if total > 0 else None
+    if total <= 0:
+        return None
+    cached_at: dict[str, float] = {}
+    for r in ok:
+        t = first_token_s(r)
+        if r.group_id is not None and t is not None:
+            cached_at[r.group_id] = min(t, cached_at.get(r.group_id, math.inf))
+    reusable = sum(1 for r in ok if r.group_id in cached_at and r.sent_s >= cached_at[r.group_id])
+    return (min(prefix, total) / total) * reusable / len(ok)
 
 
 def _shared_groups(ctx: RuleContext) -> int:
@@ -90,7 +104,7 @@ def prefix_cache_miss(ctx: RuleContext) -> Finding | None:
     """Traffic shares prefixes but the server's prefix-cache hit rate is low (or caching is off)."""
     th, view = ctx.th, ctx.view
     expected = max((e for run in ctx.inputs.runs
-                    if (e := _expected_hit_rate(run.dataset, len(run.ok))) is not None), default=None)
+                    if (e := _expected_hit_rate(run)) is not None), default=None)
     shared = _shared_groups(ctx)
     if expected is None and shared == 0:
         return None

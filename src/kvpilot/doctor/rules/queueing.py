@@ -26,8 +26,9 @@ def queueing(ctx: RuleContext) -> Finding | None:
     share = ratio(queue, split.server_ttft_ms) if split else None
     rejected, total = _rejections(ctx)
     reject_share = rejected / total if total else 0.0
-    by_timing = queue is not None and share is not None and queue >= th.min_queue_ms and \
-        share >= th.queue_share_of_ttft
+    step_ms = split.tpot_ms if split is not None and split.tpot_ms is not None else 0.0
+    by_timing = queue is not None and share is not None and share >= th.queue_share_of_ttft and \
+        queue >= max(th.min_queue_ms, th.min_queue_steps * step_ms)
     by_gauge = share is None and (view.waiting_mean or 0.0) >= th.min_waiting_mean
     if not (by_timing or by_gauge or reject_share >= 0.05):
         return None

@@ -1,0 +1,235 @@
+"""Live probing for ``kvpilot doctor --url``: short bench workloads against a running server.
+
+Checks the endpoint, runs a single-request baseline, sizes the other phases from it (see
+:mod:`kvpilot.doctor.probe_plan`), runs them with :func:`kvpilot.bench.api.run_bench` and scrapes
+``/metrics`` before the first and after the last phase. The result documents are the bench's own, so
+the doctor diagnoses them exactly like saved ``--from`` files.
+"""
+
+from __future__ import annotations
+
+import io
+import statistics
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+import httpx
+from rich.console import Console
+
+from kvpilot.bench.api import BenchConfig, BenchError, run_bench
+from kvpilot.bench.arrivals import LoadShapeError
+from kvpilot.bench.client import Target
+from kvpilot.bench.datasets import DatasetError
+from kvpilot.bench.tokens import Tokenizer, TokenizerError, load_tokenizer
+from kvpilot.doctor.errors import DoctorInputError
+from kvpilot.doctor.inputs import DoctorInputs, inputs_from_documents
+from kvpilot.doctor.probe_plan import (Baseline, ProbeLimits, ProbePhase, baseline_phase,
+                                       plan_after_baseline)
+from kvpilot.doctor.prometheus import MetricsSnapshot, metrics_delta, parse_prometheus_text
+from kvpilot.doctor.thresholds import Thresholds
+
+BENCH_ERRORS = (BenchError, DatasetError, LoadShapeError, TokenizerError)
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """A checked server: it answered ``GET /v1/models`` with at least one model.
+    ``max_model_len`` is None when the server does not report it."""
+
+    base_url: str
+    model: str
+    max_model_len: int | None
+    api_key: str | None = None
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+
+def _models_error(url: str, detail: str) -> DoctorInputError:
+    return DoctorInputError(f"cannot probe {url}: {detail}. Start the server (e.g. `kvpilot serve`) or pass the "
+                            "base URL without /v1 (and --api-key if it needs one)")
+
+
+def check_endpoint(base_url: str, api_key: str | None = None, model_name: str | None = None,
+                   timeout_s: float = 10.0) -> Endpoint:
+    """``GET /v1/models``; raises :class:`DoctorInputError` (exit 2) when the server is unreachable,
+    refuses the key, lists no model, or does not list ``model_name``."""
+    base = base_url.rstrip("/").removesuffix("/v1")
+    url = base + "/v1/models"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        resp = httpx.get(url, headers=headers, timeout=timeout_s)
+    except httpx.HTTPError as exc:
+        raise _models_error(url, f"{type(exc).__name__}: {exc}") from exc
+    if resp.status_code in (401, 403):
+        raise DoctorInputError(f"{url} refused the request (HTTP {resp.status_code}): pass the server's key "
+                               "with --api-key")
+    try:
+        resp.raise_for_status()
+        entries = [m for m in resp.json()["data"] if isinstance(m, dict) and m.get("id")]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+        raise _models_error(url, f"no OpenAI model list ({type(exc).__name__}: {exc})") from exc
+    if not entries:
+        raise _models_error(url, "the server lists no model (still loading?)")
+    entry = entries[0] if model_name is None else next((m for m in entries if m["id"] == model_name), None)
+    if entry is None:
+        raise DoctorInputError(f"{url} does not serve --model-name {model_name!r}; it serves "
+                               f"{', '.join(str(m['id']) for m in entries)}")
+    max_len = entry.get("max_model_len")
+    return Endpoint(base, str(entry["id"]), int(max_len) if isinstance(max_len, int) and max_len > 0 else None,
+                    api_key)
+
+
+def scrape_metrics(endpoint: Endpoint, timeout_s: float = 10.0) -> tuple[MetricsSnapshot | None, str | None]:
+    """One ``/metrics`` scrape: (snapshot, None) or (None, why not). Never raises: a server without
+    Prometheus metrics can still be probed (fewer rules apply)."""
+    try:
+        resp = httpx.get(endpoint.base_url + "/metrics", headers=endpoint.headers(), timeout=timeout_s)
+        resp.raise_for_status()
+        return parse_prometheus_text(resp.text), None
+    except httpx.HTTPError as exc:
+        return None, f"{type(exc).__name__}: {exc}"
+    except DoctorInputError as exc:
+        return None, str(exc)
+
+
+@dataclass(frozen=True)
+class PhaseResult:
+    """One phase as run: the bench result document plus what the console line reports."""
+
+    phase: ProbePhase
+    result: dict[str, Any]
+    wall_s: float
+    num_ok: int
+    num_sent: int
+    ttft_p50_ms: float | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.phase.name, "looks_for": self.phase.looks_for, "wall_s": round(self.wall_s, 2),
+                "num_ok": self.num_ok, "num_sent": self.num_sent, "ttft_p50_ms": self.ttft_p50_ms,
+                "concurrency": self.phase.load.concurrency, "dataset": self.phase.dataset.kind}
+
+
+@dataclass(frozen=True)
+class ProbeSession:
+    """Everything one ``--url`` probe measured. Invariant: ``phases[0]`` is the baseline and has at
+    least one successful request; ``metrics`` is the before/after delta of ``/metrics`` (None when the
+    server has none: ``metrics_error`` says why)."""
+
+    endpoint: Endpoint
+    limits: ProbeLimits
+    phases: tuple[PhaseResult, ...]
+    metrics: MetricsSnapshot | None
+    metrics_error: str | None
+    wall_s: float
+    seed: int
+    notes: tuple[str, ...] = ()
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return tuple(f"live probe '{p.phase.name}' of {self.endpoint.base_url}" for p in self.phases)
+
+    def documents(self) -> list[tuple[dict[str, Any], str]]:
+        return [(p.result, f"probe:{p.phase.name}") for p in self.phases]
+
+    def inputs(self, model: str | None = None, gpu: str | None = None) -> DoctorInputs:
+        """The doctor's inputs: every phase's runs plus the metrics delta (same path as ``--from``)."""
+        return inputs_from_documents(self.documents(), self.metrics, model, gpu, self.sources)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"url": self.endpoint.base_url, "model": self.endpoint.model,
+                "max_model_len": self.endpoint.max_model_len, "mode": self.limits.name, "seed": self.seed,
+                "wall_s": round(self.wall_s, 2), "metrics_error": self.metrics_error,
+                "max_in_flight": self.limits.max_in_flight, "phases": [p.to_json() for p in self.phases],
+                "notes": list(self.notes)}
+
+
+def run_phase(endpoint: Endpoint, phase: ProbePhase, tok: Tokenizer, timeout_s: float,
+              scrape_interval_s: float = 0.5) -> PhaseResult:
+    """One ``run_bench`` call; its own summary tables are not printed (the doctor reports instead)."""
+    target = Target(endpoint.base_url, endpoint.model, "completions", endpoint.api_key, stream=True,
+                    ignore_eos=True, timeout_s=timeout_s)
+    cfg = BenchConfig(target=target, dataset=phase.dataset, load=phase.load, tokenizer=tok,
+                      scrape_interval_s=scrape_interval_s, progress=False)
+    started = time.perf_counter()
+    try:
+        outcome = run_bench(cfg, Console(file=io.StringIO()))
+    except BENCH_ERRORS as exc:
+        raise DoctorInputError(f"probe phase '{phase.name}': {exc}") from exc
+    records = [r for run in outcome.runs for r in run.output.records]
+    ok = [r for r in records if r.ok]
+    ttfts = [r.ttft_ms for r in ok if r.ttft_ms is not None]
+    return PhaseResult(phase, outcome.result, time.perf_counter() - started, len(ok), len(records),
+                       statistics.median(ttfts) if ttfts else None)
+
+
+def baseline_of(result: PhaseResult, url: str) -> Baseline:
+    """Medians of the baseline's successful requests; DoctorInputError (exit 2) when none succeeded."""
+    runs = result.result.get("runs") or []
+    requests = [r for run in runs for r in run.get("requests") or []]
+    ok = [r for r in requests if r.get("ok")]
+    if not ok:
+        first = next((r.get("error") for r in requests if r.get("error")), "no request was sent")
+        raise DoctorInputError(f"every baseline request to {url} failed ({first}): check that the server "
+                               f"answers `kvpilot bench --base-url {url} --num-requests 1`")
+    ttft = statistics.median(float(r["ttft_ms"]) for r in ok if r.get("ttft_ms") is not None)
+    tpots = [float(r["tpot_ms"]) for r in ok if r.get("tpot_ms") is not None]
+    prompt = statistics.median(int(r.get("num_prompt_tokens") or 1) for r in ok)
+    return Baseline(max(ttft, 0.1), statistics.median(tpots) if tpots else 0.0, max(1, int(prompt)))
+
+
+def _phase_line(p: PhaseResult) -> str:
+    ttft = f", TTFT p50 {p.ttft_p50_ms:,.0f} ms" if p.ttft_p50_ms is not None else ""
+    return f"  done in {p.wall_s:.1f} s: {p.num_ok}/{p.num_sent} ok{ttft}"
+
+
+def probe_endpoint(endpoint: Endpoint, limits: ProbeLimits, console: Console, tokenizer: Any = None,
+                   seed: int = 0) -> ProbeSession:
+    """Run every phase in order, printing what each does; raises DoctorInputError (exit 2) when the
+    baseline gets no answer or a bench option is invalid."""
+    started = time.perf_counter()
+    try:
+        tok = load_tokenizer(tokenizer)
+    except TokenizerError as exc:
+        raise DoctorInputError(f"--tokenizer: {exc}") from exc
+    timeout_s = max(30.0, 2 * limits.phase_s)
+    before, error = scrape_metrics(endpoint)
+    console.print(f"probing {endpoint.base_url} ({endpoint.model}, max_model_len "
+                  f"{endpoint.max_model_len or 'not reported'}; {limits.name} probe, at most "
+                  f"{limits.max_in_flight} requests in flight)", markup=False)
+    if error is not None:
+        console.print(f"  no usable /metrics ({error}): rules on server state (KV cache, waiting "
+                      "requests, prefix hits) have less to go on", markup=False)
+    base_phase = _seeded(baseline_phase(limits, endpoint.max_model_len), seed)
+    console.print(f"[1] baseline: {base_phase.describe()}", markup=False)
+    results = [run_phase(endpoint, base_phase, tok, timeout_s)]
+    console.print(_phase_line(results[0]), markup=False)
+    base = baseline_of(results[0], endpoint.base_url)
+    plan = [_seeded(p, seed) for p in plan_after_baseline(limits, endpoint.max_model_len, base)]
+    for i, phase in enumerate(plan, 2):
+        console.print(f"[{i}] {phase.name}: {phase.describe()}", markup=False)
+        results.append(run_phase(endpoint, phase, tok, timeout_s))
+        console.print(_phase_line(results[-1]), markup=False)
+    after, after_error = scrape_metrics(endpoint)
+    metrics = metrics_delta(before, after) if before is not None and after is not None else None
+    notes = thin_phases(results, Thresholds().min_requests)  # the CLI shows them with the report
+    return ProbeSession(endpoint, limits, tuple(results), metrics, error or after_error,
+                        time.perf_counter() - started, seed, notes)
+
+
+def thin_phases(results: list[PhaseResult], min_requests: int) -> tuple[str, ...]:
+    """Phases whose deadline left fewer successful requests than the rules need to compare runs: a
+    slow (or starved) server gets a bounded probe, and the report must not read as more certain."""
+    thin = [f"'{p.phase.name}' ({p.num_ok})" for p in results if p.num_ok < min_requests]
+    if not thin:
+        return ()
+    return (f"the server answered too slowly for this probe's time budget: {', '.join(thin)} got fewer than "
+            f"{min_requests} successful requests, so rules comparing loads or request groups had little or "
+            "nothing to go on; probe without --quick, or when the server is less busy",)
+
+
+def _seeded(phase: ProbePhase, seed: int) -> ProbePhase:
+    """Offset the phase's prompt seed: a second probe of the same server must not hit the prefix
+    cache with the first probe's prompts (that would hide prefill costs)."""
+    return replace(phase, dataset=replace(phase.dataset, seed=phase.dataset.seed + 1000 * seed))

@@ -1,0 +1,172 @@
+"""How much live probing to do: phase sizes from the endpoint's limits and a measured baseline.
+
+Pure functions, no I/O: :mod:`kvpilot.doctor.probe` measures, this module decides. Every phase is
+bounded three ways, so a slow CPU server and a fast GPU one both finish in bounded time: a request
+count, a send deadline (``LoadShape.duration_s``: no request starts after it) and the concurrency
+(never more than ``ProbeLimits.max_in_flight`` requests at once, so a production server is safe).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvpilot.bench.datasets import DatasetConfig
+from kvpilot.bench.load import LoadShape
+
+DEFAULT_MAX_MODEL_LEN = 2048
+"""Assumed context limit when ``/v1/models`` does not say (vLLM and kvpilot report ``max_model_len``)."""
+
+TOKEN_SLACK = 1.25
+"""Prompts are built with the bench tokenizer (approximate word counts without ``--tokenizer``); the
+server may count up to this factor more tokens, so prompts are sized to fit even then."""
+
+
+@dataclass(frozen=True)
+class ProbeLimits:
+    """The size of one probe session (``FULL`` or ``QUICK``).
+
+    Invariants: ``ramp`` starts at 1 and increases (its first point is the baseline); its last value
+    is ``max_in_flight``, the most requests ever in flight; ``phase_s`` is the send deadline of every
+    phase after the baseline; ``max_requests`` caps each phase's request count.
+    """
+
+    name: str
+    ramp: tuple[int, ...]
+    output_len: int
+    max_short_len: int
+    max_long_len: int
+    max_long_prefill_s: float
+    phase_s: float
+    num_baseline: int
+    max_requests: int
+    mixed_concurrency: int
+    unique_control: bool
+
+    @property
+    def max_in_flight(self) -> int:
+        return self.ramp[-1]
+
+
+FULL = ProbeLimits(name="full", ramp=(1, 4, 16), output_len=16, max_short_len=128, max_long_len=1024,
+                   max_long_prefill_s=4.0, phase_s=24.0, num_baseline=5, max_requests=48,
+                   mixed_concurrency=4, unique_control=True)
+"""About 3 minutes on a slow CPU server: 6 phases x (24 s + what is in flight at the deadline)."""
+
+QUICK = ProbeLimits(name="quick", ramp=(1, 8), output_len=8, max_short_len=64, max_long_len=512,
+                    max_long_prefill_s=1.5, phase_s=8.0, num_baseline=5, max_requests=24,
+                    mixed_concurrency=4, unique_control=False)
+"""Under a minute: baseline, long/short, shared prefixes, one ramp point."""
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """What the single-request baseline measured (medians over its successful requests).
+
+    Invariant: ``ttft_ms > 0``, ``tpot_ms >= 0``, ``num_prompt_tokens >= 1`` (as the server counted)."""
+
+    ttft_ms: float
+    tpot_ms: float
+    num_prompt_tokens: int
+
+    @property
+    def prefill_ms_per_token(self) -> float:
+        """An upper bound: TTFT includes fixed per-request costs, charged here to the prompt."""
+        return self.ttft_ms / self.num_prompt_tokens
+
+    def request_s(self, prompt_len: int, output_len: int) -> float:
+        """Estimated seconds for one request of these lengths on an otherwise idle server."""
+        return (prompt_len * self.prefill_ms_per_token + max(0, output_len - 1) * self.tpot_ms) / 1000.0
+
+
+@dataclass(frozen=True)
+class ProbePhase:
+    """One ``run_bench`` call: what to send and why. ``looks_for`` names the rules it feeds."""
+
+    name: str
+    looks_for: str
+    dataset: DatasetConfig
+    load: LoadShape
+
+    def describe(self) -> str:
+        d, load = self.dataset, self.load
+        lengths = (f"{d.input_len} / {d.long_input_len} tokens ({d.long_fraction:.0%} long)"
+                   if d.kind == "long-short" else
+                   f"{d.input_len} tokens, {d.prefix_len} shared by {d.num_prefixes} prefix groups"
+                   if d.kind == "shared-prefix" else f"{d.input_len} tokens")
+        return (f"up to {load.num_requests} requests in {load.duration_s:.0f} s at concurrency "
+                f"{load.concurrency}, prompts {lengths}, {d.output_len} output tokens; looks for {self.looks_for}")
+
+
+def prompt_cap(max_model_len: int | None, output_len: int) -> int:
+    """Longest prompt (bench tokens) that fits the context with the output and the tokenizer slack."""
+    limit = max_model_len or DEFAULT_MAX_MODEL_LEN
+    return max(8, int((limit - output_len - 8) / TOKEN_SLACK))
+
+
+def short_len(limits: ProbeLimits, max_model_len: int | None) -> int:
+    """Short prompts: a chat turn, at most an eighth of what fits (so long ones can be 4x+ longer)."""
+    return max(8, min(limits.max_short_len, prompt_cap(max_model_len, limits.output_len) // 8))
+
+
+def baseline_phase(limits: ProbeLimits, max_model_len: int | None) -> ProbePhase:
+    """Concurrency 1, a few short requests: batch-1 TTFT and TPOT, and the ramp's first point."""
+    # Nothing is known about the server yet: half a phase bounds it (at least one request is sent).
+    load = LoadShape(concurrency=1, num_requests=limits.num_baseline, duration_s=0.5 * limits.phase_s)
+    return ProbePhase("baseline", "batch-1 TTFT and TPOT (decode-bound with --model/--gpu)",
+                      DatasetConfig(kind="random", input_len=short_len(limits, max_model_len),
+                                    output_len=limits.output_len, seed=1), load)
+
+
+def _num_requests(limits: ProbeLimits, concurrency: int, request_s: float, minimum: int) -> int:
+    """As many as an ideally batching server finishes in half the phase, within [minimum, cap]."""
+    fits = int(concurrency * 0.5 * limits.phase_s / max(request_s, 1e-3))
+    return max(minimum, min(limits.max_requests, fits))
+
+
+def _closed(limits: ProbeLimits, concurrency: int, num_requests: int, request_s: float) -> LoadShape:
+    """Closed loop; sending stops early enough that the requests still in flight at the deadline
+    finish near ``phase_s`` even on a server that runs them one after another (never before half
+    of ``phase_s``, so a slow server still gets one round of ``concurrency`` requests)."""
+    deadline = max(0.5 * limits.phase_s, limits.phase_s - concurrency * request_s)
+    return LoadShape(concurrency=concurrency, num_requests=num_requests, duration_s=deadline)
+
+
+def plan_after_baseline(limits: ProbeLimits, max_model_len: int | None, base: Baseline) -> list[ProbePhase]:
+    """The phases after the baseline, sized from what it measured."""
+    out = limits.output_len
+    short = short_len(limits, max_model_len)
+    cap = prompt_cap(max_model_len, out)
+    # Long prompts: as long as fits and as the time budget allows, and at least 4x the short ones
+    # (the doctor's "long" bar) where the context allows it.
+    by_time = int(limits.max_long_prefill_s * 1000.0 / base.prefill_ms_per_token)
+    long = min(cap, max(4 * short, min(limits.max_long_len, by_time)))
+    mixed = limits.mixed_concurrency
+    avg_mixed = 0.75 * base.request_s(short, out) + 0.25 * base.request_s(long, out)
+    phases = [ProbePhase(
+        "long-short", "prefill-bound, long-short-mixing, prefill-interrupts-decode",
+        DatasetConfig(kind="long-short", input_len=short, output_len=out, long_fraction=0.25,
+                      long_input_len=long, seed=2),
+        _closed(limits, mixed, _num_requests(limits, mixed, avg_mixed, 16), avg_mixed))]
+    # Shared prefixes: 3/4 of each prompt shared within a group; the control has the same lengths.
+    total = min(cap, 4 * short)
+    shared_s = base.request_s(total // 4, out)  # with prefix caching only the suffix is prefilled
+    num_shared = _num_requests(limits, mixed, shared_s, 12)
+    num_prefixes = 2 if num_shared < 16 else 4
+    phases.append(ProbePhase(
+        "shared-prefix", "prefix-cache-miss",
+        DatasetConfig(kind="shared-prefix", input_len=total, output_len=out, num_prefixes=num_prefixes,
+                      num_suffixes=max(2, num_shared // num_prefixes), prefix_len=3 * total // 4, seed=3),
+        _closed(limits, mixed, num_shared, shared_s)))
+    if limits.unique_control:
+        phases.append(ProbePhase(
+            "unique-prefix", "the control for shared-prefix: same lengths, nothing to reuse",
+            DatasetConfig(kind="random", input_len=total, output_len=out, seed=4),
+            _closed(limits, mixed, num_shared, base.request_s(total, out))))
+    for concurrency in limits.ramp[1:]:
+        ramp_s = base.request_s(short, out)
+        num = _num_requests(limits, concurrency, ramp_s, 2 * concurrency)
+        phases.append(ProbePhase(
+            f"ramp-{concurrency}", "queueing, static-batching, decode-bound (TPOT growth), kv-cache-pressure",
+            DatasetConfig(kind="random", input_len=short, output_len=out, seed=10 + concurrency),
+            _closed(limits, concurrency, num, ramp_s)))
+    return phases

@@ -1,0 +1,165 @@
+"""Honest faults for the doctor's live scenarios on the real kvpilot server (tests only).
+
+Each helper changes what a real deployment could get wrong, never the engine's own code path: the
+server's settings (engine args, server args), a slow tokenizer installed into the running server, and
+a TCP proxy that delays every byte like a long network path. The real engine computes every token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from kvpilot.bench.api import BenchConfig
+from kvpilot.bench.client import Target
+from kvpilot.bench.datasets import DatasetConfig
+from kvpilot.bench.load import LoadShape
+from kvpilot.doctor.diagnose import DoctorReport, diagnose
+from kvpilot.doctor.inputs import inputs_from_documents
+from kvpilot.engine_args import EngineArgs
+from kvpilot.server import ServerArgs, create_app, engine_factory
+from kvpilot.server.background import BackgroundServer
+from tests.doctor.bench_worker import BenchWorker
+
+MODEL = "smollm2-doctor"
+
+
+def engine_args(**overrides: Any) -> EngineArgs:
+    """A small, healthy configuration; scenarios override one setting to stage their fault."""
+    settings: dict[str, Any] = dict(dtype="float32", kv_cache_memory="64MiB", max_model_len=1024)
+    settings.update(overrides)
+    return EngineArgs(**settings)
+
+
+@contextlib.contextmanager
+def kvpilot_server(loaded: Any, **overrides: Any) -> Iterator[BackgroundServer]:
+    """A real kvpilot server on the session's weights (``llm_fp32.loaded``), one engine of its own."""
+    app = create_app(engine_factory(engine_args(**overrides), loaded, warmup=True),
+                     ServerArgs(served_model_names=(MODEL,), stats_interval=60.0))
+    with BackgroundServer(app) as server:
+        yield server
+
+
+class SlowTokenizer:
+    """The server's own tokenizer, slowed: every ``encode`` sleeps ``delay_s`` first, like a pure
+    Python tokenizer or preprocessing hook on the server's event loop. Everything else delegates."""
+
+    def __init__(self, inner: Any, delay_s: float) -> None:
+        self.inner, self.delay_s = inner, delay_s
+
+    def encode(self, *args: Any, **kwargs: Any) -> list[int]:
+        time.sleep(self.delay_s)
+        return self.inner.encode(*args, **kwargs)
+
+    def encode_chat(self, *args: Any, **kwargs: Any) -> list[int]:
+        time.sleep(self.delay_s)
+        return self.inner.encode_chat(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+@contextlib.contextmanager
+def slow_tokenizer(server: BackgroundServer, delay_s: float) -> Iterator[None]:
+    """Install a :class:`SlowTokenizer` into the running server's engine; restored on exit."""
+    engine = server.state.client.served.engine
+    original = engine.tokenizer
+    engine.tokenizer = SlowTokenizer(original, delay_s)
+    try:
+        yield
+    finally:
+        engine.tokenizer = original
+
+
+class DelayProxy:
+    """A TCP proxy on 127.0.0.1 that delivers every chunk ``delay_s`` late in each direction (order
+    kept), like a gateway on a long network path. Runs its own event loop in a daemon thread."""
+
+    def __init__(self, upstream_port: int, delay_s: float) -> None:
+        self.upstream_port, self.delay_s = upstream_port, delay_s
+        self.port = 0
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="delay-proxy", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def _pipe(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+        queue: asyncio.Queue[tuple[float, bytes] | None] = asyncio.Queue()
+
+        async def deliver() -> None:
+            while (item := await queue.get()) is not None:
+                due, data = item
+                await asyncio.sleep(max(0.0, due - self._loop.time()))
+                dst.write(data)
+                await dst.drain()
+            dst.close()
+
+        sender = asyncio.create_task(deliver())
+        try:
+            while data := await src.read(65536):
+                queue.put_nowait((self._loop.time() + self.delay_s, data))
+        except ConnectionError:
+            pass
+        queue.put_nowait(None)
+        with contextlib.suppress(ConnectionError):
+            await sender
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self._loop)
+
+        async def start() -> asyncio.AbstractServer:
+            server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+            self.port = server.sockets[0].getsockname()[1]
+            self._ready.set()
+            return server
+
+        self._server = self._loop.run_until_complete(start())
+        self._loop.run_forever()
+
+    def __enter__(self) -> DelayProxy:
+        self._thread.start()
+        self._ready.wait(10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._loop.call_soon_threadsafe(self._server.close)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One bench run against a live server: its result document."""
+
+    result: dict[str, Any]
+    label: str
+
+
+def bench(worker: BenchWorker, url: str, dataset: DatasetConfig, load: LoadShape, label: str = "bench",
+          slos: dict[str, float] | None = None, busy_client: bool = False) -> Measured:
+    """``run_bench`` in the worker process: streaming, exact output lengths, /metrics scraped often."""
+    cfg = BenchConfig(Target(url, MODEL, ignore_eos=True, timeout_s=120.0), dataset=dataset, load=load,
+                      slos=slos or {}, scrape_interval_s=0.1, progress=False)
+    return Measured(worker.run(cfg, busy_client), label)
+
+
+def doctor(*runs: Measured, **kwargs: Any) -> DoctorReport:
+    """Diagnose the runs together (``kwargs``: model, gpu for the roofline)."""
+    return diagnose(inputs_from_documents([(m.result, m.label) for m in runs], **kwargs))
+
+
+def ranked(report: DoctorReport) -> list[tuple[str, str]]:
+    """(rule_id, severity) in rank order: the assertion message of every scenario."""
+    return [(f.rule_id, f.severity.value) for f in report.findings]
