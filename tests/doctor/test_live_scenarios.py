@@ -25,7 +25,7 @@ import pytest
 from kvpilot.bench.datasets import DatasetConfig
 from kvpilot.bench.load import LoadShape
 from kvpilot.doctor.diagnose import DoctorReport
-from kvpilot.doctor.findings import Severity
+from kvpilot.doctor.findings import Finding, Severity
 from kvpilot.fit.kv_cache import kv_cache_bytes_per_block
 from kvpilot.server.background import BackgroundServer
 from tests.doctor.bench_worker import BenchWorker
@@ -51,6 +51,11 @@ def assert_first(report: DoctorReport, rule_id: str, *runs: Measured) -> None:
         ids = ids[1:]
     assert ids[:1] == [rule_id], ranked(report)
     assert report.exit_code == 1
+
+
+def finding(report: DoctorReport, rule_id: str) -> Finding:
+    """The finding of `rule_id` (assert_first may have let client-overload rank above it)."""
+    return next(f for f in report.findings if f.rule_id == rule_id)
 
 
 def _median(m: Measured, key: str, group: str | None = None) -> float:
@@ -107,7 +112,7 @@ def test_tpot_growth_under_load_is_decode_bound(healthy_server: BackgroundServer
     high = bench(worker, healthy_server.url, SHORT, LoadShape(concurrency=16, num_requests=16), "concurrency=16")
     report = doctor(healthy_runs[0], high)
     assert_first(report, "decode-bound", healthy_runs[0], high)
-    growth = next(e.value for e in report.findings[0].evidence if e.name.startswith("TPOT growth"))
+    growth = next(e.value for e in finding(report, "decode-bound").evidence if e.name.startswith("TPOT growth"))
     assert growth >= 2.0
 
 
@@ -119,7 +124,8 @@ def test_delaying_proxy_is_network_overhead(healthy_server: BackgroundServer, wo
         measured = bench(worker, proxy.url, TINY, LoadShape(concurrency=2, num_requests=6), "via proxy")
     report = doctor(measured)
     assert_first(report, "network-overhead", measured)
-    gap = next(e.value for e in report.findings[0].evidence if e.name.startswith("median client TTFT -"))
+    evidence = finding(report, "network-overhead").evidence
+    gap = next(e.value for e in evidence if e.name.startswith("median client TTFT -"))
     assert gap >= 1.5 * delay_s * 1000  # both directions, minus nothing: the proxy only adds
 
 
@@ -131,7 +137,7 @@ def test_slow_tokenizer_is_tokenization(healthy_server: BackgroundServer, worker
         measured = bench(worker, healthy_server.url, TINY, LoadShape(concurrency=1, num_requests=5), "slow tok")
     report = doctor(measured)
     assert_first(report, "tokenization", measured)
-    tok_ms = next(e.value for e in report.findings[0].evidence if e.name.endswith("tokenize time"))
+    tok_ms = next(e.value for e in finding(report, "tokenization").evidence if e.name.endswith("tokenize time"))
     assert tok_ms >= delay_s * 1000
 
 
@@ -161,7 +167,7 @@ def test_one_sequence_at_a_time_is_queueing_then_static_batching(one_seq_server:
     assert_first(report, "queueing", low, high)
     static = next(f for f in report.findings if f.rule_id == "static-batching")
     gain = next(e.value for e in static.evidence if e.name == "throughput gain")
-    assert gain < 1.3 and static.confidence < report.findings[0].confidence
+    assert gain < 1.3 and static.confidence < finding(report, "queueing").confidence
     assert "one request at a time" in static.summary
 
 
@@ -193,7 +199,8 @@ def test_prefix_caching_off_is_prefix_cache_miss(llm_fp32, worker: BenchWorker) 
                          LoadShape(concurrency=2, num_requests=8), "shared prefixes")
     report = doctor(measured)
     assert_first(report, "prefix-cache-miss", measured)
-    assert next(e.value for e in report.findings[0].evidence if e.name.startswith("measured")) == 0.0
+    evidence = finding(report, "prefix-cache-miss").evidence
+    assert next(e.value for e in evidence if e.name.startswith("measured")) == 0.0
 
 
 @pytest.fixture(scope="module")
@@ -216,7 +223,7 @@ def one_at_a_time(big_budget_server: BackgroundServer, worker: BenchWorker) -> M
 def test_long_prompts_alone_are_prefill_bound(one_at_a_time: Measured) -> None:
     report = doctor(one_at_a_time)
     assert_first(report, "prefill-bound", one_at_a_time)
-    corr = next(e.value for e in report.findings[0].evidence if e.name.startswith("correlation"))
+    corr = next(e.value for e in finding(report, "prefill-bound").evidence if e.name.startswith("correlation"))
     assert corr >= 0.9
 
 
@@ -235,7 +242,7 @@ def test_short_prompts_behind_a_long_prefill_are_long_short_mixing(
                      LoadShape(num_requests=len(rows)), "long + short")
     report = doctor(measured)
     assert_first(report, "long-short-mixing", measured)
-    assert next(e.value for e in report.findings[0].evidence if e.name == "inflation") >= 2.0
+    assert next(e.value for e in finding(report, "long-short-mixing").evidence if e.name == "inflation") >= 2.0
 
 
 def test_long_prefill_between_decode_steps_is_prefill_interrupts_decode(
@@ -249,7 +256,8 @@ def test_long_prefill_between_decode_steps_is_prefill_interrupts_decode(
                      LoadShape(num_requests=len(rows)), "streams + long")
     report = doctor(measured)
     assert_first(report, "prefill-interrupts-decode", measured)
-    share = next(e.value for e in report.findings[0].evidence if e.name == "stalls during a long prefill")
+    stalls = finding(report, "prefill-interrupts-decode").evidence
+    share = next(e.value for e in stalls if e.name == "stalls during a long prefill")
     assert share >= 0.5
 
 

@@ -40,8 +40,11 @@ def test_16_bit_kv_keeps_the_float32_greedy_tokens(llm_fp32, reference_tokens, k
     assert_no_leak(llm)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "fp8"])
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "float16"])
 def test_batched_equals_alone_with_a_small_kv_dtype(llm_fp32, kv_cache_dtype):
+    """fp8 is left out on purpose: batching changes GEMM row counts, hence float32 rounding in the last bit,
+    and a last-bit change can move an fp8 value (3 mantissa bits) by 1/8, enough to flip a later greedy
+    choice (seen once in CI). Its test below checks capacity, a sane answer and no leaked block."""
     llm = _llm(llm_fp32, kv_cache_dtype)
     prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
     together = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY_32)]
@@ -50,4 +53,14 @@ def test_batched_equals_alone_with_a_small_kv_dtype(llm_fp32, kv_cache_dtype):
     answer = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                       SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].text
     assert "Paris" in answer
+    assert_no_leak(llm)
+
+
+def test_fp8_kv_still_answers_and_frees_its_blocks(llm_fp32):
+    llm = _llm(llm_fp32, "fp8")
+    answer = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                      SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].text
+    assert "Paris" in answer
+    outputs = llm.generate(PROMPTS, GREEDY_32)
+    assert all(len(o.outputs[0].token_ids) == 32 for o in outputs)
     assert_no_leak(llm)
