@@ -16,7 +16,7 @@ from rich.console import Console
 from kvpilot.bench.client import Target
 from kvpilot.bench.clientlag import DEFAULT_MAX_LAG_MS
 from kvpilot.bench.console import make_progress, print_summary
-from kvpilot.bench.datasets import DatasetConfig, build_dataset
+from kvpilot.bench.datasets import GENERATED_KINDS, DatasetConfig, build_dataset
 from kvpilot.bench.load import LoadShape
 from kvpilot.bench.records import RequestRecord, WorkItem
 from kvpilot.bench.report_html import write_html
@@ -79,9 +79,6 @@ def _config_json(cfg: BenchConfig, tok: Tokenizer) -> dict[str, Any]:
             "load": dataclasses.asdict(cfg.load), "slos_ms": dict(cfg.slos), "tokenizer": tok.name,
             "sweep": cfg.sweep, "sweep_num_points": cfg.sweep_num_points,
             "goodput_target": cfg.goodput_target, "max_lag_ms": cfg.max_lag_ms}
-
-
-GENERATED_KINDS = ("random", "shared-prefix", "long-short", "multi-turn")
 
 
 def sweep_point_items(cfg: BenchConfig, tok: Tokenizer, items: list[WorkItem], point: int) -> list[WorkItem]:

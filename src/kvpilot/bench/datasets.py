@@ -18,7 +18,10 @@ from kvpilot.bench.tokens import Tokenizer, count_tokens, text_of_length
 
 DatasetKind = Literal["random", "shared-prefix", "long-short", "multi-turn", "jsonl", "trace"]
 LenDist = Literal["fixed", "uniform", "normal"]
-DATASET_KINDS: tuple[str, ...] = ("random", "shared-prefix", "long-short", "multi-turn", "jsonl", "trace")
+# generated kinds are drawn from `seed`; file kinds are read from `path` as given
+GENERATED_KINDS: tuple[str, ...] = ("random", "shared-prefix", "long-short", "multi-turn")
+FILE_KINDS: tuple[str, ...] = ("jsonl", "trace")
+DATASET_KINDS: tuple[str, ...] = GENERATED_KINDS + FILE_KINDS
 
 
 class DatasetError(ValueError):

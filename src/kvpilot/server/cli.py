@@ -11,9 +11,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvpilot.cli_options import (BlockSizeOpt, DeviceOpt, DtypeOpt, GpuUtilOpt, KvCacheDtypeOpt, KvCacheMemoryOpt, LoadFormatOpt,
-                                 MaxBatchedTokensOpt, MaxModelLenOpt, MaxNumSeqsOpt, ModelOpt, PolicyOpt,
-                                 PrefixCachingOpt, SeedOpt)
+from kvpilot.cli_options import (BlockSizeOpt, DeviceOpt, DtypeOpt, GpuUtilOpt, KvCacheDtypeOpt, KvCacheMemoryOpt,
+                                 LoadFormatOpt, MaxBatchedTokensOpt, MaxModelLenOpt, MaxNumSeqsOpt, ModelOpt,
+                                 PolicyOpt, PrefixCachingOpt, SeedOpt)
 
 logger = logging.getLogger("kvpilot.server")
 
@@ -33,7 +33,8 @@ def serve_command(
     model: ModelOpt = None, load_format: LoadFormatOpt = "auto", dtype: DtypeOpt = "auto", device: DeviceOpt = None,
     max_model_len: MaxModelLenOpt = None, max_num_seqs: MaxNumSeqsOpt = 256,
     max_num_batched_tokens: MaxBatchedTokensOpt = None, kv_cache_memory: KvCacheMemoryOpt = None,
-    kv_cache_dtype: KvCacheDtypeOpt = "auto", gpu_memory_utilization: GpuUtilOpt = 0.9, block_size: BlockSizeOpt = 16,
+    kv_cache_dtype: KvCacheDtypeOpt = "auto", gpu_memory_utilization: GpuUtilOpt = 0.9,
+    block_size: BlockSizeOpt = 16,
     enable_prefix_caching: PrefixCachingOpt = True, scheduling_policy: PolicyOpt = "fcfs", seed: SeedOpt = 0,
     host: Annotated[str, typer.Option("--host", help="Address to bind (0.0.0.0 for all interfaces).")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="Port to listen on.")] = 8000,
@@ -65,7 +66,8 @@ def serve_command(
         engine_args = EngineArgs(model=model, load_format=load_format, dtype=dtype, device=device,
                                  max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                                  max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv_cache_memory,
-                                 kv_cache_dtype=kv_cache_dtype, gpu_memory_utilization=gpu_memory_utilization, block_size=block_size,
+                                 kv_cache_dtype=kv_cache_dtype, gpu_memory_utilization=gpu_memory_utilization,
+                                 block_size=block_size,
                                  enable_prefix_caching=enable_prefix_caching, scheduling_policy=scheduling_policy,
                                  seed=seed)
         engine_args.check()

@@ -4,8 +4,9 @@
 // kvpilot/model/layers/cpu_decode_kernel.py with torch's cpp_extension.
 //
 // Why this shape: decode attention streams the whole KV cache from memory every step, so the kernel is
-// memory-bound (a 2-byte or 1-byte KV dtype makes it faster as well as smaller); it touches each K and V row once (all G heads use it while it is in cache), walks blocks
-// rather than dividing per token, and keeps the inner loops over the head dim vectorizable.
+// memory-bound (a 2-byte or 1-byte KV dtype makes it faster as well as smaller); it touches each K and V
+// row once (all G heads use it while it is in cache), walks blocks rather than dividing per token, and
+// keeps the inner loops over the head dim vectorizable.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -29,6 +30,12 @@ inline float from_bits(uint32_t bits) {
   float out;
   std::memcpy(&out, &bits, 4);
   return out;
+}
+
+inline uint32_t to_bits(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  return bits;
 }
 
 inline float widen(float x) { return x; }
@@ -63,46 +70,54 @@ inline float exp_nonpos(float x) {
   p = p * r + 0.5f;
   p = p * r + 1.0f;
   p = p * r + 1.0f;
-  int32_t bits;
-  std::memcpy(&bits, &p, 4);
-  bits += static_cast<int32_t>(n) << 23;
-  float out;
-  std::memcpy(&out, &bits, 4);
-  return out;
+  return from_bits(to_bits(p) + (static_cast<uint32_t>(static_cast<int32_t>(n)) << 23));  // p * 2^n
 }
 
 struct Shape {
   int64_t H, kvH, G, NB, BS, MB;
 };
 
+// Calls row_fn(row, t) for the L cached rows (tokens t = 0..L-1) of KV head h in `cache`, block by block
+// through the sequence's block table (no division per token).
+template <typename KV, typename RowFn>
+inline void for_each_row(const KV* cache, const int64_t* table, int64_t L, int64_t h, const Shape& s, int64_t D,
+                         RowFn row_fn) {
+  for (int64_t start = 0, blk = 0; start < L; start += s.BS, ++blk) {
+    const int64_t n = std::min(s.BS, L - start);
+    const KV* rows = cache + (h * s.NB + table[blk]) * s.BS * D;
+    for (int64_t t = 0; t < n; ++t) row_fn(rows + t * D, start + t);
+  }
+}
+
+// Per-thread buffers, reused across the tasks of one thread (no allocation per task once grown).
+struct Scratch {
+  std::vector<float> scores, acc, inv;
+};
+
 // One (sequence, KV head) task: the G query heads that share KV head h attend over L cached tokens.
 // kD > 0: head dim known at compile time (loops unroll and vectorize); kD == 0: runtime `dim`.
 template <int kD, typename KV>
 void attend_one(float* out, const float* q, const KV* kc, const KV* vc, const int64_t* table, int64_t L,
-                int64_t h, const Shape& s, int64_t dim, float scale, std::vector<float>& scores,
-                std::vector<float>& acc) {
+                int64_t h, const Shape& s, int64_t dim, float scale, Scratch& scratch) {
   const int64_t D = kD > 0 ? kD : dim;
-  const int64_t G = s.G, BS = s.BS;
-  scores.resize(static_cast<size_t>(G * L));
-  acc.assign(static_cast<size_t>(G * D), 0.f);
-  float* sc = scores.data();
-  // pass 1: scores, block by block (no division per token)
-  for (int64_t start = 0, blk = 0; start < L; start += BS, ++blk) {
-    const int64_t n = std::min(BS, L - start);
-    const KV* kb = kc + (h * s.NB + table[blk]) * BS * D;
-    for (int64_t t = 0; t < n; ++t) {
-      const KV* kr = kb + t * D;
-      for (int64_t g = 0; g < G; ++g) {
-        const float* qg = q + g * D;
-        float dot = 0.f;
+  const int64_t G = s.G;
+  scratch.scores.resize(static_cast<size_t>(G * L));
+  scratch.acc.assign(static_cast<size_t>(G * D), 0.f);
+  scratch.inv.resize(static_cast<size_t>(G));
+  float* sc = scratch.scores.data();
+  float* ac = scratch.acc.data();
+  float* inv = scratch.inv.data();
+  // pass 1: scores
+  for_each_row(kc, table, L, h, s, D, [&](const KV* kr, int64_t t) {
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = q + g * D;
+      float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < D; ++d) dot += qg[d] * widen(kr[d]);
-        sc[g * L + start + t] = dot * scale;
-      }
+      for (int64_t d = 0; d < D; ++d) dot += qg[d] * widen(kr[d]);
+      sc[g * L + t] = dot * scale;
     }
-  }
+  });
   // pass 2: softmax numerators and their sums
-  std::vector<float> inv(static_cast<size_t>(G));
   for (int64_t g = 0; g < G; ++g) {
     float* row = sc + g * L;
     float m = std::numeric_limits<float>::lowest();
@@ -117,20 +132,14 @@ void attend_one(float* out, const float* q, const KV* kc, const KV* vc, const in
     inv[g] = 1.f / sum;
   }
   // pass 3: probability-weighted values
-  float* ac = acc.data();
-  for (int64_t start = 0, blk = 0; start < L; start += BS, ++blk) {
-    const int64_t n = std::min(BS, L - start);
-    const KV* vb = vc + (h * s.NB + table[blk]) * BS * D;
-    for (int64_t t = 0; t < n; ++t) {
-      const KV* vr = vb + t * D;
-      for (int64_t g = 0; g < G; ++g) {
-        const float p = sc[g * L + start + t];
-        float* ag = ac + g * D;
+  for_each_row(vc, table, L, h, s, D, [&](const KV* vr, int64_t t) {
+    for (int64_t g = 0; g < G; ++g) {
+      const float p = sc[g * L + t];
+      float* ag = ac + g * D;
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) ag[d] += p * widen(vr[d]);
-      }
+      for (int64_t d = 0; d < D; ++d) ag[d] += p * widen(vr[d]);
     }
-  }
+  });
   for (int64_t g = 0; g < G; ++g) {
     float* og = out + g * D;
     const float* ag = ac + g * D;
@@ -143,11 +152,11 @@ template <int kD, typename KV>
 void run_all(float* op, const float* qp, const KV* kp, const KV* vp, const int64_t* bt, const int64_t* cl,
              int64_t B, const Shape& s, int64_t D, float scale) {
   at::parallel_for(0, B * s.kvH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc;
+    Scratch scratch;
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / s.kvH, h = i % s.kvH;
       const int64_t row = (b * s.H + h * s.G) * D;
-      attend_one<kD, KV>(op + row, qp + row, kp, vp, bt + b * s.MB, cl[b], h, s, D, scale, scores, acc);
+      attend_one<kD, KV>(op + row, qp + row, kp, vp, bt + b * s.MB, cl[b], h, s, D, scale, scratch);
     }
   });
 }
