@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import time
 
 import torch
@@ -29,11 +30,14 @@ def fill_to_decode(llm: LLM, batch: int, context: int, max_tokens: int, seed: in
         produced.update(o.request_id for o in llm.engine.step())
 
 
-def timed_steps(llm: LLM, steps: int) -> float:
-    start = time.perf_counter()
+def timed_steps(llm: LLM, steps: int) -> list[float]:
+    """Seconds of each step (a shared VM's noise comes in bursts: the median and min are steadier than a mean)."""
+    times = []
     for _ in range(steps):
+        start = time.perf_counter()
         llm.engine.step()
-    return (time.perf_counter() - start) / steps
+        times.append(time.perf_counter() - start)
+    return times
 
 
 def main() -> None:
@@ -48,9 +52,11 @@ def main() -> None:
               kv_cache_memory="2GiB")
     fill_to_decode(llm, args.batch, args.context, max_tokens=4 * args.steps + 16, seed=0)
     timed_steps(llm, 2)  # warm-up
-    step_s = timed_steps(llm, args.steps)
+    times = timed_steps(llm, args.steps)
+    step_s = statistics.median(times)
     print(f"decode step: batch {args.batch}, context ~{args.context}: {step_s * 1e3:.1f} ms "
-          f"= {args.batch / step_s:.1f} tok/s ({torch.get_num_threads()} threads, {args.dtype})")
+          f"= {args.batch / step_s:.1f} tok/s (median of {args.steps}; min {min(times) * 1e3:.1f} ms; "
+          f"{torch.get_num_threads()} threads, {args.dtype})")
     if args.profile:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             timed_steps(llm, args.steps)

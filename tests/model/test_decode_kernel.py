@@ -10,6 +10,13 @@ from kvpilot.model.layers.paged_attention import decode_kernel, decode_torch
 from kvpilot.model.batch_builder import _decode_batch
 
 
+def _kernel(q: torch.Tensor, cache: torch.Tensor, batch, scale: float) -> torch.Tensor:
+    """The kernel's output for the batch's rows (written into a full-size output, as the model does)."""
+    out = torch.full_like(q, float("nan"))
+    assert decode_kernel(q, cache, batch, scale, out)
+    return batch.rows_of(out)
+
+
 class _Chunk:
     def __init__(self, start: int, blocks: list[int]) -> None:
         self.request_id, self.token_ids, self.start_position, self.block_ids, self.needs_sample = \
@@ -33,9 +40,28 @@ def test_kernel_matches_torch_path(heads, kv_heads, block_size, head_dim):
         used += n
     batch = _decode_batch(chunks, [2 * i for i in range(len(chunks))], block_size, torch.device("cpu"))
     q = torch.randn(2 * len(chunks), heads, head_dim, generator=gen)
-    fast = decode_kernel(q, cache, batch, head_dim ** -0.5)
-    assert fast is not None
+    fast = _kernel(q, cache, batch, head_dim ** -0.5)
     torch.testing.assert_close(fast, decode_torch(q, cache, batch, head_dim ** -0.5), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(get_kernel() is None, reason="no C++ toolchain: the torch path is used")
+def test_consecutive_rows_of_a_strided_query_view_are_read_and_written_in_place():
+    """As in the model: q is a view of the fused q|k projection (row stride wider than heads x dim), the
+    decodes are rows 1..3 of the step; the kernel writes exactly those rows of the output."""
+    gen = torch.Generator().manual_seed(3)
+    heads, kv_heads, block_size, head_dim = 6, 2, 8, 64
+    cache = torch.randn(2, kv_heads, 16, block_size, head_dim, generator=gen)
+    chunks = [_Chunk(4, [3]), _Chunk(20, [0, 9, 4]), _Chunk(11, [1, 2])]
+    batch = _decode_batch(chunks, [1, 2, 3], block_size, torch.device("cpu"), with_bias=False)
+    assert batch.row_range == (1, 4)
+    qk = torch.randn(5, heads + kv_heads, head_dim, generator=gen)
+    q = qk[:, :heads]
+    assert not q.is_contiguous()
+    out = torch.full_like(q.contiguous(), float("nan"))
+    assert decode_kernel(q, cache, batch, 0.125, out)
+    expected = decode_torch(q.contiguous(), cache, batch, 0.125)
+    torch.testing.assert_close(out[1:4], expected, rtol=1e-5, atol=1e-6)
+    assert out[0].isnan().all() and out[4].isnan().all()  # rows of other sequences untouched
 
 
 def test_torch_path_builds_the_padding_bias_when_the_batch_has_none():
@@ -63,7 +89,6 @@ def test_kernel_widens_16_and_8_bit_kv_like_torch(kv_dtype):
     chunks = [_Chunk(0, [3]), _Chunk(20, [0, 9, 4]), _Chunk(37, [1, 2, 5, 6, 7])]
     batch = _decode_batch(chunks, [0, 1, 2], block_size, torch.device("cpu"), with_bias=False)
     q = torch.randn(3, 6, head_dim, generator=gen)
-    fast = decode_kernel(q, stored, batch, 0.125)
-    assert fast is not None
+    fast = _kernel(q, stored, batch, 0.125)
     torch.testing.assert_close(fast, decode_torch(q, stored.float(), batch, 0.125), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(decode_torch(q, stored, batch, 0.125), decode_torch(q, stored.float(), batch, 0.125))

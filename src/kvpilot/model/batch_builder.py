@@ -82,7 +82,9 @@ def _decode_batch(chunks: Sequence[ChunkLike], rows: list[int], block_size: int,
     tables = torch.tensor([c.block_ids + [0] * (max_blocks - len(c.block_ids)) for c in chunks], dtype=torch.long)
     context_lens = torch.tensor([c.start_position + 1 for c in chunks], dtype=torch.long)
     bias = make_key_bias(context_lens, max_blocks * block_size).to(device) if with_bias else None
+    consecutive = rows == list(range(rows[0], rows[0] + len(rows)))
     return DecodeBatch(token_rows=torch.tensor(rows, dtype=torch.long, device=device),
+                       row_range=(rows[0], rows[0] + len(rows)) if consecutive else None,
                        block_tables=tables.to(device), context_lens=context_lens.to(device), key_bias=bias)
 
 

@@ -19,9 +19,13 @@ def relayout_linear_weights(model: nn.Module) -> int:
     Invariant: values, shapes, dtypes and parameter names are unchanged (state_dict and load_weights still
     work); only strides differ. Meant for CPU; GPUs' BLAS handles either layout at full speed.
     """
+    weights = [m.weight for m in model.modules() if isinstance(m, nn.Linear)]
+    output = getattr(model, "output_weight", None)
+    if callable(output):  # a tied output projection is the embedding table: one tensor, both uses
+        weights.append(output())  # (the embedding lookup reads T strided rows per step: negligible)
     count = 0
-    for module in model.modules():
-        if isinstance(module, nn.Linear) and module.weight.is_contiguous():
-            module.weight.data = module.weight.data.t().contiguous().t()
+    for weight in weights:
+        if weight.dim() == 2 and weight.is_contiguous():
+            weight.data = weight.data.t().contiguous().t()
             count += 1
     return count

@@ -32,13 +32,19 @@ class DecodeBatch:
 
     Invariants: token_rows[b] is the row of sequence b in the flattened batch; block_tables is padded with
     block 0 (masked out by key_bias, which is 0 for positions < context_lens[b] and -inf beyond). key_bias
-    is None when the C++ decode kernel runs the batch: it stops at context_lens itself.
+    is None when the C++ decode kernel runs the batch: it stops at context_lens itself. row_range is
+    (token_rows[0], token_rows[-1] + 1) when the rows are consecutive (then a slice replaces gather/scatter).
     """
 
     token_rows: torch.Tensor  # [B] long
+    row_range: tuple[int, int] | None
     block_tables: torch.Tensor  # [B, max_blocks] long
     context_lens: torch.Tensor  # [B] long: keys 0..context_lens[b]-1 (the new token included)
     key_bias: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] float32
+
+    def rows_of(self, x: torch.Tensor) -> torch.Tensor:
+        """This batch's rows of a per-token tensor: a view when they are consecutive, else a gathered copy."""
+        return x[self.row_range[0]: self.row_range[1]] if self.row_range is not None else x[self.token_rows]
 
 
 @dataclass(frozen=True)

@@ -55,15 +55,22 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.
     return out.squeeze(0).transpose(0, 1)
 
 
-def decode_kernel(q: torch.Tensor, kv_cache: torch.Tensor, batch: DecodeBatch, scale: float) -> torch.Tensor | None:
-    """The C++ kernel's result for float32 CPU queries (reads K/V in place), or None when it does not apply."""
+def decode_kernel(q: torch.Tensor, kv_cache: torch.Tensor, batch: DecodeBatch, scale: float,
+                  out: torch.Tensor) -> bool:
+    """Runs the batch in the C++ kernel (float32 CPU queries; reads K/V in place), writing its rows of `out`
+    ([T, heads, D]); False, with nothing written, when the kernel does not apply."""
     if not kernel_applies(q.device, q.dtype, kv_cache.dtype):
-        return None
-    kernel = get_kernel()
-    queries = q[batch.token_rows].contiguous()
-    out = torch.empty_like(queries)
-    kernel.paged_decode(out, queries, kv_cache[0], kv_cache[1], batch.block_tables, batch.context_lens, scale)
-    return out
+        return False
+    queries = batch.rows_of(q)
+    if queries.stride(-1) != 1 or queries.stride(-2) != queries.shape[-1]:
+        queries = queries.contiguous()
+    # consecutive rows: the kernel writes straight into `out`; otherwise into a buffer scattered after
+    target = batch.rows_of(out) if batch.row_range is not None else torch.empty_like(queries)
+    get_kernel().paged_decode(target, queries, kv_cache[0], kv_cache[1], batch.block_tables, batch.context_lens,
+                              scale)
+    if batch.row_range is None:
+        out[batch.token_rows] = target
+    return True
 
 
 def decode_torch(q: torch.Tensor, kv_cache: torch.Tensor, batch: DecodeBatch, scale: float) -> torch.Tensor:
@@ -72,7 +79,7 @@ def decode_torch(q: torch.Tensor, kv_cache: torch.Tensor, batch: DecodeBatch, sc
     kv_heads, head_dim = kv_cache.shape[1], kv_cache.shape[4]
     group = q.shape[1] // kv_heads
     # [B, H, D] -> [kvH * B, G, D]: query heads grouped under their KV head, KV head outermost
-    queries = q[batch.token_rows].view(num_seqs, kv_heads, group, head_dim).transpose(0, 1)
+    queries = batch.rows_of(q).reshape(num_seqs, kv_heads, group, head_dim).transpose(0, 1)
     queries = queries.reshape(kv_heads * num_seqs, group, head_dim)
     flat_ids = batch.block_tables.reshape(-1)
     keys = gather_blocks(kv_cache[0], flat_ids).view(kv_heads * num_seqs, -1, head_dim).to(q.dtype)  # [kvH*B, L, D]
@@ -96,6 +103,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     for seq in meta.prefills:
         out[seq.query_start: seq.query_start + seq.query_len] = _prefill(q, k, v, kv_cache, seq, scale)
     for group in meta.decodes:
-        result = decode_kernel(q, kv_cache, group, scale)
-        out[group.token_rows] = result if result is not None else decode_torch(q, kv_cache, group, scale)
+        if not decode_kernel(q, kv_cache, group, scale, out):
+            result = decode_torch(q, kv_cache, group, scale)
+            if group.row_range is not None:
+                group.rows_of(out).copy_(result)
+            else:
+                out[group.token_rows] = result
     return out

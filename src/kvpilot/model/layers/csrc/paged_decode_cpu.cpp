@@ -75,6 +75,7 @@ inline float exp_nonpos(float x) {
 
 struct Shape {
   int64_t H, kvH, G, NB, BS, MB;
+  int64_t q_row, out_row;  // element strides between sequences of q and out (rows may be views of a wider tensor)
 };
 
 // Calls row_fn(row, t) for the L cached rows (tokens t = 0..L-1) of KV head h in `cache`, block by block
@@ -155,8 +156,9 @@ void run_all(float* op, const float* qp, const KV* kp, const KV* vp, const int64
     Scratch scratch;
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / s.kvH, h = i % s.kvH;
-      const int64_t row = (b * s.H + h * s.G) * D;
-      attend_one<kD, KV>(op + row, qp + row, kp, vp, bt + b * s.MB, cl[b], h, s, D, scale, scratch);
+      const int64_t head = h * s.G * D;
+      attend_one<kD, KV>(op + b * s.out_row + head, qp + b * s.q_row + head, kp, vp, bt + b * s.MB, cl[b], h, s,
+                         D, scale, scratch);
     }
   });
 }
@@ -173,7 +175,7 @@ void dispatch_dim(float* op, const float* qp, const void* kp, const void* vp, co
 
 }  // namespace
 
-// out, q: [B, H, D] float32; k_cache, v_cache: [kvH, num_blocks, block_size, D] contiguous, float32,
+// out, q: [B, H, D] float32, each sequence's [H, D] contiguous (rows may be strided); k_cache, v_cache: [kvH, num_blocks, block_size, D] contiguous, float32,
 // bfloat16, float16 or float8_e4m3fn; block_tables: [B, max_blocks] int64; context_lens: [B] int64 (>= 1).
 // Query heads h*G..h*G+G-1 use KV head h.
 void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -181,8 +183,10 @@ void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, tor
   TORCH_CHECK(q.scalar_type() == torch::kFloat32 && out.scalar_type() == torch::kFloat32, "q/out must be float32");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "K and V caches must share a dtype");
   const int64_t B = q.size(0), D = q.size(2);
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == D && out.stride(2) == 1 && out.stride(1) == D,
+              "paged_decode: each sequence's [H, D] of q and out must be contiguous");
   Shape s{q.size(1), k_cache.size(0), q.size(1) / k_cache.size(0), k_cache.size(1), k_cache.size(2),
-          block_tables.size(1)};
+          block_tables.size(1), q.stride(0), out.stride(0)};
   float* op = out.data_ptr<float>();
   const float* qp = q.data_ptr<float>();
   const void* kp = k_cache.data_ptr();
