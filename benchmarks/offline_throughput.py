@@ -76,10 +76,12 @@ def main() -> None:
     parser.add_argument("--hf-batch-size", type=int, default=32)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help="kvpilot's KV storage (auto = the model dtype; float16/bfloat16 halve attention reads).")
     parser.add_argument("--skip-hf", action="store_true", help="Only measure kvpilot.")
     args = parser.parse_args()
 
-    llm = LLM(dtype=args.dtype, max_model_len=1024)
+    llm = LLM(dtype=args.dtype, max_model_len=1024, kv_cache_dtype=args.kv_cache_dtype)
     work = make_workload(llm.tokenizer, args.num_requests, args.seed, tuple(args.prompt_len), tuple(args.output_len))
     llm.generate([work[0][0]], SamplingParams(max_tokens=4))  # warm-up
     kv_tokens, kv_time = run_kvpilot(llm, work)
@@ -93,7 +95,8 @@ def main() -> None:
           f"(static batches of {args.hf_batch_size})")
     print(f"ratio        : kvpilot / transformers = {(kv_tokens / kv_time) / (hf_tokens / hf_time):.2f}x "
           f"({args.num_requests} requests, prompts {args.prompt_len[0]}-{args.prompt_len[1]}, outputs "
-          f"{args.output_len[0]}-{args.output_len[1]}, {args.dtype}, {torch.get_num_threads()} threads)")
+          f"{args.output_len[0]}-{args.output_len[1]}, {args.dtype}, KV {args.kv_cache_dtype}, "
+          f"{torch.get_num_threads()} threads)")
 
 
 if __name__ == "__main__":
