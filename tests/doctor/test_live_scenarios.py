@@ -6,8 +6,8 @@ kvpilot's timings and metrics, a slow tokenizer in the server, a busy load gener
 comes from ``run_bench`` in a worker process (see bench_worker.py). Delays and arrival times that
 must dominate are sized from what the same server measured moments before, so the scenarios hold on
 a slower or faster machine. docs/doctor.md has the table.
-``memory-spillover`` has no live scenario: kvpilot has no swap or CPU-offload tier to spill to, and
-this machine has no swap (it keeps its fixture-based test in test_scenarios.py).
+``memory-spillover`` is staged in test_live_spillover.py: it needs a `kvpilot serve` process of its
+own under a memory cgroup with a swap file (root), not a server in this process.
 """
 
 from __future__ import annotations

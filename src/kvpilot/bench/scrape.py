@@ -10,7 +10,8 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-# Normalised key -> accepted sample names, newest first (vLLM V1, then V0 names).
+# Normalised key -> accepted sample names, newest first (vLLM V1, then V0 names). The memory keys
+# (kvpilot's /proc gauges, node_exporter's host swap as a fallback) feed the doctor's memory-spillover rule.
 METRIC_NAMES: dict[str, tuple[str, ...]] = {
     "running": ("vllm:num_requests_running",),
     "waiting": ("vllm:num_requests_waiting",),
@@ -19,6 +20,11 @@ METRIC_NAMES: dict[str, tuple[str, ...]] = {
     "prefix_queries": ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total"),
     "prefix_hits": ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total"),
     "prefix_hit_rate": ("vllm:gpu_prefix_cache_hit_rate",),
+    "process_resident": ("kvpilot:process_resident_bytes",),
+    "process_swap": ("kvpilot:process_swap_bytes",),
+    "major_faults": ("kvpilot:process_major_page_faults_total",),
+    "swap_total_bytes": ("kvpilot:host_swap_total_bytes", "node_memory_SwapTotal_bytes"),
+    "swap_free_bytes": ("kvpilot:host_swap_free_bytes", "node_memory_SwapFree_bytes"),
 }
 
 
@@ -66,7 +72,9 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 @dataclass(frozen=True)
 class MetricsSummary:
-    """Server-side view over a run; None where the server exposes no such metric."""
+    """Server-side view over a run; None where the server exposes no such metric. Memory: the server
+    process's swapped-out bytes (peak, and as a share of its resident + swapped bytes), its major page
+    faults (after minus before) and the host's swap in use (peak), all in bytes or counts."""
 
     num_samples: int
     kv_usage_max: float | None
@@ -76,6 +84,10 @@ class MetricsSummary:
     running_max: float | None
     num_preemptions: float | None
     prefix_cache_hit_rate: float | None
+    process_swap_max: float | None = None
+    process_swap_share_max: float | None = None
+    major_faults: float | None = None
+    host_swap_used_max: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -83,6 +95,24 @@ class MetricsSummary:
 
 def _series(samples: list[MetricsSample], key: str) -> list[float]:
     return [s.values[key] for s in samples if key in s.values]
+
+
+def _max_of(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return max(present) if present else None
+
+
+def swap_share(values: dict[str, float]) -> float | None:
+    """Share of the server process's memory that is swapped out: swap / (resident + swap), from one
+    scrape's normalised values; None without both gauges."""
+    swap, rss = values.get("process_swap"), values.get("process_resident")
+    return swap / (swap + rss) if swap is not None and rss is not None and swap + rss > 0 else None
+
+
+def host_swap_used(values: dict[str, float]) -> float | None:
+    """Host swap in use (total - free), bytes; None without both gauges."""
+    total, free = values.get("swap_total_bytes"), values.get("swap_free_bytes")
+    return total - free if total is not None and free is not None else None
 
 
 def summarize(samples: list[MetricsSample]) -> MetricsSummary:
@@ -105,6 +135,10 @@ def summarize(samples: list[MetricsSample]) -> MetricsSummary:
         waiting_max=stat("waiting", max), waiting_mean=stat("waiting", lambda v: sum(v) / len(v)),
         running_max=stat("running", max), num_preemptions=delta("preemptions"),
         prefix_cache_hit_rate=hit_rate,
+        # memory over every scrape: a spill present before the load is still a spill
+        process_swap_max=_max_of(_series(samples, "process_swap")),
+        process_swap_share_max=_max_of([swap_share(s.values) for s in samples]),
+        major_faults=delta("major_faults"), host_swap_used_max=_max_of([host_swap_used(s.values) for s in samples]),
     )
 
 

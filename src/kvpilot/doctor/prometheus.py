@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvpilot.bench.scrape import METRIC_NAMES, RATIO_KEYS
+from kvpilot.bench.scrape import METRIC_NAMES, RATIO_KEYS, host_swap_used, swap_share
 from kvpilot.doctor.errors import DoctorInputError
 
 # Normalised key -> sample names, newest first: the bench's scrape table (one list of vLLM V0/V1 names for
@@ -24,11 +24,9 @@ SCALARS: dict[str, tuple[str, ...]] = {
     "prompt_tokens": ("vllm:prompt_tokens_total",),
     "generation_tokens": ("vllm:generation_tokens_total",),
     "rejected": ("kvpilot:requests_rejected_total",),
-    "swap_total_bytes": ("node_memory_SwapTotal_bytes",),
-    "swap_free_bytes": ("node_memory_SwapFree_bytes",),
 }
 COUNTERS = frozenset({"preemptions", "prefix_queries", "prefix_hits", "num_finished", "prompt_tokens",
-                      "generation_tokens", "rejected"})
+                      "generation_tokens", "rejected", "major_faults"})
 RATIOS = RATIO_KEYS | {"cpu_kv_usage"}
 # Histogram key -> base names (samples are <base>_sum / <base>_count), newest first. Seconds.
 HISTOGRAMS: dict[str, tuple[str, ...]] = {
@@ -59,12 +57,14 @@ class HistogramSum:
 @dataclass(frozen=True)
 class MetricsSnapshot:
     """Normalised values of one scrape, or the difference of two (counters and histograms as
-    after - before, gauges as after). ``names`` maps each key to the metric name it came from."""
+    after - before, gauges as after; ``interval`` is True then). ``names`` maps each key to the metric
+    name it came from."""
 
     values: dict[str, float] = field(default_factory=dict)
     histograms: dict[str, HistogramSum] = field(default_factory=dict)
     info: dict[str, str] = field(default_factory=dict)
     names: dict[str, str] = field(default_factory=dict)
+    interval: bool = False
 
     def get(self, key: str) -> float | None:
         return self.values.get(key)
@@ -77,8 +77,13 @@ class MetricsSnapshot:
 
     @property
     def swap_used_bytes(self) -> float | None:
-        total, free = self.values.get("swap_total_bytes"), self.values.get("swap_free_bytes")
-        return total - free if total is not None and free is not None else None
+        """Host swap in use (kvpilot's or node_exporter's gauges), bytes."""
+        return host_swap_used(self.values)
+
+    @property
+    def process_swap_share(self) -> float | None:
+        """Share of the server process's memory swapped out (kvpilot's /proc gauges)."""
+        return swap_share(self.values)
 
     @property
     def prefix_caching_enabled(self) -> bool | None:
@@ -144,4 +149,5 @@ def metrics_delta(before: MetricsSnapshot, after: MetricsSnapshot) -> MetricsSna
     for key in after.histograms.keys() & before.histograms.keys():
         a, b = after.histograms[key], before.histograms[key]
         histograms[key] = HistogramSum(a.count - b.count, a.total - b.total)
-    return MetricsSnapshot(values, histograms, {**before.info, **after.info}, {**before.names, **after.names})
+    return MetricsSnapshot(values, histograms, {**before.info, **after.info}, {**before.names, **after.names},
+                           interval=True)

@@ -69,6 +69,12 @@ class MetricsView:
     cpu_kv_usage: float | None
     swap_used_bytes: float | None
     source: str
+    process_swap_bytes: float | None = None
+    process_swap_share: float | None = None
+    major_faults_per_token: float | None = None
+    """Server-process memory (kvpilot's /proc gauges): peak swapped-out bytes, their peak share of
+    resident + swapped, and major page faults per generated token over the measured interval (None
+    when no interval was measured: one scrape's lifetime totals include the model load)."""
 
 
 def _max(values: Iterable[float | None]) -> float | None:
@@ -85,6 +91,19 @@ def _records_hit_rate(records: list[RequestRecord]) -> float | None:
     with_server = [r for r in records if r.server is not None and r.server.num_prompt_tokens > 0]
     prompt = sum(r.server.num_prompt_tokens for r in with_server if r.server)
     return sum(r.server.num_cached_tokens for r in with_server if r.server) / prompt if prompt else None
+
+
+def _faults_per_token(inputs: DoctorInputs) -> float | None:
+    """Major page faults of the server per generated token: the bench's per-run counter deltas over
+    the tokens of those runs, else the metrics snapshot's delta (two scrapes) over its token delta."""
+    runs = [run for run in inputs.runs if run.server_metrics and run.server_metrics.get("major_faults") is not None]
+    tokens = sum(r.num_output_tokens for run in runs for r in run.ok)
+    if runs and tokens:
+        return sum(float(run.server_metrics["major_faults"]) for run in runs if run.server_metrics) / tokens
+    snap = inputs.metrics
+    if snap is None or not snap.interval:
+        return None
+    return ratio(snap.get("major_faults"), snap.get("generation_tokens"))
 
 
 def metrics_view(inputs: DoctorInputs) -> MetricsView:
@@ -118,8 +137,12 @@ def metrics_view(inputs: DoctorInputs) -> MetricsView:
         prefix_hit_rate=hit_rate,
         prefix_caching_enabled=snap.prefix_caching_enabled if snap is not None else None,
         swapped=snap_get("swapped"), cpu_kv_usage=snap_get("cpu_kv_usage"),
-        swap_used_bytes=snap.swap_used_bytes if snap is not None else None,
-        source=" + ".join(sources) or "none")
+        swap_used_bytes=_max([from_runs("host_swap_used_max"), snap.swap_used_bytes if snap is not None else None]),
+        source=" + ".join(sources) or "none",
+        process_swap_bytes=_max([from_runs("process_swap_max"), snap_get("process_swap")]),
+        process_swap_share=_max([from_runs("process_swap_share_max"),
+                                 snap.process_swap_share if snap is not None else None]),
+        major_faults_per_token=_faults_per_token(inputs))
 
 
 def first_token_s(r: RequestRecord) -> float | None:

@@ -125,5 +125,16 @@ class Thresholds:
     """Memory spillover: decode speed below this fraction of the roofline, together with swap or host
     KV use, means memory spilled to a slower tier."""
 
+    process_swap_share: float = 0.05
+    """Memory spillover: share of the server process's own memory (resident + swapped) that is swapped
+    out at or above which the server itself has spilled (``kvpilot:process_swap_bytes``). A few
+    percent of cold pages (import-time objects, the loader's buffers) swapped out of a long-running
+    process is normal housekeeping; the weights and KV blocks are most of a serving process."""
+
+    spill_major_faults_per_token: float = 1.0
+    """Memory spillover: major page faults of the server process per generated token at or above
+    which its swapped pages sit on the decode path (every step reads some back from disk). A loaded,
+    healthy server takes none while generating."""
+
     min_requests: int = 5
     """Rules drawing statistics over requests need at least this many successful ones."""

@@ -3,7 +3,8 @@
 One CollectorRegistry per app (never the global one), so tests can run several servers in one process.
 Per-request series are observed once, when the request's final output arrives; scheduler state (running,
 waiting, KV usage, prefix-cache and preemption counters) is read at scrape time from the engine thread's
-latest snapshot, so the gauges and counters are exactly the engine's.
+latest snapshot, so the gauges and counters are exactly the engine's. Where the process's memory lives
+(resident, swapped out, major page faults, the host's swap) is read from /proc at scrape time too.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from prometheus_client.registry import Collector
 from kvpilot.engine.engine import StepStats
 from kvpilot.engine.scheduler_stats import SchedulerStats
 from kvpilot.engine.timeline import RequestMetrics
+from kvpilot.server.proc_memory import HostSwap, ProcessMemory, read_host_swap, read_process_memory
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so histograms line up with vLLM dashboards.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -76,11 +78,44 @@ class _SchedulerCollector(Collector):
         yield blocks
 
 
+class MemoryCollector(Collector):
+    """Scrape-time view of the server process's memory and the host's swap (Linux /proc; on other
+    systems, or where /proc is unreadable, these series are simply absent). No labels: one process."""
+
+    def __init__(self, process: Callable[[], ProcessMemory | None] = read_process_memory,
+                 host_swap: Callable[[], HostSwap | None] = read_host_swap) -> None:
+        self._process, self._host_swap = process, host_swap
+
+    def collect(self) -> Iterator[Metric]:
+        mem, swap = self._process(), self._host_swap()
+        if mem is not None and mem.resident_bytes is not None:
+            yield GaugeMetricFamily("kvpilot:process_resident_bytes", "Resident memory of the server process "
+                                    "(VmRSS of /proc/self/status), bytes.", value=mem.resident_bytes)
+        if mem is not None and mem.swap_bytes is not None:
+            yield GaugeMetricFamily("kvpilot:process_swap_bytes", "Memory of the server process swapped out "
+                                    "to disk (VmSwap of /proc/self/status), bytes: weights or KV blocks there "
+                                    "are read back from disk when a step touches them.", value=mem.swap_bytes)
+        if mem is not None and mem.major_faults is not None:
+            yield CounterMetricFamily("kvpilot:process_major_page_faults", "Page faults of the server process "
+                                      "that waited for disk (majflt of /proc/self/stat): swap-ins and file "
+                                      "reads.", value=mem.major_faults)
+        if swap is not None:
+            yield GaugeMetricFamily("kvpilot:host_swap_total_bytes", "Swap space of the host (SwapTotal of "
+                                    "/proc/meminfo), bytes; node_exporter's node_memory_SwapTotal_bytes under "
+                                    "kvpilot's prefix, so a Prometheus scraping both sees one owner per "
+                                    "name.", value=swap.total_bytes)
+            yield GaugeMetricFamily("kvpilot:host_swap_free_bytes", "Free swap space of the host (SwapFree "
+                                    "of /proc/meminfo), bytes; node_exporter's node_memory_SwapFree_bytes "
+                                    "under kvpilot's prefix.", value=swap.free_bytes)
+
+
 class ServerMetrics:
     """All series of one server. Thread-safe (prometheus-client's own locks): the engine thread observes
     steps, the event loop observes requests."""
 
-    def __init__(self, model_name: str, snapshot: Callable[[], SchedulerStats | None]) -> None:
+    def __init__(self, model_name: str, snapshot: Callable[[], SchedulerStats | None],
+                 memory: Collector | None = None) -> None:
+        """``memory``: where the process's memory figures come from (default: this process's /proc)."""
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
         r, m = self.registry, ["model_name"]
@@ -118,6 +153,7 @@ class ServerMetrics:
         self.rejected = Counter("kvpilot:requests_rejected", "Requests refused before reaching the engine.",
                                 ["model_name", "reason"], registry=r)
         r.register(_SchedulerCollector(snapshot, model_name))
+        r.register(memory if memory is not None else MemoryCollector())
 
     def observe_step(self, stats: StepStats) -> None:
         """Engine-thread hook (LLMEngine.on_step)."""

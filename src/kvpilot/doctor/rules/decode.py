@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kvpilot.doctor.findings import Evidence, Finding, Fix, Severity, clamp01
 from kvpilot.doctor.rules.context import RuleContext
+from kvpilot.doctor.rules.kv_cache import defer_to_swap
 from kvpilot.doctor.signals import median, ratio
 
 
@@ -17,7 +18,8 @@ def _decode_share(ctx: RuleContext) -> float:
 
 def decode_bound(ctx: RuleContext) -> Finding | None:
     """Per-token decode far from the roofline at low concurrency (bandwidth wasted), or TPOT growing
-    steeply with the batch."""
+    steeply with the batch. Defers to memory-spillover (lower confidence, says so) when the server's
+    own pages are in swap and read back while it generates: that is why decode is slow."""
     th, roof = ctx.th, ctx.inputs.roofline
     runs = [r for r in ctx.inputs.runs if len(r.ok) >= th.min_requests]
     if not runs:
@@ -50,11 +52,11 @@ def decode_bound(ctx: RuleContext) -> Finding | None:
                             vllm="--max-num-seqs <lower>"))
     severe = (efficiency is not None and efficiency < th.decode_roofline_efficiency_low / 2) or \
         (growth is not None and growth >= 2 * th.tpot_growth_high)
-    return Finding(
+    return defer_to_swap(ctx, Finding(
         rule_id="decode-bound", title="Decode is slow per token",
         severity=Severity.HIGH if severe else Severity.MEDIUM,
         confidence=0.8 if slow and grows else 0.7, impact=_decode_share(ctx),
-        summary=_sentence("; ".join(parts)), evidence=tuple(evidence), fixes=tuple(fixes))
+        summary=_sentence("; ".join(parts)), evidence=tuple(evidence), fixes=tuple(fixes)))
 
 
 def _sentence(text: str) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from kvpilot.bench.records import RequestRecord
 from kvpilot.doctor.findings import Evidence, Finding, Fix, Severity, clamp01
 from kvpilot.doctor.rules.context import RuleContext
+from kvpilot.doctor.rules.kv_cache import defer_to_swap
 from kvpilot.doctor.signals import (
     gap_ends,
     is_long,
@@ -56,7 +57,7 @@ def prefill_bound(ctx: RuleContext) -> Finding | None:
     roof = ctx.inputs.roofline
     if roof is not None:
         evidence.append(Evidence(f"roofline TTFT for the median prompt ({roof.gpu})", roof.ttft_ms, "ms"))
-    return Finding(
+    return defer_to_swap(ctx, Finding(
         rule_id="prefill-bound", title="Prefill is slow: TTFT grows with prompt length",
         severity=Severity.HIGH if ttft_p90 >= 2 * limit else Severity.MEDIUM,
         confidence=clamp01(0.6 + (corr - th.prefill_min_correlation)), impact=clamp01(explained),
@@ -68,7 +69,7 @@ def prefill_bound(ctx: RuleContext) -> Finding | None:
                Fix("prefill in fewer, larger steps when latency of others allows",
                    kvpilot="--max-num-batched-tokens 8192", vllm="--max-num-batched-tokens 8192"),
                Fix("use a faster attention kernel", vllm="VLLM_ATTENTION_BACKEND=FLASH_ATTN"),
-               Fix("split prefill over more GPUs or shorten prompts", vllm="--tensor-parallel-size 2")))
+               Fix("split prefill over more GPUs or shorten prompts", vllm="--tensor-parallel-size 2"))))
 
 
 def _longs_and_median(records: list[RequestRecord], factor: float) -> tuple[list[RequestRecord], float]:
@@ -100,7 +101,7 @@ def long_short_mixing(ctx: RuleContext) -> Finding | None:
         return None
     inflation, hit_ms, clear_ms, num_hit, num_short, label = best
     affected = num_hit / num_short
-    return Finding(
+    return defer_to_swap(ctx, Finding(
         rule_id="long-short-mixing", title="Long prompts delay short requests' first token",
         severity=Severity.HIGH if inflation >= 2 * th.short_ttft_inflation else Severity.MEDIUM,
         confidence=0.85, impact=clamp01(affected * (1 - 1 / inflation)),
@@ -110,7 +111,7 @@ def long_short_mixing(ctx: RuleContext) -> Finding | None:
         evidence=(Evidence("short TTFT during a long prefill (median)", hit_ms, "ms", "client"),
                   Evidence("short TTFT otherwise (median)", clear_ms, "ms", "client"),
                   Evidence("inflation", inflation, "x"), Evidence("short requests affected", affected, "%")),
-        fixes=(CHUNK_FIX, LANES_FIX))
+        fixes=(CHUNK_FIX, LANES_FIX)))
 
 
 Stall = tuple[RequestRecord, float, float]  # request, when the gap ended (run clock, s), gap ms
@@ -143,7 +144,7 @@ def prefill_interrupts_decode(ctx: RuleContext) -> Finding | None:
     if best is None or best[0] < th.spike_overlap_share:
         return None
     share, num, med, stall_ms, affected, label = best
-    return Finding(
+    return defer_to_swap(ctx, Finding(
         rule_id="prefill-interrupts-decode", title="Long prefills stall other requests' token stream",
         severity=Severity.HIGH if stall_ms >= 10 * med else Severity.MEDIUM,
         confidence=clamp01(0.5 + 0.4 * share), impact=clamp01(affected),
@@ -154,4 +155,4 @@ def prefill_interrupts_decode(ctx: RuleContext) -> Finding | None:
                   Evidence("median inter-token gap", med, "ms", "client"),
                   Evidence("stalls during a long prefill", share, "%"),
                   Evidence("requests with a stall", affected, "%")),
-        fixes=(CHUNK_FIX, LANES_FIX))
+        fixes=(CHUNK_FIX, LANES_FIX)))
