@@ -262,7 +262,11 @@ def memory_cgroup(name: str) -> Iterator[MemoryCgroup]:
         raise StagingUnavailable(f"cannot create memory cgroup {path}: {exc}") from exc
     try:
         if version == 1:  # a fault the cap cannot satisfy waits (for EdgeSqueezer) instead of killing
-            (path / "memory.oom_control").write_text("1")
+            try:
+                (path / "memory.oom_control").write_text("1")
+            except OSError as exc:
+                raise StagingUnavailable(f"cannot disable the OOM killer of {path} ({exc}): a cap below the "
+                                         "working set would kill the server instead of making it swap") from exc
         yield MemoryCgroup(path, version)
     finally:
         _remove_cgroup(path)

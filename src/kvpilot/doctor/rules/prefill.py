@@ -6,7 +6,7 @@ from __future__ import annotations
 from kvpilot.bench.records import RequestRecord
 from kvpilot.doctor.findings import Evidence, Finding, Fix, Severity, clamp01
 from kvpilot.doctor.rules.context import RuleContext
-from kvpilot.doctor.rules.kv_cache import defer_to_swap
+from kvpilot.doctor.rules.spillover import defer_to_swap
 from kvpilot.doctor.signals import (
     gap_ends,
     is_long,
