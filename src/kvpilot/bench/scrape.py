@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -97,7 +98,8 @@ def _series(samples: list[MetricsSample], key: str) -> list[float]:
     return [s.values[key] for s in samples if key in s.values]
 
 
-def _max_of(values: list[float | None]) -> float | None:
+def max_present(values: Iterable[float | None]) -> float | None:
+    """The largest value that is not None; None when there is none."""
     present = [v for v in values if v is not None]
     return max(present) if present else None
 
@@ -136,9 +138,9 @@ def summarize(samples: list[MetricsSample]) -> MetricsSummary:
         running_max=stat("running", max), num_preemptions=delta("preemptions"),
         prefix_cache_hit_rate=hit_rate,
         # memory over every scrape: a spill present before the load is still a spill
-        process_swap_max=_max_of(_series(samples, "process_swap")),
-        process_swap_share_max=_max_of([swap_share(s.values) for s in samples]),
-        major_faults=delta("major_faults"), host_swap_used_max=_max_of([host_swap_used(s.values) for s in samples]),
+        process_swap_max=max_present(_series(samples, "process_swap")),
+        process_swap_share_max=max_present([swap_share(s.values) for s in samples]),
+        major_faults=delta("major_faults"), host_swap_used_max=max_present([host_swap_used(s.values) for s in samples]),
     )
 
 

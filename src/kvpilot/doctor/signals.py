@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvpilot.bench.records import RequestRecord
+from kvpilot.bench.scrape import max_present
 from kvpilot.doctor.inputs import DoctorInputs
 
 
@@ -77,11 +78,6 @@ class MetricsView:
     when no interval was measured: one scrape's lifetime totals include the model load)."""
 
 
-def _max(values: Iterable[float | None]) -> float | None:
-    vals = [v for v in values if v is not None]
-    return max(vals) if vals else None
-
-
 def _sum(values: Iterable[float | None]) -> float | None:
     vals = [v for v in values if v is not None]
     return sum(vals) if vals else None
@@ -111,7 +107,7 @@ def metrics_view(inputs: DoctorInputs) -> MetricsView:
     summaries = [run.server_metrics for run in inputs.runs if run.server_metrics]
     snap = inputs.metrics
 
-    def from_runs(key: str, combine: Callable[[Iterable[float | None]], float | None] = _max) -> float | None:
+    def from_runs(key: str, combine: Callable[[Iterable[float | None]], float | None] = max_present) -> float | None:
         return combine(s.get(key) for s in summaries)
 
     def snap_get(key: str) -> float | None:
@@ -129,18 +125,18 @@ def metrics_view(inputs: DoctorInputs) -> MetricsView:
     sources = (["bench scrapes of /metrics"] if summaries else []) + (
         [f"metrics file ({snap.flavor} names)"] if snap is not None else [])
     return MetricsView(
-        kv_usage_max=_max([from_runs("kv_usage_max"), snap_get("kv_usage")]),
+        kv_usage_max=max_present([from_runs("kv_usage_max"), snap_get("kv_usage")]),
         waiting_mean=from_runs("waiting_mean") if summaries else snap_get("waiting"),
-        waiting_max=_max([from_runs("waiting_max"), snap_get("waiting")]),
-        running_max=_max([from_runs("running_max"), snap_get("running")]),
-        num_preemptions=_max([from_runs("num_preemptions", _sum), snap_get("preemptions"), preempt_records]),
+        waiting_max=max_present([from_runs("waiting_max"), snap_get("waiting")]),
+        running_max=max_present([from_runs("running_max"), snap_get("running")]),
+        num_preemptions=max_present([from_runs("num_preemptions", _sum), snap_get("preemptions"), preempt_records]),
         prefix_hit_rate=hit_rate,
         prefix_caching_enabled=snap.prefix_caching_enabled if snap is not None else None,
         swapped=snap_get("swapped"), cpu_kv_usage=snap_get("cpu_kv_usage"),
-        swap_used_bytes=_max([from_runs("host_swap_used_max"), snap.swap_used_bytes if snap is not None else None]),
+        swap_used_bytes=max_present([from_runs("host_swap_used_max"), snap.swap_used_bytes if snap is not None else None]),
         source=" + ".join(sources) or "none",
-        process_swap_bytes=_max([from_runs("process_swap_max"), snap_get("process_swap")]),
-        process_swap_share=_max([from_runs("process_swap_share_max"),
+        process_swap_bytes=max_present([from_runs("process_swap_max"), snap_get("process_swap")]),
+        process_swap_share=max_present([from_runs("process_swap_share_max"),
                                  snap.process_swap_share if snap is not None else None]),
         major_faults_per_token=_faults_per_token(inputs))
 
