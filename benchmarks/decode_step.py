@@ -46,10 +46,12 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=300)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--kv-cache-memory", default="6GiB",
+                        help="Enough for batch x (context + steps) tokens, or preemptions distort the steps.")
     parser.add_argument("--profile", action="store_true", help="Also print the top operators.")
     args = parser.parse_args()
     llm = LLM(dtype=args.dtype, max_model_len=args.context + 4 * args.steps + 16, max_num_seqs=args.batch,
-              kv_cache_memory="2GiB")
+              kv_cache_memory=args.kv_cache_memory)
     fill_to_decode(llm, args.batch, args.context, max_tokens=4 * args.steps + 16, seed=0)
     timed_steps(llm, 2)  # warm-up
     times = timed_steps(llm, args.steps)

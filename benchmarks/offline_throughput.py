@@ -17,6 +17,7 @@ import time
 import torch
 
 from kvpilot import LLM, SamplingParams
+from kvpilot.model.dtypes import resolve_dtype
 from kvpilot.model.default_model import default_model_path
 
 
@@ -74,12 +75,14 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, nargs=2, default=(32, 512))
     parser.add_argument("--output-len", type=int, nargs=2, default=(32, 256))
     parser.add_argument("--hf-batch-size", type=int, default=32)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                        help="auto: what kvpilot picks on this CPU (float32 without native bf16), used for both.")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kv-cache-dtype", default="auto",
                         help="kvpilot's KV storage (auto = the model dtype; float16/bfloat16 halve attention reads).")
     parser.add_argument("--skip-hf", action="store_true", help="Only measure kvpilot.")
     args = parser.parse_args()
+    args.dtype = str(resolve_dtype(args.dtype, torch.device("cpu"))).removeprefix("torch.")
 
     llm = LLM(dtype=args.dtype, max_model_len=1024, kv_cache_dtype=args.kv_cache_dtype)
     work = make_workload(llm.tokenizer, args.num_requests, args.seed, tuple(args.prompt_len), tuple(args.output_len))

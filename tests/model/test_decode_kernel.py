@@ -92,3 +92,16 @@ def test_kernel_widens_16_and_8_bit_kv_like_torch(kv_dtype):
     fast = _kernel(q, stored, batch, 0.125)
     torch.testing.assert_close(fast, decode_torch(q, stored.float(), batch, 0.125), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(decode_torch(q, stored, batch, 0.125), decode_torch(q, stored.float(), batch, 0.125))
+
+
+@pytest.mark.skipif(get_kernel() is None, reason="no C++ toolchain: the torch path is used")
+def test_kernel_runs_on_all_of_torchs_threads():
+    """Built without OpenMP, the parallel_for inlined into the extension runs serially (no error, half speed)."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert get_kernel().parallel_width() == 2
+        torch.set_num_threads(1)
+        assert get_kernel().parallel_width() == 1
+    finally:
+        torch.set_num_threads(before)

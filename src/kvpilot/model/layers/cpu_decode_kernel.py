@@ -1,5 +1,5 @@
-"""The C++ paged decode-attention kernel for float32 queries on CPU (csrc/paged_decode_cpu.cpp; K/V stored as
-float32, bfloat16, float16 or fp8 e4m3), built once with
+"""The C++ paged decode-attention kernel for float32 queries on CPU (csrc/: paged_decode_cpu.cpp, with an
+AVX-512 path in decode_avx512.h; K/V stored as float32, bfloat16, float16 or fp8 e4m3), built once with
 torch's cpp_extension (JIT, cached on disk by torch under ~/.cache/torch_extensions).
 
 Why: the torch-ops decode path gathers every sequence's K/V blocks into a new tensor each step and layer
@@ -21,7 +21,9 @@ import torch
 
 logger = logging.getLogger("kvpilot")
 
-SOURCE_PATH = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
+# concatenated in this order into one translation unit (the headers are not on an include path)
+SOURCE_PATHS = tuple(Path(__file__).parent / "csrc" / name
+                     for name in ("decode_common.h", "decode_avx512.h", "paged_decode_cpu.cpp"))
 
 
 @lru_cache(maxsize=1)
@@ -32,11 +34,12 @@ def get_kernel() -> Any | None:
     try:
         from torch.utils.cpp_extension import load_inline
 
-        source = SOURCE_PATH.read_text(encoding="utf-8")
+        source = "\n".join(path.read_text(encoding="utf-8") for path in SOURCE_PATHS)
         # the name carries the source hash: an edited kernel is rebuilt, never a stale cached one loaded
         name = "kvpilot_cpu_decode_" + hashlib.sha256(source.encode()).hexdigest()[:12]
-        return load_inline(name=name, cpp_sources=[source], functions=["paged_decode"],
-                           extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp-simd"], verbose=False)
+        return load_inline(name=name, cpp_sources=[source], functions=["paged_decode", "parallel_width"],
+                           extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+                           extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler / ninja / headers: the torch path still works
         logger.warning("CPU decode kernel unavailable, using the torch path (%s: %s)", type(exc).__name__,
                        str(exc).splitlines()[0] if str(exc) else "")

@@ -1,99 +1,15 @@
 // Paged decode attention on CPU (float32 queries; K/V stored as float32, bfloat16, float16 or fp8 e4m3 and
 // widened to float32 as they are read): every decoding sequence's G query heads (sharing one KV head)
 // attend over its cached K/V, read in place through its block table. Built at run time by
-// kvpilot/model/layers/cpu_decode_kernel.py with torch's cpp_extension.
+// kvpilot/model/layers/cpu_decode_kernel.py with torch's cpp_extension, after decode_common.h and
+// decode_avx512.h.
 //
 // Why this shape: decode attention streams the whole KV cache from memory every step, so the kernel is
 // memory-bound (a 2-byte or 1-byte KV dtype makes it faster as well as smaller); it touches each K and V
-// row once (all G heads use it while it is in cache), walks blocks rather than dividing per token, and
-// keeps the inner loops over the head dim vectorizable.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <algorithm>
-#include <cmath>
-#include <cstring>
-#include <limits>
-#include <vector>
-
+// row once (all G heads use it while it is in cache) and walks blocks rather than dividing per token.
+// On AVX-512 CPUs the common head dims (64, 128) and 32/16-bit KV dtypes take the explicit vector path of
+// decode_avx512.h; the portable loops below serve everything else.
 namespace {
-
-// Widening a stored K/V element to float32, branch-free integer and float arithmetic only, so the loops
-// over the head dim still vectorize. The 16- and 8-bit formats put the value's exponent and mantissa bits
-// where float32 keeps them and rescale by the difference of the exponent biases (exact for normal values);
-// their subnormals (exponent field 0) are mantissa x 2^(1 - bias - mantissa bits). Infinities and NaNs are
-// never stored (KV values are finite), so they are not special-cased.
-struct Bf16 { uint16_t bits; };
-struct Half { uint16_t bits; };
-struct Fp8 { uint8_t bits; };  // float8_e4m3fn
-
-inline float from_bits(uint32_t bits) {
-  float out;
-  std::memcpy(&out, &bits, 4);
-  return out;
-}
-
-inline uint32_t to_bits(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, 4);
-  return bits;
-}
-
-inline float widen(float x) { return x; }
-inline float widen(Bf16 x) { return from_bits(static_cast<uint32_t>(x.bits) << 16); }
-
-inline float widen(Half x) {  // 1 sign, 5 exponent (bias 15), 10 mantissa bits
-  const uint32_t mag = x.bits & 0x7fffu;
-  const float normal = from_bits(mag << 13) * 0x1p112f;
-  const float subnormal = static_cast<float>(mag & 0x3ffu) * 0x1p-24f;
-  const float value = (mag >> 10) == 0 ? subnormal : normal;
-  return (x.bits & 0x8000u) ? -value : value;
-}
-
-inline float widen(Fp8 x) {  // 1 sign, 4 exponent (bias 7), 3 mantissa bits
-  const uint32_t mag = x.bits & 0x7fu;
-  const float normal = from_bits(mag << 20) * 0x1p120f;
-  const float subnormal = static_cast<float>(mag & 0x7u) * 0x1p-9f;
-  const float value = (mag >> 3) == 0 ? subnormal : normal;
-  return (x.bits & 0x80u) ? -value : value;
-}
-
-// exp(x) for x <= 0 (softmax after subtracting the max), written branch-free so the compiler vectorizes
-// the loop that calls it: 2^n * p(r) with x = n ln2 + r, |r| <= ln2/2, degree-6 polynomial (~2 ulp).
-inline float exp_nonpos(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const float r = x - n * 0.693145751953125f - n * 1.42860682030941723e-6f;
-  float p = 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  return from_bits(to_bits(p) + (static_cast<uint32_t>(static_cast<int32_t>(n)) << 23));  // p * 2^n
-}
-
-struct Shape {
-  int64_t H, kvH, G, NB, BS, MB;
-  int64_t q_row, out_row;  // element strides between sequences of q and out (rows may be views of a wider tensor)
-};
-
-// Calls row_fn(row, t) for the L cached rows (tokens t = 0..L-1) of KV head h in `cache`, block by block
-// through the sequence's block table (no division per token).
-template <typename KV, typename RowFn>
-inline void for_each_row(const KV* cache, const int64_t* table, int64_t L, int64_t h, const Shape& s, int64_t D,
-                         RowFn row_fn) {
-  for (int64_t start = 0, blk = 0; start < L; start += s.BS, ++blk) {
-    const int64_t n = std::min(s.BS, L - start);
-    const KV* rows = cache + (h * s.NB + table[blk]) * s.BS * D;
-    for (int64_t t = 0; t < n; ++t) row_fn(rows + t * D, start + t);
-  }
-}
-
-// Per-thread buffers, reused across the tasks of one thread (no allocation per task once grown).
-struct Scratch {
-  std::vector<float> scores, acc, inv;
-};
 
 // One (sequence, KV head) task: the G query heads that share KV head h attend over L cached tokens.
 // kD > 0: head dim known at compile time (loops unroll and vectorize); kD == 0: runtime `dim`.
@@ -157,8 +73,13 @@ void run_all(float* op, const float* qp, const KV* kp, const KV* vp, const int64
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / s.kvH, h = i % s.kvH;
       const int64_t head = h * s.G * D;
-      attend_one<kD, KV>(op + b * s.out_row + head, qp + b * s.q_row + head, kp, vp, bt + b * s.MB, cl[b], h, s,
-                         D, scale, scratch);
+      float* o = op + b * s.out_row + head;
+      const float* q = qp + b * s.q_row + head;
+      if constexpr (kHasVectorPath<kD, KV>) {
+        attend_one_avx512<kD, KV>(o, q, kp, vp, bt + b * s.MB, cl[b], h, s, scale, scratch);
+      } else {
+        attend_one<kD, KV>(o, q, kp, vp, bt + b * s.MB, cl[b], h, s, D, scale, scratch);
+      }
     }
   });
 }
@@ -201,4 +122,15 @@ void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, tor
     case torch::kFloat8_e4m3fn: dispatch_dim<Fp8>(op, qp, kp, vp, bt, cl, B, s, D, fs); break;
     default: TORCH_CHECK(false, "paged_decode: unsupported KV cache dtype ", k_cache.scalar_type());
   }
+}
+
+// How many threads paged_decode's parallel_for really runs on (tests compare it with torch's thread count).
+// Why: ATen's parallel_for is inlined into this module, so built without OpenMP it silently runs on one
+// thread; that went unnoticed for a while and halved decode attention speed on 2 cores.
+int64_t parallel_width() {
+  std::atomic<uint64_t> seen{0};
+  at::parallel_for(0, 4096, 1, [&](int64_t, int64_t) {
+    seen.fetch_or(uint64_t{1} << (at::get_thread_num() & 63));
+  });
+  return __builtin_popcountll(seen.load());
 }

@@ -1,0 +1,93 @@
+// Shared by the CPU decode-attention sources (concatenated in this order by cpu_decode_kernel.py:
+// decode_common.h, decode_avx512.h, paged_decode_cpu.cpp): stored K/V element types and their widening to
+// float32, a branch-free exp, the task shape, per-thread scratch and the block walk.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// Widening a stored K/V element to float32, branch-free integer and float arithmetic only, so the loops
+// over the head dim still vectorize. The 16- and 8-bit formats put the value's exponent and mantissa bits
+// where float32 keeps them and rescale by the difference of the exponent biases (exact for normal values);
+// their subnormals (exponent field 0) are mantissa x 2^(1 - bias - mantissa bits). Infinities and NaNs are
+// never stored (KV values are finite), so they are not special-cased.
+struct Bf16 { uint16_t bits; };
+struct Half { uint16_t bits; };
+struct Fp8 { uint8_t bits; };  // float8_e4m3fn
+
+inline float from_bits(uint32_t bits) {
+  float out;
+  std::memcpy(&out, &bits, 4);
+  return out;
+}
+
+inline uint32_t to_bits(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  return bits;
+}
+
+inline float widen(float x) { return x; }
+inline float widen(Bf16 x) { return from_bits(static_cast<uint32_t>(x.bits) << 16); }
+
+inline float widen(Half x) {  // 1 sign, 5 exponent (bias 15), 10 mantissa bits
+  const uint32_t mag = x.bits & 0x7fffu;
+  const float normal = from_bits(mag << 13) * 0x1p112f;
+  const float subnormal = static_cast<float>(mag & 0x3ffu) * 0x1p-24f;
+  const float value = (mag >> 10) == 0 ? subnormal : normal;
+  return (x.bits & 0x8000u) ? -value : value;
+}
+
+inline float widen(Fp8 x) {  // 1 sign, 4 exponent (bias 7), 3 mantissa bits
+  const uint32_t mag = x.bits & 0x7fu;
+  const float normal = from_bits(mag << 20) * 0x1p120f;
+  const float subnormal = static_cast<float>(mag & 0x7u) * 0x1p-9f;
+  const float value = (mag >> 3) == 0 ? subnormal : normal;
+  return (x.bits & 0x80u) ? -value : value;
+}
+
+// exp(x) for x <= 0 (softmax after subtracting the max), written branch-free so the compiler vectorizes
+// the loop that calls it: 2^n * p(r) with x = n ln2 + r, |r| <= ln2/2, degree-6 polynomial (~2 ulp).
+inline float exp_nonpos(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = x - n * 0.693145751953125f - n * 1.42860682030941723e-6f;
+  float p = 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  return from_bits(to_bits(p) + (static_cast<uint32_t>(static_cast<int32_t>(n)) << 23));  // p * 2^n
+}
+
+struct Shape {
+  int64_t H, kvH, G, NB, BS, MB;
+  int64_t q_row, out_row;  // element strides between sequences of q and out (rows may be views of a wider tensor)
+};
+
+// Calls row_fn(row, t) for the L cached rows (tokens t = 0..L-1) of KV head h in `cache`, block by block
+// through the sequence's block table (no division per token).
+template <typename KV, typename RowFn>
+inline void for_each_row(const KV* cache, const int64_t* table, int64_t L, int64_t h, const Shape& s, int64_t D,
+                         RowFn row_fn) {
+  for (int64_t start = 0, blk = 0; start < L; start += s.BS, ++blk) {
+    const int64_t n = std::min(s.BS, L - start);
+    const KV* rows = cache + (h * s.NB + table[blk]) * s.BS * D;
+    for (int64_t t = 0; t < n; ++t) row_fn(rows + t * D, start + t);
+  }
+}
+
+// Per-thread buffers, reused across the tasks of one thread (no allocation per task once grown).
+struct Scratch {
+  std::vector<float> scores, acc, inv, q;
+};
+
+}  // namespace
