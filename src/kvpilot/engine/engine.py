@@ -202,7 +202,7 @@ class LLMEngine:
 
 
 def _step_stats(scheduled: Any, duration: float) -> StepStats:
-    decode = sum(1 for c in scheduled.chunks if c.num_tokens == 1 and c.start_position > 0)
+    decode = sum(1 for c in scheduled.chunks if c.is_decode)
     return StepStats(num_batched_tokens=scheduled.num_batched_tokens,
                      num_prefill_tokens=scheduled.num_batched_tokens - decode, num_decode_tokens=decode,
                      num_scheduled_seqs=len(scheduled.chunks), num_preempted=len(scheduled.preempted_request_ids),

@@ -29,6 +29,11 @@ class ScheduledChunk:
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
+    @property
+    def is_decode(self) -> bool:
+        """One token after earlier ones (a one-token prompt is a prefill): the runner's and step stats' rule."""
+        return len(self.token_ids) == 1 and self.start_position > 0
+
 
 @dataclass(frozen=True)
 class SchedulerOutput:

@@ -22,6 +22,9 @@ class ChunkLike(Protocol):
     block_ids: list[int]
     needs_sample: bool
 
+    @property
+    def is_decode(self) -> bool: ...
+
 
 @dataclass(frozen=True)
 class ModelInput:
@@ -107,7 +110,7 @@ def build_model_input(chunks: Sequence[ChunkLike], block_size: int, device: torc
         token_ids.extend(chunk.token_ids)
         positions.extend(range(chunk.start_position, chunk.start_position + n))
         slots.extend(_slots(chunk, block_size))
-        if n == 1 and chunk.start_position > 0:
+        if chunk.is_decode:
             decode_chunks.append(chunk)
             decode_rows.append(start_row)
         else:
