@@ -2,10 +2,10 @@
 // (compiled for 64 and 128) and float32 / bfloat16 / float16 K/V. Without AVX-512 (or for other dtypes and
 // dims) `kHasVectorPath` is false and paged_decode_cpu.cpp's portable loops run instead.
 //
-// Why explicit: the portable loops reach ~11 GB/s of K/V even from cache here (the compiler keeps the
-// per-row dot products and accumulators scalar-ish), far below the ~21 GB/s this CPU streams from memory,
-// so decode attention was compute-bound. Here each K row is one to eight vector loads and FMAs per query
-// head, each V row the same, and softmax runs 16 scores at a time.
+// Why explicit: with 2 threads the portable loops read K/V at ~11 GB/s (batch 64, context 300) against the
+// ~21 GB/s this CPU streams, and at ~21 GB/s from cache: they are compute-bound. This path reaches ~18 and
+// ~29 GB/s: each K or V row is one to eight vector loads and FMAs per query head, dot products of four
+// rows in flight, softmax 16 scores at a time, and the next block prefetched (docs/benchmarks.md, v3).
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #include <type_traits>
@@ -141,19 +141,19 @@ void attend_one_avx512(float* out, const float* q, const KV* kc, const KV* vc, c
   float* qs = scratch.q.data();
   for (int64_t i = 0; i < G * NV; ++i)
     _mm512_storeu_ps(qs + i * 16, _mm512_mul_ps(_mm512_loadu_ps(q + i * 16), _mm512_set1_ps(scale)));
+  auto block = [&](const KV* cache, int64_t blk) { return cache + (h * s.NB + table[blk]) * s.BS * kD; };
+  auto rows_from = [&](int64_t start) { return std::min(s.BS, L - start); };
   for (int64_t start = 0, blk = 0; start < L; start += s.BS, ++blk) {
-    const int64_t n = std::min(s.BS, L - start);
-    const KV* rows = kc + (h * s.NB + table[blk]) * s.BS * kD;
-    if (start + s.BS < L) prefetch_block(kc + (h * s.NB + table[blk + 1]) * s.BS * kD, std::min(s.BS, L - start - s.BS), kD);
-    else prefetch_block(vc + (h * s.NB + table[0]) * s.BS * kD, std::min(s.BS, L), kD);
-    for (int64_t g = 0; g < G; ++g) block_scores<kD, KV>(sc + g * L + start, qs + g * kD, rows, n);
+    if (start + s.BS < L) prefetch_block(block(kc, blk + 1), rows_from(start + s.BS), kD);
+    else prefetch_block(block(vc, 0), rows_from(0), kD);  // after the last K block, the first V block
+    for (int64_t g = 0; g < G; ++g)
+      block_scores<kD, KV>(sc + g * L + start, qs + g * kD, block(kc, blk), rows_from(start));
   }
   for (int64_t g = 0; g < G; ++g) scratch.inv[g] = softmax_numerators(sc + g * L, L);
   for (int64_t start = 0, blk = 0; start < L; start += s.BS, ++blk) {
-    const int64_t n = std::min(s.BS, L - start);
-    const KV* rows = vc + (h * s.NB + table[blk]) * s.BS * kD;
-    if (start + s.BS < L) prefetch_block(vc + (h * s.NB + table[blk + 1]) * s.BS * kD, std::min(s.BS, L - start - s.BS), kD);
-    for (int64_t g = 0; g < G; ++g) block_values<kD, KV>(ac + g * kD, sc + g * L + start, rows, n);
+    if (start + s.BS < L) prefetch_block(block(vc, blk + 1), rows_from(start + s.BS), kD);
+    for (int64_t g = 0; g < G; ++g)
+      block_values<kD, KV>(ac + g * kD, sc + g * L + start, block(vc, blk), rows_from(start));
   }
   for (int64_t g = 0; g < G; ++g) {
     const __m512 inv = _mm512_set1_ps(scratch.inv[g]);

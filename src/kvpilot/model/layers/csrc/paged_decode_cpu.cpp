@@ -96,8 +96,9 @@ void dispatch_dim(float* op, const float* qp, const void* kp, const void* vp, co
 
 }  // namespace
 
-// out, q: [B, H, D] float32, each sequence's [H, D] contiguous (rows may be strided); k_cache, v_cache: [kvH, num_blocks, block_size, D] contiguous, float32,
-// bfloat16, float16 or float8_e4m3fn; block_tables: [B, max_blocks] int64; context_lens: [B] int64 (>= 1).
+// out, q: [B, H, D] float32, each sequence's [H, D] contiguous (rows may be strided); k_cache, v_cache:
+// [kvH, num_blocks, block_size, D] contiguous, float32, bfloat16, float16 or float8_e4m3fn;
+// block_tables: [B, max_blocks] int64; context_lens: [B] int64 (>= 1).
 // Query heads h*G..h*G+G-1 use KV head h.
 void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                   torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
