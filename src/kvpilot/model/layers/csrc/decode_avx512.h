@@ -132,9 +132,7 @@ void attend_one_avx512(float* out, const float* q, const KV* kc, const KV* vc, c
                        int64_t h, const Shape& s, float scale, Scratch& scratch) {
   constexpr int NV = kD / 16;
   const int64_t G = s.G;
-  scratch.scores.resize(static_cast<size_t>(G * L));
-  scratch.acc.assign(static_cast<size_t>(G * kD), 0.f);
-  scratch.inv.resize(static_cast<size_t>(G));
+  scratch.prepare(G, L, kD);
   float* sc = scratch.scores.data();
   float* ac = scratch.acc.data();
   scratch.q.resize(static_cast<size_t>(G * kD));  // the queries pre-scaled, so scores need no multiply

@@ -88,6 +88,13 @@ inline void for_each_row(const KV* cache, const int64_t* table, int64_t L, int64
 // Per-thread buffers, reused across the tasks of one thread (no allocation per task once grown).
 struct Scratch {
   std::vector<float> scores, acc, inv, q;
+
+  // Sized for one task (G query heads over L tokens, head dim D), accumulators zeroed.
+  void prepare(int64_t G, int64_t L, int64_t D) {
+    scores.resize(static_cast<size_t>(G * L));
+    acc.assign(static_cast<size_t>(G * D), 0.f);
+    inv.resize(static_cast<size_t>(G));
+  }
 };
 
 }  // namespace

@@ -18,9 +18,7 @@ void attend_one(float* out, const float* q, const KV* kc, const KV* vc, const in
                 int64_t h, const Shape& s, int64_t dim, float scale, Scratch& scratch) {
   const int64_t D = kD > 0 ? kD : dim;
   const int64_t G = s.G;
-  scratch.scores.resize(static_cast<size_t>(G * L));
-  scratch.acc.assign(static_cast<size_t>(G * D), 0.f);
-  scratch.inv.resize(static_cast<size_t>(G));
+  scratch.prepare(G, L, D);
   float* sc = scratch.scores.data();
   float* ac = scratch.acc.data();
   float* inv = scratch.inv.data();
