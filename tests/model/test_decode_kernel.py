@@ -78,10 +78,12 @@ def test_torch_path_builds_the_padding_bias_when_the_batch_has_none():
 
 @pytest.mark.skipif(get_kernel() is None, reason="no C++ toolchain: the torch path is used")
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn])
-def test_kernel_widens_16_and_8_bit_kv_like_torch(kv_dtype):
-    """The kernel's own bf16/fp16/fp8 -> float32 conversion equals torch's, subnormals and signs included."""
+@pytest.mark.parametrize("head_dim", [64, 80])
+def test_kernel_widens_16_and_8_bit_kv_like_torch(kv_dtype, head_dim):
+    """The kernel's own bf16/fp16/fp8 -> float32 conversion equals torch's, subnormals and signs included,
+    on the AVX-512 path (head dim 64, where the CPU has it) and the portable one (80)."""
     gen = torch.Generator().manual_seed(2)
-    block_size, head_dim = 8, 64
+    block_size = 8
     cache = torch.randn(2, 2, 20, block_size, head_dim, generator=gen)
     cache[..., :4] *= 1e-6  # subnormal in fp16 / fp8 (fp8 has them below 2^-6)
     cache[..., 4:8] *= 0.01

@@ -36,21 +36,22 @@ inline uint32_t to_bits(float x) {
 inline float widen(float x) { return x; }
 inline float widen(Bf16 x) { return from_bits(static_cast<uint32_t>(x.bits) << 16); }
 
-inline float widen(Half x) {  // 1 sign, 5 exponent (bias 15), 10 mantissa bits
-  const uint32_t mag = x.bits & 0x7fffu;
-  const float normal = from_bits(mag << 13) * 0x1p112f;
-  const float subnormal = static_cast<float>(mag & 0x3ffu) * 0x1p-24f;
-  const float value = (mag >> 10) == 0 ? subnormal : normal;
-  return (x.bits & 0x8000u) ? -value : value;
+// One sign, E exponent (bias 2^(E-1) - 1) and M mantissa bits in the low 1 + E + M bits. The two scales,
+// 2^(127 - bias) and 2^(1 - bias - M), are built as float32 bit patterns (exponent field = power + 127).
+template <int E, int M>
+inline float widen_small_float(uint32_t bits) {
+  constexpr uint32_t sign = 1u << (E + M);
+  constexpr int bias = (1 << (E - 1)) - 1;
+  const uint32_t mag = bits & (sign - 1u);
+  const float normal = from_bits(mag << (23 - M)) * from_bits(static_cast<uint32_t>(254 - bias) << 23);
+  const float subnormal = static_cast<float>(mag & ((1u << M) - 1u)) *
+                          from_bits(static_cast<uint32_t>(128 - bias - M) << 23);
+  const float value = (mag >> M) == 0 ? subnormal : normal;
+  return (bits & sign) ? -value : value;
 }
 
-inline float widen(Fp8 x) {  // 1 sign, 4 exponent (bias 7), 3 mantissa bits
-  const uint32_t mag = x.bits & 0x7fu;
-  const float normal = from_bits(mag << 20) * 0x1p120f;
-  const float subnormal = static_cast<float>(mag & 0x7u) * 0x1p-9f;
-  const float value = (mag >> 3) == 0 ? subnormal : normal;
-  return (x.bits & 0x80u) ? -value : value;
-}
+inline float widen(Half x) { return widen_small_float<5, 10>(x.bits); }  // bias 15
+inline float widen(Fp8 x) { return widen_small_float<4, 3>(x.bits); }    // e4m3fn, bias 7
 
 // exp(x) for x <= 0 (softmax after subtracting the max), written branch-free so the compiler vectorizes
 // the loop that calls it: 2^n * p(r) with x = n ln2 + r, |r| <= ln2/2, degree-6 polynomial (~2 ulp).
