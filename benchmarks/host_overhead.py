@@ -1,0 +1,106 @@
+"""Host overhead of one engine step: a 1-layer, 64-wide dummy model (so model compute is negligible) decoding
+B requests at context ~C; prints the step time, the time spent inside the model's forward, and the rest
+(scheduling, input building, sampling, outputs) per running request.
+
+    .venv/bin/python benchmarks/host_overhead.py                      # batch 16 and 256, context 200 and 1800
+    .venv/bin/python benchmarks/host_overhead.py --batch 256 --context 1800 --steps 30
+
+The engine issue's target: host cost per running request per step <= 10 us on a 2-core CPU, flat in context.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from kvpilot import LLM, SamplingParams
+
+# 64 wide, one layer, a small vocabulary: the forward is a few tiny GEMMs, so what is left is host work
+TINY_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+    "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 16,
+    "vocab_size": 2048, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+    "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32",
+}
+
+
+class ForwardTimer:
+    """Wraps the model's forward and the logits head to add up the seconds spent inside them."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.seconds = 0.0
+        for name in ("forward", "logits"):
+            setattr(model, name, self._timed(getattr(model, name)))
+
+    def _timed(self, fn):  # noqa: ANN001, ANN202 - a plain wrapper
+        def run(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+        return run
+
+
+def measure(config_path: Path, batch: int, context: int, steps: int, extra: dict) -> dict:
+    budget = max(2048, batch)
+    # requests prefilled early decode while the rest prefill: none may finish before the timed steps end
+    max_tokens = batch * context // budget + steps + 64
+    llm = LLM(str(config_path), load_format="dummy", dtype="float32", max_model_len=context + max_tokens + 8,
+              max_num_seqs=batch, max_num_batched_tokens=budget, kv_cache_memory="1GiB", **extra)
+    rng = random.Random(0)
+    for _ in range(batch):
+        prompt = [rng.randrange(3, TINY_CONFIG["vocab_size"]) for _ in range(context)]
+        llm.engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    started: set[str] = set()
+    while len(started) < batch:  # prefill everything first: the timed steps are pure decodes
+        started.update(o.request_id for o in llm.engine.step())
+    for _ in range(3):
+        llm.engine.step()
+    timer = ForwardTimer(llm.engine.runner.model)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        llm.engine.step()
+        times.append(time.perf_counter() - start)
+    step_s = statistics.median(times)
+    forward_s = timer.seconds / steps
+    return {"batch": batch, "context": context, "step_ms": step_s * 1e3, "min_step_ms": min(times) * 1e3,
+            "forward_ms": forward_s * 1e3, "host_us_per_request": (step_s - forward_s) / batch * 1e6,
+            "step_us_per_request": step_s / batch * 1e6}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, nargs="+", default=[16, 256])
+    parser.add_argument("--context", type=int, nargs="+", default=[200, 1800])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--engine-arg", action="append", default=[], metavar="KEY=JSON",
+                        help="Extra LLM() setting, e.g. async_scheduling=false (repeatable).")
+    parser.add_argument("--json", action="store_true", help="One JSON line per measurement.")
+    args = parser.parse_args()
+    extra = {k: json.loads(v) for k, v in (item.split("=", 1) for item in args.engine_arg)}
+    with tempfile.TemporaryDirectory() as tmp:
+        config_path = Path(tmp) / "config.json"
+        config_path.write_text(json.dumps(TINY_CONFIG))
+        print(f"# {torch.get_num_threads()} threads; 1-layer 64-wide dummy model; {args.steps} decode steps each")
+        for context in args.context:
+            for batch in args.batch:
+                row = measure(config_path, batch, context, args.steps, extra)
+                if args.json:
+                    print(json.dumps(row))
+                    continue
+                print(f"batch {batch:4d} context {context:5d}: step {row['step_ms']:7.2f} ms (min "
+                      f"{row['min_step_ms']:.2f}), in forward {row['forward_ms']:6.2f} ms, host "
+                      f"{row['host_us_per_request']:6.1f} us/request (step {row['step_us_per_request']:.1f})")
+
+
+if __name__ == "__main__":
+    main()
