@@ -36,3 +36,9 @@ PrefixCachingOpt = Annotated[bool, typer.Option(
 PolicyOpt = Annotated[str, typer.Option(
     "--scheduling-policy", help="fcfs (arrival order) or priority (lower request priority first).")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Seed for dummy weights.")]
+AttentionBackendOpt = Annotated[str, typer.Option(
+    "--attention-backend", help="auto (the C++ decode kernel for float32 on CPU, else torch), torch (the "
+    "reference, any device and dtype) or cpu.")]
+AsyncSchedulingOpt = Annotated[Optional[bool], typer.Option(
+    "--async-scheduling/--no-async-scheduling", help="Schedule step N+1 while step N runs on the device "
+    "(outputs are identical). Default: on for CUDA, off on CPU (where a step runs synchronously anyway).")]

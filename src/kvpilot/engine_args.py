@@ -13,13 +13,15 @@ import torch
 from kvpilot.engine.config import CacheConfig, EngineConfigError, SchedulerConfig, check_model_len_fits
 from kvpilot.engine.engine import LLMEngine
 from kvpilot.engine.scheduler import Scheduler
-from kvpilot.engine.scheduler_output import ScheduledChunk
+from kvpilot.engine.scheduler_output import NewRequestData, ScheduledChunk, SchedulerOutput
 from kvpilot.fit.kv_cache import format_capacity_line, kv_capacity_for_memory
 from kvpilot.fit.memory import CPU_DEFAULT_KV_CACHE_BYTES
 from kvpilot.memory_size import format_bytes, parse_memory_size
 from kvpilot.model.kv_dtype import check_kv_cache_dtype, kv_dtype_name, resolve_kv_cache_dtype
 from kvpilot.model.loader import LoadedModel, load_model
-from kvpilot.model.runner import ModelRunner
+from kvpilot.model.attention import ATTENTION_BACKENDS
+from kvpilot.model.runner import ModelRunner, RunnerLimits
+from kvpilot.sampling_params import SamplingParams
 
 logger = logging.getLogger("kvpilot")
 
@@ -46,6 +48,8 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
     seed: int = 0
+    attention_backend: str = "auto"
+    async_scheduling: bool | None = None  # None: on where the device computes asynchronously (CUDA)
 
     def check(self) -> None:
         """Validates what can be checked before loading the model; EngineConfigError names the setting."""
@@ -62,6 +66,9 @@ class EngineArgs:
             raise EngineConfigError(str(exc)) from exc
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
             raise EngineConfigError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise EngineConfigError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got "
+                                    f"{self.attention_backend!r}")
         CacheConfig(num_blocks=1, block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching)
         SchedulerConfig(max_model_len=1, max_num_seqs=self.max_num_seqs,
                         max_num_batched_tokens=self.max_num_batched_tokens or max(2048, self.max_num_seqs),
@@ -76,9 +83,11 @@ def _cuda_kv_budget(loaded: LoadedModel, utilization: float, num_tokens: int, bl
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     baseline = torch.cuda.memory_allocated(device)
-    profiler = ModelRunner(loaded, num_blocks, block_size, kv_dtype)
+    profiler = ModelRunner(loaded, num_blocks, block_size, kv_dtype,
+                           limits=RunnerLimits(max_num_seqs=1, max_model_len=num_tokens))
     cache_bytes = torch.cuda.memory_allocated(device) - baseline
-    profiler.execute([ScheduledChunk("profile", [0] * num_tokens, 0, list(range(num_blocks)), True)])
+    new = NewRequestData("profile", [0] * num_tokens, [], SamplingParams(), list(range(num_blocks)), 0)
+    profiler.forward_logits(SchedulerOutput([ScheduledChunk("profile", 0, num_tokens, True)], new_requests=[new]))
     torch.cuda.synchronize(device)
     activations = torch.cuda.max_memory_allocated(device) - baseline - cache_bytes
     del profiler
@@ -122,9 +131,18 @@ def build_engine(args: EngineArgs, loaded: LoadedModel | None = None) -> tuple[L
                                enable_prefix_caching=args.enable_prefix_caching)
     check_model_len_fits(scheduler_config, cache_config)
     logger.info("%s; KV stored as %s", format_capacity_line(capacity), kv_dtype_name(kv_dtype))
-    runner = ModelRunner(loaded, capacity.num_blocks, args.block_size, kv_dtype)
-    eos = loaded.tokenizer.eos_token_ids[0] if loaded.tokenizer and loaded.tokenizer.eos_token_ids else (
-        loaded.config.eos_token_ids[0] if loaded.config.eos_token_ids else None)
-    scheduler = Scheduler(scheduler_config, cache_config, eos)
-    engine = LLMEngine(scheduler, runner, loaded.tokenizer, loaded.config.vocab_size)
+    eos_token_ids = eos_token_ids_of(loaded)
+    runner = ModelRunner(loaded, capacity.num_blocks, args.block_size, kv_dtype,
+                         limits=RunnerLimits(args.max_num_seqs, max_model_len),
+                         attention_backend=args.attention_backend, eos_token_ids=eos_token_ids)
+    scheduler = Scheduler(scheduler_config, cache_config, eos_token_ids)
+    async_scheduling = args.async_scheduling if args.async_scheduling is not None else loaded.device.type == "cuda"
+    engine = LLMEngine(scheduler, runner, loaded.tokenizer, loaded.config.vocab_size,
+                       async_scheduling=async_scheduling)
     return engine, loaded
+
+
+def eos_token_ids_of(loaded: LoadedModel) -> tuple[int, ...]:
+    """The one EOS set: the tokenizer's EOS ids and the config's (generation) EOS ids, deduplicated."""
+    tokenizer_eos = loaded.tokenizer.eos_token_ids if loaded.tokenizer else ()
+    return tuple(dict.fromkeys([*tokenizer_eos, *loaded.config.eos_token_ids]))

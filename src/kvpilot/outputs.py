@@ -33,8 +33,10 @@ class CompletionOutput:
 class RequestOutput:
     """A request's state after a step. Invariant: `finished` iff outputs[0].finish_reason is not None.
 
-    `metrics` (kvpilot.engine.timeline.RequestMetrics) is a snapshot of the request's timeline so far: queue,
-    prefill, TTFT, decode, inter-token latencies, cached prompt tokens, preemptions.
+    `metrics` (kvpilot.engine.timeline.RequestMetrics), on the final output only (None before): queue,
+    prefill, TTFT, decode, inter-token latencies, cached prompt tokens, preemptions. While a request runs, its
+    outputs share the engine's live token lists (outputs[0].token_ids, logprobs): copy them to keep a
+    snapshot; `delta_token_ids` / `delta_text` are what this step added.
     """
 
     request_id: str

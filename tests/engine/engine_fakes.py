@@ -1,15 +1,18 @@
 """Pure-Python stand-ins used by the engine unit tests: a manual clock, a paged fake model, a driver loop.
 
-The fake model is not a mock of the engine: it exercises the scheduler's contract the way the real runner
-does. It writes every computed token into a slot map through the chunk's block table, then "samples" the
-next token as a function of the whole context read back through the block table. A wrong block id, a
-premature prefix-cache hit or a stale block table changes the context and hence the generated tokens,
-which the tests compare against the same function run on each prompt alone.
+The fake model is not a mock of the engine: it consumes the scheduler's step diffs the way the real runner
+does, keeping its own per-request tokens and block tables (new requests arrive whole, running ones send
+only new block ids), and appending the tokens it samples itself (so a step may be scheduled before the
+previous one's tokens reach the scheduler). It writes every computed token into a slot map through its
+block table, then "samples" the next token as a function of the whole context read back through the block
+table. A wrong block id, a premature prefix-cache hit, a stale or lost diff changes the context and hence
+the generated tokens, which the tests compare against the same function run on each prompt alone.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from kvpilot.engine.block_pool import BlockPool, HashFn, chained_block_hash
 from kvpilot.engine.config import CacheConfig, SchedulerConfig
@@ -48,6 +51,16 @@ def generate_alone(prompt: list[int], max_tokens: int) -> list[int]:
     return tokens[len(prompt):]
 
 
+@dataclass
+class _FakeRow:
+    """The fake runner's state of one request, built from the diffs only."""
+
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed: int
+    sampled: list[int] = field(default_factory=list)
+
+
 class FakePagedModel:
     """Writes chunks into a slot map (slot -> (position, token)) and samples from what it reads back."""
 
@@ -55,6 +68,7 @@ class FakePagedModel:
         self.block_size = block_size
         self.pool = pool
         self.slots: dict[int, tuple[int, int]] = {}
+        self.rows: dict[str, _FakeRow] = {}
         self.num_steps = 0
 
     def _slot(self, block_ids: list[int], position: int) -> int:
@@ -62,21 +76,45 @@ class FakePagedModel:
             raise AssertionError(f"position {position} is beyond the block table {block_ids}")
         return block_ids[position // self.block_size] * self.block_size + position % self.block_size
 
+    def _apply_diff(self, output: SchedulerOutput) -> None:
+        for request_id in [*output.finished_request_ids, *output.preempted_request_ids]:
+            self.rows.pop(request_id, None)
+        for new in output.new_requests:
+            if new.request_id in self.rows:
+                raise AssertionError(f"{new.request_id} sent as new while the runner holds it")
+            self.rows[new.request_id] = _FakeRow([*new.prompt_token_ids, *new.output_token_ids],
+                                                 list(new.block_ids), new.num_computed_tokens)
+        for running in output.running_requests:
+            row = self.rows[running.request_id]
+            if row.num_computed != running.num_computed_tokens:
+                raise AssertionError(f"{running.request_id}: runner computed {row.num_computed}, diff says "
+                                     f"{running.num_computed_tokens}")
+            row.block_ids.extend(running.new_block_ids)
+
     def run(self, output: SchedulerOutput) -> dict[str, int]:
         self.num_steps += 1
+        self._apply_diff(output)
         for chunk in output.chunks:
-            for i, token in enumerate(chunk.token_ids):
-                position = chunk.start_position + i
-                block_id = chunk.block_ids[position // self.block_size]
+            row = self.rows[chunk.request_id]
+            if chunk.start_position != row.num_computed:
+                raise AssertionError(f"{chunk.request_id}: chunk starts at {chunk.start_position}, runner "
+                                     f"computed {row.num_computed}")
+            for position in range(chunk.start_position, chunk.start_position + chunk.num_tokens):
+                block_id = row.block_ids[position // self.block_size]
                 if self.pool is not None and self.pool.blocks[block_id].block_hash is not None:
                     raise AssertionError(f"{chunk.request_id} writes into cached (immutable) block {block_id}")
-                self.slots[self._slot(chunk.block_ids, position)] = (position, token)
+                self.slots[self._slot(row.block_ids, position)] = (position, row.token_ids[position])
+            row.num_computed += chunk.num_tokens
         sampled: dict[str, int] = {}
         for chunk in output.chunks:
             if chunk.needs_sample:
-                end = chunk.start_position + len(chunk.token_ids)
-                context = [self._read(chunk.block_ids, p) for p in range(end)]
-                sampled[chunk.request_id] = next_token(context)
+                row = self.rows[chunk.request_id]
+                if row.num_computed != len(row.token_ids):
+                    raise AssertionError(f"{chunk.request_id} samples with {row.num_computed} of "
+                                         f"{len(row.token_ids)} tokens computed")
+                token = next_token([self._read(row.block_ids, p) for p in range(row.num_computed)])
+                row.token_ids.append(token)
+                sampled[chunk.request_id] = token
         return sampled
 
     def _read(self, block_ids: list[int], position: int) -> int:
@@ -84,6 +122,13 @@ class FakePagedModel:
         if stored_position != position:
             raise AssertionError(f"slot for position {position} holds position {stored_position}")
         return token
+
+
+def block_diff(output: SchedulerOutput) -> dict[str, list[int]]:
+    """The block ids the step's diff sends: a new request's whole table, a running request's new blocks."""
+    diff = {new.request_id: list(new.block_ids) for new in output.new_requests}
+    diff.update({running.request_id: list(running.new_block_ids) for running in output.running_requests})
+    return {c.request_id: diff[c.request_id] for c in output.chunks}
 
 
 def make_scheduler(
@@ -134,12 +179,40 @@ def step(scheduler: Scheduler, model: FakePagedModel) -> tuple[SchedulerOutput, 
     return output, updates
 
 
+class Driver:
+    """The engine loop over the fake model, synchronous or pipelined (async scheduling: step N+1 is scheduled
+    and run before step N's tokens reach the scheduler). Invariants are checked after every step."""
+
+    def __init__(self, scheduler: Scheduler, model: FakePagedModel, *, pipelined: bool = False) -> None:
+        self.scheduler, self.model, self.pipelined = scheduler, model, pipelined
+        self._in_flight: tuple[SchedulerOutput, dict[str, int]] | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+
+    def step(self) -> SchedulerOutput:
+        if not self.pipelined:
+            return step(self.scheduler, self.model)[0]
+        output = self.scheduler.schedule()
+        sampled = self.model.run(output)  # even with no chunks: the diff may release preempted requests
+        launched = (output, sampled) if output.chunks else None
+        if isinstance(self.scheduler.clock, ManualClock):
+            self.scheduler.clock.advance(1.0)
+        if self._in_flight is not None:
+            self.scheduler.update_from_output(*self._in_flight)
+        self._in_flight = launched
+        self.scheduler.check_integrity()
+        return output
+
+
 def run_to_completion(
-    scheduler: Scheduler, model: FakePagedModel, max_steps: int = 2000
+    scheduler: Scheduler, model: FakePagedModel, max_steps: int = 2000, *, pipelined: bool = False
 ) -> list[SchedulerOutput]:
+    driver = Driver(scheduler, model, pipelined=pipelined)
     outputs: list[SchedulerOutput] = []
-    while scheduler.has_unfinished_requests():
+    while driver.busy:
         if len(outputs) >= max_steps:
             raise AssertionError(f"no completion after {max_steps} steps: the scheduler is stuck")
-        outputs.append(step(scheduler, model)[0])
+        outputs.append(driver.step())
     return outputs

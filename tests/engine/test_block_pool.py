@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvpilot.engine.block_pool import ROOT_PARENT_HASH, BlockPool, KVCacheIntegrityError, chained_block_hash
-from kvpilot.engine.free_block_queue import FreeBlockQueue, KVBlock
+from kvpilot.engine.free_block_queue import FreeBlockQueue
+from kvpilot.engine.kv_block import KVBlock
 
 
 def _cache(pool: BlockPool, block: KVBlock, parent: int, tokens: tuple[int, ...]) -> int:

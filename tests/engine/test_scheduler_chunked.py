@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from kvpilot.engine.request import FinishReason, RequestStatus
 
-from .engine_fakes import FakePagedModel, generate_alone, make_request, make_scheduler, run_to_completion, step
+from .engine_fakes import FakePagedModel, block_diff, generate_alone, make_request, make_scheduler, run_to_completion, step
 
 
 def _shape(output) -> list[tuple[str, int, int, bool]]:
-    return [(c.request_id, c.start_position, len(c.token_ids), c.needs_sample) for c in output.chunks]
+    return [(c.request_id, c.start_position, c.num_tokens, c.needs_sample) for c in output.chunks]
 
 
 def test_long_prompt_is_chunked_by_the_token_budget() -> None:
@@ -20,19 +20,19 @@ def test_long_prompt_is_chunked_by_the_token_budget() -> None:
 
     out, updates = step(sched, model)
     assert _shape(out) == [("a", 0, 8, False)]
-    assert out.chunks[0].token_ids == prompt[:8] and out.chunks[0].block_ids == [0, 1]
+    assert block_diff(out) == {"a": [0, 1]} and out.new_requests[0].prompt_token_ids == prompt
     assert updates == [] and a.num_computed_tokens == 8 and a.status is RequestStatus.RUNNING
 
     out, _ = step(sched, model)
-    assert _shape(out) == [("a", 8, 8, False)] and out.chunks[0].block_ids == [0, 1, 2, 3]
+    assert _shape(out) == [("a", 8, 8, False)] and block_diff(out) == {"a": [2, 3]} and not out.new_requests
 
     out, updates = step(sched, model)
-    assert _shape(out) == [("a", 16, 4, True)] and out.chunks[0].block_ids == [0, 1, 2, 3, 4]
+    assert _shape(out) == [("a", 16, 4, True)] and block_diff(out) == {"a": [4]}
     assert [u.new_token_ids for u in updates] == [a.output_token_ids]
 
     out, _ = step(sched, model)
-    assert _shape(out) == [("a", 20, 1, True)] and out.chunks[0].block_ids == [0, 1, 2, 3, 4, 5]
-    assert out.chunks[0].token_ids == a.output_token_ids[:1]
+    assert _shape(out) == [("a", 20, 1, True)] and block_diff(out) == {"a": [5]}
+    assert a.block_ids == [0, 1, 2, 3, 4, 5] and model.rows["a"].token_ids[20] == a.output_token_ids[0]
 
     out, updates = step(sched, model)
     assert _shape(out) == [("a", 21, 1, True)]
@@ -92,7 +92,7 @@ def test_every_step_respects_budget_and_seq_limits() -> None:
     requests = {r.request_id: r for r in sched._waiting}
     outputs = run_to_completion(sched, model)
     for out in outputs:
-        assert out.num_batched_tokens == sum(len(c.token_ids) for c in out.chunks) <= 6
+        assert out.num_batched_tokens == sum(c.num_tokens for c in out.chunks) <= 6
         assert len(out.chunks) <= 3
     for rid, prompt in prompts.items():
         assert requests[rid].output_token_ids == generate_alone(prompt, 4)

@@ -14,7 +14,7 @@ import pytest
 from kvpilot.engine.block_pool import HashFn, chained_block_hash
 from kvpilot.engine.request import FinishReason, Request
 
-from .engine_fakes import FakePagedModel, make_request, make_scheduler, next_token, step
+from .engine_fakes import Driver, FakePagedModel, make_request, make_scheduler, next_token
 
 EOS = 107
 
@@ -42,12 +42,12 @@ def _workload(rng: random.Random, num_requests: int, max_prompt: int) -> list[Re
 
 
 def _run(seed: int, policy: str, num_blocks: int, block_size: int, budget: int, abort: bool,
-         hash_fn: HashFn = chained_block_hash) -> dict[str, int]:
+         hash_fn: HashFn = chained_block_hash, pipelined: bool = False) -> dict[str, int]:
     rng = random.Random(seed)
     sched = make_scheduler(block_size=block_size, num_blocks=num_blocks, max_num_batched_tokens=budget,
                            max_num_seqs=min(budget, 8), max_model_len=48, policy=policy, eos_token_id=EOS,
                            hash_fn=hash_fn)
-    model = FakePagedModel(block_size, sched.kv.pool)
+    driver = Driver(sched, FakePagedModel(block_size, sched.kv.pool), pipelined=pipelined)
     pending = _workload(rng, 30, 24)
     added: list[Request] = []
     aborted: set[str] = set()
@@ -61,11 +61,11 @@ def _run(seed: int, policy: str, num_blocks: int, block_size: int, budget: int, 
             if not victim.is_finished:
                 aborted.add(victim.request_id)
             sched.abort_requests([victim.request_id])
-        output, _ = step(sched, model)
+        output = driver.step()
         assert output.num_batched_tokens <= budget and len(output.chunks) <= sched.config.max_num_seqs
-        if not pending and not sched.has_unfinished_requests():
+        if not pending and not driver.busy:
             break
-    assert not sched.has_unfinished_requests(), "the workload did not finish"
+    assert not driver.busy, "the workload did not finish"
     for r in added:
         eos = None if r.sampling_params.ignore_eos else EOS
         expected = _alone(r.prompt_token_ids, r.max_tokens, eos)
@@ -80,19 +80,22 @@ def _run(seed: int, policy: str, num_blocks: int, block_size: int, budget: int, 
     return {"preemptions": stats.num_preemptions, "hits": stats.prefix_cache_hits}
 
 
+@pytest.mark.parametrize("pipelined", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 @pytest.mark.parametrize("block_size", [1, 4, 8])
-def test_tiny_cache_forces_preemption_and_outputs_stay_exact(policy: str, block_size: int) -> None:
+def test_tiny_cache_forces_preemption_and_outputs_stay_exact(policy: str, block_size: int, pipelined: bool) -> None:
     totals = {"preemptions": 0, "hits": 0}
     for seed in range(3):
-        result = _run(seed, policy, num_blocks=48 // block_size + 1, block_size=block_size, budget=16, abort=False)
+        result = _run(seed, policy, num_blocks=48 // block_size + 1, block_size=block_size, budget=16, abort=False,
+                      pipelined=pipelined)
         totals = {k: totals[k] + result[k] for k in totals}
     assert totals["preemptions"] > 0 and totals["hits"] > 0
 
 
+@pytest.mark.parametrize("pipelined", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("seed", range(3))
-def test_roomy_cache_with_aborts_stays_consistent(seed: int) -> None:
-    result = _run(seed, "fcfs", num_blocks=64, block_size=4, budget=12, abort=True)
+def test_roomy_cache_with_aborts_stays_consistent(seed: int, pipelined: bool) -> None:
+    result = _run(seed, "fcfs", num_blocks=64, block_size=4, budget=12, abort=True, pipelined=pipelined)
     assert result["preemptions"] == 0 and result["hits"] > 0
 
 
@@ -106,15 +109,15 @@ def test_weak_hash_collisions_never_give_false_hits() -> None:
 def test_many_concurrent_mixed_requests() -> None:
     sched = make_scheduler(block_size=4, num_blocks=600, max_num_batched_tokens=2048, max_num_seqs=32,
                            max_model_len=128)
-    model = FakePagedModel(4, sched.kv.pool)
+    driver = Driver(sched, FakePagedModel(4, sched.kv.pool))
     rng = random.Random(7)
     requests = [make_request(f"r{i}", [rng.randrange(1, 90) for _ in range(rng.randrange(1, 80))],
                              max_tokens=rng.randrange(1, 24)) for i in range(32)]
     for r in requests:
         sched.add_request(r)
     max_running = 0
-    while sched.has_unfinished_requests():
-        output, _ = step(sched, model)
+    while driver.busy:
+        output = driver.step()
         max_running = max(max_running, len(output.chunks))
     assert max_running == 32  # all 32 requests share steps (continuous batching)
     assert sched.num_preemptions == 0

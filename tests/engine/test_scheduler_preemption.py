@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from kvpilot.engine.request import RequestStatus
 
-from .engine_fakes import FakePagedModel, generate_alone, make_request, make_scheduler, run_to_completion, step
+from .engine_fakes import (FakePagedModel, block_diff, generate_alone, make_request, make_scheduler, run_to_completion,
+                           step)
 
 A_PROMPT = [1, 2, 3, 4]
 B_PROMPT = [5, 6, 7, 8]
@@ -20,7 +21,7 @@ def test_newest_request_is_preempted_and_recomputed() -> None:
     sched.add_request(b)
 
     out, _ = step(sched, model)
-    assert [(c.request_id, c.block_ids) for c in out.chunks] == [("a", [0]), ("b", [1])]
+    assert block_diff(out) == {"a": [0], "b": [1]}
     stats = sched.make_stats()
     assert (stats.kv_cache_usage, stats.num_running, stats.num_used_blocks, stats.num_free_blocks) == (0.5, 2, 2, 2)
     for _ in range(4):  # decodes at positions 4..7 fill one more block each
@@ -43,8 +44,9 @@ def test_newest_request_is_preempted_and_recomputed() -> None:
 
     out, _ = step(sched, model)  # b resumes: its prompt block is still cached; the rest is recomputed
     (chunk,) = out.chunks
-    assert (chunk.request_id, chunk.start_position, len(chunk.token_ids)) == ("b", 4, 5)
-    assert chunk.token_ids == b.all_token_ids[4:9]
+    assert (chunk.request_id, chunk.start_position, chunk.num_tokens) == ("b", 4, 5)
+    (resumed,) = out.new_requests  # the runner gets its whole state again, outputs so far included
+    assert resumed.output_token_ids == b.output_token_ids[:5] and resumed.num_computed_tokens == 4
     assert b.block_ids == [1, 3, 2]
     assert b.num_cached_tokens == 0  # the hit at first admission, not the recompute
     assert b.timeline.resumed_times and len(b.timeline.preempted_times) == 1
@@ -79,12 +81,12 @@ def test_victim_already_scheduled_this_step_gives_its_budget_back() -> None:
     high = make_request("high", list(range(20, 32)), max_tokens=2, priority=0)
     sched.add_request(high)
     out, _ = step(sched, model)
-    assert [(c.request_id, len(c.token_ids)) for c in out.chunks] == [("low", 1), ("high", 7)]
+    assert [(c.request_id, c.num_tokens) for c in out.chunks] == [("low", 1), ("high", 7)]
     assert (low.block_ids, high.block_ids) == ([0, 1], [2, 3])
 
     out, _ = step(sched, model)  # low's decode was scheduled first, then dropped to make room for high
     assert out.preempted_request_ids == ["low"]
-    assert [(c.request_id, c.start_position, len(c.token_ids)) for c in out.chunks] == [("high", 7, 5)]
+    assert [(c.request_id, c.start_position, c.num_tokens) for c in out.chunks] == [("high", 7, 5)]
     assert out.num_batched_tokens == 5
     assert high.block_ids == [2, 3, 1]  # low's partial block 1 is reused before its cached block 0
     run_to_completion(sched, model)

@@ -21,7 +21,7 @@ def test_second_wave_skips_the_shared_prefix() -> None:
     sched.add_request(second)
     out, _ = step(sched, model)
     (chunk,) = out.chunks
-    assert (chunk.start_position, chunk.token_ids) == (8, [60, 61, 62])
+    assert (chunk.start_position, chunk.num_tokens) == (8, 3)
     assert second.block_ids[:2] == shared_blocks
     assert second.num_cached_tokens == 8
     run_to_completion(sched, model)
@@ -39,9 +39,9 @@ def test_concurrent_requests_share_blocks_computed_in_an_earlier_step() -> None:
     sched.add_request(a)
     sched.add_request(b)
     out, _ = step(sched, model)  # a's first 8 tokens use the whole budget
-    assert [(c.request_id, len(c.token_ids)) for c in out.chunks] == [("a", 8)]
+    assert [(c.request_id, c.num_tokens) for c in out.chunks] == [("a", 8)]
     out, _ = step(sched, model)  # b arrives at the shared blocks after they were computed
-    assert [(c.request_id, c.start_position, len(c.token_ids)) for c in out.chunks] == [("a", 8, 1), ("b", 8, 1)]
+    assert [(c.request_id, c.start_position, c.num_tokens) for c in out.chunks] == [("a", 8, 1), ("b", 8, 1)]
     assert b.block_ids[:2] == a.block_ids[:2] and b.num_cached_tokens == 8
     run_to_completion(sched, model)
     assert a.output_token_ids == generate_alone(SHARED + [70], 4)
@@ -73,3 +73,17 @@ def test_disabled_prefix_caching_recomputes_everything() -> None:
     out, _ = step(sched, model)
     assert out.chunks[0].start_position == 0 and b.num_cached_tokens == 0
     assert sched.make_stats().prefix_cache_queries == 0
+
+
+def test_blocks_of_a_request_finishing_in_its_prefill_step_are_cached() -> None:
+    """The step's full blocks are registered before its finishing token frees them (max_tokens=1)."""
+    sched = make_scheduler(num_blocks=16)
+    model = FakePagedModel(4, sched.kv.pool)
+    first = make_request("first", SHARED + [60], max_tokens=1)
+    sched.add_request(first)
+    _, updates = step(sched, model)
+    assert updates[0].finished
+    again = make_request("again", SHARED + [61], max_tokens=1)
+    sched.add_request(again)
+    step(sched, model)
+    assert again.num_cached_tokens == 8

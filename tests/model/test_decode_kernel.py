@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
+from kvpilot.model.attention.metadata import make_decode_batch
 from kvpilot.model.layers.cpu_decode_kernel import get_kernel
 from kvpilot.model.layers.paged_attention import decode_kernel, decode_torch
-from kvpilot.model.batch_builder import _decode_batch
 
 
 def _kernel(q: torch.Tensor, cache: torch.Tensor, batch, scale: float) -> torch.Tensor:
@@ -18,9 +19,18 @@ def _kernel(q: torch.Tensor, cache: torch.Tensor, batch, scale: float) -> torch.
 
 
 class _Chunk:
+    """A decode at position `start` over `blocks`."""
+
     def __init__(self, start: int, blocks: list[int]) -> None:
-        self.request_id, self.token_ids, self.start_position, self.block_ids, self.needs_sample = \
-            "r", [0], start, blocks, True
+        self.start_position, self.block_ids = start, blocks
+
+
+def _decode_batch(chunks, rows, block_size, device, with_bias=True):
+    """Block tables padded with stale ids (9), as the runner's persistent table may hold: never read."""
+    width = max(len(c.block_ids) for c in chunks) + 2
+    tables = np.array([c.block_ids + [9] * (width - len(c.block_ids)) for c in chunks], dtype=np.int64)
+    lens = np.array([c.start_position + 1 for c in chunks], dtype=np.int64)
+    return make_decode_batch(tables, lens, np.array(rows, dtype=np.int64), block_size, device, with_bias)
 
 
 @pytest.mark.skipif(get_kernel() is None, reason="no C++ toolchain: the torch path is used")

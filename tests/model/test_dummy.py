@@ -10,13 +10,15 @@ import torch
 from kvpilot.fit.model_catalog import get_hf_config
 from kvpilot.model.loader import load_model
 from kvpilot.model.runner import ModelRunner
-from kvpilot.engine.scheduler_output import ScheduledChunk
+from kvpilot.engine.scheduler_output import NewRequestData, ScheduledChunk, SchedulerOutput
+from kvpilot.sampling_params import SamplingParams
 
 
 def _forward(loaded, prompt_len: int = 20) -> torch.Tensor:
     runner = ModelRunner(loaded, num_blocks=8, block_size=16)
-    chunk = ScheduledChunk("r", [(7 * i) % 1000 for i in range(prompt_len)], 0, [3, 5], True)
-    ids, logits = runner.execute([chunk])
+    new = NewRequestData("r", [(7 * i) % 1000 for i in range(prompt_len)], [], SamplingParams(), [3, 5], 0)
+    ids, logits = runner.forward_logits(SchedulerOutput([ScheduledChunk("r", 0, prompt_len, True)],
+                                                        new_requests=[new]))
     assert ids == ["r"]
     return logits
 

@@ -4,8 +4,10 @@ from kvpilot.engine.block_pool import BlockCounts, BlockPool, KVCacheIntegrityEr
 from kvpilot.engine.config import CacheConfig, EngineConfigError, SchedulerConfig, check_model_len_fits
 from kvpilot.engine.kv_manager import KVCacheManager, PrefixHit
 from kvpilot.engine.request import FinishReason, Request, RequestStatus
-from kvpilot.engine.scheduler import Scheduler, SchedulerIntegrityError
-from kvpilot.engine.scheduler_output import RequestUpdate, ScheduledChunk, SchedulerOutput
+from kvpilot.engine.scheduler import Scheduler
+from kvpilot.engine.scheduler_integrity import SchedulerIntegrityError
+from kvpilot.engine.scheduler_output import (NewRequestData, RequestUpdate, RunnerOutput, RunningRequestData,
+                                             SampledToken, ScheduledChunk, SchedulerOutput)
 from kvpilot.engine.scheduler_stats import SchedulerStats
 from kvpilot.engine.timeline import RequestMetrics, Timeline
 
@@ -17,11 +19,15 @@ __all__ = [
     "FinishReason",
     "KVCacheIntegrityError",
     "KVCacheManager",
+    "NewRequestData",
     "PrefixHit",
     "Request",
     "RequestMetrics",
     "RequestStatus",
     "RequestUpdate",
+    "RunnerOutput",
+    "RunningRequestData",
+    "SampledToken",
     "ScheduledChunk",
     "Scheduler",
     "SchedulerConfig",

@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvpilot.engine.free_block_queue import FreeBlockQueue, KVBlock
+from kvpilot.engine.free_block_queue import FreeBlockQueue
+from kvpilot.engine.kv_block import KVBlock
 
 # Parent hash of a sequence's first block. A fixed int, not None: hash(None) changes per process before 3.12.
 ROOT_PARENT_HASH = 0x6B7670696C6F74

@@ -14,6 +14,11 @@ SCHEDULING_POLICIES: tuple[str, ...] = ("fcfs", "priority")
 MAX_BLOCK_SIZE = 256
 
 
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division: the blocks of size b that hold a tokens."""
+    return -(-a // b)
+
+
 class EngineConfigError(ValueError):
     """An engine setting is out of range; the message names the setting and the allowed values."""
 

@@ -1,35 +1,28 @@
 """LLMEngine: the loop shared by the offline API and the server.
 
-One step: scheduler.schedule() -> runner.execute_and_sample() -> scheduler.update_from_output() ->
-incremental detokenization (stop strings) -> RequestOutputs. Torch stays inside the ModelRunner.
+One step: scheduler.schedule() (a diff) -> executor.execute_model() -> scheduler.update_from_output() ->
+incremental detokenization (stop strings) -> RequestOutputs. Torch stays behind the executor.
+
+With async scheduling, step N+1 is scheduled and launched before step N's tokens are read back: the host
+prepares the next step and turns the last one's tokens into outputs while the device computes. A token
+that finishes a request (EOS, stop string) is then known one step late; the extra token computed for it is
+discarded, so outputs are the same as in synchronous mode.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Protocol, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 from kvpilot.engine.detokenizer import IncrementalDetokenizer
+from kvpilot.engine.executor import Executor, StepHandle
 from kvpilot.engine.request import FinishReason, Request
 from kvpilot.engine.scheduler import Scheduler
-from kvpilot.engine.scheduler_output import RequestUpdate, ScheduledChunk
+from kvpilot.engine.scheduler_output import RequestUpdate, SampledToken, SchedulerOutput
 from kvpilot.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from kvpilot.sampling_params import SamplingParams
-
-
-class Sampled(Protocol):
-    token_id: int
-    logprob: float | None
-    top_logprobs: list[tuple[int, float]] | None
-
-
-class Runner(Protocol):
-    def execute_and_sample(self, chunks: Sequence[ScheduledChunk],
-                           requests: dict[str, Request]) -> dict[str, Sampled]: ...
-
-    def release(self, request_ids: Sequence[str]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -41,6 +34,7 @@ class StepStats:
     num_decode_tokens: int
     num_scheduled_seqs: int
     num_preempted: int
+    num_generated_tokens: int  # tokens sampled for requests still running (vLLM's generation tokens)
     duration: float
 
 
@@ -55,6 +49,15 @@ class PromptError(ValueError):
     """The prompt cannot be used (empty, token ids out of the vocabulary, no tokenizer for text)."""
 
 
+@dataclass(frozen=True)
+class _InFlight:
+    """A launched step whose tokens have not been read back yet."""
+
+    scheduled: SchedulerOutput
+    handle: StepHandle
+    started: float
+
+
 @dataclass
 class _Tracked:
     """Engine-side state of one request: the scheduler's Request plus its text stream."""
@@ -62,22 +65,24 @@ class _Tracked:
     request: Request
     prompt: str | None
     detokenizer: IncrementalDetokenizer
-    stop_token_ids: frozenset[int] = field(default_factory=frozenset)
     logprobs: list[TokenLogprob] | None = None
 
 
 class LLMEngine:
     """Owns requests from add_request until their final RequestOutput.
 
-    Invariants: every request id is unique while unfinished; a finished request's blocks are freed in the
-    same step (scheduler) and its per-request runner state released; step() never raises for one bad request.
+    Invariants: every request id is unique while unfinished; a finished request's blocks are freed at once
+    (scheduler) and its runner state released with the next step's diff; at most one step is in flight
+    (async scheduling) and its tokens are read before the next one is scheduled after it.
     """
 
-    def __init__(self, scheduler: Scheduler, runner: Runner, tokenizer: Any, vocab_size: int,
+    def __init__(self, scheduler: Scheduler, runner: Executor, tokenizer: Any, vocab_size: int,
                  clock: Callable[[], float] = time.monotonic,
-                 on_step: Callable[[StepStats], None] | None = None) -> None:
+                 on_step: Callable[[StepStats], None] | None = None, *, async_scheduling: bool = False) -> None:
         self.scheduler = scheduler
         self.runner = runner
+        self.async_scheduling = async_scheduling
+        self._in_flight: _InFlight | None = None
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.clock = clock
@@ -85,7 +90,6 @@ class LLMEngine:
         self._ids = itertools.count()
         self._pending_aborts: list[str] = []  # aborted since the last step: their final outputs are owed
         self.on_step = on_step  # observer of every step (metrics, tests)
-        self.extra_eos_token_ids: tuple[int, ...] = tuple(getattr(tokenizer, "eos_token_ids", ())[1:])
 
     # ---- requests in ---------------------------------------------------------------------------------
 
@@ -113,15 +117,12 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         arrival = self.clock() if arrival_time is None else arrival_time
         token_ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
-        if not params.ignore_eos and self.extra_eos_token_ids:
-            params = replace(params, stop_token_ids=[*params.stop_token_ids, *self.extra_eos_token_ids])
         request = Request(request_id, token_ids, params, arrival_time=arrival, priority=priority)
         request.timeline.tokenized = self.clock()
         self.scheduler.add_request(request)
         detokenizer = IncrementalDetokenizer(self.tokenizer or _NoText(), stop=list(params.stop),
                                              skip_special_tokens=params.skip_special_tokens)
         self._tracked[request_id] = _Tracked(request, prompt if isinstance(prompt, str) else None, detokenizer,
-                                             frozenset(params.stop_token_ids),
                                              [] if params.logprobs is not None else None)
         return request_id
 
@@ -132,43 +133,54 @@ class LLMEngine:
         self._pending_aborts.extend(i for i in ids if i in self._tracked)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._pending_aborts)
+        return (self.scheduler.has_unfinished_requests() or bool(self._pending_aborts)
+                or self._in_flight is not None)
 
     # ---- one step ------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Runs one scheduler step; returns an output for every request that got tokens or finished."""
+        """Runs one scheduler step; returns an output for every request that got tokens or finished (with
+        async scheduling, the tokens of the step launched by the previous call)."""
         outputs = [self._finish_aborted(rid) for rid in self._pending_aborts]
         self._pending_aborts.clear()
-        started = self.clock()
-        scheduled = self.scheduler.schedule()
-        sampled: dict[str, Sampled] = {}
-        if scheduled.chunks:
-            requests = {c.request_id: self._tracked[c.request_id].request for c in scheduled.chunks}
-            sampled = self.runner.execute_and_sample(scheduled.chunks, requests)
-            self._record_logprobs(sampled)
-        updates = self.scheduler.update_from_output(scheduled, {r: s.token_id for r, s in sampled.items()})
-        outputs.extend(self._process(update) for update in updates)
-        if self.on_step is not None and scheduled.chunks:
-            self.on_step(_step_stats(scheduled, self.clock() - started))
+        launched = self._launch()
+        if not self.async_scheduling:
+            outputs.extend(self._complete(launched) if launched is not None else [])
+        else:
+            previous, self._in_flight = self._in_flight, launched
+            outputs.extend(self._complete(previous) if previous is not None else [])
         return [o for o in outputs if o is not None]
 
-    def _record_logprobs(self, sampled: dict[str, Sampled]) -> None:
-        for request_id, result in sampled.items():
-            tracked = self._tracked[request_id]
-            if tracked.logprobs is not None and result.logprob is not None:
-                tracked.logprobs.append(TokenLogprob(result.token_id, result.logprob, result.top_logprobs or []))
+    def _launch(self) -> _InFlight | None:
+        started = self.clock()
+        scheduled = self.scheduler.schedule()
+        if not (scheduled.chunks or scheduled.finished_request_ids or scheduled.preempted_request_ids):
+            return None
+        handle = self.runner.execute_model(scheduled)  # also releases finished requests' runner state
+        return _InFlight(scheduled, handle, started) if scheduled.chunks else None
 
-    def _process(self, update: RequestUpdate) -> RequestOutput | None:
+    def _complete(self, step: _InFlight) -> list[RequestOutput | None]:
+        result = step.handle.result()
+        updates = self.scheduler.update_from_output(step.scheduled, result.token_ids())
+        outputs = [self._process(update, result.sampled.get(update.request_id)) for update in updates]
+        if self.on_step is not None:
+            self.on_step(_step_stats(step.scheduled, len(updates), self.clock() - step.started))
+        return outputs
+
+    def _process(self, update: RequestUpdate, sampled: SampledToken | None) -> RequestOutput | None:
         tracked = self._tracked.get(update.request_id)
         if tracked is None:
             return None
+        if tracked.logprobs is not None and sampled is not None and sampled.logprob is not None:
+            tracked.logprobs.append(TokenLogprob(sampled.token_id, sampled.logprob, sampled.top_logprobs or []))
         token_ids = list(update.new_token_ids)
         finish_reason = update.finish_reason
         text_ids = token_ids
         stop_reason: str | int | None = None
-        if finish_reason is FinishReason.STOP and token_ids and token_ids[-1] in tracked.stop_token_ids:
-            text_ids, stop_reason = token_ids[:-1], token_ids[-1]  # a stop token's text is not output
+        if finish_reason is FinishReason.STOP and token_ids:  # EOS or a stop token: its text is not output
+            text_ids = token_ids[:-1]
+            if token_ids[-1] in tracked.request.sampling_params.stop_token_ids:
+                stop_reason = token_ids[-1]
         delta = tracked.detokenizer.push(text_ids)
         if tracked.detokenizer.stop_reason is not None and finish_reason is None:
             self.scheduler.finish_requests(update.request_id, FinishReason.STOP)
@@ -185,25 +197,29 @@ class LLMEngine:
 
     def _output(self, tracked: _Tracked, delta: str, delta_ids: list[int], finish_reason: FinishReason | None,
                 stop_reason: str | int | None) -> RequestOutput:
+        """A running request's output shares its live token lists (no per-step copies: O(1) per request);
+        the final one owns copies, and carries the metrics (built once, at the end)."""
         request = tracked.request
         finished = finish_reason is not None
         if finished:
             self._tracked.pop(request.request_id, None)
-            self.runner.release([request.request_id])
-        completion = CompletionOutput(index=0, text=tracked.detokenizer.text, token_ids=list(request.output_token_ids),
+        token_ids = list(request.output_token_ids) if finished else request.output_token_ids
+        logprobs = tracked.logprobs
+        completion = CompletionOutput(index=0, text=tracked.detokenizer.text, token_ids=token_ids,
                                       finish_reason=finish_reason.value if finished else None,
                                       stop_reason=stop_reason,
-                                      logprobs=list(tracked.logprobs) if tracked.logprobs is not None else None)
+                                      logprobs=(list(logprobs) if finished else logprobs) if logprobs is not None
+                                      else None)
         return RequestOutput(request_id=request.request_id, prompt=tracked.prompt,
                              prompt_token_ids=request.prompt_token_ids, outputs=[completion], finished=finished,
-                             metrics=request.metrics(),
+                             metrics=request.metrics() if finished else None,
                              num_cached_tokens=request.num_cached_tokens, delta_text=delta,
                              delta_token_ids=delta_ids)
 
 
-def _step_stats(scheduled: Any, duration: float) -> StepStats:
-    decode = sum(1 for c in scheduled.chunks if c.is_decode)
+def _step_stats(scheduled: SchedulerOutput, num_generated: int, duration: float) -> StepStats:
+    decode = scheduled.num_decode_tokens
     return StepStats(num_batched_tokens=scheduled.num_batched_tokens,
                      num_prefill_tokens=scheduled.num_batched_tokens - decode, num_decode_tokens=decode,
                      num_scheduled_seqs=len(scheduled.chunks), num_preempted=len(scheduled.preempted_request_ids),
-                     duration=duration)
+                     num_generated_tokens=num_generated, duration=duration)

@@ -15,10 +15,9 @@ from kvpilot.engine.block_pool import (
     KVCacheIntegrityError,
     chained_block_hash,
 )
-from kvpilot.engine.config import CacheConfig
-from kvpilot.engine.free_block_queue import KVBlock
+from kvpilot.engine.config import CacheConfig, cdiv
+from kvpilot.engine.kv_block import KVBlock
 from kvpilot.engine.request import Request
-from kvpilot.engine.request_limits import cdiv
 
 
 @dataclass(frozen=True)
@@ -131,12 +130,15 @@ class KVCacheManager:
         request.block_ids = request.block_ids + [b.block_id for b in hit] + new_ids
         return new_ids
 
-    def cache_computed_blocks(self, request: Request) -> None:
-        """Register the request's full blocks whose K/V is computed (prompt or decode filled) for reuse."""
+    def cache_computed_blocks(self, request: Request, num_computed: int | None = None) -> None:
+        """Register the request's full blocks whose K/V is computed (the first num_computed tokens; default
+        all its computed tokens) and whose token ids are known, for reuse."""
         table = self._tables.get(request.request_id)
         if table is None or not self.enable_prefix_caching:
             return
-        num_full = min(request.num_computed_tokens // self.block_size, len(table.blocks))
+        num_computed = request.num_computed_tokens if num_computed is None else num_computed
+        num_known = min(num_computed, request.num_tokens)  # a token sampled in flight has no id to hash yet
+        num_full = min(num_known // self.block_size, len(table.blocks))
         if num_full <= table.num_cached_blocks:
             return
         hashes = self._block_hashes(request, num_full * self.block_size)

@@ -47,10 +47,11 @@ _FINISHED_REASONS: dict[RequestStatus, FinishReason] = {
 class Request:
     """One request's mutable state, owned by the engine and advanced by the scheduler.
 
-    Invariants: all_token_ids == prompt_token_ids + output_token_ids; 0 <= num_computed_tokens <= num_tokens
-    (tokens whose K/V is in the cache; the last sampled token is not computed yet); block_ids covers at least
-    num_computed_tokens tokens while RUNNING and is empty otherwise; num_cached_tokens is the prefix-cache hit
-    (in tokens) at first admission.
+    Invariants: all_token_ids == prompt_token_ids + output_token_ids; 0 <= num_computed_tokens <=
+    num_tokens + num_output_placeholders (tokens whose K/V is, or is being, computed: the scheduler advances
+    it when it schedules); num_output_placeholders counts tokens being sampled by steps in flight, whose ids
+    are not known yet (0 or 1); block_ids covers at least num_computed_tokens tokens while RUNNING and is
+    empty otherwise; num_cached_tokens is the prefix-cache hit (in tokens) at first admission.
     """
 
     def __init__(
@@ -73,6 +74,7 @@ class Request:
         self.arrival_time = arrival_time
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
+        self.num_output_placeholders = 0
         self.num_cached_tokens = 0
         self.block_ids: list[int] = []
         # Chained hashes of the full blocks of all_token_ids, extended by the KV manager as tokens arrive
@@ -95,6 +97,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self._all_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        """Known tokens plus those being sampled in flight: what the next step may compute up to."""
+        return len(self._all_token_ids) + self.num_output_placeholders
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -122,7 +129,7 @@ class Request:
         self.timeline.token_times.append(now)
 
     def metrics(self) -> RequestMetrics:
-        """Per-request metrics (item 8 of the engine issue) derived from the timeline."""
+        """Per-request metrics derived from the timeline (O(tokens): build it once, when the request ends)."""
         reason = self.finish_reason
         return RequestMetrics.from_timeline(
             self.timeline,

@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-from kvpilot.engine.config import CacheConfig, SchedulerConfig
+from kvpilot.engine.config import CacheConfig, SchedulerConfig, cdiv
 from kvpilot.engine.request import Request
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def check_request_fits(request: Request, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:

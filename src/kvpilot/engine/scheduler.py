@@ -19,29 +19,11 @@ from kvpilot.engine.kv_manager import KVCacheManager
 from kvpilot.engine.request import FinishReason, Request, RequestStatus
 from kvpilot.engine.request_limits import check_request_fits
 from kvpilot.engine.request_queue import make_request_queue
-from kvpilot.engine.scheduler_output import RequestUpdate, ScheduledChunk, SchedulerOutput
+from kvpilot.engine.scheduler_output import (NewRequestData, RequestUpdate, RunningRequestData, ScheduledChunk,
+                                             SchedulerOutput)
+from kvpilot.engine.scheduler_integrity import check_scheduler_integrity
 from kvpilot.engine.scheduler_stats import SchedulerStats
-
-
-class SchedulerIntegrityError(RuntimeError):
-    """Scheduler bookkeeping is inconsistent: a kvpilot bug; the message says which invariant broke."""
-
-
-class _Step:
-    """The chunks of the step being built and the token budget left (a preempted victim refunds its chunk)."""
-
-    def __init__(self, budget: int) -> None:
-        self.budget = budget
-        self.chunks: dict[str, ScheduledChunk] = {}
-
-    def add(self, chunk: ScheduledChunk) -> None:
-        self.chunks[chunk.request_id] = chunk
-        self.budget -= chunk.num_tokens
-
-    def drop(self, request_id: str) -> None:
-        chunk = self.chunks.pop(request_id, None)
-        if chunk is not None:
-            self.budget += chunk.num_tokens
+from kvpilot.engine.step_builder import StepBuilder
 
 
 class Scheduler:
@@ -57,14 +39,17 @@ class Scheduler:
         self,
         scheduler_config: SchedulerConfig,
         cache_config: CacheConfig,
-        eos_token_id: int | None,
+        eos_token_ids: int | Iterable[int] | None,
         clock: Callable[[], float] = time.monotonic,
         *,
         hash_fn: HashFn = chained_block_hash,
     ) -> None:
         self.config = scheduler_config
         self.cache_config = cache_config
-        self.eos_token_id = eos_token_id
+        # the one EOS rule: any of these ends a request (unless ignore_eos); the runner masks the same set
+        # until min_tokens
+        self.eos_token_ids: frozenset[int] = frozenset(
+            () if eos_token_ids is None else (eos_token_ids,) if isinstance(eos_token_ids, int) else eos_token_ids)
         self.clock = clock
         self.kv = KVCacheManager(cache_config, hash_fn=hash_fn)
         self._waiting = make_request_queue(scheduler_config.scheduling_policy)
@@ -117,34 +102,34 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        step = _Step(self.config.max_num_batched_tokens)
+        """Builds the next step and advances every scheduled request's num_computed_tokens by its chunk (and
+        its placeholders by one when it samples), so the following step can be scheduled before this one's
+        tokens are known. Call update_from_output with this step's sampled tokens, in step order."""
+        step = StepBuilder(self.config.max_num_batched_tokens)
         preempted = self._schedule_running(step)
         if not preempted:
             self._schedule_waiting(step)
         finished, self._finished_ids = self._finished_ids, []
-        chunks = list(step.chunks.values())
-        return SchedulerOutput(
-            chunks=chunks,
-            num_batched_tokens=sum(c.num_tokens for c in chunks),
-            preempted_request_ids=[r.request_id for r in preempted],
-            finished_request_ids=finished,
-        )
+        return self._commit(step, [r.request_id for r in preempted], finished)
 
-    def _schedule_running(self, step: _Step) -> list[Request]:
+    def _schedule_running(self, step: StepBuilder) -> list[Request]:
         preempted: list[Request] = []
         # Decodes first so a long prompt's next chunk never delays them; stable sort keeps policy order.
-        pending = sorted(self._running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+        pending = sorted(self._running, key=lambda r: r.num_tokens_with_placeholders - r.num_computed_tokens > 1)
         for request in pending:
             if request.status is not RequestStatus.RUNNING or step.budget == 0:
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, step.budget)
+            if request.num_output_tokens + request.num_output_placeholders >= request.max_tokens:
+                continue  # the token in flight is its last (max_tokens): nothing more to compute
+            num_new = min(request.num_tokens_with_placeholders - request.num_computed_tokens, step.budget)
             if num_new <= 0:
-                continue  # nothing to compute (update_from_output was not called for the last step)
+                continue  # nothing to compute until the tokens in flight are known
+            num_blocks_before = len(request.block_ids)
             if self._allocate_or_preempt(request, num_new, step, preempted):
-                step.add(self._chunk(request, num_new))
+                step.add(self._chunk(request, num_new), num_blocks_before)
         return preempted
 
-    def _allocate_or_preempt(self, request: Request, num_new: int, step: _Step, preempted: list[Request]) -> bool:
+    def _allocate_or_preempt(self, request: Request, num_new: int, step: StepBuilder, preempted: list[Request]) -> bool:
         """Allocate the request's slots, preempting the newest running requests until they fit.
 
         False if the request itself had to be preempted (it was the newest left).
@@ -158,50 +143,69 @@ class Scheduler:
                 return False
         return True
 
-    def _schedule_waiting(self, step: _Step) -> None:
+    def _schedule_waiting(self, step: StepBuilder) -> None:
         while self._waiting and step.budget > 0 and len(self._running) < self.config.max_num_seqs:
             request = self._waiting.peek()
+            if request.num_output_placeholders:
+                break  # preempted while its last token is still being sampled: resume once it is known
             hit = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - hit.num_tokens, step.budget)
             if self.kv.allocate_slots(request, num_new, hit) is None:
                 break  # head-of-line: admitting a later request first would starve this one
             self._waiting.pop()
             self._admit(request, hit.num_tokens)
-            step.add(self._chunk(request, num_new))
+            step.add(self._chunk(request, num_new), 0, admitted=True)
 
     def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
         start = request.num_computed_tokens
-        end = start + num_new
-        return ScheduledChunk(
-            request_id=request.request_id,
-            token_ids=request.all_token_ids[start:end],
-            start_position=start,
-            block_ids=list(request.block_ids),
-            needs_sample=end == request.num_tokens,
-        )
+        return ScheduledChunk(request_id=request.request_id, start_position=start, num_tokens=num_new,
+                              needs_sample=start + num_new == request.num_tokens_with_placeholders)
+
+    def _commit(self, step: StepBuilder, preempted_ids: list[str], finished_ids: list[str]) -> SchedulerOutput:
+        """Turns the built step into the runner's diff and advances the scheduled requests."""
+        new: list[NewRequestData] = []
+        running: list[RunningRequestData] = []
+        for chunk in step.chunks.values():
+            request = self._requests[chunk.request_id]
+            if chunk.request_id in step.admitted:
+                new.append(NewRequestData(request.request_id, request.prompt_token_ids,
+                                          list(request.output_token_ids), request.sampling_params,
+                                          list(request.block_ids), request.num_computed_tokens))
+            else:
+                running.append(RunningRequestData(request.request_id,
+                                                  request.block_ids[step.num_blocks_before[chunk.request_id]:],
+                                                  request.num_computed_tokens))
+            request.num_computed_tokens += chunk.num_tokens
+            request.num_output_placeholders += chunk.needs_sample
+        return SchedulerOutput(chunks=list(step.chunks.values()), new_requests=new, running_requests=running,
+                               preempted_request_ids=preempted_ids, finished_request_ids=finished_ids)
 
     # ---- after the model ran -------------------------------------------------------------------------
 
     def update_from_output(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[RequestUpdate]:
-        """Advance each scheduled request by its chunk, append sampled tokens and apply token-based stops.
+        """Registers the blocks the step filled for prefix reuse, appends each sampled token to its request
+        (one per chunk with needs_sample) and applies token-based stops. Tokens of requests finished or
+        aborted since schedule() are discarded; a request preempted since keeps its token (it was computed
+        before the preemption).
 
-        Chunks of requests finished or aborted since schedule() are skipped. Returns one update per request
-        that got a token, in chunk order.
+        Call once per schedule(), in step order. Returns one update per request that got a token.
         """
         now = self.clock()
         updates: list[RequestUpdate] = []
         for chunk in output.chunks:
             request = self._requests.get(chunk.request_id)
-            if request is None or request.status is not RequestStatus.RUNNING:
+            if request is None:
                 continue
-            if chunk.start_position != request.num_computed_tokens:
-                raise ValueError(f"stale output for request {request.request_id!r}: chunk starts at "
-                                 f"{chunk.start_position}, request has {request.num_computed_tokens} computed "
-                                 f"tokens; call update_from_output once per schedule()")
-            request.num_computed_tokens += chunk.num_tokens
-            self.kv.cache_computed_blocks(request)
+            if request.status is RequestStatus.RUNNING:  # first: a finishing token frees the blocks
+                # (only what this step computed: a later step in flight may have computed more)
+                self.kv.cache_computed_blocks(request, chunk.start_position + chunk.num_tokens)
             if chunk.needs_sample:
-                updates.append(self._append_token(request, self._sampled(sampled_token_ids, chunk), now))
+                if request.num_output_placeholders <= 0:
+                    raise ValueError(f"stale output for request {request.request_id!r}: no token of it is in "
+                                     f"flight; call update_from_output once per schedule()")
+                token_id = self._sampled(sampled_token_ids, chunk)
+                request.num_output_placeholders -= 1
+                updates.append(self._append_token(request, token_id, now))
         return updates
 
     @staticmethod
@@ -223,7 +227,7 @@ class Scheduler:
         """EOS (unless ignore_eos) or a stop token -> stop, not before min_tokens; max_tokens -> length."""
         params = request.sampling_params
         if request.num_output_tokens >= params.min_tokens:
-            is_eos = token_id == self.eos_token_id and not params.ignore_eos
+            is_eos = token_id in self.eos_token_ids and not params.ignore_eos
             if is_eos or token_id in params.stop_token_ids:
                 return FinishReason.STOP
         if request.num_output_tokens >= params.max_tokens:
@@ -292,21 +296,5 @@ class Scheduler:
     def check_integrity(self) -> None:
         """Raise SchedulerIntegrityError / KVCacheIntegrityError on any broken invariant (cheap enough to run
         after every step in tests, and whenever the engine is idle)."""
-        running, waiting = list(self._running), list(self._waiting)
-        if len(running) > self.config.max_num_seqs:
-            raise SchedulerIntegrityError(f"{len(running)} running > max_num_seqs {self.config.max_num_seqs}")
-        if running != sorted(running, key=self._key):
-            raise SchedulerIntegrityError("running list is out of policy order")
-        if {r.request_id for r in running + waiting} != set(self._requests) or \
-                len(running) + len(waiting) != len(self._requests):
-            raise SchedulerIntegrityError("running + waiting != unfinished requests")
-        for r in running:
-            if r.status is not RequestStatus.RUNNING:
-                raise SchedulerIntegrityError(f"{r} is in the running list")
-        for r in waiting:
-            if r.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED) or r.block_ids or \
-                    r.num_computed_tokens:
-                raise SchedulerIntegrityError(f"{r} is in the waiting queue")
-        self.kv.check_integrity(running + waiting)
-        if self.kv.num_tables != len(running):
-            raise SchedulerIntegrityError(f"{self.kv.num_tables} block tables for {len(running)} running requests")
+        check_scheduler_integrity(self.config.max_num_seqs, list(self._running), list(self._waiting),
+                                  self._requests, self._key, self.kv)

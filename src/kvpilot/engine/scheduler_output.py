@@ -1,57 +1,114 @@
-"""The contract between the scheduler and the model runner / engine loop: what to compute this step, and
-what came of it."""
+"""The step contract between the scheduler and the model runner: a diff of new and running requests, and
+what the runner sends back.
+
+Everything here is plain data (ints, strs, lists, SamplingParams): cheap to build, and picklable, so it can
+cross a process boundary. The runner keeps its own per-request state (token ids, block table rows, sampling
+settings) and updates it from these diffs; nothing here grows with a request's context or output length
+except the one-time NewRequestData.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from kvpilot.engine.request import FinishReason
+from kvpilot.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """A request the runner has no state for: first admitted, or resumed after a preemption.
+
+    Invariants: block_ids is the whole block table and covers num_computed_tokens + the step's scheduled
+    tokens; output_token_ids is empty unless the request was preempted (then its tokens are recomputed
+    as if they were prompt, but still count as outputs for penalties and min_tokens).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int  # before this step: the prefix-cache hit
+
+
+@dataclass(frozen=True)
+class RunningRequestData:
+    """A request the runner already holds, scheduled again: only what changed since its last step."""
+
+    request_id: str
+    new_block_ids: list[int]  # appended to its block table (usually empty for a decode)
+    num_computed_tokens: int  # before this step
 
 
 @dataclass(frozen=True)
 class ScheduledChunk:
-    """One request's share of a step.
-
-    token_ids are computed at positions start_position .. start_position + len(token_ids) - 1; the runner
-    writes the K/V of position p to slot block_ids[p // block_size] * block_size + p % block_size.
-    block_ids is the request's whole block table and covers start_position + len(token_ids) tokens.
-    needs_sample is True when the chunk ends at the request's last known token (sample one new token);
-    False for a prompt chunk that is not the last one (chunked prefill).
-    """
+    """One request's share of a step: num_tokens tokens from start_position (its computed tokens before the
+    step). needs_sample: the chunk reaches the request's last token, so the runner samples one new token;
+    False for a prompt chunk that is not the last (chunked prefill)."""
 
     request_id: str
-    token_ids: list[int]  # a prompt chunk, or the one last sampled token
-    start_position: int  # == request.num_computed_tokens before the step
-    block_ids: list[int]
+    start_position: int
+    num_tokens: int
     needs_sample: bool
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
 
     @property
     def is_decode(self) -> bool:
         """One token after earlier ones (a one-token prompt is a prefill): the runner's and step stats' rule."""
-        return len(self.token_ids) == 1 and self.start_position > 0
+        return self.num_tokens == 1 and self.start_position > 0
 
 
 @dataclass(frozen=True)
 class SchedulerOutput:
-    """One step. chunks: running requests' chunks first, then newly admitted / resumed ones.
+    """One step, as a diff. chunks: running requests' chunks first, then newly admitted / resumed ones; every
+    chunk's request is in exactly one of new_requests and running_requests.
 
-    Invariant: num_batched_tokens == sum of len(chunk.token_ids) <= max_num_batched_tokens, and
-    len(chunks) <= max_num_seqs. finished_request_ids lists requests finished or aborted since the last
-    step, preempted_request_ids those preempted in this one: the runner may drop their per-request state.
+    Invariants: num_batched_tokens == sum of chunk.num_tokens <= max_num_batched_tokens; len(chunks) <=
+    max_num_seqs. finished_request_ids lists requests finished or aborted since the last step and
+    preempted_request_ids those preempted in this one: the runner drops their state before running the step.
     """
 
     chunks: list[ScheduledChunk]
-    num_batched_tokens: int
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    running_requests: list[RunningRequestData] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)
 
     @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
     def is_empty(self) -> bool:
         return not self.chunks
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(1 for c in self.chunks if c.is_decode)
+
+    @property
+    def num_sampled(self) -> int:
+        return sum(1 for c in self.chunks if c.needs_sample)
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    """One request's sampled token; with logprobs requested, its log-probability and the top-N alternatives."""
+
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+@dataclass(frozen=True)
+class RunnerOutput:
+    """What one step produced, in one message: a sampled token for every chunk with needs_sample, by request
+    id (with logprobs when the request asked for them)."""
+
+    sampled: dict[str, SampledToken] = field(default_factory=dict)
+
+    def token_ids(self) -> dict[str, int]:
+        return {rid: s.token_id for rid, s in self.sampled.items()}
 
 
 @dataclass(frozen=True)

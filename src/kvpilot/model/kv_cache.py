@@ -1,5 +1,5 @@
-"""Allocation of the paged KV cache tensors: one [2, kv_heads, num_blocks, block_size, head_dim]
-per layer (head-major: a gather by block id yields [kv_heads, tokens, head_dim] with no transpose).
+"""Allocation of the paged KV cache tensors, one per layer, in the attention backend's layout (the torch
+and cpu backends: [2, kv_heads, num_blocks, block_size, head_dim], head-major).
 
 Its size in bytes is `kvpilot.fit.kv_cache.kv_cache_bytes_per_block` per block (the engine sizes it with fit)."""
 
@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from kvpilot.model.config import ModelConfig
 
 
-def allocate_kv_cache(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+def allocate_kv_cache(shape: tuple[int, ...], num_layers: int, dtype: torch.dtype,
                       device: torch.device) -> list[torch.Tensor]:
-    """Zeroed caches (zeros keep padded, masked-out slots finite). `dtype` is the storage (kv_cache_dtype)."""
-    shape = (2, config.num_key_value_heads, num_blocks, block_size, config.head_dim)
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+    """One zeroed cache per layer in the attention backend's layout (zeros keep padded, masked-out slots
+    finite). `dtype` is the storage (kv_cache_dtype)."""
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]

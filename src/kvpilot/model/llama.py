@@ -12,9 +12,8 @@ from torch import nn
 
 from kvpilot.model.config import ModelConfig
 from kvpilot.model.errors import ModelLoadError
-from kvpilot.model.layers.attention_metadata import AttentionMetadata
+from kvpilot.model.attention.base import StepAttention
 from kvpilot.model.layers.norm import RMSNorm
-from kvpilot.model.layers.paged_attention import paged_attention
 from kvpilot.model.layers.rope import RotaryEmbedding, apply_rotary
 
 
@@ -32,7 +31,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                attn: StepAttention) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -43,7 +42,7 @@ class Attention(nn.Module):
             q, k = qk.split([self.q_size, self.kv_size], dim=-1)
             q = apply_rotary(self.q_norm(q.view(-1, self.num_heads, self.head_dim)), cos, sin)
             k = apply_rotary(self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim)), cos, sin)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale)
+        out = attn(q, k, v, kv_cache, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -68,13 +67,13 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+                attn: StepAttention) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class LlamaForCausalLM(nn.Module):
-    """forward(token_ids [T], positions [T], kv_caches, meta) -> hidden [T, hidden]; logits(hidden) -> [N, V]."""
+    """forward(token_ids [T], positions [T], kv_caches, attn) -> hidden [T, hidden]; logits(hidden) -> [N, V]."""
 
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
@@ -87,11 +86,11 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config, max_positions)
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
+                attn: StepAttention) -> torch.Tensor:
         x = self.embed_tokens(token_ids)
         cos, sin = self.rotary.tables(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, meta)
+            x = layer(x, cos, sin, kv_cache, attn)
         return self.norm(x)
 
     def output_weight(self) -> torch.Tensor:

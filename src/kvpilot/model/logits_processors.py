@@ -1,5 +1,6 @@
-"""Batched logits adjustments applied before sampling: repetition / presence / frequency penalties and
-min_tokens (stop tokens masked until enough tokens were generated). Rows with default settings are untouched.
+"""Logits adjustments applied before sampling, kept incrementally on the device: repetition / presence /
+frequency penalties and min_tokens (stop tokens masked until enough tokens were generated). Rows with
+default settings are untouched and cost nothing.
 
 Conventions follow vLLM: repetition_penalty applies to prompt and output tokens (divide positive logits,
 multiply negative ones); presence and frequency penalties to output tokens only (OpenAI's definition).
@@ -7,58 +8,92 @@ multiply negative ones); presence and frequency penalties to output tokens only 
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Sequence
 
+import numpy as np
 import torch
 
 from kvpilot.sampling_params import SamplingParams
 
 
-class TokenHistory(Protocol):
-    sampling_params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
+def uses_penalties(params: SamplingParams) -> bool:
+    return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
 
 
-def _counts(rows: Sequence[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
-    """[N, vocab] occurrence counts of each row's token ids (one scatter_add for the whole batch)."""
-    width = max((len(r) for r in rows), default=0)
-    counts = torch.zeros(len(rows), vocab_size + 1, device=device)
-    if width == 0:
-        return counts[:, :vocab_size]
-    ids = torch.full((len(rows), width), vocab_size, dtype=torch.long)  # padding lands in the extra column
-    for i, row in enumerate(rows):
-        ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-    counts.scatter_add_(1, ids.to(device), torch.ones(ids.shape, device=device))
-    return counts[:, :vocab_size]
+class PenaltyState:
+    """Per-row token statistics for rows whose request uses a penalty: which tokens its prompt holds and how
+    often each was generated, as [max_rows, vocab] device tensors allocated on first use and updated by one
+    scatter per step (no history is re-read). Invariant: active[r] iff row r's request uses a penalty."""
 
+    def __init__(self, max_rows: int, vocab_size: int, device: torch.device) -> None:
+        self.max_rows, self.vocab_size, self.device = max_rows, vocab_size, device
+        self.active = np.zeros(max_rows, dtype=bool)
+        self.repetition = np.ones(max_rows, dtype=np.float32)
+        self.frequency = np.zeros(max_rows, dtype=np.float32)
+        self.presence = np.zeros(max_rows, dtype=np.float32)
+        self._prompt_seen: torch.Tensor | None = None
+        self._output_counts: torch.Tensor | None = None
 
-def apply_penalties(logits: torch.Tensor, histories: Sequence[TokenHistory]) -> torch.Tensor:
-    params = [h.sampling_params for h in histories]
-    if all(p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
-           for p in params):
-        return logits
-    vocab, device = logits.shape[-1], logits.device
-    output_counts = _counts([h.output_token_ids for h in histories], vocab, device)
-    seen = (_counts([h.prompt_token_ids for h in histories], vocab, device) + output_counts) > 0
-    repetition = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
-    penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
-    logits = torch.where(seen, penalized, logits)
-    frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
-    presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
-    return logits - frequency * output_counts - presence * (output_counts > 0)
+    def add(self, row: int, params: SamplingParams, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
+        self.active[row] = uses_penalties(params)
+        if not self.active[row]:
+            return
+        if self._prompt_seen is None:
+            self._prompt_seen = torch.zeros(self.max_rows, self.vocab_size, dtype=torch.bool, device=self.device)
+            self._output_counts = torch.zeros(self.max_rows, self.vocab_size, device=self.device)
+        assert self._output_counts is not None
+        self.repetition[row], self.frequency[row] = params.repetition_penalty, params.frequency_penalty
+        self.presence[row] = params.presence_penalty
+        self._prompt_seen[row] = False
+        self._prompt_seen[row, torch.tensor(list(prompt_ids), dtype=torch.long, device=self.device)] = True
+        self._output_counts[row] = 0
+        if output_ids:
+            ids = torch.tensor(list(output_ids), dtype=torch.long, device=self.device)
+            self._output_counts[row].index_add_(0, ids, torch.ones(len(ids), device=self.device))
 
+    def remove(self, row: int) -> None:
+        self.active[row] = False
 
-def apply_min_tokens(logits: torch.Tensor, histories: Sequence[TokenHistory], eos_token_ids: Sequence[int]) -> torch.Tensor:
-    """Masks EOS and stop_token_ids for rows that have not yet generated min_tokens tokens."""
-    rows, cols = [], []
-    for i, history in enumerate(histories):
-        params = history.sampling_params
-        if len(history.output_token_ids) < params.min_tokens:
-            banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
-            rows.extend([i] * len(banned))
-            cols.extend(banned)
-    if rows:
+    def apply(self, logits: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
+        """logits [N, vocab] of the requests in `rows` (persistent rows) -> penalized logits."""
+        mask = self.active[rows]
+        if not mask.any():
+            return logits
+        assert self._prompt_seen is not None and self._output_counts is not None
+        which = torch.from_numpy(np.flatnonzero(mask)).to(logits.device)
+        penalized_rows = torch.from_numpy(rows[mask]).to(logits.device)
+        counts = self._output_counts[penalized_rows]
+        seen = self._prompt_seen[penalized_rows] | (counts > 0)
+        sub = logits[which]
+
+        def col(values: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(values[rows[mask]]).to(logits.device)[:, None]
+
+        repetition = col(self.repetition)
+        sub = torch.where(seen, torch.where(sub > 0, sub / repetition, sub * repetition), sub)
+        sub = sub - col(self.frequency) * counts - col(self.presence) * (counts > 0)
         logits = logits.clone()
-        logits[torch.tensor(rows), torch.tensor(cols)] = float("-inf")
+        logits[which] = sub
+        return logits
+
+    def record(self, rows: np.ndarray, token_ids: torch.Tensor) -> None:
+        """Counts each row's just-sampled token (on the device: no host sync)."""
+        mask = self.active[rows]
+        if not mask.any():
+            return
+        assert self._output_counts is not None
+        which = torch.from_numpy(np.flatnonzero(mask)).to(token_ids.device)
+        penalized_rows = torch.from_numpy(rows[mask]).to(token_ids.device)
+        self._output_counts.index_put_((penalized_rows, token_ids[which]),
+                                       torch.ones(len(which), device=token_ids.device), accumulate=True)
+
+
+def apply_min_tokens(logits: torch.Tensor, banned: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Masks banned[i] (EOS and stop tokens of a row short of min_tokens; usually empty) in row i."""
+    rows = [i for i, ids in enumerate(banned) for _ in ids]
+    if not rows:
+        return logits
+    cols = [t for ids in banned for t in ids]
+    logits = logits.clone()
+    logits[torch.tensor(rows), torch.tensor(cols)] = float("-inf")
     return logits

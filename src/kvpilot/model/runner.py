@@ -1,78 +1,176 @@
-"""ModelRunner: one step = scheduled chunks -> flattened tensors -> forward over the paged KV cache -> logits."""
+"""ModelRunner: executes the scheduler's step diffs over the paged KV cache.
+
+One step: apply the diff to the persistent batch -> gather inputs (vectorized) -> attention backend builds
+its metadata -> forward -> logits processors -> sample on the device. The sampled ids go to the host in one
+copy, when the engine reads the step's result (StepResult.result()), which it may do after launching the
+next step (async scheduling): the next step takes those ids on the device.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
-from kvpilot.model.batch_builder import ChunkLike, build_model_input
+from kvpilot.engine.scheduler_output import NewRequestData, RunnerOutput, SchedulerOutput
+from kvpilot.model.attention import StepAttention, select_attention_backend
+from kvpilot.model.input_batch import BatchLimits, InputBatch
 from kvpilot.model.kv_cache import allocate_kv_cache
-from kvpilot.model.layers.cpu_decode_kernel import kernel_applies
 from kvpilot.model.loader import LoadedModel
-from kvpilot.model.logits_processors import TokenHistory, apply_min_tokens, apply_penalties
-from kvpilot.model.sampler import SampleResult, SamplingBatch, gather_logprobs, sample
-from kvpilot.sampling_params import SamplingParams
+from kvpilot.model.logits_processors import PenaltyState, apply_min_tokens
+from kvpilot.model.sampler import Logprobs, SamplingBatch, compute_logprobs, sample, sampled_tokens
+from kvpilot.model.step_inputs import PreviousSample, StepInputs, build_step_inputs
+
+
+@dataclass(frozen=True)
+class RunnerLimits:
+    """Sizes the runner's persistent buffers are allocated for (the scheduler never exceeds them)."""
+
+    max_num_seqs: int = 256
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+
+
+class StepResult:
+    """A launched step. result() copies its sampled ids (and logprobs) to the host once, commits them to the
+    persistent batch and returns the RunnerOutput; later calls return the same object."""
+
+    def __init__(self, runner: "ModelRunner | None" = None, request_ids: Sequence[str] = (),
+                 positions: np.ndarray | None = None, token_ids: torch.Tensor | None = None,
+                 num_top: Sequence[int] = (), logprobs: Logprobs | None = None) -> None:
+        self._runner, self._request_ids, self._positions = runner, list(request_ids), positions
+        self._token_ids, self._num_top, self._logprobs = token_ids, list(num_top), logprobs
+        self._output: RunnerOutput | None = None if request_ids else RunnerOutput()
+
+    def result(self) -> RunnerOutput:
+        if self._output is None:
+            assert self._token_ids is not None and self._positions is not None and self._runner is not None
+            ids = self._token_ids.tolist()  # the one device-to-host sync of the step
+            for request_id, position, token_id in zip(self._request_ids, self._positions.tolist(), ids):
+                self._runner.batch.commit(request_id, position, token_id)
+            tokens = sampled_tokens(ids, self._num_top, self._logprobs)
+            self._output = RunnerOutput(dict(zip(self._request_ids, tokens)))
+        return self._output
 
 
 class ModelRunner:
-    """Owns the model and its KV cache. Not thread-safe: one engine loop drives it.
+    """Owns the model, its KV cache and the persistent batch. Not thread-safe: one engine loop drives it.
 
-    Invariant: block ids in chunks are < num_blocks; the caller (KV manager) owns which block is whose.
+    Invariants: block ids in the diffs are < num_blocks (the KV manager owns which block is whose); the
+    persistent batch holds exactly the requests scheduled since their admission and not yet reported
+    finished or preempted.
     """
 
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int,
-                 kv_dtype: torch.dtype | None = None) -> None:
-        """kv_dtype: how K/V are stored (None: the model's dtype)."""
+                 kv_dtype: torch.dtype | None = None, *, limits: RunnerLimits = RunnerLimits(),
+                 attention_backend: str = "auto", eos_token_ids: Sequence[int] = ()) -> None:
+        """kv_dtype: how K/V are stored (None: the model's dtype). eos_token_ids: masked until min_tokens."""
         self.loaded = loaded
         self.model = loaded.model
         self.device = loaded.device
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.kv_dtype = kv_dtype or loaded.dtype
-        self.kv_caches = allocate_kv_cache(loaded.config, num_blocks, block_size, self.kv_dtype, loaded.device)
-        self.decode_kernel = kernel_applies(loaded.device, loaded.dtype, self.kv_dtype)  # decode attention in C++
+        self.vocab_size = loaded.config.vocab_size
+        self.attention = select_attention_backend(attention_backend, loaded.device, loaded.dtype, self.kv_dtype)
+        config = loaded.config
+        shape = self.attention.kv_cache_shape(num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        self.kv_caches = allocate_kv_cache(shape, config.num_hidden_layers, self.kv_dtype, loaded.device)
+        max_model_len = limits.max_model_len or config.max_position_embeddings
+        self.batch = InputBatch(BatchLimits(limits.max_num_seqs, max_model_len, block_size))
+        self.penalties = PenaltyState(limits.max_num_seqs, self.vocab_size, loaded.device)
+        self.eos_token_ids = tuple(t for t in eos_token_ids if 0 <= t < self.vocab_size)
         self._generators: dict[str, torch.Generator] = {}  # per-request seeded streams
-        tokenizer_eos = loaded.tokenizer.eos_token_ids if loaded.tokenizer else ()
-        self.eos_token_ids = tuple(dict.fromkeys([*tokenizer_eos, *loaded.config.eos_token_ids]))
+        self._previous: PreviousSample | None = None
 
-    def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator | None:
-        if params.seed is None or params.is_greedy:
-            return None
-        generator = self._generators.get(request_id)
-        if generator is None:
-            generator = torch.Generator(device=self.device).manual_seed(params.seed)
-            self._generators[request_id] = generator
-        return generator
+    # ---- the diff -----------------------------------------------------------------------------------
 
-    def release(self, request_ids: Sequence[str]) -> None:
-        """Drops per-request state (seeded generators) of finished requests."""
+    def _add(self, new: NewRequestData) -> None:
+        row = self.batch.add(new)
+        self.penalties.add(row, new.sampling_params, new.prompt_token_ids, new.output_token_ids)
+        params = new.sampling_params
+        if params.seed is not None and not params.is_greedy and new.request_id not in self._generators:
+            self._generators[new.request_id] = torch.Generator(device=self.device).manual_seed(params.seed)
+
+    def _drop(self, request_ids: Sequence[str], finished: bool) -> None:
+        """Frees the rows; a preempted request keeps its seeded stream, to continue it when resumed."""
         for request_id in request_ids:
-            self._generators.pop(request_id, None)
+            row = self.batch.remove(request_id)
+            if row is not None:
+                self.penalties.remove(row)
+            if finished:
+                self._generators.pop(request_id, None)
 
-    def execute_and_sample(self, chunks: Sequence[ChunkLike],
-                           requests: dict[str, TokenHistory]) -> dict[str, SampleResult]:
-        """Runs one step and samples a token for every chunk that needs one: {request_id: SampleResult}.
+    def apply_diff(self, output: SchedulerOutput) -> np.ndarray:
+        """Updates the persistent batch; returns the persistent rows of the step's chunks, in chunk order."""
+        self._drop(output.finished_request_ids, finished=True)
+        self._drop(output.preempted_request_ids, finished=False)
+        for new in output.new_requests:
+            self._add(new)
+        for running in output.running_requests:
+            self.batch.update(running)
+        rows = self.batch.rows
+        return np.fromiter((rows[c.request_id] for c in output.chunks), dtype=np.int64, count=len(output.chunks))
 
-        `requests` gives each request's sampling params and token history (for penalties and min_tokens).
-        """
-        request_ids, logits = self.execute(chunks)
-        if not request_ids:
-            return {}
-        histories = [requests[r] for r in request_ids]
-        params = [h.sampling_params for h in histories]
-        logits = apply_penalties(logits, histories)
-        logits = apply_min_tokens(logits, histories, self.eos_token_ids)
-        batch = SamplingBatch.build(params, [self._generator(r, p) for r, p in zip(request_ids, params)],
-                                    logits.shape[-1], logits.device)
-        results = gather_logprobs(logits, sample(logits, batch), [p.logprobs for p in params])
-        return dict(zip(request_ids, results))
+    # ---- one step -----------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, chunks: Sequence[ChunkLike]) -> tuple[list[str], torch.Tensor]:
-        """Runs the chunks; returns (request ids needing a sample, their float32 logits [N, vocab])."""
-        inp = build_model_input(chunks, self.block_size, self.device, self.decode_kernel)
-        hidden = self.model(inp.token_ids, inp.positions, self.kv_caches, inp.meta)
-        if not inp.sample_request_ids:
-            return [], hidden.new_empty((0, self.loaded.config.vocab_size), dtype=torch.float32)
-        return inp.sample_request_ids, self.model.logits(hidden[inp.sample_rows])
+    def execute_model(self, output: SchedulerOutput) -> StepResult:
+        """Applies the diff and launches the step (on CPU it runs to completion here)."""
+        rows = self.apply_diff(output)
+        if not output.chunks:
+            return StepResult()
+        inputs = build_step_inputs(self.batch, output.chunks, rows, self._previous, self.device)
+        logits = self._forward_logits(inputs)
+        if not inputs.sample_request_ids:
+            return StepResult()
+        return self._sample(inputs, logits)
+
+    @torch.inference_mode()
+    def forward_logits(self, output: SchedulerOutput) -> tuple[list[str], torch.Tensor]:
+        """Applies the diff and runs the forward only: (request ids needing a sample, float32 logits [N, V]).
+        For tests and memory profiling; the sampled tokens are not recorded."""
+        rows = self.apply_diff(output)
+        inputs = build_step_inputs(self.batch, output.chunks, rows, self._previous, self.device)
+        return inputs.sample_request_ids, self._forward_logits(inputs)
+
+    def _forward_logits(self, inputs: StepInputs) -> torch.Tensor:
+        attn = StepAttention(self.attention, self.attention.build(inputs.layout, self.device))
+        hidden = self.model(inputs.token_ids, inputs.positions, self.kv_caches, attn)
+        if not inputs.sample_request_ids:
+            return hidden.new_empty((0, self.vocab_size), dtype=torch.float32)
+        return self.model.logits(hidden[inputs.sample_rows])
+
+    def _sample(self, inputs: StepInputs, logits: torch.Tensor) -> StepResult:
+        rows, batch = inputs.sample_batch_rows, self.batch
+        logits = self.penalties.apply(logits, rows)
+        logits = apply_min_tokens(logits, self._banned(rows))
+        generators = {i: self._generators[r] for i, r in enumerate(inputs.sample_request_ids)
+                      if r in self._generators} if self._generators else {}
+        sampling = SamplingBatch.from_columns(batch.temperature[rows], batch.top_k[rows], batch.top_p[rows],
+                                              batch.min_p[rows], generators, self.vocab_size, self.device)
+        token_ids = sample(logits, sampling)
+        self.penalties.record(rows, token_ids)
+        num_top = batch.num_logprobs[rows]
+        logprobs = compute_logprobs(logits, token_ids, int(num_top.max())) if (num_top >= 0).any() else None
+        index_of_row = np.full(batch.limits.max_num_seqs, -1, dtype=np.int64)
+        index_of_row[rows] = np.arange(len(rows))
+        self._previous = PreviousSample(token_ids, index_of_row)
+        positions = batch.append_placeholders(rows)
+        return StepResult(self, inputs.sample_request_ids, positions, token_ids, num_top.tolist(), logprobs)
+
+    def _banned(self, rows: np.ndarray) -> list[list[int]]:
+        """Per sampled row, the tokens min_tokens forbids now (EOS unless ignore_eos, and stop tokens)."""
+        short = self.batch.num_output[rows] < self.batch.min_tokens[rows]
+        if not short.any():
+            return []
+        banned: list[list[int]] = []
+        for i, row in enumerate(rows.tolist()):
+            params = self.batch.params[row]
+            if not short[i] or params is None:
+                banned.append([])
+                continue
+            ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+            banned.append(sorted(t for t in ids if 0 <= t < self.vocab_size))
+        return banned

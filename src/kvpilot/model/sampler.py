@@ -9,35 +9,49 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
+from kvpilot.engine.scheduler_output import SampledToken
 from kvpilot.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
 class SamplingBatch:
-    """Per-row sampling settings as tensors. Invariant: all tensors have N rows, on the logits' device."""
+    """Per-row sampling settings as tensors. Invariant: all tensors have N rows, on the logits' device;
+    generators maps a row to its request's seeded generator (rows without a seed draw from the global one)."""
 
     temperature: torch.Tensor  # [N] float, 0 = greedy
     top_k: torch.Tensor  # [N] long, vocab size when off
     top_p: torch.Tensor  # [N] float
     min_p: torch.Tensor  # [N] float
     all_greedy: bool
-    generators: list[torch.Generator | None]
+    generators: dict[int, torch.Generator]
 
     @staticmethod
     def build(params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None], vocab_size: int,
               device: torch.device) -> "SamplingBatch":
-        def col(values: list[float], dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
+        return SamplingBatch.from_columns(
+            np.array([0.0 if p.is_greedy else p.temperature for p in params], dtype=np.float32),
+            np.array([max(p.top_k, 0) for p in params], dtype=np.int64),
+            np.array([p.top_p for p in params], dtype=np.float32), np.array([p.min_p for p in params], dtype=np.float32),
+            {i: g for i, g in enumerate(generators) if g is not None}, vocab_size, device)
 
-        return SamplingBatch(
-            temperature=col([p.temperature for p in params], torch.float32),
-            top_k=col([p.top_k if p.top_k > 0 else vocab_size for p in params], torch.long),
-            top_p=col([p.top_p for p in params], torch.float32),
-            min_p=col([p.min_p for p in params], torch.float32),
-            all_greedy=all(p.is_greedy for p in params),
-            generators=list(generators))
+    @staticmethod
+    def from_columns(temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, min_p: np.ndarray,
+                     generators: dict[int, torch.Generator], vocab_size: int,
+                     device: torch.device) -> "SamplingBatch":
+        """From host columns (top_k 0 = off); all_greedy is decided on the host, with no device sync."""
+        all_greedy = not bool((temperature > 0).any())
+        if all_greedy:  # the filters are never read: skip four host-to-device copies
+            empty = torch.empty(0, device=device)
+            return SamplingBatch(empty, empty, empty, empty, True, generators)
+
+        def col(values: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(values)).to(device)
+
+        return SamplingBatch(temperature=col(temperature), top_k=col(np.where(top_k > 0, top_k, vocab_size)),
+                             top_p=col(top_p), min_p=col(min_p), all_greedy=False, generators=generators)
 
 
 def _filter(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -54,40 +68,39 @@ def _filter(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-def _exponential_noise(shape: torch.Size, generators: list[torch.Generator | None],
+def _exponential_noise(shape: torch.Size, generators: dict[int, torch.Generator],
                        device: torch.device) -> torch.Tensor:
     noise = torch.empty(shape, device=device).exponential_()
-    for row, generator in enumerate(generators):
-        if generator is not None:
-            noise[row].exponential_(generator=generator)
+    for row, generator in generators.items():
+        noise[row].exponential_(generator=generator)
     return noise
 
 
 @dataclass(frozen=True)
-class SampleResult:
-    """One row's sampled token; with logprobs requested, its log-probability and the top-N alternatives."""
+class Logprobs:
+    """Device tensors of one step's log-probabilities, for the rows that asked: chosen [N] (the sampled token's),
+    top_values / top_ids [N, max_top]. Converted to host values only when the step's result is read."""
 
-    token_id: int
-    logprob: float | None = None
-    top_logprobs: list[tuple[int, float]] | None = None
+    chosen: torch.Tensor
+    top_values: torch.Tensor
+    top_ids: torch.Tensor
 
 
-def gather_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: Sequence[int | None]) -> list[SampleResult]:
-    """Log-softmax of the (processed) logits: the sampled token's logprob and the top-N per row."""
-    wanted = [n for n in num_top if n is not None]
-    if not wanted:
-        return [SampleResult(int(t)) for t in token_ids.tolist()]
+def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, max_top: int) -> Logprobs:
+    """Log-softmax of the (processed) logits: the sampled token's logprob and the top max_top per row."""
     logprobs = torch.log_softmax(logits, dim=-1)
-    chosen = logprobs.gather(1, token_ids[:, None])[:, 0].tolist()
-    top_values, top_ids = logprobs.topk(max(max(wanted), 1), dim=-1)
-    results = []
-    for row, (token, n) in enumerate(zip(token_ids.tolist(), num_top)):
-        if n is None:
-            results.append(SampleResult(token))
-            continue
-        top = list(zip(top_ids[row, :n].tolist(), top_values[row, :n].tolist()))
-        results.append(SampleResult(token, chosen[row], top))
-    return results
+    chosen = logprobs.gather(1, token_ids[:, None])[:, 0]
+    top_values, top_ids = logprobs.topk(max(max_top, 1), dim=-1)
+    return Logprobs(chosen, top_values, top_ids)
+
+
+def sampled_tokens(token_ids: list[int], num_top: Sequence[int], logprobs: Logprobs | None) -> list[SampledToken]:
+    """Host-side results; num_top[i] < 0 means row i asked for no logprobs."""
+    if logprobs is None:
+        return [SampledToken(t) for t in token_ids]
+    chosen, values, ids = logprobs.chosen.tolist(), logprobs.top_values.tolist(), logprobs.top_ids.tolist()
+    return [SampledToken(t) if n < 0 else SampledToken(t, chosen[i], list(zip(ids[i][:n], values[i][:n])))
+            for i, (t, n) in enumerate(zip(token_ids, num_top))]
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -1,12 +1,9 @@
-"""Attention over a paged KV cache, with plain torch ops (the same code runs on CPU and CUDA).
+"""Attention ops over a paged KV cache, used by the torch and cpu backends (kvpilot.model.attention).
 
 KV cache layout per layer: [2, kv_heads, num_blocks, block_size, head_dim] (K then V), head-major so that
 gathering a sequence's blocks yields [kv_heads, tokens, head_dim], the layout matmuls want, with one
 row copy and no transpose. New K/V are written through the slot mapping (slot = block * block_size +
-offset); each sequence reads its keys through its block table. Decodes of similar context length are
-batched into one masked bmm (on CPU ~5x faster than scaled_dot_product_attention for single queries),
-or, for float32 on CPU, run by a C++ kernel that reads K/V in place (cpu_decode_kernel.py); prefills use
-scaled_dot_product_attention per sequence.
+offset); each sequence reads its keys through its block table.
 """
 
 from __future__ import annotations
@@ -14,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvpilot.model.layers.attention_metadata import AttentionMetadata, DecodeBatch, PrefillSeq, make_key_bias
+from kvpilot.model.attention.metadata import DecodeBatch, PrefillSeq, make_key_bias
 from kvpilot.model.kv_dtype import FP8_DTYPES
 from kvpilot.model.layers.cpu_decode_kernel import get_kernel, kernel_applies
 
@@ -41,7 +38,7 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     return rows.view(kv_heads, -1, head_dim)
 
 
-def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, seq: PrefillSeq,
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, seq: PrefillSeq,
              scale: float) -> torch.Tensor:
     rows = slice(seq.query_start, seq.query_start + seq.query_len)
     if seq.mask is None:
@@ -90,23 +87,3 @@ def decode_torch(q: torch.Tensor, kv_cache: torch.Tensor, batch: DecodeBatch, sc
     probs = torch.softmax(scores, dim=-1).to(values.dtype).view(kv_heads * num_seqs, group, -1)
     out = torch.bmm(probs, values).view(kv_heads, num_seqs, group, head_dim)  # [kvH, B, G, D]
     return out.transpose(0, 1).reshape(num_seqs, kv_heads * group, head_dim)
-
-
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, heads, D], k/v: [T, kv_heads, D] for this step's tokens -> [T, heads, D].
-
-    Writes k, v into the cache first, so each query sees its own and all earlier tokens of its sequence.
-    """
-    write_kv(kv_cache, k, v, meta.slot_mapping)
-    out = torch.empty_like(q)
-    for seq in meta.prefills:
-        out[seq.query_start: seq.query_start + seq.query_len] = _prefill(q, k, v, kv_cache, seq, scale)
-    for group in meta.decodes:
-        if not decode_kernel(q, kv_cache, group, scale, out):
-            result = decode_torch(q, kv_cache, group, scale)
-            if group.row_range is not None:
-                group.rows_of(out).copy_(result)
-            else:
-                out[group.token_rows] = result
-    return out

@@ -1,12 +1,14 @@
 """AttentionMetadata: how the flattened tokens of one step map onto sequences and KV cache slots.
 
-Built once per step by the ModelRunner and shared by every layer (no hidden globals).
+Built once per step by an attention backend from the step's StepLayout and shared by every layer (no hidden
+globals).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -53,7 +55,7 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [T] long: cache slot of each token (block_id * block_size + offset)
     prefills: list[PrefillSeq]
-    decodes: list[DecodeBatch]  # groups of similar context length
+    decodes: list[DecodeBatch]  # one batch, or groups of similar context length
     num_tokens: int
 
 
@@ -63,3 +65,18 @@ def make_key_bias(context_lens: torch.Tensor, num_keys: int) -> torch.Tensor:
     bias = torch.zeros(len(context_lens), num_keys, dtype=torch.float32, device=context_lens.device)
     bias.masked_fill_(key_pos >= context_lens[:, None], float("-inf"))
     return bias[:, None, None, :]
+
+
+def make_decode_batch(block_tables: np.ndarray, context_lens: np.ndarray, token_rows: np.ndarray,
+                      block_size: int, device: torch.device, with_bias: bool = True) -> DecodeBatch:
+    """From host arrays: block_tables [B, >= max blocks needed] (padding beyond a sequence's blocks is never
+    read), context_lens [B] (keys including the new token), token_rows [B]."""
+    max_blocks = int(-(-context_lens.max() // block_size))
+    tables = torch.from_numpy(np.ascontiguousarray(block_tables[:, :max_blocks])).to(device)
+    lens = torch.from_numpy(np.ascontiguousarray(context_lens, dtype=np.int64)).to(device)
+    bias = make_key_bias(lens, max_blocks * block_size) if with_bias else None
+    first = int(token_rows[0])
+    consecutive = bool(np.array_equal(token_rows, np.arange(first, first + len(token_rows))))
+    return DecodeBatch(token_rows=torch.from_numpy(np.ascontiguousarray(token_rows, dtype=np.int64)).to(device),
+                       row_range=(first, first + len(token_rows)) if consecutive else None,
+                       block_tables=tables, context_lens=lens, key_bias=bias)

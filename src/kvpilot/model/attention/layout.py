@@ -1,0 +1,38 @@
+"""StepLayout: a backend-neutral description of one step's flattened batch, as host (numpy) arrays.
+
+The runner builds it with vectorized ops from its persistent batch; each attention backend turns it into
+its own metadata. Per-sequence arrays are in step order (the order of the scheduler's chunks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """Invariants: query_start[i] = sum(query_lens[:i]); context_lens[i] = start_positions[i] + query_lens[i];
+    block_tables[i, :ceil(context_lens[i] / block_size)] is sequence i's block table (later columns are
+    padding that must not be read unmasked); slot_mapping[t] is token t's cache slot."""
+
+    query_start: np.ndarray  # [S] int64
+    query_lens: np.ndarray  # [S] int64
+    start_positions: np.ndarray  # [S] int64: computed tokens before the step
+    block_tables: np.ndarray  # [S, max_blocks_per_seq] int64 (rows of the persistent table)
+    slot_mapping: np.ndarray  # [T] int64
+    block_size: int
+
+    @property
+    def context_lens(self) -> np.ndarray:
+        return self.start_positions + self.query_lens
+
+    @property
+    def is_decode(self) -> np.ndarray:
+        """One token after earlier ones (kvpilot.engine.scheduler_output.ScheduledChunk.is_decode)."""
+        return (self.query_lens == 1) & (self.start_positions > 0)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])

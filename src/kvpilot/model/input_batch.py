@@ -1,0 +1,136 @@
+"""InputBatch: the runner's persistent per-request state, one row per request it holds, updated from the
+scheduler's diffs (kvpilot.engine.scheduler_output) instead of being rebuilt from live Request objects.
+
+Rows are numpy arrays on the host (token ids, block table, counters, sampling settings), so a step's inputs
+are gathered with vectorized indexing: host work per running request per step is O(1), independent of its
+context and output length. Rows are recycled through a free list; a row's contents are valid only while a
+request holds it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvpilot.engine.scheduler_output import NewRequestData, RunningRequestData
+from kvpilot.sampling_params import SamplingParams
+
+
+class BatchFullError(RuntimeError):
+    """More requests than max_num_seqs rows, or a request longer than max_model_len: a scheduler bug."""
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    """Sizes of the persistent buffers."""
+
+    max_num_seqs: int
+    max_model_len: int
+    block_size: int
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+
+class InputBatch:
+    """Invariants: `rows` maps each held request id to a distinct row in [0, max_num_seqs); for a held row r,
+    token_ids[r, :num_tokens[r]] are its prompt then output tokens, of which the first num_known[r] are on
+    the host and the rest placeholders (sampled by steps whose results are not committed yet: their ids are
+    still on the device); block_table[r, :num_blocks[r]] is its block table; num_output[r] counts its
+    outputs, placeholders included."""
+
+    def __init__(self, limits: BatchLimits) -> None:
+        self.limits = limits
+        n, length = limits.max_num_seqs, limits.max_model_len
+        self.token_ids = np.zeros((n, length + 1), dtype=np.int64)  # +1: a finishing step samples past the end
+        self.num_tokens = np.zeros(n, dtype=np.int64)
+        self.num_prompt = np.zeros(n, dtype=np.int64)
+        self.num_output = np.zeros(n, dtype=np.int64)
+        self.num_known = np.zeros(n, dtype=np.int64)
+        self.block_table = np.zeros((n, limits.max_blocks_per_seq), dtype=np.int64)
+        self.num_blocks = np.zeros(n, dtype=np.int64)
+        self.num_computed = np.zeros(n, dtype=np.int64)  # before the current step, from the diff
+        self.temperature = np.zeros(n, dtype=np.float32)
+        self.top_k = np.zeros(n, dtype=np.int64)  # 0 = off
+        self.top_p = np.ones(n, dtype=np.float32)
+        self.min_p = np.zeros(n, dtype=np.float32)
+        self.min_tokens = np.zeros(n, dtype=np.int64)
+        self.num_logprobs = np.full(n, -1, dtype=np.int64)  # -1: no logprobs
+        self.params: list[SamplingParams | None] = [None] * n
+        self.request_ids: list[str | None] = [None] * n
+        self.rows: dict[str, int] = {}
+        self._free_rows = list(range(n - 1, -1, -1))
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def add(self, new: NewRequestData) -> int:
+        """Takes a row for a request new to the runner (admitted or resumed); returns the row."""
+        if not self._free_rows:
+            raise BatchFullError(f"more than max_num_seqs={self.limits.max_num_seqs} requests in the batch")
+        tokens = [*new.prompt_token_ids, *new.output_token_ids]
+        if len(tokens) > self.limits.max_model_len or len(new.block_ids) > self.limits.max_blocks_per_seq:
+            raise BatchFullError(f"request {new.request_id!r} has {len(tokens)} tokens and "
+                                 f"{len(new.block_ids)} blocks: over max_model_len={self.limits.max_model_len}")
+        row = self._free_rows.pop()
+        self.rows[new.request_id] = row
+        self.request_ids[row] = new.request_id
+        self.token_ids[row, :len(tokens)] = tokens
+        self.num_tokens[row] = len(tokens)
+        self.num_prompt[row] = len(new.prompt_token_ids)
+        self.num_output[row] = len(new.output_token_ids)
+        self.num_known[row] = len(tokens)
+        self.block_table[row, :len(new.block_ids)] = new.block_ids
+        self.num_blocks[row] = len(new.block_ids)
+        self.num_computed[row] = new.num_computed_tokens
+        self._set_params(row, new.sampling_params)
+        return row
+
+    def _set_params(self, row: int, params: SamplingParams) -> None:
+        self.params[row] = params
+        self.temperature[row] = params.temperature if not params.is_greedy else 0.0
+        self.top_k[row] = params.top_k if params.top_k > 0 else 0
+        self.top_p[row] = params.top_p
+        self.min_p[row] = params.min_p
+        self.min_tokens[row] = params.min_tokens
+        self.num_logprobs[row] = params.logprobs if params.logprobs is not None else -1
+
+    def update(self, running: RunningRequestData) -> int:
+        """Applies a running request's diff (new blocks, computed tokens); returns its row."""
+        row = self.rows[running.request_id]
+        start = int(self.num_blocks[row])
+        end = start + len(running.new_block_ids)
+        if end > self.limits.max_blocks_per_seq:
+            raise BatchFullError(f"request {running.request_id!r} has {end} blocks: over max_model_len")
+        if running.new_block_ids:
+            self.block_table[row, start:end] = running.new_block_ids
+            self.num_blocks[row] = end
+        self.num_computed[row] = running.num_computed_tokens
+        return row
+
+    def remove(self, request_id: str) -> int | None:
+        """Frees the request's row (finished, aborted or preempted); unknown ids are ignored."""
+        row = self.rows.pop(request_id, None)
+        if row is not None:
+            self.request_ids[row] = None
+            self.params[row] = None
+            self._free_rows.append(row)
+        return row
+
+    def append_placeholders(self, rows: np.ndarray) -> np.ndarray:
+        """A token was just sampled for each row (its id still on the device): counts advance now. Returns
+        the positions the tokens take."""
+        positions = self.num_tokens[rows].copy()
+        self.num_tokens[rows] += 1
+        self.num_output[rows] += 1
+        return positions
+
+    def commit(self, request_id: str, position: int, token_id: int) -> None:
+        """The host now knows the id of the token sampled into `position` (commits come in step order)."""
+        row = self.rows.get(request_id)
+        if row is None or position >= self.num_tokens[row]:
+            return  # finished, aborted or preempted since: nothing to fill
+        self.token_ids[row, position] = token_id
+        self.num_known[row] = position + 1

@@ -1,0 +1,80 @@
+"""One step's flattened model inputs, gathered from the persistent batch with vectorized numpy indexing.
+
+Token i of a chunk has position start_position + i and is stored in slot
+block_table[row, pos // block_size] * block_size + pos % block_size. A token whose id the host does not know
+yet (sampled by the previous step, result not read: async scheduling) is taken on the device from that
+step's sampled ids, so the step can be built and launched before the previous one's tokens are back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from kvpilot.engine.scheduler_output import ScheduledChunk
+from kvpilot.model.attention.layout import StepLayout
+from kvpilot.model.input_batch import InputBatch
+
+
+@dataclass(frozen=True)
+class PreviousSample:
+    """The last step's sampled ids on the device, and each persistent row's index into them (-1: none)."""
+
+    token_ids: torch.Tensor  # [N] long
+    index_of_row: np.ndarray  # [max_num_seqs] int64
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """Invariant: sample_rows[i] is the last flattened row of the i-th chunk with needs_sample, whose request
+    is sample_request_ids[i] at persistent row sample_batch_rows[i]."""
+
+    token_ids: torch.Tensor  # [T] long, on the device
+    positions: torch.Tensor  # [T] long
+    layout: StepLayout
+    sample_rows: torch.Tensor  # [N] long
+    sample_request_ids: list[str]
+    sample_batch_rows: np.ndarray  # [N] int64
+
+
+class MissingTokenError(RuntimeError):
+    """A step reads a token that neither the host nor the previous step has: a scheduler/runner bug."""
+
+
+def _device_token_ids(token_ids: np.ndarray, unknown: np.ndarray, token_rows: np.ndarray,
+                      previous: PreviousSample | None, device: torch.device) -> torch.Tensor:
+    ids = torch.from_numpy(token_ids).to(device)
+    if len(unknown) == 0:
+        return ids
+    source = previous.index_of_row[token_rows[unknown]] if previous is not None else np.full(len(unknown), -1)
+    if (source < 0).any():
+        raise MissingTokenError(f"{int((source < 0).sum())} input tokens were not sampled by the previous step")
+    ids[torch.from_numpy(unknown).to(device)] = previous.token_ids[torch.from_numpy(source).to(device)]
+    return ids
+
+
+def build_step_inputs(batch: InputBatch, chunks: Sequence[ScheduledChunk], rows: np.ndarray,
+                      previous: PreviousSample | None, device: torch.device) -> StepInputs:
+    """Flattens the chunks in their given order; `rows` are their persistent rows (same order)."""
+    block_size = batch.limits.block_size
+    query_lens = np.fromiter((c.num_tokens for c in chunks), dtype=np.int64, count=len(chunks))
+    needs_sample = np.fromiter((c.needs_sample for c in chunks), dtype=bool, count=len(chunks))
+    starts = batch.num_computed[rows]
+    ends = np.cumsum(query_lens)
+    query_start = ends - query_lens
+    token_rows = np.repeat(rows, query_lens)
+    positions = np.arange(int(ends[-1]), dtype=np.int64) + np.repeat(starts - query_start, query_lens)
+    slots = batch.block_table[token_rows, positions // block_size] * block_size + positions % block_size
+    unknown = np.flatnonzero(positions >= batch.num_known[token_rows])
+    token_ids = _device_token_ids(batch.token_ids[token_rows, positions], unknown, token_rows, previous, device)
+    max_blocks = int(-(-(starts + query_lens).max() // block_size))
+    layout = StepLayout(query_start=query_start, query_lens=query_lens, start_positions=starts,
+                        block_tables=batch.block_table[rows, :max_blocks], slot_mapping=slots, block_size=block_size)
+    sampled = np.flatnonzero(needs_sample)
+    return StepInputs(token_ids=token_ids, positions=torch.from_numpy(positions).to(device), layout=layout,
+                      sample_rows=torch.from_numpy(ends[sampled] - 1).to(device),
+                      sample_request_ids=[chunks[i].request_id for i in sampled.tolist()],
+                      sample_batch_rows=rows[sampled])
