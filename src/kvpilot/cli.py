@@ -8,9 +8,10 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvpilot.bench.cli import bench_command
+from kvpilot.bench.cli import make_bench_command
 from kvpilot.cli_options import (DeviceOpt, DtypeOpt, KvCacheDtypeOpt, KvCacheMemoryOpt, LoadFormatOpt,
                                  MaxModelLenOpt, ModelOpt, SeedOpt)
+from kvpilot.doctor.bench_section import doctor_report_section
 from kvpilot.doctor.cli import doctor_command
 from kvpilot.fit.cli import fit_command
 from kvpilot.server.cli import serve_command
@@ -19,7 +20,7 @@ app = typer.Typer(help="kvpilot: a fast LLM inference server that explains its o
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 app.command("serve")(serve_command)
 app.command("fit")(fit_command)
-app.command("bench")(bench_command)
+app.command("bench")(make_bench_command((doctor_report_section,)))  # the HTML report carries the diagnosis
 app.command("doctor")(doctor_command)
 
 

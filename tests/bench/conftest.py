@@ -6,8 +6,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvpilot.bench.scripted_process import ScriptedProcess
 from kvpilot.bench.tokens import Tokenizer, embedded_gguf_path, load_tokenizer
+from tests.doubles.scripted_process import ScriptedProcess
 
 
 @pytest.fixture(scope="session")

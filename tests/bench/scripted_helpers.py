@@ -8,8 +8,8 @@ from kvpilot.bench.client import Target
 from kvpilot.bench.datasets import DatasetConfig, build_dataset
 from kvpilot.bench.load import LoadShape
 from kvpilot.bench.runner import RunOutput, run_load
-from kvpilot.bench.scripted_process import ScriptedProcess
 from kvpilot.bench.tokens import Tokenizer, WordTokenizer
+from tests.doubles.scripted_process import ScriptedProcess
 
 
 def run_scripted(server: ScriptedProcess, shape: LoadShape, *, num_items: int = 20,

@@ -12,8 +12,8 @@ import typer
 from typer.testing import CliRunner
 
 from kvpilot.bench.cli import bench_command
-from kvpilot.bench.scripted_process import ScriptedProcess, free_port
-from kvpilot.bench.scripted_server import Behavior
+from tests.doubles.scripted_process import ScriptedProcess, free_port
+from tests.doubles.scripted_server import Behavior
 
 app = typer.Typer()
 app.command("bench")(bench_command)
@@ -71,6 +71,20 @@ def test_errors_are_summarised_without_traceback(scripted: ScriptedProcess, tmp_
     for kind in ("http_429", "stream_incomplete", "malformed_sse"):
         assert f"errors: {kind}" in text
     assert (tmp_path / "r.html").stat().st_size > 0 and (tmp_path / "r.csv").exists()
+
+
+def test_kvpilot_bench_html_carries_the_doctor_section(scripted: ScriptedProcess, tmp_path: Path) -> None:
+    """kvpilot.cli wires the doctor's report section into `kvpilot bench`; bench's own command has none."""
+    from kvpilot.cli import app as kvpilot_app  # noqa: PLC0415
+
+    scripted.set_script(Behavior(ttft_s=0.005, itl_s=0.002))
+    wired, plain = tmp_path / "wired.html", tmp_path / "plain.html"
+    result = runner.invoke(kvpilot_app, ["bench", "--base-url", scripted.base_url, *FAST, "--html", str(wired)])
+    assert result.exit_code == 0, result.output
+    assert wired.read_text().count('id="kvpilot-doctor"') == 1
+    code, text = invoke("--base-url", scripted.base_url, *FAST, "--html", str(plain))
+    assert code == 0, text
+    assert 'id="kvpilot-doctor"' not in plain.read_text()
 
 
 def test_unreachable_server() -> None:

@@ -15,9 +15,9 @@ from kvpilot.bench.clientlag import judge_client_lag
 from kvpilot.bench.datasets import DatasetConfig, build_dataset
 from kvpilot.bench.load import LoadShape
 from kvpilot.bench.runner import run_load
-from kvpilot.bench.scripted_process import ScriptedProcess
-from kvpilot.bench.scripted_server import Behavior, ScriptedServer
 from kvpilot.bench.tokens import WordTokenizer
+from tests.doubles.scripted_process import ScriptedProcess
+from tests.doubles.scripted_server import Behavior, ScriptedServer
 
 from .scripted_helpers import run_scripted
 

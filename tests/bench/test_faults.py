@@ -8,10 +8,10 @@ from kvpilot.bench.client import Target
 from kvpilot.bench.datasets import DatasetConfig, build_dataset
 from kvpilot.bench.load import LoadShape
 from kvpilot.bench.runner import run_load
-from kvpilot.bench.scripted_process import ScriptedProcess, free_port
-from kvpilot.bench.scripted_server import Behavior
 from kvpilot.bench.stats import aggregate
 from kvpilot.bench.tokens import WordTokenizer
+from tests.doubles.scripted_process import ScriptedProcess, free_port
+from tests.doubles.scripted_server import Behavior
 
 from .scripted_helpers import run_scripted
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 
 from kvpilot.bench.load import LoadShape
-from kvpilot.bench.scripted_process import ScriptedProcess
-from kvpilot.bench.scripted_server import Behavior
 from kvpilot.bench.stats import aggregate
+from tests.doubles.scripted_process import ScriptedProcess
+from tests.doubles.scripted_server import Behavior
 
 from .scripted_helpers import run_quiet, run_scripted
 

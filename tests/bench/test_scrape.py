@@ -6,8 +6,8 @@ import pytest
 
 from kvpilot.bench.load import LoadShape
 from kvpilot.bench.scrape import MetricsSample, known_samples, parse_metrics, summarize
-from kvpilot.bench.scripted_process import ScriptedProcess
-from kvpilot.bench.scripted_server import Behavior
+from tests.doubles.scripted_process import ScriptedProcess
+from tests.doubles.scripted_server import Behavior
 
 from .scripted_helpers import run_scripted
 

@@ -17,11 +17,12 @@ from kvpilot.bench.datasets import DatasetConfig, build_dataset
 from kvpilot.bench.load import LoadShape
 from kvpilot.bench.records import record_from_json
 from kvpilot.bench.result import SCHEMA_VERSION, ResultFileError, read_result
-from kvpilot.bench.scripted_process import ScriptedProcess
-from kvpilot.bench.scripted_server import Behavior
 from kvpilot.bench.stats import parse_slo
 from kvpilot.bench.sweep import sweep_rates
 from kvpilot.bench.tokens import load_tokenizer
+from kvpilot.doctor.bench_section import doctor_report_section
+from tests.doubles.scripted_process import ScriptedProcess
+from tests.doubles.scripted_server import Behavior
 
 from .chromium_probe import chromium_path, probe
 
@@ -38,7 +39,8 @@ def sweep_outcome(scripted: ScriptedProcess, tmp_path_factory: pytest.TempPathFa
                               num_suffixes=3, output_len=6),
         load=LoadShape(num_requests=12, num_warmup=2), slos=parse_slo("ttft=70ms"), sweep=True,
         sweep_num_points=3, scrape_interval_s=0.1, json_path=str(out_dir / "r.json"),
-        csv_path=str(out_dir / "r.csv"), html_path=str(out_dir / "r.html"), progress=False)
+        csv_path=str(out_dir / "r.csv"), html_path=str(out_dir / "r.html"), progress=False,
+        report_sections=(doctor_report_section,))
     console = Console(record=True, width=140)
     outcome = run_bench(cfg, console)
     (out_dir / "console.txt").write_text(console.export_text())
@@ -93,6 +95,12 @@ def test_console_summary(sweep_outcome: tuple[BenchOutcome, Path]) -> None:
     text = (sweep_outcome[1] / "console.txt").read_text()
     assert "<== knee" in text and "TTFT" in text and "prefix cache hit rate" in text
     assert "By prompt group" in text and "prefix-1" in text
+
+
+def test_html_carries_the_report_sections(sweep_outcome: tuple[BenchOutcome, Path]) -> None:
+    """The doctor's diagnosis reaches the report through BenchConfig.report_sections (bench never imports it)."""
+    text = (sweep_outcome[1] / "r.html").read_text()
+    assert text.count('id="kvpilot-doctor"') == 1
 
 
 def test_html_is_self_contained_and_renders_offline(sweep_outcome: tuple[BenchOutcome, Path],

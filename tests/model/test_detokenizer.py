@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvpilot.engine.detokenizer import IncrementalDetokenizer
-from kvpilot.model.gguf_metadata import open_gguf
+from kvpilot.fit.gguf_metadata import open_gguf
 from kvpilot.model.tokenizer import tokenizer_from_gguf
 
 TEXT = "Grüße aus Köln! 日本語のテキスト 😀🎉 and plain ASCII at the end."

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvpilot.model.chat_template import ChatTemplateError
-from kvpilot.model.gguf_metadata import open_gguf
+from kvpilot.fit.gguf_metadata import open_gguf
 from kvpilot.model.tokenizer import tokenizer_from_gguf
 
 CONVERSATIONS = [

@@ -1,12 +1,15 @@
 """Programmatic entry point: one bench (single run or sweep) from a :class:`BenchConfig`.
 
-The CLI is a thin layer over :func:`run_bench`; the doctor and tests call it directly.
+The CLI is a thin layer over :func:`run_bench`; the doctor and tests call it directly. Tools above bench
+add sections to its HTML report through ``BenchConfig.report_sections`` (the doctor's diagnosis, wired by
+kvpilot.cli), so bench never imports them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +33,11 @@ class BenchError(RuntimeError):
     """A problem that stops the bench before any load is sent (message says what to do)."""
 
 
+ReportSection = Callable[[dict[str, Any], Console], str]
+"""Extra HTML for the ``--html`` report, from the result document (the ``--output`` JSON): an already escaped
+fragment placed after the summary table, or '' to add nothing (a section may say why on the console)."""
+
+
 @dataclass(frozen=True)
 class BenchConfig:
     """Everything one ``kvpilot bench`` invocation needs. ``model`` None: first of ``/v1/models``.
@@ -50,6 +58,7 @@ class BenchConfig:
     csv_path: str | None = None
     html_path: str | None = None
     progress: bool = True
+    report_sections: tuple[ReportSection, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -138,19 +147,7 @@ def run_bench(cfg: BenchConfig, console: Console | None = None) -> BenchOutcome:
     if cfg.csv_path:
         write_csv(cfg.csv_path, runs)
     if cfg.html_path:
-        write_html(cfg.html_path, runs, knee, extra_html=_doctor_section(result, console))
+        extra_html = "".join(section(result, console) for section in cfg.report_sections)
+        write_html(cfg.html_path, runs, knee, extra_html=extra_html)
     return BenchOutcome(runs, knee, result)
 
-
-def _doctor_section(result: dict, console: Console) -> str:
-    """The doctor's diagnosis of this run as an HTML section ('' if it cannot diagnose it)."""
-    from kvpilot.doctor.diagnose import diagnose  # noqa: PLC0415 (the doctor reads bench results: import late)
-    from kvpilot.doctor.errors import DoctorInputError  # noqa: PLC0415
-    from kvpilot.doctor.inputs import inputs_from_documents  # noqa: PLC0415
-    from kvpilot.doctor.render_html import doctor_html_section  # noqa: PLC0415
-
-    try:
-        return doctor_html_section(diagnose(inputs_from_documents([(result, "this run")])))
-    except DoctorInputError as exc:
-        console.print(f"[yellow]doctor section left out of the report: {exc}[/yellow]")
-        return ""

@@ -1,12 +1,18 @@
-"""``kvpilot bench``: the typer command (registered by kvpilot.cli as ``app.command("bench")``)."""
+"""``kvpilot bench``: the typer command. kvpilot.cli registers ``make_bench_command(sections)`` as
+``app.command("bench")``, passing the doctor's report section: bench sits below the doctor and never
+imports it."""
 
 from __future__ import annotations
 
 import logging
 import math
-from typing import Annotated, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+
+if TYPE_CHECKING:
+    from kvpilot.bench.api import ReportSection
 
 # Kept here, not imported: `kvpilot --help` should not pay for numpy/httpx/plotly imports.
 DATASETS_HELP = "random, shared-prefix, long-short, multi-turn, jsonl, trace"
@@ -18,213 +24,224 @@ def _choice(value: str, allowed: tuple[str, ...], flag: str) -> Any:  # Any: bec
     return value
 
 
-def bench_command(
-    base_url: Annotated[str, typer.Option(help="Server base URL (without /v1).")] = "http://127.0.0.1:8000",
-    endpoint: Annotated[
-        str,
-        typer.Option(help="API to call: 'completions' (/v1/completions) or 'chat' (/v1/chat/completions)."),
-    ] = "completions",
-    model: Annotated[
-        str | None, typer.Option(help="Model name to send; default: the first one listed by /v1/models.")
-    ] = None,
-    api_key: Annotated[
-        str | None,
-        typer.Option(
-            help="Bearer token for the server (also read from OPENAI_API_KEY).", envvar="OPENAI_API_KEY"
-        ),
-    ] = None,
-    stream: Annotated[
-        bool,
-        typer.Option(help="Stream responses (needed for TTFT, TPOT and ITL); --no-stream measures E2E only."),
-    ] = True,
-    ignore_eos: Annotated[
-        bool,
-        typer.Option(
-            help="Send ignore_eos=true so every request generates exactly its max tokens (vLLM, kvpilot)."
-        ),
-    ] = False,
-    timeout: Annotated[
-        float, typer.Option(help="Seconds to wait for a connection or for the next bytes of a response.")
-    ] = 300.0,
-    concurrency: Annotated[
-        int | None,
-        typer.Option(
-            help="Closed loop: keep N requests in flight, each sent as soon as the previous finished."
-        ),
-    ] = None,
-    request_rate: Annotated[
-        float,
-        typer.Option(help="Open loop: requests per second (inf = all at once). Ignored with --concurrency."),
-    ] = math.inf,
-    arrival: Annotated[
-        str,
-        typer.Option(help="Open-loop arrivals: 'poisson' (gamma with --burstiness) or 'constant' spacing."),
-    ] = "poisson",
-    burstiness: Annotated[
-        float,
-        typer.Option(help="Gamma shape for arrivals like vLLM: 1 = Poisson, < 1 burstier, > 1 smoother."),
-    ] = 1.0,
-    max_concurrency: Annotated[
-        int | None,
-        typer.Option(
-            help="Open loop: at most N in flight; time waiting for a slot is reported as client queue wait, not TTFT."
-        ),
-    ] = None,
-    num_requests: Annotated[
-        int | None,
-        typer.Option(
-            help="Requests to send (with --duration: whichever ends first). Default 100 without --duration."
-        ),
-    ] = None,
-    duration: Annotated[float | None, typer.Option(help="Stop sending after this many seconds.")] = None,
-    warmup: Annotated[int, typer.Option(help="Requests sent first and left out of the results.")] = 0,
-    sweep: Annotated[
-        bool,
-        typer.Option(
-            help="Run synchronous, then max throughput, then rates in between; report the saturation knee."
-        ),
-    ] = False,
-    sweep_points: Annotated[int, typer.Option(help="Number of runs in a --sweep (>= 2).")] = 5,
-    dataset: Annotated[str, typer.Option(help=f"Prompts: {DATASETS_HELP}.")] = "random",
-    dataset_path: Annotated[
-        str | None,
-        typer.Option(
-            help="JSONL file for --dataset jsonl (prompt/messages per line) or trace "
-            "(timestamp plus prompt or input_len/output_len)."
-        ),
-    ] = None,
-    input_len: Annotated[
-        int,
-        typer.Option(
-            help="Prompt length in tokens (random, long-short short prompts, multi-turn turns; shared-prefix total)."
-        ),
-    ] = 128,
-    output_len: Annotated[int, typer.Option(help="max_tokens per request.")] = 64,
-    len_dist: Annotated[
-        str, typer.Option(help="Length distribution for random: fixed, uniform or normal.")
-    ] = "fixed",
-    range_ratio: Annotated[
-        float,
-        typer.Option(help="uniform: lengths in len*(1 +- r); normal: std = r*len, clipped to that range."),
-    ] = 0.0,
-    num_prefixes: Annotated[
-        int, typer.Option(help="shared-prefix: number of distinct prefixes (groups).")
-    ] = 4,
-    num_suffixes: Annotated[int, typer.Option(help="shared-prefix: suffixes per prefix.")] = 8,
-    prefix_len: Annotated[int, typer.Option(help="shared-prefix: prefix length in tokens.")] = 512,
-    long_fraction: Annotated[float, typer.Option(help="long-short: fraction of long prompts.")] = 0.1,
-    long_input_len: Annotated[int, typer.Option(help="long-short: long prompt length in tokens.")] = 4096,
-    num_turns: Annotated[
-        int, typer.Option(help="multi-turn: user turns per chat session (each carries the history).")
-    ] = 3,
-    tokenizer: Annotated[
-        str | None,
-        typer.Option(
-            help="Tokenizer for token-exact prompts and output counts: HF name/dir, a .gguf file, "
-            "or 'embedded'. Default: approximate word counts."
-        ),
-    ] = None,
-    seed: Annotated[int, typer.Option(help="Random seed for prompts and arrivals.")] = 0,
-    slo: Annotated[
-        str | None, typer.Option(help="SLOs for goodput, e.g. ttft=200ms,tpot=50ms,itl=100ms,e2e=5s.")
-    ] = None,
-    goodput_target: Annotated[
-        float, typer.Option(help="Sweep knee: a load meets the SLOs when this fraction of requests does.")
-    ] = 0.9,
-    metrics_url: Annotated[
-        str | None, typer.Option(help="Prometheus endpoint to scrape; default <base-url>/metrics.")
-    ] = None,
-    scrape_metrics: Annotated[
-        bool, typer.Option(help="Scrape server metrics before, during and after the run.")
-    ] = True,
-    scrape_interval: Annotated[
-        float, typer.Option(help="Seconds between metric scrapes during the run.")
-    ] = 1.0,
-    max_client_lag_ms: Annotated[
-        float,
-        typer.Option(
-            help="Warn that the client is overloaded when its p99 dispatch or event-loop lag exceeds this."
-        ),
-    ] = 10.0,
-    output: Annotated[
-        str | None,
-        typer.Option(help="Write the full result JSON (schema_version 1, see docs/bench.md) here."),
-    ] = None,
-    csv: Annotated[str | None, typer.Option(help="Write per-request records as CSV here.")] = None,
-    html: Annotated[
-        str | None, typer.Option(help="Write a self-contained HTML report with plots here.")
-    ] = None,
-    progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
-) -> None:
-    """Load-test an OpenAI-compatible server and split latency into its stages."""
-    from rich.console import Console  # noqa: PLC0415 (lazy: see DATASETS_HELP)
+def make_bench_command(report_sections: tuple[ReportSection, ...] = ()) -> Callable[..., None]:
+    """The ``kvpilot bench`` command; its ``--html`` report also carries ``report_sections``, in order."""
 
-    from kvpilot.bench.api import BenchConfig, BenchError, run_bench  # noqa: PLC0415
-    from kvpilot.bench.arrivals import LoadShapeError  # noqa: PLC0415
-    from kvpilot.bench.client import Target  # noqa: PLC0415
-    from kvpilot.bench.datasets import DATASET_KINDS, DatasetConfig, DatasetError  # noqa: PLC0415
-    from kvpilot.bench.load import LoadShape  # noqa: PLC0415
-    from kvpilot.bench.stats import SloError, parse_slo  # noqa: PLC0415
-    from kvpilot.bench.tokens import TokenizerError  # noqa: PLC0415
+    def bench_command(
+        base_url: Annotated[str, typer.Option(help="Server base URL (without /v1).")] = "http://127.0.0.1:8000",
+        endpoint: Annotated[
+            str,
+            typer.Option(help="API to call: 'completions' (/v1/completions) or 'chat' (/v1/chat/completions)."),
+        ] = "completions",
+        model: Annotated[
+            str | None, typer.Option(help="Model name to send; default: the first one listed by /v1/models.")
+        ] = None,
+        api_key: Annotated[
+            str | None,
+            typer.Option(
+                help="Bearer token for the server (also read from OPENAI_API_KEY).", envvar="OPENAI_API_KEY"
+            ),
+        ] = None,
+        stream: Annotated[
+            bool,
+            typer.Option(help="Stream responses (needed for TTFT, TPOT and ITL); --no-stream measures E2E only."),
+        ] = True,
+        ignore_eos: Annotated[
+            bool,
+            typer.Option(
+                help="Send ignore_eos=true so every request generates exactly its max tokens (vLLM, kvpilot)."
+            ),
+        ] = False,
+        timeout: Annotated[
+            float, typer.Option(help="Seconds to wait for a connection or for the next bytes of a response.")
+        ] = 300.0,
+        concurrency: Annotated[
+            int | None,
+            typer.Option(
+                help="Closed loop: keep N requests in flight, each sent as soon as the previous finished."
+            ),
+        ] = None,
+        request_rate: Annotated[
+            float,
+            typer.Option(help="Open loop: requests per second (inf = all at once). Ignored with --concurrency."),
+        ] = math.inf,
+        arrival: Annotated[
+            str,
+            typer.Option(help="Open-loop arrivals: 'poisson' (gamma with --burstiness) or 'constant' spacing."),
+        ] = "poisson",
+        burstiness: Annotated[
+            float,
+            typer.Option(help="Gamma shape for arrivals like vLLM: 1 = Poisson, < 1 burstier, > 1 smoother."),
+        ] = 1.0,
+        max_concurrency: Annotated[
+            int | None,
+            typer.Option(
+                help="Open loop: at most N in flight; time waiting for a slot is reported as client queue "
+                "wait, not TTFT."
+            ),
+        ] = None,
+        num_requests: Annotated[
+            int | None,
+            typer.Option(
+                help="Requests to send (with --duration: whichever ends first). Default 100 without --duration."
+            ),
+        ] = None,
+        duration: Annotated[float | None, typer.Option(help="Stop sending after this many seconds.")] = None,
+        warmup: Annotated[int, typer.Option(help="Requests sent first and left out of the results.")] = 0,
+        sweep: Annotated[
+            bool,
+            typer.Option(
+                help="Run synchronous, then max throughput, then rates in between; report the saturation knee."
+            ),
+        ] = False,
+        sweep_points: Annotated[int, typer.Option(help="Number of runs in a --sweep (>= 2).")] = 5,
+        dataset: Annotated[str, typer.Option(help=f"Prompts: {DATASETS_HELP}.")] = "random",
+        dataset_path: Annotated[
+            str | None,
+            typer.Option(
+                help="JSONL file for --dataset jsonl (prompt/messages per line) or trace "
+                "(timestamp plus prompt or input_len/output_len)."
+            ),
+        ] = None,
+        input_len: Annotated[
+            int,
+            typer.Option(
+                help="Prompt length in tokens (random, long-short short prompts, multi-turn turns; "
+                "shared-prefix total)."
+            ),
+        ] = 128,
+        output_len: Annotated[int, typer.Option(help="max_tokens per request.")] = 64,
+        len_dist: Annotated[
+            str, typer.Option(help="Length distribution for random: fixed, uniform or normal.")
+        ] = "fixed",
+        range_ratio: Annotated[
+            float,
+            typer.Option(help="uniform: lengths in len*(1 +- r); normal: std = r*len, clipped to that range."),
+        ] = 0.0,
+        num_prefixes: Annotated[
+            int, typer.Option(help="shared-prefix: number of distinct prefixes (groups).")
+        ] = 4,
+        num_suffixes: Annotated[int, typer.Option(help="shared-prefix: suffixes per prefix.")] = 8,
+        prefix_len: Annotated[int, typer.Option(help="shared-prefix: prefix length in tokens.")] = 512,
+        long_fraction: Annotated[float, typer.Option(help="long-short: fraction of long prompts.")] = 0.1,
+        long_input_len: Annotated[int, typer.Option(help="long-short: long prompt length in tokens.")] = 4096,
+        num_turns: Annotated[
+            int, typer.Option(help="multi-turn: user turns per chat session (each carries the history).")
+        ] = 3,
+        tokenizer: Annotated[
+            str | None,
+            typer.Option(
+                help="Tokenizer for token-exact prompts and output counts: HF name/dir, a .gguf file, "
+                "or 'embedded'. Default: approximate word counts."
+            ),
+        ] = None,
+        seed: Annotated[int, typer.Option(help="Random seed for prompts and arrivals.")] = 0,
+        slo: Annotated[
+            str | None, typer.Option(help="SLOs for goodput, e.g. ttft=200ms,tpot=50ms,itl=100ms,e2e=5s.")
+        ] = None,
+        goodput_target: Annotated[
+            float, typer.Option(help="Sweep knee: a load meets the SLOs when this fraction of requests does.")
+        ] = 0.9,
+        metrics_url: Annotated[
+            str | None, typer.Option(help="Prometheus endpoint to scrape; default <base-url>/metrics.")
+        ] = None,
+        scrape_metrics: Annotated[
+            bool, typer.Option(help="Scrape server metrics before, during and after the run.")
+        ] = True,
+        scrape_interval: Annotated[
+            float, typer.Option(help="Seconds between metric scrapes during the run.")
+        ] = 1.0,
+        max_client_lag_ms: Annotated[
+            float,
+            typer.Option(
+                help="Warn that the client is overloaded when its p99 dispatch or event-loop lag exceeds this."
+            ),
+        ] = 10.0,
+        output: Annotated[
+            str | None,
+            typer.Option(help="Write the full result JSON (schema_version 1, see docs/bench.md) here."),
+        ] = None,
+        csv: Annotated[str | None, typer.Option(help="Write per-request records as CSV here.")] = None,
+        html: Annotated[
+            str | None, typer.Option(help="Write a self-contained HTML report with plots here.")
+        ] = None,
+        progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+    ) -> None:
+        """Load-test an OpenAI-compatible server and split latency into its stages."""
+        from rich.console import Console  # noqa: PLC0415 (lazy: see DATASETS_HELP)
 
-    user_errors = (BenchError, DatasetError, LoadShapeError, SloError, TokenizerError)
-    # httpx logs every request at INFO; a bench sends thousands.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    console = Console(stderr=True)
-    try:
-        cfg = BenchConfig(
-            target=Target(
-                base_url,
-                model or "",
-                _choice(endpoint, ("completions", "chat"), "--endpoint"),
-                api_key,
-                stream,
-                ignore_eos,
-                timeout,
-            ),  # type: ignore[arg-type]
-            dataset=DatasetConfig(
-                _choice(dataset, DATASET_KINDS, "--dataset"),
-                input_len,
-                output_len,  # type: ignore[arg-type]
-                _choice(len_dist, ("fixed", "uniform", "normal"), "--len-dist"),
-                range_ratio,  # type: ignore[arg-type]
-                num_prefixes,
-                num_suffixes,
-                prefix_len,
-                long_fraction,
-                long_input_len,
-                num_turns,
-                dataset_path,
-                seed,
-            ),
-            load=LoadShape(
-                concurrency,
-                request_rate,
-                _choice(arrival, ("poisson", "constant"), "--arrival"),  # type: ignore[arg-type]
-                burstiness,
-                max_concurrency,
-                num_requests if num_requests is not None or duration is not None else 100,
-                duration,
-                warmup,
-                seed,
-            ),
-            slos=parse_slo(slo),
-            tokenizer=tokenizer,
-            sweep=sweep,
-            sweep_num_points=max(2, sweep_points),
-            goodput_target=goodput_target,
-            metrics_url=metrics_url if scrape_metrics else "",
-            scrape_interval_s=scrape_interval,
-            max_lag_ms=max_client_lag_ms,
-            json_path=output,
-            csv_path=csv,
-            html_path=html,
-            progress=progress,
-        )
-        outcome = run_bench(cfg, console)
-    except user_errors as exc:
-        console.print(f"error: {exc}", style="bold red", markup=False)
-        raise typer.Exit(2) from None
-    if all(r.aggregates.num_ok == 0 for r in outcome.runs):
-        console.print("every request failed: see the errors above", style="bold red")
-        raise typer.Exit(1)
+        from kvpilot.bench.api import BenchConfig, BenchError, run_bench  # noqa: PLC0415
+        from kvpilot.bench.arrivals import LoadShapeError  # noqa: PLC0415
+        from kvpilot.bench.client import Target  # noqa: PLC0415
+        from kvpilot.bench.datasets import DATASET_KINDS, DatasetConfig, DatasetError  # noqa: PLC0415
+        from kvpilot.bench.load import LoadShape  # noqa: PLC0415
+        from kvpilot.bench.stats import SloError, parse_slo  # noqa: PLC0415
+        from kvpilot.bench.tokens import TokenizerError  # noqa: PLC0415
+
+        user_errors = (BenchError, DatasetError, LoadShapeError, SloError, TokenizerError)
+        # httpx logs every request at INFO; a bench sends thousands.
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+        console = Console(stderr=True)
+        try:
+            cfg = BenchConfig(
+                target=Target(
+                    base_url,
+                    model or "",
+                    _choice(endpoint, ("completions", "chat"), "--endpoint"),
+                    api_key,
+                    stream,
+                    ignore_eos,
+                    timeout,
+                ),  # type: ignore[arg-type]
+                dataset=DatasetConfig(
+                    _choice(dataset, DATASET_KINDS, "--dataset"),
+                    input_len,
+                    output_len,  # type: ignore[arg-type]
+                    _choice(len_dist, ("fixed", "uniform", "normal"), "--len-dist"),
+                    range_ratio,  # type: ignore[arg-type]
+                    num_prefixes,
+                    num_suffixes,
+                    prefix_len,
+                    long_fraction,
+                    long_input_len,
+                    num_turns,
+                    dataset_path,
+                    seed,
+                ),
+                load=LoadShape(
+                    concurrency,
+                    request_rate,
+                    _choice(arrival, ("poisson", "constant"), "--arrival"),  # type: ignore[arg-type]
+                    burstiness,
+                    max_concurrency,
+                    num_requests if num_requests is not None or duration is not None else 100,
+                    duration,
+                    warmup,
+                    seed,
+                ),
+                slos=parse_slo(slo),
+                tokenizer=tokenizer,
+                sweep=sweep,
+                sweep_num_points=max(2, sweep_points),
+                goodput_target=goodput_target,
+                metrics_url=metrics_url if scrape_metrics else "",
+                scrape_interval_s=scrape_interval,
+                max_lag_ms=max_client_lag_ms,
+                json_path=output,
+                csv_path=csv,
+                html_path=html,
+                progress=progress,
+                report_sections=report_sections,
+            )
+            outcome = run_bench(cfg, console)
+        except user_errors as exc:
+            console.print(f"error: {exc}", style="bold red", markup=False)
+            raise typer.Exit(2) from None
+        if all(r.aggregates.num_ok == 0 for r in outcome.runs):
+            console.print("every request failed: see the errors above", style="bold red")
+            raise typer.Exit(1)
+
+    return bench_command
+
+
+bench_command = make_bench_command()  # without extra report sections

@@ -115,7 +115,7 @@ def load_tokenizer(spec: Any) -> Tokenizer:
 
 def _gguf_tokenizer(path: Path) -> Any:
     """A GGUF's tokenizer, built straight from its metadata by kvpilot's loader (a fraction of a second)."""
-    from kvpilot.model.gguf_metadata import open_gguf  # noqa: PLC0415
+    from kvpilot.fit.gguf_metadata import open_gguf  # noqa: PLC0415
     from kvpilot.model.tokenizer import tokenizer_from_gguf  # noqa: PLC0415
 
     return tokenizer_from_gguf(open_gguf(path), path).backend

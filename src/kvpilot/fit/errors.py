@@ -22,6 +22,11 @@ class ConfigError(FitError):
     """A config.json or GGUF that cannot be read or lacks a field the planner needs."""
 
 
+class GgufError(ConfigError):
+    """A GGUF file that is missing, truncated or corrupt, or whose header describes an architecture
+    kvpilot cannot turn into an HF config (the message names the file)."""
+
+
 class ImpossibleRequestError(FitError):
     """Inputs that cannot be satisfied (e.g. a model that does not fit on any number of GPUs)."""
 

@@ -28,7 +28,7 @@ class GgufSizes:
 
 
 def gguf_sizes(reader: Any) -> GgufSizes:
-    """Sizes from an open `gguf.GGUFReader` (see kvpilot.model.gguf_metadata.open_gguf)."""
+    """Sizes from an open `gguf.GGUFReader` (see kvpilot.fit.gguf_metadata.open_gguf)."""
     tensors = list(reader.tensors)
     by_name = {t.name: int(t.n_bytes) for t in tensors}
     return GgufSizes(

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpilot.fit.errors import ConfigError
+from kvpilot.fit.gguf_metadata import hf_config_from_reader, open_gguf
 from kvpilot.fit.gguf_sizes import GgufSizes, gguf_sizes
 from kvpilot.fit.model_catalog import canonical_name, get_hf_config, get_repo_id
 from kvpilot.fit.model_spec import ModelSpec, spec_from_hf_config
@@ -43,15 +44,9 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def _from_gguf(path: Path) -> LoadedModel:
-    # Imported here: the model package reads GGUF metadata; fit reuses it rather than a second reader.
-    from kvpilot.model.errors import ModelLoadError
-    from kvpilot.model.gguf_metadata import hf_config_from_reader, open_gguf
-
-    try:
-        reader = open_gguf(path)
-        config = hf_config_from_reader(reader, path)
-    except ModelLoadError as exc:
-        raise ConfigError(str(exc)) from exc
+    """Raises GgufError (a ConfigError) for an unreadable file or header."""
+    reader = open_gguf(path)
+    config = hf_config_from_reader(reader, path)
     loaded = _from_config(config, path.stem, f"GGUF file {path}")
     return LoadedModel(loaded.spec, loaded.params, loaded.source, gguf_sizes(reader), config)
 

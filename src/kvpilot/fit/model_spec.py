@@ -2,6 +2,9 @@
 
 Supported shapes: dense decoder-only transformers (Llama, Mistral, Qwen2/3, Gemma-2), Mixture-of-Experts
 (Mixtral, Qwen3-MoE, DeepSeek-V3) and Multi-head Latent Attention (DeepSeek-V2/V3).
+
+With `runtime_spec` this is kvpilot's one HF-config parser: the model loader builds its ModelConfig from a
+ModelSpec and a RuntimeSpec (it only checks which keys the engine requires and what the engine can run).
 """
 
 from __future__ import annotations
@@ -77,8 +80,8 @@ class ModelSpec:
         return self.moe is not None
 
 
-def _text_config(config: dict[str, Any]) -> dict[str, Any]:
-    """Multimodal configs nest the language model under `text_config`."""
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config: multimodal configs nest it under `text_config` (merged over the top)."""
     nested = config.get("text_config")
     return {**config, **nested} if isinstance(nested, dict) else config
 
@@ -143,7 +146,7 @@ def spec_from_hf_config(config: dict[str, Any], name: str = "model") -> ModelSpe
     """Parse an HF config.json dict. Raises ConfigError naming the missing or bad field."""
     if not isinstance(config, dict):
         raise ConfigError(f"{name}: a config must be a JSON object, got {type(config).__name__}.")
-    cfg = _text_config(config)
+    cfg = text_config(config)
     missing = [key for key in _REQUIRED if key not in cfg]
     if missing:
         raise ConfigError(f"{name}: config lacks {', '.join(missing)}; is this an LLM config.json?")

@@ -1,7 +1,9 @@
 """ModelConfig: the one in-memory description of a Llama-family model, whatever it was loaded from.
 
-Torch-free, so the scheduler layer and `fit` can read it. Built from a Hugging Face config dict
-(`from_hf_config`); GGUF metadata and the built-in catalog are first turned into such a dict.
+Torch-free. Built from a Hugging Face config dict (`from_hf_config`); GGUF metadata and the built-in catalog
+are first turned into such a dict. The dict is parsed by kvpilot.fit's parser (ModelSpec for the shapes,
+RuntimeSpec for rope, norms and token ids), the same one `kvpilot fit` plans with; this module only checks
+what the engine can run and assembles the result.
 """
 
 from __future__ import annotations
@@ -9,26 +11,23 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpilot.model.errors import ModelLoadError
+from kvpilot.fit.model_spec import ModelSpec, spec_from_hf_config
+from kvpilot.fit.runtime_spec import RopeScaling, RuntimeSpec, runtime_spec_from_hf_config
+from kvpilot.model.errors import ModelLoadError, config_errors_as_load_errors
 
-# HF `architectures[0]` -> (family, has qkv bias by default, has q/k RMSNorm)
-SUPPORTED_ARCHITECTURES: dict[str, tuple[str, bool, bool]] = {
-    "LlamaForCausalLM": ("llama", False, False),
-    "MistralForCausalLM": ("mistral", False, False),
-    "Qwen2ForCausalLM": ("qwen2", True, False),
-    "Qwen3ForCausalLM": ("qwen3", False, True),
+__all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig", "RopeScaling", "from_hf_config"]
+
+# HF `architectures[0]` -> family. The family is the parser's model_type, so its per-family facts (Qwen2's
+# qkv bias, Qwen3's q/k RMSNorm) follow the architecture.
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """Llama-3 style frequency scaling (rope_type "llama3"); other types are rejected at load."""
-
-    rope_type: str
-    factor: float
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
+# Checked before parsing, in this order: the engine has no default for any of them.
+REQUIRED_KEYS = ("hidden_size", "num_attention_heads", "vocab_size", "intermediate_size", "num_hidden_layers")
+SUPPORTED_ROPE_SCALING = ("llama3",)
 
 
 @dataclass(frozen=True)
@@ -82,79 +81,59 @@ class ModelConfig:
         return v * h + self.num_hidden_layers * per_layer + h + lm_head
 
 
-def _require(cfg: dict[str, Any], key: str, source: str) -> Any:
-    if key not in cfg or cfg[key] is None:
-        raise ModelLoadError(f"{source}: the model config has no '{key}'; is this a complete config.json?")
-    return cfg[key]
-
-
-def _rope_scaling(cfg: dict[str, Any], source: str) -> tuple[float, RopeScaling | None]:
-    """Reads rope theta and scaling from either the transformers 4.x or 5.x layout."""
-    params = cfg.get("rope_parameters") or {}
-    theta = float(cfg.get("rope_theta", params.get("rope_theta", 10000.0)))
-    scaling = cfg.get("rope_scaling") or (params if params.get("rope_type") not in (None, "default") else None)
-    if not scaling:
-        return theta, None
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type == "default":
-        return theta, None
-    if rope_type != "llama3":
-        raise ModelLoadError(f"{source}: rope scaling type '{rope_type}' is not supported (supported: llama3)")
-    return theta, RopeScaling(
-        rope_type="llama3",
-        factor=float(scaling["factor"]),
-        low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(scaling.get("original_max_position_embeddings", 8192)),
-    )
-
-
-def _eos_ids(value: Any) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    return tuple(int(v) for v in value) if isinstance(value, (list, tuple)) else (int(value),)
-
-
-def from_hf_config(cfg: dict[str, Any], source: str = "config") -> ModelConfig:
-    """Builds a ModelConfig from a Hugging Face config.json dict; `source` names it in errors."""
-    architectures = cfg.get("architectures") or []
-    arch = architectures[0] if architectures else None
+def _family(arch: str | None, source: str) -> str:
     if arch not in SUPPORTED_ARCHITECTURES:
         supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
         raise ModelLoadError(f"{source}: unsupported architecture {arch!r}; kvpilot supports {supported}")
-    family, default_bias, qk_norm = SUPPORTED_ARCHITECTURES[arch]
-    hidden = int(_require(cfg, "hidden_size", source))
-    heads = int(_require(cfg, "num_attention_heads", source))
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    head_dim = int(cfg.get("head_dim") or hidden // heads)
-    if heads % kv_heads != 0:
-        raise ModelLoadError(f"{source}: num_attention_heads ({heads}) is not a multiple of "
-                             f"num_key_value_heads ({kv_heads})")
-    if head_dim % 2 != 0:
-        raise ModelLoadError(f"{source}: head_dim ({head_dim}) must be even for rotary embeddings")
-    theta, scaling = _rope_scaling(cfg, source)
-    sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+    return SUPPORTED_ARCHITECTURES[arch]
+
+
+def _check_required(cfg: dict[str, Any], source: str) -> None:
+    for key in REQUIRED_KEYS:
+        if cfg.get(key) is None:
+            raise ModelLoadError(f"{source}: the model config has no '{key}'; is this a complete config.json?")
+
+
+def _check_runnable(spec: ModelSpec, runtime: RuntimeSpec, source: str) -> None:
+    """What the engine implements on top of what the parser accepts."""
+    if spec.head_dim % 2 != 0:
+        raise ModelLoadError(f"{source}: head_dim ({spec.head_dim}) must be even for rotary embeddings")
+    scaling = runtime.rope_scaling
+    if scaling is not None and scaling.rope_type not in SUPPORTED_ROPE_SCALING:
+        raise ModelLoadError(f"{source}: rope scaling type '{scaling.rope_type}' is not supported "
+                             f"(supported: {', '.join(SUPPORTED_ROPE_SCALING)})")
+
+
+def from_hf_config(cfg: dict[str, Any], source: str = "config") -> ModelConfig:
+    """Builds a ModelConfig from a Hugging Face config.json dict; `source` names it in errors (ModelLoadError)."""
+    with config_errors_as_load_errors(source):
+        runtime = runtime_spec_from_hf_config(cfg, source)
+    family = _family(runtime.architecture, source)
+    _check_required(cfg, source)
+    with config_errors_as_load_errors(source):
+        spec = spec_from_hf_config({**cfg, "model_type": family}, source)
+    _check_runnable(spec, runtime, source)
     return ModelConfig(
-        architecture=arch,
+        architecture=str(runtime.architecture),  # supported, so not None
         family=family,
-        vocab_size=int(_require(cfg, "vocab_size", source)),
-        hidden_size=hidden,
-        intermediate_size=int(_require(cfg, "intermediate_size", source)),
-        num_hidden_layers=int(_require(cfg, "num_hidden_layers", source)),
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=head_dim,
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=bool(cfg.get("attention_bias", default_bias)),
-        qk_norm=qk_norm,
-        sliding_window=int(sliding) if sliding else None,
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=_eos_ids(cfg.get("eos_token_id")),
-        torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
-        name=str(cfg.get("_name_or_path", "")),
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        head_dim=spec.head_dim,
+        rms_norm_eps=runtime.rms_norm_eps,
+        rope_theta=runtime.rope_theta,
+        rope_scaling=runtime.rope_scaling,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        attention_bias=spec.qkv_bias,
+        qk_norm=spec.qk_norm,
+        sliding_window=spec.sliding_window,
+        bos_token_id=runtime.bos_token_id,
+        eos_token_ids=runtime.eos_token_ids,
+        torch_dtype=spec.torch_dtype,
+        name=runtime.name_or_path,
         extra=dict(cfg),
     )

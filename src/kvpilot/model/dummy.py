@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from kvpilot.fit.model_catalog import UnknownModelError, get_hf_config
 from kvpilot.model.errors import ModelLoadError
 from kvpilot.model.hf_dir import read_hf_config
 
@@ -24,8 +25,6 @@ def dummy_hf_config(name_or_path: str) -> dict[str, Any]:
         return read_hf_config(path)
     if path.is_file():
         return read_hf_config(path.parent) if path.name == "config.json" else _read_json(path)
-    from kvpilot.fit.model_catalog import UnknownModelError, get_hf_config
-
     try:
         return get_hf_config(name_or_path)
     except UnknownModelError as exc:

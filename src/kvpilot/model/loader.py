@@ -11,7 +11,7 @@ import torch
 from kvpilot.model.config import ModelConfig, from_hf_config
 from kvpilot.model.default_model import DEFAULT_MODEL_NAME, default_model_path
 from kvpilot.model.dtypes import resolve_dtype
-from kvpilot.model.errors import ModelLoadError
+from kvpilot.model.errors import ModelLoadError, config_errors_as_load_errors
 from kvpilot.model.llama import LlamaForCausalLM
 from kvpilot.model.tokenizer import Tokenizer
 from kvpilot.model.weight_layout import relayout_linear_weights
@@ -43,7 +43,7 @@ def _build_model(config: ModelConfig, max_positions: int, dtype: torch.dtype,
 
 
 def _load_gguf(path: Path, max_model_len: int | None, dtype: torch.dtype, device: torch.device) -> LoadedModel:
-    from kvpilot.model.gguf_metadata import field_value, hf_config_from_reader, open_gguf
+    from kvpilot.fit.gguf_metadata import field_value, hf_config_from_reader, open_gguf
     from kvpilot.model.gguf_weights import load_gguf_state_dict
     from kvpilot.model.tokenizer import tokenizer_from_gguf
 
@@ -84,7 +84,7 @@ def _fallback_tokenizer(config: ModelConfig) -> Tokenizer | None:
         path = default_model_path()
     except ModelLoadError:
         return None
-    from kvpilot.model.gguf_metadata import open_gguf
+    from kvpilot.fit.gguf_metadata import open_gguf
     from kvpilot.model.tokenizer import tokenizer_from_gguf
 
     tokenizer = tokenizer_from_gguf(open_gguf(path), path)
@@ -102,7 +102,8 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
         raise ModelLoadError(f"load_format {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
     torch_device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch_dtype = resolve_dtype(dtype, torch_device)
-    loaded = _load(model, load_format, max_model_len, torch_dtype, torch_device, seed)
+    with config_errors_as_load_errors():  # a bad GGUF header, read by kvpilot.fit.gguf_metadata
+        loaded = _load(model, load_format, max_model_len, torch_dtype, torch_device, seed)
     if torch_device.type == "cpu":
         relayout_linear_weights(loaded.model)
     return loaded

@@ -13,9 +13,9 @@ from typing import Any
 
 from tokenizers import AddedToken, Tokenizer as BackendTokenizer, decoders, models, pre_tokenizers
 
+from kvpilot.fit.gguf_metadata import field_value
 from kvpilot.model.chat_template import render_chat
 from kvpilot.model.errors import ModelLoadError
-from kvpilot.model.gguf_metadata import field_value
 
 GGUF_TOKEN_TYPE_CONTROL = 3
 

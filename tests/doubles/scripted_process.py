@@ -1,7 +1,9 @@
-"""The scripted server in its own process, driven over HTTP (used by tests and the doctor).
+"""The scripted server in its own process, driven over HTTP (tests/bench, tests/doctor).
 
 In-process (thread) servers share the GIL with the client, which inflates measured latencies;
-a separate process keeps client-side numbers close to the scripted truth.
+a separate process keeps client-side numbers close to the scripted truth. The child runs
+``python -m tests.doubles.scripted_process`` with the repository root as its working directory, so it
+works from a fresh clone where tests/ is not installed, whatever directory pytest was started from.
 """
 
 from __future__ import annotations
@@ -12,12 +14,15 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
 import uvicorn
 
-from kvpilot.bench.scripted_server import Behavior, Script, ServedRequest, build_app, cycled
+from tests.doubles.scripted_server import Behavior, Script, ServedRequest, build_app, cycled
+
+REPO_ROOT = Path(__file__).resolve().parents[2]  # holds the `tests` package
 
 
 def free_port() -> int:
@@ -27,7 +32,7 @@ def free_port() -> int:
 
 
 class ScriptedProcess:
-    """Starts ``python -m kvpilot.bench.scripted_process --port P`` on 127.0.0.1.
+    """Starts ``python -m tests.doubles.scripted_process --port P`` on 127.0.0.1.
 
     :meth:`set_script` installs behaviors (cycled by request index) and clears the log;
     :meth:`served` returns the server-side log (arrival times on the server's perf_counter).
@@ -43,8 +48,8 @@ class ScriptedProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> ScriptedProcess:
-        self._proc = subprocess.Popen([sys.executable, "-m", "kvpilot.bench.scripted_process",
-                                       "--port", str(self.port), "--model", self.model])
+        self._proc = subprocess.Popen([sys.executable, "-m", "tests.doubles.scripted_process",
+                                       "--port", str(self.port), "--model", self.model], cwd=REPO_ROOT)
         deadline = time.monotonic() + self.start_timeout_s
         while True:
             try:

@@ -1,6 +1,8 @@
 """Reads a GGUF file's header: hyper-parameters as an HF-style config dict, and the tokenizer fields.
 
-Torch-free (the `fit` planner uses it too). Every failure becomes a ModelLoadError naming the file.
+Torch-free, so it lives with the planner: `fit` sizes GGUF models from it, and the model loader and
+tokenizer (kvpilot.model) read their GGUF metadata through it too. Every failure is a GgufError naming
+the file (the loader reports it as a ModelLoadError).
 """
 
 from __future__ import annotations
@@ -8,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kvpilot.model.errors import ModelLoadError
+from kvpilot.fit.errors import GgufError
 
 # GGUF `general.architecture` -> HF `architectures[0]`
 GGUF_ARCHITECTURES: dict[str, str] = {
@@ -20,22 +22,22 @@ GGUF_ARCHITECTURES: dict[str, str] = {
 
 
 def open_gguf(path: str | Path) -> Any:
-    """Opens a GGUF file with the `gguf` package; a missing, truncated or corrupt file is a ModelLoadError."""
+    """Opens a GGUF file with the `gguf` package; a missing, truncated or corrupt file is a GgufError."""
     path = Path(path)
     if not path.is_file():
-        raise ModelLoadError(f"{path}: no such GGUF file")
+        raise GgufError(f"{path}: no such GGUF file")
     from gguf import GGUFReader
 
     try:
         with path.open("rb") as f:
             magic = f.read(4)
         if magic != b"GGUF":
-            raise ModelLoadError(f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
+            raise GgufError(f"{path}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
         return GGUFReader(str(path))
-    except ModelLoadError:
+    except GgufError:
         raise
     except Exception as exc:  # the gguf reader raises ValueError, IndexError, struct errors...
-        raise ModelLoadError(f"{path}: GGUF file is truncated or corrupt ({type(exc).__name__}: {exc})") from exc
+        raise GgufError(f"{path}: GGUF file is truncated or corrupt ({type(exc).__name__}: {exc})") from exc
 
 
 def field_value(reader: Any, key: str, default: Any = None) -> Any:
@@ -50,7 +52,7 @@ def field_value(reader: Any, key: str, default: Any = None) -> Any:
 def _arch_key(reader: Any, arch: str, key: str, path: Path, required: bool = True) -> Any:
     value = field_value(reader, f"{arch}.{key}")
     if value is None and required:
-        raise ModelLoadError(f"{path}: GGUF metadata lacks '{arch}.{key}'")
+        raise GgufError(f"{path}: GGUF metadata lacks '{arch}.{key}'")
     return value
 
 
@@ -60,13 +62,13 @@ def hf_config_from_reader(reader: Any, path: str | Path) -> dict[str, Any]:
     arch = field_value(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         supported = ", ".join(sorted(GGUF_ARCHITECTURES))
-        raise ModelLoadError(f"{path}: unsupported GGUF architecture {arch!r}; kvpilot supports {supported}")
+        raise GgufError(f"{path}: unsupported GGUF architecture {arch!r}; kvpilot supports {supported}")
     heads = int(_arch_key(reader, arch, "attention.head_count", path))
     hidden = int(_arch_key(reader, arch, "embedding_length", path))
     tokens = field_value(reader, "tokenizer.ggml.tokens")
     vocab = _arch_key(reader, arch, "vocab_size", path, required=False) or (len(tokens) if tokens else None)
     if vocab is None:
-        raise ModelLoadError(f"{path}: GGUF metadata has neither '{arch}.vocab_size' nor a token list")
+        raise GgufError(f"{path}: GGUF metadata has neither '{arch}.vocab_size' nor a token list")
     tensor_names = {t.name for t in reader.tensors}
     cfg: dict[str, Any] = {
         "architectures": [GGUF_ARCHITECTURES[arch]],
@@ -94,7 +96,7 @@ def hf_config_from_reader(reader: Any, path: str | Path) -> dict[str, Any]:
     if scaling_type not in (None, "none") or "rope_freqs.weight" in tensor_names:
         # llama.cpp stores llama3 scaling as a rope_freqs tensor; linear/yarn as metadata. Neither is
         # implemented yet: refuse rather than run a silently wrong model.
-        raise ModelLoadError(f"{path}: GGUF rope scaling ({scaling_type or 'rope_freqs tensor'}, "
+        raise GgufError(f"{path}: GGUF rope scaling ({scaling_type or 'rope_freqs tensor'}, "
                              f"factor {factor}) is not supported yet; use the HF checkpoint instead")
     return cfg
 
@@ -102,6 +104,6 @@ def hf_config_from_reader(reader: Any, path: str | Path) -> dict[str, Any]:
 def hf_config_from_gguf(path: str | Path) -> dict[str, Any]:
     """An HF config.json-like dict (architectures, sizes, rope, eos/bos ids) read from a GGUF file's metadata.
 
-    Raises ModelLoadError naming the file for a missing/corrupt file or an unsupported architecture.
+    Raises GgufError naming the file for a missing/corrupt file or an unsupported architecture.
     """
     return hf_config_from_reader(open_gguf(path), path)

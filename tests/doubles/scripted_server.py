@@ -1,4 +1,5 @@
-"""A scripted OpenAI-compatible server whose timings and faults are known, for tests and the doctor.
+"""A scripted OpenAI-compatible server whose timings and faults are known (a test double for the bench
+and doctor tests).
 
 Each request gets a :class:`Behavior` (from a fixed one or a ``script(index, body)`` function):
 TTFT, gaps between tokens, output length, HTTP errors (with ``Retry-After``), dying mid-stream or

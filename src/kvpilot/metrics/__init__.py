@@ -1,1 +1,0 @@
-"""kvpilot.metrics"""

@@ -1,0 +1,123 @@
+"""Layering of src/kvpilot, checked on the import graph (tests/import_graph.py, function-local imports
+included): no cycle between units, every import goes a direction allowed below, the torch-free units stay
+torch-free, and the client tools reach the engine side only through its public interfaces.
+
+Adding an import that crosses units means placing it here first: if it would close a cycle, move the shared
+piece down to the lower unit instead of importing late (docs/architecture.md, "Layers").
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.import_graph import Import, cycles, package_imports, reachable_modules, unit_edges, unit_of
+
+# Plain value types with no kvpilot imports of their own: any unit may import them.
+SHARED_LEAVES = frozenset({"memory_size", "sampling_params", "outputs"})
+# unit -> the other units it may import (besides SHARED_LEAVES). The data itself must be acyclic (checked).
+MAY_IMPORT: dict[str, frozenset[str]] = {
+    **{leaf: frozenset() for leaf in SHARED_LEAVES},
+    "cli_options": frozenset(),
+    # torch-free core: the scheduler side and the planner (its catalogs, HF-config and GGUF-header parsers)
+    "engine": frozenset(),
+    "fit": frozenset(),
+    # tensors: consumes the scheduler's step contract, reads configs through fit
+    "model": frozenset({"engine", "fit"}),
+    # wiring and the Python API
+    "engine_args": frozenset({"engine", "fit", "model"}),
+    "llm": frozenset({"engine", "engine_args", "model"}),
+    "kvpilot": frozenset({"llm"}),
+    "chat_session": frozenset({"llm"}),
+    "server": frozenset({"cli_options", "engine", "engine_args", "fit", "kvpilot", "llm", "model"}),
+    # client tools: talk to any server over HTTP; bench borrows the model's tokenizer, doctor reads bench results
+    "bench": frozenset({"fit", "model"}),
+    "doctor": frozenset({"bench", "fit"}),
+    # the composition root
+    "cli": frozenset({"bench", "chat_session", "cli_options", "doctor", "engine", "fit", "llm", "model",
+                      "server"}),
+}
+
+TORCH_FREE = ("engine", "fit")
+CLIENT_TOOLS = ("bench", "fit", "doctor")
+# What a client tool may import from the engine-side units: their public faces, never their internals.
+PUBLIC_INTERFACES: dict[str, frozenset[str]] = {
+    "engine": frozenset({"kvpilot.engine"}),  # the package root re-exports the engine's API
+    "model": frozenset({"kvpilot.model.default_model", "kvpilot.model.errors", "kvpilot.model.tokenizer"}),
+    "server": frozenset({"kvpilot.server"}),  # create_app, ServerArgs, engine_factory
+}
+
+
+def allowed(importer: str, imported: str) -> bool:
+    """May unit `importer` import unit `imported`?"""
+    leaf = imported in SHARED_LEAVES and importer not in SHARED_LEAVES
+    return leaf or imported in MAY_IMPORT.get(importer, frozenset())
+
+
+def reaches_internals(imported: str) -> bool:
+    """Is `imported` a module of an engine-side unit outside that unit's public interface?"""
+    unit = unit_of(imported)
+    return unit in PUBLIC_INTERFACES and imported not in PUBLIC_INTERFACES[unit]
+
+
+@pytest.fixture(scope="module")
+def imports() -> list[Import]:
+    return package_imports()
+
+
+def _describe(edges: dict[tuple[str, str], list[Import]], pairs) -> str:
+    return "\n".join(f"  {a} -> {b}: " + ", ".join(dict.fromkeys(i.where() for i in edges[(a, b)]))
+                     for a, b in pairs)
+
+
+def test_every_unit_has_a_place_in_the_layering(imports: list[Import]) -> None:
+    units = {unit_of(imp.importer) for imp in imports}
+    assert sorted(units - set(MAY_IMPORT)) == [], "new unit: add it to MAY_IMPORT"
+
+
+def test_the_allowed_directions_have_no_cycle() -> None:
+    assert all(targets <= set(MAY_IMPORT) for targets in MAY_IMPORT.values())
+    assert cycles({(a, b) for a in MAY_IMPORT for b in MAY_IMPORT if allowed(a, b)}) == []
+
+
+def test_no_import_cycle_between_units(imports: list[Import]) -> None:
+    edges = unit_edges(imports)
+    found = cycles(set(edges))
+    pairs = [(a, b) for cycle in found for a, b in edges if a in cycle and b in cycle]
+    assert found == [], f"import cycles between units {found}:\n{_describe(edges, sorted(pairs))}"
+
+
+def test_every_import_goes_an_allowed_direction(imports: list[Import]) -> None:
+    edges = unit_edges(imports)
+    wrong = sorted((a, b) for a, b in edges if not allowed(a, b))
+    assert wrong == [], f"imports against the layering:\n{_describe(edges, wrong)}"
+
+
+@pytest.mark.parametrize("unit", TORCH_FREE)
+def test_torch_free_units_reach_no_torch_and_no_model(imports: list[Import], unit: str) -> None:
+    """Followed through every kvpilot module they import (parent packages' __init__ aside: kvpilot's own
+    loads LLM lazily; tests/fit/test_torch_free.py checks the real import)."""
+    roots = {i.importer for i in imports if unit_of(i.importer) == unit}
+    reached = reachable_modules(imports, roots)
+    bad = [i.where() for i in imports if i.importer in reached
+           and (i.imported.split(".")[0] == "torch" or unit_of(i.imported) == "model")]
+    assert bad == [], f"{unit} must stay torch-free and never import kvpilot.model"
+
+
+@pytest.mark.parametrize("client", CLIENT_TOOLS)
+def test_client_tools_use_only_public_interfaces(imports: list[Import], client: str) -> None:
+    bad = [i.where() for i in imports if unit_of(i.importer) == client and reaches_internals(i.imported)]
+    assert bad == [], f"{client} reaches engine/model/server internals"
+
+
+def test_the_graph_sees_function_local_imports(tmp_path) -> None:
+    """The check is only as good as its reader: a late import inside a function is an edge too."""
+    pkg = tmp_path / "kvpilot"
+    (pkg / "a").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a" / "__init__.py").write_text("")
+    (pkg / "a" / "x.py").write_text("def f():\n    from ..b import y\n    import torch\n")
+    (pkg / "b.py").write_text("from kvpilot.a import x\n")
+    found = package_imports(tmp_path)
+    edges = unit_edges(found)
+    assert set(edges) == {("a", "b"), ("b", "a")} and cycles(set(edges)) == [["a", "b"]]
+    assert Import("kvpilot.a.x", "torch", 3) in found and Import("kvpilot.b", "kvpilot.a.x", 1) in found
