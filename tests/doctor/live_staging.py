@@ -40,7 +40,7 @@ def engine_args(**overrides: Any) -> EngineArgs:
 def kvpilot_server(loaded: Any, **overrides: Any) -> Iterator[BackgroundServer]:
     """A real kvpilot server on the session's weights (``llm_fp32.loaded``), one engine of its own."""
     app = create_app(engine_factory(engine_args(**overrides), loaded, warmup=True),
-                     ServerArgs(served_model_names=(MODEL,), stats_interval=60.0))
+                     ServerArgs(served_model_names=(MODEL,), stats_interval=60.0, engine_process=False))
     with BackgroundServer(app) as server:
         yield server
 
@@ -66,14 +66,15 @@ class SlowTokenizer:
 
 @contextlib.contextmanager
 def slow_tokenizer(server: BackgroundServer, delay_s: float) -> Iterator[None]:
-    """Install a :class:`SlowTokenizer` into the running server's engine; restored on exit."""
-    engine = server.state.client.served.engine
-    original = engine.tokenizer
-    engine.tokenizer = SlowTokenizer(original, delay_s)
+    """Install a :class:`SlowTokenizer` as the running server's tokenizer (the HTTP side tokenizes with the
+    one the engine core sent at start); restored on exit."""
+    client = server.state.client
+    original = client.tokenizer
+    client.tokenizer = SlowTokenizer(original, delay_s)
     try:
         yield
     finally:
-        engine.tokenizer = original
+        client.tokenizer = original
 
 
 class DelayProxy:

@@ -26,10 +26,21 @@ from pathlib import Path
 
 import httpx
 
-from kvpilot.server.proc_memory import read_process_memory
+from kvpilot.server.proc_memory import ProcessMemory, read_process_memory, sum_process_memory
 
 CGROUP_V1_ROOT = Path("/sys/fs/cgroup/memory")
 CGROUP_V2_ROOT = Path("/sys/fs/cgroup")
+
+
+def read_server_memory(pid: int) -> ProcessMemory | None:
+    """A server process's memory together with its children's: `kvpilot serve` keeps the weights and KV
+    blocks in its engine core, a child process (the same sum its /metrics reports)."""
+    children = []
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            if entry.name.isdigit() and int((entry / "stat").read_text().rpartition(")")[2].split()[1]) == pid:
+                children.append(read_process_memory(entry.name))
+    return sum_process_memory([read_process_memory(str(pid)), *children])
 
 
 class StagingUnavailable(RuntimeError):
@@ -193,7 +204,7 @@ class EdgeSqueezer:
             self._pid, self._max_faults_per_s = pid, max_per_s
 
     def _faults(self) -> int | None:
-        mem = read_process_memory(str(self._pid)) if self._pid is not None else None
+        mem = read_server_memory(self._pid) if self._pid is not None else None
         return mem.major_faults if mem is not None else None
 
     def _raise(self) -> None:
@@ -387,7 +398,7 @@ def _steady_read_backs(squeezer: EdgeSqueezer, pid: int, generate: Callable[[flo
     when a call takes longer than its timeout."""
     raises = squeezer.num_raises
     generate(first_timeout_s)
-    before = read_process_memory(str(pid))
+    before = read_server_memory(pid)
     if before is None or before.major_faults is None or not before.swap_bytes:
         raise StagingUnavailable(f"the kernel swapped nothing of process {pid} out under a "
                                  f"{(squeezer.cap_bytes or 0) >> 20} MiB cap (vm.swappiness 0, or /proc without "
@@ -395,6 +406,6 @@ def _steady_read_backs(squeezer: EdgeSqueezer, pid: int, generate: Callable[[flo
     started = time.perf_counter()
     tokens = generate(timeout_s)
     seconds = time.perf_counter() - started
-    after = read_process_memory(str(pid))
+    after = read_server_memory(pid)
     faults = (after.major_faults or 0) - before.major_faults if after is not None else 0
     return faults / max(1, tokens), seconds, squeezer.num_raises > raises

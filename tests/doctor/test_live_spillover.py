@@ -25,9 +25,8 @@ import httpx
 import pytest
 
 from kvpilot.server.background import free_port
-from kvpilot.server.proc_memory import read_process_memory
-from tests.doctor.spill_staging import (EdgeSqueezer, StagingUnavailable, memory_cgroup, require_linux_root,
-                                        serve_process, squeeze_until_it_reads_back, swap_file)
+from tests.doctor.spill_staging import (EdgeSqueezer, StagingUnavailable, memory_cgroup, read_server_memory,
+                                        require_linux_root, serve_process, squeeze_until_it_reads_back, swap_file)
 
 pytestmark = pytest.mark.slow
 MIB = 2**20
@@ -84,7 +83,7 @@ def _squeeze_and_probe(tmp_path: Path) -> tuple[subprocess.CompletedProcess[str]
             squeezer, server.pid, lambda timeout_s: _generate(url, timeout_s), int(LOW_SHARE * loaded),
             int(HIGH_SHARE * loaded), READ_BACK_PER_TOKEN, MAX_SLOWDOWN)
         squeezer.limit_faults(server.pid, MAX_FAULTS_PER_S)
-        spilled, t_squeezed = read_process_memory(str(server.pid)), time.monotonic()
+        spilled, t_squeezed = read_server_memory(server.pid), time.monotonic()
         proc = subprocess.run([*CLI, "doctor", "--url", url, "--quick", "--json"], capture_output=True, text=True,
                               timeout=240)
         staged = (f"loaded in {t_loaded - started:.0f} s, {loaded >> 20} MiB charged; squeezed in "

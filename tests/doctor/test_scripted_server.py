@@ -17,14 +17,14 @@ from kvpilot.bench.api import BenchConfig, run_bench
 from kvpilot.bench.client import Target
 from kvpilot.bench.datasets import DatasetConfig
 from kvpilot.bench.load import LoadShape
-from kvpilot.bench.scripted_process import ScriptedProcess
-from kvpilot.bench.scripted_server import Behavior
 from kvpilot.doctor.cli import doctor_command
 from kvpilot.doctor.diagnose import DoctorReport, diagnose
 from kvpilot.doctor.errors import DoctorInputError
 from kvpilot.doctor.findings import Severity
 from kvpilot.doctor.inputs import inputs_from_documents, load_inputs
 from kvpilot.doctor.probe import check_endpoint
+from tests.doubles.scripted_process import ScriptedProcess
+from tests.doubles.scripted_server import Behavior
 
 
 def _cli() -> typer.Typer:

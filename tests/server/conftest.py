@@ -1,7 +1,9 @@
 """A live kvpilot server on the real embedded model (float32), started once per test session.
 
-It reuses the session's `llm_fp32` weights (no second load) with its own engine, on 127.0.0.1 and a free
-port, in a background thread. Tests that need special flags start their own (see helpers.py).
+It runs as `kvpilot serve` does by default: the engine core in its own process (which loads the weights
+itself), the HTTP side on 127.0.0.1 and a free port in a background thread. Tests that need special flags
+start their own; those that share the session's `llm_fp32` weights run the core in a thread
+(`ServerArgs(engine_process=False)`), since weights in this process cannot be handed to another.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ def server_engine_args(**overrides: object) -> EngineArgs:
 
 
 @pytest.fixture(scope="session")
-def live_server(llm_fp32) -> Iterator[BackgroundServer]:
-    app = create_app(engine_factory(server_engine_args(), llm_fp32.loaded, warmup=True),
+def live_server() -> Iterator[BackgroundServer]:
+    app = create_app(engine_factory(server_engine_args(), warmup=True),
                      ServerArgs(served_model_names=(MODEL, "alias"), api_key=API_KEY))
     with BackgroundServer(app) as server:
         yield server

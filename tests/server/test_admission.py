@@ -19,7 +19,8 @@ from tests.server.metrics_text import samples, value
 def capped_server(llm_fp32):
     """One request runs at a time (max_num_seqs=1); at most 2 requests and 64 prompt tokens may wait."""
     app = create_app(engine_factory(server_engine_args(max_num_seqs=1, kv_cache_memory="64MiB"), llm_fp32.loaded, warmup=False),
-                     ServerArgs(served_model_names=("m",), max_num_queued_reqs=2, max_num_queued_tokens=64))
+                     ServerArgs(served_model_names=("m",), max_num_queued_reqs=2, max_num_queued_tokens=64,
+                                engine_process=False))
     with BackgroundServer(app) as server:
         yield server
 

@@ -7,13 +7,14 @@ import json
 from typer.testing import CliRunner
 
 from kvpilot.fit.server_capacity import compare_capacity
+from kvpilot.server.messages import CapacityQuery
 from tests.server.conftest import API_KEY
 
 
 def test_capacity_endpoint_matches_the_prediction(http, live_server) -> None:
     capacity = http.get("/v1/kvpilot/capacity").json()
-    engine = live_server.state.client.served.engine
-    assert capacity["num_blocks"] == engine.scheduler.cache_config.num_blocks
+    engine = live_server.run_on_loop(live_server.state.client.query(CapacityQuery))  # asks the core itself
+    assert capacity["num_blocks"] == engine.num_blocks and capacity["block_size"] == engine.block_size
     assert capacity["max_model_len"] == 1024 and capacity["kv_dtype_bytes"] == 4
     assert capacity["kv_cache_memory_bytes"] == 256 * 2**20
     assert compare_capacity(capacity).matches

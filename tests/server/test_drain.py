@@ -81,23 +81,20 @@ def test_sigterm_drains_then_exits_0(dummy_config: Path) -> None:
 
 def test_drain_timeout_aborts_what_is_left(llm_fp32) -> None:
     """In-process: the drain deadline passes with a request in flight, which ends with finish_reason abort."""
-    import asyncio
-
     from kvpilot.server import ServerArgs, create_app, engine_factory
     from kvpilot.server.background import BackgroundServer
     from kvpilot.server.drain import drain
     from tests.server.conftest import server_engine_args
 
     app = create_app(engine_factory(server_engine_args(kv_cache_memory="64MiB"), llm_fp32.loaded, warmup=False),
-                     ServerArgs(served_model_names=("m",)))
+                     ServerArgs(served_model_names=("m",), engine_process=False))
     body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 500, "temperature": 0, "ignore_eos": True,
             "stream": True}
     with BackgroundServer(app) as server, httpx.Client(base_url=server.url, timeout=60) as client:
         with client.stream("POST", "/v1/completions", json=body) as response:
             lines = response.iter_lines()
             next(line for line in lines if line.startswith("data:"))
-            loop = server.state.client._loop  # noqa: SLF001 - the server's event loop
-            aborted = asyncio.run_coroutine_threadsafe(drain(server.state, 0.2), loop).result(30)
+            aborted = server.run_on_loop(drain(server.state, 0.2))
             events = [line for line in lines if line.startswith("data:")]
         assert aborted == 1
         assert json.loads(events[-2].removeprefix("data: "))["choices"][0]["finish_reason"] == "abort"

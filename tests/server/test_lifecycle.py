@@ -19,7 +19,7 @@ def test_health_is_503_while_loading_then_after_a_failed_load() -> None:
         release.wait(30)
         raise RuntimeError("weights are corrupt")
 
-    app = create_app(slow_failing_factory, ServerArgs(served_model_names=("m",)))
+    app = create_app(slow_failing_factory, ServerArgs(served_model_names=("m",), engine_process=False))
     with BackgroundServer(app, wait_ready=False) as server, httpx.Client(base_url=server.url, timeout=30) as client:
         loading = client.get("/health")
         assert loading.status_code == 503 and loading.json()["error"]["code"] == "loading"

@@ -1,8 +1,8 @@
 """kvpilot.server: the OpenAI-compatible HTTP server (`kvpilot serve`).
 
-create_app(factory, ServerArgs) builds the FastAPI app; engine_factory(EngineArgs) builds the engine in the
-engine thread; serve_command (kvpilot.server.cli) is the typer command. The exports load lazily: the app
-pulls in torch, and `kvpilot --help` must not.
+create_app(factory, ServerArgs) builds the FastAPI app; engine_factory(EngineArgs) says how the engine core
+(its own process by default) builds the engine; serve_command (kvpilot.server.cli) is the typer command. The
+exports load lazily: the app pulls in the engine's modules, and `kvpilot --help` must not.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 __all__ = ["ServerArgs", "create_app", "engine_factory"]
 _EXPORTS = {"create_app": "kvpilot.server.app", "ServerArgs": "kvpilot.server.config",
-            "engine_factory": "kvpilot.server.served_engine"}
+            "engine_factory": "kvpilot.server.engine_spec"}
 
 
 def __getattr__(name: str) -> Any:

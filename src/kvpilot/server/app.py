@@ -1,7 +1,8 @@
 """create_app: the FastAPI app of `kvpilot serve` (OpenAI-compatible endpoints, /health, /metrics, /version).
 
-The app owns one EngineClient (engine thread), one metrics registry and one admission controller; the engine
-is built in its thread at start-up, so /health answers 503 until the model is loaded.
+The app owns one EngineClient (the engine core: its own process by default, a thread with
+ServerArgs.engine_process=False), one metrics registry and one admission controller; the engine is built by
+the core at start-up, so /health answers 503 until the model is loaded.
 """
 
 from __future__ import annotations
@@ -19,9 +20,12 @@ import kvpilot
 from kvpilot.outputs import RequestOutput
 from kvpilot.server.admission import AdmissionController, QueueLimits
 from kvpilot.server.config import ServerArgs
-from kvpilot.server.engine_client import EngineClient, EngineFactory
+from kvpilot.server.engine_client import EngineClient, EngineDeadError, EngineQueryError
+from kvpilot.server.engine_spec import EngineFactory
 from kvpilot.server.errors import APIError, install_error_handlers
-from kvpilot.server.metrics import ServerMetrics
+from kvpilot.server.messages import IntegrityQuery
+from kvpilot.server.metrics import MemoryCollector, ServerMetrics
+from kvpilot.server.proc_memory import ProcessMemory, read_process_memory, sum_process_memory
 from kvpilot.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvpilot.server.serving import prepare, respond_stream, respond_whole
 from kvpilot.server.state import ServerState
@@ -32,13 +36,21 @@ PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 def build_state(factory: EngineFactory, args: ServerArgs) -> ServerState:
     holder: dict[str, Any] = {}
-    client = EngineClient(factory, on_final=lambda o: _on_final(holder["state"], o),
+    client = EngineClient(factory, in_process=not args.engine_process,
+                          on_final=lambda o: _on_final(holder["state"], o),
                           on_progress=lambda rid: holder["state"].admission.release(rid),
                           on_step=lambda s: holder["state"].metrics.observe_step(s))
-    metrics = ServerMetrics(args.model_name, lambda: client.stats)
+    metrics = ServerMetrics(args.model_name, lambda: client.stats,
+                            memory=MemoryCollector(process=lambda: _deployment_memory(client)))
     admission = AdmissionController(QueueLimits(args.max_num_queued_reqs, args.max_num_queued_tokens))
     holder["state"] = state = ServerState(args, client, metrics, admission)
     return state
+
+
+def _deployment_memory(client: EngineClient) -> ProcessMemory | None:
+    """The server's and its engine core process's memory together: weights and KV live in the core."""
+    core = read_process_memory(str(client.core_pid)) if client.core_pid is not None else None
+    return sum_process_memory([read_process_memory(), core])
 
 
 def _on_final(state: ServerState, output: RequestOutput) -> None:
@@ -56,7 +68,8 @@ def _totals(metrics: ServerMetrics) -> TokenTotals:
 
 
 def create_app(factory: EngineFactory, args: ServerArgs | None = None) -> FastAPI:
-    """The app; `factory` builds the engine in the engine thread (see served_engine.engine_factory).
+    """The app; `factory` builds the engine in the engine core (see engine_spec.engine_factory): its own
+    process unless args.engine_process is False or the factory holds preloaded weights (then a thread).
     `app.state.kvpilot` is the ServerState (the runner's drain reads it)."""
     args = args or ServerArgs()
     state = build_state(factory, args)
@@ -70,6 +83,7 @@ def create_app(factory: EngineFactory, args: ServerArgs | None = None) -> FastAP
             yield
         finally:
             logger_task.cancel()
+            state.tokenizer_pool.shutdown()
             await state.client.stop()
 
     app = FastAPI(title="kvpilot", version=kvpilot.__version__, lifespan=lifespan)
@@ -109,7 +123,7 @@ def _api_key_check(api_key: str | None):
 
 def _add_openai_routes(app: FastAPI, state: ServerState, auth: list[Any]) -> None:
     async def generate(request: Request, body: CompletionRequest | ChatCompletionRequest) -> Response:
-        prepared = prepare(state, body, arrival=request.state.arrival)
+        prepared = await prepare(state, body, arrival=request.state.arrival)
         try:
             if prepared.stream:
                 return respond_stream(state, prepared)
@@ -128,7 +142,7 @@ def _add_openai_routes(app: FastAPI, state: ServerState, auth: list[Any]) -> Non
 
     @app.get("/v1/models", dependencies=auth)
     async def models() -> dict[str, Any]:
-        info = state.info if state.client.served is not None else None
+        info = state.client.info
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": 0, "owned_by": "kvpilot",
              "root": info.model if info else None, "max_model_len": info.max_model_len if info else None}
@@ -163,15 +177,9 @@ def _add_ops_routes(app: FastAPI, state: ServerState, auth: list[Any]) -> None:
     async def integrity() -> JSONResponse:
         """Runs the scheduler's invariant checks between steps; 500 names the broken invariant."""
         state.check_ready()
-
-        def check(engine: Any) -> dict[str, Any]:
-            engine.scheduler.check_integrity()
-            stats = engine.scheduler.make_stats()
-            return {"ok": True, "num_running": stats.num_running, "num_waiting": stats.num_waiting,
-                    "num_used_blocks": stats.num_used_blocks, "num_free_blocks": stats.num_free_blocks,
-                    "num_cached_blocks": stats.num_cached_blocks, "num_total_blocks": stats.num_total_blocks}
-
         try:
-            return JSONResponse(await state.client.call(check))
-        except RuntimeError as exc:
+            return JSONResponse(await state.client.query(IntegrityQuery))
+        except EngineQueryError as exc:
             raise APIError(500, f"integrity check failed: {exc}", code="integrity") from exc
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc), code="engine_failed") from exc

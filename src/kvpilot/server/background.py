@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
 from types import TracebackType
+from typing import Any, Coroutine, TypeVar
 
 import uvicorn
 from fastapi import FastAPI
 
 from kvpilot.server.state import ServerState
+
+T = TypeVar("T")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -55,6 +59,15 @@ class BackgroundServer:
                 if self.state.client.error is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"the engine did not load: {self.state.client.error}")
         return self
+
+    def run_on_loop(self, coroutine: Coroutine[Any, Any, T], timeout_s: float = 30.0) -> T:
+        """Runs `coroutine` on the server's event loop (e.g. `state.client.query(CapacityQuery)`) and
+        returns its result; for callers in other threads (tests)."""
+        loop = self.state.client.loop
+        if loop is None:
+            coroutine.close()
+            raise RuntimeError("the server is not running: enter the BackgroundServer first")
+        return asyncio.run_coroutine_threadsafe(coroutine, loop).result(timeout_s)
 
     def stop(self) -> None:
         self.server.should_exit = True

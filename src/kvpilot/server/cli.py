@@ -54,6 +54,10 @@ def serve_command(
         "503) before they are aborted and the server exits 0.")] = 30.0,
     log_prompts: Annotated[bool, typer.Option(
         "--log-prompts", help="Include prompt text in the per-request JSON access log.")] = False,
+    engine_process: Annotated[bool, typer.Option(
+        "--engine-process/--no-engine-process", help="Run the engine core (model, scheduler, step loop) in its "
+        "own process, so HTTP work never shares the GIL with it; --no-engine-process runs it in a thread of "
+        "the server process.")] = True,
     uvicorn_log_level: Annotated[str, typer.Option("--uvicorn-log-level", help="uvicorn's own log level.")]
     = "warning",
 ) -> None:
@@ -74,7 +78,7 @@ def serve_command(
         server_args = ServerArgs(host=host, port=port, served_model_names=_served_names(served_model_name, model),
                                  api_key=api_key, max_num_queued_reqs=max_num_queued_reqs,
                                  max_num_queued_tokens=max_num_queued_tokens, drain_timeout=drain_timeout,
-                                 log_prompts=log_prompts)
+                                 log_prompts=log_prompts, engine_process=engine_process)
     except (EngineConfigError, ServerConfigError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
@@ -87,7 +91,7 @@ def run_server(engine_args, server_args, uvicorn_log_level: str = "warning") -> 
 
     from kvpilot.server.app import create_app
     from kvpilot.server.drain import DrainingServer
-    from kvpilot.server.served_engine import engine_factory
+    from kvpilot.server.engine_spec import engine_factory
 
     app = create_app(engine_factory(engine_args), server_args)
     config = uvicorn.Config(app, host=server_args.host, port=server_args.port, log_level=uvicorn_log_level,

@@ -15,7 +15,9 @@ class ServerArgs:
 
     Invariants: max_num_queued_reqs / max_num_queued_tokens are None (unbounded) or >= 1 and bound the
     requests admitted but not yet running; drain_timeout >= 0 seconds; served_model_names is non-empty
-    (the first is the one reported); stats_interval > 0 seconds.
+    (the first is the one reported); stats_interval > 0 seconds. engine_process: the engine core runs in its
+    own process (default); False runs it in a thread of the server process (`--no-engine-process`), as does
+    a factory holding weights already loaded in this process (engine_factory(args, loaded)).
     """
 
     host: str = "127.0.0.1"
@@ -27,6 +29,7 @@ class ServerArgs:
     drain_timeout: float = 30.0
     log_prompts: bool = False
     stats_interval: float = 5.0
+    engine_process: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_num_queued_reqs", "max_num_queued_tokens"):

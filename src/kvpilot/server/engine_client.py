@@ -1,186 +1,252 @@
-"""EngineClient: the one thread that owns the LLMEngine, and the asyncio side that talks to it.
+"""EngineClient: the HTTP side's handle on the engine core (a child process, or a thread with
+`--no-engine-process`), talking to it only through the messages of messages.py.
 
-The engine is not thread-safe, so only its thread touches it. HTTP handlers send small messages through a
-thread-safe queue (processed between steps); each step's outputs go back to the event loop in one
-`call_soon_threadsafe`, and from there to each request's asyncio.Queue. The thread sleeps on the message
-queue when there is no work, so an idle server costs nothing, and a step never waits for a slow client.
+Two threads of the server process carry the messages, so the event loop never blocks on the core: a writer
+sends what handlers post (a full pipe while the core is busy stepping would otherwise stall every client),
+and a reader receives. Each StepResult goes to the event loop in one `call_soon_threadsafe`, and from there
+to each request's asyncio.Queue; `on_step` runs in the reader thread for every step, before its outputs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import queue
 import threading
 from typing import Any, Callable
 
-from kvpilot.engine.engine import LLMEngine, StepStats
+from kvpilot.engine.engine import StepStats
 from kvpilot.engine.scheduler_stats import SchedulerStats
-from kvpilot.model.errors import ModelLoadError
 from kvpilot.outputs import RequestOutput
-from kvpilot.server.messages import Abort, AddRequest, Call, EngineMessage, Shutdown
-from kvpilot.server.served_engine import ServedEngine
+from kvpilot.server.core_process import Core, start_core
+from kvpilot.server.engine_info import EngineInfo
+from kvpilot.server.engine_spec import EngineFactory, EngineSpec
+from kvpilot.server.messages import (Abort, AddRequest, CoreFailed, FromCore, LoadFailed, Query, QueryReply, Ready,
+                                     Shutdown, StepResult, ToCore)
 
 logger = logging.getLogger("kvpilot.server")
-
-EngineFactory = Callable[[], ServedEngine]
+SHUTDOWN_TIMEOUT_S = 30.0
+Item = RequestOutput | BaseException
 
 
 class EngineDeadError(RuntimeError):
-    """The engine thread failed; the message carries the cause. The server must be restarted."""
+    """The engine core failed (to load, or while running); the message carries the cause. Restart the server."""
+
+
+class EngineQueryError(RuntimeError):
+    """The core answered a query with an error (e.g. a broken scheduler invariant); the message names it."""
 
 
 class EngineClient:
-    """Invariants: every request added gets exactly one final item on its queue (a finished RequestOutput
-    or an exception); `streams` is only touched on the event loop; `stats` is the latest scheduler snapshot
-    (replaced whole, so reading it from any thread is safe)."""
+    """Invariants: every request added gets exactly one final item on its queue (a finished RequestOutput or
+    an exception), also when the core dies or shuts down; outputs are delivered with their prompt token ids
+    (put back from AddRequest); `_streams`, `_prompts` and `_queries` are only touched on the event loop; `stats` is the latest scheduler snapshot and `info`/`tokenizer` are set before `ready` (each
+    replaced whole, so reading them from any thread is safe); `error` is set at most once."""
 
-    def __init__(self, factory: EngineFactory, on_final: Callable[[RequestOutput], None] | None = None,
+    def __init__(self, factory: EngineFactory, in_process: bool = False,
+                 on_final: Callable[[RequestOutput], None] | None = None,
                  on_progress: Callable[[str], None] | None = None,
                  on_step: Callable[[StepStats], None] | None = None) -> None:
-        """`on_progress(request_id)` runs on the event loop for every item delivered (admission uses it to
-        free the queue slot once the request runs); `on_final(output)` once per finished request."""
-        self._factory = factory
-        self._messages: queue.SimpleQueue[EngineMessage] = queue.SimpleQueue()
-        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
-        self._on_final = on_final
-        self._on_progress = on_progress
-        self._on_step = on_step
+        """The core runs in a child process unless `in_process`, or unless `factory` cannot be sent there
+        (preloaded weights: engine_factory(args, loaded); any other callable). `on_progress(request_id)`
+        runs on the event loop for every item delivered (admission uses it to free the queue slot once the
+        request runs); `on_final(output)` once per finished request."""
+        crosses = isinstance(factory, EngineSpec) and factory.crosses_processes
+        if not in_process and not crosses:
+            logger.info("the engine core runs in a thread: its factory holds weights already loaded in this "
+                        "process (or is not an EngineSpec), which cannot be sent to another process")
+        self._factory, self._in_process = factory, in_process or not crosses
+        self._on_final, self._on_progress, self._on_step = on_final, on_progress, on_step
+        self._outbox: queue.SimpleQueue[ToCore | None] = queue.SimpleQueue()
+        self._streams: dict[str, asyncio.Queue[Item]] = {}
+        self._prompts: dict[str, list[int]] = {}  # put back into each output (they travel without it)
+        self._queries: dict[int, asyncio.Future[Any]] = {}
+        self._query_ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._core: Core | None = None
+        self._threads: list[threading.Thread] = []
+        self._stopping = False
         self.ready = threading.Event()
-        self.served: ServedEngine | None = None  # set (once) by the engine thread before `ready`
         self.error: BaseException | None = None
         self.stats: SchedulerStats | None = None
-        self._live: set[str] = set()  # engine thread only: requests added and not yet finished
+        self.info: EngineInfo | None = None
+        self.tokenizer: Any = None  # the engine's own (Ready), used by the HTTP side to tokenize
+        self.core_pid: int | None = None  # the core process (None when it runs in a thread)
 
     # ---- lifecycle (event loop side) ------------------------------------------------------------------
 
     def start(self) -> None:
-        """Starts the engine thread; the engine is built there (the server answers /health 503 meanwhile)."""
+        """Starts the core (it builds the engine: /health answers 503 meanwhile) and the two carrier threads."""
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="kvpilot-engine", daemon=True)
-        self._thread.start()
+        self._core = start_core(self._factory, self._in_process)
+        self.core_pid = self._core.pid
+        for target, name in ((self._write_forever, "kvpilot-core-writer"), (self._read_forever, "kvpilot-core-reader")):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
 
     async def stop(self) -> None:
-        self._messages.put(Shutdown())
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, 30)
+        """Shutdown: the core aborts what is unfinished and exits; killed if it takes over SHUTDOWN_TIMEOUT_S.
+        Requests still waiting afterwards get an EngineDeadError, so nothing hangs."""
+        if self._core is None:
+            return
+        self._stopping = True
+        self._outbox.put(Shutdown())
+        core = self._core
+        # A core still loading has nothing to abort: a process need not finish loading to be stopped.
+        timeout_s = SHUTDOWN_TIMEOUT_S if self.ready.is_set() or self.error is not None else 0.5
+        if not await asyncio.to_thread(core.join, timeout_s):
+            logger.warning("the engine core did not stop within %.1f s: killing it", timeout_s)
+            await asyncio.to_thread(core.kill)
+        self._outbox.put(None)
+        for thread in self._threads:
+            await asyncio.to_thread(thread.join, 5)
+        core.endpoint.close()
+        self._fail_all(EngineDeadError("the server shut down before the request finished"))
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop the client was started on (tests submit coroutines to it from other threads)."""
+        return self._loop
 
     @property
     def num_in_flight(self) -> int:
         return len(self._streams)
 
-    # ---- requests (event loop side) -------------------------------------------------------------------
+    # ---- requests and queries (event loop side) -------------------------------------------------------
 
-    def add(self, message: AddRequest) -> asyncio.Queue[RequestOutput | BaseException]:
+    def add(self, message: AddRequest) -> asyncio.Queue[Item]:
         if self.error is not None:
             raise EngineDeadError(f"the engine stopped: {self.error}; restart the server")
-        stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        stream: asyncio.Queue[Item] = asyncio.Queue()
         self._streams[message.request_id] = stream
-        self._messages.put(message)
+        self._prompts[message.request_id] = message.prompt_token_ids
+        self._outbox.put(message)
         return stream
 
     def abort(self, request_ids: list[str] | tuple[str, ...]) -> None:
         live = tuple(r for r in request_ids if r in self._streams)
         if live:
-            self._messages.put(Abort(live))
+            self._outbox.put(Abort(live))
 
     def abort_all(self) -> None:
         self.abort(tuple(self._streams))
 
-    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
-        """Runs fn(engine) between steps in the engine thread and returns its result (or raises its error)."""
-        assert self._loop is not None, "start() first"
+    async def query(self, make: Callable[[int], Query]) -> Any:
+        """Sends `make(query_id)` (e.g. `IntegrityQuery`) and returns the reply's value; EngineQueryError
+        with the core's message when it failed, EngineDeadError when the core is gone."""
+        if self.error is not None:
+            raise EngineDeadError(f"the engine stopped: {self.error}; restart the server")
+        if self._loop is None:
+            raise RuntimeError("EngineClient.start() was not called: queries need a running core")
+        query_id = next(self._query_ids)
         future: asyncio.Future[Any] = self._loop.create_future()
+        self._queries[query_id] = future
+        self._outbox.put(make(query_id))
+        try:
+            return await future
+        finally:
+            self._queries.pop(query_id, None)
 
-        def reply(result: Any, error: BaseException | None) -> None:
-            if not future.done():
-                future.set_exception(error) if error is not None else future.set_result(result)
+    # ---- delivery (event loop side) -------------------------------------------------------------------
 
-        self._messages.put(Call(fn, lambda r, e: self._loop.call_soon_threadsafe(reply, r, e)))  # type: ignore[union-attr]
-        return await future
-
-    def _deliver(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
+    def _deliver(self, items: list[tuple[str, Item]]) -> None:
         for request_id, item in items:
             stream = self._streams.get(request_id)
+            if isinstance(item, RequestOutput):
+                item.prompt_token_ids = self._prompts.get(request_id, item.prompt_token_ids)
             if self._on_progress is not None:
                 self._on_progress(request_id)
-            final = not isinstance(item, RequestOutput) or item.finished
-            if final:
+            if not isinstance(item, RequestOutput) or item.finished:
                 self._streams.pop(request_id, None)
+                self._prompts.pop(request_id, None)
                 if isinstance(item, RequestOutput) and self._on_final is not None:
                     self._on_final(item)
             if stream is not None:
                 stream.put_nowait(item)
 
-    def _send(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
-        if items and self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._deliver, items)
-
-    # ---- the engine thread ----------------------------------------------------------------------------
-
-    def _run(self) -> None:
-        try:
-            served = self._factory()
-            if self._on_step is not None:
-                served.engine.on_step = self._on_step
-            self.stats = served.engine.scheduler.make_stats()
-            self.served = served
-        except BaseException as exc:  # reported through /health and every request
-            if isinstance(exc, (ModelLoadError, ValueError, OSError)):  # user errors: the message says what to do
-                logger.error("loading the engine failed: %s", exc)
-            else:
-                logger.exception("loading the engine failed")
-            self.error = exc
+    def _resolve(self, reply: QueryReply) -> None:
+        future = self._queries.get(reply.query_id)
+        if future is None or future.done():
             return
-        self.ready.set()
+        if reply.error is not None:
+            future.set_exception(EngineQueryError(reply.error))
+        else:
+            future.set_result(reply.value)
+
+    def _fail_all(self, error: BaseException) -> None:
+        self._deliver([(rid, error) for rid in list(self._streams)])
+        for future in self._queries.values():
+            if not future.done():
+                future.set_exception(error)
+
+    def _on_loop(self, fn: Callable[..., None], *args: Any) -> None:
+        if self._loop is None:
+            return
         try:
-            self._loop_forever(served.engine)
-        except BaseException as exc:
-            logger.exception("the engine loop failed")
-            self.error = exc
-            self._send([(rid, EngineDeadError(f"the engine stopped: {exc}")) for rid in list(self._streams)])
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop closed: the server is gone, no one waits for this any more
+            pass
 
-    def _loop_forever(self, engine: LLMEngine) -> None:
-        while True:
-            first = None if engine.has_unfinished_requests() else self._messages.get()  # sleep when idle
-            if not self._handle_messages(engine, first):
+    # ---- the carrier threads --------------------------------------------------------------------------
+
+    def _write_forever(self) -> None:
+        assert self._core is not None
+        while (message := self._outbox.get()) is not None:
+            try:
+                self._core.endpoint.send(message)
+            except OSError:  # the core is gone: the reader reports it
                 return
-            outputs = engine.step() if engine.has_unfinished_requests() else []
-            self._live.difference_update(o.request_id for o in outputs if o.finished)
-            # Snapshot before delivering: a client that got its final output then scrapes sees the state after.
-            self.stats = engine.scheduler.make_stats()
-            self._send([(o.request_id, o) for o in outputs])
+            except Exception as exc:  # noqa: BLE001 - a message that does not pickle: fail it, keep the channel
+                logger.exception("cannot send %s to the engine core", type(message).__name__)
+                self._on_loop(self._unsendable, message, RuntimeError(f"the server could not send the "
+                                                                      f"request to the engine core: {exc}"))
 
-    def _handle_messages(self, engine: LLMEngine, first: EngineMessage | None) -> bool:
-        """Processes every queued message; False on Shutdown."""
-        pending = [first] if first is not None else []
+    def _unsendable(self, message: ToCore, error: BaseException) -> None:
+        if isinstance(message, AddRequest):
+            self._deliver([(message.request_id, error)])
+        future = self._queries.get(getattr(message, "query_id", -1))
+        if future is not None and not future.done():
+            future.set_exception(error)
+
+    def _read_forever(self) -> None:
+        assert self._core is not None
         while True:
             try:
-                pending.append(self._messages.get_nowait())
-            except queue.Empty:
+                message = self._core.endpoint.recv()
+            except (EOFError, OSError):
                 break
-        errors: list[tuple[str, RequestOutput | BaseException]] = []
-        for message in pending:
-            if isinstance(message, Shutdown):
-                engine.abort_request(sorted(self._live))
-                self._send([(o.request_id, o) for o in engine.step()] if engine.has_unfinished_requests() else [])
-                return False
-            if isinstance(message, AddRequest):
-                try:
-                    engine.add_request(message.prompt, message.params, request_id=message.request_id,
-                                       priority=message.priority, arrival_time=message.arrival_time,
-                                       prompt_token_ids=message.prompt_token_ids)
-                    self._live.add(message.request_id)
-                except ValueError as exc:  # too long for the cache, duplicate id: the request's own fault
-                    errors.append((message.request_id, exc))
-            elif isinstance(message, Abort):
-                engine.abort_request(list(message.request_ids))
-            elif isinstance(message, Call):
-                try:
-                    message.reply(message.fn(engine), None)
-                except Exception as exc:  # noqa: BLE001 - handed to the caller
-                    message.reply(None, exc)
-        self._send(errors)
-        return True
+            self._dispatch(message)
+        if not self._stopping:
+            self._core.join(2.0)  # reap it, for the exit code
+            self._fail(f"{self._core.describe_exit()} unexpectedly")
+
+    def _dispatch(self, message: FromCore) -> None:
+        if isinstance(message, StepResult):
+            for step in message.step_stats:
+                if self._on_step is not None:
+                    self._on_step(step)
+            if message.stats is not None:
+                self.stats = message.stats
+            items: list[tuple[str, Item]] = [(o.request_id, o) for o in message.outputs]
+            items.extend((rid, ValueError(text)) for rid, text in message.rejected)
+            if items:
+                self._on_loop(self._deliver, items)
+        elif isinstance(message, QueryReply):
+            self._on_loop(self._resolve, message)
+        elif isinstance(message, Ready):
+            self.info, self.tokenizer, self.stats = message.info, message.tokenizer, message.stats
+            self.ready.set()
+        elif isinstance(message, LoadFailed):
+            self._fail(message.message)
+        elif isinstance(message, CoreFailed):
+            self._fail(f"the engine stopped: {message.message}")
+
+    def _fail(self, cause: str) -> None:
+        """Marks the engine failed (first cause wins) and ends every waiting request and query with it."""
+        if self.error is not None:
+            return
+        self.error = EngineDeadError(cause)
+        logger.error("the engine failed: %s", cause)
+        self._on_loop(self._fail_all, EngineDeadError(f"the engine failed: {cause}; restart the server"))

@@ -1,7 +1,11 @@
 """Prometheus metrics with vLLM's names and meanings (so its dashboards work), plus kvpilot's own.
 
 One CollectorRegistry per app (never the global one), so tests can run several servers in one process.
-Per-request series are observed once, when the request's final output arrives; scheduler state (running,
+The token counters move per engine step, as vLLM's do (its IterationStats): `vllm:generation_tokens` by
+the tokens sampled in each step, `vllm:prompt_tokens` by a request's whole prompt in the step that
+completed its prefill (its first token), once per request. So a long generation shows in the counters (and
+the status line) while it runs, not in one jump at its end. Per-request histograms are observed once, when
+the request's final output arrives; scheduler state (running,
 waiting, KV usage, prefix-cache and preemption counters) is read at scrape time from the engine thread's
 latest snapshot, so the gauges and counters are exactly the engine's. Where the process's memory lives
 (resident, swapped out, major page faults, the host's swap) is read from /proc at scrape time too.
@@ -156,14 +160,24 @@ class ServerMetrics:
         r.register(memory if memory is not None else MemoryCollector())
 
     def observe_step(self, stats: StepStats) -> None:
-        """Engine-thread hook (LLMEngine.on_step)."""
-        self.iteration_tokens.labels(self.model_name).observe(stats.num_batched_tokens)
+        """Once per engine step (LLMEngine.on_step, relayed by the EngineClient; any thread): the step's
+        tokens, and the tokens it sampled for requests still running (StepStats.num_generated_tokens)."""
+        name = self.model_name
+        self.iteration_tokens.labels(name).observe(stats.num_batched_tokens)
+        if stats.num_generated_tokens:
+            self.generation_tokens.labels(name).inc(stats.num_generated_tokens)
+
+    def observe_prefill_done(self, num_prompt_tokens: int) -> None:
+        """Once per request, when its first token arrives (the step that completed its prefill): the whole
+        prompt, prefix-cache hits included. Like vLLM (it counts a request's prompt_len in the iteration of
+        its first output): a prompt recomputed after a preemption is not counted again, and a request
+        aborted before its first token never counts."""
+        self.prompt_tokens.labels(self.model_name).inc(num_prompt_tokens)
 
     def observe_finished(self, metrics: RequestMetrics) -> None:
-        """Once per finished request (any reason, aborts included), from its final RequestOutput."""
+        """Once per finished request (any reason, aborts included), from its final RequestOutput. The token
+        counters are not touched here: they moved step by step."""
         name = self.model_name
-        self.prompt_tokens.labels(name).inc(metrics.num_prompt_tokens)
-        self.generation_tokens.labels(name).inc(metrics.num_generated_tokens)
         self.request_success.labels(name, metrics.finish_reason or "abort").inc()
         self.request_prompt_tokens.labels(name).observe(metrics.num_prompt_tokens)
         self.request_generation_tokens.labels(name).observe(metrics.num_generated_tokens)

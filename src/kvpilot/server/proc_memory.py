@@ -90,3 +90,18 @@ def read_host_swap(proc: Path = PROC) -> HostSwap | None:
     """The host's swap (as seen from this process's namespace); None without /proc/meminfo."""
     meminfo = _read(proc / "meminfo")
     return parse_host_swap(meminfo) if meminfo is not None else None
+
+
+def _sum(values: list[int | None]) -> int | None:
+    present = [v for v in values if v is not None]
+    return sum(present) if present else None
+
+
+def sum_process_memory(readings: list[ProcessMemory | None]) -> ProcessMemory | None:
+    """Field-wise sum over processes (the server and its engine core process: the weights and KV blocks live
+    in the core); a field is None only where no process reports it; None when no process could be read."""
+    found = [r for r in readings if r is not None]
+    if not found:
+        return None
+    return ProcessMemory(_sum([r.resident_bytes for r in found]), _sum([r.swap_bytes for r in found]),
+                         _sum([r.major_faults for r in found]))

@@ -1,9 +1,11 @@
-"""ServedEngine: an LLMEngine plus the facts the HTTP side may read without touching it (built off-loop)."""
+"""ServedEngine: an LLMEngine plus its EngineInfo, built inside the engine core (process or thread).
+
+This is the only server module that imports torch and kvpilot.model: the HTTP side never imports it.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -14,17 +16,7 @@ from kvpilot.memory_size import parse_memory_size
 from kvpilot.model.kv_dtype import kv_dtype_name, resolve_kv_cache_dtype
 from kvpilot.model.loader import LoadedModel
 from kvpilot.sampling_params import SamplingParams
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    """Fixed at start-up. `capacity` is the GET /v1/kvpilot/capacity JSON (see fit/server_capacity.py)."""
-
-    model: str
-    max_model_len: int
-    max_num_batched_tokens: int
-    vocab_size: int
-    capacity: dict[str, Any] = field(default_factory=dict)
+from kvpilot.server.engine_info import EngineInfo, KVCacheInfo
 
 
 @dataclass(frozen=True)
@@ -38,24 +30,24 @@ def _kv_budget(args: EngineArgs, loaded: LoadedModel, allocated: int) -> int:
         return parse_memory_size(args.kv_cache_memory, "kv_cache_memory")
     if loaded.device.type != "cuda":
         return DEFAULT_CPU_KV_CACHE_BYTES
-    return allocated  # from --gpu-memory-utilization: the profiled budget is not kept, report what was allocated
+    return allocated  # from --gpu-memory-utilization: build_engine does not return its profiled budget
 
 
 def describe(engine: LLMEngine, loaded: LoadedModel, args: EngineArgs) -> EngineInfo:
+    """Everything the HTTP side needs to know, computed once (KV dtype, bytes per block, budget)."""
     scheduler = engine.scheduler
     config, cache = loaded.config, scheduler.cache_config
     kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, loaded.dtype)
-    kv_dtype_bytes = torch.tensor([], dtype=kv_dtype).element_size()
-    bytes_per_block = kv_cache_bytes_per_block(config, cache.block_size, kv_dtype_bytes)
-    capacity = {"model": loaded.name, "num_hidden_layers": config.num_hidden_layers,
-                "num_key_value_heads": config.num_key_value_heads, "head_dim": config.head_dim,
-                "kv_dtype_bytes": kv_dtype_bytes, "kv_cache_dtype": kv_dtype_name(kv_dtype),
-                "kv_cache_memory_bytes": _kv_budget(args, loaded, cache.num_blocks * bytes_per_block),
-                "block_size": cache.block_size, "num_blocks": cache.num_blocks, "bytes_per_block": bytes_per_block,
-                "max_model_len": scheduler.config.max_model_len}
+    dtype_bytes = torch.tensor([], dtype=kv_dtype).element_size()
+    bytes_per_block = kv_cache_bytes_per_block(config, cache.block_size, dtype_bytes)
+    kv = KVCacheInfo(dtype=kv_dtype_name(kv_dtype), dtype_bytes=dtype_bytes, block_size=cache.block_size,
+                     num_blocks=cache.num_blocks, bytes_per_block=bytes_per_block,
+                     budget_bytes=_kv_budget(args, loaded, cache.num_blocks * bytes_per_block),
+                     num_hidden_layers=config.num_hidden_layers, num_key_value_heads=config.num_key_value_heads,
+                     head_dim=config.head_dim)
     return EngineInfo(model=loaded.name, max_model_len=scheduler.config.max_model_len,
                       max_num_batched_tokens=scheduler.config.max_num_batched_tokens,
-                      vocab_size=engine.vocab_size, capacity=capacity)
+                      vocab_size=engine.vocab_size, kv=kv)
 
 
 def warm_up(engine: LLMEngine) -> None:
@@ -67,15 +59,9 @@ def warm_up(engine: LLMEngine) -> None:
         engine.step()
 
 
-def engine_factory(args: EngineArgs, loaded: LoadedModel | None = None,
-                   warmup: bool = True) -> Callable[[], ServedEngine]:
-    """A factory for EngineClient: loads the model (or reuses `loaded`'s weights), builds the engine and
-    warms it up."""
-
-    def build() -> ServedEngine:
-        engine, model = build_engine(args, loaded)
-        if warmup:
-            warm_up(engine)
-        return ServedEngine(engine, describe(engine, model, args))
-
-    return build
+def build_served_engine(args: EngineArgs, loaded: LoadedModel | None = None, warmup: bool = True) -> ServedEngine:
+    """Loads the model (or reuses `loaded`'s weights), builds the engine and (optionally) warms it up."""
+    engine, model = build_engine(args, loaded)
+    if warmup:
+        warm_up(engine)
+    return ServedEngine(engine, describe(engine, model, args))

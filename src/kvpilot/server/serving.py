@@ -1,4 +1,5 @@
-"""One request's way through the HTTP layer: validate -> tokenize (timed) -> admit -> engine -> respond.
+"""One request's way through the HTTP layer: validate -> queue slot -> tokenize (timed, in the tokenizer
+pool: never on the event loop) -> token cap -> engine -> respond.
 
 Streaming responses abort their request when the client goes away (the generator is closed or cancelled);
 non-streaming ones poll for a disconnect while they wait. Either way the engine frees the blocks before its
@@ -20,6 +21,7 @@ from kvpilot.engine.timeline import RequestMetrics
 from kvpilot.outputs import RequestOutput
 from kvpilot.server.errors import APIError, from_value_error
 from kvpilot.server.messages import AddRequest
+from kvpilot.server.prompt_tokens import prompt_size, tokenize_request
 from kvpilot.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvpilot.server.responses import (SSE_DONE, ResponseShape, chat_logprobs, completion_logprobs, usage)
 from kvpilot.server.state import ServerState
@@ -42,77 +44,73 @@ class Prepared:
     prompt_text: str | None
 
 
-def _tokenize(state: ServerState, body: CompletionRequest | ChatCompletionRequest) -> tuple[list[int], str | None]:
-    tokenizer = state.tokenizer
-    if isinstance(body, ChatCompletionRequest):
-        if tokenizer is None:
-            raise APIError(400, "this model has no tokenizer, so no chat template: use /v1/completions with "
-                                "token ids", param="messages")
-        try:
-            return tokenizer.encode_chat(body.conversation(), body.add_generation_prompt), None
-        except ValueError as exc:
-            raise APIError(400, f"messages: {exc}", param="messages") from exc
-    prompt = body.single_prompt()
-    if isinstance(prompt, str):
-        if tokenizer is None:
-            raise APIError(400, "this model has no tokenizer: send the prompt as a list of token ids",
-                           param="prompt")
-        return tokenizer.encode(prompt), prompt
-    return list(prompt), None
-
-
-def _check_tokens(state: ServerState, token_ids: list[int]) -> None:
-    if not token_ids:
-        raise APIError(400, "prompt: the prompt is empty; send at least one token", param="prompt")
-    vocab = state.info.vocab_size
-    bad = [t for t in token_ids if not 0 <= t < vocab]
-    if bad:
-        raise APIError(400, f"prompt: token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})",
-                       param="prompt")
-
-
-def prepare(state: ServerState, body: CompletionRequest | ChatCompletionRequest, arrival: float) -> Prepared:
-    """Validates and tokenizes; raises APIError (400/404/429/503) with nothing left behind."""
+async def prepare(state: ServerState, body: CompletionRequest | ChatCompletionRequest, arrival: float) -> Prepared:
+    """Validates, takes a queue slot, tokenizes off the event loop; raises APIError (400/404/429/503) with
+    nothing left behind (the slot is given back on any failure)."""
     chat = isinstance(body, ChatCompletionRequest)
     state.check_serving()
     state.check_model(body.model)
     body.check_n()
-    started = time.monotonic()
-    token_ids, prompt_text = _tokenize(state, body)
-    tokenize_s = time.monotonic() - started
-    state.metrics.observe_tokenization(tokenize_s)
-    _check_tokens(state, token_ids)
+    request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    try:
+        state.admission.reserve(request_id)  # the request cap costs nothing to check: before tokenizing
+    except APIError:
+        state.metrics.reject("queue_full")
+        raise
+    try:
+        return await _prepare_reserved(state, body, arrival, request_id)
+    except BaseException:
+        state.admission.release(request_id)
+        raise
+
+
+async def _prepare_reserved(state: ServerState, body: CompletionRequest | ChatCompletionRequest, arrival: float,
+                            request_id: str) -> Prepared:
+    chat = isinstance(body, ChatCompletionRequest)
     limit = state.info.max_model_len
-    max_tokens = body.default_max_tokens(limit - len(token_ids))
-    if len(token_ids) + max_tokens > limit:
+    started = time.monotonic()
+    prompt = await state.tokenizer_pool.run(prompt_size(body), tokenize_request, body, state.tokenizer,
+                                            state.info.vocab_size, limit)
+    tokenize_s = time.monotonic() - started  # includes waiting for a worker: the request waited that long
+    state.metrics.observe_tokenization(tokenize_s)
+    max_tokens = body.default_max_tokens(limit - prompt.num_tokens)
+    if prompt.token_ids is None or prompt.num_tokens + max_tokens > limit:
         state.metrics.reject("too_long")
         raise APIError(400, f"this model's maximum context length is {limit} tokens (max_model_len), but the "
-                            f"prompt has {len(token_ids)} tokens and max_tokens is {max_tokens} "
-                            f"({len(token_ids) + max_tokens} in all): shorten the prompt or lower max_tokens",
+                            f"prompt has {prompt.num_tokens} tokens and max_tokens is {max_tokens} "
+                            f"({prompt.num_tokens + max_tokens} in all): shorten the prompt or lower max_tokens",
                        param="max_tokens", code="context_length_exceeded")
     try:
         num_logprobs = body.num_logprobs() if chat else body.logprobs  # type: ignore[union-attr]
         params = body.sampling_params(max_tokens, num_logprobs)
     except ValueError as exc:
         raise from_value_error(exc) from exc
-    request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     try:
-        state.admission.admit(request_id, len(token_ids))
+        state.admission.commit(request_id, prompt.num_tokens)
     except APIError:
         state.metrics.reject("queue_full")
         raise
     shape = ResponseShape(chat, request_id, body.model or state.args.model_name, int(time.time()))
-    message = AddRequest(request_id, token_ids, params, arrival, body.priority, prompt_text)
+    message = AddRequest(request_id, prompt.token_ids, params, arrival, body.priority, prompt.text)
     return Prepared(shape, message, tokenize_s, body.stream, body.include_usage,
                     "/v1/chat/completions" if chat else "/v1/completions",
-                    (prompt_text or str(body.model_dump().get("messages", ""))) if state.args.log_prompts else None)
+                    (prompt.text or str(body.model_dump().get("messages", ""))) if state.args.log_prompts else None)
 
 
 class _Finisher:
-    """Builds the final timings once, observes serialization, writes the access log line."""
+    """Counts the prompt at the first token; builds the final timings once, observes serialization, writes
+    the access log line."""
 
     def __init__(self, state: ServerState, prepared: Prepared) -> None:
         self.state, self.prepared = state, prepared
+        self._prompt_counted = False
+
+    def saw(self, output: RequestOutput) -> None:
+        """Every output of the request, in order. The first one with a token comes from the step that
+        completed the prefill: the prompt is counted then, once (vLLM's rule; see ServerMetrics)."""
+        if not self._prompt_counted and output.outputs[0].token_ids:
+            self._prompt_counted = True
+            self.state.metrics.observe_prefill_done(len(self.prepared.message.prompt_token_ids))
 
     def timings(self, final: RequestOutput | None) -> tuple[RequestTimings, RequestMetrics | None]:
         metrics = final.metrics if final is not None and isinstance(final.metrics, RequestMetrics) else None
@@ -155,6 +153,7 @@ async def respond_whole(state: ServerState, prepared: Prepared,
     """Non-streaming: wait for the final output; abort if the client leaves meanwhile."""
     rid = prepared.shape.request_id
     stream = state.client.add(prepared.message)
+    finisher = _Finisher(state, prepared)
     final: RequestOutput | None = None
     try:
         while final is None:
@@ -166,13 +165,13 @@ async def respond_whole(state: ServerState, prepared: Prepared,
                 continue
             if isinstance(item, BaseException):
                 _raise_item(state, item)
-            elif item.finished:
+            finisher.saw(item)
+            if item.finished:
                 final = item
     finally:
         state.admission.release(rid)
         if final is None:
             state.client.abort([rid])
-    finisher = _Finisher(state, prepared)
     timings, metrics = finisher.timings(final)
     out = final.outputs[0]
     choice = prepared.shape.choice(out.text, out.finish_reason, _logprobs(state, prepared.shape, final, None),
@@ -200,6 +199,7 @@ async def _events(state: ServerState, prepared: Prepared,
                 except APIError as exc:
                     yield exc.sse_data()
                 break
+            finisher.saw(item)
             out = item.outputs[0]
             logprobs = _logprobs(state, shape, item, len(item.delta_token_ids), text_offset)
             text_offset += len(item.delta_text)

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvpilot.server.admission import AdmissionController
 from kvpilot.server.config import ServerArgs
 from kvpilot.server.engine_client import EngineClient
+from kvpilot.server.engine_info import EngineInfo
 from kvpilot.server.errors import APIError
 from kvpilot.server.metrics import ServerMetrics
-from kvpilot.server.served_engine import EngineInfo
+from kvpilot.server.tokenizer_pool import TokenizerPool
+
+
+class NotReadyError(RuntimeError):
+    """A handler read the engine's facts before the engine was ready: call check_serving() first."""
 
 
 @dataclass
@@ -23,16 +28,18 @@ class ServerState:
     metrics: ServerMetrics
     admission: AdmissionController
     draining: bool = False
+    tokenizer_pool: TokenizerPool = field(default_factory=TokenizerPool)  # shut down by the app's lifespan
 
     @property
     def info(self) -> EngineInfo:
-        assert self.client.served is not None, "check_serving() first"
-        return self.client.served.info
+        if self.client.info is None:
+            raise NotReadyError("the engine is not ready: check_serving() first")
+        return self.client.info
 
     @property
     def tokenizer(self) -> Any:
-        assert self.client.served is not None, "check_serving() first"
-        return self.client.served.engine.tokenizer
+        """The engine's tokenizer, sent by the core at start (None for a model without one)."""
+        return self.client.tokenizer
 
     def check_serving(self) -> None:
         """503 while the engine loads, after it failed, or while draining."""

@@ -1,4 +1,9 @@
-"""The periodic status line while busy (like vLLM's): throughput, running/waiting, KV usage, prefix hits."""
+"""The periodic status line while busy (like vLLM's): throughput, running/waiting, KV usage, prefix hits.
+
+Throughput is the growth of the token counters over the interval. They move per engine step (see
+metrics.py), so a line written while a long request decodes shows its generation rate, and the line after it
+finishes no burst.
+"""
 
 from __future__ import annotations
 
@@ -14,13 +19,15 @@ logger = logging.getLogger("kvpilot.server")
 
 @dataclass(frozen=True)
 class TokenTotals:
-    """Cumulative prompt / generation tokens, read from the metrics counters."""
+    """Cumulative prompt / generation tokens, read from the metrics counters (vllm:prompt_tokens_total,
+    vllm:generation_tokens_total)."""
 
     num_prompt_tokens: float
     num_generation_tokens: float
 
 
 def status_line(stats: SchedulerStats, before: TokenTotals, now: TokenTotals, elapsed_s: float) -> str:
+    """vLLM's "Avg prompt throughput: ... tokens/s, Avg generation throughput: ..." line for one interval."""
     prompt_tps = (now.num_prompt_tokens - before.num_prompt_tokens) / elapsed_s
     gen_tps = (now.num_generation_tokens - before.num_generation_tokens) / elapsed_s
     return (f"Avg prompt throughput: {prompt_tps:.1f} tokens/s, Avg generation throughput: {gen_tps:.1f} "

@@ -1,0 +1,175 @@
+"""The engine core: builds the LLMEngine and runs its step loop behind an Endpoint (see messages.py).
+
+`run_core` is the whole life of a core and is the same code in both modes: the target of the core process
+(core_process.py) or of the core thread (`--no-engine-process`). Only the thread running it touches the
+engine, which is not thread-safe. It sleeps on the endpoint when there is no work, handles every waiting
+message between steps, and sends one StepResult per step, so a step never waits for a slow client.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from contextlib import suppress
+from typing import TYPE_CHECKING, Any, Callable
+
+from kvpilot.engine.engine import StepStats
+from kvpilot.engine.scheduler_stats import SchedulerStats
+from kvpilot.outputs import RequestOutput
+from kvpilot.server.core_channel import Endpoint
+from kvpilot.server.engine_info import EngineCapacity
+from kvpilot.server.messages import (Abort, AddRequest, CapacityQuery, CoreFailed, IntegrityQuery, LoadFailed,
+                                     QueryReply, Ready, Shutdown, StatsQuery, StepResult, ToCore, without_prompt)
+
+if TYPE_CHECKING:
+    from kvpilot.engine.engine import LLMEngine
+    from kvpilot.server.served_engine import ServedEngine
+
+logger = logging.getLogger("kvpilot.server")
+GONE = (EOFError, BrokenPipeError, ConnectionResetError)  # the server closed its side, or died
+
+
+def _integrity(engine: LLMEngine) -> dict[str, Any]:
+    engine.scheduler.check_integrity()
+    stats = engine.scheduler.make_stats()
+    return {"ok": True, "num_running": stats.num_running, "num_waiting": stats.num_waiting,
+            "num_used_blocks": stats.num_used_blocks, "num_free_blocks": stats.num_free_blocks,
+            "num_cached_blocks": stats.num_cached_blocks, "num_total_blocks": stats.num_total_blocks}
+
+
+def _capacity(engine: LLMEngine) -> EngineCapacity:
+    scheduler = engine.scheduler
+    return EngineCapacity(num_blocks=scheduler.cache_config.num_blocks, block_size=scheduler.cache_config.block_size,
+                          max_model_len=scheduler.config.max_model_len, max_num_seqs=scheduler.config.max_num_seqs,
+                          max_num_batched_tokens=scheduler.config.max_num_batched_tokens)
+
+
+def _stats(engine: LLMEngine) -> SchedulerStats:
+    return engine.scheduler.make_stats()
+
+
+QUERIES: dict[type, Callable[[Any], Any]] = {
+    StatsQuery: _stats,
+    IntegrityQuery: _integrity,
+    CapacityQuery: _capacity,
+}
+
+
+class EngineCore:
+    """The step loop. Invariants: every AddRequest gets exactly one final item back (a finished output or a
+    rejection) unless the core dies; every query exactly one QueryReply; messages are handled in the order
+    sent, between steps; a StepResult is sent whenever outputs, step stats or the scheduler snapshot changed."""
+
+    def __init__(self, engine: LLMEngine, endpoint: Endpoint) -> None:
+        self.engine, self.endpoint = engine, endpoint
+        self._live: set[str] = set()  # added and not yet finished: what Shutdown aborts
+        self._step_stats: list[StepStats] = []
+        self._rejected: list[tuple[str, str]] = []
+        engine.on_step = self._step_stats.append  # collected per step, sent with the step's outputs
+        self.stats: SchedulerStats = engine.scheduler.make_stats()
+
+    def run(self) -> None:
+        """Serves until Shutdown; raises EOFError/OSError when the server side is gone."""
+        while True:
+            if not self._handle(self._receive(block=not self.engine.has_unfinished_requests())):
+                return
+            self._step_and_publish()
+
+    def _receive(self, block: bool) -> list[ToCore]:
+        messages = [self.endpoint.recv()] if block else []  # sleep when idle
+        while self.endpoint.poll():
+            messages.append(self.endpoint.recv())
+        return messages
+
+    def _handle(self, messages: list[ToCore]) -> bool:
+        """Processes the messages in order; False on Shutdown (after aborting and publishing what was live)."""
+        for message in messages:
+            if isinstance(message, AddRequest):
+                self._add(message)
+            elif isinstance(message, Abort):
+                self.engine.abort_request(list(message.request_ids))
+            elif isinstance(message, Shutdown):
+                self.engine.abort_request(sorted(self._live))
+                self._step_and_publish()
+                return False
+            else:
+                self.endpoint.send(self._answer(message))
+        return True
+
+    def _add(self, message: AddRequest) -> None:
+        try:
+            self.engine.add_request(message.prompt, message.params, request_id=message.request_id,
+                                    priority=message.priority, arrival_time=message.arrival_time,
+                                    prompt_token_ids=message.prompt_token_ids)
+            self._live.add(message.request_id)
+        except ValueError as exc:  # too long for the cache, duplicate id: the request's own fault
+            self._rejected.append((message.request_id, str(exc)))
+
+    def _answer(self, query: Any) -> QueryReply:
+        handler = QUERIES.get(type(query))
+        if handler is None:
+            return QueryReply(getattr(query, "query_id", -1), error=f"unknown message {type(query).__name__}")
+        try:
+            return QueryReply(query.query_id, handler(self.engine))
+        except Exception as exc:  # noqa: BLE001 - the reply carries it to the caller
+            return QueryReply(query.query_id, error=str(exc) or type(exc).__name__)
+
+    def _step_and_publish(self) -> None:
+        outputs: list[RequestOutput] = self.engine.step() if self.engine.has_unfinished_requests() else []
+        self._live.difference_update(o.request_id for o in outputs if o.finished)
+        # Snapshot before sending: a client that got its final output then scrapes sees the state after.
+        stats = self.engine.scheduler.make_stats()
+        if outputs or self._step_stats or self._rejected or stats != self.stats:
+            self.endpoint.send(StepResult([without_prompt(o) for o in outputs], list(self._step_stats),
+                                          list(self._rejected), stats))
+        self.stats = stats
+        self._step_stats.clear()
+        self._rejected.clear()
+
+
+def _load_error_message(exc: BaseException) -> str:
+    from kvpilot.model.errors import ModelLoadError
+
+    if isinstance(exc, (ModelLoadError, ValueError, OSError)):  # user errors: the message says what to do
+        logger.error("loading the engine failed: %s", exc)
+        return str(exc)
+    logger.exception("loading the engine failed")
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _say_ready(served: ServedEngine, core: EngineCore, endpoint: Endpoint) -> bool:
+    try:
+        endpoint.send(Ready(served.info, served.engine.tokenizer, core.stats))
+        return True
+    except (pickle.PicklingError, TypeError, AttributeError) as exc:  # e.g. a tokenizer that does not pickle
+        logger.exception("cannot send the engine's start-up facts to the server")
+        endpoint.send(LoadFailed(f"the engine core cannot send its start-up facts ({exc}): run the server "
+                                 "with --no-engine-process"))
+        return False
+
+
+def run_core(build: Callable[[], ServedEngine], endpoint: Endpoint) -> None:
+    """Builds the engine, sends Ready (or LoadFailed), serves until Shutdown or until the server side is
+    gone, and closes the endpoint. Never raises for the server's absence: there is no one left to tell."""
+    try:
+        try:
+            served = build()
+        except BaseException as exc:  # reported through /health and every request
+            endpoint.send(LoadFailed(_load_error_message(exc)))
+            return
+        core = EngineCore(served.engine, endpoint)
+        if not _say_ready(served, core, endpoint):
+            return
+        try:
+            core.run()
+        except GONE:
+            logger.warning("the server closed the engine core's channel: the core exits")
+        except BaseException as exc:
+            logger.exception("the engine loop failed")
+            with suppress(*GONE, OSError):
+                endpoint.send(CoreFailed(f"{type(exc).__name__}: {exc}"))
+    except GONE:
+        logger.warning("the server went away while the engine core started: the core exits")
+    finally:
+        with suppress(OSError):
+            endpoint.close()

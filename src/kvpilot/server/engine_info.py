@@ -1,0 +1,63 @@
+"""EngineInfo: the served engine's fixed facts, built once by the engine core and sent to the server at start.
+
+Torch-free and picklable: the HTTP side reads these instead of the engine (which may live in another process).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class KVCacheInfo:
+    """The KV cache as allocated, computed once when the engine is built.
+
+    Invariants: num_blocks >= 1; bytes_per_block = 2 (K and V) * num_hidden_layers * block_size *
+    num_key_value_heads * head_dim * dtype_bytes; `budget_bytes` is the memory the cache was sized from
+    (kv_cache_memory, the CPU default, or on CUDA what was allocated from gpu_memory_utilization).
+    """
+
+    dtype: str
+    dtype_bytes: int
+    block_size: int
+    num_blocks: int
+    bytes_per_block: int
+    budget_bytes: int
+    num_hidden_layers: int
+    num_key_value_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """Fixed at start-up. `vocab_size` bounds valid prompt token ids; `max_model_len` prompt + output."""
+
+    model: str
+    max_model_len: int
+    max_num_batched_tokens: int
+    vocab_size: int
+    kv: KVCacheInfo
+
+    @property
+    def capacity(self) -> dict[str, Any]:
+        """The GET /v1/kvpilot/capacity JSON (the contract of fit/server_capacity.py)."""
+        kv = self.kv
+        return {"model": self.model, "num_hidden_layers": kv.num_hidden_layers,
+                "num_key_value_heads": kv.num_key_value_heads, "head_dim": kv.head_dim,
+                "kv_dtype_bytes": kv.dtype_bytes, "kv_cache_dtype": kv.dtype,
+                "kv_cache_memory_bytes": kv.budget_bytes, "block_size": kv.block_size,
+                "num_blocks": kv.num_blocks, "bytes_per_block": kv.bytes_per_block,
+                "max_model_len": self.max_model_len}
+
+
+@dataclass(frozen=True)
+class EngineCapacity:
+    """What the live engine's scheduler was configured with (the reply to CapacityQuery): lets tests and
+    tools check the capacity endpoint against the engine itself, across the process boundary."""
+
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
