@@ -60,6 +60,11 @@ class SlowTokenizer:
         time.sleep(self.delay_s)
         return self.inner.encode_chat(*args, **kwargs)
 
+    @property
+    def backend(self) -> None:
+        """No fast `tokenizers` backend: the server then calls `encode`, the slowed path."""
+        return None
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 

@@ -13,6 +13,7 @@ from kvpilot.bench.scrape import MetricsSample, known_samples, parse_metrics, su
 from kvpilot.doctor.diagnose import DoctorReport, diagnose
 from kvpilot.doctor.findings import Finding, Severity
 from kvpilot.doctor.inputs import load_inputs
+from kvpilot.engine.engine import StepStats
 from kvpilot.engine.scheduler_stats import SchedulerStats
 from kvpilot.engine.timeline import RequestMetrics
 from kvpilot.server.metrics import MemoryCollector, ServerMetrics
@@ -37,7 +38,12 @@ def _server(memory: _Memory) -> ServerMetrics:
 
 
 def _generate(metrics: ServerMetrics, num_requests: int, tokens: int = 32) -> None:
+    """The token counters move per engine step (one prefill, then decodes), the histograms at the finish."""
     for i in range(num_requests):
+        metrics.observe_prefill_done(64)
+        metrics.observe_step(StepStats(64, 64, 0, 1, 0, 1, 0.2))
+        for _ in range(tokens - 1):
+            metrics.observe_step(StepStats(1, 0, 1, 1, 0, 1, 0.1))
         metrics.observe_finished(RequestMetrics(f"r{i}", 64, tokens, 0, 0, "length", 0.01, 0.001, 0.2, 0.21,
                                                 3.0, 3.2, tuple([0.1] * (tokens - 1))))
 

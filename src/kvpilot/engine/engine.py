@@ -38,10 +38,16 @@ class StepStats:
     duration: float
 
 
-class _NoText:
-    """Decoder of a model without a tokenizer: token ids only, no text."""
+class _NoTextDetokenizer:
+    """The detokenizer of a model without a tokenizer: token ids only, no text, no stop strings."""
 
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+    text = ""
+    stop_reason = None
+
+    def push(self, token_ids: list[int]) -> str:
+        return ""
+
+    def finish(self) -> str:
         return ""
 
 
@@ -64,7 +70,7 @@ class _Tracked:
 
     request: Request
     prompt: str | None
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | _NoTextDetokenizer
     logprobs: list[TokenLogprob] | None = None
 
 
@@ -120,8 +126,9 @@ class LLMEngine:
         request = Request(request_id, token_ids, params, arrival_time=arrival, priority=priority)
         request.timeline.tokenized = self.clock()
         self.scheduler.add_request(request)
-        detokenizer = IncrementalDetokenizer(self.tokenizer or _NoText(), stop=list(params.stop),
-                                             skip_special_tokens=params.skip_special_tokens)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, stop=list(params.stop),
+                                             skip_special_tokens=params.skip_special_tokens) \
+            if self.tokenizer is not None else _NoTextDetokenizer()
         self._tracked[request_id] = _Tracked(request, prompt if isinstance(prompt, str) else None, detokenizer,
                                              [] if params.logprobs is not None else None)
         return request_id

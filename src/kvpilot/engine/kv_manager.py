@@ -107,7 +107,12 @@ class KVCacheManager:
         With prefix_hit (a waiting request being admitted) the hit blocks are shared first, then new blocks
         come from the head of the free queue. On None nothing changed. Returns the ids of the new blocks.
         """
-        table = self._tables.get(request.request_id) or _Table()
+        table = self._tables.get(request.request_id)
+        if table is None:
+            table = _Table()
+        elif prefix_hit is None and \
+                request.num_computed_tokens + num_new_tokens <= len(table.blocks) * self.block_size:
+            return []  # the common decode step: the last block still has room
         hit = prefix_hit.blocks if prefix_hit is not None else ()
         num_hit_tokens = prefix_hit.num_tokens if prefix_hit is not None else 0
         total_tokens = request.num_computed_tokens + num_hit_tokens + num_new_tokens
@@ -138,6 +143,8 @@ class KVCacheManager:
             return
         num_computed = request.num_computed_tokens if num_computed is None else num_computed
         num_known = min(num_computed, request.num_tokens)  # a token sampled in flight has no id to hash yet
+        if num_known < (table.num_cached_blocks + 1) * self.block_size:
+            return  # no new full block (the common decode step)
         num_full = min(num_known // self.block_size, len(table.blocks))
         if num_full <= table.num_cached_blocks:
             return

@@ -2,7 +2,8 @@
 what the runner sends back.
 
 Everything here is plain data (ints, strs, lists, SamplingParams): cheap to build, and picklable, so it can
-cross a process boundary. The runner keeps its own per-request state (token ids, block table rows, sampling
+cross a process boundary. The records built per request per step use slots and are not frozen (a frozen
+dataclass costs ~3x to construct); treat them as read-only all the same. The runner keeps its own per-request state (token ids, block table rows, sampling
 settings) and updates it from these diffs; nothing here grows with a request's context or output length
 except the one-time NewRequestData.
 """
@@ -32,7 +33,7 @@ class NewRequestData:
     num_computed_tokens: int  # before this step: the prefix-cache hit
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RunningRequestData:
     """A request the runner already holds, scheduled again: only what changed since its last step."""
 
@@ -41,7 +42,7 @@ class RunningRequestData:
     num_computed_tokens: int  # before this step
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ScheduledChunk:
     """One request's share of a step: num_tokens tokens from start_position (its computed tokens before the
     step). needs_sample: the chunk reaches the request's last token, so the runner samples one new token;
@@ -91,7 +92,7 @@ class SchedulerOutput:
         return sum(1 for c in self.chunks if c.needs_sample)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class SampledToken:
     """One request's sampled token; with logprobs requested, its log-probability and the top-N alternatives."""
 
@@ -111,7 +112,7 @@ class RunnerOutput:
         return {rid: s.token_id for rid, s in self.sampled.items()}
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RequestUpdate:
     """What one step did to one request, for the engine to detokenize and emit.
 

@@ -44,7 +44,8 @@ class InputBatch:
     def __init__(self, limits: BatchLimits) -> None:
         self.limits = limits
         n, length = limits.max_num_seqs, limits.max_model_len
-        self.token_ids = np.zeros((n, length + 1), dtype=np.int64)  # +1: a finishing step samples past the end
+        # int32 like vLLM's (256 rows x 128k tokens is 128 MiB); +1: a finishing step samples past the end
+        self.token_ids = np.zeros((n, length + 1), dtype=np.int32)
         self.num_tokens = np.zeros(n, dtype=np.int64)
         self.num_prompt = np.zeros(n, dtype=np.int64)
         self.num_output = np.zeros(n, dtype=np.int64)

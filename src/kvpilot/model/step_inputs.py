@@ -69,7 +69,8 @@ def build_step_inputs(batch: InputBatch, chunks: Sequence[ScheduledChunk], rows:
     positions = np.arange(int(ends[-1]), dtype=np.int64) + np.repeat(starts - query_start, query_lens)
     slots = batch.block_table[token_rows, positions // block_size] * block_size + positions % block_size
     unknown = np.flatnonzero(positions >= batch.num_known[token_rows])
-    token_ids = _device_token_ids(batch.token_ids[token_rows, positions], unknown, token_rows, previous, device)
+    token_ids = _device_token_ids(batch.token_ids[token_rows, positions].astype(np.int64), unknown, token_rows,
+                                  previous, device)
     max_blocks = int(-(-(starts + query_lens).max() // block_size))
     layout = StepLayout(query_start=query_start, query_lens=query_lens, start_positions=starts,
                         block_tables=batch.block_table[rows, :max_blocks], slot_mapping=slots, block_size=block_size)

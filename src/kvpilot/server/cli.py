@@ -11,7 +11,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvpilot.cli_options import (BlockSizeOpt, DeviceOpt, DtypeOpt, GpuUtilOpt, KvCacheDtypeOpt, KvCacheMemoryOpt,
+from kvpilot.cli_options import (AsyncSchedulingOpt, AttentionBackendOpt, BlockSizeOpt, DeviceOpt, DtypeOpt, GpuUtilOpt, KvCacheDtypeOpt, KvCacheMemoryOpt,
                                  LoadFormatOpt, MaxBatchedTokensOpt, MaxModelLenOpt, MaxNumSeqsOpt, ModelOpt,
                                  PolicyOpt, PrefixCachingOpt, SeedOpt)
 
@@ -36,6 +36,7 @@ def serve_command(
     kv_cache_dtype: KvCacheDtypeOpt = "auto", gpu_memory_utilization: GpuUtilOpt = 0.9,
     block_size: BlockSizeOpt = 16,
     enable_prefix_caching: PrefixCachingOpt = True, scheduling_policy: PolicyOpt = "fcfs", seed: SeedOpt = 0,
+    attention_backend: AttentionBackendOpt = "auto", async_scheduling: AsyncSchedulingOpt = None,
     host: Annotated[str, typer.Option("--host", help="Address to bind (0.0.0.0 for all interfaces).")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="Port to listen on.")] = 8000,
     served_model_name: Annotated[Optional[list[str]], typer.Option(
@@ -73,7 +74,8 @@ def serve_command(
                                  kv_cache_dtype=kv_cache_dtype, gpu_memory_utilization=gpu_memory_utilization,
                                  block_size=block_size,
                                  enable_prefix_caching=enable_prefix_caching, scheduling_policy=scheduling_policy,
-                                 seed=seed)
+                                 seed=seed, attention_backend=attention_backend,
+                                 async_scheduling=async_scheduling)
         engine_args.check()
         server_args = ServerArgs(host=host, port=port, served_model_names=_served_names(served_model_name, model),
                                  api_key=api_key, max_num_queued_reqs=max_num_queued_reqs,
