@@ -18,17 +18,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
 
 import httpx
 
-from kvpilot.server.background import free_port
+from server_process import start_server as start_process
 
 MODEL = "bench"
 SENTENCE = "The quick brown fox jumps over the lazy dog; 12345 lorem ipsum dolor sit amet. "
@@ -89,23 +87,9 @@ class Streamer:
 
 
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    command = [sys.executable, "-m", "kvpilot.server", "--dtype", args.dtype, "--port", str(port),
-               "--max-model-len", str(args.max_model_len), "--kv-cache-memory", args.kv_cache_memory,
-               "--served-model-name", MODEL]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        if process.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"the server did not start: {' '.join(command)}")
-        try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                return process, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
+    return start_process([
+        "--dtype", args.dtype, "--max-model-len", str(args.max_model_len), "--kv-cache-memory", args.kv_cache_memory,
+        "--served-model-name", MODEL])
 
 
 def percentile(values: list[float], q: float) -> float:

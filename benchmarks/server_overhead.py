@@ -15,17 +15,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import signal
-import subprocess
-import sys
 import time
 
 import httpx
 
 from kvpilot import LLM, SamplingParams
-from kvpilot.server.background import free_port
+from server_process import start_server
 
 
 def make_prompts(num_requests: int, input_len: int, seed: int, vocab: int) -> list[list[int]]:
@@ -77,24 +74,10 @@ async def _client_run(url: str, prompts: list[list[int]], output_len: int, concu
 
 
 def run_server(args: argparse.Namespace, prompts: list[list[int]]) -> float:
-    port = free_port()
-    command = [sys.executable, "-m", "kvpilot.server", "--dtype", args.dtype, "--port", str(port),
-               "--max-num-seqs", str(args.concurrency), "--kv-cache-memory", args.kv_cache_memory,
-               "--max-model-len", str(args.max_model_len), "--served-model-name", "bench"]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    url = f"http://127.0.0.1:{port}"
+    process, url = start_server(["--dtype", args.dtype, "--max-num-seqs", str(args.concurrency),
+                                 "--kv-cache-memory", args.kv_cache_memory, "--max-model-len",
+                                 str(args.max_model_len), "--served-model-name", "bench"])
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not start: {' '.join(command)}")
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
         elapsed, tokens = asyncio.run(_client_run(url, prompts, args.output_len, args.concurrency))
         assert tokens == len(prompts) * args.output_len, f"{tokens} tokens streamed"
         return elapsed

@@ -1,0 +1,32 @@
+"""`kvpilot serve` in its own process for the benchmarks (imported by server_overhead.py, huge_prompt.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+
+from kvpilot.server.background import free_port
+
+
+def start_server(flags: list[str], timeout_s: float = 300) -> tuple[subprocess.Popen, str]:
+    """Starts `python -m kvpilot.server --port <free> *flags` and waits for /health 200; (process, url).
+    RuntimeError (the process killed) if it exits or is not ready in time."""
+    port = free_port()
+    command = [sys.executable, "-m", "kvpilot.server", "--port", str(port), *flags]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while process.poll() is None and time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return process, url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    process.kill()
+    raise RuntimeError(f"the server did not start: {' '.join(command)}")
