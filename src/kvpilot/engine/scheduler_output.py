@@ -87,10 +87,6 @@ class SchedulerOutput:
     def num_decode_tokens(self) -> int:
         return sum(1 for c in self.chunks if c.is_decode)
 
-    @property
-    def num_sampled(self) -> int:
-        return sum(1 for c in self.chunks if c.needs_sample)
-
 
 @dataclass(slots=True)
 class SampledToken:

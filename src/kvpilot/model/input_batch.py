@@ -47,7 +47,6 @@ class InputBatch:
         # int32 like vLLM's (256 rows x 128k tokens is 128 MiB); +1: a finishing step samples past the end
         self.token_ids = np.zeros((n, length + 1), dtype=np.int32)
         self.num_tokens = np.zeros(n, dtype=np.int64)
-        self.num_prompt = np.zeros(n, dtype=np.int64)
         self.num_output = np.zeros(n, dtype=np.int64)
         self.num_known = np.zeros(n, dtype=np.int64)
         self.block_table = np.zeros((n, limits.max_blocks_per_seq), dtype=np.int64)
@@ -80,7 +79,6 @@ class InputBatch:
         self.request_ids[row] = new.request_id
         self.token_ids[row, :len(tokens)] = tokens
         self.num_tokens[row] = len(tokens)
-        self.num_prompt[row] = len(new.prompt_token_ids)
         self.num_output[row] = len(new.output_token_ids)
         self.num_known[row] = len(tokens)
         self.block_table[row, :len(new.block_ids)] = new.block_ids

@@ -20,7 +20,7 @@ class StepLayout:
     query_start: np.ndarray  # [S] int64
     query_lens: np.ndarray  # [S] int64
     start_positions: np.ndarray  # [S] int64: computed tokens before the step
-    block_tables: np.ndarray  # [S, max_blocks_per_seq] int64 (rows of the persistent table)
+    block_tables: np.ndarray  # [S, widest table of the step] int64 (from the persistent table)
     slot_mapping: np.ndarray  # [T] int64
     block_size: int
 
