@@ -106,3 +106,13 @@ def test_stream_deltas_and_metrics(llm):
     assert 0 <= m.queue_time <= m.ttft and m.prefill_time > 0 and m.decode_time > 0
     assert m.e2e_latency >= m.ttft + m.decode_time - 1e-6
     assert m.num_preemptions == 0
+
+
+def test_out_of_vocabulary_stop_token_with_min_tokens_fails_nothing(llm):
+    """min_tokens masks the stop tokens in the logits: an id past the vocabulary is skipped there, so the
+    request and its neighbours in the batch generate as usual (it once indexed out of bounds in the step)."""
+    odd = SamplingParams(temperature=0, max_tokens=4, min_tokens=2, stop_token_ids=[999_999], ignore_eos=True)
+    plain = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    outputs = llm.generate(["Hi", "The sky is"], [odd, plain])
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [4, 4]
+    assert outputs[1].outputs[0].token_ids == llm.generate("The sky is", plain)[0].outputs[0].token_ids
