@@ -13,13 +13,17 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
+import time
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 
 import httpx
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvpilot.server.background import BackgroundServer
+from kvpilot.server.background import free_port
 
 HIDDEN_FIELD = "kvpilot"
 # Server-Timing carries kvpilot's stages; the others describe the upstream hop (its framing, date and
@@ -112,8 +116,29 @@ def gateway_app(upstream_url: str) -> FastAPI:
     return app
 
 
+@dataclass(frozen=True)
+class Gateway:
+    """A running gateway: ``url`` is its base URL."""
+
+    url: str
+
+
 @contextlib.contextmanager
-def openai_gateway(upstream_url: str) -> Iterator[BackgroundServer]:
-    """The gateway listening on 127.0.0.1 (a free port) in a daemon thread; ``.url`` is its base URL."""
-    with BackgroundServer(gateway_app(upstream_url), wait_ready=False) as server:
-        yield server
+def openai_gateway(upstream_url: str) -> Iterator[Gateway]:
+    """The gateway listening on 127.0.0.1 (a free port) in a daemon thread. It is not a kvpilot server,
+    so it runs under plain uvicorn (kvpilot's BackgroundServer reads the kvpilot app's server args)."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(gateway_app(upstream_url), host="127.0.0.1", port=port,
+                                           log_level="warning", access_log=False, timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, name="openai-gateway", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the gateway did not start")
+        time.sleep(0.02)
+    try:
+        yield Gateway(f"http://127.0.0.1:{port}")
+    finally:
+        server.should_exit = True
+        thread.join(10)

@@ -89,3 +89,16 @@ def test_url_unreachable_or_mixed_with_files_exits_2(tmp_path: Path) -> None:
     (path,), _, _, _ = healthy(tmp_path)
     _assert_unusable(_invoke("--url", url, "--from", path), "use one or the other")
     _assert_unusable(_invoke("--from", path, "--quick"), "go with --url")
+
+
+def test_serve_that_cannot_start_is_one_line_exit_2() -> None:
+    result = _invoke("--serve", "definitely-not-a-server-xyz --port 1", "--quick")
+    assert result.exit_code == 2
+    lines = [ln for ln in result.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "cannot run 'definitely-not-a-server-xyz'" in lines[0], result.output
+
+
+def test_verify_without_serve_and_serve_with_url_are_refused() -> None:
+    assert "--verify needs --serve" in _invoke("--verify").output
+    result = _invoke("--serve", "kvpilot serve", "--url", "http://127.0.0.1:1")
+    assert result.exit_code == 2 and "leave out --url" in result.output

@@ -26,6 +26,7 @@ from kvpilot.bench.datasets import DatasetConfig
 from kvpilot.bench.load import LoadShape
 from kvpilot.doctor.diagnose import DoctorReport
 from kvpilot.doctor.findings import Finding, Severity
+from kvpilot.doctor.thresholds import Thresholds
 from kvpilot.fit.kv_cache import kv_cache_bytes_per_block
 from kvpilot.server.background import BackgroundServer
 from tests.doctor.bench_worker import BenchWorker
@@ -41,6 +42,19 @@ LONG_LEN = 1024
 
 def _client_lagged(*runs: Measured) -> bool:
     return any(r["client_lag"]["overloaded"] for m in runs for r in m.result["runs"])
+
+
+def _lag_share(m: Measured) -> float:
+    """The worst run's p99 client lag over its smaller median latency (TTFT or TPOT)."""
+    shares = []
+    for run in m.result["runs"]:
+        lag = run["client_lag"]
+        worst = max(lag["dispatch_lag_ms"]["p99"] or 0.0, lag["loop_lag_ms"]["p99"] or 0.0)
+        ok = [r for r in run["requests"] if r["ok"]]
+        latency = min(statistics.median(r["ttft_ms"] for r in ok),
+                      statistics.median(r["tpot_ms"] for r in ok if r["tpot_ms"] is not None))
+        shares.append(worst / latency)
+    return max(shares)
 
 
 def assert_first(report: DoctorReport, rule_id: str, *runs: Measured) -> None:
@@ -99,8 +113,8 @@ def healthy_runs(healthy_server: BackgroundServer, worker: BenchWorker) -> tuple
 def test_healthy_server_has_no_finding_above_low(healthy_runs: tuple[Measured, Measured]) -> None:
     report = doctor(*healthy_runs)
     above_low = [f.rule_id for f in report.findings if f.severity is not Severity.LOW]
-    if _client_lagged(*healthy_runs):  # a starved machine: the doctor must blame the client, nothing else
-        assert above_low == ["client-overload"], ranked(report)
+    if _client_lagged(*healthy_runs):  # a starved machine: only the client may be blamed, and only when its
+        assert above_low in ([], ["client-overload"]), ranked(report)  # lag matters next to the latencies
     else:
         assert above_low == [] and report.exit_code == 0, ranked(report)
     assert all(s.source == "server timings" for s in report.splits)
@@ -146,8 +160,13 @@ def test_busy_load_generator_is_client_overload(healthy_server: BackgroundServer
     measured = bench(worker, healthy_server.url, TINY, LoadShape(concurrency=2, num_requests=6), "busy client",
                      busy_client=True)
     report = doctor(measured)
-    assert [f.rule_id for f in report.findings][:1] == ["client-overload"], ranked(report)
     assert _client_lagged(measured)
+    if "client-overload" not in [f.rule_id for f in report.findings]:
+        # A starved host makes the server so slow that the client's lag is a small share of what it
+        # measured: then it does not taint the latencies, and the doctor rightly says nothing.
+        assert _lag_share(measured) < Thresholds().client_lag_share_of_latency, ranked(report)
+        return
+    assert [f.rule_id for f in report.findings][:1] == ["client-overload"], ranked(report)
 
 
 @pytest.fixture(scope="module")
@@ -272,9 +291,14 @@ def test_cli_probe_of_a_tiny_kv_cache_is_kv_cache_pressure(llm_fp32) -> None:
     assert proc.returncode == 1, proc.stderr[-2000:]
     doc = json.loads(proc.stdout)
     ids = [f["rule_id"] for f in doc["findings"]]
-    if ids[:1] == ["client-overload"]:
+    while ids[:1] in (["client-overload"], ["cpu-starvation"]):  # measured host causes (test_live_host.py)
         ids = ids[1:]
-    assert ids[:1] == ["kv-cache-pressure"], [(f["rule_id"], f["severity"]) for f in doc["findings"]]
+    # The pool holds 1.5 requests of max_model_len (GET /v1/kvpilot/capacity): that configuration is the
+    # cause, named first with the exact --kv-cache-memory; the pressure the probe measured (when a starved
+    # host let it fill the pool) ranks below it and points to it.
+    assert ids[:1] == ["kv-pool-too-small"], [(f["rule_id"], f["severity"]) for f in doc["findings"]]
+    pressure = [f for f in doc["findings"] if f["rule_id"] == "kv-cache-pressure" and f["severity"] != "low"]
+    assert all("see kv-pool-too-small" in f["summary"] for f in pressure)
     assert doc["probe"]["url"] == server.url and doc["probe"]["mode"] == "quick"
     assert [p["name"] for p in doc["probe"]["phases"]] == ["baseline", "long-short", "shared-prefix", "ramp-8"]
     assert "[1] baseline" in proc.stderr  # progress goes to stderr, stdout is the JSON alone

@@ -107,8 +107,8 @@ def test_cli_probe_of_a_server_in_swap_is_memory_spillover(tmp_path: Path) -> No
     assert proc.returncode == 1, (staged, proc.stderr[-2000:])
     doc = json.loads(proc.stdout)
     findings = doc["findings"]
-    if findings and findings[0]["rule_id"] == "client-overload":
-        findings = findings[1:]
+    while findings and findings[0]["rule_id"] in ("client-overload", "cpu-starvation"):
+        findings = findings[1:]  # measured host causes on a shared machine (see test_live_host.py)
     ranked = [(f["rule_id"], f["severity"], round(f["confidence"], 2)) for f in doc["findings"]]
     assert (findings[0]["rule_id"], findings[0]["severity"]) == ("memory-spillover", "high"), (staged, ranked)
     evidence = {e["name"]: e["value"] for e in findings[0]["evidence"]}

@@ -43,6 +43,39 @@ def _probe(url: str, quick: bool, api_key: str | None, model_name: str | None, t
                           seed=int(time.time()) % 100_000)
 
 
+def _serve_mode(serve: str | None, verify: bool, quick: bool, other_inputs: bool, model: str | None,
+                gpu: str | None, as_json: bool, budget_s: float, serve_timeout_s: float) -> None:
+    """``--serve`` (and ``--verify``): start the server, probe, report; raises typer.Exit when done."""
+    from rich.console import Console  # noqa: PLC0415
+
+    from kvpilot.doctor.probe_plan import FULL, QUICK  # noqa: PLC0415
+    from kvpilot.doctor.render_console import print_report  # noqa: PLC0415
+    from kvpilot.doctor.serve import parse_command  # noqa: PLC0415
+    from kvpilot.doctor.verify import print_verify, run_verify  # noqa: PLC0415
+
+    if serve is None:
+        raise DoctorInputError('--verify needs --serve "kvpilot serve ..." (the doctor restarts the server '
+                               "with each fix)")
+    if other_inputs:
+        raise DoctorInputError("--serve starts and probes its own server: leave out --url, --from and --metrics-file")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    err = Console(stderr=True)
+    seed = int(time.time()) % 100_000
+    result = run_verify(parse_command(serve), QUICK if quick else FULL, err, seed,
+                        budget_s if verify else 0.0, serve_timeout_s, model, gpu)
+    report = result.report
+    if as_json:
+        doc = report.to_json()
+        doc["probe"] = result.session.to_json()
+        doc["verify"] = result.to_json() if verify else None
+        typer.echo(json.dumps(doc, indent=1))
+    else:
+        print_report(Console(), report)
+        if verify:
+            print_verify(Console(), result)
+    raise typer.Exit(report.exit_code)
+
+
 def doctor_command(
     from_: Annotated[
         list[str] | None,
@@ -65,7 +98,8 @@ def doctor_command(
                                         "to 8 in flight, no unique-prefix control).")] = False,
     api_key: Annotated[
         str | None,
-        typer.Option("--api-key", envvar="OPENAI_API_KEY", help="With --url: bearer token for the server."),
+        typer.Option("--api-key", envvar=["OPENAI_API_KEY", "KVPILOT_API_KEY"],
+                     help="With --url: bearer token for the server (also OPENAI_API_KEY, then KVPILOT_API_KEY)."),
     ] = None,
     model_name: Annotated[
         str | None,
@@ -92,6 +126,18 @@ def doctor_command(
     html: Annotated[
         str | None, typer.Option("--html", help="Write the report as an HTML fragment (for embedding) here.")
     ] = None,
+    serve: Annotated[
+        str | None,
+        typer.Option("--serve", help='Start this server command (e.g. "kvpilot serve --max-num-seqs 8", or '
+                     '"vllm serve MODEL ..."; a free --port is added unless given), probe it like --url, stop it.'),
+    ] = None,
+    verify: Annotated[bool, typer.Option("--verify", help="With --serve: restart with the top finding's fix, "
+                                         "probe the same workload again, print before/after for that finding's "
+                                         "metric; a fix that does not help is withdrawn and the next tried.")] = False,
+    verify_budget: Annotated[float, typer.Option("--verify-budget", help="With --verify: seconds for all "
+                                                 "rounds (no new round starts that would overrun it).")] = 900.0,
+    serve_timeout: Annotated[float, typer.Option("--serve-timeout", help="With --serve: seconds to wait for "
+                                                 "the server to answer /v1/models.")] = 300.0,
 ) -> None:
     """Name the bottleneck of a slow deployment, with the evidence, a confidence and the fix."""
     from rich.console import Console  # noqa: PLC0415 (lazy: `kvpilot --help` stays fast)
@@ -103,6 +149,9 @@ def doctor_command(
 
     probe = None
     try:
+        if serve is not None or verify:
+            _serve_mode(serve, verify, quick, bool(url or from_ or metrics_file), model, gpu, as_json,
+                        verify_budget, serve_timeout)
         if url is not None:
             probe = _probe(url, quick, api_key, model_name, tokenizer, bool(from_ or metrics_file))
             inputs = probe.inputs(model, gpu)

@@ -9,6 +9,7 @@ from typing import Any
 from kvpilot.doctor.findings import Finding, Severity
 from kvpilot.doctor.inputs import DoctorInputs
 from kvpilot.doctor.rules import RULES, Rule, RuleContext
+from kvpilot.doctor.rules.prefill import mixing_note, stall_note
 from kvpilot.doctor.signals import median
 from kvpilot.doctor.split import LatencySplit
 from kvpilot.doctor.thresholds import Thresholds
@@ -28,6 +29,10 @@ class DoctorReport:
     metrics_source: str
     roofline: dict[str, Any] | None
     created_unix: float
+    roofline_share: float | None = None
+    """Measured batch-1 decode speed as a share of the roofline's (TPOT floor / measured TPOT)."""
+    server_config: dict[str, Any] | None = None
+    resources: dict[str, Any] | None = None
 
     @property
     def healthy(self) -> bool:
@@ -39,11 +44,16 @@ class DoctorReport:
 
     @property
     def verdict(self) -> str:
+        roof = ""
+        if self.roofline_share is not None and self.roofline is not None:
+            roof = (f"; decode at {self.roofline_share:.0%} of the {_dtype_word(self.roofline.get('dtype'))}roofline "
+                    f"({self.roofline['model']} on {self.roofline['gpu']})")
         if self.healthy:
             return "healthy: no bottleneck found" + (f" ({len(self.findings)} low-severity notes)"
-                                                     if self.findings else "")
+                                                     if self.findings else "") + roof
         top = self.findings[0]
-        return f"bottleneck: {top.title} ({top.rule_id}, {top.severity.value}, confidence {top.confidence:.0%})"
+        return (f"bottleneck: {top.title} ({top.rule_id}, {top.severity.value}, confidence {top.confidence:.0%})"
+                + roof)
 
     def to_json(self) -> dict[str, Any]:
         return {"tool": "kvpilot doctor", "schema_version": 1, "created_unix": self.created_unix,
@@ -51,7 +61,14 @@ class DoctorReport:
                 "findings": [f.to_json() for f in self.findings],
                 "latency_split_ms": [s.to_json() for s in self.splits],
                 "headroom": list(self.headroom), "sources": list(self.sources),
-                "metrics_source": self.metrics_source, "roofline": self.roofline}
+                "metrics_source": self.metrics_source, "roofline": self.roofline,
+                "roofline_share": self.roofline_share, "server_config": self.server_config,
+                "resources": self.resources}
+
+
+def _dtype_word(dtype: str | None) -> str:
+    """"float32 " for an explicit dtype; nothing for "auto" (the model's own, bf16 for most)."""
+    return f"{dtype} " if dtype and dtype != "auto" else ""
 
 
 def rank(findings: list[Finding]) -> tuple[Finding, ...]:
@@ -59,10 +76,22 @@ def rank(findings: list[Finding]) -> tuple[Finding, ...]:
     return tuple(sorted(findings, key=lambda f: (-f.severity.rank, -f.score, f.rule_id)))
 
 
+def _roofline_share(ctx: RuleContext) -> float | None:
+    """Roofline TPOT floor / measured median TPOT of the lowest-load run."""
+    roof, runs = ctx.inputs.roofline, ctx.inputs.runs
+    tpot = median(r.tpot_ms for r in runs[0].ok) if runs else None
+    return roof.decode_step_ms / tpot if roof is not None and tpot else None
+
+
 def _headroom(ctx: RuleContext) -> list[str]:
-    """What is left before the first limit, from what was measured."""
+    """What is left before the first limit, from what was measured, then effects inherent to the
+    hardware (with their size) and how much of the machine the server got."""
     lines = []
     view, roof, peak = ctx.view, ctx.inputs.roofline, ctx.inputs.peak_run
+    cfg = ctx.inputs.server_config
+    if cfg is not None and cfg.max_len_requests is not None:
+        lines.append(f"KV pool {cfg.num_kv_tokens:,} tokens: {cfg.max_len_requests:.1f} requests of max_model_len "
+                     f"{cfg.max_model_len:,} ({cfg.source})")
     if view.kv_usage_max is not None:
         lines.append(f"KV cache peaked at {view.kv_usage_max:.0%}: {1 - view.kv_usage_max:.0%} free")
     split = ctx.server_split
@@ -74,7 +103,7 @@ def _headroom(ctx: RuleContext) -> list[str]:
     low = ctx.inputs.runs[0] if ctx.inputs.runs else None
     tpot = median(r.tpot_ms for r in low.ok) if low is not None else None
     if roof is not None and low is not None and tpot:
-        lines.append(f"decode at {roof.decode_step_ms / tpot:.0%} of the roofline TPOT floor "
+        lines.append(f"decode at {roof.decode_step_ms / tpot:.0%} of the {_dtype_word(roof.dtype)}roofline TPOT floor "
                      f"({roof.decode_step_ms:.1f} ms vs {tpot:.1f} ms measured at {low.in_flight:.1f} in flight)")
     if peak is not None:
         lines.append(f"peak output throughput {peak.output_throughput:,.1f} tok/s at "
@@ -82,6 +111,26 @@ def _headroom(ctx: RuleContext) -> list[str]:
         if roof is not None and roof.aggregate_tokens_per_s > 0:
             lines.append(f"that is {peak.output_throughput / roof.aggregate_tokens_per_s:.0%} of the roofline "
                          f"({roof.aggregate_tokens_per_s:,.0f} tok/s at batch {roof.batch_size} on {roof.gpu})")
+    lines.extend(note for note in (mixing_note(ctx), stall_note(ctx)) if note is not None)
+    lines.extend(_resource_lines(ctx))
+    return lines
+
+
+def _resource_lines(ctx: RuleContext) -> list[str]:
+    r = ctx.inputs.resources
+    if r is None:
+        return []
+    lines = []
+    if r.server_cores is not None:
+        wait = f", waiting for a CPU {r.run_queue_share:.0%} of its runnable time" if r.run_queue_share is not None \
+            else ""
+        lines.append(f"server used {r.server_cores:.2f} CPU cores over {r.wall_s:.0f} s{wait} ({r.source})")
+    if r.host_busy_share is not None and r.num_cpus is not None:
+        lines.append(f"host: {r.host_busy_share:.0%} of {r.num_cpus} CPUs busy, load average {r.load_avg_1m:.1f}"
+                     + (f", steal {r.steal_share:.0%}" if r.steal_share else ""))
+    for g in r.gpus:
+        lines.append(f"GPU {g.index}: {g.utilization:.0%} utilised, {g.memory_used_bytes / 2**30:.1f} of "
+                     f"{g.memory_total_bytes / 2**30:.1f} GiB used (NVML)")
     return lines
 
 
@@ -94,4 +143,6 @@ def diagnose(inputs: DoctorInputs, thresholds: Thresholds | None = None,
     return DoctorReport(
         findings=rank(findings), splits=ctx.splits, headroom=tuple(_headroom(ctx)), sources=inputs.sources,
         metrics_source=ctx.view.source, roofline=roof.__dict__.copy() if roof is not None else None,
-        created_unix=time.time())
+        created_unix=time.time(), roofline_share=_roofline_share(ctx),
+        server_config=inputs.server_config.to_json() if inputs.server_config is not None else None,
+        resources=inputs.resources.to_json() if inputs.resources is not None else None)

@@ -15,7 +15,10 @@ from kvpilot.bench.records import RequestRecord, record_from_json
 from kvpilot.bench.result import ResultFileError, read_result
 from kvpilot.doctor.errors import DoctorInputError
 from kvpilot.doctor.prometheus import MetricsSnapshot, metrics_delta, parse_prometheus_text
+from kvpilot.doctor.resources import ResourceUsage
 from kvpilot.doctor.roofline_ref import RooflineRef, roofline_for
+from kvpilot.doctor.server_config import ServerConfig
+from kvpilot.doctor.server_config import from_metrics as config_from_metrics
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,7 @@ class RunData:
     dataset: dict[str, Any] = field(default_factory=dict)
     slos_ms: dict[str, float] = field(default_factory=dict)
     burst: bool = False  # all requests sent at once (rate inf, no concurrency cap): a capacity probe
+    closed_loop: bool = False  # a fixed number of clients (--concurrency): no request rate to lower
 
     @property
     def ok(self) -> list[RequestRecord]:
@@ -52,12 +56,16 @@ class RunData:
 @dataclass(frozen=True)
 class DoctorInputs:
     """Everything one diagnosis reads. Invariant: at least one run or a metrics snapshot.
-    ``runs`` are sorted by ``in_flight`` (lowest load first)."""
+    ``runs`` are sorted by ``in_flight`` (lowest load first). ``server_config``: the server's
+    configured limits (capacity endpoint, metrics, --serve flags); ``resources``: CPU/GPU use of the
+    server and its host over a live probe (None for saved files)."""
 
     runs: tuple[RunData, ...] = ()
     metrics: MetricsSnapshot | None = None
     roofline: RooflineRef | None = None
     sources: tuple[str, ...] = ()
+    server_config: ServerConfig | None = None
+    resources: ResourceUsage | None = None
 
     def __post_init__(self) -> None:
         if not self.runs and self.metrics is None:
@@ -101,7 +109,7 @@ def runs_from_result(doc: dict[str, Any], source: str) -> list[RunData]:
             errors_by_kind=dict(agg.get("errors_by_kind") or {}),
             client_lag=run.get("client_lag"), server_metrics=metrics.get("summary"),
             dataset=dict(config.get("dataset") or {}), slos_ms=dict(config.get("slos_ms") or {}),
-            burst=burst))
+            burst=burst, closed_loop=bool(load.get("concurrency"))))
     return runs
 
 
@@ -127,7 +135,7 @@ def _median_int(values: list[int]) -> int:
 
 
 def load_inputs(result_paths: list[str], metrics_paths: list[str] | None = None, model: str | None = None,
-                gpu: str | None = None) -> DoctorInputs:
+                gpu: str | None = None, dtype: str | None = None) -> DoctorInputs:
     """Read the files; raises :class:`DoctorInputError` (one line, what to do) for unusable input."""
     docs = []
     for path in result_paths:
@@ -136,13 +144,15 @@ def load_inputs(result_paths: list[str], metrics_paths: list[str] | None = None,
         except ResultFileError as exc:
             raise DoctorInputError(str(exc)) from exc
     return inputs_from_documents(docs, load_metrics(metrics_paths or []), model, gpu,
-                                 tuple([*result_paths, *(metrics_paths or [])]))
+                                 tuple([*result_paths, *(metrics_paths or [])]), dtype=dtype)
 
 
 def inputs_from_documents(docs: list[tuple[dict[str, Any], str]], metrics: MetricsSnapshot | None = None,
                           model: str | None = None, gpu: str | None = None,
-                          sources: tuple[str, ...] = ()) -> DoctorInputs:
-    """In-memory result documents (e.g. ``BenchOutcome.result``) with a name each -> inputs."""
+                          sources: tuple[str, ...] = (), server_config: ServerConfig | None = None,
+                          resources: ResourceUsage | None = None, dtype: str | None = None) -> DoctorInputs:
+    """In-memory result documents (e.g. ``BenchOutcome.result``) with a name each -> inputs.
+    ``dtype``: for the roofline (default: what the server reported, else the model's own)."""
     runs = [run for doc, name in docs for run in runs_from_result(doc, name)]
     if docs and not any(run.ok for run in runs):
         raise DoctorInputError("no successful request in the bench results: fix the errors `kvpilot bench` "
@@ -154,5 +164,9 @@ def inputs_from_documents(docs: list[tuple[dict[str, Any], str]], metrics: Metri
         roofline = roofline_for(model or "smollm2-135m", gpu or "cpu",
                                 _median_int([r.num_prompt_tokens or 0 for r in ok]),
                                 _median_int([r.num_output_tokens for r in ok]),
-                                max(1, round(max((run.in_flight for run in runs), default=1.0))))
-    return DoctorInputs(tuple(runs), metrics, roofline, sources or tuple(name for _, name in docs))
+                                max(1, round(max((run.in_flight for run in runs), default=1.0))),
+                                dtype or (server_config.dtype if server_config is not None else None))
+    if server_config is None and metrics is not None:
+        server_config = config_from_metrics(metrics)
+    return DoctorInputs(tuple(runs), metrics, roofline, sources or tuple(name for _, name in docs),
+                        server_config, resources)

@@ -27,6 +27,9 @@ from kvpilot.doctor.inputs import DoctorInputs, inputs_from_documents
 from kvpilot.doctor.probe_plan import (Baseline, ProbeLimits, ProbePhase, baseline_phase,
                                        plan_after_baseline)
 from kvpilot.doctor.prometheus import MetricsSnapshot, metrics_delta, parse_prometheus_text
+from kvpilot.doctor.resources import ResourceUsage, meter_for, remote_usage
+from kvpilot.doctor.server_config import ServerConfig, fetch_capacity, merge
+from kvpilot.doctor.server_config import from_metrics as config_from_metrics
 from kvpilot.doctor.thresholds import Thresholds
 
 BENCH_ERRORS = (BenchError, DatasetError, LoadShapeError, TokenizerError)
@@ -125,6 +128,8 @@ class ProbeSession:
     wall_s: float
     seed: int
     notes: tuple[str, ...] = ()
+    server_config: ServerConfig | None = None
+    resources: ResourceUsage | None = None
 
     @property
     def sources(self) -> tuple[str, ...]:
@@ -135,14 +140,17 @@ class ProbeSession:
 
     def inputs(self, model: str | None = None, gpu: str | None = None) -> DoctorInputs:
         """The doctor's inputs: every phase's runs plus the metrics delta (same path as ``--from``)."""
-        return inputs_from_documents(self.documents(), self.metrics, model, gpu, self.sources)
+        return inputs_from_documents(self.documents(), self.metrics, model, gpu, self.sources,
+                                     self.server_config, self.resources)
 
     def to_json(self) -> dict[str, Any]:
         return {"url": self.endpoint.base_url, "model": self.endpoint.model,
                 "max_model_len": self.endpoint.max_model_len, "mode": self.limits.name, "seed": self.seed,
                 "wall_s": round(self.wall_s, 2), "metrics_error": self.metrics_error,
                 "max_in_flight": self.limits.max_in_flight, "phases": [p.to_json() for p in self.phases],
-                "notes": list(self.notes)}
+                "notes": list(self.notes),
+                "server_config": self.server_config.to_json() if self.server_config is not None else None,
+                "resources": self.resources.to_json() if self.resources is not None else None}
 
 
 def run_phase(endpoint: Endpoint, phase: ProbePhase, tok: Tokenizer, timeout_s: float,
@@ -184,11 +192,23 @@ def _phase_line(p: PhaseResult) -> str:
     return f"  done in {p.wall_s:.1f} s: {p.num_ok}/{p.num_sent} ok{ttft}"
 
 
+def endpoint_config(endpoint: Endpoint, metrics: MetricsSnapshot | None,
+                    extra: ServerConfig | None = None) -> ServerConfig | None:
+    """What the server says about its limits: kvpilot's capacity endpoint first, then /metrics,
+    ``extra`` (e.g. --serve flags), and ``/v1/models``' max_model_len."""
+    models = ServerConfig(source="/v1/models", max_model_len=endpoint.max_model_len)
+    return merge(fetch_capacity(endpoint.base_url, endpoint.headers()),
+                 config_from_metrics(metrics) if metrics is not None else None, extra, models)
+
+
 def probe_endpoint(endpoint: Endpoint, limits: ProbeLimits, console: Console, tokenizer: Any = None,
-                   seed: int = 0) -> ProbeSession:
+                   seed: int = 0, server_pids: tuple[int, ...] | None = None,
+                   extra_config: ServerConfig | None = None) -> ProbeSession:
     """Run every phase in order, printing what each does; raises DoctorInputError (exit 2) when the
-    baseline gets no answer or a bench option is invalid."""
+    baseline gets no answer or a bench option is invalid. ``server_pids``: the server's processes when
+    known (a --serve child); else found by the port when the server is local."""
     started = time.perf_counter()
+    meter = meter_for(endpoint.base_url, server_pids)
     try:
         tok = load_tokenizer(tokenizer)
     except TokenizerError as exc:
@@ -201,6 +221,9 @@ def probe_endpoint(endpoint: Endpoint, limits: ProbeLimits, console: Console, to
     if error is not None:
         console.print(f"  no usable /metrics ({error}): rules on server state (KV cache, waiting "
                       "requests, prefix hits) have less to go on", markup=False)
+    config = endpoint_config(endpoint, before, extra_config)
+    if meter is not None:
+        meter.start()
     base_phase = _seeded(baseline_phase(limits, endpoint.max_model_len), seed)
     console.print(f"[1] baseline: {base_phase.describe()}", markup=False)
     results = [run_phase(endpoint, base_phase, tok, timeout_s)]
@@ -211,11 +234,16 @@ def probe_endpoint(endpoint: Endpoint, limits: ProbeLimits, console: Console, to
         console.print(f"[{i}] {phase.name}: {phase.describe()}", markup=False)
         results.append(run_phase(endpoint, phase, tok, timeout_s))
         console.print(_phase_line(results[-1]), markup=False)
+        if meter is not None:
+            meter.sample()
     after, after_error = scrape_metrics(endpoint)
+    wall_s = time.perf_counter() - started
     metrics = metrics_delta(before, after) if before is not None and after is not None else None
     notes = thin_phases(results, Thresholds().min_requests)  # the CLI shows them with the report
+    resources = meter.stop() if meter is not None else remote_usage(
+        metrics.get("process_cpu") if metrics is not None else None, wall_s)
     return ProbeSession(endpoint, limits, tuple(results), metrics, error or after_error,
-                        time.perf_counter() - started, seed, notes)
+                        wall_s, seed, notes, config, resources)
 
 
 def thin_phases(results: list[PhaseResult], min_requests: int) -> tuple[str, ...]:

@@ -14,6 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvpilot.bench.scrape import METRIC_NAMES, RATIO_KEYS, host_swap_used, swap_share
 from kvpilot.doctor.errors import DoctorInputError
 
+KV_BLOCKS_TOTAL = "kvpilot:kv_cache_blocks{state=total}"  # one labelled sample of the blocks gauge
+
 # Normalised key -> sample names, newest first: the bench's scrape table (one list of vLLM V0/V1 names for
 # both tools), plus what only the diagnosis needs.
 SCALARS: dict[str, tuple[str, ...]] = {
@@ -24,9 +26,11 @@ SCALARS: dict[str, tuple[str, ...]] = {
     "prompt_tokens": ("vllm:prompt_tokens_total",),
     "generation_tokens": ("vllm:generation_tokens_total",),
     "rejected": ("kvpilot:requests_rejected_total",),
+    "kv_blocks_total": (KV_BLOCKS_TOTAL,),
+    "process_cpu": ("process_cpu_seconds_total",),
 }
 COUNTERS = frozenset({"preemptions", "prefix_queries", "prefix_hits", "num_finished", "prompt_tokens",
-                      "generation_tokens", "rejected", "major_faults"})
+                      "generation_tokens", "rejected", "major_faults", "process_cpu"})
 RATIOS = RATIO_KEYS | {"cpu_kv_usage"}
 # Histogram key -> base names (samples are <base>_sum / <base>_count), newest first. Seconds.
 HISTOGRAMS: dict[str, tuple[str, ...]] = {
@@ -111,6 +115,9 @@ def _sample_sums(text: str) -> tuple[dict[str, float], dict[str, int], dict[str,
                 continue
             if s.name in INFO_NAMES:
                 info.update({k: str(v) for k, v in s.labels.items()})
+            if s.name == "kvpilot:kv_cache_blocks" and s.labels.get("state") == "total":
+                sums[KV_BLOCKS_TOTAL] = sums.get(KV_BLOCKS_TOTAL, 0.0) + float(s.value)
+                counts[KV_BLOCKS_TOTAL] = counts.get(KV_BLOCKS_TOTAL, 0) + 1
             sums[s.name] = sums.get(s.name, 0.0) + float(s.value)
             counts[s.name] = counts.get(s.name, 0) + 1
     return sums, counts, info

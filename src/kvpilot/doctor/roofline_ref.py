@@ -27,14 +27,19 @@ class RooflineRef:
     aggregate_tokens_per_s: float
     batch_size: int
     bound: str  # "memory bandwidth" or "compute" at batch 1
+    dtype: str = "auto"  # weight/compute dtype the bound assumes ("auto": the model's own, bf16 for most)
 
 
-def roofline_for(model: str, gpu: str, input_len: int, output_len: int, concurrency: int) -> RooflineRef:
-    """Raises :class:`DoctorInputError` when fit cannot place the model (unknown name, does not fit)."""
+def roofline_for(model: str, gpu: str, input_len: int, output_len: int, concurrency: int,
+                 dtype: str | None = None) -> RooflineRef:
+    """``dtype``: what the server computes in (a float32 server reads twice the bytes of a bfloat16 one,
+    so its floor is twice as high). Raises :class:`DoctorInputError` when fit cannot place the model
+    (unknown name, does not fit)."""
     try:
         report = build_report(load_model(model), parse_device_arg(gpu),
                               FitInputs(input_len=max(1, input_len), output_len=max(1, output_len),
-                                        concurrency=max(1, concurrency)))
+                                        concurrency=max(1, concurrency),
+                                        dtype=dtype or "auto"))
     except FitError as exc:
         raise DoctorInputError(f"--model/--gpu: {exc}") from exc
     rl = report.roofline
@@ -44,4 +49,5 @@ def roofline_for(model: str, gpu: str, input_len: int, output_len: int, concurre
     return RooflineRef(model=model, gpu=gpu, decode_step_ms=rl.decode_single.step_seconds * 1000.0,
                        ttft_ms=rl.ttft_seconds * 1000.0,
                        aggregate_tokens_per_s=rl.decode_at_concurrency.tokens_per_s_aggregate,
-                       batch_size=rl.decode_at_concurrency.batch_size, bound=rl.decode_single.bound)
+                       batch_size=rl.decode_at_concurrency.batch_size, bound=rl.decode_single.bound,
+                       dtype=dtype or "auto")

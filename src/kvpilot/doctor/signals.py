@@ -76,6 +76,7 @@ class MetricsView:
     """Server-process memory (kvpilot's /proc gauges): peak swapped-out bytes, their peak share of
     resident + swapped, and major page faults per generated token over the measured interval (None
     when no interval was measured: one scrape's lifetime totals include the model load)."""
+    config_source: str = "vllm:cache_config_info"  # where prefix_caching_enabled came from
 
 
 def _sum(values: Iterable[float | None]) -> float | None:
@@ -122,6 +123,11 @@ def metrics_view(inputs: DoctorInputs) -> MetricsView:
         hit_rate = None
     if hit_rate is None:
         hit_rate = _records_hit_rate(inputs.ok_records)
+    cfg = inputs.server_config
+    caching = snap.prefix_caching_enabled if snap is not None else None
+    config_source = "vllm:cache_config_info"
+    if caching is None and cfg is not None and cfg.enable_prefix_caching is not None:
+        caching, config_source = cfg.enable_prefix_caching, cfg.source
     sources = (["bench scrapes of /metrics"] if summaries else []) + (
         [f"metrics file ({snap.flavor} names)"] if snap is not None else [])
     return MetricsView(
@@ -131,7 +137,8 @@ def metrics_view(inputs: DoctorInputs) -> MetricsView:
         running_max=max_present([from_runs("running_max"), snap_get("running")]),
         num_preemptions=max_present([from_runs("num_preemptions", _sum), snap_get("preemptions"), preempt_records]),
         prefix_hit_rate=hit_rate,
-        prefix_caching_enabled=snap.prefix_caching_enabled if snap is not None else None,
+        prefix_caching_enabled=caching,
+        config_source=config_source,
         swapped=snap_get("swapped"), cpu_kv_usage=snap_get("cpu_kv_usage"),
         swap_used_bytes=max_present([from_runs("host_swap_used_max"), snap.swap_used_bytes if snap is not None else None]),
         source=" + ".join(sources) or "none",

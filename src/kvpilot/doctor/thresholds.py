@@ -138,3 +138,45 @@ class Thresholds:
 
     min_requests: int = 5
     """Rules drawing statistics over requests need at least this many successful ones."""
+
+    client_lag_share_of_latency: float = 0.1
+    """Client limits: the client's p99 lag must also be at least this share of the latencies it
+    measured (the smaller of median TTFT and TPOT) to taint them: a 14 ms stall next to a 1,400 ms
+    TPOT changes nothing anyone reads, and was blamed on a starved server's client."""
+
+    client_lag_share_high: float = 0.3
+    """Client limits: at or above this share of the latencies the finding is high severity."""
+
+    min_max_len_requests: float = 4.0
+    """KV pool size: a pool holding fewer than this many ``max_model_len`` requests at once is a
+    finding (medium); a few long requests then take the whole pool and everything else waits."""
+
+    max_len_requests_high: float = 2.0
+    """KV pool size: below this many ``max_model_len`` requests (one long request blocks all the
+    others) the finding is high severity."""
+
+    seqs_over_kv_ratio: float = 2.0
+    """Sequence cap vs KV: ``max_num_seqs`` at or above this multiple of the requests the pool holds at
+    the observed request size admits sequences that must then be preempted."""
+
+    cpu_wait_share: float = 0.2
+    """CPU starvation: share of the server threads' runnable time spent waiting for a CPU (kernel
+    run-queue delay) at or above which the server is starved (medium); a server alone on its cores
+    waits a few percent."""
+
+    cpu_wait_share_high: float = 0.4
+    """CPU starvation: at or above this run-queue share the finding is high and step-time findings
+    (decode, prefill, stalls) defer to it: every step waited that long for a CPU."""
+
+    min_other_cores: float = 0.5
+    """CPU starvation: cores the rest of the host must use for the wait to be blamed on other
+    processes (below it the server's own threads oversubscribe the cores)."""
+
+    steal_share: float = 0.1
+    """CPU starvation: share of host CPU time stolen by the hypervisor at or above which the VM does
+    not get the CPUs it was sold."""
+
+    single_step_delay_steps: float = 1.5
+    """Long/short mixing: a short request's extra TTFT during a long prefill of at most this many
+    long-prefill steps is the step the long prompt was computed in: inherent to the hardware when the
+    chunking fix cannot split that prompt (a headroom note, not a finding)."""

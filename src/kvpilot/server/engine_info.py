@@ -31,13 +31,17 @@ class KVCacheInfo:
 
 @dataclass(frozen=True)
 class EngineInfo:
-    """Fixed at start-up. `vocab_size` bounds valid prompt token ids; `max_model_len` prompt + output."""
+    """Fixed at start-up. `vocab_size` bounds valid prompt token ids; `max_model_len` prompt + output.
+    `max_num_seqs`, `enable_prefix_caching` and `dtype` (weights) are reported for tools (`kvpilot doctor`)."""
 
     model: str
     max_model_len: int
     max_num_batched_tokens: int
     vocab_size: int
     kv: KVCacheInfo
+    max_num_seqs: int = 0
+    enable_prefix_caching: bool = True
+    dtype: str = ""
 
     @property
     def capacity(self) -> dict[str, Any]:
@@ -48,7 +52,9 @@ class EngineInfo:
                 "kv_dtype_bytes": kv.dtype_bytes, "kv_cache_dtype": kv.dtype,
                 "kv_cache_memory_bytes": kv.budget_bytes, "block_size": kv.block_size,
                 "num_blocks": kv.num_blocks, "bytes_per_block": kv.bytes_per_block,
-                "max_model_len": self.max_model_len}
+                "max_model_len": self.max_model_len, "max_num_seqs": self.max_num_seqs,
+                "max_num_batched_tokens": self.max_num_batched_tokens,
+                "enable_prefix_caching": self.enable_prefix_caching, "dtype": self.dtype}
 
 
 @dataclass(frozen=True)

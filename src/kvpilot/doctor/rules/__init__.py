@@ -1,17 +1,22 @@
-"""The diagnosis rules, in the order a careful engineer checks them (measurement first, then the
-request's path: queue, tokenize, prefill, decode, memory). Each is ``RuleContext -> Finding | None``."""
+"""The diagnosis rules, in the order a careful engineer checks them: the host and the configuration,
+the measurement, then the request's path (queue, tokenize, prefill, decode, memory).
+Each is ``RuleContext -> Finding | None``."""
 
 from __future__ import annotations
 
 from kvpilot.doctor.rules.client import client_overload, network_overhead
+from kvpilot.doctor.rules.config import (kv_pool_too_small, prefix_caching_off, seqs_over_kv,
+                                         token_budget_below_seqs)
 from kvpilot.doctor.rules.context import Rule, RuleContext
 from kvpilot.doctor.rules.decode import decode_bound, static_batching
 from kvpilot.doctor.rules.kv_cache import kv_pressure, prefix_cache_miss
 from kvpilot.doctor.rules.spillover import memory_spillover
 from kvpilot.doctor.rules.prefill import long_short_mixing, prefill_bound, prefill_interrupts_decode
 from kvpilot.doctor.rules.queueing import queueing, tokenization
+from kvpilot.doctor.rules.starvation import cpu_starvation
 
 RULES: tuple[Rule, ...] = (
+    cpu_starvation, kv_pool_too_small, seqs_over_kv, token_budget_below_seqs, prefix_caching_off,
     client_overload, network_overhead, queueing, tokenization, kv_pressure, prefill_bound,
     decode_bound, static_batching, prefill_interrupts_decode, prefix_cache_miss, long_short_mixing,
     memory_spillover,

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from kvpilot.doctor.findings import Evidence, Finding, Fix, Severity, clamp01
+from kvpilot.doctor.inputs import RunData
 from kvpilot.doctor.rules.context import RuleContext
+from kvpilot.doctor.rules.starvation import defer_to_starvation
 from kvpilot.doctor.signals import median, ratio
 
 
@@ -11,44 +13,71 @@ def _p99(dist: object) -> float:
     return float((dist or {}).get("p99") or 0.0) if isinstance(dist, dict) else 0.0
 
 
-def _worst_client_lag(ctx: RuleContext) -> tuple[float, float, str] | None:
-    """(p99 dispatch lag, p99 loop lag, run label) of the worst run whose client lagged, or None."""
-    worst: tuple[float, float, str] | None = None
+def _run_latency_ms(run: RunData) -> float | None:
+    """The finest latency the run reports: the smaller of its median TTFT and median TPOT."""
+    values = [v for v in (median(r.ttft_ms for r in run.ok), median(r.tpot_ms for r in run.ok)) if v]
+    return min(values) if values else None
+
+
+def _worst_client_lag(ctx: RuleContext) -> tuple[float, float, str, float | None, bool] | None:
+    """(p99 dispatch lag, p99 loop lag, run label, lag / latency, closed loop) of the run whose client
+    lagged the most next to the latencies it measured, or None. A run counts when its p99 lag exceeds
+    ``max_client_lag_ms`` and is at least ``client_lag_share_of_latency`` of its median TTFT/TPOT:
+    milliseconds of client delay do not taint second-long latencies."""
+    th = ctx.th
+    worst: tuple[float, float, str, float | None, bool] | None = None
     for run in ctx.inputs.runs:
         lag = run.client_lag or {}
         dispatch, loop = _p99(lag.get("dispatch_lag_ms")), _p99(lag.get("loop_lag_ms"))
-        lagged = bool(lag.get("overloaded")) or loop > ctx.th.max_client_lag_ms
-        if lagged and (worst is None or max(dispatch, loop) > max(worst[0], worst[1])):
-            worst = (dispatch, loop, run.label)
+        lag_ms = max(dispatch, loop)
+        share = ratio(lag_ms, _run_latency_ms(run))
+        if lag_ms <= th.max_client_lag_ms or (share is not None and share < th.client_lag_share_of_latency):
+            continue
+        if worst is None or (share or 0.0) > (worst[3] or 0.0):
+            worst = (dispatch, loop, run.label, share, run.closed_loop)
     return worst
 
 
+def _client_fixes(closed_loop: bool) -> tuple[Fix, ...]:
+    """Fixes that fit the run: a closed loop has no request rate to lower, only clients per process."""
+    spread = Fix("run the load generator on its own cores or machine (not beside the server)",
+                 kvpilot="kvpilot bench --base-url http://<server-host>:8000 (from another host)",
+                 vllm="vllm bench serve --base-url http://<server-host>:8000 (from another host)")
+    if closed_loop:
+        return (Fix("split the clients over several bench processes (each runs its share of the loop)",
+                    kvpilot="kvpilot bench --concurrency <half> (x2 processes)",
+                    vllm="vllm bench serve --max-concurrency <half> (x2 processes)"), spread)
+    return (Fix("lower the request rate per bench process and run several processes (or machines)",
+                kvpilot="kvpilot bench --request-rate <half> (x2 processes)",
+                vllm="vllm bench serve --request-rate <half> (x2 processes)"),
+            Fix("cap requests in flight per client", kvpilot="kvpilot bench --max-concurrency <current in flight>",
+                vllm="vllm bench serve --max-concurrency <current in flight>"), spread)
+
+
 def client_overload(ctx: RuleContext) -> Finding | None:
-    """The load generator lagged: its latencies include its own delay (it taints the rest, so the rules
-    it can explain, like network-overhead, defer to it). Uses the bench's own verdict, or the event-loop
-    p99 against the threshold."""
+    """The load generator lagged by an amount that matters next to what it measured (it taints the
+    rest, so the rules it can explain, like network-overhead, defer to it). Defers to cpu-starvation
+    when the host starved the server too (the client lags for the same reason)."""
     worst = _worst_client_lag(ctx)
     if worst is None:
         return None
-    dispatch, loop, label = worst
-    limit = ctx.th.max_client_lag_ms
-    lag_ms = max(dispatch, loop)
-    ttft = median(s.ttft_ms for s in ctx.splits)
-    return Finding(
+    dispatch, loop, label, share, closed_loop = worst
+    th = ctx.th
+    high = share is None or share >= th.client_lag_share_high
+    evidence = [Evidence("p99 dispatch lag", dispatch, "ms", "client"),
+                Evidence("p99 event-loop lag", loop, "ms", "client"),
+                Evidence("lag limit", th.max_client_lag_ms, "ms")]
+    if share is not None:
+        evidence.append(Evidence("lag / median TTFT or TPOT", share, "%", "client"))
+    return defer_to_starvation(ctx, Finding(
         rule_id="client-overload", title="The load generator could not keep up",
-        severity=Severity.HIGH, confidence=0.9 if lag_ms > 3 * limit else 0.7,
-        impact=clamp01(ratio(lag_ms, ttft) or 0.5),
+        severity=Severity.HIGH if high else Severity.MEDIUM, confidence=0.9 if (share or 1.0) >= 0.5 else 0.7,
+        impact=clamp01(share if share is not None else 0.5),
         summary=(f"In run '{label}' the client sent requests up to {dispatch:.0f} ms late and its event "
-                 f"loop stalled {loop:.0f} ms (p99; limit {limit:g} ms): measured latencies include "
+                 f"loop stalled {loop:.0f} ms (p99" + (f"; {share:.0%} of the latencies it measured" if share
+                                                       is not None else "") + "): measured latencies include "
                  "client delay, so read the other findings with care."),
-        evidence=(Evidence("p99 dispatch lag", dispatch, "ms", "client"),
-                  Evidence("p99 event-loop lag", loop, "ms", "client"),
-                  Evidence("lag limit", limit, "ms")),
-        fixes=(Fix("lower the request rate per bench process and run several processes (or machines)",
-                   kvpilot="kvpilot bench --request-rate <half> (x2 processes)",
-                   vllm="vllm bench serve --request-rate <half> (x2 processes)"),
-               Fix("cap requests in flight per client", kvpilot="kvpilot bench --max-concurrency 64",
-                   vllm="vllm bench serve --max-concurrency 64")))
+        evidence=tuple(evidence), fixes=_client_fixes(closed_loop)))
 
 
 def network_overhead(ctx: RuleContext) -> Finding | None:

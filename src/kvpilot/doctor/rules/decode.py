@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kvpilot.doctor.findings import Evidence, Finding, Fix, Severity, clamp01
 from kvpilot.doctor.rules.context import RuleContext
-from kvpilot.doctor.rules.spillover import defer_to_swap
+from kvpilot.doctor.rules.deferral import defer_to_host
 from kvpilot.doctor.signals import median, ratio
 
 
@@ -52,7 +52,7 @@ def decode_bound(ctx: RuleContext) -> Finding | None:
                             vllm="--max-num-seqs <lower>"))
     severe = (efficiency is not None and efficiency < th.decode_roofline_efficiency_low / 2) or \
         (growth is not None and growth >= 2 * th.tpot_growth_high)
-    return defer_to_swap(ctx, Finding(
+    return defer_to_host(ctx, Finding(
         rule_id="decode-bound", title="Decode is slow per token",
         severity=Severity.HIGH if severe else Severity.MEDIUM,
         confidence=0.8 if slow and grows else 0.7, impact=_decode_share(ctx),
@@ -87,7 +87,8 @@ def static_batching(ctx: RuleContext) -> Finding | None:
     if gain is None or gain >= th.flat_throughput_ratio:
         return None
     one_at_a_time = view.running_max is not None and view.running_max <= 1.5
-    return Finding(
+    # A server starved of CPU cannot turn more requests in flight into more throughput either.
+    return defer_to_host(ctx, Finding(
         rule_id="static-batching", title="Throughput does not grow with concurrency",
         severity=Severity.HIGH if gain < 1.1 else Severity.MEDIUM,
         confidence=0.4 if one_at_a_time else 0.75, impact=clamp01(1 - gain / load_ratio),
@@ -100,4 +101,4 @@ def static_batching(ctx: RuleContext) -> Finding | None:
         fixes=(Fix("use continuous batching and let many sequences share a step",
                    kvpilot="--max-num-seqs 256", vllm="--max-num-seqs 256"),
                Fix("check the server is not limited to one slot (e.g. llama.cpp --parallel 1, TGI "
-                   "--max-batch-size 1)")))
+                   "--max-batch-size 1)"))))

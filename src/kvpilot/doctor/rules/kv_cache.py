@@ -10,6 +10,14 @@ from kvpilot.doctor.rules.context import RuleContext
 from kvpilot.doctor.signals import first_token_s, ratio
 
 
+def pool_explains_pressure(ctx: RuleContext) -> float | None:
+    """Requests of max_model_len the pool holds, when so few (< ``max_len_requests_high``) that the
+    pool's size is the cause of any measured KV pressure; else None."""
+    cfg = ctx.inputs.server_config
+    held = cfg.max_len_requests if cfg is not None else None
+    return held if held is not None and held < ctx.th.max_len_requests_high else None
+
+
 def kv_pressure(ctx: RuleContext) -> Finding | None:
     """KV usage near 100% and/or preemptions (recomputed prefills), often with requests waiting."""
     th, view = ctx.th, ctx.view
@@ -38,9 +46,12 @@ def kv_pressure(ctx: RuleContext) -> Finding | None:
     signals = sum([full, preempt > 0, waiting])
     what = " and ".join(p for p in (f"KV cache {usage:.0%} full" if usage is not None else "",
                                     f"{preempt:.0f} preemptions" if preempt else "") if p)
+    held = pool_explains_pressure(ctx)
+    if held is not None:  # the configuration is the cause: kv-pool-too-small leads, with the exact fix
+        what += f" (the pool holds only {held:.1f} requests of max_model_len: see kv-pool-too-small)"
     return Finding(
         rule_id="kv-cache-pressure", title="KV cache is too small for the traffic",
-        severity=severity, confidence=min(0.95, 0.5 + 0.2 * signals),
+        severity=severity, confidence=min(0.95, 0.5 + 0.2 * signals) if held is None else 0.4,
         impact=clamp01(max(queue_share or 0.0, min(1.0, per_request), 0.4)),
         summary=(f"{what}: " + ("new requests cannot get blocks, so they wait" if waiting else
                                 "the pool is close to its limit")
@@ -100,6 +111,11 @@ def _shared_groups(ctx: RuleContext) -> int:
     return sum(1 for n in counts.values() if n > 1)
 
 
+def shared_prefix_traffic(ctx: RuleContext) -> bool:
+    """Whether the measured traffic repeated prompt prefixes (a shared-prefix run or prefix groups)."""
+    return _shared_groups(ctx) > 0 or any(_expected_hit_rate(run) is not None for run in ctx.inputs.runs)
+
+
 def prefix_cache_miss(ctx: RuleContext) -> Finding | None:
     """Traffic shares prefixes but the server's prefix-cache hit rate is low (or caching is off)."""
     th, view = ctx.th, ctx.view
@@ -120,7 +136,7 @@ def prefix_cache_miss(ctx: RuleContext) -> Finding | None:
     if hit is not None:
         evidence.append(Evidence("measured prefix-cache hit rate", hit, "%", view.source))
     if disabled:
-        evidence.append(Evidence("enable_prefix_caching (vllm:cache_config_info)", 0.0))
+        evidence.append(Evidence("enable_prefix_caching", 0.0, "", view.config_source))
     lost = (expected or bar) - (hit or 0.0)
     return Finding(
         rule_id="prefix-cache-miss", title="Shared prompt prefixes are recomputed instead of reused",

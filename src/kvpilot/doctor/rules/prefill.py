@@ -3,10 +3,13 @@ prefills stalling other requests' decoding."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from kvpilot.bench.records import RequestRecord
 from kvpilot.doctor.findings import Evidence, Finding, Fix, Severity, clamp01
 from kvpilot.doctor.rules.context import RuleContext
-from kvpilot.doctor.rules.spillover import defer_to_swap
+from kvpilot.doctor.rules.deferral import defer_to_host
+from kvpilot.doctor.thresholds import Thresholds
 from kvpilot.doctor.signals import (
     gap_ends,
     is_long,
@@ -19,8 +22,9 @@ from kvpilot.doctor.signals import (
     slope,
 )
 
+CHUNK_TOKENS = 512
 CHUNK_FIX = Fix("bound the prefill work per step so other requests are scheduled between chunks",
-                kvpilot="--max-num-batched-tokens 512",
+                kvpilot=f"--max-num-batched-tokens {CHUNK_TOKENS}",
                 vllm="--max-num-batched-tokens 512 --long-prefill-token-threshold 256 --max-num-partial-prefills 2")
 LANES_FIX = Fix("serve long and short prompts in separate lanes (replicas), or give interactive "
                 "requests priority", kvpilot="--scheduling-policy priority", vllm="--scheduling-policy priority")
@@ -57,7 +61,7 @@ def prefill_bound(ctx: RuleContext) -> Finding | None:
     roof = ctx.inputs.roofline
     if roof is not None:
         evidence.append(Evidence(f"roofline TTFT for the median prompt ({roof.gpu})", roof.ttft_ms, "ms"))
-    return defer_to_swap(ctx, Finding(
+    return defer_to_host(ctx, Finding(
         rule_id="prefill-bound", title="Prefill is slow: TTFT grows with prompt length",
         severity=Severity.HIGH if ttft_p90 >= 2 * limit else Severity.MEDIUM,
         confidence=clamp01(0.6 + (corr - th.prefill_min_correlation)), impact=clamp01(explained),
@@ -77,10 +81,36 @@ def _longs_and_median(records: list[RequestRecord], factor: float) -> tuple[list
     return [r for r in records if is_long(r, med, factor)], med
 
 
-def long_short_mixing(ctx: RuleContext) -> Finding | None:
-    """Short requests' TTFT is inflated while a long prompt is in prefill (head-of-line blocking)."""
+@dataclass(frozen=True)
+class Mixing:
+    """Short requests' TTFT during vs outside a long prefill, in the run where it is worst."""
+
+    inflation: float
+    hit_ms: float
+    clear_ms: float
+    num_hit: int
+    num_short: int
+    label: str
+    long_len: float
+    long_prefill_ms: float | None
+
+    def inherent(self, th: Thresholds) -> bool:
+        """The delay is the one step the long prompt is computed in, and chunking cannot split that
+        prompt (it is no longer than the chunk the fix proposes): hardware speed, not configuration."""
+        one_step = self.long_prefill_ms is not None and \
+            self.hit_ms - self.clear_ms <= th.single_step_delay_steps * self.long_prefill_ms
+        return one_step and self.long_len <= CHUNK_TOKENS
+
+
+def _long_prefill_ms(longs: list[RequestRecord]) -> float | None:
+    """Median prefill time of the long prompts (server timing, else their TTFT)."""
+    return median(_prefill_ms(r) for r in longs)
+
+
+def measure_mixing(ctx: RuleContext) -> Mixing | None:
+    """The run where short requests' TTFT is most inflated by overlapping long prefills."""
     th = ctx.th
-    best: tuple[float, float, float, int, int, str] | None = None
+    best: Mixing | None = None
     for run in ctx.inputs.runs:
         ok = run.ok
         longs, _ = _longs_and_median(ok, th.long_prompt_ratio)
@@ -95,23 +125,45 @@ def long_short_mixing(ctx: RuleContext) -> Finding | None:
         if len(hit) < th.min_group_size or len(clear) < th.min_group_size:
             continue
         inflation = ratio(median(hit), median(clear))
-        if inflation is not None and (best is None or inflation > best[0]):
-            best = (inflation, median(hit) or 0.0, median(clear) or 0.0, len(hit), len(shorts), run.label)
-    if best is None or best[0] < th.short_ttft_inflation:
+        if inflation is not None and (best is None or inflation > best.inflation):
+            best = Mixing(inflation, median(hit) or 0.0, median(clear) or 0.0, len(hit), len(shorts), run.label,
+                          median(float(r.num_prompt_tokens or 0) for r in longs) or 0.0, _long_prefill_ms(longs))
+    return best
+
+
+def mixing_note(ctx: RuleContext) -> str | None:
+    """Headroom note for the inherent case (see :meth:`Mixing.inherent`)."""
+    m = measure_mixing(ctx)
+    if m is None or m.inflation < ctx.th.short_ttft_inflation or not m.inherent(ctx.th):
         return None
-    inflation, hit_ms, clear_ms, num_hit, num_short, label = best
-    affected = num_hit / num_short
-    return defer_to_swap(ctx, Finding(
+    return (f"a {m.long_len:.0f}-token prompt is prefilled in one step of ~{m.long_prefill_ms:.0f} ms here; short "
+            f"requests arriving during it waited {m.hit_ms - m.clear_ms:.0f} ms more ({m.inflation:.1f}x, run "
+            f"'{m.label}'): one step of this hardware, which chunking cannot shorten (the prompt fits one "
+            f"{CHUNK_TOKENS}-token chunk)")
+
+
+def long_short_mixing(ctx: RuleContext) -> Finding | None:
+    """Short requests' TTFT is inflated while a long prompt is in prefill (head-of-line blocking).
+    Not a finding when the delay is inherent (one unsplittable step): :func:`mixing_note` says so."""
+    th = ctx.th
+    m = measure_mixing(ctx)
+    if m is None or m.inflation < th.short_ttft_inflation or m.inherent(th):
+        return None
+    affected = m.num_hit / m.num_short
+    evidence = [Evidence("short TTFT during a long prefill (median)", m.hit_ms, "ms", "client"),
+                Evidence("short TTFT otherwise (median)", m.clear_ms, "ms", "client"),
+                Evidence("inflation", m.inflation, "x"), Evidence("short requests affected", affected, "%"),
+                Evidence("long prompt (median)", m.long_len, "tokens", "server usage")]
+    if m.long_prefill_ms is not None:
+        evidence.append(Evidence("long prompt prefill (median)", m.long_prefill_ms, "ms"))
+    return defer_to_host(ctx, Finding(
         rule_id="long-short-mixing", title="Long prompts delay short requests' first token",
-        severity=Severity.HIGH if inflation >= 2 * th.short_ttft_inflation else Severity.MEDIUM,
-        confidence=0.85, impact=clamp01(affected * (1 - 1 / inflation)),
-        summary=(f"Short requests that arrive while a long prompt is being prefilled wait {hit_ms:.0f} ms "
-                 f"for their first token, {inflation:.1f}x the {clear_ms:.0f} ms of the others "
-                 f"({num_hit} of {num_short} short requests in run '{label}')."),
-        evidence=(Evidence("short TTFT during a long prefill (median)", hit_ms, "ms", "client"),
-                  Evidence("short TTFT otherwise (median)", clear_ms, "ms", "client"),
-                  Evidence("inflation", inflation, "x"), Evidence("short requests affected", affected, "%")),
-        fixes=(CHUNK_FIX, LANES_FIX)))
+        severity=Severity.HIGH if m.inflation >= 2 * th.short_ttft_inflation else Severity.MEDIUM,
+        confidence=0.85, impact=clamp01(affected * (1 - 1 / m.inflation)),
+        summary=(f"Short requests that arrive while a long prompt is being prefilled wait {m.hit_ms:.0f} ms "
+                 f"for their first token, {m.inflation:.1f}x the {m.clear_ms:.0f} ms of the others "
+                 f"({m.num_hit} of {m.num_short} short requests in run '{m.label}')."),
+        evidence=tuple(evidence), fixes=(CHUNK_FIX, LANES_FIX)))
 
 
 Stall = tuple[RequestRecord, float, float]  # request, when the gap ended (run clock, s), gap ms
@@ -126,10 +178,28 @@ def _stalls(records: list[RequestRecord], th_ratio: float, min_ms: float) -> tup
     return [(r, t, g) for r in records for t, g in gap_ends(r) if g >= bar], med
 
 
-def prefill_interrupts_decode(ctx: RuleContext) -> Finding | None:
-    """Inter-token stalls that coincide with other requests' long prefills: batching hurts interactivity."""
+@dataclass(frozen=True)
+class Stalls:
+    """Inter-token stalls and how many fall in another request's long prefill (the worst run)."""
+
+    share: float
+    num: int
+    normal_ms: float
+    stall_ms: float
+    affected: float
+    label: str
+    long_len: float
+    long_prefill_ms: float | None
+
+    def inherent(self, th: Thresholds) -> bool:
+        """Each stall is the one step a long prompt that fits one chunk was computed in."""
+        return self.long_prefill_ms is not None and self.long_len <= CHUNK_TOKENS and \
+            self.stall_ms <= th.single_step_delay_steps * self.long_prefill_ms + self.normal_ms
+
+
+def measure_stalls(ctx: RuleContext) -> Stalls | None:
     th = ctx.th
-    best: tuple[float, int, float, float, float, str] | None = None
+    best: Stalls | None = None
     for run in ctx.inputs.runs:
         ok = run.ok
         longs, _ = _longs_and_median(ok, th.long_prompt_ratio)
@@ -138,13 +208,32 @@ def prefill_interrupts_decode(ctx: RuleContext) -> Finding | None:
             continue
         during = [g for r, t, g in stalls if overlaps_prefill(t - g / 1000, t, longs, r)]
         share = len(during) / len(stalls)
-        affected = len({id(r) for r, _, _ in stalls}) / len(ok)
-        if best is None or share > best[0]:
-            best = (share, len(stalls), med, median(during) or 0.0, affected, run.label)
-    if best is None or best[0] < th.spike_overlap_share:
+        if best is None or share > best.share:
+            best = Stalls(share, len(stalls), med, median(during) or 0.0, len({id(r) for r, _, _ in stalls}) / len(ok),
+                          run.label, median(float(r.num_prompt_tokens or 0) for r in longs) or 0.0,
+                          _long_prefill_ms(longs))
+    return best
+
+
+def stall_note(ctx: RuleContext) -> str | None:
+    """Headroom note for the inherent case (see :meth:`Stalls.inherent`)."""
+    s = measure_stalls(ctx)
+    if s is None or s.share < ctx.th.spike_overlap_share or not s.inherent(ctx.th):
         return None
-    share, num, med, stall_ms, affected, label = best
-    return defer_to_swap(ctx, Finding(
+    return (f"token streams paused {s.stall_ms:.0f} ms (normal gap {s.normal_ms:.0f} ms) while a "
+            f"{s.long_len:.0f}-token prompt was prefilled in one step (run '{s.label}'): one step of this "
+            f"hardware, which chunking cannot shorten (the prompt fits one {CHUNK_TOKENS}-token chunk)")
+
+
+def prefill_interrupts_decode(ctx: RuleContext) -> Finding | None:
+    """Inter-token stalls that coincide with other requests' long prefills: batching hurts interactivity.
+    Not a finding when each stall is one unsplittable step: :func:`stall_note` says so."""
+    th = ctx.th
+    s = measure_stalls(ctx)
+    if s is None or s.share < th.spike_overlap_share or s.inherent(th):
+        return None
+    share, num, med, stall_ms, affected, label = s.share, s.num, s.normal_ms, s.stall_ms, s.affected, s.label
+    return defer_to_host(ctx, Finding(
         rule_id="prefill-interrupts-decode", title="Long prefills stall other requests' token stream",
         severity=Severity.HIGH if stall_ms >= 10 * med else Severity.MEDIUM,
         confidence=clamp01(0.5 + 0.4 * share), impact=clamp01(affected),

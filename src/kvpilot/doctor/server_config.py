@@ -1,0 +1,138 @@
+"""What the server was configured with, from its public interfaces: kvpilot's capacity endpoint
+(``GET /v1/kvpilot/capacity``), vLLM's ``vllm:cache_config_info`` labels and block gauges, the
+``max_model_len`` of ``/v1/models``, and the flags of a ``--serve`` command line.
+
+Every field is optional: each source knows some of them, and the configuration rules check only what
+is known. :func:`merge` fills gaps from later sources, so the most direct source goes first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import httpx
+
+from kvpilot.doctor.prometheus import MetricsSnapshot
+
+CAPACITY_PATH = "/v1/kvpilot/capacity"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The serving limits the doctor's configuration rules read (None: not known).
+
+    Invariants: counts are >= 1 when set; ``num_kv_tokens`` is ``num_blocks * block_size``;
+    ``source`` names where the values came from, for evidence lines."""
+
+    source: str
+    num_blocks: int | None = None
+    block_size: int | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    enable_prefix_caching: bool | None = None
+    dtype: str | None = None
+    kv_cache_memory_bytes: int | None = None
+    bytes_per_block: int | None = None
+
+    @property
+    def num_kv_tokens(self) -> int | None:
+        return self.num_blocks * self.block_size if self.num_blocks and self.block_size else None
+
+    @property
+    def max_len_requests(self) -> float | None:
+        """How many requests of ``max_model_len`` tokens the KV pool holds at once."""
+        tokens = self.num_kv_tokens
+        return tokens / self.max_model_len if tokens and self.max_model_len else None
+
+    def blocks_for(self, num_tokens: float) -> int | None:
+        """Blocks one request of ``num_tokens`` tokens (prompt + output) occupies."""
+        if not self.block_size:
+            return None
+        return max(1, -(-int(num_tokens) // self.block_size))
+
+    def to_json(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _int(value: Any) -> int | None:
+    try:
+        out = int(float(value))
+    except (TypeError, ValueError):
+        return None
+    return out if out > 0 else None
+
+
+def _bool(value: Any) -> bool | None:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    return None
+
+
+def from_capacity(doc: dict[str, Any]) -> ServerConfig:
+    """kvpilot's capacity JSON (older servers lack the scheduler limits: those stay None)."""
+    return ServerConfig(
+        source="GET " + CAPACITY_PATH, num_blocks=_int(doc.get("num_blocks")), block_size=_int(doc.get("block_size")),
+        max_model_len=_int(doc.get("max_model_len")), max_num_seqs=_int(doc.get("max_num_seqs")),
+        max_num_batched_tokens=_int(doc.get("max_num_batched_tokens")),
+        enable_prefix_caching=_bool(doc.get("enable_prefix_caching")),
+        dtype=str(doc["dtype"]) if doc.get("dtype") else None,
+        kv_cache_memory_bytes=_int(doc.get("kv_cache_memory_bytes")), bytes_per_block=_int(doc.get("bytes_per_block")))
+
+
+def from_metrics(snap: MetricsSnapshot) -> ServerConfig | None:
+    """vLLM's ``vllm:cache_config_info`` (num_gpu_blocks, block_size, enable_prefix_caching) and
+    kvpilot's ``kvpilot:kv_cache_blocks{state="total"}``; None when neither is there."""
+    info = snap.info
+    blocks = _int(info.get("num_gpu_blocks")) or _int(snap.get("kv_blocks_total"))
+    config = ServerConfig(source="/metrics", num_blocks=blocks, block_size=_int(info.get("block_size")),
+                          enable_prefix_caching=snap.prefix_caching_enabled)
+    return config if blocks or config.enable_prefix_caching is not None else None
+
+
+def from_serve_flags(argv: list[str]) -> ServerConfig:
+    """The flags of a ``kvpilot serve`` / ``vllm serve`` command line (start-up facts)."""
+    values: dict[str, str] = {}
+    flags: set[str] = set()
+    for i, arg in enumerate(argv):
+        if not arg.startswith("--"):
+            continue
+        name, eq, value = arg[2:].partition("=")
+        if eq:
+            values[name] = value
+        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            values[name] = argv[i + 1]
+        flags.add(name)
+    caching = False if "no-enable-prefix-caching" in flags else True if "enable-prefix-caching" in flags else None
+    return ServerConfig(source="--serve flags", max_model_len=_int(values.get("max-model-len")),
+                        max_num_seqs=_int(values.get("max-num-seqs")),
+                        max_num_batched_tokens=_int(values.get("max-num-batched-tokens")),
+                        block_size=_int(values.get("block-size")), enable_prefix_caching=caching)
+
+
+def merge(*configs: ServerConfig | None) -> ServerConfig | None:
+    """The first source's values, gaps filled from the later ones; None when none is given."""
+    present = [c for c in configs if c is not None]
+    if not present:
+        return None
+    out = present[0]
+    for other in present[1:]:
+        gaps = {f.name: getattr(other, f.name) for f in fields(other)
+                if f.name != "source" and getattr(out, f.name) is None and getattr(other, f.name) is not None}
+        if gaps:
+            out = replace(out, source=f"{out.source} + {other.source}", **gaps)
+    return out
+
+
+def fetch_capacity(base_url: str, headers: dict[str, str], timeout_s: float = 10.0) -> ServerConfig | None:
+    """kvpilot's capacity endpoint; None when the server has none (vLLM, a gateway) or it fails."""
+    try:
+        resp = httpx.get(base_url + CAPACITY_PATH, headers=headers, timeout=timeout_s)
+        resp.raise_for_status()
+        doc = resp.json()
+    except (httpx.HTTPError, ValueError):
+        return None
+    return from_capacity(doc) if isinstance(doc, dict) and doc.get("num_blocks") else None

@@ -1,0 +1,242 @@
+"""``kvpilot doctor --serve CMD --verify``: turn the top finding's fix into a measurement.
+
+Start the server from CMD, probe it, and try the concrete flag fixes of the findings above low
+severity, in rank order, one at a time: restart with the fix applied, probe the same workload (same
+prompt seed), and compare the metric that fix's finding is about. A fix that does not improve it by
+``MIN_GAIN`` is withdrawn and the next is tried, until one helps, the fixes run out, or the next
+round would overrun the time budget (the last round's duration predicts the next). A top finding
+without a flag fix (cpu-starvation: move the other processes) leaves the next finding's fixes.
+"""
+
+from __future__ import annotations
+
+import shlex
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from rich.console import Console
+
+from kvpilot.doctor.diagnose import DoctorReport, diagnose
+from kvpilot.doctor.findings import Finding, Fix, Severity
+from kvpilot.doctor.inputs import DoctorInputs, RunData
+from kvpilot.doctor.probe import ProbeSession, check_endpoint, probe_endpoint
+from kvpilot.doctor.probe_plan import ProbeLimits
+from kvpilot.doctor.serve import engine_of, served
+from kvpilot.doctor.server_config import from_serve_flags
+from kvpilot.doctor.signals import median
+
+MIN_GAIN = 0.1
+"""A fix must move its finding's metric by at least this share (beyond run-to-run noise on a CPU)."""
+
+
+@dataclass(frozen=True)
+class Metric:
+    """What a finding is about, measured on the probe's inputs; ``lower_is_better`` sets the sign."""
+
+    name: str
+    unit: str
+    lower_is_better: bool
+    measure: Callable[[DoctorInputs], float | None]
+
+
+def _top_ramp(inputs: DoctorInputs) -> RunData | None:
+    """The probe's highest ramp point (the same load before and after a fix), else the busiest run."""
+    ramps = [r for r in inputs.runs if r.source.startswith("probe:ramp-")]
+    if ramps:
+        return max(ramps, key=lambda r: int(r.source.rsplit("-", 1)[1]))
+    return max(inputs.runs, key=lambda r: r.in_flight, default=None)
+
+
+def _peak(inputs: DoctorInputs, key: str) -> float | None:
+    run = _top_ramp(inputs)
+    return median(getattr(r, key) for r in run.ok) if run is not None else None
+
+
+def _peak_throughput(inputs: DoctorInputs) -> float | None:
+    run = _top_ramp(inputs)
+    return run.output_throughput if run is not None else None
+
+
+def _phase(inputs: DoctorInputs, name: str, key: str) -> float | None:
+    runs = [r for r in inputs.runs if r.source == f"probe:{name}"]
+    return median(getattr(r, key) for run in runs for r in run.ok) if runs else None
+
+
+def _shorts_ttft(inputs: DoctorInputs) -> float | None:
+    runs = [r for r in inputs.runs if r.source == "probe:long-short"]
+    return median(r.ttft_ms for run in runs for r in run.ok if r.group_id != "long")
+
+
+# A batch or admission cap limits how much work gets done at the top load: with it raised, requests the
+# server refused (HTTP 429) are admitted and wait, so their TTFT can rise while the service improves.
+THROUGHPUT = Metric("output throughput at the highest load", "tok/s", False, _peak_throughput)
+TTFT_AT_PEAK = Metric("median TTFT at the highest load", "ms", True, lambda i: _peak(i, "ttft_ms"))
+METRICS: dict[str, Metric] = {
+    "queueing": THROUGHPUT, "static-batching": THROUGHPUT, "kv-cache-pressure": TTFT_AT_PEAK,
+    "kv-pool-too-small": TTFT_AT_PEAK, "max-num-seqs-over-kv": TTFT_AT_PEAK,
+    "token-budget-below-seqs": Metric("median TPOT at the highest load", "ms", True, lambda i: _peak(i, "tpot_ms")),
+    "decode-bound": Metric("median TPOT at the highest load", "ms", True, lambda i: _peak(i, "tpot_ms")),
+    "prefix-cache-miss": Metric("median TTFT of shared-prefix requests", "ms", True,
+                                lambda i: _phase(i, "shared-prefix", "ttft_ms")),
+    "long-short-mixing": Metric("median TTFT of short requests beside long ones", "ms", True, _shorts_ttft),
+    "prefill-interrupts-decode": Metric("median TPOT beside long prompts", "ms", True,
+                                        lambda i: _phase(i, "long-short", "tpot_ms")),
+}
+DEFAULT_METRIC = Metric("median E2E at the highest load", "ms", True, lambda i: _peak(i, "e2e_ms"))
+
+
+def fix_flags(fix: Fix, engine: str) -> list[str] | None:
+    """The fix as flags for ``engine``; None when it is not a concrete flag change (placeholders,
+    prose, another process)."""
+    text = fix.vllm if engine == "vllm" else fix.kvpilot
+    if not text.startswith("--") or "<" in text or "(" in text:
+        return None
+    return shlex.split(text)
+
+
+def apply_flags(argv: list[str], flags: list[str]) -> list[str]:
+    """``argv`` with each ``--flag [value]`` of ``flags`` set (replacing an earlier value, and the
+    ``--no-`` form of a boolean flag)."""
+    out = list(argv)
+    i = 0
+    while i < len(flags):
+        name = flags[i].split("=", 1)[0]
+        value = flags[i + 1] if i + 1 < len(flags) and not flags[i + 1].startswith("--") else None
+        out = _without(out, name)
+        out = _without(out, "--no-" + name[2:]) if not name.startswith("--no-") else _without(out, "--" + name[5:])
+        out += [flags[i]] + ([value] if value is not None else [])
+        i += 2 if value is not None else 1
+    return out
+
+
+def _without(argv: list[str], name: str) -> list[str]:
+    out, skip = [], False
+    for j, arg in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if arg == name:
+            skip = j + 1 < len(argv) and not argv[j + 1].startswith("--")
+            continue
+        if arg.startswith(name + "="):
+            continue
+        out.append(arg)
+    return out
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One restart with a fix: the metric before and after, and whether the fix is kept."""
+
+    rule_id: str
+    flags: tuple[str, ...]
+    before: float | None
+    after: float | None
+    finding_after: str  # "gone", or the severity it still has
+    kept: bool
+    wall_s: float
+
+    @property
+    def change(self) -> float | None:
+        return (self.after - self.before) / self.before if self.before and self.after is not None else None
+
+
+@dataclass
+class VerifyResult:
+    """The baseline diagnosis and every trial (in the order tried); ``finding`` and ``metric`` are
+    those of the last trial (or the top finding when none ran)."""
+
+    report: DoctorReport
+    session: ProbeSession
+    finding: Finding | None
+    metric: Metric | None
+    trials: list[Trial] = field(default_factory=list)
+    stopped: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"finding": self.finding.rule_id if self.finding else None,
+                "metric": self.metric.name if self.metric else None,
+                "trials": [{"rule_id": t.rule_id, "flags": list(t.flags), "before": t.before, "after": t.after,
+                            "change": t.change,
+                            "finding_after": t.finding_after, "kept": t.kept, "wall_s": round(t.wall_s, 1)}
+                           for t in self.trials], "stopped": self.stopped}
+
+
+def _probe(argv: list[str], limits: ProbeLimits, console: Console, seed: int, timeout_s: float,
+           model: str | None, gpu: str | None) -> tuple[ProbeSession, DoctorReport]:
+    with served(argv, timeout_s) as server:
+        endpoint = check_endpoint(server.base_url)
+        session = probe_endpoint(endpoint, limits, console, seed=seed, server_pids=server.pids,
+                                 extra_config=from_serve_flags(argv))
+    return session, diagnose(session.inputs(model, gpu))
+
+
+def _helped(metric: Metric, before: float | None, after: float | None) -> bool:
+    if before is None or after is None or before <= 0:
+        return False
+    gain = (before - after) / before if metric.lower_is_better else (after - before) / before
+    return gain >= MIN_GAIN
+
+
+def _candidates(report: DoctorReport, engine: str) -> list[tuple[Finding, list[str]]]:
+    """(finding, flags) for every concrete flag fix of the findings above low severity, in rank order
+    (a top finding with no flag fix, like cpu-starvation, leaves the next finding's fixes to try)."""
+    return [(f, flags) for f in report.findings if f.severity is not Severity.LOW
+            for fix in f.fixes if (flags := fix_flags(fix, engine)) is not None]
+
+
+def run_verify(command: list[str], limits: ProbeLimits, console: Console, seed: int, budget_s: float,
+               serve_timeout_s: float, model: str | None = None, gpu: str | None = None) -> VerifyResult:
+    """Baseline probe, then trials of the findings' fixes within ``budget_s`` seconds in all."""
+    started = time.monotonic()
+    session, report = _probe(command, limits, console, seed, serve_timeout_s, model, gpu)
+    candidates = _candidates(report, engine_of(command))
+    above_low = [f for f in report.findings if f.severity is not Severity.LOW]
+    top = candidates[0][0] if candidates else (above_low[0] if above_low else None)
+    result = VerifyResult(report, session, top, METRICS.get(top.rule_id, DEFAULT_METRIC) if top else None)
+    if not candidates:
+        result.stopped = "healthy: nothing to verify" if top is None else "no concrete flag fix to try"
+        return result
+    round_s = time.monotonic() - started
+    for finding, flags in candidates:
+        if time.monotonic() - started + round_s > budget_s:
+            result.stopped = f"time budget of {budget_s:.0f} s reached"
+            break
+        metric = METRICS.get(finding.rule_id, DEFAULT_METRIC)
+        result.finding, result.metric = finding, metric
+        t0 = time.monotonic()
+        console.print(f"verify: restarting with {' '.join(flags)} ({finding.rule_id})", markup=False)
+        after_session, after_report = _probe(apply_flags(command, flags), limits, console, seed, serve_timeout_s,
+                                             model, gpu)
+        before, after = metric.measure(session.inputs()), metric.measure(after_session.inputs())
+        still = next((f for f in after_report.findings if f.rule_id == finding.rule_id), None)
+        helped = _helped(metric, before, after)  # the finding may remain (a 2x cap still queues), smaller
+        round_s = time.monotonic() - t0
+        result.trials.append(Trial(finding.rule_id, tuple(flags), before, after,
+                                   still.severity.value if still else "gone", helped, round_s))
+        if helped:
+            result.stopped = "a fix helped"
+            break
+    else:
+        result.stopped = "no fix helped measurably"
+    return result
+
+
+def print_verify(console: Console, result: VerifyResult) -> None:
+    """Before/after lines for the finding's metric, one per trial."""
+    if result.finding is None or result.metric is None:
+        console.print(f"verify: {result.stopped}", markup=False)
+        return
+    for t in result.trials:
+        m = METRICS.get(t.rule_id, DEFAULT_METRIC)
+        console.print(f"verify {t.rule_id}: {m.name} ({m.unit}, {'lower' if m.lower_is_better else 'higher'} "
+                      "is better)", markup=False)
+        before = f"{t.before:,.1f}" if t.before is not None else "n/a"
+        after = f"{t.after:,.1f}" if t.after is not None else "n/a"
+        change = f" ({t.change:+.0%})" if t.change is not None else ""
+        verdict = "kept: it helps" if t.kept else "withdrawn: no measurable help"
+        console.print(f"  {' '.join(t.flags)}: before {before}, after {after}{change}; finding after: "
+                      f"{t.finding_after}; {verdict} ({t.wall_s:.0f} s)", markup=False)
+    console.print(f"verify: {result.stopped}", markup=False)

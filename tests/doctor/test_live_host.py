@@ -1,0 +1,143 @@
+"""Staged on the real kvpilot server, doctor v2: a KV pool too small for its context under --quick, a
+host whose CPUs other processes take, a healthy default server under mixed long/short traffic, and
+verify mode on `--max-num-seqs 1` (docs/doctor.md has the table).
+
+The doctor runs in a process of its own (the servers live in the test process, and a load generator
+sharing their GIL would measure their Python work as its own lag). When the doctor measures that the
+test host itself starved the server (other agents, CI neighbours), ``cpu-starvation`` may lead: that
+is then the truth about the run, as ``client-overload`` is when the bench says its client lagged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kvpilot.bench.datasets import DatasetConfig
+from kvpilot.bench.load import LoadShape
+from kvpilot.doctor.findings import Severity
+from kvpilot.doctor.server_config import fetch_capacity
+from tests.doctor.bench_worker import BenchWorker
+from tests.doctor.live_staging import bench, doctor, kvpilot_server, ranked
+
+pytestmark = pytest.mark.slow
+CLI = [sys.executable, "-c", "from kvpilot.cli import main; main()"]
+HOST_CAUSES = ("cpu-starvation", "client-overload")
+# A probe smaller than --quick (the same phases and code, 4 s per phase) for the starvation scenario.
+SMALL_PROBE = (
+    "import json, sys; from dataclasses import replace; from rich.console import Console; "
+    "from kvpilot.doctor.diagnose import diagnose; from kvpilot.doctor.probe import check_endpoint, probe_endpoint; "
+    "from kvpilot.doctor.probe_plan import QUICK; "
+    "s = probe_endpoint(check_endpoint(sys.argv[1]), replace(QUICK, phase_s=4.0, max_requests=8), "
+    "Console(stderr=True)); "
+    "print(json.dumps(diagnose(s.inputs()).to_json()))")
+
+
+def _ids(doc: dict[str, Any]) -> list[str]:
+    return [f["rule_id"] for f in doc["findings"]]
+
+
+def _without_host_causes(doc: dict[str, Any]) -> list[str]:
+    """Rule ids with leading measured host causes dropped (see the module docstring)."""
+    ids = _ids(doc)
+    while ids and ids[0] in HOST_CAUSES:
+        ids = ids[1:]
+    return ids
+
+
+def _doctor_cli(*args: str, timeout_s: float = 400) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, "doctor", *args], capture_output=True, text=True, timeout=timeout_s)
+
+
+def test_quick_probe_names_a_pool_too_small_for_its_context_first(llm_fp32) -> None:
+    """`--kv-cache-memory 24MiB --max-model-len 512` (float32): 34 blocks, about one request of 512 tokens.
+    The quick probe's short requests keep the pool below 90%; the configuration says it."""
+    with kvpilot_server(llm_fp32.loaded, kv_cache_memory="24MiB", max_model_len=512) as server:
+        proc = _doctor_cli("--url", server.url, "--quick", "--json")
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    doc = json.loads(proc.stdout)
+    assert _without_host_causes(doc)[:1] == ["kv-pool-too-small"], [(f["rule_id"], f["severity"])
+                                                                     for f in doc["findings"]]
+    pool = next(f for f in doc["findings"] if f["rule_id"] == "kv-pool-too-small")
+    assert pool["severity"] == "high" and pool["fixes"][0]["kvpilot"].startswith("--kv-cache-memory ")
+    assert doc["server_config"]["num_blocks"] == 34 and doc["server_config"]["max_model_len"] == 512
+
+
+@pytest.fixture()
+def busy_host() -> Iterator[list[int]]:
+    """Two processes spinning on the CPU, detached from this test process (another job on the host,
+    not the server's child); killed by pid afterwards."""
+    pids = []
+    for _ in range(2):
+        out = subprocess.run(["sh", "-c", f"{sys.executable} -c 'while True: pass' >/dev/null 2>&1 & echo $!"],
+                             capture_output=True, text=True, check=True)
+        pids.append(int(out.stdout.strip()))
+    try:
+        yield pids
+    finally:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_busy_host_is_cpu_starvation_not_client_overload(llm_fp32, busy_host: list[int]) -> None:
+    with kvpilot_server(llm_fp32.loaded, kv_cache_memory="256MiB", max_model_len=1024) as server:
+        proc = subprocess.run([sys.executable, "-c", SMALL_PROBE, server.url], capture_output=True, text=True,
+                              timeout=400)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads(proc.stdout)
+    assert _ids(doc)[:1] == ["cpu-starvation"], [(f["rule_id"], f["severity"]) for f in doc["findings"]]
+    top = doc["findings"][0]
+    assert top["severity"] == "high"
+    assert any(str(pid) in top["summary"] for pid in busy_host) or doc["resources"]["other_cores"] >= 1.0
+    assert os.getpid() in doc["resources"]["server_pids"]  # found by its port: this test process
+
+
+def test_healthy_default_server_under_mixed_traffic_has_nothing_above_low(llm_fp32) -> None:
+    """`kvpilot serve` defaults (2 GiB KV, budget 2048, prefix caching) with the quick probe's long/short
+    traffic: 512-token prompts are one step each, so the short requests' wait beside them is a
+    headroom note with its size, not a finding. The roofline uses the server's float32."""
+    traffic = DatasetConfig(kind="long-short", input_len=64, long_input_len=512, long_fraction=0.25, output_len=8,
+                            seed=2)
+    with kvpilot_server(llm_fp32.loaded, kv_cache_memory=None, max_model_len=4096) as server, BenchWorker() as w:
+        config = fetch_capacity(server.url, {})
+        measured = bench(w, server.url, traffic, LoadShape(concurrency=4, num_requests=16), "long-short")
+    assert config is not None and config.dtype == "float32" and (config.max_len_requests or 0) >= 4
+    report = doctor(measured, server_config=config)
+    above_low = [f.rule_id for f in report.findings if f.severity is not Severity.LOW]
+    lagged = any(r["client_lag"]["overloaded"] for r in measured.result["runs"])
+    assert above_low in ([], ["client-overload"] if lagged else []), ranked(report)
+    roof = doctor(measured, server_config=config, model="smollm2-135m", gpu="cpu")
+    assert roof.roofline is not None and roof.roofline["dtype"] == "float32"
+    assert "of the float32 roofline" in roof.verdict
+
+
+def test_serve_verify_restarts_with_the_fix_and_prints_before_after() -> None:
+    """`--max-num-seqs 1`: the doctor starts `kvpilot serve`, probes, restarts it with the queueing fix
+    and probes again; the trial's before/after numbers are printed and in the JSON."""
+    serve = "kvpilot serve --max-num-seqs 1 --dtype float32 --kv-cache-memory 256MiB --max-model-len 1024"
+    proc = _doctor_cli("--serve", serve, "--verify", "--quick", "--json", "--verify-budget", "400", timeout_s=590)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    doc = json.loads(proc.stdout)
+    trials = doc["verify"]["trials"]
+    assert trials and trials[0]["rule_id"] == "queueing" and trials[0]["flags"] == ["--max-num-seqs", "2"]
+    assert trials[0]["before"] > 0 and trials[0]["after"] > 0
+    assert all(not t["kept"] for t in trials[:-1])  # every fix before the last was withdrawn
+    assert doc["verify"]["stopped"]
+    assert "verify: restarting with --max-num-seqs 2 (queueing)" in proc.stderr
+
+
+def test_serve_command_that_exits_is_one_line_exit_2() -> None:
+    proc = _doctor_cli("--serve", "kvpilot serve --max-num-seqs 0", "--quick", timeout_s=120)
+    assert proc.returncode == 2
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "exited with code" in lines[0] and "max_num_seqs" in lines[0], proc.stderr
