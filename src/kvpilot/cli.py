@@ -10,7 +10,7 @@ import typer
 
 from kvpilot.bench.cli import make_bench_command
 from kvpilot.cli_options import (DeviceOpt, DtypeOpt, KvCacheDtypeOpt, KvCacheMemoryOpt, LoadFormatOpt,
-                                 MaxModelLenOpt, ModelOpt, SeedOpt)
+                                 MaxModelLenOpt, ModelOpt, QuantizationOpt, SeedOpt)
 from kvpilot.doctor.bench_section import doctor_report_section
 from kvpilot.doctor.cli import doctor_command
 from kvpilot.fit.cli import fit_command
@@ -48,14 +48,14 @@ def generate(
     chat_template: Annotated[bool, typer.Option("--chat/--raw", help="Apply the chat template to the prompt.")] = False,
     model: ModelOpt = None, load_format: LoadFormatOpt = "auto", dtype: DtypeOpt = "auto", device: DeviceOpt = None,
     max_model_len: MaxModelLenOpt = None, kv_cache_memory: KvCacheMemoryOpt = None,
-    kv_cache_dtype: KvCacheDtypeOpt = "auto", seed: SeedOpt = 0,
+    kv_cache_dtype: KvCacheDtypeOpt = "auto", seed: SeedOpt = 0, quantization: QuantizationOpt = "auto",
 ) -> None:
     """Generate a completion for one prompt and print it (streamed as it is produced)."""
     from kvpilot.sampling_params import SamplingParams
 
     llm = _build_llm(dict(model=model, load_format=load_format, dtype=dtype, device=device,
                            max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
-                           kv_cache_dtype=kv_cache_dtype, seed=seed))
+                           kv_cache_dtype=kv_cache_dtype, seed=seed, quantization=quantization))
     params = _sampling_params(SamplingParams, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                               top_k=top_k, seed=sample_seed)
     prompt_ids = llm.tokenizer.encode_chat([{"role": "user", "content": prompt}]) if chat_template else prompt
@@ -81,7 +81,7 @@ def chat(
     top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass.")] = 0.9,
     model: ModelOpt = None, load_format: LoadFormatOpt = "auto", dtype: DtypeOpt = "auto", device: DeviceOpt = None,
     max_model_len: MaxModelLenOpt = None, kv_cache_memory: KvCacheMemoryOpt = None,
-    kv_cache_dtype: KvCacheDtypeOpt = "auto", seed: SeedOpt = 0,
+    kv_cache_dtype: KvCacheDtypeOpt = "auto", seed: SeedOpt = 0, quantization: QuantizationOpt = "auto",
 ) -> None:
     """Interactive chat in the terminal; replies stream token by token. Ctrl-D or /exit quits, /reset clears."""
     from kvpilot.chat_session import run_chat
@@ -89,7 +89,7 @@ def chat(
 
     llm = _build_llm(dict(model=model, load_format=load_format, dtype=dtype, device=device,
                            max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
-                           kv_cache_dtype=kv_cache_dtype, seed=seed))
+                           kv_cache_dtype=kv_cache_dtype, seed=seed, quantization=quantization))
     params = _sampling_params(SamplingParams, max_tokens=max_tokens, temperature=temperature, top_p=top_p)
     run_chat(llm, params, system)
 

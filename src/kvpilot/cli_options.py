@@ -14,6 +14,11 @@ LoadFormatOpt = Annotated[str, typer.Option(
     "--load-format", help="auto (from the path), gguf, safetensors, or dummy (random weights from a config).")]
 DtypeOpt = Annotated[str, typer.Option(
     "--dtype", help="auto (bfloat16 on GPUs and on CPUs with native bf16, else float32), float32, bfloat16, or float16 (CUDA only).")]
+QuantizationOpt = Annotated[str, typer.Option(
+    "--quantization", "-q", help="GGUF weights on CPU: auto (keep Q8_0/Q4_0/Q4_1 packed, computed by fused "
+    "kernels, when every linear weight has one of those types), gguf (packed, or an error naming the types "
+    "that are not), none (dequantize to --dtype at load); int8 / int4: quantize any model's linear weights "
+    "at load (per-32 scales, Q8_0 / Q4_1 blocks; CPU).")]
 DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="cpu or cuda[:N]. Default: cuda if available.")]
 MaxModelLenOpt = Annotated[Optional[int], typer.Option(
     "--max-model-len", help="Longest prompt + output of one request, in tokens. Default: the model's context.")]
@@ -37,8 +42,8 @@ PolicyOpt = Annotated[str, typer.Option(
     "--scheduling-policy", help="fcfs (arrival order) or priority (lower request priority first).")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Seed for dummy weights.")]
 AttentionBackendOpt = Annotated[str, typer.Option(
-    "--attention-backend", help="auto (the C++ decode kernel for float32 on CPU, else torch), torch (the "
-    "reference, any device and dtype) or cpu.")]
+    "--attention-backend", help="auto (Triton kernels on CUDA when triton imports; the C++ decode kernel for "
+    "float32 on CPU; else torch), torch (the reference, any device and dtype), cpu or triton.")]
 AsyncSchedulingOpt = Annotated[Optional[bool], typer.Option(
     "--async-scheduling/--no-async-scheduling", help="Schedule step N+1 while step N runs on the device "
     "(outputs are identical). Default: on for CUDA, off on CPU (where a step runs synchronously anyway).")]

@@ -1,4 +1,5 @@
-"""Dequantizes a GGUF file's tensors into an HF-named state dict (float32 torch tensors).
+"""Reads a GGUF file's tensors into an HF-named state dict: dequantized to float32 torch tensors, or, for the
+linear layers' Q8_0 / Q4_0 / Q4_1 matrices, kept in their blocks (kvpilot.model.quant.PackedWeight).
 
 GGUF quirks handled here: shapes are listed [in, out] (arrays come out (out, in)), and llama-architecture
 files store Q/K projections permuted for llama.cpp's interleaved rotary layout, which we undo.
@@ -63,26 +64,71 @@ def _dequantize(tensor: Any, path: Path) -> np.ndarray:
         data = dequantize(tensor.data, tensor.tensor_type)
     except NotImplementedError as exc:
         raise ModelLoadError(f"{path}: tensor {tensor.name} has type {tensor.tensor_type.name}, which the "
-                             f"gguf package cannot dequantize") from exc
+                             "gguf package cannot dequantize; kvpilot reads F32, F16, BF16, the legacy "
+                             "(Q4_0 ... Q8_0), K- and IQ-quant types, and keeps Q8_0, Q4_0, Q4_1 packed on CPU"
+                             ) from exc
     except Exception as exc:
         raise ModelLoadError(f"{path}: tensor {tensor.name} is truncated or corrupt ({exc})") from exc
     shape = tuple(int(d) for d in reversed(tensor.shape))
     return np.asarray(data, dtype=np.float32).reshape(shape)
 
 
+def _unpermute_qk(array: np.ndarray, name: str, config: ModelConfig) -> np.ndarray:
+    """Undoes llama.cpp's Q/K row permutation (rows are whole: it applies to block bytes as well)."""
+    if config.family not in ("llama", "mistral"):
+        return array
+    if name.endswith("self_attn.q_proj.weight"):
+        return _unpermute(array, config.num_attention_heads)
+    if name.endswith("self_attn.k_proj.weight"):
+        return _unpermute(array, config.num_key_value_heads)
+    return array
+
+
 def load_gguf_state_dict(reader: Any, path: str | Path, config: ModelConfig) -> dict[str, torch.Tensor]:
     """HF-named float32 tensors of every tensor kvpilot uses; Q/K unpermuted for llama/mistral GGUFs."""
+    dense, _ = load_gguf_tensors(reader, path, config, packed_names=frozenset())
+    return dense
+
+
+def is_linear_weight(hf_name: str) -> bool:
+    """Whether the HF-named tensor is a matrix the model multiplies by (a projection or the output layer)."""
+    return hf_name.endswith("_proj.weight") or hf_name in ("lm_head.weight", "model.embed_tokens.weight")
+
+
+def linear_tensor_types(reader: Any) -> dict[str, str]:
+    """HF name -> GGUF type name of every linear weight (see is_linear_weight) the file holds."""
+    types = {}
+    for tensor in reader.tensors:
+        name = hf_tensor_name(tensor.name)
+        if name is not None and is_linear_weight(name):
+            types[name] = tensor.tensor_type.name
+    return types
+
+
+def load_gguf_tensors(reader: Any, path: str | Path, config: ModelConfig, packed_names: frozenset[str],
+                      ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(dense, packed): tensors named in `packed_names` come back as PackedWeight (their GGUF blocks, Q/K
+    rows unpermuted), every other tensor kvpilot uses dequantized to float32. The embedding table is
+    always dense as well (token lookup), and packed too when asked (a tied output layer)."""
+    from kvpilot.model.quant.formats import packed_format
+    from kvpilot.model.quant.packed import PackedWeight
+
     path = Path(path)
-    permuted = config.family in ("llama", "mistral")
-    state: dict[str, torch.Tensor] = {}
+    dense: dict[str, torch.Tensor] = {}
+    packed: dict[str, Any] = {}
     for tensor in reader.tensors:
         name = hf_tensor_name(tensor.name)
         if name is None:
             continue
-        array = _dequantize(tensor, path)
-        if permuted and name.endswith("self_attn.q_proj.weight"):
-            array = _unpermute(array, config.num_attention_heads)
-        elif permuted and name.endswith("self_attn.k_proj.weight"):
-            array = _unpermute(array, config.num_key_value_heads)
-        state[name] = torch.from_numpy(np.array(array, copy=True))  # own, writable memory
-    return state
+        if name in packed_names:
+            fmt = packed_format(tensor.tensor_type.name)
+            if fmt is None:
+                raise ModelLoadError(f"{path}: tensor {tensor.name} has type {tensor.tensor_type.name}, which "
+                                     "the packed kernels do not support")
+            raw = np.asarray(tensor.data, dtype=np.uint8).reshape(int(tensor.shape[-1]), -1)
+            packed[name] = PackedWeight.from_blocks(_unpermute_qk(raw, name, config), fmt)
+            if name != "model.embed_tokens.weight":
+                continue
+        array = _unpermute_qk(_dequantize(tensor, path), name, config)
+        dense[name] = torch.from_numpy(np.array(array, copy=True))  # own, writable memory
+    return dense, packed

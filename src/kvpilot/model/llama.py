@@ -84,6 +84,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
                                                                          bias=False)
         self.rotary = RotaryEmbedding(config, max_positions)
+        # set by the packed-weight loader (kvpilot.model.quant): the output projection as a module
+        self.output_head: nn.Module | None = None
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn: StepAttention) -> torch.Tensor:
@@ -93,11 +95,16 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, cos, sin, kv_cache, attn)
         return self.norm(x)
 
-    def output_weight(self) -> torch.Tensor:
-        """The [vocab, hidden] output projection: the embedding table itself when the two are tied."""
-        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+    def output_weight(self) -> torch.Tensor | None:
+        """The dense [vocab, hidden] output projection (the embedding table itself when the two are tied);
+        None when it is packed (an untied lm_head replaced by a packed module)."""
+        if self.lm_head is None:
+            return self.embed_tokens.weight
+        return self.lm_head.weight if isinstance(self.lm_head, nn.Linear) else None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.output_head is not None:
+            return self.output_head(hidden).float()
         return F.linear(hidden, self.output_weight()).float()
 
     @torch.no_grad()

@@ -3,6 +3,7 @@ into a ModelConfig, a ready LlamaForCausalLM and a Tokenizer."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from kvpilot.model.default_model import DEFAULT_MODEL_NAME, default_model_path
 from kvpilot.model.dtypes import resolve_dtype
 from kvpilot.model.errors import ModelLoadError, config_errors_as_load_errors
 from kvpilot.model.llama import LlamaForCausalLM
+from kvpilot.model.quant.model_pack import check_quantization
 from kvpilot.model.tokenizer import Tokenizer
 from kvpilot.model.weight_layout import relayout_linear_weights
 
@@ -31,30 +33,42 @@ class LoadedModel:
     load_format: str
     dtype: torch.dtype
     device: torch.device
+    # how the linear weights are held: "none" (dense, in dtype), "gguf" (the GGUF's packed blocks) or
+    # "int8" / "int4" (quantized at load); packed ones run in the CPU kernels of kvpilot.model.quant
+    quantization: str = "none"
 
 
-def _build_model(config: ModelConfig, max_positions: int, dtype: torch.dtype,
-                 device: torch.device) -> LlamaForCausalLM:
+def _build_model(config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device,
+                 prepare: Callable[[LlamaForCausalLM], object] | None = None) -> LlamaForCausalLM:
+    """`prepare` runs on the model while it is still on the meta device (before any memory is allocated)."""
     with torch.device("meta"):
         model = LlamaForCausalLM(config, max_positions)
+    if prepare is not None:
+        prepare(model)
     model = model.to_empty(device=device).to(dtype)
     model.rotary.reset_tables(device)  # built on meta (no memory): compute the float32 tables for real
     return model.eval()
 
 
-def _load_gguf(path: Path, max_model_len: int | None, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+def _load_gguf(path: Path, max_model_len: int | None, dtype: torch.dtype, device: torch.device,
+               quantization: str) -> LoadedModel:
     from kvpilot.fit.gguf_metadata import field_value, hf_config_from_reader, open_gguf
-    from kvpilot.model.gguf_weights import load_gguf_state_dict
+    from kvpilot.model.gguf_weights import linear_tensor_types, load_gguf_tensors
+    from kvpilot.model.quant.model_pack import pack_linear_layers, packed_names
     from kvpilot.model.tokenizer import tokenizer_from_gguf
 
     reader = open_gguf(path)
     config = from_hf_config(hf_config_from_reader(reader, path), str(path))
-    model = _build_model(config, max_model_len or config.max_position_embeddings, dtype, device)
-    model.load_weights(load_gguf_state_dict(reader, path, config), str(path))
+    names = packed_names(quantization, device, linear_tensor_types(reader), config, path)
+    dense, packed = load_gguf_tensors(reader, path, config, names)
+    prepare = (lambda m: pack_linear_layers(m, packed, config)) if names else None
+    model = _build_model(config, max_model_len or config.max_position_embeddings, dtype, device, prepare)
+    model.load_weights(dense, str(path))
     # A GGUF without vocabulary metadata still runs on token ids.
     has_vocab = field_value(reader, "tokenizer.ggml.tokens") is not None
     tokenizer = tokenizer_from_gguf(reader, path) if has_vocab else None
-    return LoadedModel(config, model, tokenizer, config.name or path.stem, str(path), "gguf", dtype, device)
+    return LoadedModel(config, model, tokenizer, config.name or path.stem, str(path), "gguf", dtype, device,
+                       "gguf" if names else "none")
 
 
 def _load_hf_dir(path: Path, max_model_len: int | None, dtype: torch.dtype, device: torch.device) -> LoadedModel:
@@ -92,9 +106,13 @@ def _fallback_tokenizer(config: ModelConfig) -> Tokenizer | None:
 
 
 def load_model(model: str | None = None, *, load_format: str = "auto", dtype: str = "auto",
-               device: str | None = None, max_model_len: int | None = None, seed: int = 0) -> LoadedModel:
+               device: str | None = None, max_model_len: int | None = None, seed: int = 0,
+               quantization: str = "auto") -> LoadedModel:
     """Loads `model`: None = the embedded SmolLM2-135M-Instruct GGUF; a .gguf file; an HF directory;
     or, with load_format="dummy" (or a "dummy:" prefix), a catalog name / config.json with random weights.
+    `quantization` (auto, gguf, none) says whether a GGUF's quantized linear weights stay packed on CPU
+    (kvpilot.model.quant.model_pack); int8 / int4 quantize any model's linear weights at load (CPU);
+    `dtype` is the activations' (and dense weights') dtype.
 
     Raises ModelLoadError with the file and the problem for anything it cannot load.
     """
@@ -102,28 +120,43 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
         raise ModelLoadError(f"load_format {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
     torch_device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch_dtype = resolve_dtype(dtype, torch_device)
+    check_quantization(quantization)
     with config_errors_as_load_errors():  # a bad GGUF header, read by kvpilot.fit.gguf_metadata
-        loaded = _load(model, load_format, max_model_len, torch_dtype, torch_device, seed)
+        loaded = _load(model, load_format, max_model_len, torch_dtype, torch_device, seed, quantization)
+    if quantization in ("int8", "int4"):
+        _quantize_at_load(loaded, quantization)
     if torch_device.type == "cpu":
         relayout_linear_weights(loaded.model)
     return loaded
 
 
+def _quantize_at_load(loaded: LoadedModel, quantization: str) -> None:
+    from kvpilot.model.quant.at_load import quantize_linear_layers
+
+    if loaded.device.type != "cpu":
+        raise ModelLoadError(f"--quantization {quantization} runs on CPU only (device {loaded.device.type})")
+    quantize_linear_layers(loaded.model, quantization)
+    loaded.quantization = quantization
+
+
 def _load(model: str | None, load_format: str, max_model_len: int | None, dtype: torch.dtype,
-          device: torch.device, seed: int) -> LoadedModel:
+          device: torch.device, seed: int, quantization: str) -> LoadedModel:
     if model and model.startswith("dummy:"):
         model, load_format = model[len("dummy:"):], "dummy"
+    if quantization == "gguf" and (load_format == "dummy" or (model is not None and Path(model).is_dir())):
+        raise ModelLoadError("quantization 'gguf' keeps a GGUF file's quantized weights packed: "
+                             f"{model or 'this model'} is not a GGUF file; use auto or none")
     if load_format == "dummy":
         return _load_dummy(model or "smollm2-135m", max_model_len, dtype, device, seed)
     if model is None:
-        loaded = _load_gguf(default_model_path(), max_model_len, dtype, device)
+        loaded = _load_gguf(default_model_path(), max_model_len, dtype, device, quantization)
         loaded.name = DEFAULT_MODEL_NAME
         return loaded
     path = Path(model).expanduser()
     if path.is_dir():
         return _load_hf_dir(path, max_model_len, dtype, device)
     if path.is_file() or path.suffix == ".gguf":
-        return _load_gguf(path, max_model_len, dtype, device)
+        return _load_gguf(path, max_model_len, dtype, device, quantization)
     raise ModelLoadError(f"{model}: no such file or directory. Pass a .gguf file or an HF model directory with "
                          "config.json and *.safetensors (kvpilot never downloads at run time), or "
                          f"--load-format dummy to run the {model!r} architecture with random weights")

@@ -21,8 +21,9 @@ def relayout_linear_weights(model: nn.Module) -> int:
     """
     weights = [m.weight for m in model.modules() if isinstance(m, nn.Linear)]
     output = getattr(model, "output_weight", None)
-    if callable(output):  # a tied output projection is the embedding table: one tensor, both uses
-        weights.append(output())  # (the embedding lookup reads T strided rows per step: negligible)
+    table = output() if callable(output) else None  # None: the output projection is packed
+    if table is not None:  # a tied output projection is the embedding table: one tensor, both uses
+        weights.append(table)  # (the embedding lookup reads T strided rows per step: negligible)
     count = 0
     for weight in weights:
         if weight.dim() == 2 and weight.is_contiguous():

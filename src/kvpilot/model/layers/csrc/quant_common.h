@@ -1,0 +1,96 @@
+// Shared by the packed quantized-linear sources (concatenated in this order by kvpilot/model/quant/kernel.py:
+// quant_common.h, quant_avx512.h, quant_avx2.h, quant_linear_cpu.cpp): the repacked weight layout, the
+// portable (scalar, compiler-vectorized) dequantize and dot-product tile, and the per-ISA kernel table.
+//
+// Layout (the GGUF blocks' own values, split into arrays so SIMD loads are plain): a [N, K] matrix of
+// 32-value blocks (KB = K / 32 per row) is `qs` [N, KB * 32] int8 (Q8_0) or [N, KB * 16] uint8 (Q4_0,
+// Q4_1: byte j of a block holds value j in its low nibble and value j + 16 in its high nibble, as in
+// GGUF), `d` [N, KB] float16 scales and, for Q4_1, `m` [N, KB] float16 minimums.
+// Values: Q8_0 d * q; Q4_0 d * (q - 8); Q4_1 d * q + m.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+enum Format : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2 };
+enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+constexpr int64_t kBlock = 32;
+constexpr int64_t kNR = 4;  // weight rows dequantized together (one tile's columns)
+
+struct Packed {
+  const uint8_t* qs;
+  const uint16_t* d;
+  const uint16_t* m;  // nullptr unless Q4_1
+  int64_t N, K, KB, fmt;
+  int64_t qs_row() const { return KB * (fmt == kQ8_0 ? kBlock : kBlock / 2); }
+};
+
+inline float half_to_float(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
+
+// The offset of a block's values: Q4_0 stores q - 8 as an unsigned nibble, Q4_1 a separate minimum.
+inline float block_offset(const Packed& w, float d, int64_t n, int64_t b) {
+  if (w.fmt == kQ4_0) return -8.0f * d;
+  if (w.fmt == kQ4_1) return half_to_float(w.m[n * w.KB + b]);
+  return 0.0f;
+}
+
+// Row n of w as float32 into out[K]. `scales` is scratch of 2 * KB floats (used by the SIMD versions).
+void dequant_row_scalar(const Packed& w, int64_t n, float* out, float* /*scales*/) {
+  const uint8_t* q = w.qs + n * w.qs_row();
+  for (int64_t b = 0; b < w.KB; ++b) {
+    const float d = half_to_float(w.d[n * w.KB + b]);
+    const float off = block_offset(w, d, n, b);
+    float* o = out + b * kBlock;
+    if (w.fmt == kQ8_0) {
+      const int8_t* qb = reinterpret_cast<const int8_t*>(q) + b * kBlock;
+      for (int64_t j = 0; j < kBlock; ++j) o[j] = d * static_cast<float>(qb[j]);
+    } else {
+      const uint8_t* qb = q + b * (kBlock / 2);
+      for (int64_t j = 0; j < kBlock / 2; ++j) {
+        o[j] = d * static_cast<float>(qb[j] & 0x0F) + off;
+        o[j + kBlock / 2] = d * static_cast<float>(qb[j] >> 4) + off;
+      }
+    }
+  }
+}
+
+// out[i * ldo + j] = dot(x row i, w row j) for i < mr, j < nr; w rows are K apart, K a multiple of 32.
+void tile_scalar(const float* x, int64_t ldx, const float* w, int64_t K, float* out, int64_t ldo, int mr, int nr) {
+  for (int i = 0; i < mr; ++i) {
+    for (int j = 0; j < nr; ++j) {
+      const float* xi = x + i * ldx;
+      const float* wj = w + j * K;
+      float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t k = 0; k < K; ++k) acc += xi[k] * wj[k];
+      out[i * ldo + j] = acc;
+    }
+  }
+}
+
+// float32 -> bfloat16, round to nearest even (values are finite)
+void to_bf16_scalar(const float* in, uint16_t* out, int64_t count) {
+  for (int64_t k = 0; k < count; ++k) {
+    uint32_t bits;
+    std::memcpy(&bits, in + k, 4);
+    out[k] = static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+  }
+}
+
+struct Kernels {
+  void (*dequant_row)(const Packed&, int64_t, float*, float*);
+  void (*to_bf16)(const float*, uint16_t*, int64_t);
+  void (*tile)(const float*, int64_t, const float*, int64_t, float*, int64_t, int, int);
+  // optional: up to 4 x rows times weight rows [n0, n0 + nr) dequantized in registers (scratch: 8 * KB floats)
+  void (*fused)(const Packed&, int64_t, int, const float*, int64_t, int, float*, int64_t, float*);
+  int max_mr;  // x rows per tile (bounded by the vector registers the accumulators take)
+};
+
+}  // namespace

@@ -1,0 +1,142 @@
+// Linear layers on packed GGUF-style weights (Q8_0, Q4_0, Q4_1) on CPU, built at run time by
+// kvpilot/model/quant/kernel.py after quant_common.h, quant_avx512.h and quant_avx2.h.
+//
+// quant_matmul: out[M, N] = x[M, K] @ W^T. Each task dequantizes 4 weight rows into an L1-resident float32
+// buffer once, then multiplies them with tiles of up to 4 x rows (64 x rows at a time, so the x block stays
+// in L2): each packed byte is read from memory once per 64 x rows, and for decode (a few rows) exactly once.
+// quant_dequantize: the whole matrix as float32 or bfloat16 (for a large-batch GEMM in torch).
+namespace {
+
+int64_t detect_isa() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma"))
+    return kAvx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kAvx2;
+  return kScalar;
+}
+
+Kernels kernels_for(int64_t isa) {
+  const int64_t best = detect_isa();
+  TORCH_CHECK(isa <= best, "quant kernel: ISA level ", isa, " asked for, this CPU supports up to ", best);
+  if (isa == kAvx512) return {dequant_row512, to_bf16_512, tile512, fused512, 4};
+  if (isa == kAvx2) return {dequant_row256, to_bf16_scalar, tile256, nullptr, 2};
+  return {dequant_row_scalar, to_bf16_scalar, tile_scalar, nullptr, 4};
+}
+
+Packed packed_of(const torch::Tensor& qs, const torch::Tensor& d, const torch::Tensor& m, int64_t fmt) {
+  TORCH_CHECK(fmt == kQ8_0 || fmt == kQ4_0 || fmt == kQ4_1, "quant kernel: unknown format ", fmt);
+  TORCH_CHECK(qs.is_contiguous() && d.is_contiguous() && qs.scalar_type() == torch::kUInt8 &&
+              d.scalar_type() == torch::kFloat16 && d.dim() == 2, "quant kernel: qs uint8 / d float16, contiguous");
+  const int64_t N = d.size(0), KB = d.size(1);
+  Packed w{qs.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>()), nullptr,
+           N, KB * kBlock, KB, fmt};
+  TORCH_CHECK(qs.numel() == N * w.qs_row(), "quant kernel: qs holds ", qs.numel(), " bytes, expected ",
+              N * w.qs_row());
+  if (fmt == kQ4_1) {
+    TORCH_CHECK(m.is_contiguous() && m.scalar_type() == torch::kFloat16 && m.sizes() == d.sizes(),
+                "quant kernel: Q4_1 needs m float16 shaped like d");
+    w.m = reinterpret_cast<const uint16_t*>(m.data_ptr<at::Half>());
+  }
+  return w;
+}
+
+constexpr int64_t kRowsPerPass = 64;
+constexpr int64_t kFusedMaxRows = 4;
+
+void matmul(const Kernels& kern, const float* x, int64_t M, int64_t ldx, const Packed& w, float* out, int64_t ldo) {
+  const int64_t groups = (w.N + kNR - 1) / kNR;
+  if (kern.fused != nullptr && M <= kFusedMaxRows) {
+    at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+      std::vector<float> scales(2 * kNR * w.KB);
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t n0 = g * kNR;
+        const int nr = static_cast<int>(std::min(kNR, w.N - n0));
+        kern.fused(w, n0, nr, x, ldx, static_cast<int>(M), out + n0, ldo, scales.data());
+      }
+    });
+    return;
+  }
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    std::vector<float> buf(kNR * w.K), scales(2 * w.KB);
+    for (int64_t m0 = 0; m0 < M; m0 += kRowsPerPass) {
+      const int64_t m1 = std::min(M, m0 + kRowsPerPass);
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t n0 = g * kNR;
+        const int nr = static_cast<int>(std::min(kNR, w.N - n0));
+        for (int j = 0; j < nr; ++j) kern.dequant_row(w, n0 + j, buf.data() + j * w.K, scales.data());
+        for (int64_t m = m0; m < m1; m += kern.max_mr) {
+          const int mr = static_cast<int>(std::min<int64_t>(kern.max_mr, m1 - m));
+          kern.tile(x + m * ldx, ldx, buf.data(), w.K, out + m * ldo + n0, ldo, mr, nr);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// out[:, :N] (row stride out.stride(0), float32) = x [M, K] float32 @ dequantized(W [N, K])^T.
+// `out` may be a column slice of a wider tensor (fused projections write their parts side by side).
+void quant_matmul(torch::Tensor out, torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m,
+                  int64_t fmt, int64_t isa) {
+  const Packed w = packed_of(qs, d, m, fmt);
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && out.scalar_type() == torch::kFloat32, "x/out must be float32");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == w.K && x.stride(1) == 1, "x must be [M, ", w.K, "] with unit stride");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == w.N && out.stride(1) == 1,
+              "out must be [M, ", w.N, "] with unit column stride");
+  matmul(kernels_for(isa), x.data_ptr<float>(), x.size(0), x.stride(0), w, out.data_ptr<float>(), out.stride(0));
+}
+
+// out [N, K] float32 or bfloat16, contiguous = dequantized W.
+void quant_dequantize(torch::Tensor out, torch::Tensor qs, torch::Tensor d, torch::Tensor m, int64_t fmt,
+                      int64_t isa) {
+  const Packed w = packed_of(qs, d, m, fmt);
+  TORCH_CHECK(out.is_contiguous() && out.size(0) == w.N && out.size(1) == w.K, "out must be [N, K] contiguous");
+  const bool bf16 = out.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(bf16 || out.scalar_type() == torch::kFloat32, "quant_dequantize: out must be float32 or bfloat16");
+  const Kernels kern = kernels_for(isa);
+  void* base = out.data_ptr();
+  at::parallel_for(0, w.N, 16, [&](int64_t n0, int64_t n1) {
+    std::vector<float> row(w.K), scales(2 * w.KB);
+    for (int64_t n = n0; n < n1; ++n) {
+      if (!bf16) {
+        kern.dequant_row(w, n, static_cast<float*>(base) + n * w.K, scales.data());
+        continue;
+      }
+      kern.dequant_row(w, n, row.data(), scales.data());
+      kern.to_bf16(row.data(), static_cast<uint16_t*>(base) + n * w.K, w.K);
+    }
+  });
+}
+
+// The best ISA level this CPU runs: 0 portable, 1 AVX2 + FMA, 2 AVX-512 (F, BW, VL).
+int64_t cpu_isa() { return detect_isa(); }
+
+// How many threads this module's parallel_for really runs on (0 would mean a broken build).
+int64_t quant_parallel_width() {
+  std::atomic<uint64_t> seen{0};
+  at::parallel_for(0, 4096, 1, [&](int64_t, int64_t) {
+    seen.fetch_or(uint64_t{1} << (at::get_thread_num() & 63));
+  });
+  return __builtin_popcountll(seen.load());
+}
+
+// The VNNI experiment (quant_vnni.h): out [M, N] float32 = int8-quantized x [M, K] @ Q4_1 W^T.
+void quant_matmul_q8act(torch::Tensor out, torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m) {
+  const Packed w = packed_of(qs, d, m, kQ4_1);
+  __builtin_cpu_init();
+  TORCH_CHECK(__builtin_cpu_supports("avx512vnni") && detect_isa() == kAvx512, "needs AVX-512 VNNI");
+  TORCH_CHECK(x.is_contiguous() && x.size(1) == w.K && out.is_contiguous() && out.size(1) == w.N, "shapes");
+  const int64_t M = x.size(0);
+  std::vector<int8_t> xq(M * w.K);
+  std::vector<float> xd(M * w.KB), xs(M * w.KB);
+  for (int64_t i = 0; i < M; ++i)
+    quantize_row_q8(x.data_ptr<float>() + i * w.K, w.KB, xq.data() + i * w.K, xd.data() + i * w.KB,
+                    xs.data() + i * w.KB);
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, w.N, 16, [&](int64_t n0, int64_t n1) {
+    std::vector<float> scales(2 * w.KB);
+    q41_rows_vnni(w, n0, n1, xq.data(), xd.data(), xs.data(), M, op, w.N, scales.data());
+  });
+}

@@ -1,0 +1,106 @@
+"""PackedLinear: nn.Linear's forward on packed quantized weights (x @ W^T + b), for CPU.
+
+Two paths, picked per call by the number of rows (tokens) in x:
+- up to `max_kernel_rows`: the fused C++ kernel reads each packed block once and multiplies in float32
+  (decode of few streams: memory-bound, so 4-bit weights read ~5x fewer bytes than bf16);
+- more rows: the weights are dequantized into a scratch matrix shared by every layer (one layer at a time
+  runs) in the activation dtype, then torch's GEMM runs (prefill and big batches: compute-bound, and
+  MKL's GEMM is faster than the kernel's dot-product tiles there; the dequantization is a few % of it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvpilot.model.quant.packed import PackedWeight
+
+# Rows at and below which the fused kernel runs (benchmarks/quant_linear.py, AVX-512 EPYC, 1 thread): in
+# float32 it beat dequantize + MKL GEMM at every size measured (1-512 rows: MKL's float32 GEMM on a [N, K]
+# weight is slow); in bfloat16, native bf16 GEMMs overtake it between 16 and 64 rows.
+DEFAULT_MAX_KERNEL_ROWS = {torch.float32: 1 << 30, torch.bfloat16: 32}
+
+
+@dataclass
+class DenseScratch:
+    """One reusable buffer for dequantized weights, shared by all PackedLinear layers of a model."""
+
+    buffers: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+
+    def matrix(self, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+        """A [rows, cols] contiguous view; its contents are overwritten by the next caller."""
+        buf = self.buffers.get(dtype)
+        if buf is None or buf.numel() < rows * cols:
+            buf = torch.empty(rows * cols, dtype=dtype)
+            self.buffers[dtype] = buf
+        return buf[: rows * cols].view(rows, cols)
+
+
+class PackedLinear(nn.Module):
+    """y = x @ W^T (+ bias) with W = the row-wise concatenation of `parts` (fused projections).
+
+    Invariant: same-format parts are concatenated into one packed matrix (one kernel call); parts of
+    different formats are kept apart and write side by side into one output. `dense_weight`, when given,
+    returns the same values densely (a tied embedding table) for the many-row path, with no scratch.
+    """
+
+    def __init__(self, parts: list[PackedWeight], bias: bool, scratch: DenseScratch, isa: int,
+                 max_kernel_rows: dict[torch.dtype, int] | None = None,
+                 dense_weight: Callable[[], torch.Tensor] | None = None) -> None:
+        super().__init__()
+        if len({p.format for p in parts}) == 1 and len(parts) > 1:
+            parts = [PackedWeight.concat(parts)]
+        self.parts = parts
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+        self.offsets = [sum(p.out_features for p in parts[:i]) for i in range(len(parts))]
+        self.bias = nn.Parameter(torch.zeros(self.out_features), requires_grad=False) if bias else None
+        self.scratch = scratch
+        self.isa = isa
+        self.max_kernel_rows = dict(max_kernel_rows or DEFAULT_MAX_KERNEL_ROWS)
+        self.dense_weight = dense_weight
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized [out, in] float32 values, like nn.Linear.weight (for inspection: a new tensor
+        each call; the forward never builds it)."""
+        return torch.cat([p.dequantize(torch.float32, self.isa) for p in self.parts])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] <= self.max_kernel_rows.get(x.dtype, 0):
+            out = self._kernel_rows(rows).to(x.dtype)
+        else:
+            out = F.linear(rows, self._dense(x.dtype))
+        if self.bias is not None:
+            out = out + self.bias.to(out.dtype)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def _kernel_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        x = rows.to(torch.float32).contiguous()
+        out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
+        for part, offset in zip(self.parts, self.offsets):
+            part.matmul_into(out[:, offset:offset + part.out_features], x, self.isa)
+        return out
+
+    def _dense(self, dtype: torch.dtype) -> torch.Tensor:
+        if self.dense_weight is not None:
+            return self.dense_weight().to(dtype)
+        if dtype not in (torch.float32, torch.bfloat16):
+            return self._dense(torch.float32).to(dtype)
+        weight = self.scratch.matrix(self.out_features, self.in_features, dtype)
+        for part, offset in zip(self.parts, self.offsets):
+            part.dequantize_into(weight[offset:offset + part.out_features], self.isa)
+        return weight
+
+    def extra_repr(self) -> str:
+        formats = "+".join(p.format.name for p in self.parts)
+        return f"in_features={self.in_features}, out_features={self.out_features}, format={formats}"

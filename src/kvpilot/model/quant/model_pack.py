@@ -1,0 +1,97 @@
+"""Which of a GGUF model's linear layers stay packed, and swapping them into the model.
+
+`--quantization` (EngineArgs.quantization), for GGUF files:
+- auto (default): packed on CPU when every linear weight is Q8_0 / Q4_0 / Q4_1 and the kernel builds;
+  otherwise dequantized at load as before (K-quants, float GGUFs, GPUs);
+- gguf: packed, or a ModelLoadError naming the tensor types the kernels lack;
+- none: dequantized to --dtype at load (dense matmuls);
+- int8 / int4: any model's dense weights quantized at load (quant/at_load.py; a GGUF is dequantized first).
+--dtype still sets the activations' dtype either way.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from kvpilot.model.config import ModelConfig
+from kvpilot.model.errors import ModelLoadError
+from kvpilot.model.quant.formats import SUPPORTED_NAMES, packed_format
+from kvpilot.model.quant.kernel import best_isa
+from kvpilot.model.quant.linear import DenseScratch, PackedLinear
+from kvpilot.model.quant.packed import PackedWeight
+
+logger = logging.getLogger("kvpilot")
+
+QUANTIZATIONS = ("auto", "gguf", "none", "int8", "int4")
+EMBED = "model.embed_tokens.weight"
+
+
+def check_quantization(quantization: str) -> None:
+    if quantization not in QUANTIZATIONS:
+        raise ModelLoadError(f"quantization {quantization!r} is not one of {', '.join(QUANTIZATIONS)}")
+
+
+def packed_names(quantization: str, device: torch.device, tensor_types: dict[str, str], config: ModelConfig,
+                 path: Path) -> frozenset[str]:
+    """The HF names of the linear weights to keep packed (empty: dequantize the whole model).
+
+    `tensor_types` maps every linear weight of the file to its GGUF type name. Raises ModelLoadError
+    when quantization="gguf" cannot be honoured, naming what is unsupported and what is supported.
+    """
+    check_quantization(quantization)
+    if quantization in ("none", "int8", "int4"):
+        return frozenset()
+    wanted = {name for name in tensor_types if name != EMBED or config.tie_word_embeddings}
+    if config.tie_word_embeddings:
+        wanted.discard("lm_head.weight")
+    problem = _packing_problem(device, {name: tensor_types[name] for name in wanted}, path)
+    if problem is None:
+        return frozenset(wanted)
+    if quantization == "gguf":
+        raise ModelLoadError(problem + "; pass --quantization none to dequantize the weights at load instead")
+    logger.info("%s: dequantizing the weights at load", problem)
+    return frozenset()
+
+
+def _packing_problem(device: torch.device, types: dict[str, str], path: Path) -> str | None:
+    if device.type != "cpu":
+        return f"{path}: packed quantized weights run on CPU only (device {device.type})"
+    unsupported = sorted({t for t in types.values() if packed_format(t) is None})
+    if unsupported:
+        example = next(name for name, t in types.items() if t == unsupported[0])
+        return (f"{path}: linear weights of type {', '.join(unsupported)} (e.g. {example}) have no packed "
+                f"kernel; the packed kernels support {SUPPORTED_NAMES}")
+    if best_isa() < 0:
+        return f"{path}: the CPU quantized-linear kernel could not be built (see the warning above)"
+    return None
+
+
+def pack_linear_layers(model: nn.Module, packed: dict[str, PackedWeight], config: ModelConfig) -> None:
+    """Replaces the model's projections (and output layer) with PackedLinear modules over `packed`.
+
+    Call on the model before its parameters are materialized (the dense weights are never allocated);
+    the remaining parameters (norms, embeddings, biases) load as usual afterwards.
+    """
+    scratch = DenseScratch()
+    isa = best_isa()
+
+    def make(names: list[str], bias: bool = False, dense: Callable[[], torch.Tensor] | None = None) -> PackedLinear:
+        return PackedLinear([packed[name] for name in names], bias, scratch, isa, dense_weight=dense)
+
+    for i, layer in enumerate(model.layers):
+        prefix = f"model.layers.{i}."
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.qkv_proj = make([f"{prefix}self_attn.{p}_proj.weight" for p in "qkv"], bias=config.attention_bias)
+        attn.o_proj = make([f"{prefix}self_attn.o_proj.weight"])
+        mlp.gate_up_proj = make([f"{prefix}mlp.gate_proj.weight", f"{prefix}mlp.up_proj.weight"])
+        mlp.down_proj = make([f"{prefix}mlp.down_proj.weight"])
+    if config.tie_word_embeddings:  # many rows (prefill logits) use the dense lookup table, same values
+        model.output_head = make([EMBED], dense=lambda: model.embed_tokens.weight)
+    else:
+        model.lm_head = make(["lm_head.weight"])
+        model.output_head = model.lm_head

@@ -1,0 +1,63 @@
+"""Quantize-at-load (--quantization int8|int4): perplexity of a fixed text (tests/model/data/perplexity.txt)
+stays within 1% (int8) and 5% (int4) of float32, and a quantized model serves requests."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvpilot import LLM, SamplingParams
+from kvpilot.model.loader import load_model
+from kvpilot.model.quant.at_load import quantize_linear_layers
+from kvpilot.model.quant.kernel import get_quant_kernel
+from kvpilot.model.quant.linear import PackedLinear
+
+pytestmark = pytest.mark.skipif(get_quant_kernel() is None, reason="no C++ compiler for the CPU kernels")
+TEXT = (Path(__file__).parent / "data" / "perplexity.txt").read_text(encoding="utf-8")
+
+
+def _causal_attention(num_heads: int, num_kv_heads: int):
+    """One whole sequence, no KV cache: the model's layers call attn(q, k, v, kv_cache, scale)."""
+    group = num_heads // num_kv_heads
+
+    def attend(q, k, v, kv_cache, scale):
+        k, v = (t.repeat_interleave(group, dim=1).transpose(0, 1) for t in (k, v))
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, is_causal=True, scale=scale)
+        return out.transpose(0, 1)
+
+    return attend
+
+
+@torch.inference_mode()
+def _perplexity(loaded, token_ids: list[int]) -> float:
+    config, model = loaded.config, loaded.model
+    ids = torch.tensor(token_ids)
+    attn = _causal_attention(config.num_attention_heads, config.num_key_value_heads)
+    hidden = model(ids, torch.arange(len(ids)), [None] * config.num_hidden_layers, attn)
+    return math.exp(F.cross_entropy(model.logits(hidden[:-1]), ids[1:]).item())
+
+
+def test_perplexity_of_quantized_weights():
+    reference = load_model(None, dtype="float32", quantization="none", max_model_len=1024)
+    token_ids = reference.tokenizer.encode(TEXT)
+    assert 200 < len(token_ids) < 1024
+    fp32 = _perplexity(reference, token_ids)
+    assert 1 < fp32 < 100, fp32  # the model reads this text as language
+    for quantization, tolerance in (("int8", 0.01), ("int4", 0.05)):
+        loaded = load_model(None, dtype="float32", quantization="none", max_model_len=1024)
+        quantize_linear_layers(loaded.model, quantization)
+        ppl = _perplexity(loaded, token_ids)
+        assert abs(ppl / fp32 - 1) < tolerance, f"{quantization}: perplexity {ppl:.3f} vs float32 {fp32:.3f}"
+
+
+def test_dummy_model_quantized_at_load_generates():
+    loaded = load_model("dummy:smollm2-135m", dtype="float32", max_model_len=128, quantization="int4")
+    assert loaded.quantization == "int4" and isinstance(loaded.model.layers[0].mlp.down_proj, PackedLinear)
+    assert loaded.model.layers[0].mlp.down_proj.parts[0].format.name == "Q4_1"
+    out = LLM(loaded=loaded, kv_cache_memory="16MiB", max_model_len=128).generate(
+        [[1, 5, 9, 200]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 4

@@ -1,0 +1,52 @@
+"""GGUF linear weights kept packed (Q8_0, Q4_0, Q4_1) compute what the dequantized model computes; an
+unsupported tensor type asked to stay packed is a clear error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from kvpilot.model.errors import ModelLoadError
+from kvpilot.model.loader import load_model
+from kvpilot.model.quant.kernel import get_quant_kernel
+from kvpilot.model.quant.linear import PackedLinear
+from tests.model.test_gguf_types import HIDDEN, _write_gguf
+
+needs_kernel = pytest.mark.skipif(get_quant_kernel() is None, reason="no C++ compiler for the CPU kernels")
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_0, T.Q4_1], ids=lambda t: t.name)
+def test_packed_layers_match_dequantized(qtype, tmp_path):
+    path = tmp_path / f"tiny-{qtype.name}.gguf"
+    _write_gguf(path, qtype)
+    packed = load_model(str(path), dtype="float32", max_model_len=64)
+    dense = load_model(str(path), dtype="float32", max_model_len=64, quantization="none")
+    assert packed.quantization == "gguf" and dense.quantization == "none"
+    assert isinstance(packed.model.lm_head, PackedLinear) and packed.model.output_weight() is None
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for rows in (1, 5, 40):  # kernel rows and dequantize + GEMM rows
+            x = torch.randn(rows, HIDDEN, generator=generator)
+            torch.testing.assert_close(packed.model.logits(x), dense.model.logits(x), rtol=1e-5, atol=1e-5)
+            for lp, ld in zip(packed.model.layers, dense.model.layers):
+                # Q/K rows un-permuted and q/k/v fused exactly as in the dense model
+                torch.testing.assert_close(lp.self_attn.qkv_proj(x), ld.self_attn.qkv_proj(x), rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(lp.mlp(x), ld.mlp(x), rtol=1e-5, atol=1e-5)
+
+
+def test_explicit_packing_names_unsupported_type(tmp_path):
+    path = tmp_path / "tiny-Q5_0.gguf"
+    _write_gguf(path, T.Q5_0)
+    with pytest.raises(ModelLoadError, match=r"type Q5_0 .*support Q8_0, Q4_0, Q4_1.*--quantization none"):
+        load_model(str(path), dtype="float32", max_model_len=64, quantization="gguf")
+    # auto dequantizes what the kernels lack, as before
+    assert load_model(str(path), dtype="float32", max_model_len=64).quantization == "none"
+
+
+def test_quantization_setting_is_checked():
+    with pytest.raises(ModelLoadError, match="not a GGUF file"):
+        load_model("dummy:smollm2-135m", dtype="float32", max_model_len=64, quantization="gguf")
+    with pytest.raises(ModelLoadError, match="not one of auto, gguf, none"):
+        load_model(None, quantization="int3")

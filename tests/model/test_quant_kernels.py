@@ -1,0 +1,79 @@
+"""The packed quantized-linear kernels (Q8_0, Q4_0, Q4_1) agree with dequantize-then-matmul to float32
+rounding, on every ISA path this CPU runs (AVX-512, AVX2, portable), for an odd number of 32-blocks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize, quantize
+
+from kvpilot.model.quant.formats import FORMATS
+from kvpilot.model.quant.kernel import best_isa, get_quant_kernel
+from kvpilot.model.quant.linear import DenseScratch, PackedLinear
+from kvpilot.model.quant.packed import PackedWeight
+
+pytestmark = pytest.mark.skipif(get_quant_kernel() is None, reason="no C++ compiler for the CPU kernels")
+
+N, K = 37, 32 * 7  # N not a multiple of the 4-row tile, K an odd number of blocks (and not of 256)
+
+
+def _random_packed(name: str, rows: int, cols: int, seed: int) -> tuple[PackedWeight, np.ndarray]:
+    """Random weights quantized by the gguf package; returns the packed form and the gguf dequantization."""
+    values = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+    raw = quantize(values, T[name])
+    return PackedWeight.from_blocks(raw, FORMATS[name]), dequantize(raw, T[name]).reshape(rows, cols)
+
+
+def _fp32_bound(x: torch.Tensor, w: np.ndarray) -> torch.Tensor:
+    """The float32 rounding bound of K-term dot products: K * 2^-24 * sum |x_k w_k| (plus a tiny floor)."""
+    return x.abs().double() @ torch.from_numpy(np.abs(w)).double().T * (w.shape[1] * 2.0 ** -24) + 1e-30
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_dequantize_is_exact(name):
+    packed, expected = _random_packed(name, N, K, seed=1)
+    for isa in range(best_isa() + 1):
+        assert np.array_equal(packed.dequantize(torch.float32, isa).numpy(), expected), isa
+        bf16 = packed.dequantize(torch.bfloat16, isa)
+        assert torch.equal(bf16, torch.from_numpy(expected).to(torch.bfloat16)), isa
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+@pytest.mark.parametrize("rows", [1, 3, 8, 64])
+def test_matmul_matches_dequantized_reference(name, rows):
+    packed, weights = _random_packed(name, N, K, seed=rows)
+    x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
+    reference = x.double() @ torch.from_numpy(weights).double().T
+    bound = _fp32_bound(x, weights)
+    for isa in range(best_isa() + 1):
+        out = torch.empty(rows, N)
+        packed.matmul_into(out, x, isa)
+        error = (out.double() - reference).abs()
+        assert bool((error <= bound).all()), f"isa {isa}: max error {error.max():.3g} > bound"
+
+
+def test_fused_mixed_formats_write_side_by_side():
+    """A fused projection of parts in different formats (q Q4_1, k Q8_0, v Q4_0) plus a bias, on the
+    kernel path (few rows) and the dequantize + GEMM path (many rows) in float32 and bfloat16."""
+    parts = [_random_packed(name, n, K, seed=i) for i, (name, n) in enumerate([("Q4_1", 20), ("Q8_0", 9),
+                                                                               ("Q4_0", 11)])]
+    layer = PackedLinear([p for p, _ in parts], bias=True, scratch=DenseScratch(), isa=best_isa())
+    assert len(layer.parts) == 3 and layer.out_features == 40
+    with torch.no_grad():
+        layer.bias.copy_(torch.randn(40))
+    weights = np.concatenate([w for _, w in parts])
+    for rows in (2, 100):  # 2 rows: kernel; 100 rows: dequantized scratch + torch GEMM
+        x = torch.randn(rows, K)
+        reference = x.double() @ torch.from_numpy(weights).double().T + layer.bias.double()
+        out = layer(x)
+        assert bool(((out.double() - reference).abs() <= _fp32_bound(x, weights) + 1e-6).all()), rows
+        out_bf16 = layer(x.to(torch.bfloat16)).double()
+        torch.testing.assert_close(out_bf16, reference, rtol=0.05, atol=0.1 * float(reference.abs().mean()))
+
+
+def test_same_format_parts_are_concatenated():
+    parts = [_random_packed("Q4_1", n, K, seed=n)[0] for n in (12, 4, 4)]
+    layer = PackedLinear(parts, bias=False, scratch=DenseScratch(), isa=best_isa())
+    assert len(layer.parts) == 1 and layer.parts[0].out_features == 20
