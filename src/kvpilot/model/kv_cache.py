@@ -1,5 +1,5 @@
-"""Allocation of the paged KV cache tensors, one per layer, in the attention backend's layout (the torch
-and cpu backends: [2, kv_heads, num_blocks, block_size, head_dim], head-major).
+"""Allocation of the paged KV cache tensors, one per layer, in the attention backend's layout (the torch,
+cpu and triton backends: [2, kv_heads, num_blocks, block_size, head_dim], head-major).
 
 Its size in bytes is `kvpilot.fit.kv_cache.kv_cache_bytes_per_block` per block (the engine sizes it with fit)."""
 

@@ -9,21 +9,17 @@ from __future__ import annotations
 
 import torch
 
-KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
+from kvpilot.model.choices import KV_CACHE_DTYPE_NAMES, check_kv_cache_dtype
+
+__all__ = ["FP8_DTYPES", "KV_CACHE_DTYPES", "check_kv_cache_dtype", "kv_dtype_name", "resolve_kv_cache_dtype"]
+
+_TORCH_DTYPES: dict[str, torch.dtype | None] = {
     "auto": None,  # the model's compute dtype
-    "float32": torch.float32, "fp32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-    "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "fp8_e4m3": torch.float8_e4m3fn,
 }
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {alias: _TORCH_DTYPES[name]
+                                                   for alias, name in KV_CACHE_DTYPE_NAMES.items()}
 FP8_DTYPES = (torch.float8_e4m3fn,)
-
-
-def check_kv_cache_dtype(name: str) -> None:
-    """ValueError naming the accepted values when `name` is not one."""
-    if name.strip().lower() not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of auto, float32, bfloat16, float16, fp8 (e4m3); got "
-                         f"{name!r}")
 
 
 def resolve_kv_cache_dtype(name: str, compute_dtype: torch.dtype) -> torch.dtype:

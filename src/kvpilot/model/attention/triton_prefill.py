@@ -1,0 +1,139 @@
+"""Prefill/extend attention over the paged cache, in Triton: a variable-length batch of prompt chunks, each
+attending to its sequence's earlier cached tokens (prefix-cache hits, earlier chunks) and causally to its
+own new tokens.
+
+One program per (prefill sequence, tile of BLOCK_M queries, query head). Keys come from two places: the
+cached prefix (positions < start) read in place through the block table, then the step's own new K/V read
+straight from the k/v tensors in full precision (as the torch backend does for a fresh prompt; with an
+fp8 cache only the prefix is rounded). Online softmax in float32, exp2 with the scale folded in. GQA maps
+query head h to KV head h // group."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvpilot.model.attention.triton_decode import LOG2E, dot_precision, wide_offsets
+
+
+def prefill_tiles(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_M queries, BLOCK_N keys, num_warps, num_stages). Chosen from sm_90 compiles (cuobjdump
+    resource usage, triton 3.7): the largest tiles without register spills, 16-bit: 128 x 64 at head dim
+    64 (8 warps, 224 registers), 128 x 32 at 128 (128 x 64 spilled); head dim 256 and float32 (IEEE dots)
+    spill at every size tried, least at 32 x 32 (and 32 x 16 for float32 at 256). Not yet timed on a GPU."""
+    if dtype == torch.float32:
+        return (32, 32, 4, 2) if head_dim <= 128 else (32, 16, 4, 2)
+    if head_dim <= 64:
+        return 128, 64, 8, 3
+    if head_dim <= 128:
+        return 128, 32, 8, 3
+    return 32, 32, 4, 2
+
+
+@triton.jit
+def _online_softmax_step(q, k, v, m_i, l_i, acc, valid, qk_scale, PRECISION: tl.constexpr):
+    """One key tile into the running (max, sum, accumulator): scores in the log2 domain."""
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    scores = tl.where(valid, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+                    prefill_seqs_ptr, query_start_ptr, seq_lens_ptr, block_tables_ptr,
+                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+                    stride_ch, stride_cb, stride_ct, stride_bt,
+                    qk_scale, cached_qk_scale, v_scale, head_dim, block_size,
+                    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                    V_SCALED: tl.constexpr, PRECISION: tl.constexpr, WIDE: tl.constexpr):
+    i = tl.program_id(0)
+    tile = tl.program_id(1)
+    head = tl.program_id(2)
+    seq = tl.load(prefill_seqs_ptr + i)
+    first_row = tl.load(query_start_ptr + seq)
+    query_len = tl.load(query_start_ptr + seq + 1) - first_row
+    if tile * BLOCK_M >= query_len:
+        return
+    start = tl.load(seq_lens_ptr + seq) - query_len  # tokens cached before this chunk
+    kv_head = head // GROUP
+
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # query index within the chunk
+    d = tl.arange(0, BLOCK_D)
+    row_mask = rows < query_len
+    d_mask = d < head_dim
+    token_rows = (first_row + rows).to(tl.int64)
+    q = tl.load(q_ptr + token_rows[:, None] * stride_qt + head * stride_qh + d[None, :],
+                mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    # 1. the cached prefix: every key precedes every query, so only the prefix end masks
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    head_base = kv_head * stride_ch
+    if WIDE:
+        head_base = head_base.to(tl.int64)
+    for pos in range(0, start, BLOCK_N):
+        keys = pos + tl.arange(0, BLOCK_N)
+        k_mask = keys < start
+        block = tl.load(table + keys // block_size, mask=k_mask, other=0)
+        if WIDE:
+            block = block.to(tl.int64)
+        offs = head_base + block * stride_cb + (keys % block_size) * stride_ct
+        kv_mask = k_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        v = tl.load(v_cache_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        if V_SCALED:  # fp8 V scale on the prefix's values, so both parts of the sum share one scale
+            v = (v.to(tl.float32) * v_scale).to(q.dtype)
+        m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, k_mask[None, :], cached_qk_scale, PRECISION)
+
+    # 2. the chunk's own tokens, causal: query r sees new keys 0..r
+    end = tl.minimum(query_len, (tile + 1) * BLOCK_M)
+    for pos in range(0, end, BLOCK_N):
+        keys = pos + tl.arange(0, BLOCK_N)
+        k_mask = keys < end
+        key_rows = (first_row + keys).to(tl.int64)
+        kv_mask = k_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_ptr + key_rows[:, None] * stride_kt + kv_head * stride_kh + d[None, :], mask=kv_mask,
+                    other=0.0).to(q.dtype)
+        v = tl.load(v_ptr + key_rows[:, None] * stride_vt + kv_head * stride_vh + d[None, :], mask=kv_mask,
+                    other=0.0).to(q.dtype)
+        valid = k_mask[None, :] & (keys[None, :] <= rows[:, None])
+        m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, valid, qk_scale, PRECISION)
+
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + token_rows[:, None] * stride_ot + head * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                      out: torch.Tensor, prefill_seqs: torch.Tensor, query_start: torch.Tensor,
+                      seq_lens: torch.Tensor, block_tables: torch.Tensor, max_query_len: int, scale: float,
+                      k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Writes out's rows of every sequence s in prefill_seqs: query rows query_start[s]..query_start[s+1]-1
+    at positions seq_lens[s] - query_len .. seq_lens[s] - 1. q/out: [T, heads, D]; k/v: [T, kv_heads, D]
+    (this step's, unit stride in D); kv_cache: [2, kv_heads, num_blocks, block_size, D] holding each
+    sequence's earlier tokens; max_query_len >= every prefill's query length (the grid)."""
+    num_prefills = prefill_seqs.shape[0]
+    if num_prefills == 0:
+        return
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    num_kv_heads, block_size = k_cache.shape[0], k_cache.shape[2]
+    block_m, block_n, num_warps, num_stages = prefill_tiles(head_dim, q.dtype)
+    grid = (num_prefills, triton.cdiv(max_query_len, block_m), num_heads)
+    _prefill_kernel[grid](
+        q, k, v, k_cache, v_cache, out, prefill_seqs, query_start, seq_lens, block_tables,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        scale * LOG2E, scale * k_scale * LOG2E, v_scale, head_dim, block_size,
+        GROUP=num_heads // num_kv_heads, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=triton.next_power_of_2(head_dim), V_SCALED=v_scale != 1.0, PRECISION=dot_precision(q.dtype),
+        WIDE=wide_offsets(kv_cache), num_warps=num_warps, num_stages=num_stages)
