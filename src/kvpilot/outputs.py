@@ -16,7 +16,8 @@ class TokenLogprob:
 
 @dataclass
 class CompletionOutput:
-    """One generated sequence. `finish_reason` is None while running, then "stop", "length" or "abort".
+    """One generated sequence. `finish_reason` is None while running, then "stop", "length", "abort" or
+    "error" (the engine failed this request alone: RequestOutput.error says why).
 
     `logprobs` (when requested) has one entry per generated token id, aligned with `token_ids`.
     """
@@ -48,3 +49,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
+    error: str | None = None  # set on the final output when finish_reason is "error"

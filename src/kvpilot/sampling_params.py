@@ -1,11 +1,24 @@
 """SamplingParams: how one request samples and when it stops (vLLM-compatible field names).
 
-Torch-free: the scheduler reads the stop fields; the sampler reads the rest.
+Torch-free: the scheduler reads the stop fields; the sampler reads the rest. Every field is range-checked
+here, so that no value a client can send reaches the sampler (numpy columns, float32 tensors, seeded torch
+generators) in a form that overflows or turns into inf/NaN there. The one check that needs the model,
+stop_token_ids against the vocabulary, is made by LLMEngine.add_request.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
+from typing import Any
+
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed's upper bound
+MAX_TOKEN_ID = 2**31 - 1  # token ids are stored as int32 (the runner's persistent batch)
+MAX_TOP_K = 2**31 - 1  # any value over the vocabulary size keeps every token
+MIN_TEMPERATURE = 1e-2  # smaller positive temperatures are raised to it (as vLLM does): float32 overflows
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-2, 1e2  # beyond these float32 logits reach inf
+MAX_LOGPROBS = 20
 
 
 class SamplingParamsError(ValueError):
@@ -16,9 +29,13 @@ class SamplingParamsError(ValueError):
 class SamplingParams:
     """Per-request sampling and stopping settings.
 
-    Invariants (checked in __post_init__): max_tokens >= 1, 0 <= min_tokens <= max_tokens,
-    temperature >= 0 (0 means greedy), 0 < top_p <= 1, top_k == -1 or >= 1, 0 <= min_p <= 1,
-    repetition_penalty > 0, logprobs is None or 0..20.
+    Invariants (checked in __post_init__; SamplingParamsError names the field): integer fields are ints
+    (not bools) and float fields finite real numbers; max_tokens >= 1, 0 <= min_tokens <= max_tokens,
+    temperature == 0 (greedy) or in [MIN_TEMPERATURE, inf) (a smaller positive one is raised to it),
+    0 < top_p <= 1, top_k == -1 or 1..MAX_TOP_K, 0 <= min_p <= 1, repetition_penalty in
+    [MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY], presence/frequency penalties in [-2, 2],
+    seed None or 0..MAX_SEED, stop strings non-empty, stop_token_ids in 0..MAX_TOKEN_ID,
+    logprobs None or 0..MAX_LOGPROBS.
     """
 
     max_tokens: int = 16
@@ -42,27 +59,68 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        self._check()
+        self._check_types()
+        self._check_ranges()
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            self.temperature = MIN_TEMPERATURE
 
-    def _check(self) -> None:
+    def _check_types(self) -> None:
+        for name in ("max_tokens", "top_k", "min_tokens"):
+            _require_int(name, getattr(self, name))
+        for name in ("seed", "logprobs"):
+            if getattr(self, name) is not None:
+                _require_int(name, getattr(self, name))
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            _require_finite(name, getattr(self, name))
+        for token_id in self.stop_token_ids:
+            _require_int("stop_token_ids", token_id)
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise SamplingParamsError(f"SamplingParams.stop must be non-empty strings, got {self.stop!r}"[:300])
+
+    def _check_ranges(self) -> None:
+        bad_stop_ids = [t for t in self.stop_token_ids if not 0 <= t <= MAX_TOKEN_ID]
         checks = [
             (self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}"),
             (0 <= self.min_tokens <= self.max_tokens, "min_tokens",
              f"must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens}"),
             (self.temperature >= 0, "temperature", f"must be >= 0 (0 = greedy), got {self.temperature}"),
             (0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}"),
-            (self.top_k == -1 or self.top_k >= 1, "top_k", f"must be -1 (off) or >= 1, got {self.top_k}"),
+            (self.top_k == -1 or 1 <= self.top_k <= MAX_TOP_K, "top_k",
+             f"must be -1 (off) or 1..{MAX_TOP_K}, got {self.top_k}"),
             (0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p}"),
-            (self.repetition_penalty > 0, "repetition_penalty", f"must be > 0, got {self.repetition_penalty}"),
+            (MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY, "repetition_penalty",
+             f"must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY:g}] (1 = off), "
+             f"got {self.repetition_penalty}"),
             (-2 <= self.presence_penalty <= 2, "presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty",
              f"must be in [-2, 2], got {self.frequency_penalty}"),
-            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", f"must be 0..20, got {self.logprobs}"),
+            (self.seed is None or 0 <= self.seed <= MAX_SEED, "seed", f"must be in 0..2**64-1, got {self.seed}"),
+            (not bad_stop_ids, "stop_token_ids", f"must be token ids (0..{MAX_TOKEN_ID}), got {bad_stop_ids[:5]}"),
+            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
+             f"must be 0..{MAX_LOGPROBS}, got {self.logprobs}"),
         ]
         for ok, name, message in checks:
             if not ok:
                 raise SamplingParamsError(f"SamplingParams.{name} {message}")
 
+    def check_vocab(self, vocab_size: int) -> None:
+        """SamplingParamsError if a stop token id is outside the model's vocabulary (0..vocab_size-1)."""
+        bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise SamplingParamsError(f"SamplingParams.stop_token_ids {bad[:5]} are outside the vocabulary "
+                                      f"(0..{vocab_size - 1})")
+
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _require_int(name: str, value: Any) -> None:
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        raise SamplingParamsError(f"SamplingParams.{name} must be an integer, got {value!r}"[:300])
+
+
+def _require_finite(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise SamplingParamsError(f"SamplingParams.{name} must be a finite number, got {value!r}"[:300])

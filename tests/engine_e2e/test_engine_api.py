@@ -9,6 +9,7 @@ import pytest
 
 from kvpilot import LLM, SamplingParams
 from kvpilot.engine.config import EngineConfigError
+from kvpilot.sampling_params import SamplingParamsError
 from tests.engine_e2e.conftest import assert_no_leak
 
 
@@ -109,10 +110,10 @@ def test_stream_deltas_and_metrics(llm):
 
 
 def test_out_of_vocabulary_stop_token_with_min_tokens_fails_nothing(llm):
-    """min_tokens masks the stop tokens in the logits: an id past the vocabulary is skipped there, so the
-    request and its neighbours in the batch generate as usual (it once indexed out of bounds in the step)."""
+    """An id past the vocabulary (it once indexed out of bounds in the step, with min_tokens) is refused when
+    the batch is added, with nothing queued (issue 14); the runner's min_tokens masking skips such ids too."""
     odd = SamplingParams(temperature=0, max_tokens=4, min_tokens=2, stop_token_ids=[999_999], ignore_eos=True)
     plain = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    outputs = llm.generate(["Hi", "The sky is"], [odd, plain])
-    assert [len(o.outputs[0].token_ids) for o in outputs] == [4, 4]
-    assert outputs[1].outputs[0].token_ids == llm.generate("The sky is", plain)[0].outputs[0].token_ids
+    with pytest.raises(SamplingParamsError, match="outside the vocabulary"):
+        llm.generate(["The sky is", "Hi"], [plain, odd])
+    assert not llm.engine.has_unfinished_requests()

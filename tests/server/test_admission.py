@@ -37,7 +37,7 @@ def _rejected(client: httpx.Client, prompt: list[int], code: str, flag: str) -> 
     assert response.status_code == 429, response.text
     assert int(response.headers["Retry-After"]) >= 1
     error = response.json()["error"]
-    assert error["code"] == code and flag in error["message"]
+    assert error["type"] == code and flag in error["message"]
 
 
 def test_429_when_queue_is_full_while_admitted_requests_finish(capped_server) -> None:

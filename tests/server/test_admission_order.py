@@ -34,7 +34,7 @@ def test_request_cap_429_comes_before_tokenizing(one_slot_server, monkeypatch) -
             with httpx.Client(base_url=one_slot_server.url, timeout=120) as other:
                 rejected = other.post("/v1/completions", json={**body, "prompt": "next"})
             assert rejected.status_code == 429, rejected.text
-            assert rejected.json()["error"]["code"] == "queue_full_requests"
+            assert rejected.json()["error"]["type"] == "queue_full_requests"
             assert len(held.threads) == 1  # the rejected prompt was never tokenized
         finally:
             held.release.set()

@@ -67,7 +67,7 @@ def test_sigterm_drains_then_exits_0(dummy_config: Path) -> None:
                 time.sleep(0.02)
             refused = httpx.post(f"{url}/v1/completions", timeout=30,
                                  json={"model": "dummy", "prompt": [1, 2], "max_tokens": 1})
-            assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
+            assert refused.status_code == 503 and refused.json()["error"]["type"] == "draining"
             events = [line for line in lines if line.startswith("data:")]
         assert events[-1] == "data: [DONE]"  # the in-flight request finished in full
         assert json.loads(events[-2].removeprefix("data: "))["choices"][0]["finish_reason"] == "length"

@@ -44,7 +44,7 @@ def test_too_long_states_both_numbers_and_the_limit(http) -> None:
     prompt = list(range(100, 1100))  # 1000 tokens
     error = _error(http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 100}), 400)
     assert "1000 tokens" in error["message"] and "max_tokens is 100" in error["message"]
-    assert "1024" in error["message"] and error["code"] == "context_length_exceeded"
+    assert "1024" in error["message"] and error["type"] == "context_length_exceeded"
 
 
 def test_unknown_model_is_404(http) -> None:

@@ -53,7 +53,7 @@ def test_huge_prompt_is_a_clean_400_while_another_request_completes(http, live_s
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
-    assert error["code"] == "context_length_exceeded" and error["param"] == "max_tokens"
+    assert error["type"] == "context_length_exceeded" and error["param"] == "prompt"
     assert "1024" in error["message"] and "the prompt has" in error["message"]
     num_tokens = int(error["message"].split("the prompt has ")[1].split(" ")[0])
     assert num_tokens > 100_000

@@ -22,14 +22,14 @@ def test_health_is_503_while_loading_then_after_a_failed_load() -> None:
     app = create_app(slow_failing_factory, ServerArgs(served_model_names=("m",), engine_process=False))
     with BackgroundServer(app, wait_ready=False) as server, httpx.Client(base_url=server.url, timeout=30) as client:
         loading = client.get("/health")
-        assert loading.status_code == 503 and loading.json()["error"]["code"] == "loading"
+        assert loading.status_code == 503 and loading.json()["error"]["type"] == "loading"
         refused = client.post("/v1/completions", json={"model": "m", "prompt": "hi"})
         assert refused.status_code == 503 and "still loading" in refused.json()["error"]["message"]
         assert refused.headers["Retry-After"] == "5"
         release.set()
         for _ in range(300):
             failed = client.get("/health")
-            if failed.json()["error"]["code"] == "engine_failed":
+            if failed.json()["error"]["type"] == "engine_failed":
                 break
             threading.Event().wait(0.01)
         assert failed.status_code == 503 and "weights are corrupt" in failed.json()["error"]["message"]

@@ -11,7 +11,7 @@ import pytest
 
 from kvpilot.server.admission import AdmissionController, QueueLimits
 from kvpilot.server.errors import APIError
-from kvpilot.server.prompt_tokens import encode, prompt_size, render_chat, tokenize_request
+from kvpilot.server.prompt_tokens import PromptTooLongError, encode, prompt_size, render_chat, tokenize_request
 from kvpilot.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvpilot.server.tokenizer_pool import TokenizerPool
 
@@ -51,10 +51,13 @@ def test_chat_matches_encode_chat(tokenizer) -> None:
 
 def test_a_prompt_over_the_cap_is_counted_not_materialized(tokenizer) -> None:
     text = "one two three four five six seven eight nine ten " * 50
-    prompt = tokenize_request(CompletionRequest(prompt=text), tokenizer, 49152, 100)
+    prompt = encode(tokenizer, text, True, 100)
     assert prompt.token_ids is None and prompt.num_tokens == len(tokenizer.encode(text)) > 100
-    ids = tokenize_request(CompletionRequest(prompt=[10**9] * 101), tokenizer, 49152, 100)
-    assert ids.token_ids is None and ids.num_tokens == 101  # too long: its ids are not even checked
+    for body, num_tokens in ((CompletionRequest(prompt=text), prompt.num_tokens),
+                             (CompletionRequest(prompt=[10**9] * 101), 101)):  # too long: ids not even checked
+        with pytest.raises(PromptTooLongError) as caught:
+            tokenize_request(body, tokenizer, 49152, 100)
+        assert caught.value.param == "prompt" and f"the prompt has {num_tokens} tokens" in caught.value.message
 
 
 @pytest.mark.parametrize(("prompt", "words"), [("", "empty"), ([], "empty"), ([5, 49152], "outside the vocabulary")])

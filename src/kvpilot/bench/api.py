@@ -74,6 +74,9 @@ def resolve_model(base_url: str, api_key: str | None, timeout_s: float = 10.0) -
     url = base_url.rstrip("/") + "/v1/models"
     try:
         resp = httpx.get(url, headers=headers, timeout=timeout_s)
+        if resp.status_code == 401:
+            raise BenchError(f"{url} answered 401 (API key missing or wrong): pass the server's key with "
+                             "--api-key, or set OPENAI_API_KEY")
         resp.raise_for_status()
         return str(resp.json()["data"][0]["id"])
     except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:

@@ -16,6 +16,8 @@ if TYPE_CHECKING:
 
 # Kept here, not imported: `kvpilot --help` should not pay for numpy/httpx/plotly imports.
 DATASETS_HELP = "random, shared-prefix, long-short, multi-turn, jsonl, trace"
+UNAUTHORIZED_HINT = ("the server answered 401 (API key missing or wrong): pass its key with --api-key, or set "
+                     "OPENAI_API_KEY")
 
 
 def _choice(value: str, allowed: tuple[str, ...], flag: str) -> Any:  # Any: becomes a Literal type
@@ -39,7 +41,8 @@ def make_bench_command(report_sections: tuple[ReportSection, ...] = ()) -> Calla
         api_key: Annotated[
             str | None,
             typer.Option(
-                help="Bearer token for the server (also read from OPENAI_API_KEY).", envvar="OPENAI_API_KEY"
+                help="Bearer token for the server (also read from OPENAI_API_KEY, then KVPILOT_API_KEY).",
+                envvar=["OPENAI_API_KEY", "KVPILOT_API_KEY"],
             ),
         ] = None,
         stream: Annotated[
@@ -181,7 +184,8 @@ def make_bench_command(report_sections: tuple[ReportSection, ...] = ()) -> Calla
         user_errors = (BenchError, DatasetError, LoadShapeError, SloError, TokenizerError)
         # httpx logs every request at INFO; a bench sends thousands.
         logging.getLogger("httpx").setLevel(logging.WARNING)
-        console = Console(stderr=True)
+        console = Console()  # results on stdout (`> file` keeps them); errors and hints on stderr
+        errors = Console(stderr=True)
         try:
             cfg = BenchConfig(
                 target=Target(
@@ -235,10 +239,12 @@ def make_bench_command(report_sections: tuple[ReportSection, ...] = ()) -> Calla
             )
             outcome = run_bench(cfg, console)
         except user_errors as exc:
-            console.print(f"error: {exc}", style="bold red", markup=False)
+            errors.print(f"error: {exc}", style="bold red", markup=False)
             raise typer.Exit(2) from None
+        if any(rec.status == 401 for run in outcome.runs for rec in run.output.records):
+            errors.print(UNAUTHORIZED_HINT, style="bold red", markup=False)
         if all(r.aggregates.num_ok == 0 for r in outcome.runs):
-            console.print("every request failed: see the errors above", style="bold red")
+            errors.print("every request failed: see the errors above", style="bold red")
             raise typer.Exit(1)
 
     return bench_command

@@ -174,7 +174,8 @@ async def run_load(target: Target, items: list[WorkItem], shape: LoadShape, tok:
 async def _run_load(target: Target, items: list[WorkItem], shape: LoadShape, tok: Tokenizer,
                     metrics_url: str | None, scrape_interval_s: float, on_record: OnRecord | None) -> RunOutput:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(limits=limits, timeout=target.timeout_s) as http:
+    # The target's headers on every call, /metrics scrapes included (a server with --api-key guards them).
+    async with httpx.AsyncClient(limits=limits, timeout=target.timeout_s, headers=target.headers()) as http:
         if shape.num_warmup:
             warm = _Run(http, target, shape, tok, None)
             for item in itertools.islice(itertools.cycle(items), shape.num_warmup):

@@ -12,6 +12,7 @@ discarded, so outputs are the same as in synchronous mode.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -21,8 +22,11 @@ from kvpilot.engine.executor import Executor, StepHandle
 from kvpilot.engine.request import FinishReason, Request
 from kvpilot.engine.scheduler import Scheduler
 from kvpilot.engine.scheduler_output import RequestUpdate, SampledToken, SchedulerOutput
+from kvpilot.engine.step_failures import StepFailed, StepFailures
 from kvpilot.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from kvpilot.sampling_params import SamplingParams
+
+logger = logging.getLogger("kvpilot.engine")
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._pending_aborts: list[str] = []  # aborted since the last step: their final outputs are owed
         self.on_step = on_step  # observer of every step (metrics, tests)
+        self._failures = StepFailures(scheduler, lambda rid: rid in self._tracked)  # a step that raises
 
     # ---- requests in ---------------------------------------------------------------------------------
 
@@ -118,8 +123,10 @@ class LLMEngine:
                     prompt_token_ids: list[int] | None = None) -> str:
         """Tokenizes (timed on the request's timeline) and queues a request; returns its id.
 
-        Raises PromptError / ValueError (too long for max_model_len or the cache) without side effects.
+        Raises PromptError / ValueError (too long for max_model_len or the cache; SamplingParamsError for a stop
+        token id outside the vocabulary) without side effects.
         """
+        params.check_vocab(self.vocab_size)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         arrival = self.clock() if arrival_time is None else arrival_time
         token_ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
@@ -150,29 +157,77 @@ class LLMEngine:
         async scheduling, the tokens of the step launched by the previous call)."""
         outputs = [self._finish_aborted(rid) for rid in self._pending_aborts]
         self._pending_aborts.clear()
-        launched = self._launch()
-        if not self.async_scheduling:
-            outputs.extend(self._complete(launched) if launched is not None else [])
-        else:
-            previous, self._in_flight = self._in_flight, launched
-            outputs.extend(self._complete(previous) if previous is not None else [])
+        try:
+            launched = self._launch()
+            if not self.async_scheduling:
+                outputs.extend(self._complete(launched) if launched is not None else [])
+            else:
+                previous, self._in_flight = self._in_flight, launched
+                outputs.extend(self._complete(previous) if previous is not None else [])
+        except StepFailed as failure:  # the runner raised: fail the request that caused it, alone
+            outputs.extend(self._recover(failure))
         return [o for o in outputs if o is not None]
 
     def _launch(self) -> _InFlight | None:
         started = self.clock()
-        scheduled = self.scheduler.schedule()
+        self._failures.before_schedule()
+        scheduled = self._failures.prepare(self.scheduler.schedule())
         if not (scheduled.chunks or scheduled.finished_request_ids or scheduled.preempted_request_ids):
             return None
-        handle = self.runner.execute_model(scheduled)  # also releases finished requests' runner state
+        try:
+            handle = self.runner.execute_model(scheduled)  # also releases finished requests' runner state
+        except Exception as exc:  # noqa: BLE001 - judged by step_failures: one request's fault or none
+            raise StepFailed([scheduled], exc, at_launch=True) from exc
         return _InFlight(scheduled, handle, started) if scheduled.chunks else None
 
     def _complete(self, step: _InFlight) -> list[RequestOutput | None]:
-        result = step.handle.result()
+        try:
+            result = step.handle.result()
+        except Exception as exc:  # noqa: BLE001 - judged by step_failures
+            raise StepFailed([step.scheduled], exc, at_launch=False) from exc
+        self._failures.completed(step.scheduled)
         updates = self.scheduler.update_from_output(step.scheduled, result.token_ids())
-        outputs = [self._process(update, result.sampled.get(update.request_id)) for update in updates]
+        outputs = [self._process_or_fail(update, result.sampled.get(update.request_id)) for update in updates]
         if self.on_step is not None:
             self.on_step(_step_stats(step.scheduled, len(updates), self.clock() - step.started))
         return outputs
+
+    def _recover(self, failure: StepFailed) -> list[RequestOutput | None]:
+        """After the runner raised (engine/step_failures.py): settles the other step in flight (an older one
+        launched fine: its tokens count; a newer one was built on the failed one: it fails with it), rolls
+        the failed steps' requests back to be probed alone, and fails those judged at fault."""
+        outputs: list[RequestOutput | None] = []
+        steps = list(failure.steps)
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None and failure.at_launch:
+            try:
+                outputs.extend(self._complete(in_flight))
+            except StepFailed as older:
+                steps.extend(older.steps)
+        elif in_flight is not None:
+            steps.append(in_flight.scheduled)
+        verdict = self._failures.judge(StepFailed(steps, failure.cause, failure.at_launch))
+        outputs.extend(self._fail_request(rid, message) for rid, message in verdict.failed.items())
+        return outputs
+
+    def _process_or_fail(self, update: RequestUpdate, sampled: SampledToken | None) -> RequestOutput | None:
+        """_process; a request whose own output handling raises (detokenizer) is failed alone."""
+        try:
+            return self._process(update, sampled)
+        except Exception as exc:  # noqa: BLE001 - one request's output, never the engine
+            logger.exception("handling the output of request %r failed", update.request_id)
+            return self._fail_request(update.request_id, f"the engine could not handle this request's output: "
+                                                         f"{type(exc).__name__}: {exc}")
+
+    def _fail_request(self, request_id: str, message: str) -> RequestOutput | None:
+        """Finishes the request with reason "error" (blocks freed at once) and returns its final output."""
+        tracked = self._tracked.get(request_id)
+        if tracked is None:
+            return None
+        self.scheduler.finish_requests(request_id, FinishReason.ERROR)
+        output = self._output(tracked, "", [], FinishReason.ERROR, None)
+        output.error = message
+        return output
 
     def _process(self, update: RequestUpdate, sampled: SampledToken | None) -> RequestOutput | None:
         tracked = self._tracked.get(update.request_id)

@@ -19,6 +19,7 @@ from kvpilot.engine.kv_manager import KVCacheManager
 from kvpilot.engine.request import FinishReason, Request, RequestStatus
 from kvpilot.engine.request_limits import check_request_fits
 from kvpilot.engine.request_queue import make_request_queue
+from kvpilot.engine.scheduler_recovery import SchedulerRecovery
 from kvpilot.engine.scheduler_output import (NewRequestData, RequestUpdate, RunningRequestData, ScheduledChunk,
                                              SchedulerOutput)
 from kvpilot.engine.scheduler_integrity import check_scheduler_integrity
@@ -26,7 +27,7 @@ from kvpilot.engine.scheduler_stats import SchedulerStats
 from kvpilot.engine.step_builder import StepBuilder
 
 
-class Scheduler:
+class Scheduler(SchedulerRecovery):
     """Decides, step by step, which tokens of which requests the model computes.
 
     Invariants (check_integrity): every unfinished request is either RUNNING (in the running list, sorted
@@ -58,6 +59,7 @@ class Scheduler:
         self._order: dict[str, int] = {}
         self._next_order = 0
         self._finished_ids: list[str] = []
+        self._isolated_id: str | None = None  # see isolate()
         self.num_preemptions = 0
 
     # ---- requests in and out -------------------------------------------------------------------------
@@ -106,16 +108,21 @@ class Scheduler:
         its placeholders by one when it samples), so the following step can be scheduled before this one's
         tokens are known. Call update_from_output with this step's sampled tokens, in step order."""
         step = StepBuilder(self.config.max_num_batched_tokens)
-        preempted = self._schedule_running(step)
-        if not preempted:
-            self._schedule_waiting(step)
+        isolated = self._requests.get(self._isolated_id) if self._isolated_id is not None else None
+        if isolated is not None:
+            preempted = self._schedule_alone(step, isolated)
+        else:
+            preempted = self._schedule_running(step)
+            if not preempted:
+                self._schedule_waiting(step)
         finished, self._finished_ids = self._finished_ids, []
         return self._commit(step, [r.request_id for r in preempted], finished)
 
-    def _schedule_running(self, step: StepBuilder) -> list[Request]:
+    def _schedule_running(self, step: StepBuilder, only: Request | None = None) -> list[Request]:
         preempted: list[Request] = []
         # Decodes first so a long prompt's next chunk never delays them; stable sort keeps policy order.
-        pending = sorted(self._running, key=lambda r: r.num_tokens_with_placeholders - r.num_computed_tokens > 1)
+        pending = [only] if only is not None else \
+            sorted(self._running, key=lambda r: r.num_tokens_with_placeholders - r.num_computed_tokens > 1)
         for request in pending:
             if request.status is not RequestStatus.RUNNING or step.budget == 0:
                 continue

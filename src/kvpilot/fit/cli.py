@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
+import logging
 import sys
 from typing import Annotated, Any
 
@@ -50,20 +50,26 @@ def _print_catalogs(console: Console) -> None:
 CAPACITY_PATH = "/v1/kvpilot/capacity"
 
 
-def fetch_server_capacity(url: str, timeout_s: float = 10.0) -> dict[str, Any]:
+API_KEY_ENVVARS = ["OPENAI_API_KEY", "KVPILOT_API_KEY"]  # as bench and doctor: the client's, then the server's
+
+
+def fetch_server_capacity(url: str, api_key: str | None = None, timeout_s: float = 10.0) -> dict[str, Any]:
     """GET the server's capacity JSON; FitError with one line saying what went wrong."""
     import httpx
 
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # it logs every request at INFO
     endpoint = url.rstrip("/")
     if not endpoint.endswith(CAPACITY_PATH):
         endpoint += CAPACITY_PATH
-    key = os.environ.get("KVPILOT_API_KEY")
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         response = httpx.get(endpoint, headers=headers, timeout=timeout_s)
     except httpx.HTTPError as exc:
         raise FitError(f"cannot reach the capacity endpoint {endpoint}: {exc or type(exc).__name__}; is "
                        "`kvpilot serve` running there?") from None
+    if response.status_code == 401:
+        raise FitError(f"the capacity endpoint {endpoint} answered HTTP 401 (API key missing or wrong): pass the "
+                       "server's key with --api-key or set OPENAI_API_KEY")
     if response.status_code != 200:
         raise FitError(f"the capacity endpoint {endpoint} answered HTTP {response.status_code}: "
                        f"{response.text[:200].strip()}")
@@ -76,9 +82,9 @@ def fetch_server_capacity(url: str, timeout_s: float = 10.0) -> dict[str, Any]:
     return payload
 
 
-def _show_server_capacity(url: str, as_json: bool, console: Console) -> None:
+def _show_server_capacity(url: str, api_key: str | None, as_json: bool, console: Console) -> None:
     try:
-        comparison = compare_capacity(fetch_server_capacity(url))
+        comparison = compare_capacity(fetch_server_capacity(url, api_key))
     except FitError as exc:
         raise _fail(str(exc)) from None
     if as_json:
@@ -123,8 +129,10 @@ def fit_command(
         "--compare-gpus", help="Rank every catalog GPU for this model and workload.")] = False,
     url: Annotated[str | None, typer.Option(
         help="A running kvpilot server (http://host:port): show its actual KV capacity next to the "
-             "prediction from its reported shape and KV budget (GET /v1/kvpilot/capacity; the API key, if "
-             "any, from KVPILOT_API_KEY).")] = None,
+             "prediction from its reported shape and KV budget (GET /v1/kvpilot/capacity).")] = None,
+    api_key: Annotated[str | None, typer.Option(
+        "--api-key", envvar=API_KEY_ENVVARS,
+        help="With --url: the server's key (also read from OPENAI_API_KEY, then KVPILOT_API_KEY).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
     list_catalog: Annotated[bool, typer.Option("--list", help="List catalog models and devices.")] = False,
 ) -> None:
@@ -134,7 +142,7 @@ def fit_command(
         _print_catalogs(console)
         return
     if url is not None:
-        _show_server_capacity(url, as_json, console)
+        _show_server_capacity(url, api_key, as_json, console)
         return
     try:
         inputs = FitInputs(

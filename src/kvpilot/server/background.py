@@ -12,6 +12,7 @@ from typing import Any, Coroutine, TypeVar
 import uvicorn
 from fastapi import FastAPI
 
+from kvpilot.server.slow_clients import uvicorn_options
 from kvpilot.server.state import ServerState
 
 T = TypeVar("T")
@@ -35,7 +36,7 @@ class BackgroundServer:
         self.host, self.port = host, port or free_port(host)
         self.wait_ready, self.timeout_s = wait_ready, timeout_s
         config = uvicorn.Config(app, host=self.host, port=self.port, log_level="warning", access_log=False,
-                                timeout_graceful_shutdown=5)
+                                timeout_graceful_shutdown=5, **uvicorn_options(app.state.kvpilot.args))
         self.server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self.server.run, name="kvpilot-uvicorn", daemon=True)
 

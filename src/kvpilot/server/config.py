@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+MIB = 1024 * 1024
+DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * MIB  # ~8M tokens of text: far above any max_model_len kvpilot serves
+DEFAULT_MAX_NUM_QUEUED_REQS = 512  # `kvpilot serve` derives its default from --max-num-seqs (cli.py)
+
 
 class ServerConfigError(ValueError):
     """A server flag is out of range; the message names the flag and what to change."""
@@ -18,14 +22,25 @@ class ServerArgs:
     (the first is the one reported); stats_interval > 0 seconds. engine_process: the engine core runs in its
     own process (default); False runs it in a thread of the server process (`--no-engine-process`), as does
     a factory holding weights already loaded in this process (engine_factory(args, loaded)).
+
+    api_key is None (no auth) or a non-empty string: with it every route but /health needs
+    `Authorization: Bearer <key>`, /metrics too unless metrics_public. max_request_body_bytes >= 1 bounds a
+    request body (413 beyond it); a client has header_timeout_s to send its request line and headers and
+    body_timeout_s to send its whole body (then 408 and the connection is closed); keep_alive_timeout_s is
+    how long an idle connection stays open between requests.
     """
 
     host: str = "127.0.0.1"
     port: int = 8000
     served_model_names: tuple[str, ...] = ("kvpilot",)
     api_key: str | None = None
-    max_num_queued_reqs: int | None = None
+    metrics_public: bool = False
+    max_num_queued_reqs: int | None = DEFAULT_MAX_NUM_QUEUED_REQS
     max_num_queued_tokens: int | None = None
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    keep_alive_timeout_s: float = 5.0
     drain_timeout: float = 30.0
     log_prompts: bool = False
     stats_interval: float = 5.0
@@ -36,7 +51,16 @@ class ServerArgs:
             value = getattr(self, name)
             if value is not None and value < 1:
                 flag = "--" + name.replace("_", "-")
-                raise ServerConfigError(f"{flag} must be >= 1 (or left out for no limit), got {value}")
+                raise ServerConfigError(f"{flag} must be >= 1 (or 0 for no limit), got {value}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ServerConfigError("--api-key is empty: give a non-empty key (e.g. `openssl rand -hex 16`), or "
+                                    "leave --api-key out (and KVPILOT_API_KEY unset) to serve without auth")
+        if self.max_request_body_bytes < 1:
+            raise ServerConfigError(f"--max-request-body-bytes must be >= 1, got {self.max_request_body_bytes}")
+        for name, flag in (("header_timeout_s", "--header-timeout"), ("body_timeout_s", "--body-timeout"),
+                           ("keep_alive_timeout_s", "--keep-alive-timeout")):
+            if getattr(self, name) <= 0:
+                raise ServerConfigError(f"{flag} must be > 0 seconds, got {getattr(self, name)}")
         if self.drain_timeout < 0:
             raise ServerConfigError(f"--drain-timeout must be >= 0 seconds, got {self.drain_timeout}")
         if not self.served_model_names:

@@ -25,6 +25,10 @@ from kvpilot.server.errors import APIError
 from kvpilot.server.protocol import ChatCompletionRequest, CompletionRequest
 
 
+class PromptTooLongError(APIError):
+    """400 context_length_exceeded: the prompt alone leaves no room for one generated token."""
+
+
 @dataclass(frozen=True)
 class TokenizedPrompt:
     """Invariants: `token_ids` is None only when `num_tokens` > the cap it was tokenized with (too long to
@@ -49,8 +53,39 @@ def prompt_size(body: CompletionRequest | ChatCompletionRequest) -> int:
 
 def tokenize_request(body: CompletionRequest | ChatCompletionRequest, tokenizer: Any, vocab_size: int,
                      max_num_tokens: int) -> TokenizedPrompt:
-    """The request's prompt as checked token ids (see TokenizedPrompt); APIError 400 for an unusable prompt.
-    `max_num_tokens`: longer prompts are only counted (the caller rejects them as too long)."""
+    """The request's prompt as checked token ids (see TokenizedPrompt; its ids are never None here); APIError
+    400 for an unusable prompt or a token id field outside the vocabulary; PromptTooLongError for a prompt
+    that leaves no room for one token in `max_num_tokens` (max_model_len: the prompt is at fault then, param
+    `prompt` / `messages`, whatever max_tokens says)."""
+    check_token_id_fields(body, vocab_size)
+    prompt = _tokenize(body, tokenizer, vocab_size, max_num_tokens)
+    if prompt.num_tokens >= max_num_tokens:
+        raise _too_long(prompt.num_tokens, max_num_tokens, "messages" if isinstance(body, ChatCompletionRequest)
+                        else "prompt")
+    return prompt
+
+
+def _too_long(num_tokens: int, max_model_len: int, param: str) -> PromptTooLongError:
+    return PromptTooLongError(400, f"{param}: the prompt has {num_tokens} tokens, but this model's maximum context "
+                                   f"length is {max_model_len} tokens (max_model_len), which must also hold at least "
+                                   "one generated token: shorten the prompt", param=param,
+                              code="context_length_exceeded")
+
+
+def check_token_id_fields(body: CompletionRequest | ChatCompletionRequest, vocab_size: int) -> None:
+    """400 for stop_token_ids or logit_bias keys outside the vocabulary (0..vocab_size-1), and for any
+    logit_bias (not applied by kvpilot's sampler yet: refused rather than ignored)."""
+    for param, ids in (("stop_token_ids", body.stop_token_ids or []), ("logit_bias", body.logit_bias_ids())):
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise APIError(400, f"{param}: token ids {bad[:5]} are outside the vocabulary (0..{vocab_size - 1})",
+                           param=param)
+    if body.logit_bias:
+        raise APIError(400, "logit_bias is not supported by kvpilot yet: leave it out", param="logit_bias")
+
+
+def _tokenize(body: CompletionRequest | ChatCompletionRequest, tokenizer: Any, vocab_size: int,
+              max_num_tokens: int) -> TokenizedPrompt:
     if isinstance(body, ChatCompletionRequest):
         if tokenizer is None:
             raise APIError(400, "this model has no tokenizer, so no chat template: use /v1/completions with "

@@ -1,27 +1,63 @@
 """Request bodies of /v1/completions and /v1/chat/completions (OpenAI shapes plus vLLM's extra fields).
 
-Unknown fields are ignored (as vLLM does), so the official SDKs work unchanged. Range checks of the sampling
-fields live in SamplingParams, so the server and the offline API reject the same values with the same words.
+Unknown fields are ignored (as vLLM does), so the official SDKs work unchanged. Known fields are strict, as
+the OpenAI schema is: `"max_tokens": "8"`, `"stream": "yes"` or `prompt: [[false]]` are 400s, not coerced (an
+integer is still accepted where a number is expected); numbers must be finite (JSON's NaN/Infinity are
+refused); no string may hold a lone UTF-16 surrogate (it cannot be encoded, tokenized or echoed back).
+Range checks of the sampling fields live in SamplingParams, so the server and the offline API reject the
+same values with the same words; the checks that need the model (vocabulary, context length) are made
+when the prompt is tokenized (prompt_tokens.py).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvpilot.sampling_params import SamplingParams
 from kvpilot.server.errors import APIError
 
+_STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _find_surrogate(value: Any, path: tuple[str | int, ...] = ()) -> tuple[str | int, ...] | None:
+    """The path of the first string (or key) in a JSON value that holds a lone surrogate, else None."""
+    if isinstance(value, str):
+        return path if _SURROGATE.search(value) else None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if isinstance(key, str) and _SURROGATE.search(key):
+            return (*path, key)
+        found = _find_surrogate(item, (*path, key))
+        if found is not None:
+            return found
+    return None
+
 
 class StreamOptions(BaseModel):
+    model_config = _STRICT
+
     include_usage: bool = False
 
 
 class _Sampling(BaseModel):
     """Fields shared by both endpoints. `max_tokens` None means "up to max_model_len"."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_lone_surrogates(cls, data: Any) -> Any:
+        """A 400 naming the field (raised as APIError: pydantic passes it through to the error handler)."""
+        path = _find_surrogate(data)
+        if path is not None:
+            param = ".".join(str(p) for p in path) or None
+            raise APIError(400, f"{param}: the text holds a lone UTF-16 surrogate (e.g. \\ud800), which is not "
+                                "valid Unicode: send well-formed UTF-8 text", param=param)
+        return data
 
     model: str | None = None
     max_tokens: int | None = None
@@ -35,6 +71,7 @@ class _Sampling(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    logit_bias: dict[str, float] | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
     skip_special_tokens: bool = True
@@ -43,6 +80,14 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     priority: int = 0
     user: str | None = None
+
+    def logit_bias_ids(self) -> list[int]:
+        """The token ids logit_bias names (APIError 400 for a key that is not an integer)."""
+        try:
+            return [int(key) for key in self.logit_bias or {}]
+        except ValueError:
+            raise APIError(400, "logit_bias: keys must be token ids (integers as strings), got "
+                                f"{list(self.logit_bias or {})[:5]}", param="logit_bias") from None
 
     def check_n(self) -> None:
         if self.n != 1:
@@ -85,7 +130,7 @@ class CompletionRequest(_Sampling):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None

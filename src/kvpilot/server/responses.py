@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -68,6 +69,14 @@ def usage(output: RequestOutput) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": output.num_cached_tokens}}
 
 
+MIN_LOGPROB = -9999.0  # what a non-finite logprob is sent as (vLLM's floor for -inf): JSON has no inf/NaN
+
+
+def finite_logprob(logprob: float) -> float:
+    """The logprob as JSON can carry it: -inf (a masked token) and any NaN/inf become MIN_LOGPROB."""
+    return logprob if math.isfinite(logprob) else MIN_LOGPROB
+
+
 def _text(tokenizer: TokenText | None, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False) if tokenizer is not None else f"<{token_id}>"
 
@@ -80,8 +89,9 @@ def completion_logprobs(entries: list[TokenLogprob], tokenizer: TokenText | None
     for token in tokens:
         offsets.append(position)
         position += len(token)
-    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{_text(tokenizer, t): lp for t, lp in e.top_logprobs} for e in entries],
+    return {"tokens": tokens, "token_logprobs": [finite_logprob(e.logprob) for e in entries],
+            "top_logprobs": [{_text(tokenizer, t): finite_logprob(lp) for t, lp in e.top_logprobs}
+                             for e in entries],
             "text_offset": offsets}
 
 
@@ -89,7 +99,8 @@ def chat_logprobs(entries: list[TokenLogprob], tokenizer: TokenText | None) -> d
     """Chat shape: content = [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]."""
     def item(token_id: int, logprob: float) -> dict[str, Any]:
         text = _text(tokenizer, token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": text, "logprob": finite_logprob(logprob),
+                "bytes": list(text.encode("utf-8"))}
 
     return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top_logprobs]}
                         for e in entries]}

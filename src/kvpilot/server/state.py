@@ -14,6 +14,9 @@ from kvpilot.server.metrics import ServerMetrics
 from kvpilot.server.tokenizer_pool import TokenizerPool
 
 
+MAX_ECHOED_MODEL_CHARS = 256  # an unknown model name is echoed back at most this long (it is client input)
+
+
 class NotReadyError(RuntimeError):
     """A handler read the engine's facts before the engine was ready: call check_serving() first."""
 
@@ -61,6 +64,7 @@ class ServerState:
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.args.served_model_names:
             self.metrics.reject("unknown_model")
-            raise APIError(404, f"the model {model!r} does not exist here; this server serves "
+            shown = model if len(model) <= MAX_ECHOED_MODEL_CHARS else model[:MAX_ECHOED_MODEL_CHARS] + "..."
+            raise APIError(404, f"the model {shown!r} does not exist here; this server serves "
                                 f"{', '.join(self.args.served_model_names)} (see GET /v1/models)",
                            param="model", code="model_not_found")

@@ -1,0 +1,73 @@
+"""Timeouts for clients that send their request line and headers slowly (or not at all).
+
+uvicorn's h11 protocol bounds only the idle time between requests (`timeout_keep_alive`, armed after a
+response): a connection that opens and then sends nothing, or a few header bytes now and then, is held
+forever. `header_timeout_protocol` returns an H11Protocol that closes such a connection after
+`header_timeout_s` (408 if part of a request had arrived). The body's own deadline is BodyGuard's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from kvpilot.server.config import ServerArgs
+
+
+class _HeaderTimeoutH11(H11Protocol):
+    """Invariant: from the moment a connection opens or finishes a response, the next request's headers must
+    arrive within `header_timeout_s`, or the connection is closed."""
+
+    header_timeout_s: float = 10.0
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_header_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm_header_timer()
+
+    def data_received(self, data: bytes) -> None:
+        self._bytes_since_armed = True
+        super().data_received(data)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_header_timer()
+        super().connection_lost(exc)
+
+    def _arm_header_timer(self) -> None:
+        self._cancel_header_timer()
+        self._bytes_since_armed = False
+        self._header_timer = self.loop.call_later(self.header_timeout_s, self._header_timeout, self.cycle)
+
+    def _cancel_header_timer(self) -> None:
+        timer = getattr(self, "_header_timer", None)
+        if timer is not None:
+            timer.cancel()
+            self._header_timer = None
+
+    def _header_timeout(self, armed_cycle: Any) -> None:
+        waiting_for_headers = self.cycle is armed_cycle and (armed_cycle is None or armed_cycle.response_complete)
+        if not waiting_for_headers or self.transport.is_closing():
+            return  # a request arrived in time (its response re-arms the timer)
+        if self._bytes_since_armed:
+            self.transport.write(_timeout_response(self.header_timeout_s))
+        self.transport.close()
+
+
+def _timeout_response(timeout_s: float) -> bytes:
+    body = f"the request line and headers did not arrive within {timeout_s:g} s\n".encode()
+    return (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset=utf-8\r\nconnection: close\r\n"
+            b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
+def header_timeout_protocol(header_timeout_s: float) -> type[H11Protocol]:
+    return type("HeaderTimeoutH11", (_HeaderTimeoutH11,), {"header_timeout_s": header_timeout_s})
+
+
+def uvicorn_options(args: ServerArgs) -> dict[str, Any]:
+    """The uvicorn.Config settings that bound slow clients (used by `kvpilot serve` and BackgroundServer)."""
+    return {"http": header_timeout_protocol(args.header_timeout_s), "timeout_keep_alive": args.keep_alive_timeout_s}
