@@ -25,10 +25,11 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "model": frozenset({"engine", "fit"}),
     # wiring and the Python API
     "engine_args": frozenset({"engine", "fit", "model"}),
-    "llm": frozenset({"engine", "engine_args", "model"}),
+    "engine_build": frozenset({"engine", "engine_args", "fit", "model"}),
+    "llm": frozenset({"engine", "engine_args", "engine_build", "model"}),
     "kvpilot": frozenset({"llm"}),
     "chat_session": frozenset({"llm"}),
-    "server": frozenset({"cli_options", "engine", "engine_args", "fit", "kvpilot", "llm", "model"}),
+    "server": frozenset({"cli_options", "engine", "engine_args", "engine_build", "fit", "kvpilot", "llm", "model"}),
     # client tools: talk to any server over HTTP; bench borrows the model's tokenizer, doctor reads bench results
     "bench": frozenset({"fit", "model"}),
     "doctor": frozenset({"bench", "fit"}),

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Iterator, Sequence
 
-from kvpilot.engine_args import EngineArgs, build_engine
+from kvpilot.engine_args import EngineArgs
+from kvpilot.engine_build import build_engine
 from kvpilot.model.loader import LoadedModel
 from kvpilot.outputs import RequestOutput
 from kvpilot.sampling_params import SamplingParams
@@ -25,7 +26,11 @@ class LLM:
         if unknown:
             allowed = ", ".join(sorted(EngineArgs.__dataclass_fields__))
             raise TypeError(f"LLM() got unknown settings {sorted(unknown)}; allowed: {allowed}")
-        self.engine, self.loaded = build_engine(EngineArgs(model=model, **engine_kwargs), loaded)
+        if engine_kwargs.get("kv_events_config") is not None:  # nothing would drain the events offline
+            raise TypeError("LLM() does not publish KV-cache events: pass kv_events_config to `kvpilot serve` "
+                            "(--kv-events-config), whose engine core publishes them")
+        built = build_engine(EngineArgs(model=model, **engine_kwargs), loaded)
+        self.engine, self.loaded = built.engine, built.loaded
         self.tokenizer = self.loaded.tokenizer
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams]
@@ -37,7 +42,15 @@ class LLM:
         prompt_list = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompt_list))
         priorities = list(priority) if priority is not None else [0] * len(prompt_list)
-        ids = [self.engine.add_request(p, sp, priority=pr) for p, sp, pr in zip(prompt_list, params, priorities)]
+        ids: list[str] = []
+        try:
+            for prompt, sp, pr in zip(prompt_list, params, priorities):
+                ids.append(self.engine.add_request(prompt, sp, priority=pr))
+        except Exception:  # a refused request refuses the batch: leave none of it queued
+            self.engine.abort_request(ids)
+            for _ in self._drain():
+                pass
+            raise
         finals = {o.request_id: o for o in self._drain() if o.finished}
         return [finals[i] for i in ids]
 

@@ -143,8 +143,10 @@ def make_scheduler(
     eos_token_id: int | None = None,
     clock: Callable[[], float] | None = None,
     hash_fn: HashFn = chained_block_hash,
+    enable_kv_cache_events: bool = False,
 ) -> Scheduler:
-    cache = CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching)
+    cache = CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching,
+                        enable_kv_cache_events=enable_kv_cache_events)
     sched = SchedulerConfig(
         max_model_len=max_model_len or block_size * num_blocks,
         max_num_seqs=max_num_seqs,

@@ -25,14 +25,17 @@ def _engine_config(name_or_config: str | dict):  # the loader's torch-free Model
 @pytest.mark.slow
 def test_predicted_capacity_of_the_embedded_model_equals_the_engine_allocation(embedded_model: LoadedModel) -> None:
     torch = pytest.importorskip("torch")
-    from kvpilot.engine_args import EngineArgs, build_engine
+    from kvpilot.engine_args import EngineArgs
+    from kvpilot.engine_build import build_engine
 
     inputs = FitInputs(kv_cache_dtype="bf16", kv_cache_memory_bytes=BUDGET, block_size=BLOCK_SIZE)
     plan = plan_memory(embedded_model, DeviceGroup(cpu_device(memory_bytes=8 * 2**30)), inputs)
 
     # The real engine on the embedded GGUF (bf16 KV), given the same budget
-    engine, _ = build_engine(EngineArgs(dtype="bfloat16", kv_cache_memory=BUDGET, block_size=BLOCK_SIZE,
-                                        max_model_len=1024))
+    built = build_engine(EngineArgs(dtype="bfloat16", kv_cache_memory=BUDGET, block_size=BLOCK_SIZE,
+                                    max_model_len=1024))
+    engine = built.engine
+    assert built.kv.budget_bytes == BUDGET and built.kv.capacity.num_blocks == plan.num_kv_blocks
     allocated = sum(t.nbytes for t in engine.runner.kv_caches)
     assert plan.num_kv_blocks == engine.runner.num_blocks == engine.scheduler.cache_config.num_blocks > 0
     assert allocated == plan.num_kv_blocks * kv_cache_bytes_per_block(embedded_model.spec, BLOCK_SIZE, KV_BYTES)

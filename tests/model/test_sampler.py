@@ -47,3 +47,54 @@ def test_temperature_sampling_follows_the_distribution():
     batch = _batch([SamplingParams(temperature=1.0)] * 4000)
     counts = torch.bincount(sample(logits.expand(4000, -1).contiguous(), batch), minlength=VOCAB)
     assert abs(counts[0].item() / 4000 - 0.7) < 0.04 and abs(counts[1].item() / 4000 - 0.2) < 0.04
+
+
+def test_top_k_alone_keeps_the_k_most_likely_and_follows_their_distribution():
+    logits = torch.log(torch.tensor([[0.05, 0.5, 0.05, 0.3, 0.1] + [1e-6] * (VOCAB - 5)]))
+    batch = _batch([SamplingParams(temperature=1.0, top_k=2)] * 4000)
+    assert batch.needs_top_k and not batch.needs_top_p  # the sort-free path
+    counts = torch.bincount(sample(logits.expand(4000, -1).contiguous(), batch), minlength=VOCAB)
+    assert set(torch.nonzero(counts).flatten().tolist()) == {1, 3}
+    assert abs(counts[1].item() / 4000 - 0.5 / 0.8) < 0.04
+
+
+def test_rows_mix_filters_without_a_sort_and_never_draw_a_masked_token():
+    logits = torch.full((3, VOCAB), -30.0)
+    logits[:, 0], logits[:, 1], logits[:, 2] = 4.0, 3.0, 2.0
+    params = [SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=1.0, min_p=0.2),
+              SamplingParams(temperature=2.0)]
+    for seed in range(60):
+        batch = _batch(params, [seed, seed + 1000, seed + 2000])
+        assert not batch.needs_top_p
+        drawn = sample(logits, batch).tolist()
+        assert drawn[0] == 0 and drawn[1] in (0, 1) and 0 <= drawn[2] < VOCAB
+
+
+def test_defaults_skip_every_filter():
+    batch = _batch([SamplingParams(temperature=1.0)] * 3)
+    assert not (batch.needs_top_k or batch.needs_top_p or batch.needs_min_p)
+
+
+def test_a_seeded_row_draws_the_same_whether_or_not_the_step_sorts():
+    logits = torch.zeros(1, VOCAB)
+    logits[0, :6] = torch.tensor([3.0, 2.0, 2.0, 2.0, 1.0, 1.0])  # ties at the k-th value
+    mine = SamplingParams(temperature=1.0, top_k=2, seed=3)
+    for seed in range(30):
+        alone = sample(logits, _batch([mine], [seed]))
+        with_top_p = sample(torch.cat([logits, logits]), _batch([mine, SamplingParams(temperature=1.0, top_p=0.5)],
+                                                                 [seed, None]))
+        assert alone[0] == with_top_p[0] and alone[0] in (0, 1, 2, 3)
+
+
+def test_top_p_beyond_its_candidates_sorts_the_row_and_keeps_the_right_prefix():
+    from kvpilot.model import sampler
+
+    flat = torch.zeros(1, 600)  # uniform: top_p 0.9 keeps 540 tokens, more than the 256 candidates
+    params = [SamplingParams(temperature=1.0, top_p=0.9)]
+    batch = SamplingBatch.build(params, [None], 600, torch.device("cpu"))
+    cutoff = sampler._top_p_cutoff(flat, batch.top_p)
+    assert cutoff.item() == 0.0  # ties: every token has the cut-off value, all are kept
+    peaked = torch.arange(600, dtype=torch.float32)[None, :] * -0.002  # slowly decreasing: top_p 0.9 needs ~500 tokens
+    kept = (peaked >= sampler._top_p_cutoff(peaked, batch.top_p)).sum().item()
+    probs = peaked.softmax(-1)[0]
+    assert probs[:kept - 1].sum() <= 0.9 < probs[:kept].sum() + 1e-6 and kept > 256

@@ -116,14 +116,14 @@ def test_killed_core_fails_in_flight_requests_and_health_without_hanging(core_se
             os.kill(pid, signal.SIGKILL)
             events = [line for line in lines if line.startswith("data:")]
         error = json.loads(events[-1].removeprefix("data: "))["error"]
-        assert error["code"] == "engine_failed" and "SIGKILL" in error["message"]
+        assert error["type"] == "engine_failed" and "SIGKILL" in error["message"]
         waiter.join(30)
-        assert whole["r"].status_code == 503 and whole["r"].json()["error"]["code"] == "engine_failed"
+        assert whole["r"].status_code == 503 and whole["r"].json()["error"]["type"] == "engine_failed"
         health = http.get("/health")
-        assert health.status_code == 503 and health.json()["error"]["code"] == "engine_failed"
+        assert health.status_code == 503 and health.json()["error"]["type"] == "engine_failed"
         assert "SIGKILL" in health.json()["error"]["message"]
         refused = http.post("/v1/completions", json={"model": MODEL, "prompt": [1], "max_tokens": 1})
-        assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_failed"
+        assert refused.status_code == 503 and refused.json()["error"]["type"] == "engine_failed"
         assert http.get("/v1/kvpilot/integrity").status_code == 503
 
 
@@ -132,7 +132,7 @@ def test_load_failure_in_the_core_process_is_reported(tmp_path: Path) -> None:
     app = create_app(engine_factory(EngineArgs(model=str(missing))), ServerArgs(served_model_names=(MODEL,)))
     with BackgroundServer(app, wait_ready=False) as server, httpx.Client(base_url=server.url, timeout=30) as http:
         deadline = time.monotonic() + 60
-        while (health := http.get("/health")).json()["error"]["code"] != "engine_failed":
+        while (health := http.get("/health")).json()["error"]["type"] != "engine_failed":
             assert time.monotonic() < deadline, "the load failure was never reported"
             time.sleep(0.05)
         assert health.status_code == 503 and str(missing) in health.json()["error"]["message"]

@@ -9,21 +9,27 @@ Eviction is lazy: a cached block keeps its hash until it is taken from the free 
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvpilot.engine.free_block_queue import FreeBlockQueue
 from kvpilot.engine.kv_block import KVBlock
+from kvpilot.engine.kv_events import KVEventLog
 
-# Parent hash of a sequence's first block. A fixed int, not None: hash(None) changes per process before 3.12.
+# Parent hash of a sequence's first block (KV events report it as None).
 ROOT_PARENT_HASH = 0x6B7670696C6F74
 
 HashFn = Callable[[int, tuple[int, ...]], int]
 
 
 def chained_block_hash(parent_hash: int, token_ids: tuple[int, ...]) -> int:
-    """hash((parent_hash, token_ids)) of one full block: equal hashes mean equal prefixes, up to collisions."""
-    return hash((parent_hash, token_ids))
+    """The first 8 bytes of sha256(parent hash, token ids as int64), as an unsigned int: equal hashes mean equal
+    prefixes, up to collisions. Stable across processes, restarts and Python versions (Python's own hash()
+    is not promised to be), so routers can match the hashes of KV events from any replica."""
+    data = parent_hash.to_bytes(8, "little") + array("q", token_ids).tobytes()
+    return int.from_bytes(hashlib.sha256(data).digest()[:8], "little")
 
 
 class KVCacheIntegrityError(RuntimeError):
@@ -47,9 +53,12 @@ class BlockPool:
     maps each hash to the one block carrying it, and every hashed block is in the table; ref counts >= 0.
     """
 
-    def __init__(self, num_blocks: int, *, hash_fn: HashFn = chained_block_hash) -> None:
+    def __init__(self, num_blocks: int, *, hash_fn: HashFn = chained_block_hash,
+                 events: KVEventLog | None = None) -> None:
+        """`events`, when given, records every block that gains or loses a cached hash (kv_events.py)."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.events = events
         self.blocks = [KVBlock(block_id=i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.hash_fn = hash_fn
@@ -91,6 +100,8 @@ class BlockPool:
             return False
         block.block_hash, block.parent_hash, block.token_ids = block_hash, parent_hash, token_ids
         self._cached[block_hash] = block
+        if self.events is not None:
+            self.events.stored(block_hash, None if parent_hash == ROOT_PARENT_HASH else parent_hash, token_ids)
         return True
 
     def touch(self, blocks: Sequence[KVBlock]) -> None:
@@ -160,8 +171,15 @@ class BlockPool:
         if block.block_hash is None:
             return
         del self._cached[block.block_hash]
+        if self.events is not None:
+            self.events.removed(block.block_hash)
         block.clear_hash()
         self.num_evictions += 1
+
+    @property
+    def cached_hashes(self) -> set[int]:
+        """Every hash the prefix cache holds now (blocks in use or idle): what replaying the KV events gives."""
+        return set(self._cached)
 
     def check_integrity(self) -> None:
         """Raise KVCacheIntegrityError unless free + cached + in use == total and all links/tables agree."""

@@ -37,12 +37,14 @@ class CacheConfig:
 
     Invariants: block_size is a power of two in [1, 256] (tokens per block); num_blocks >= 1 (the whole
     pool; the cache holds num_blocks * block_size tokens); enable_prefix_caching turns hashing of full blocks
-    and prefix reuse on or off.
+    and prefix reuse on or off; enable_kv_cache_events records the pool's cached-block changes (kv_events.py)
+    for a publisher to drain.
     """
 
     num_blocks: int
     block_size: int = 16
     enable_prefix_caching: bool = True
+    enable_kv_cache_events: bool = False
 
     def __post_init__(self) -> None:
         _require_int("block_size", self.block_size, 1)

@@ -17,6 +17,7 @@ from kvpilot.engine.block_pool import (
 )
 from kvpilot.engine.config import CacheConfig, cdiv
 from kvpilot.engine.kv_block import KVBlock
+from kvpilot.engine.kv_events import KVEventLog
 from kvpilot.engine.request import Request
 
 
@@ -63,7 +64,8 @@ class KVCacheManager:
     def __init__(self, cache_config: CacheConfig, *, hash_fn: HashFn = chained_block_hash) -> None:
         self.block_size = cache_config.block_size
         self.enable_prefix_caching = cache_config.enable_prefix_caching
-        self.pool = BlockPool(cache_config.num_blocks, hash_fn=hash_fn)
+        events = KVEventLog(cache_config.block_size) if cache_config.enable_kv_cache_events else None
+        self.pool = BlockPool(cache_config.num_blocks, hash_fn=hash_fn, events=events)
         self.prefix_stats = PrefixCacheStats()
         self._tables: dict[str, _Table] = {}
 

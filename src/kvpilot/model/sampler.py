@@ -1,7 +1,10 @@
 """Batched sampling: greedy, temperature, top-k, top-p, min-p, with per-request seeds.
 
-One pass over the whole [N, vocab] logits for every filter; only the random draw of a seeded request uses
-its own generator (so its output does not depend on what else is in the batch).
+Each filter runs only if some row uses it (decided on the host): `topk` for top-k and top-p (a full sort
+of the vocabulary only when top-p needs more than its candidates), the row maximum for min-p. The draw is an inverse-CDF
+lookup (one uniform number per row against the cumulative probabilities): as cheap as an argmax, where an
+exponential race would draw a random number per vocabulary entry. Only the uniform of a seeded request comes
+from its own generator, so its output does not depend on what else is in the batch.
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ class SamplingBatch:
     min_p: torch.Tensor  # [N] float
     all_greedy: bool
     generators: dict[int, torch.Generator]
+    needs_top_k: bool = False  # some row keeps fewer than the whole vocabulary by rank
+    needs_top_p: bool = False
+    needs_min_p: bool = False
 
     @staticmethod
     def build(params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None], vocab_size: int,
@@ -50,30 +56,65 @@ class SamplingBatch:
         def col(values: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(values)).to(device)
 
-        return SamplingBatch(temperature=col(temperature), top_k=col(np.where(top_k > 0, top_k, vocab_size)),
-                             top_p=col(top_p), min_p=col(min_p), all_greedy=False, generators=generators)
+        top_k = np.where(top_k > 0, np.minimum(top_k, vocab_size), vocab_size)
+        return SamplingBatch(temperature=col(temperature), top_k=col(top_k), top_p=col(top_p), min_p=col(min_p),
+                             all_greedy=False, generators=generators, needs_top_k=bool((top_k < vocab_size).any()),
+                             needs_top_p=bool((top_p < 1).any()), needs_min_p=bool((min_p > 0).any()))
+
+
+TOP_P_CANDIDATES = 256  # top-p looks at this many most likely tokens first; sorts the row only if they fall short
 
 
 def _filter(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Masks tokens outside top-k / top-p / min-p with -inf (rows sorted once for all three)."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(logits.shape[-1], device=logits.device)[None, :]
-    remove = ranks >= batch.top_k[:, None]
-    probs = sorted_logits.softmax(dim=-1)
+    """Masks tokens outside top-k, then top-p (of what top-k kept, renormalized, as vLLM does), then min-p, with
+    -inf. Each cut is a per-row threshold on the logits, so ties with the last kept value are kept and a row's
+    result never depends on the other rows; the most likely token always survives."""
+    if batch.needs_top_k:
+        top = logits.topk(int(batch.top_k.max()), dim=-1).values
+        kth = top.gather(1, (batch.top_k - 1).clamp(max=top.shape[1] - 1)[:, None])
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if batch.needs_top_p:
+        logits = logits.masked_fill(logits < _top_p_cutoff(logits, batch.top_p), float("-inf"))
+    if batch.needs_min_p:
+        probs = logits.softmax(dim=-1)
+        floor = batch.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < floor, float("-inf"))
+    return logits
+
+
+def _top_p_cutoff(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """[N, 1]: the smallest logit of the shortest most-likely prefix whose probability reaches top_p (-inf for
+    rows with top_p 1). Looks at the TOP_P_CANDIDATES most likely tokens, and sorts the whole vocabulary only
+    when, for some row, they hold no more than top_p of the probability."""
+    total = logits.logsumexp(dim=-1, keepdim=True)
+    values = logits.topk(min(TOP_P_CANDIDATES, logits.shape[-1]), dim=-1).values
+    probs = (values - total).exp()
     cumulative = probs.cumsum(dim=-1)
-    remove |= (cumulative - probs) > batch.top_p[:, None]  # keep the smallest prefix reaching top_p
-    remove |= probs < (batch.min_p[:, None] * probs[:, :1])
-    remove[:, 0] = False  # the most likely token always survives
-    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    applies = top_p < 1
+    if bool((applies & (cumulative[:, -1] <= top_p)).any()):  # the candidates fall short: the exact way
+        values = logits.sort(dim=-1, descending=True).values
+        probs = (values - total).exp()
+        cumulative = probs.cumsum(dim=-1)
+    num_kept = ((cumulative - probs) <= top_p[:, None]).sum(dim=-1).clamp(min=1)
+    cutoff = values.gather(1, (num_kept - 1)[:, None])
+    return torch.where(applies[:, None], cutoff, torch.full_like(cutoff, float("-inf")))
 
 
-def _exponential_noise(shape: torch.Size, generators: dict[int, torch.Generator],
-                       device: torch.device) -> torch.Tensor:
-    noise = torch.empty(shape, device=device).exponential_()
+def _uniforms(num_rows: int, generators: dict[int, torch.Generator], device: torch.device) -> torch.Tensor:
+    """One U[0, 1) per row ([N, 1] float64); a seeded row's comes from its own generator."""
+    uniforms = torch.rand(num_rows, 1, dtype=torch.float64, device=device)
     for row, generator in generators.items():
-        noise[row].exponential_(generator=generator)
-    return noise
+        uniforms[row] = torch.rand(1, dtype=torch.float64, device=device, generator=generator)
+    return uniforms
+
+
+def _draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse CDF: the first token whose cumulative probability exceeds u * total. u * total stays below the
+    total, so the token found always has a positive probability (a masked token is never drawn)."""
+    cumulative = probs.to(torch.float64).cumsum(dim=-1)
+    total = cumulative[:, -1:]
+    target = torch.minimum(uniforms * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cumulative, target, right=True)[:, 0]
 
 
 @dataclass(frozen=True)
@@ -110,6 +151,5 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         return greedy_ids
     temperature = torch.where(batch.temperature > 0, batch.temperature, torch.ones_like(batch.temperature))
     probs = _filter(logits / temperature[:, None], batch).softmax(dim=-1)
-    # Gumbel-max via exponential race: argmax(p / E) with E ~ Exp(1) draws from p exactly.
-    sampled = (probs / _exponential_noise(probs.shape, batch.generators, logits.device)).argmax(dim=-1)
+    sampled = _draw(probs, _uniforms(probs.shape[0], batch.generators, logits.device))
     return torch.where(batch.temperature > 0, sampled, greedy_ids)

@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, Callable
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 import kvpilot
 from kvpilot.outputs import RequestOutput
+from kvpilot.server import openapi_contract
 from kvpilot.server.admission import AdmissionController, QueueLimits
+from kvpilot.server.auth import ApiKeyGuard, open_paths
+from kvpilot.server.body_guard import BodyGuard
 from kvpilot.server.config import ServerArgs
 from kvpilot.server.engine_client import EngineClient, EngineDeadError, EngineQueryError
 from kvpilot.server.engine_spec import EngineFactory
@@ -27,11 +29,13 @@ from kvpilot.server.messages import IntegrityQuery
 from kvpilot.server.metrics import MemoryCollector, ServerMetrics
 from kvpilot.server.proc_memory import ProcessMemory, read_process_memory, sum_process_memory
 from kvpilot.server.protocol import ChatCompletionRequest, CompletionRequest
-from kvpilot.server.serving import prepare, respond_stream, respond_whole
+from kvpilot.server.request_identity import EchoRequestId, client_request_id
+from kvpilot.server.serving import ClientDisconnected, prepare, respond_stream, respond_whole
 from kvpilot.server.state import ServerState
 from kvpilot.server.stats_logger import TokenTotals, log_stats_forever
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+CLIENT_CLOSED_REQUEST = 499
 
 
 def build_state(factory: EngineFactory, args: ServerArgs) -> ServerState:
@@ -41,7 +45,8 @@ def build_state(factory: EngineFactory, args: ServerArgs) -> ServerState:
                           on_progress=lambda rid: holder["state"].admission.release(rid),
                           on_step=lambda s: holder["state"].metrics.observe_step(s))
     metrics = ServerMetrics(args.model_name, lambda: client.stats,
-                            memory=MemoryCollector(process=lambda: _deployment_memory(client)))
+                            memory=MemoryCollector(process=lambda: _deployment_memory(client)),
+                            info=lambda: client.info)
     admission = AdmissionController(QueueLimits(args.max_num_queued_reqs, args.max_num_queued_tokens))
     holder["state"] = state = ServerState(args, client, metrics, admission)
     return state
@@ -89,10 +94,14 @@ def create_app(factory: EngineFactory, args: ServerArgs | None = None) -> FastAP
     app = FastAPI(title="kvpilot", version=kvpilot.__version__, lifespan=lifespan)
     app.state.kvpilot = state
     install_error_handlers(app)
+    # The last added runs first: stamp the arrival, then check the key, then read the body within its limits.
+    app.add_middleware(BodyGuard, max_bytes=args.max_request_body_bytes, timeout_s=args.body_timeout_s)
+    app.add_middleware(ApiKeyGuard, api_key=args.api_key, metrics_public=args.metrics_public)
     app.add_middleware(_ArrivalStamp)
-    auth = [Depends(_api_key_check(args.api_key))]
-    _add_openai_routes(app, state, auth)
-    _add_ops_routes(app, state, auth)
+    app.add_middleware(EchoRequestId)  # outermost: a 401 or 413 echoes the client's X-Request-Id too
+    _add_openai_routes(app, state)
+    _add_ops_routes(app, state)
+    openapi_contract.install(app, open_paths(args.metrics_public), auth=args.api_key is not None)
     return app
 
 
@@ -109,38 +118,29 @@ class _ArrivalStamp:
         await self.app(scope, receive, send)
 
 
-def _api_key_check(api_key: str | None):
-    async def check(request: Request) -> None:
-        if api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-            raise APIError(401, "invalid or missing API key: send `Authorization: Bearer <key>` with the key "
-                                "given to --api-key", code="invalid_api_key")
-    return check
-
-
-def _add_openai_routes(app: FastAPI, state: ServerState, auth: list[Any]) -> None:
+def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
     async def generate(request: Request, body: CompletionRequest | ChatCompletionRequest) -> Response:
-        prepared = await prepare(state, body, arrival=request.state.arrival)
+        prepared = await prepare(state, body, arrival=request.state.arrival,
+                                 client_id=client_request_id(request.headers))
         try:
             if prepared.stream:
                 return respond_stream(state, prepared)
-            return await respond_whole(state, prepared, request.is_disconnected)
+            return await respond_whole(state, prepared, _disconnected(request))
+        except ClientDisconnected:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody reads it; nginx's code, for logs
         except BaseException:
             state.admission.release(prepared.shape.request_id)
             raise
 
-    @app.post("/v1/completions", dependencies=auth)
+    @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest) -> Response:
         return await generate(request, body)
 
-    @app.post("/v1/chat/completions", dependencies=auth)
+    @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
         return await generate(request, body)
 
-    @app.get("/v1/models", dependencies=auth)
+    @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         info = state.client.info
         return {"object": "list", "data": [
@@ -149,16 +149,28 @@ def _add_openai_routes(app: FastAPI, state: ServerState, auth: list[Any]) -> Non
             for name in state.args.served_model_names]}
 
 
-def _add_ops_routes(app: FastAPI, state: ServerState, auth: list[Any]) -> None:
+def _disconnected(request: Request) -> Callable[[], Awaitable[None]]:
+    """Returns when the client has gone. Only for use after the body was read: then the server's `receive`
+    has nothing but `http.disconnect` left to give."""
+
+    async def wait() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    return wait
+
+
+def _add_ops_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/health")
     async def health() -> Response:
+        """200 `{"status": "ok"}` when the model is loaded and requests are admitted; 503 otherwise."""
         if state.client.error is not None:
             return APIError(503, f"the engine failed: {state.client.error}", code="engine_failed").response()
         if state.draining:
             return APIError(503, "draining", code="draining").response()
         if not state.client.ready.is_set():
             return APIError(503, "loading the model", code="loading").response()
-        return Response(status_code=200)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -168,12 +180,12 @@ def _add_ops_routes(app: FastAPI, state: ServerState, auth: list[Any]) -> None:
     async def version() -> dict[str, str]:
         return {"version": kvpilot.__version__}
 
-    @app.get("/v1/kvpilot/capacity", dependencies=auth)
+    @app.get("/v1/kvpilot/capacity")
     async def capacity() -> dict[str, Any]:
         state.check_ready()
         return state.info.capacity
 
-    @app.get("/v1/kvpilot/integrity", dependencies=auth)
+    @app.get("/v1/kvpilot/integrity")
     async def integrity() -> JSONResponse:
         """Runs the scheduler's invariant checks between steps; 500 names the broken invariant."""
         state.check_ready()

@@ -13,9 +13,11 @@ import typer
 
 from kvpilot.cli_options import (AsyncSchedulingOpt, AttentionBackendOpt, BlockSizeOpt, DeviceOpt, DtypeOpt, GpuUtilOpt, KvCacheDtypeOpt, KvCacheMemoryOpt,
                                  LoadFormatOpt, MaxBatchedTokensOpt, MaxModelLenOpt, MaxNumSeqsOpt, ModelOpt,
-                                 PolicyOpt, PrefixCachingOpt, SeedOpt)
+                                 PolicyOpt, PrefixCachingOpt, QuantizationOpt, SeedOpt)
 
 logger = logging.getLogger("kvpilot.server")
+QUEUE_CAP_BATCHES = 2
+DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024  # config.DEFAULT_MAX_REQUEST_BODY_BYTES (kept lazy: --help)
 
 
 def _served_names(names: list[str] | None, model: str | None) -> tuple[str, ...]:
@@ -29,9 +31,17 @@ def _served_names(names: list[str] | None, model: str | None) -> tuple[str, ...]
     return (model.removeprefix("dummy:") if model.startswith("dummy:") else model,)
 
 
+def _queue_cap(flag: int | None, max_num_seqs: int) -> int | None:
+    """--max-num-queued-reqs: left out, two full batches may wait (beyond that a new request's wait grows
+    without bound under overload, so refusing at once is kinder); 0: no limit."""
+    if flag is None:
+        return QUEUE_CAP_BATCHES * max_num_seqs
+    return flag or None
+
+
 def serve_command(
     model: ModelOpt = None, load_format: LoadFormatOpt = "auto", dtype: DtypeOpt = "auto", device: DeviceOpt = None,
-    max_model_len: MaxModelLenOpt = None, max_num_seqs: MaxNumSeqsOpt = 256,
+    quantization: QuantizationOpt = "auto", max_model_len: MaxModelLenOpt = None, max_num_seqs: MaxNumSeqsOpt = 256,
     max_num_batched_tokens: MaxBatchedTokensOpt = None, kv_cache_memory: KvCacheMemoryOpt = None,
     kv_cache_dtype: KvCacheDtypeOpt = "auto", gpu_memory_utilization: GpuUtilOpt = 0.9,
     block_size: BlockSizeOpt = 16,
@@ -43,18 +53,37 @@ def serve_command(
         "--served-model-name", help="Model name(s) clients send in `model` (repeatable); the first is reported. "
         "Default: the --model argument.")] = None,
     api_key: Annotated[Optional[str], typer.Option(
-        "--api-key", envvar="KVPILOT_API_KEY", help="Require `Authorization: Bearer <key>` on /v1 routes.")] = None,
+        "--api-key", envvar="KVPILOT_API_KEY", help="Require `Authorization: Bearer <key>` on every route but "
+        "/health (and /metrics with --metrics-public). An empty key is refused.")] = None,
+    metrics_public: Annotated[bool, typer.Option(
+        "--metrics-public", help="With --api-key: leave GET /metrics open (for a Prometheus scraper without "
+        "the key).")] = False,
     max_num_queued_reqs: Annotated[Optional[int], typer.Option(
-        "--max-num-queued-reqs", help="Most requests waiting to run; beyond it: 429 + Retry-After. Default: "
-        "no limit.")] = None,
+        "--max-num-queued-reqs", help="Most requests waiting to run (admitted, not yet running); beyond it: "
+        "429 + Retry-After at once. Default: 2 x --max-num-seqs; 0: no limit.")] = None,
     max_num_queued_tokens: Annotated[Optional[int], typer.Option(
         "--max-num-queued-tokens", help="Most prompt tokens waiting to run; beyond it: 429 + Retry-After. "
         "Default: no limit.")] = None,
+    max_request_body_bytes: Annotated[int, typer.Option(
+        "--max-request-body-bytes", help="Largest request body accepted; beyond it: 413 before the body is "
+        "read.")] = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    header_timeout: Annotated[float, typer.Option(
+        "--header-timeout", help="Seconds a client may take to send a request's line and headers; then the "
+        "connection is closed.")] = 10.0,
+    body_timeout: Annotated[float, typer.Option(
+        "--body-timeout", help="Seconds a client may take to send a request body; then 408 and the "
+        "connection is closed.")] = 30.0,
+    keep_alive_timeout: Annotated[float, typer.Option(
+        "--keep-alive-timeout", help="Seconds an idle keep-alive connection stays open.")] = 5.0,
     drain_timeout: Annotated[float, typer.Option(
         "--drain-timeout", help="On SIGTERM, seconds in-flight requests may take to finish (new ones get "
         "503) before they are aborted and the server exits 0.")] = 30.0,
     log_prompts: Annotated[bool, typer.Option(
         "--log-prompts", help="Include prompt text in the per-request JSON access log.")] = False,
+    kv_events_config: Annotated[Optional[str], typer.Option(
+        "--kv-events-config", help="Publish KV-cache events (blocks stored / removed) for prefix-aware routers, "
+        "in vLLM's format, e.g. '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": "
+        "\"tcp://*:5557\", \"topic\": \"kv-events\"}' (docs/server.md).")] = None,
     engine_process: Annotated[bool, typer.Option(
         "--engine-process/--no-engine-process", help="Run the engine core (model, scheduler, step loop) in its "
         "own process, so HTTP work never shares the GIL with it; --no-engine-process runs it in a thread of "
@@ -64,23 +93,29 @@ def serve_command(
 ) -> None:
     """Start the OpenAI-compatible server (/v1/completions, /v1/chat/completions, /metrics, /health)."""
     from kvpilot.engine.config import EngineConfigError
+    from kvpilot.engine.kv_events_config import KVEventsConfig
     from kvpilot.engine_args import EngineArgs
     from kvpilot.server.config import ServerArgs, ServerConfigError
 
     try:
         engine_args = EngineArgs(model=model, load_format=load_format, dtype=dtype, device=device,
+                                 quantization=quantization,
                                  max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                                  max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv_cache_memory,
                                  kv_cache_dtype=kv_cache_dtype, gpu_memory_utilization=gpu_memory_utilization,
                                  block_size=block_size,
                                  enable_prefix_caching=enable_prefix_caching, scheduling_policy=scheduling_policy,
                                  seed=seed, attention_backend=attention_backend,
-                                 async_scheduling=async_scheduling)
+                                 async_scheduling=async_scheduling,
+                                 kv_events_config=KVEventsConfig.parse(kv_events_config) if kv_events_config else None)
         engine_args.check()
         server_args = ServerArgs(host=host, port=port, served_model_names=_served_names(served_model_name, model),
-                                 api_key=api_key, max_num_queued_reqs=max_num_queued_reqs,
-                                 max_num_queued_tokens=max_num_queued_tokens, drain_timeout=drain_timeout,
-                                 log_prompts=log_prompts, engine_process=engine_process)
+                                 api_key=api_key, metrics_public=metrics_public,
+                                 max_num_queued_reqs=_queue_cap(max_num_queued_reqs, max_num_seqs),
+                                 max_num_queued_tokens=max_num_queued_tokens or None,
+                                 max_request_body_bytes=max_request_body_bytes, header_timeout_s=header_timeout,
+                                 body_timeout_s=body_timeout, keep_alive_timeout_s=keep_alive_timeout,
+                                 drain_timeout=drain_timeout, log_prompts=log_prompts, engine_process=engine_process)
     except (EngineConfigError, ServerConfigError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
@@ -88,20 +123,28 @@ def serve_command(
 
 
 def run_server(engine_args, server_args, uvicorn_log_level: str = "warning") -> int:  # type: ignore[no-untyped-def]
-    """Serves until SIGTERM/SIGINT (drained) and returns the exit code: 0, or 1 if the engine failed."""
+    """Serves until SIGTERM/SIGINT (drained) and returns the exit code: 0, or 1 if the engine failed or the
+    address is taken (checked before the model loads)."""
     import uvicorn
 
     from kvpilot.server.app import create_app
     from kvpilot.server.drain import DrainingServer
     from kvpilot.server.engine_spec import engine_factory
+    from kvpilot.server.listen import PortInUseError, bind_listener
+    from kvpilot.server.slow_clients import uvicorn_options
 
+    try:
+        listener = bind_listener(server_args.host, server_args.port)
+    except PortInUseError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        return 1
     app = create_app(engine_factory(engine_args), server_args)
-    config = uvicorn.Config(app, host=server_args.host, port=server_args.port, log_level=uvicorn_log_level,
-                            access_log=False, timeout_graceful_shutdown=5)
+    config = uvicorn.Config(app, log_level=uvicorn_log_level, access_log=False, timeout_graceful_shutdown=5,
+                            **uvicorn_options(server_args))
     server = DrainingServer(config, app.state.kvpilot, server_args.drain_timeout)
     logger.info("kvpilot serve: http://%s:%d (model %s loading)", server_args.host, server_args.port,
                 server_args.model_name)
-    server.run()
+    server.run(sockets=[listener])
     error = app.state.kvpilot.client.error
     if error is not None:
         typer.echo(f"error: {error}", err=True)

@@ -22,8 +22,10 @@ from kvpilot.outputs import RequestOutput
 from kvpilot.server.core_process import Core, start_core
 from kvpilot.server.engine_info import EngineInfo
 from kvpilot.server.engine_spec import EngineFactory, EngineSpec
+from kvpilot.server.errors import RequestFailedError
 from kvpilot.server.messages import (Abort, AddRequest, CoreFailed, FromCore, LoadFailed, Query, QueryReply, Ready,
                                      Shutdown, StepResult, ToCore)
+from kvpilot.server.output_delta import OutputAssembly, OutputDelta
 
 logger = logging.getLogger("kvpilot.server")
 SHUTDOWN_TIMEOUT_S = 30.0
@@ -40,8 +42,9 @@ class EngineQueryError(RuntimeError):
 
 class EngineClient:
     """Invariants: every request added gets exactly one final item on its queue (a finished RequestOutput or
-    an exception), also when the core dies or shuts down; outputs are delivered with their prompt token ids
-    (put back from AddRequest); `_streams`, `_prompts` and `_queries` are only touched on the event loop; `stats` is the latest scheduler snapshot and `info`/`tokenizer` are set before `ready` (each
+    an exception), also when the core dies or shuts down; outputs are rebuilt from the core's deltas with
+    the prompt of the AddRequest; `_streams`, `_assemblies` and `_queries` are only touched on the event
+    loop; `stats` is the latest scheduler snapshot and `info`/`tokenizer` are set before `ready` (each
     replaced whole, so reading them from any thread is safe); `error` is set at most once."""
 
     def __init__(self, factory: EngineFactory, in_process: bool = False,
@@ -60,7 +63,7 @@ class EngineClient:
         self._on_final, self._on_progress, self._on_step = on_final, on_progress, on_step
         self._outbox: queue.SimpleQueue[ToCore | None] = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue[Item]] = {}
-        self._prompts: dict[str, list[int]] = {}  # put back into each output (they travel without it)
+        self._assemblies: dict[str, OutputAssembly] = {}  # each request's output, rebuilt from deltas
         self._queries: dict[int, asyncio.Future[Any]] = {}
         self._query_ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -114,6 +117,10 @@ class EngineClient:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
+    def has_request(self, request_id: str) -> bool:
+        """True while the request is added and not yet finished."""
+        return request_id in self._streams
+
     # ---- requests and queries (event loop side) -------------------------------------------------------
 
     def add(self, message: AddRequest) -> asyncio.Queue[Item]:
@@ -121,7 +128,8 @@ class EngineClient:
             raise EngineDeadError(f"the engine stopped: {self.error}; restart the server")
         stream: asyncio.Queue[Item] = asyncio.Queue()
         self._streams[message.request_id] = stream
-        self._prompts[message.request_id] = message.prompt_token_ids
+        self._assemblies[message.request_id] = OutputAssembly(message.request_id, message.prompt,
+                                                              message.prompt_token_ids)
         self._outbox.put(message)
         return stream
 
@@ -151,16 +159,21 @@ class EngineClient:
 
     # ---- delivery (event loop side) -------------------------------------------------------------------
 
-    def _deliver(self, items: list[tuple[str, Item]]) -> None:
-        for request_id, item in items:
+    def _deliver(self, items: list[tuple[str, OutputDelta | BaseException]]) -> None:
+        for request_id, received in items:
+            assembly = self._assemblies.get(request_id)
+            if isinstance(received, OutputDelta):
+                if assembly is None:
+                    continue  # already ended (e.g. failed when its AddRequest could not be sent)
+                item: Item = assembly.add(received)
+            else:
+                item = received
             stream = self._streams.get(request_id)
-            if isinstance(item, RequestOutput):
-                item.prompt_token_ids = self._prompts.get(request_id, item.prompt_token_ids)
             if self._on_progress is not None:
                 self._on_progress(request_id)
             if not isinstance(item, RequestOutput) or item.finished:
                 self._streams.pop(request_id, None)
-                self._prompts.pop(request_id, None)
+                self._assemblies.pop(request_id, None)
                 if isinstance(item, RequestOutput) and self._on_final is not None:
                     self._on_final(item)
             if stream is not None:
@@ -229,8 +242,9 @@ class EngineClient:
                     self._on_step(step)
             if message.stats is not None:
                 self.stats = message.stats
-            items: list[tuple[str, Item]] = [(o.request_id, o) for o in message.outputs]
+            items: list[tuple[str, OutputDelta | BaseException]] = [(o.request_id, o) for o in message.outputs]
             items.extend((rid, ValueError(text)) for rid, text in message.rejected)
+            items.extend((rid, RequestFailedError(text)) for rid, text in message.failed)
             if items:
                 self._on_loop(self._deliver, items)
         elif isinstance(message, QueryReply):

@@ -18,11 +18,14 @@ from kvpilot.engine.scheduler_stats import SchedulerStats
 from kvpilot.outputs import RequestOutput
 from kvpilot.server.core_channel import Endpoint
 from kvpilot.server.engine_info import EngineCapacity
+from kvpilot.server.output_delta import delta_of
 from kvpilot.server.messages import (Abort, AddRequest, CapacityQuery, CoreFailed, IntegrityQuery, LoadFailed,
-                                     QueryReply, Ready, Shutdown, StatsQuery, StepResult, ToCore, without_prompt)
+                                     QueryReply, Ready, Shutdown, StatsQuery, StepResult, ToCore)
 
 if TYPE_CHECKING:
     from kvpilot.engine.engine import LLMEngine
+    from kvpilot.engine.kv_events_config import KVEventsConfig
+    from kvpilot.server.kv_event_publisher import ZmqKVEventPublisher
     from kvpilot.server.served_engine import ServedEngine
 
 logger = logging.getLogger("kvpilot.server")
@@ -60,8 +63,10 @@ class EngineCore:
     rejection) unless the core dies; every query exactly one QueryReply; messages are handled in the order
     sent, between steps; a StepResult is sent whenever outputs, step stats or the scheduler snapshot changed."""
 
-    def __init__(self, engine: LLMEngine, endpoint: Endpoint) -> None:
-        self.engine, self.endpoint = engine, endpoint
+    def __init__(self, engine: LLMEngine, endpoint: Endpoint, kv_events: ZmqKVEventPublisher | None = None) -> None:
+        """`kv_events` gets the block pool's KV-cache events after every step (the pool records them only when
+        the engine was built with them enabled)."""
+        self.engine, self.endpoint, self.kv_events = engine, endpoint, kv_events
         self._live: set[str] = set()  # added and not yet finished: what Shutdown aborts
         self._step_stats: list[StepStats] = []
         self._rejected: list[tuple[str, str]] = []
@@ -116,12 +121,18 @@ class EngineCore:
 
     def _step_and_publish(self) -> None:
         outputs: list[RequestOutput] = self.engine.step() if self.engine.has_unfinished_requests() else []
+        pool = self.engine.scheduler.kv.pool
+        if self.kv_events is not None and pool.events is not None:
+            self.kv_events.publish(pool.events.take())
         self._live.difference_update(o.request_id for o in outputs if o.finished)
+        failed = [(o.request_id, o.error) for o in outputs if o.error is not None]
+        if failed:  # failed alone by the engine (engine/step_failures.py): their clients get the error
+            outputs = [o for o in outputs if o.error is None]
         # Snapshot before sending: a client that got its final output then scrapes sees the state after.
         stats = self.engine.scheduler.make_stats()
-        if outputs or self._step_stats or self._rejected or stats != self.stats:
-            self.endpoint.send(StepResult([without_prompt(o) for o in outputs], list(self._step_stats),
-                                          list(self._rejected), stats))
+        if outputs or failed or self._step_stats or self._rejected or stats != self.stats:
+            self.endpoint.send(StepResult([delta_of(o) for o in outputs], list(self._step_stats),
+                                          list(self._rejected), stats, failed))
         self.stats = stats
         self._step_stats.clear()
         self._rejected.clear()
@@ -148,16 +159,31 @@ def _say_ready(served: ServedEngine, core: EngineCore, endpoint: Endpoint) -> bo
         return False
 
 
+def _start_kv_events(config: KVEventsConfig | None) -> ZmqKVEventPublisher | None:
+    """The publisher the engine was configured with, or None; OSError when its endpoint cannot be bound.
+    Its first batch says AllBlocksCleared: this engine holds nothing yet."""
+    if config is None or not config.publishes:
+        return None
+    from kvpilot.engine.kv_events import AllBlocksCleared
+    from kvpilot.server.kv_event_publisher import ZmqKVEventPublisher
+
+    publisher = ZmqKVEventPublisher(config)
+    publisher.publish([AllBlocksCleared()])
+    return publisher
+
+
 def run_core(build: Callable[[], ServedEngine], endpoint: Endpoint) -> None:
     """Builds the engine, sends Ready (or LoadFailed), serves until Shutdown or until the server side is
     gone, and closes the endpoint. Never raises for the server's absence: there is no one left to tell."""
+    kv_events: ZmqKVEventPublisher | None = None
     try:
         try:
             served = build()
+            kv_events = _start_kv_events(served.kv_events)
         except BaseException as exc:  # reported through /health and every request
             endpoint.send(LoadFailed(_load_error_message(exc)))
             return
-        core = EngineCore(served.engine, endpoint)
+        core = EngineCore(served.engine, endpoint, kv_events)
         if not _say_ready(served, core, endpoint):
             return
         try:
@@ -171,5 +197,7 @@ def run_core(build: Callable[[], ServedEngine], endpoint: Endpoint) -> None:
     except GONE:
         logger.warning("the server went away while the engine core started: the core exits")
     finally:
+        if kv_events is not None:
+            kv_events.close()
         with suppress(OSError):
             endpoint.close()

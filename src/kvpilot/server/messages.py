@@ -11,14 +11,14 @@ through in-memory queues to the core thread (`--no-engine-process`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvpilot.engine.engine import StepStats
 from kvpilot.engine.scheduler_stats import SchedulerStats
-from kvpilot.outputs import RequestOutput
 from kvpilot.sampling_params import SamplingParams
 from kvpilot.server.engine_info import EngineInfo
+from kvpilot.server.output_delta import OutputDelta
 
 # ---- server -> core ---------------------------------------------------------------------------------------
 
@@ -95,22 +95,17 @@ class LoadFailed:
 
 @dataclass(frozen=True)
 class StepResult:
-    """One loop iteration: the step's outputs, the StepStats of the step (none when nothing was scheduled),
-    requests the engine refused (request_id, the ValueError's message), and the scheduler snapshot after it.
-    Outputs of a request arrive in order; a request's last item is a finished output or a rejection.
+    """One loop iteration: what the step added to each request's output (OutputDelta: new tokens, text and
+    logprobs, never the whole output, so a step costs the same at token 10 and token 4,000), the StepStats of
+    the step (none when nothing was scheduled), requests the engine refused (request_id, the ValueError's
+    message), and the scheduler snapshot after it. A request's deltas arrive in order; its last item is a
+    finished delta, a rejection or a failure (`failed`: the engine failed it alone and kept serving)."""
 
-    Outputs travel without their prompt (`without_prompt`): it is the largest part of every output of every
-    step, and the server already has it (it sent it in AddRequest) and puts it back before delivery."""
-
-    outputs: list[RequestOutput] = field(default_factory=list)
+    outputs: list[OutputDelta] = field(default_factory=list)
     step_stats: list[StepStats] = field(default_factory=list)
     rejected: list[tuple[str, str]] = field(default_factory=list)
     stats: SchedulerStats | None = None
-
-
-def without_prompt(output: RequestOutput) -> RequestOutput:
-    """A shallow copy with `prompt_token_ids` empty (the engine's own output is left as it is)."""
-    return replace(output, prompt_token_ids=[])
+    failed: list[tuple[str, str]] = field(default_factory=list)  # (request_id, error): failed alone, final
 
 
 @dataclass(frozen=True)

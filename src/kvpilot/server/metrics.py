@@ -22,6 +22,7 @@ from prometheus_client.registry import Collector
 from kvpilot.engine.engine import StepStats
 from kvpilot.engine.scheduler_stats import SchedulerStats
 from kvpilot.engine.timeline import RequestMetrics
+from kvpilot.server.engine_info import EngineInfo
 from kvpilot.server.proc_memory import HostSwap, ProcessMemory, read_host_swap, read_process_memory
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so histograms line up with vLLM dashboards.
@@ -82,6 +83,28 @@ class _SchedulerCollector(Collector):
         yield blocks
 
 
+class _CacheConfigCollector(Collector):
+    """vLLM's `vllm:cache_config_info`: value 1, the KV cache's configuration in its labels (string values, as
+    vLLM writes them). llm-d's endpoint picker and `kvpilot doctor` read block_size and num_gpu_blocks from it;
+    absent until the engine has started."""
+
+    def __init__(self, info: Callable[[], EngineInfo | None]) -> None:
+        self._info = info
+
+    def collect(self) -> Iterator[Metric]:
+        info = self._info()
+        if info is None:
+            return
+        labels = {"block_size": str(info.kv.block_size), "num_gpu_blocks": str(info.kv.num_blocks),
+                  "num_cpu_blocks": "0", "cache_dtype": info.kv.dtype,
+                  "enable_prefix_caching": str(info.enable_prefix_caching),
+                  "kv_cache_memory_bytes": str(info.kv.budget_bytes)}
+        family = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine's CacheConfig.",
+                                   labels=list(labels))
+        family.add_metric(list(labels.values()), 1.0)
+        yield family
+
+
 class MemoryCollector(Collector):
     """Scrape-time view of the server process's memory and the host's swap (Linux /proc; on other
     systems, or where /proc is unreadable, these series are simply absent). No labels: one process."""
@@ -118,8 +141,9 @@ class ServerMetrics:
     steps, the event loop observes requests."""
 
     def __init__(self, model_name: str, snapshot: Callable[[], SchedulerStats | None],
-                 memory: Collector | None = None) -> None:
-        """``memory``: where the process's memory figures come from (default: this process's /proc)."""
+                 memory: Collector | None = None, info: Callable[[], EngineInfo | None] = lambda: None) -> None:
+        """``memory``: where the process's memory figures come from (default: this process's /proc);
+        ``info``: the engine's start-up facts once it is ready (for `vllm:cache_config_info`)."""
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
         r, m = self.registry, ["model_name"]
@@ -158,6 +182,7 @@ class ServerMetrics:
                                 ["model_name", "reason"], registry=r)
         r.register(_SchedulerCollector(snapshot, model_name))
         r.register(memory if memory is not None else MemoryCollector())
+        r.register(_CacheConfigCollector(info))
 
     def observe_step(self, stats: StepStats) -> None:
         """Once per engine step (LLMEngine.on_step, relayed by the EngineClient; any thread): the step's

@@ -2,8 +2,8 @@
 pool: never on the event loop) -> token cap -> engine -> respond.
 
 Streaming responses abort their request when the client goes away (the generator is closed or cancelled);
-non-streaming ones poll for a disconnect while they wait. Either way the engine frees the blocks before its
-next step.
+non-streaming ones watch for the disconnect message while they wait. Either way the engine frees the blocks
+before its next step.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable
 
@@ -21,14 +20,18 @@ from kvpilot.engine.timeline import RequestMetrics
 from kvpilot.outputs import RequestOutput
 from kvpilot.server.errors import APIError, from_value_error
 from kvpilot.server.messages import AddRequest
-from kvpilot.server.prompt_tokens import prompt_size, tokenize_request
+from kvpilot.server.prompt_tokens import PromptTooLongError, prompt_size, tokenize_request
 from kvpilot.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvpilot.server.request_identity import engine_request_id
 from kvpilot.server.responses import (SSE_DONE, ResponseShape, chat_logprobs, completion_logprobs, usage)
 from kvpilot.server.state import ServerState
 from kvpilot.server.timings import RequestTimings, access_log_line, kvpilot_field
 
 access_logger = logging.getLogger("kvpilot.access")
-DISCONNECT_POLL_S = 0.5
+
+
+class ClientDisconnected(Exception):
+    """The client of a non-streaming request left before its answer; the request was aborted."""
 
 
 @dataclass(frozen=True)
@@ -44,14 +47,19 @@ class Prepared:
     prompt_text: str | None
 
 
-async def prepare(state: ServerState, body: CompletionRequest | ChatCompletionRequest, arrival: float) -> Prepared:
-    """Validates, takes a queue slot, tokenizes off the event loop; raises APIError (400/404/429/503) with
-    nothing left behind (the slot is given back on any failure)."""
+async def prepare(state: ServerState, body: CompletionRequest | ChatCompletionRequest, arrival: float,
+                  client_id: str | None = None) -> Prepared:
+    """Validates, takes a queue slot, tokenizes off the event loop; raises APIError (400/404/409/429/503) with
+    nothing left behind (the slot is given back on any failure). `client_id`: the client's X-Request-Id
+    (request_identity.py), kept in the request id."""
     chat = isinstance(body, ChatCompletionRequest)
     state.check_serving()
     state.check_model(body.model)
     body.check_n()
-    request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    request_id = engine_request_id(chat, client_id)
+    if state.client.has_request(request_id):
+        raise APIError(409, f"a request with X-Request-Id {client_id!r} is still running: send a unique id",
+                       param="X-Request-Id")
     try:
         state.admission.reserve(request_id)  # the request cap costs nothing to check: before tokenizing
     except APIError:
@@ -69,8 +77,12 @@ async def _prepare_reserved(state: ServerState, body: CompletionRequest | ChatCo
     chat = isinstance(body, ChatCompletionRequest)
     limit = state.info.max_model_len
     started = time.monotonic()
-    prompt = await state.tokenizer_pool.run(prompt_size(body), tokenize_request, body, state.tokenizer,
-                                            state.info.vocab_size, limit)
+    try:
+        prompt = await state.tokenizer_pool.run(prompt_size(body), tokenize_request, body, state.tokenizer,
+                                                state.info.vocab_size, limit)
+    except PromptTooLongError:
+        state.metrics.reject("too_long")
+        raise
     tokenize_s = time.monotonic() - started  # includes waiting for a worker: the request waited that long
     state.metrics.observe_tokenization(tokenize_s)
     max_tokens = body.default_max_tokens(limit - prompt.num_tokens)
@@ -149,26 +161,29 @@ def _raise_item(state: ServerState, item: BaseException) -> None:
 
 
 async def respond_whole(state: ServerState, prepared: Prepared,
-                        is_disconnected: Callable[[], Awaitable[bool]]) -> JSONResponse:
-    """Non-streaming: wait for the final output; abort if the client leaves meanwhile."""
+                        wait_disconnect: Callable[[], Awaitable[None]]) -> JSONResponse:
+    """Non-streaming: wait for the final output; abort as soon as the client leaves (`wait_disconnect`
+    returns), whether or not outputs are arriving meanwhile."""
     rid = prepared.shape.request_id
     stream = state.client.add(prepared.message)
     finisher = _Finisher(state, prepared)
     final: RequestOutput | None = None
+    watcher = asyncio.ensure_future(wait_disconnect())
     try:
         while final is None:
-            try:
-                item = await asyncio.wait_for(stream.get(), DISCONNECT_POLL_S)
-            except TimeoutError:
-                if await is_disconnected():
-                    state.client.abort([rid])
-                continue
+            getter = asyncio.ensure_future(stream.get())
+            await asyncio.wait((getter, watcher), return_when=asyncio.FIRST_COMPLETED)
+            if not getter.done():
+                getter.cancel()
+                raise ClientDisconnected(rid)
+            item = getter.result()
             if isinstance(item, BaseException):
                 _raise_item(state, item)
             finisher.saw(item)
             if item.finished:
                 final = item
     finally:
+        watcher.cancel()
         state.admission.release(rid)
         if final is None:
             state.client.abort([rid])
@@ -178,7 +193,7 @@ async def respond_whole(state: ServerState, prepared: Prepared,
                                    chunk=False, stop_reason=out.stop_reason)
     body = prepared.shape.body(choice, usage(final), finisher.field(final, timings, metrics))
     finisher.log(200, timings, metrics)
-    return JSONResponse(body, headers={"Server-Timing": timings.server_timing_header()})
+    return JSONResponse(body, headers={"Server-Timing": timings.server_timing_header(), "X-Request-Id": rid})
 
 
 async def _events(state: ServerState, prepared: Prepared,

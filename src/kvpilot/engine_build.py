@@ -1,0 +1,118 @@
+"""build_engine: loads the model (or reuses loaded weights), sizes the KV cache once (KVCachePlan: dtype, bytes
+per block, budget, blocks), and wires scheduler + runner into an LLMEngine. Imports torch: only the engine
+core (or the offline `LLM`) calls it, never the HTTP process.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from kvpilot.engine.config import CacheConfig, EngineConfigError, SchedulerConfig, check_model_len_fits
+from kvpilot.engine.engine import LLMEngine
+from kvpilot.engine.scheduler import Scheduler
+from kvpilot.engine.scheduler_output import NewRequestData, ScheduledChunk, SchedulerOutput
+from kvpilot.engine_args import DEFAULT_CPU_KV_CACHE_BYTES, EngineArgs
+from kvpilot.fit.kv_cache import KvCapacity, format_capacity_line, kv_capacity_for_memory
+from kvpilot.memory_size import format_bytes, parse_memory_size
+from kvpilot.model.kv_dtype import kv_dtype_name, resolve_kv_cache_dtype
+from kvpilot.model.loader import LoadedModel, load_model
+from kvpilot.model.runner import ModelRunner, RunnerLimits
+from kvpilot.sampling_params import SamplingParams
+
+logger = logging.getLogger("kvpilot")
+
+
+@dataclass(frozen=True)
+class KVCachePlan:
+    """The KV cache as built, computed once: `budget_bytes` is what it was sized from (kv_cache_memory, the
+    CPU default, or on CUDA the profiled share of gpu_memory_utilization); `capacity` the blocks that fit."""
+
+    dtype: torch.dtype
+    dtype_bytes: int
+    budget_bytes: int
+    capacity: KvCapacity
+
+
+@dataclass(frozen=True)
+class BuiltEngine:
+    engine: LLMEngine
+    loaded: LoadedModel
+    kv: KVCachePlan
+
+
+def _cuda_kv_budget(loaded: LoadedModel, utilization: float, num_tokens: int, block_size: int,
+                    kv_dtype: torch.dtype) -> int:
+    """vLLM-style: GPU memory * utilization, minus what is in use, minus a full-budget forward's activations."""
+    device = loaded.device
+    num_blocks = num_tokens // block_size + 1
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    baseline = torch.cuda.memory_allocated(device)
+    profiler = ModelRunner(loaded, num_blocks, block_size, kv_dtype,
+                           limits=RunnerLimits(max_num_seqs=1, max_model_len=num_tokens))
+    cache_bytes = torch.cuda.memory_allocated(device) - baseline
+    new = NewRequestData("profile", [0] * num_tokens, [], SamplingParams(), list(range(num_blocks)), 0)
+    profiler.forward_logits(SchedulerOutput([ScheduledChunk("profile", 0, num_tokens, True)], new_requests=[new]))
+    torch.cuda.synchronize(device)
+    activations = torch.cuda.max_memory_allocated(device) - baseline - cache_bytes
+    del profiler
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    return int(total * utilization - (total - free) - activations)
+
+
+def kv_cache_budget_bytes(args: EngineArgs, loaded: LoadedModel, max_num_batched_tokens: int,
+                          kv_dtype: torch.dtype) -> int:
+    """Bytes for the KV cache: kv_cache_memory if given; on CUDA from gpu_memory_utilization; else the CPU default."""
+    if args.kv_cache_memory is not None:
+        return parse_memory_size(args.kv_cache_memory, "kv_cache_memory")
+    if loaded.device.type == "cuda":
+        return _cuda_kv_budget(loaded, args.gpu_memory_utilization, max_num_batched_tokens, args.block_size,
+                               kv_dtype)
+    return DEFAULT_CPU_KV_CACHE_BYTES
+
+
+def build_engine(args: EngineArgs, loaded: LoadedModel | None = None) -> BuiltEngine:
+    """Loads the model (or reuses `loaded`: its weights are read-only, so engines may share them) and builds
+    the engine; EngineConfigError / ModelLoadError say what to change."""
+    args.check()
+    if loaded is None:
+        loaded = load_model(args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
+                            max_model_len=args.max_model_len, seed=args.seed, quantization=args.quantization)
+    max_model_len = args.max_model_len or loaded.config.max_position_embeddings
+    scheduler_config = SchedulerConfig(
+        max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens or max(2048, args.max_num_seqs),
+        scheduling_policy=args.scheduling_policy)
+    kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, loaded.dtype)
+    budget = kv_cache_budget_bytes(args, loaded, scheduler_config.max_num_batched_tokens, kv_dtype)
+    element_size = torch.tensor([], dtype=kv_dtype).element_size()
+    # The same function `kvpilot fit` predicts with: plan and engine agree by construction.
+    capacity = kv_capacity_for_memory(loaded.config, budget, args.block_size, element_size, max_model_len)
+    if capacity.num_blocks < 1:
+        raise EngineConfigError(f"the KV cache budget of {format_bytes(budget)} holds no block of "
+                                f"{format_bytes(capacity.bytes_per_block)}: raise kv_cache_memory")
+    events = args.kv_events_config
+    cache_config = CacheConfig(num_blocks=capacity.num_blocks, block_size=args.block_size,
+                               enable_prefix_caching=args.enable_prefix_caching,
+                               enable_kv_cache_events=events is not None and events.publishes)
+    check_model_len_fits(scheduler_config, cache_config)
+    logger.info("%s; KV stored as %s", format_capacity_line(capacity), kv_dtype_name(kv_dtype))
+    eos_token_ids = eos_token_ids_of(loaded)
+    runner = ModelRunner(loaded, capacity.num_blocks, args.block_size, kv_dtype,
+                         limits=RunnerLimits(args.max_num_seqs, max_model_len),
+                         attention_backend=args.attention_backend, eos_token_ids=eos_token_ids)
+    scheduler = Scheduler(scheduler_config, cache_config, eos_token_ids)
+    async_scheduling = args.async_scheduling if args.async_scheduling is not None else loaded.device.type == "cuda"
+    engine = LLMEngine(scheduler, runner, loaded.tokenizer, loaded.config.vocab_size,
+                       async_scheduling=async_scheduling)
+    return BuiltEngine(engine, loaded, KVCachePlan(kv_dtype, element_size, budget, capacity))
+
+
+def eos_token_ids_of(loaded: LoadedModel) -> tuple[int, ...]:
+    """The one EOS set: the tokenizer's EOS ids and the config's (generation) EOS ids, deduplicated."""
+    tokenizer_eos = loaded.tokenizer.eos_token_ids if loaded.tokenizer else ()
+    return tuple(dict.fromkeys([*tokenizer_eos, *loaded.config.eos_token_ids]))
