@@ -10,53 +10,28 @@ KVPILOT_CPU_KERNELS=0, `get_kernel()` returns None and the torch path is used.
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import os
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import torch
 
-logger = logging.getLogger("kvpilot")
+from kvpilot.model.layers.cpp_build import CppKernel, build_cpp_kernel
 
 # concatenated in this order into one translation unit (the headers are not on an include path)
 SOURCE_PATHS = tuple(Path(__file__).parent / "csrc" / name
                      for name in ("decode_common.h", "decode_avx512.h", "paged_decode_cpu.cpp"))
 
 
-# OpenMP first: ATen's parallel_for is inlined into the module and, built without it, runs on one thread
-# (a compiler without -fopenmp, e.g. Apple clang, still gets the kernel, serial, with a warning)
-_BUILDS = (("-fopenmp",), ())
+_KERNEL = CppKernel(label="CPU decode kernel", name_prefix="kvpilot_cpu_decode_", sources=SOURCE_PATHS,
+                    functions=("paged_decode", "parallel_width"), cflags=("-O3", "-march=native", "-ffast-math"),
+                    serial="decode attention runs on one thread", fallback="using the torch path")
 
 
 @lru_cache(maxsize=1)
 def get_kernel() -> Any | None:
     """The compiled module, or None when it cannot be built or is switched off."""
-    if os.environ.get("KVPILOT_CPU_KERNELS", "1") == "0":
-        return None
-    source = "\n".join(path.read_text(encoding="utf-8") for path in SOURCE_PATHS)
-    # the name carries the source hash: an edited kernel is rebuilt, never a stale cached one loaded
-    name = "kvpilot_cpu_decode_" + hashlib.sha256(source.encode()).hexdigest()[:12]
-    error: Exception | None = None
-    for openmp in _BUILDS:
-        try:
-            from torch.utils.cpp_extension import load_inline
-
-            module = load_inline(name=name if openmp else name + "_serial", cpp_sources=[source],
-                                 functions=["paged_decode", "parallel_width"],
-                                 extra_cflags=["-O3", "-march=native", "-ffast-math", *openmp],
-                                 extra_ldflags=list(openmp), verbose=False)
-        except Exception as exc:  # no compiler / ninja / headers / OpenMP: try the next build, then torch
-            error = exc
-            continue
-        if not openmp:
-            logger.warning("CPU decode kernel built without OpenMP: decode attention runs on one thread")
-        return module
-    logger.warning("CPU decode kernel unavailable, using the torch path (%s: %s)", type(error).__name__,
-                   str(error).splitlines()[0] if str(error) else "")
-    return None
+    return build_cpp_kernel(_KERNEL)
 
 
 KERNEL_KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)

@@ -9,14 +9,11 @@ one CPU and loaded on another. If the build is impossible (no compiler or ninja)
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import os
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-logger = logging.getLogger("kvpilot")
+from kvpilot.model.layers.cpp_build import CppKernel, build_cpp_kernel
 
 _CSRC = Path(__file__).resolve().parent.parent / "layers" / "csrc"
 # concatenated in this order into one translation unit (the headers are not on an include path)
@@ -25,35 +22,16 @@ SOURCE_PATHS = tuple(_CSRC / name for name in ("quant_common.h", "quant_avx512.h
 FUNCTIONS = ["quant_matmul", "quant_dequantize", "cpu_isa", "quant_parallel_width", "quant_matmul_q8act"]
 ISA_NAMES = ("portable", "avx2", "avx512")
 
-# OpenMP first: ATen's parallel_for is inlined into the module and, built without it, runs on one thread
-_BUILDS = (("-fopenmp",), ())
+_KERNEL = CppKernel(label="CPU quantized-linear kernel", name_prefix="kvpilot_cpu_quant_", sources=SOURCE_PATHS,
+                    functions=tuple(FUNCTIONS), cflags=("-O3", "-ffast-math"),
+                    serial="packed matmuls run on one thread",
+                    fallback="GGUF weights will be dequantized at load")
 
 
 @lru_cache(maxsize=1)
 def get_quant_kernel() -> Any | None:
     """The compiled module, or None when it cannot be built or is switched off (KVPILOT_CPU_KERNELS=0)."""
-    if os.environ.get("KVPILOT_CPU_KERNELS", "1") == "0":
-        return None
-    source = "\n".join(path.read_text(encoding="utf-8") for path in SOURCE_PATHS)
-    # the name carries the source hash: an edited kernel is rebuilt, never a stale cached one loaded
-    name = "kvpilot_cpu_quant_" + hashlib.sha256(source.encode()).hexdigest()[:12]
-    error: Exception | None = None
-    for openmp in _BUILDS:
-        try:
-            from torch.utils.cpp_extension import load_inline
-
-            module = load_inline(name=name if openmp else name + "_serial", cpp_sources=[source],
-                                 functions=FUNCTIONS, extra_cflags=["-O3", "-ffast-math", *openmp],
-                                 extra_ldflags=list(openmp), verbose=False)
-        except Exception as exc:  # no compiler / ninja / headers / OpenMP: try the next build, then give up
-            error = exc
-            continue
-        if not openmp:
-            logger.warning("CPU quantized-linear kernel built without OpenMP: packed matmuls run on one thread")
-        return module
-    logger.warning("CPU quantized-linear kernel unavailable, GGUF weights will be dequantized at load (%s: %s)",
-                   type(error).__name__, str(error).splitlines()[0] if str(error) else "")
-    return None
+    return build_cpp_kernel(_KERNEL)
 
 
 def best_isa() -> int:

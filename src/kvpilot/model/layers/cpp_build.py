@@ -1,0 +1,58 @@
+"""Builds kvpilot's C++ CPU kernels with torch's cpp_extension (JIT, cached on disk by torch under
+~/.cache/torch_extensions), the one way for all of them: KVPILOT_CPU_KERNELS=0 switches them off; the module
+name carries the sources' hash (an edited kernel is rebuilt, never a stale cached one loaded); OpenMP first,
+since ATen's parallel_for is inlined into the module and runs on one thread without it (a compiler without
+-fopenmp, e.g. Apple clang, still gets the kernel, serial, with a warning); if nothing builds (no compiler,
+ninja or headers), None and a warning naming the fallback."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("kvpilot")
+
+_BUILDS = (("-fopenmp",), ())
+
+
+@dataclass(frozen=True)
+class CppKernel:
+    """One kernel module: `sources` concatenated in order into one translation unit (the headers are not on
+    an include path); `serial` / `fallback` finish the warnings ("... runs on one thread", "using ...")."""
+
+    label: str
+    name_prefix: str
+    sources: tuple[Path, ...]
+    functions: tuple[str, ...]
+    cflags: tuple[str, ...]
+    serial: str
+    fallback: str
+
+
+def build_cpp_kernel(kernel: CppKernel) -> Any | None:
+    """The compiled module, or None when it cannot be built or KVPILOT_CPU_KERNELS=0."""
+    if os.environ.get("KVPILOT_CPU_KERNELS", "1") == "0":
+        return None
+    source = "\n".join(path.read_text(encoding="utf-8") for path in kernel.sources)
+    name = kernel.name_prefix + hashlib.sha256(source.encode()).hexdigest()[:12]
+    error: Exception | None = None
+    for openmp in _BUILDS:
+        try:
+            from torch.utils.cpp_extension import load_inline
+
+            module = load_inline(name=name if openmp else name + "_serial", cpp_sources=[source],
+                                 functions=list(kernel.functions), extra_cflags=[*kernel.cflags, *openmp],
+                                 extra_ldflags=list(openmp), verbose=False)
+        except Exception as exc:  # no compiler / ninja / headers / OpenMP: try the next build, then give up
+            error = exc
+            continue
+        if not openmp:
+            logger.warning("%s built without OpenMP: %s", kernel.label, kernel.serial)
+        return module
+    logger.warning("%s unavailable, %s (%s: %s)", kernel.label, kernel.fallback, type(error).__name__,
+                   str(error).splitlines()[0] if str(error) else "")
+    return None
