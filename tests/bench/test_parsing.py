@@ -63,6 +63,8 @@ def test_payloads_follow_the_openai_protocol() -> None:
                     "stream_options": {"include_usage": True}, "ignore_eos": True}
     plain = build_payload(Target("http://h:1", "m", stream=False), "hi", None, 3)
     assert plain == {"model": "m", "max_tokens": 3, "stream": False, "prompt": "hi"}
+    greedy = build_payload(Target("http://h:1", "m", stream=False, temperature=0.0), "hi", None, 3)
+    assert greedy["temperature"] == 0.0  # --temperature 0: peers compared greedy
 
 
 def test_output_text_of_chunks() -> None:

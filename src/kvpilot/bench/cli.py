@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
@@ -58,6 +58,11 @@ def make_bench_command(report_sections: tuple[ReportSection, ...] = ()) -> Calla
         timeout: Annotated[
             float, typer.Option(help="Seconds to wait for a connection or for the next bytes of a response.")
         ] = 300.0,
+        temperature: Annotated[
+            Optional[float],
+            typer.Option(help="Send this temperature (0 = greedy, as peers are usually compared); default: "
+                              "the server's own (OpenAI's default is 1.0)."),
+        ] = None,
         concurrency: Annotated[
             int | None,
             typer.Option(
@@ -196,6 +201,7 @@ def make_bench_command(report_sections: tuple[ReportSection, ...] = ()) -> Calla
                     stream,
                     ignore_eos,
                     timeout,
+                    temperature,
                 ),  # type: ignore[arg-type]
                 dataset=DatasetConfig(
                     _choice(dataset, DATASET_KINDS, "--dataset"),

@@ -34,6 +34,7 @@ class Target:
     stream: bool = True
     ignore_eos: bool = False
     timeout_s: float = 300.0
+    temperature: float | None = None  # None: the server's default (OpenAI's is 1.0)
 
     @property
     def url(self) -> str:
@@ -76,6 +77,8 @@ def build_payload(target: Target, prompt: str | None, messages: list[dict[str, s
         body["stream_options"] = {"include_usage": True}
     if target.ignore_eos:
         body["ignore_eos"] = True
+    if target.temperature is not None:
+        body["temperature"] = target.temperature
     return body
 
 
