@@ -16,7 +16,7 @@ DtypeOpt = Annotated[str, typer.Option(
     "--dtype", help="auto (bfloat16 on GPUs and on CPUs with native bf16, else float32), float32, bfloat16, or float16 (CUDA only).")]
 QuantizationOpt = Annotated[str, typer.Option(
     "--quantization", "-q", help="GGUF weights on CPU: auto (keep Q8_0/Q4_0/Q4_1 packed, computed by fused "
-    "kernels, when every linear weight has one of those types), gguf (packed, or an error naming the types "
+    "kernels, when every linear weight has one of those types and --dtype is float32; bfloat16 runs dense), gguf (packed, or an error naming the types "
     "that are not), none (dequantize to --dtype at load); int8 / int4: quantize any model's linear weights "
     "at load (per-32 scales, Q8_0 / Q4_1 blocks; CPU).")]
 DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="cpu or cuda[:N]. Default: cuda if available.")]

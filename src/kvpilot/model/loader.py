@@ -59,7 +59,7 @@ def _load_gguf(path: Path, max_model_len: int | None, dtype: torch.dtype, device
 
     reader = open_gguf(path)
     config = from_hf_config(hf_config_from_reader(reader, path), str(path))
-    names = packed_names(quantization, device, linear_tensor_types(reader), config, path)
+    names = packed_names(quantization, device, linear_tensor_types(reader), config, path, dtype)
     dense, packed = load_gguf_tensors(reader, path, config, names)
     prepare = (lambda m: pack_linear_layers(m, packed, config)) if names else None
     model = _build_model(config, max_model_len or config.max_position_embeddings, dtype, device, prepare)
