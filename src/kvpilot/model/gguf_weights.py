@@ -84,12 +84,6 @@ def _unpermute_qk(array: np.ndarray, name: str, config: ModelConfig) -> np.ndarr
     return array
 
 
-def load_gguf_state_dict(reader: Any, path: str | Path, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """HF-named float32 tensors of every tensor kvpilot uses; Q/K unpermuted for llama/mistral GGUFs."""
-    dense, _ = load_gguf_tensors(reader, path, config, packed_names=frozenset())
-    return dense
-
-
 def is_linear_weight(hf_name: str) -> bool:
     """Whether the HF-named tensor is a matrix the model multiplies by (a projection or the output layer)."""
     return hf_name.endswith("_proj.weight") or hf_name in ("lm_head.weight", "model.embed_tokens.weight")
