@@ -25,10 +25,14 @@ def client_request_id(headers: Any) -> str | None:
     value = headers.get(HEADER)
     if value is None:
         return None
-    if not 0 < len(value) <= MAX_REQUEST_ID_CHARS or not _SAFE.fullmatch(value):
+    if not _is_valid(value):
         raise APIError(400, f"X-Request-Id must be 1 to {MAX_REQUEST_ID_CHARS} characters of letters, digits and "
                             f"._:/@+=-", param="X-Request-Id")
     return value
+
+
+def _is_valid(value: str) -> bool:
+    return 0 < len(value) <= MAX_REQUEST_ID_CHARS and _SAFE.fullmatch(value) is not None
 
 
 def engine_request_id(chat: bool, client_id: str | None) -> str:
@@ -47,7 +51,7 @@ class EchoRequestId:
             await self.app(scope, receive, send)
             return
         incoming = next((v for k, v in scope.get("headers", []) if k == HEADER.encode()), None)
-        if incoming is None or len(incoming) > MAX_REQUEST_ID_CHARS or not _SAFE.fullmatch(incoming.decode("latin-1")):
+        if incoming is None or not _is_valid(incoming.decode("latin-1")):
             await self.app(scope, receive, send)
             return
 
