@@ -12,8 +12,8 @@ import pytest
 
 from tests.import_graph import Import, cycles, package_imports, reachable_modules, unit_edges, unit_of
 
-# Plain value types with no kvpilot imports of their own: any unit may import them.
-SHARED_LEAVES = frozenset({"memory_size", "sampling_params", "outputs"})
+# Plain value types and process helpers with no kvpilot imports of their own: any unit may import them.
+SHARED_LEAVES = frozenset({"memory_size", "sampling_params", "outputs", "omp_pool"})
 # unit -> the other units it may import (besides SHARED_LEAVES). The data itself must be acyclic (checked).
 MAY_IMPORT: dict[str, frozenset[str]] = {
     **{leaf: frozenset() for leaf in SHARED_LEAVES},

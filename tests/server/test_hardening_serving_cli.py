@@ -51,6 +51,7 @@ def test_empty_api_key_is_refused_at_start_up() -> None:
 def test_queue_is_capped_by_default() -> None:
     assert ServerArgs().max_num_queued_reqs == DEFAULT_MAX_NUM_QUEUED_REQS
     assert _queue_cap(None, max_num_seqs=256) == 512 and _queue_cap(0, 256) is None and _queue_cap(7, 256) == 7
+    assert _queue_cap(None, max_num_seqs=1) == 64  # a few clients' burst is queued, not refused
 
 
 def test_serve_on_a_busy_port_fails_before_loading(tiny_config: Path) -> None:

@@ -12,6 +12,7 @@ from typing import Any, Coroutine, TypeVar
 import uvicorn
 from fastapi import FastAPI
 
+from kvpilot.omp_pool import release_omp_pool
 from kvpilot.server.slow_clients import uvicorn_options
 from kvpilot.server.state import ServerState
 
@@ -49,6 +50,9 @@ class BackgroundServer:
         return self.app.state.kvpilot
 
     def __enter__(self) -> BackgroundServer:
+        # An engine core thread sharing weights this thread used would otherwise run every OpenMP region
+        # next to this thread's idle pool, at about half speed on a small host (kvpilot/omp_pool.py).
+        release_omp_pool()
         self._thread.start()
         deadline = time.monotonic() + self.timeout_s
         while not self.server.started:

@@ -17,6 +17,7 @@ from kvpilot.cli_options import (AsyncSchedulingOpt, AttentionBackendOpt, BlockS
 
 logger = logging.getLogger("kvpilot.server")
 QUEUE_CAP_BATCHES = 2
+MIN_QUEUE_CAP = 64  # a burst from a few clients waits its turn, even with --max-num-seqs 1
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024  # config.DEFAULT_MAX_REQUEST_BODY_BYTES (kept lazy: --help)
 
 
@@ -32,10 +33,10 @@ def _served_names(names: list[str] | None, model: str | None) -> tuple[str, ...]
 
 
 def _queue_cap(flag: int | None, max_num_seqs: int) -> int | None:
-    """--max-num-queued-reqs: left out, two full batches may wait (beyond that a new request's wait grows
-    without bound under overload, so refusing at once is kinder); 0: no limit."""
+    """--max-num-queued-reqs: left out, two full batches may wait, and never fewer than MIN_QUEUE_CAP (beyond
+    that a new request's wait grows without bound under overload, so refusing at once is kinder); 0: no limit."""
     if flag is None:
-        return QUEUE_CAP_BATCHES * max_num_seqs
+        return max(QUEUE_CAP_BATCHES * max_num_seqs, MIN_QUEUE_CAP)
     return flag or None
 
 
@@ -60,7 +61,7 @@ def serve_command(
         "the key).")] = False,
     max_num_queued_reqs: Annotated[Optional[int], typer.Option(
         "--max-num-queued-reqs", help="Most requests waiting to run (admitted, not yet running); beyond it: "
-        "429 + Retry-After at once. Default: 2 x --max-num-seqs; 0: no limit.")] = None,
+        "429 + Retry-After at once. Default: 2 x --max-num-seqs, at least 64; 0: no limit.")] = None,
     max_num_queued_tokens: Annotated[Optional[int], typer.Option(
         "--max-num-queued-tokens", help="Most prompt tokens waiting to run; beyond it: 429 + Retry-After. "
         "Default: no limit.")] = None,
