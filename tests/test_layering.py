@@ -12,11 +12,12 @@ import pytest
 
 from tests.import_graph import Import, cycles, package_imports, reachable_modules, unit_edges, unit_of
 
-# Plain value types and process helpers with no kvpilot imports of their own: any unit may import them.
-SHARED_LEAVES = frozenset({"memory_size", "sampling_params", "outputs", "omp_pool"})
+# Plain value types and process helpers, importing at most each other (MAY_IMPORT): any unit may import them.
+SHARED_LEAVES = frozenset({"memory_size", "sampling_params", "structured_outputs", "outputs", "omp_pool"})
 # unit -> the other units it may import (besides SHARED_LEAVES). The data itself must be acyclic (checked).
 MAY_IMPORT: dict[str, frozenset[str]] = {
     **{leaf: frozenset() for leaf in SHARED_LEAVES},
+    "sampling_params": frozenset({"structured_outputs"}),  # SamplingParams.structured_outputs (vLLM's shape)
     "cli_options": frozenset(),
     # torch-free core: the scheduler side and the planner (its catalogs, HF-config and GGUF-header parsers)
     "engine": frozenset(),

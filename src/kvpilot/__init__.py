@@ -1,9 +1,10 @@
 """kvpilot: a fast LLM inference server that explains its own speed."""
 
 from kvpilot.sampling_params import SamplingParams
+from kvpilot.structured_outputs import StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "__version__"]
 
 
 def __getattr__(name: str):  # LLM pulls in torch: import it only when asked for

@@ -82,11 +82,15 @@ def chat(
     model: ModelOpt = None, load_format: LoadFormatOpt = "auto", dtype: DtypeOpt = "auto", device: DeviceOpt = None,
     max_model_len: MaxModelLenOpt = None, kv_cache_memory: KvCacheMemoryOpt = None,
     kv_cache_dtype: KvCacheDtypeOpt = "auto", seed: SeedOpt = 0, quantization: QuantizationOpt = "auto",
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show the engine's INFO log lines.")] = False,
 ) -> None:
-    """Interactive chat in the terminal; replies stream token by token. Ctrl-D or /exit quits, /reset clears."""
+    """Interactive chat in the terminal with line editing and history; replies stream token by token. Ctrl-C
+    stops a reply, Ctrl-D or /exit quits, /reset clears the history."""
     from kvpilot.chat_session import run_chat
     from kvpilot.sampling_params import SamplingParams
 
+    if not verbose:  # a conversation, not a server log: warnings and errors only
+        logging.getLogger().setLevel(logging.WARNING)
     llm = _build_llm(dict(model=model, load_format=load_format, dtype=dtype, device=device,
                            max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
                            kv_cache_dtype=kv_cache_dtype, seed=seed, quantization=quantization))

@@ -5,6 +5,7 @@ core (or the offline `LLM`) calls it, never the HTTP process.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -82,19 +83,21 @@ def build_engine(args: EngineArgs, loaded: LoadedModel | None = None) -> BuiltEn
     if loaded is None:
         loaded = load_model(args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
                             max_model_len=args.max_model_len, seed=args.seed, quantization=args.quantization)
-    max_model_len = args.max_model_len or loaded.config.max_position_embeddings
-    scheduler_config = SchedulerConfig(
-        max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens or max(2048, args.max_num_seqs),
-        scheduling_policy=args.scheduling_policy)
+    max_num_batched_tokens = args.max_num_batched_tokens or max(2048, args.max_num_seqs)
     kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, loaded.dtype)
-    budget = kv_cache_budget_bytes(args, loaded, scheduler_config.max_num_batched_tokens, kv_dtype)
+    budget = kv_cache_budget_bytes(args, loaded, max_num_batched_tokens, kv_dtype)
     element_size = torch.tensor([], dtype=kv_dtype).element_size()
     # The same function `kvpilot fit` predicts with: plan and engine agree by construction.
-    capacity = kv_capacity_for_memory(loaded.config, budget, args.block_size, element_size, max_model_len)
+    capacity = kv_capacity_for_memory(loaded.config, budget, args.block_size, element_size,
+                                      args.max_model_len or loaded.config.max_position_embeddings)
     if capacity.num_blocks < 1:
         raise EngineConfigError(f"the KV cache budget of {format_bytes(budget)} holds no block of "
                                 f"{format_bytes(capacity.bytes_per_block)}: raise kv_cache_memory")
+    max_model_len = default_max_model_len(args.max_model_len, loaded.config.max_position_embeddings, capacity)
+    capacity = dataclasses.replace(capacity, max_model_len=max_model_len)
+    scheduler_config = SchedulerConfig(
+        max_model_len=max_model_len, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+        scheduling_policy=args.scheduling_policy)
     events = args.kv_events_config
     cache_config = CacheConfig(num_blocks=capacity.num_blocks, block_size=args.block_size,
                                enable_prefix_caching=args.enable_prefix_caching,
@@ -110,6 +113,22 @@ def build_engine(args: EngineArgs, loaded: LoadedModel | None = None) -> BuiltEn
     engine = LLMEngine(scheduler, runner, loaded.tokenizer, loaded.config.vocab_size,
                        async_scheduling=async_scheduling)
     return BuiltEngine(engine, loaded, KVCachePlan(kv_dtype, element_size, budget, capacity))
+
+
+def default_max_model_len(requested: int | None, model_context: int, capacity: KvCapacity) -> int:
+    """max_model_len as given; left out, the model's context, or, when that does not fit the KV cache, the
+    largest length that does (whole cache for one request), with an INFO line saying how to get more.
+    vLLM fails there; a user who named no length gets a working engine. A requested length that does not fit
+    is left for check_model_len_fits to refuse with the largest value that fits."""
+    if requested is not None or model_context <= capacity.num_tokens:
+        return requested or model_context
+    blocks_needed = -(-model_context // capacity.block_size)
+    mib_needed = -(-blocks_needed * capacity.bytes_per_block // 2**20)
+    logger.info("max_model_len: the model's context of %s tokens does not fit the %s KV cache (%s tokens); "
+                "using max_model_len %d. For the full context: --kv-cache-memory %dMiB (or set --max-model-len)",
+                f"{model_context:,}", format_bytes(capacity.num_bytes), f"{capacity.num_tokens:,}",
+                capacity.num_tokens, mib_needed)
+    return capacity.num_tokens
 
 
 def eos_token_ids_of(loaded: LoadedModel) -> tuple[int, ...]:

@@ -64,14 +64,25 @@ class LLM:
         return self.generate(prompts, sampling_params)
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
-        """Yields this request's outputs step by step (text deltas in `delta_text`) until it finishes."""
+        """Yields this request's outputs step by step (text deltas in `delta_text`) until it finishes. Closing
+        the iterator early (`break`, `.close()`, an exception in the consumer) aborts the request: it stops
+        running and its KV blocks are freed before close() returns."""
         request_id = self.engine.add_request(prompt, sampling_params or SamplingParams())
-        while self.engine.has_unfinished_requests():
-            for output in self.engine.step():
-                if output.request_id == request_id:
-                    yield output
-                    if output.finished:
-                        return
+        finished = False
+        try:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.request_id == request_id:
+                        finished = output.finished
+                        yield output
+                        if finished:
+                            return
+        finally:
+            if not finished:
+                self.engine.abort_request(request_id)
+                while self.engine.has_unfinished_requests() and not any(
+                        o.request_id == request_id and o.finished for o in self.engine.step()):
+                    pass
 
     def _drain(self) -> Iterator[RequestOutput]:
         while self.engine.has_unfinished_requests():

@@ -13,12 +13,15 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpilot.structured_outputs import StructuredOutputsParams
+
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed's upper bound
 MAX_TOKEN_ID = 2**31 - 1  # token ids are stored as int32 (the runner's persistent batch)
 MAX_TOP_K = 2**31 - 1  # any value over the vocabulary size keeps every token
 MIN_TEMPERATURE = 1e-2  # smaller positive temperatures are raised to it (as vLLM does): float32 overflows
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-2, 1e2  # beyond these float32 logits reach inf
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100  # OpenAI's range
 
 
 class SamplingParamsError(ValueError):
@@ -35,7 +38,10 @@ class SamplingParams:
     0 < top_p <= 1, top_k == -1 or 1..MAX_TOP_K, 0 <= min_p <= 1, repetition_penalty in
     [MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY], presence/frequency penalties in [-2, 2],
     seed None or 0..MAX_SEED, stop strings non-empty, stop_token_ids in 0..MAX_TOKEN_ID,
-    logprobs None or 0..MAX_LOGPROBS.
+    logprobs None or 0..MAX_LOGPROBS; logit_bias maps token ids (0..MAX_TOKEN_ID) to finite numbers in
+    [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS], added to the logits before sampling (OpenAI's semantics: -100 bans a
+    token, +100 all but forces it); structured_outputs (a grammar the output must match; the request ends
+    when the grammar is complete) excludes ignore_eos and min_tokens > 0, which would hold it past its end.
     """
 
     max_tokens: int = 16
@@ -53,6 +59,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -61,6 +69,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         self._check_types()
         self._check_ranges()
+        self._check_logit_bias()
+        self._check_structured_outputs()
         if 0 < self.temperature < MIN_TEMPERATURE:
             self.temperature = MIN_TEMPERATURE
 
@@ -104,12 +114,42 @@ class SamplingParams:
             if not ok:
                 raise SamplingParamsError(f"SamplingParams.{name} {message}")
 
+    def _check_logit_bias(self) -> None:
+        if self.logit_bias is None:
+            return
+        if not isinstance(self.logit_bias, dict):
+            raise SamplingParamsError(f"SamplingParams.logit_bias must map token ids to numbers, got "
+                                      f"{type(self.logit_bias).__name__}")
+        self.logit_bias = dict(self.logit_bias)
+        for token_id, bias in self.logit_bias.items():
+            _require_int("logit_bias", token_id)
+            _require_finite("logit_bias", bias)
+            if not 0 <= token_id <= MAX_TOKEN_ID:
+                raise SamplingParamsError(f"SamplingParams.logit_bias keys must be token ids (0..{MAX_TOKEN_ID}), "
+                                          f"got {token_id}")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise SamplingParamsError(f"SamplingParams.logit_bias values must be in [-{MAX_LOGIT_BIAS}, "
+                                          f"{MAX_LOGIT_BIAS}], got {bias} for token {token_id}")
+
+    def _check_structured_outputs(self) -> None:
+        spec = self.structured_outputs
+        if spec is None:
+            return
+        if not isinstance(spec, StructuredOutputsParams):
+            raise SamplingParamsError(f"SamplingParams.structured_outputs must be a StructuredOutputsParams, got "
+                                      f"{type(spec).__name__}")
+        if self.ignore_eos or self.min_tokens:
+            raise SamplingParamsError("SamplingParams.structured_outputs cannot be combined with ignore_eos or "
+                                      "min_tokens > 0 (the request ends when its grammar is complete): drop them")
+
     def check_vocab(self, vocab_size: int) -> None:
-        """SamplingParamsError if a stop token id is outside the model's vocabulary (0..vocab_size-1)."""
-        bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
-        if bad:
-            raise SamplingParamsError(f"SamplingParams.stop_token_ids {bad[:5]} are outside the vocabulary "
-                                      f"(0..{vocab_size - 1})")
+        """SamplingParamsError if a stop token id or logit_bias key is outside the model's vocabulary
+        (0..vocab_size-1)."""
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias or {})):
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise SamplingParamsError(f"SamplingParams.{name} {bad[:5]} are outside the vocabulary "
+                                          f"(0..{vocab_size - 1})")
 
     @property
     def is_greedy(self) -> bool:

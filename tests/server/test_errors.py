@@ -26,7 +26,7 @@ def test_malformed_json_is_400(http) -> None:
     ({"prompt": "hi", "top_p": 0}, "top_p", "(0, 1]"),
     ({"prompt": "hi", "max_tokens": "many"}, "max_tokens", "integer"),
     ({"max_tokens": 3}, "prompt", "Field required"),
-    ({"prompt": "hi", "n": 2}, "n", "n must be 1"),
+    ({"prompt": "hi", "n": 0}, "n", "greater than or equal to 1"),
     ({"prompt": [99999999]}, "prompt", "outside the vocabulary"),
     ({"prompt": "hi", "logprobs": 50}, "logprobs", "less than or equal to 20"),
 ])

@@ -34,7 +34,7 @@ COMPLETIONS = [
     ({"repetition_penalty": 1e-320, "logprobs": 1}, "repetition_penalty", "must be in [0.01, 100]"),
     ({"repetition_penalty": 1e-320, "logprobs": 1, "stream": True}, "repetition_penalty", "must be in"),
     ({"logit_bias": {"999999": 5}}, "logit_bias", "outside the vocabulary"),
-    ({"logit_bias": {"12": 5}}, "logit_bias", "not supported"),
+    ({"logit_bias": {"12": 101}}, "logit_bias", "must be in [-100, 100]"),
     ({"max_tokens": "8"}, "max_tokens", "valid integer"),
     ({"stream": "yes"}, "stream", "valid boolean"),
     ({"prompt": [[False]]}, "prompt", "fits none of the accepted types"),

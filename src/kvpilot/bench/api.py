@@ -111,7 +111,8 @@ async def _run_all(cfg: BenchConfig, target: Target, items: list[WorkItem], tok:
         nonlocal num_runs
         run_items = sweep_point_items(cfg, tok, items, num_runs)
         num_runs += 1
-        with make_progress(console, disable=not (cfg.progress and console.is_terminal)) as progress:
+        status = Console(stderr=True)  # progress is not a result: on stderr, so `> file` holds only results
+        with make_progress(status, disable=not (cfg.progress and status.is_terminal)) as progress:
             total = shape.num_requests if shape.num_requests is not None else None
             task = progress.add_task(label, total=total, errors=0)
             counts = {"errors": 0}

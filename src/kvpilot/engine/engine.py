@@ -124,9 +124,14 @@ class LLMEngine:
         """Tokenizes (timed on the request's timeline) and queues a request; returns its id.
 
         Raises PromptError / ValueError (too long for max_model_len or the cache; SamplingParamsError for a stop
-        token id outside the vocabulary) without side effects.
+        token id or logit_bias key outside the vocabulary; StructuredOutputsError for a grammar that does not
+        compile) without side effects.
         """
         params.check_vocab(self.vocab_size)
+        if params.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise PromptError("structured_outputs need the model's tokenizer; this model has none")
+            params.structured_outputs.check()  # StructuredOutputsError (a ValueError) for a bad grammar
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         arrival = self.clock() if arrival_time is None else arrival_time
         token_ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)

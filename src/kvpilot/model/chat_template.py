@@ -34,8 +34,11 @@ def _compile(template: str) -> jinja2.Template:
 
 
 def render_chat(template: str | None, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                **special_tokens: Any) -> str:
-    """The prompt text for `messages`; raises ChatTemplateError with a clear message on bad input."""
+                tools: list[dict[str, Any]] | None = None, **special_tokens: Any) -> str:
+    """The prompt text for `messages`; raises ChatTemplateError with a clear message on bad input. `tools`
+    reaches the template as `tools` (None when there are none), in transformers' shape: a list of
+    `{"type": "function", "function": {"name", "description", "parameters"}}`; whether the template renders
+    them is up to the template."""
     if not template:
         raise ChatTemplateError("this model has no chat template; use generate() with a plain prompt instead")
     for i, message in enumerate(messages):
@@ -43,7 +46,7 @@ def render_chat(template: str | None, messages: list[dict[str, Any]], add_genera
             raise ChatTemplateError(f"messages[{i}] must be a dict with 'role' and 'content', got {message!r}")
     try:
         return _compile(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         **special_tokens)
+                                         tools=tools, **special_tokens)
     except ChatTemplateError:
         raise
     except jinja2.TemplateError as exc:

@@ -16,9 +16,11 @@ import torch
 
 from kvpilot.engine.scheduler_output import NewRequestData, RunnerOutput, SchedulerOutput
 from kvpilot.model.attention import StepAttention, select_attention_backend
+from kvpilot.model.grammar_state import GrammarCompiler, GrammarState
 from kvpilot.model.input_batch import BatchLimits, InputBatch
 from kvpilot.model.kv_cache import allocate_kv_cache
 from kvpilot.model.loader import LoadedModel
+from kvpilot.model.logit_bias import LogitBiasState
 from kvpilot.model.logits_processors import PenaltyState, apply_min_tokens
 from kvpilot.model.sampler import Logprobs, SamplingBatch, compute_logprobs, sample, sampled_tokens
 from kvpilot.model.step_inputs import PreviousSample, StepInputs, build_step_inputs
@@ -81,6 +83,10 @@ class ModelRunner:
         self.batch = InputBatch(BatchLimits(limits.max_num_seqs, max_model_len, block_size))
         self.penalties = PenaltyState(limits.max_num_seqs, self.vocab_size, loaded.device)
         self.eos_token_ids = tuple(t for t in eos_token_ids if 0 <= t < self.vocab_size)
+        self.logit_bias = LogitBiasState(limits.max_num_seqs)
+        self.grammars = GrammarState(limits.max_num_seqs,
+                                     GrammarCompiler(loaded.tokenizer, self.vocab_size, self.eos_token_ids),
+                                     loaded.device)
         self._generators: dict[str, torch.Generator] = {}  # per-request seeded streams
         self._previous: PreviousSample | None = None
 
@@ -90,6 +96,8 @@ class ModelRunner:
         row = self.batch.add(new)
         self.penalties.add(row, new.sampling_params, new.prompt_token_ids, new.output_token_ids)
         params = new.sampling_params
+        self.logit_bias.add(row, params)
+        self.grammars.add(row, params, new.output_token_ids)  # GrammarError: this request's fault alone
         if params.seed is not None and not params.is_greedy and new.request_id not in self._generators:
             self._generators[new.request_id] = torch.Generator(device=self.device).manual_seed(params.seed)
 
@@ -99,6 +107,8 @@ class ModelRunner:
             row = self.batch.remove(request_id)
             if row is not None:
                 self.penalties.remove(row)
+                self.logit_bias.remove(row)
+                self.grammars.remove(row)
             if finished:
                 self._generators.pop(request_id, None)
 
@@ -145,13 +155,16 @@ class ModelRunner:
     def _sample(self, inputs: StepInputs, logits: torch.Tensor) -> StepResult:
         rows, batch = inputs.sample_batch_rows, self.batch
         logits = self.penalties.apply(logits, rows)
+        logits = self.logit_bias.apply(logits, rows)
         logits = apply_min_tokens(logits, self._banned(rows))
+        logits = self.grammars.apply(logits, rows)  # last: a disallowed token stays -inf whatever the bias
         generators = {i: self._generators[r] for i, r in enumerate(inputs.sample_request_ids)
                       if r in self._generators} if self._generators else {}
         sampling = SamplingBatch.from_columns(batch.temperature[rows], batch.top_k[rows], batch.top_p[rows],
                                               batch.min_p[rows], generators, self.vocab_size, self.device)
         token_ids = sample(logits, sampling)
         self.penalties.record(rows, token_ids)
+        self.grammars.record(rows, token_ids)
         num_top = batch.num_logprobs[rows]
         logprobs = compute_logprobs(logits, token_ids, int(num_top.max())) if (num_top >= 0).any() else None
         index_of_row = np.full(batch.limits.max_num_seqs, -1, dtype=np.int64)

@@ -48,8 +48,9 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        return render_chat(self.chat_template, messages, add_generation_prompt, **self.special_tokens)
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
+        return render_chat(self.chat_template, messages, add_generation_prompt, tools, **self.special_tokens)
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of the chat-templated prompt (the template writes BOS itself where the model wants it)."""

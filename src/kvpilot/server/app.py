@@ -22,6 +22,7 @@ from kvpilot.server.admission import AdmissionController, QueueLimits
 from kvpilot.server.auth import ApiKeyGuard, open_paths
 from kvpilot.server.body_guard import BodyGuard
 from kvpilot.server.config import ServerArgs
+from kvpilot.server.dashboard import add_dashboard_routes
 from kvpilot.server.engine_client import EngineClient, EngineDeadError, EngineQueryError
 from kvpilot.server.engine_spec import EngineFactory
 from kvpilot.server.errors import APIError, install_error_handlers
@@ -33,12 +34,16 @@ from kvpilot.server.request_identity import EchoRequestId, client_request_id
 from kvpilot.server.serving import ClientDisconnected, prepare, respond_stream, respond_whole
 from kvpilot.server.state import ServerState
 from kvpilot.server.stats_logger import TokenTotals, log_stats_forever
+from kvpilot.server.tokenize_routes import add_tokenize_routes
+from kvpilot.server.tracing import TraceParentCapture, build_tracer
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 CLIENT_CLOSED_REQUEST = 499
 
 
 def build_state(factory: EngineFactory, args: ServerArgs) -> ServerState:
+    # First: a bad --otlp-traces-endpoint or a missing OpenTelemetry package fails before anything starts.
+    tracer = build_tracer(args.otlp_traces_endpoint, kvpilot.__version__)
     holder: dict[str, Any] = {}
     client = EngineClient(factory, in_process=not args.engine_process,
                           on_final=lambda o: _on_final(holder["state"], o),
@@ -48,7 +53,7 @@ def build_state(factory: EngineFactory, args: ServerArgs) -> ServerState:
                             memory=MemoryCollector(process=lambda: _deployment_memory(client)),
                             info=lambda: client.info)
     admission = AdmissionController(QueueLimits(args.max_num_queued_reqs, args.max_num_queued_tokens))
-    holder["state"] = state = ServerState(args, client, metrics, admission)
+    holder["state"] = state = ServerState(args, client, metrics, admission, tracer=tracer)
     return state
 
 
@@ -90,6 +95,7 @@ def create_app(factory: EngineFactory, args: ServerArgs | None = None) -> FastAP
             logger_task.cancel()
             state.tokenizer_pool.shutdown()
             await state.client.stop()
+            await asyncio.to_thread(state.tracer.shutdown)  # flushes the last spans (may wait on the collector)
 
     app = FastAPI(title="kvpilot", version=kvpilot.__version__, lifespan=lifespan)
     app.state.kvpilot = state
@@ -97,10 +103,14 @@ def create_app(factory: EngineFactory, args: ServerArgs | None = None) -> FastAP
     # The last added runs first: stamp the arrival, then check the key, then read the body within its limits.
     app.add_middleware(BodyGuard, max_bytes=args.max_request_body_bytes, timeout_s=args.body_timeout_s)
     app.add_middleware(ApiKeyGuard, api_key=args.api_key, metrics_public=args.metrics_public)
+    if state.tracer.enabled:
+        app.add_middleware(TraceParentCapture)  # the client's traceparent, for the request's spans
     app.add_middleware(_ArrivalStamp)
     app.add_middleware(EchoRequestId)  # outermost: a 401 or 413 echoes the client's X-Request-Id too
     _add_openai_routes(app, state)
+    add_tokenize_routes(app, state)
     _add_ops_routes(app, state)
+    add_dashboard_routes(app, state.metrics)
     openapi_contract.install(app, open_paths(args.metrics_public), auth=args.api_key is not None)
     return app
 
@@ -129,7 +139,8 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody reads it; nginx's code, for logs
         except BaseException:
-            state.admission.release(prepared.shape.request_id)
+            for rid in prepared.request_ids:
+                state.admission.release(rid)
             raise
 
     @app.post("/v1/completions")
@@ -138,6 +149,7 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
+        body.allow_auto_tool_choice(state.args.auto_tool_parser)  # tool_choice "auto": the server's flags
         return await generate(request, body)
 
     @app.get("/v1/models")

@@ -1,4 +1,5 @@
-"""API-key check for every route but /health (and /metrics with --metrics-public), as pure ASGI middleware.
+"""API-key check for every route but /health (and /metrics, /dashboard with --metrics-public), as pure ASGI
+middleware.
 
 Middleware rather than a route dependency so that nothing escapes it: /docs, /redoc, /openapi.json, unknown
 paths and wrong methods all answer 401 to a client without the key, and the check runs before the request
@@ -13,11 +14,13 @@ from typing import Any
 from kvpilot.server.errors import APIError
 
 OPEN_PATHS = frozenset({"/health"})
+# What --metrics-public opens: the metrics and the live dashboard built from them (dashboard.py), no more.
+METRICS_PATHS = frozenset({"/metrics", "/dashboard", "/v1/kvpilot/dashboard"})
 
 
 def open_paths(metrics_public: bool) -> frozenset[str]:
     """The paths a client may call without the key."""
-    return OPEN_PATHS | ({"/metrics"} if metrics_public else frozenset())
+    return OPEN_PATHS | (METRICS_PATHS if metrics_public else frozenset())
 
 
 class ApiKeyGuard:

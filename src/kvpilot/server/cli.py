@@ -19,6 +19,7 @@ logger = logging.getLogger("kvpilot.server")
 QUEUE_CAP_BATCHES = 2
 MIN_QUEUE_CAP = 64  # a burst from a few clients waits its turn, even with --max-num-seqs 1
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024  # config.DEFAULT_MAX_REQUEST_BODY_BYTES (kept lazy: --help)
+DEFAULT_MAX_TOKENS_DEFAULT = 1024  # config.DEFAULT_MAX_TOKENS_DEFAULT
 
 
 def _served_names(names: list[str] | None, model: str | None) -> tuple[str, ...]:
@@ -58,7 +59,7 @@ def serve_command(
         "/health (and /metrics with --metrics-public). An empty key is refused.")] = None,
     metrics_public: Annotated[bool, typer.Option(
         "--metrics-public", help="With --api-key: leave GET /metrics open (for a Prometheus scraper without "
-        "the key).")] = False,
+        "the key), and the live dashboard built from it (/dashboard, /v1/kvpilot/dashboard).")] = False,
     max_num_queued_reqs: Annotated[Optional[int], typer.Option(
         "--max-num-queued-reqs", help="Most requests waiting to run (admitted, not yet running); beyond it: "
         "429 + Retry-After at once. Default: 2 x --max-num-seqs, at least 64; 0: no limit.")] = None,
@@ -79,12 +80,29 @@ def serve_command(
     drain_timeout: Annotated[float, typer.Option(
         "--drain-timeout", help="On SIGTERM, seconds in-flight requests may take to finish (new ones get "
         "503) before they are aborted and the server exits 0.")] = 30.0,
+    max_tokens_default: Annotated[int, typer.Option(
+        "--max-tokens-default", help="Most tokens generated for a request that sends no max_tokens (chat: "
+        "max_completion_tokens); it then ends with finish_reason \"length\". 0: no cap, the room left in "
+        "--max-model-len (vLLM's behaviour). A client's own max_tokens is never capped.")]
+    = DEFAULT_MAX_TOKENS_DEFAULT,
+    enable_auto_tool_choice: Annotated[bool, typer.Option(
+        "--enable-auto-tool-choice", help="Serve chat tool_choice \"auto\" (the default when a request sends "
+        "tools): the output is left free and tool calls are read out of it by --tool-call-parser. Without it "
+        "\"auto\" is a 400.")] = False,
+    tool_call_parser: Annotated[Optional[str], typer.Option(
+        "--tool-call-parser", help="How tool calls are read out of the model's text with "
+        "--enable-auto-tool-choice: hermes (<tool_call>{\"name\": ..., \"arguments\": ...}</tool_call> "
+        "blocks, as Hermes and Qwen models write them).")] = None,
     log_prompts: Annotated[bool, typer.Option(
         "--log-prompts", help="Include prompt text in the per-request JSON access log.")] = False,
     kv_events_config: Annotated[Optional[str], typer.Option(
         "--kv-events-config", help="Publish KV-cache events (blocks stored / removed) for prefix-aware routers, "
         "in vLLM's format, e.g. '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": "
         "\"tcp://*:5557\", \"topic\": \"kv-events\"}' (docs/server.md).")] = None,
+    otlp_traces_endpoint: Annotated[Optional[str], typer.Option(
+        "--otlp-traces-endpoint", help="Send one OpenTelemetry span per finished request (stages as child spans, "
+        "the client's W3C traceparent as parent) to this OTLP/HTTP collector, e.g. "
+        "http://localhost:4318/v1/traces. Needs `pip install 'kvpilot[otel]'`.")] = None,
     engine_process: Annotated[bool, typer.Option(
         "--engine-process/--no-engine-process", help="Run the engine core (model, scheduler, step loop) in its "
         "own process, so HTTP work never shares the GIL with it; --no-engine-process runs it in a thread of "
@@ -110,13 +128,21 @@ def serve_command(
                                  async_scheduling=async_scheduling,
                                  kv_events_config=KVEventsConfig.parse(kv_events_config) if kv_events_config else None)
         engine_args.check()
+        if otlp_traces_endpoint:  # fail here, before binding the port or loading the model
+            from kvpilot.server.tracing import check_tracing_available, otlp_traces_url
+
+            otlp_traces_url(otlp_traces_endpoint)
+            check_tracing_available()
         server_args = ServerArgs(host=host, port=port, served_model_names=_served_names(served_model_name, model),
                                  api_key=api_key, metrics_public=metrics_public,
                                  max_num_queued_reqs=_queue_cap(max_num_queued_reqs, max_num_seqs),
                                  max_num_queued_tokens=max_num_queued_tokens or None,
                                  max_request_body_bytes=max_request_body_bytes, header_timeout_s=header_timeout,
                                  body_timeout_s=body_timeout, keep_alive_timeout_s=keep_alive_timeout,
-                                 drain_timeout=drain_timeout, log_prompts=log_prompts, engine_process=engine_process)
+                                 drain_timeout=drain_timeout, log_prompts=log_prompts, engine_process=engine_process,
+                                 otlp_traces_endpoint=otlp_traces_endpoint or None,
+                                 max_tokens_default=max_tokens_default or None,
+                                 enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser)
     except (EngineConfigError, ServerConfigError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 MIB = 1024 * 1024
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * MIB  # ~8M tokens of text: far above any max_model_len kvpilot serves
 DEFAULT_MAX_NUM_QUEUED_REQS = 512  # `kvpilot serve` derives its default from --max-num-seqs (cli.py)
+DEFAULT_MAX_TOKENS_DEFAULT = 1024  # a request without max_tokens stops here (vLLM: all of max_model_len)
 
 
 class ServerConfigError(ValueError):
@@ -24,10 +25,19 @@ class ServerArgs:
     a factory holding weights already loaded in this process (engine_factory(args, loaded)).
 
     api_key is None (no auth) or a non-empty string: with it every route but /health needs
-    `Authorization: Bearer <key>`, /metrics too unless metrics_public. max_request_body_bytes >= 1 bounds a
+    `Authorization: Bearer <key>`, /metrics and /dashboard too unless metrics_public. max_request_body_bytes >= 1 bounds a
     request body (413 beyond it); a client has header_timeout_s to send its request line and headers and
     body_timeout_s to send its whole body (then 408 and the connection is closed); keep_alive_timeout_s is
     how long an idle connection stays open between requests.
+    otlp_traces_endpoint is None (no tracing) or the URL of an OTLP/HTTP collector that gets one span per
+    finished request (checked, with the packages it needs, when the app is created: tracing.py).
+
+    max_tokens_default is None (no cap: a request without max_tokens may fill max_model_len, as in vLLM) or
+    >= 1: the most tokens a request that names no max_tokens generates (finish_reason "length" there).
+
+    enable_auto_tool_choice: chat tool_choice "auto" (the default with tools) is served, the output left free
+    and tool calls read out of it by `tool_call_parser`, which must then be set (a key of
+    tool_parsers.TOOL_CALL_PARSERS); without it "auto" is a 400, as in vLLM.
     """
 
     host: str = "127.0.0.1"
@@ -45,6 +55,10 @@ class ServerArgs:
     log_prompts: bool = False
     stats_interval: float = 5.0
     engine_process: bool = True
+    otlp_traces_endpoint: str | None = None  # OTLP/HTTP collector for request spans (tracing.py)
+    max_tokens_default: int | None = DEFAULT_MAX_TOKENS_DEFAULT
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_queued_reqs", "max_num_queued_tokens"):
@@ -55,6 +69,9 @@ class ServerArgs:
         if self.api_key is not None and not self.api_key.strip():
             raise ServerConfigError("--api-key is empty: give a non-empty key (e.g. `openssl rand -hex 16`), or "
                                     "leave --api-key out (and KVPILOT_API_KEY unset) to serve without auth")
+        if self.max_tokens_default is not None and self.max_tokens_default < 1:
+            raise ServerConfigError(f"--max-tokens-default must be >= 1 (or 0 for no cap), got "
+                                    f"{self.max_tokens_default}")
         if self.max_request_body_bytes < 1:
             raise ServerConfigError(f"--max-request-body-bytes must be >= 1, got {self.max_request_body_bytes}")
         for name, flag in (("header_timeout_s", "--header-timeout"), ("body_timeout_s", "--body-timeout"),
@@ -67,6 +84,23 @@ class ServerArgs:
             raise ServerConfigError("--served-model-name needs at least one name")
         if self.stats_interval <= 0:
             raise ServerConfigError(f"stats_interval must be > 0 seconds, got {self.stats_interval}")
+        self._check_tool_call_parser()
+
+    def _check_tool_call_parser(self) -> None:
+        from kvpilot.server.tool_parsers import TOOL_CALL_PARSERS
+
+        known = ", ".join(TOOL_CALL_PARSERS)
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ServerConfigError(f"--tool-call-parser {self.tool_call_parser!r} is not one kvpilot has: use "
+                                    f"one of {known}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ServerConfigError(f"--enable-auto-tool-choice needs --tool-call-parser too (one of {known}): "
+                                    "it reads the tool calls out of the model's text")
+
+    @property
+    def auto_tool_parser(self) -> str | None:
+        """The parser of tool_choice "auto", or None when the server refuses "auto"."""
+        return self.tool_call_parser if self.enable_auto_tool_choice else None
 
     @property
     def model_name(self) -> str:

@@ -30,7 +30,9 @@ _DESCRIPTIONS = {400: "Invalid request (OpenAI error body)", 401: "Missing or wr
                  413: "The request body is over --max-request-body-bytes",
                  429: "Queue full (Retry-After)", 500: "Internal error", 503: "Loading, draining or engine failed"}
 _GENERATE = (400, 404, 408, 409, 413, 429, 503)
+_TOKENIZE = (400, 404, 408, 413, 503)
 _PER_PATH: dict[str, tuple[int, ...]] = {"/v1/completions": _GENERATE, "/v1/chat/completions": _GENERATE,
+                                         "/tokenize": _TOKENIZE, "/detokenize": _TOKENIZE,
                                          "/health": (503,), "/v1/kvpilot/capacity": (503,),
                                          "/v1/kvpilot/integrity": (500, 503)}
 

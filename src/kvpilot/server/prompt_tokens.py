@@ -23,6 +23,7 @@ from typing import Any
 
 from kvpilot.server.errors import APIError
 from kvpilot.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvpilot.server.tool_prompt import render_chat_prompt
 
 
 class PromptTooLongError(APIError):
@@ -73,15 +74,13 @@ def _too_long(num_tokens: int, max_model_len: int, param: str) -> PromptTooLongE
 
 
 def check_token_id_fields(body: CompletionRequest | ChatCompletionRequest, vocab_size: int) -> None:
-    """400 for stop_token_ids or logit_bias keys outside the vocabulary (0..vocab_size-1), and for any
-    logit_bias (not applied by kvpilot's sampler yet: refused rather than ignored)."""
+    """400 for stop_token_ids or logit_bias keys outside the vocabulary (0..vocab_size-1) (logit_bias values
+    are range-checked by SamplingParams)."""
     for param, ids in (("stop_token_ids", body.stop_token_ids or []), ("logit_bias", body.logit_bias_ids())):
         bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
             raise APIError(400, f"{param}: token ids {bad[:5]} are outside the vocabulary (0..{vocab_size - 1})",
                            param=param)
-    if body.logit_bias:
-        raise APIError(400, "logit_bias is not supported by kvpilot yet: leave it out", param="logit_bias")
 
 
 def _tokenize(body: CompletionRequest | ChatCompletionRequest, tokenizer: Any, vocab_size: int,
@@ -91,7 +90,7 @@ def _tokenize(body: CompletionRequest | ChatCompletionRequest, tokenizer: Any, v
             raise APIError(400, "this model has no tokenizer, so no chat template: use /v1/completions with "
                                 "token ids", param="messages")
         try:
-            text = render_chat(tokenizer, body.conversation(), body.add_generation_prompt)
+            text = render_chat(tokenizer, body.conversation(), body.add_generation_prompt, body.template_tools())
         except ValueError as exc:
             raise APIError(400, f"messages: {exc}", param="messages") from exc
         return _checked(encode(tokenizer, text, False, max_num_tokens), vocab_size)
@@ -106,9 +105,11 @@ def _tokenize(body: CompletionRequest | ChatCompletionRequest, tokenizer: Any, v
     return _checked(ids, vocab_size)
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
-    """The chat-templated prompt text (as Tokenizer.encode_chat renders it before encoding)."""
-    return tokenizer.apply_chat_template(messages, add_generation_prompt)
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                tools: list[dict[str, Any]] | None = None) -> str:
+    """The chat-templated prompt text (as Tokenizer.encode_chat renders it before encoding); tools, tool
+    calls and tool results the template would drop are written into the messages (tool_prompt.py)."""
+    return render_chat_prompt(tokenizer, messages, tools, add_generation_prompt)
 
 
 def encode(tokenizer: Any, text: str, add_special_tokens: bool, max_num_tokens: int) -> TokenizedPrompt:

@@ -12,14 +12,17 @@ when the prompt is tokenized (prompt_tokens.py).
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvpilot.sampling_params import SamplingParams
+from kvpilot.server.chat_messages import ChatMessage, template_messages
 from kvpilot.server.errors import APIError
+from kvpilot.server.structured_protocol import StructuredFields, ToolFields
 
 _STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+MAX_N = 128  # most choices (n) and candidates (best_of) per prompt: OpenAI's limit for n
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -37,13 +40,24 @@ def _find_surrogate(value: Any, path: tuple[str | int, ...] = ()) -> tuple[str |
     return None
 
 
+def reject_lone_surrogates(data: Any) -> Any:
+    """`data` unchanged, or APIError 400 naming the first field whose text holds a lone surrogate (for
+    request models other than the generation ones, e.g. tokenize_routes.py)."""
+    path = _find_surrogate(data)
+    if path is not None:
+        param = ".".join(str(p) for p in path) or None
+        raise APIError(400, f"{param}: the text holds a lone UTF-16 surrogate (e.g. \\ud800), which is not "
+                            "valid Unicode: send well-formed UTF-8 text", param=param)
+    return data
+
+
 class StreamOptions(BaseModel):
     model_config = _STRICT
 
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
+class _Sampling(StructuredFields):
     """Fields shared by both endpoints. `max_tokens` None means "up to max_model_len"."""
 
     model_config = _STRICT
@@ -75,7 +89,7 @@ class _Sampling(BaseModel):
     min_tokens: int = 0
     ignore_eos: bool = False
     skip_special_tokens: bool = True
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_N)  # choices per prompt: fanned out into engine requests (fanout.py)
     stream: bool = False
     stream_options: StreamOptions | None = None
     priority: int = 0
@@ -90,8 +104,11 @@ class _Sampling(BaseModel):
                                 f"{list(self.logit_bias or {})[:5]}", param="logit_bias") from None
 
     def check_n(self) -> None:
-        if self.n != 1:
-            raise APIError(400, f"n must be 1 (kvpilot returns one choice per request), got {self.n}", param="n")
+        """Rules between n and the other fields (n's range is the field's): none for chat."""
+
+    def candidates_per_prompt(self) -> int:
+        """Engine requests per prompt: n (completions: best_of when set)."""
+        return self.n
 
     @property
     def include_usage(self) -> bool:
@@ -104,45 +121,60 @@ class _Sampling(BaseModel):
             "frequency_penalty", "seed", "stop_token_ids") if getattr(self, k) is not None}
         return SamplingParams(max_tokens=max_tokens, stop=self.stop or [], min_tokens=self.min_tokens,
                               ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens,
-                              logprobs=logprobs, **given)
+                              logprobs=logprobs, logit_bias=dict(zip(self.logit_bias_ids(),
+                                                                     (self.logit_bias or {}).values())) or None,
+                              structured_outputs=self.structured_outputs_params(), **given)
 
 
 class CompletionRequest(_Sampling):
-    """POST /v1/completions. `prompt`: text, token ids, or a one-element list of either."""
+    """POST /v1/completions. `prompt`: text, token ids, or a batch (a list of texts or of token-id lists: one
+    choice per prompt and n, indexed prompt-major). `best_of`: candidates generated per prompt, of which the n
+    with the highest cumulative logprob are returned (>= n; not with stream). `echo`: each choice's text
+    starts with its prompt (not with logprobs: the engine computes no prompt logprobs)."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)
 
-    def single_prompt(self) -> str | list[int]:
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of the request: one, or each of a batch (an empty list is one empty token prompt)."""
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise APIError(400, f"prompt: batches of {len(prompt)} prompts are not supported; send one "
-                                    "prompt per request", param="prompt")
-            prompt = prompt[0]
-        if self.echo:
-            raise APIError(400, "echo is not supported: leave it false", param="echo")
-        return prompt  # type: ignore[return-value]
+            return list(prompt)  # type: ignore[arg-type]
+        return [prompt]  # type: ignore[list-item]
 
-    def default_max_tokens(self, room: int) -> int:
-        return 16 if self.max_tokens is None else self.max_tokens
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt of a request that is not a batch (serving.py splits a batch into such bodies)."""
+        prompts = self.prompts()
+        if len(prompts) != 1:
+            raise APIError(400, f"prompt: a batch of {len(prompts)} prompts where one was expected",
+                           param="prompt")
+        return prompts[0]
+
+    def check_n(self) -> None:
+        """400 naming the field: best_of below n, best_of > n with stream (candidates are ranked when all
+        are done), echo with logprobs (prompt tokens have no logprobs here)."""
+        if self.best_of is not None and self.best_of < self.n:
+            raise APIError(400, f"best_of must be >= n, got best_of={self.best_of} and n={self.n}",
+                           param="best_of")
+        if self.stream and self.best_of is not None and self.best_of > self.n:
+            raise APIError(400, "best_of > n is not supported with stream=true: the best candidates are only "
+                                "known when all have finished; leave best_of out or set stream=false",
+                           param="best_of")
+        if self.echo and self.logprobs is not None:
+            raise APIError(400, "echo together with logprobs is not supported: kvpilot does not compute the "
+                                "prompt tokens' logprobs; drop echo or logprobs", param="echo")
+
+    def candidates_per_prompt(self) -> int:
+        return self.best_of if self.best_of is not None else self.n
+
+    def default_max_tokens(self, room: int, cap: int | None = None) -> int:
+        """OpenAI's 16 when unset (no more than the server's --max-tokens-default `cap`)."""
+        return min(16, cap or 16) if self.max_tokens is None else self.max_tokens
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
-
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
-
-    def text(self) -> str:
-        """Content as plain text; list content keeps only its text parts."""
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        return "".join(str(part.get("text", "")) for part in self.content if part.get("type") == "text")
-
-
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(_Sampling, ToolFields):
     """POST /v1/chat/completions. `logprobs` is a flag here, `top_logprobs` the count (OpenAI shape)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -151,13 +183,17 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
 
-    def conversation(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def conversation(self) -> list[dict[str, Any]]:
+        """The messages as the chat template receives them (chat_messages.py); the tools: template_tools()."""
+        return template_messages(self.messages)
 
-    def default_max_tokens(self, room: int) -> int:
-        """Like vLLM: unset means whatever room max_model_len leaves after the prompt."""
+    def default_max_tokens(self, room: int, cap: int | None = None) -> int:
+        """Unset: the room max_model_len leaves after the prompt (vLLM), at most the server's
+        --max-tokens-default `cap` (None: no cap)."""
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return max(1, room) if limit is None else limit
+        if limit is not None:
+            return limit
+        return max(1, room) if cap is None else max(1, min(room, cap))
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

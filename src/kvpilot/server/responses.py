@@ -28,8 +28,8 @@ class ResponseShape:
         return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model}
 
     def choice(self, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None, *, chunk: bool,
-               stop_reason: str | int | None = None) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "logprobs": logprobs, "finish_reason": finish_reason}
+               stop_reason: str | int | None = None, index: int = 0) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": finish_reason}
         if not self.chat:
             choice["text"] = text
         elif chunk:
@@ -40,16 +40,16 @@ class ResponseShape:
             choice["stop_reason"] = stop_reason
         return choice
 
-    def body(self, choice: dict[str, Any], usage: dict[str, Any], kvpilot: dict[str, Any]) -> dict[str, Any]:
-        return {**self._head(False), "choices": [choice], "usage": usage, "kvpilot": kvpilot}
+    def body(self, choices: list[dict[str, Any]], usage: dict[str, Any], kvpilot: dict[str, Any]) -> dict[str, Any]:
+        return {**self._head(False), "choices": choices, "usage": usage, "kvpilot": kvpilot}
 
     def chunk(self, choices: list[dict[str, Any]], **extra: Any) -> str:
         """One SSE event: `data: {json}\\n\\n`."""
         return sse({**self._head(True), "choices": choices, **extra})
 
-    def role_chunk(self) -> str:
-        """Chat streams open with the assistant role (as OpenAI's do)."""
-        return self.chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+    def role_chunk(self, index: int = 0) -> str:
+        """Chat streams open with the assistant role, one chunk per choice (as OpenAI's do)."""
+        return self.chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                             "finish_reason": None}])
 
 
@@ -62,11 +62,14 @@ SSE_DONE = "data: [DONE]\n\n"
 
 def usage(output: RequestOutput) -> dict[str, Any]:
     """OpenAI usage with vLLM's prompt_tokens_details.cached_tokens (prefix-cache hits)."""
-    num_prompt = len(output.prompt_token_ids)
-    num_generated = len(output.outputs[0].token_ids)
-    return {"prompt_tokens": num_prompt, "completion_tokens": num_generated,
-            "total_tokens": num_prompt + num_generated,
-            "prompt_tokens_details": {"cached_tokens": output.num_cached_tokens}}
+    return usage_of(len(output.prompt_token_ids), len(output.outputs[0].token_ids), output.num_cached_tokens)
+
+
+def usage_of(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """The usage object from its counts (a fanned-out request sums its sub-requests': fanout.usage_totals)."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 MIN_LOGPROB = -9999.0  # what a non-finite logprob is sent as (vLLM's floor for -inf): JSON has no inf/NaN

@@ -9,83 +9,114 @@ before its next step.
 from __future__ import annotations
 
 import asyncio
-import logging
+import dataclasses
 import time
-from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from kvpilot.engine.timeline import RequestMetrics
 from kvpilot.outputs import RequestOutput
+from kvpilot.sampling_params import SamplingParams
+from kvpilot.server.collector import Collector
 from kvpilot.server.errors import APIError, from_value_error
+from kvpilot.server.fanout import FanoutShape, check_size, choose, sub_seed
 from kvpilot.server.messages import AddRequest
-from kvpilot.server.prompt_tokens import PromptTooLongError, prompt_size, tokenize_request
+from kvpilot.server.prepared import Prepared
+from kvpilot.server.prompt_batch import num_prompts, prompt_bodies, tokenize_prompts
+from kvpilot.server.prompt_tokens import PromptTooLongError, TokenizedPrompt, prompt_size, tokenize_request
 from kvpilot.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvpilot.server.request_identity import engine_request_id
-from kvpilot.server.responses import (SSE_DONE, ResponseShape, chat_logprobs, completion_logprobs, usage)
+from kvpilot.server.responses import SSE_DONE, ResponseShape, chat_logprobs, completion_logprobs
 from kvpilot.server.state import ServerState
-from kvpilot.server.timings import RequestTimings, access_log_line, kvpilot_field
-
-access_logger = logging.getLogger("kvpilot.access")
+from kvpilot.server.sub_requests import SubRequests
 
 
 class ClientDisconnected(Exception):
     """The client of a non-streaming request left before its answer; the request was aborted."""
 
 
-@dataclass(frozen=True)
-class Prepared:
-    """A validated, tokenized request, admitted to the queue."""
-
-    shape: ResponseShape
-    message: AddRequest
-    tokenize_s: float
-    stream: bool
-    include_usage: bool
-    endpoint: str
-    prompt_text: str | None
-
-
 async def prepare(state: ServerState, body: CompletionRequest | ChatCompletionRequest, arrival: float,
                   client_id: str | None = None) -> Prepared:
-    """Validates, takes a queue slot, tokenizes off the event loop; raises APIError (400/404/409/429/503) with
-    nothing left behind (the slot is given back on any failure). `client_id`: the client's X-Request-Id
-    (request_identity.py), kept in the request id."""
+    """Validates, takes a queue slot per sub-request, tokenizes off the event loop; raises APIError
+    (400/404/409/429/503) with nothing left behind (the slots are given back on any failure). `client_id`: the
+    client's X-Request-Id (request_identity.py), kept in the request id."""
     chat = isinstance(body, ChatCompletionRequest)
     state.check_serving()
     state.check_model(body.model)
     body.check_n()
+    fanout = FanoutShape(num_prompts(body), body.n, body.candidates_per_prompt())
+    check_size(fanout, state.admission.limits.max_num_queued_reqs)
     request_id = engine_request_id(chat, client_id)
-    if state.client.has_request(request_id):
+    sub_ids = [fanout.sub_request_id(request_id, k) for k in range(fanout.size)]
+    if any(state.client.has_request(rid) for rid in {request_id, *sub_ids}):
         raise APIError(409, f"a request with X-Request-Id {client_id!r} is still running: send a unique id",
                        param="X-Request-Id")
     try:
-        state.admission.reserve(request_id)  # the request cap costs nothing to check: before tokenizing
+        for rid in sub_ids:  # the request cap costs nothing to check: before tokenizing
+            state.admission.reserve(rid)
     except APIError:
+        for rid in sub_ids:
+            state.admission.release(rid)
         state.metrics.reject("queue_full")
         raise
     try:
-        return await _prepare_reserved(state, body, arrival, request_id)
+        return await _prepare_reserved(state, body, arrival, request_id, fanout, sub_ids)
     except BaseException:
-        state.admission.release(request_id)
+        for rid in sub_ids:
+            state.admission.release(rid)
         raise
 
 
 async def _prepare_reserved(state: ServerState, body: CompletionRequest | ChatCompletionRequest, arrival: float,
-                            request_id: str) -> Prepared:
+                            request_id: str, fanout: FanoutShape, sub_ids: list[str]) -> Prepared:
     chat = isinstance(body, ChatCompletionRequest)
     limit = state.info.max_model_len
+    bodies = prompt_bodies(body)
+    echo = bool(getattr(body, "echo", False))
     started = time.monotonic()
     try:
-        prompt = await state.tokenizer_pool.run(prompt_size(body), tokenize_request, body, state.tokenizer,
-                                                state.info.vocab_size, limit)
+        # tokenize_request is read from this module at each call: tests wrap it (held_tokenizer.py).
+        prompts = await state.tokenizer_pool.run(sum(prompt_size(b) for b in bodies), tokenize_prompts,
+                                                 tokenize_request, bodies, state.tokenizer, state.info.vocab_size,
+                                                 limit, echo)
     except PromptTooLongError:
         state.metrics.reject("too_long")
         raise
     tokenize_s = time.monotonic() - started  # includes waiting for a worker: the request waited that long
     state.metrics.observe_tokenization(tokenize_s)
-    max_tokens = body.default_max_tokens(limit - prompt.num_tokens)
+    user_logprobs = body.num_logprobs() if chat else body.logprobs  # type: ignore[union-attr]
+    # best_of ranks candidates by cumulative logprob: the engine must report the sampled tokens' logprobs.
+    engine_logprobs = 0 if user_logprobs is None and fanout.ranked else user_logprobs
+    messages: list[AddRequest] = []
+    for k, rid in enumerate(sub_ids):
+        prompt, _ = prompts[fanout.prompt_of(k)]
+        if fanout.is_leader(k):
+            params = _prompt_params(state, body, prompt, engine_logprobs, limit)
+        sub_params = params if fanout.candidate_of(k) == 0 or params.seed is None else \
+            dataclasses.replace(params, seed=sub_seed(params.seed, fanout.candidate_of(k)))
+        messages.append(AddRequest(rid, list(prompt.token_ids or ()), sub_params, arrival, body.priority,
+                                   prompt.text))
+    try:
+        for message in messages:
+            state.admission.commit(message.request_id, len(message.prompt_token_ids))
+    except APIError:
+        state.metrics.reject("queue_full")
+        raise
+    shape = ResponseShape(chat, request_id, body.model or state.args.model_name, int(time.time()))
+    texts = tuple((p.text or str(body.model_dump().get("messages", ""))) if state.args.log_prompts else None
+                  for p, _ in prompts)
+    return Prepared(shape, tuple(messages), tokenize_s, body.stream, body.include_usage,
+                    "/v1/chat/completions" if chat else "/v1/completions", texts[0], fanout=fanout,
+                    echo=tuple(text for _, text in prompts), show_logprobs=user_logprobs is not None,
+                    stage_followers=state.info.enable_prefix_caching, prompt_texts=texts,
+                    tool_calls=body.tool_call_plan() if chat else None)  # type: ignore[union-attr]
+
+
+def _prompt_params(state: ServerState, body: CompletionRequest | ChatCompletionRequest, prompt: TokenizedPrompt,
+                   num_logprobs: int | None, limit: int) -> SamplingParams:
+    """The SamplingParams of one prompt (its max_tokens may depend on its length); 400 when the prompt and
+    max_tokens do not fit max_model_len."""
+    max_tokens = body.default_max_tokens(limit - prompt.num_tokens, state.args.max_tokens_default)
     if prompt.token_ids is None or prompt.num_tokens + max_tokens > limit:
         state.metrics.reject("too_long")
         raise APIError(400, f"this model's maximum context length is {limit} tokens (max_model_len), but the "
@@ -93,64 +124,19 @@ async def _prepare_reserved(state: ServerState, body: CompletionRequest | ChatCo
                             f"({prompt.num_tokens + max_tokens} in all): shorten the prompt or lower max_tokens",
                        param="max_tokens", code="context_length_exceeded")
     try:
-        num_logprobs = body.num_logprobs() if chat else body.logprobs  # type: ignore[union-attr]
-        params = body.sampling_params(max_tokens, num_logprobs)
+        return body.sampling_params(max_tokens, num_logprobs)
     except ValueError as exc:
         raise from_value_error(exc) from exc
-    try:
-        state.admission.commit(request_id, prompt.num_tokens)
-    except APIError:
-        state.metrics.reject("queue_full")
-        raise
-    shape = ResponseShape(chat, request_id, body.model or state.args.model_name, int(time.time()))
-    message = AddRequest(request_id, prompt.token_ids, params, arrival, body.priority, prompt.text)
-    return Prepared(shape, message, tokenize_s, body.stream, body.include_usage,
-                    "/v1/chat/completions" if chat else "/v1/completions",
-                    (prompt.text or str(body.model_dump().get("messages", ""))) if state.args.log_prompts else None)
 
 
-class _Finisher:
-    """Counts the prompt at the first token; builds the final timings once, observes serialization, writes
-    the access log line."""
-
-    def __init__(self, state: ServerState, prepared: Prepared) -> None:
-        self.state, self.prepared = state, prepared
-        self._prompt_counted = False
-
-    def saw(self, output: RequestOutput) -> None:
-        """Every output of the request, in order. The first one with a token comes from the step that
-        completed the prefill: the prompt is counted then, once (vLLM's rule; see ServerMetrics)."""
-        if not self._prompt_counted and output.outputs[0].token_ids:
-            self._prompt_counted = True
-            self.state.metrics.observe_prefill_done(len(self.prepared.message.prompt_token_ids))
-
-    def timings(self, final: RequestOutput | None) -> tuple[RequestTimings, RequestMetrics | None]:
-        metrics = final.metrics if final is not None and isinstance(final.metrics, RequestMetrics) else None
-        timings = RequestTimings.build(arrival=self.prepared.message.arrival_time,
-                                       tokenize_s=self.prepared.tokenize_s, metrics=metrics)
-        if metrics is not None and metrics.ttft is not None:
-            self.state.metrics.observe_serialization(timings.serialize_ms / 1000.0)
-        return timings, metrics
-
-    def field(self, final: RequestOutput, timings: RequestTimings, metrics: RequestMetrics | None) -> dict:
-        return kvpilot_field(self.prepared.shape.request_id, metrics, len(final.prompt_token_ids), timings)
-
-    def log(self, status: int, timings: RequestTimings, metrics: RequestMetrics | None) -> None:
-        p = self.prepared
-        access_logger.info(access_log_line(request_id=p.shape.request_id, endpoint=p.endpoint, status=status,
-                                           stream=p.stream, metrics=metrics,
-                                           num_prompt_tokens=len(p.message.prompt_token_ids), timings=timings,
-                                           prompt=p.prompt_text))
-
-
-def _logprobs(state: ServerState, shape: ResponseShape, output: RequestOutput, num_new: int | None,
+def _logprobs(state: ServerState, prepared: Prepared, output: RequestOutput, num_new: int | None,
               text_offset: int = 0) -> dict | None:
     entries = output.outputs[0].logprobs
-    if entries is None:
+    if entries is None or not prepared.show_logprobs:
         return None
     if num_new is not None:
         entries = entries[len(entries) - num_new:] if num_new else []
-    return chat_logprobs(entries, state.tokenizer) if shape.chat else \
+    return chat_logprobs(entries, state.tokenizer) if prepared.shape.chat else \
         completion_logprobs(entries, state.tokenizer, text_offset)
 
 
@@ -162,87 +148,98 @@ def _raise_item(state: ServerState, item: BaseException) -> None:
 
 async def respond_whole(state: ServerState, prepared: Prepared,
                         wait_disconnect: Callable[[], Awaitable[None]]) -> JSONResponse:
-    """Non-streaming: wait for the final output; abort as soon as the client leaves (`wait_disconnect`
-    returns), whether or not outputs are arriving meanwhile."""
-    rid = prepared.shape.request_id
-    stream = state.client.add(prepared.message)
-    finisher = _Finisher(state, prepared)
-    final: RequestOutput | None = None
+    """Non-streaming: wait for every sub-request's final output; abort them all as soon as the client leaves
+    (`wait_disconnect` returns), whether or not outputs are arriving meanwhile, or one of them fails."""
+    rid, shape, fanout = prepared.shape.request_id, prepared.shape, prepared.fanout
+    subs = SubRequests(state.client, fanout, prepared.messages, prepared.stage_followers)
+    collector = Collector(state, prepared)
     watcher = asyncio.ensure_future(wait_disconnect())
     try:
-        while final is None:
-            getter = asyncio.ensure_future(stream.get())
+        subs.start()
+        while collector.remaining:
+            getter = asyncio.ensure_future(subs.get())
             await asyncio.wait((getter, watcher), return_when=asyncio.FIRST_COMPLETED)
             if not getter.done():
                 getter.cancel()
                 raise ClientDisconnected(rid)
-            item = getter.result()
+            k, item = getter.result()
             if isinstance(item, BaseException):
                 _raise_item(state, item)
-            finisher.saw(item)
-            if item.finished:
-                final = item
+            collector.saw(k, item)
     finally:
         watcher.cancel()
-        state.admission.release(rid)
-        if final is None:
-            state.client.abort([rid])
-    timings, metrics = finisher.timings(final)
-    out = final.outputs[0]
-    choice = prepared.shape.choice(out.text, out.finish_reason, _logprobs(state, prepared.shape, final, None),
-                                   chunk=False, stop_reason=out.stop_reason)
-    body = prepared.shape.body(choice, usage(final), finisher.field(final, timings, metrics))
-    finisher.log(200, timings, metrics)
+        for sub_id in prepared.request_ids:
+            state.admission.release(sub_id)
+        subs.close()  # aborts whatever still runs (client gone, or a sibling failed)
+    timings, usage, field = collector.finish()
+    finals = [f for f in collector.finals if f is not None]
+    choices = []
+    for index, k in choose(fanout, finals):
+        out = finals[k].outputs[0]
+        text = prepared.echo[fanout.prompt_of(k)] + out.text
+        choice = shape.choice(text, out.finish_reason, _logprobs(state, prepared, finals[k], None),
+                              chunk=False, stop_reason=out.stop_reason, index=index)
+        tools = prepared.tool_calls
+        choices.append(tools.shape_message(choice, out.text, out.finish_reason) if tools else choice)
+    body = shape.body(choices, usage, field)
+    collector.log(200)
     return JSONResponse(body, headers={"Server-Timing": timings.server_timing_header(), "X-Request-Id": rid})
 
 
-async def _events(state: ServerState, prepared: Prepared,
-                  stream: asyncio.Queue[RequestOutput | BaseException]) -> AsyncIterator[str]:
-    shape, rid = prepared.shape, prepared.shape.request_id
-    finisher = _Finisher(state, prepared)
-    done = False
-    text_offset = 0
+async def _events(state: ServerState, prepared: Prepared, subs: SubRequests) -> AsyncIterator[str]:
+    """SSE for every sub-request; choice k is sub-request k (streams never rank: best_of > n is refused)."""
+    shape, fanout = prepared.shape, prepared.fanout
+    collector = Collector(state, prepared)
+    text_offsets = [0] * fanout.size
+    echo_pending = [bool(prepared.echo[fanout.prompt_of(k)]) for k in range(fanout.size)]
     try:
         if shape.chat:
-            yield shape.role_chunk()
-        while not done:
-            item = await stream.get()
+            for k in range(fanout.size):
+                yield shape.role_chunk(k)
+        while collector.remaining:
+            k, item = await subs.get()
             if isinstance(item, BaseException):
-                done = True
                 try:
                     _raise_item(state, item)
                 except APIError as exc:
                     yield exc.sse_data()
                 break
-            finisher.saw(item)
+            collector.saw(k, item)
             out = item.outputs[0]
-            logprobs = _logprobs(state, shape, item, len(item.delta_token_ids), text_offset)
-            text_offset += len(item.delta_text)
+            logprobs = _logprobs(state, prepared, item, len(item.delta_token_ids), text_offsets[k])
+            text_offsets[k] += len(item.delta_text)
+            text = item.delta_text
+            if echo_pending[k] and (item.finished or item.delta_text or item.delta_token_ids):
+                text, echo_pending[k] = prepared.echo[fanout.prompt_of(k)] + text, False  # the choice's first chunk
             if not item.finished:
                 # One chunk per step that produced tokens, even when the detokenizer holds text back (or the
                 # model has no tokenizer): clients time tokens by chunks.
-                if item.delta_text or item.delta_token_ids:
-                    yield shape.chunk([shape.choice(item.delta_text, None, logprobs, chunk=True)])
+                if (item.delta_text or item.delta_token_ids) and prepared.tool_calls is None:
+                    yield shape.chunk([shape.choice(text, None, logprobs, chunk=True, index=k)])
                 continue
-            done = True
-            timings, metrics = finisher.timings(item)
-            field = {"kvpilot": finisher.field(item, timings, metrics)}
-            choice = shape.choice(item.delta_text, out.finish_reason, logprobs, chunk=True,
-                                  stop_reason=out.stop_reason)
+            choice = shape.choice(text, out.finish_reason, logprobs, chunk=True, stop_reason=out.stop_reason,
+                                  index=k)
+            if prepared.tool_calls is not None:  # the call's text was held back: all of it in this chunk
+                choice = prepared.tool_calls.final_delta(choice, out.text, out.finish_reason)
+            if collector.remaining:  # another choice still runs: this one's finish chunk alone
+                yield shape.chunk([choice])
+                continue
+            timings, usage, field = collector.finish()
             if prepared.include_usage:
                 yield shape.chunk([choice])
-                yield shape.chunk([], usage=usage(item), **field)
+                yield shape.chunk([], usage=usage, kvpilot=field)
             else:
-                yield shape.chunk([choice], **field)
+                yield shape.chunk([choice], kvpilot=field)
             yield SSE_DONE
-            finisher.log(200, timings, metrics)
+            collector.log(200)
     finally:
-        state.admission.release(rid)
-        if not done:  # client gone (generator closed/cancelled): free the request's blocks now
-            state.client.abort([rid])
+        for sub_id in prepared.request_ids:
+            state.admission.release(sub_id)
+        subs.close()  # client gone (generator closed/cancelled) or a failure: free the blocks now
 
 
 def respond_stream(state: ServerState, prepared: Prepared) -> StreamingResponse:
-    stream = state.client.add(prepared.message)
-    return StreamingResponse(_events(state, prepared, stream), media_type="text/event-stream",
+    subs = SubRequests(state.client, prepared.fanout, prepared.messages, prepared.stage_followers)
+    subs.start()
+    return StreamingResponse(_events(state, prepared, subs), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Request-Id": prepared.shape.request_id})

@@ -12,6 +12,7 @@ from kvpilot.server.engine_info import EngineInfo
 from kvpilot.server.errors import APIError
 from kvpilot.server.metrics import ServerMetrics
 from kvpilot.server.tokenizer_pool import TokenizerPool
+from kvpilot.server.tracing import NullTracer
 
 
 MAX_ECHOED_MODEL_CHARS = 256  # an unknown model name is echoed back at most this long (it is client input)
@@ -32,6 +33,7 @@ class ServerState:
     admission: AdmissionController
     draining: bool = False
     tokenizer_pool: TokenizerPool = field(default_factory=TokenizerPool)  # shut down by the app's lifespan
+    tracer: NullTracer = field(default_factory=NullTracer)  # RequestTracer with --otlp-traces-endpoint
 
     @property
     def info(self) -> EngineInfo:

@@ -1,0 +1,62 @@
+"""The `kvpilot serve` command lines `kvpilot fit` recommends, in the model forms kvpilot accepts.
+
+kvpilot never downloads weights: it takes a GGUF file, an HF directory (config.json + *.safetensors), or with
+`--load-format dummy` a catalog name or config.json (random weights, real shapes). A hub id such as
+`Qwen/Qwen3-0.6B` is refused, so it is never printed as `--model`.
+
+Invariant: every command's argv (after `kvpilot serve`) parses under `kvpilot serve`'s flags, and each line is
+runnable as printed once the local path it names exists (a shell comment says how to get it).
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvpilot.fit.model_catalog import canonical_name, get_repo_id
+from kvpilot.fit.model_source import LoadedModel
+
+CATALOG_PREFIX, GGUF_PREFIX, CONFIG_PREFIX = "catalog: ", "GGUF file ", "config file "
+
+
+@dataclass(frozen=True)
+class ServeCommand:
+    """`kvpilot serve <argv>`, with an optional note printed as a trailing shell comment."""
+
+    argv: tuple[str, ...]
+    note: str | None = None
+
+    def line(self) -> str:
+        text = "kvpilot serve " + shlex.join(self.argv)
+        return f"{text}   # {self.note}" if self.note else text
+
+
+def _local_dir_name(repo_id: str) -> str:
+    return repo_id.rsplit("/", 1)[-1]
+
+
+def model_arguments(model: LoadedModel) -> list[tuple[tuple[str, ...], str | None]]:
+    """(model flags, note) pairs for the model fit planned: its own path, or for a catalog model a local
+    download of its weights and, runnable right away, the same shapes with dummy weights."""
+    source = model.source
+    if source.startswith(GGUF_PREFIX):
+        return [(("--model", source.removeprefix(GGUF_PREFIX)), None)]
+    if source.startswith(CONFIG_PREFIX):
+        config = Path(source.removeprefix(CONFIG_PREFIX))
+        if any(config.parent.glob("*.safetensors")):
+            return [(("--model", str(config.parent)), None)]
+        return [(("--model", str(config), "--load-format", "dummy"), "random weights: no *.safetensors next to it")]
+    try:
+        name = canonical_name(model.spec.name)
+        repo_id = get_repo_id(name)
+    except ValueError:
+        return []
+    local = _local_dir_name(repo_id)
+    return [(("--model", local), f"weights first: hf download {repo_id} --local-dir {local}"),
+            (("--model", name, "--load-format", "dummy"), "random weights, real shapes: try the flags now")]
+
+
+def kvpilot_serve_commands(model: LoadedModel, engine_args: list[str]) -> list[ServeCommand]:
+    """The recommended `kvpilot serve` lines: one per model form, each with the plan's engine flags."""
+    return [ServeCommand((*model_args, *engine_args), note) for model_args, note in model_arguments(model)]

@@ -1,0 +1,105 @@
+"""SubRequests: the engine requests of one fanned-out HTTP request (fanout.py), added to the engine client and
+read as one stream of (k, item).
+
+Prefix sharing. The scheduler registers a prompt's full blocks in the prefix cache only once the step that
+computed them has run, so n copies of a prompt admitted together would each compute it. Each prompt's
+followers (candidates 1..m-1) are therefore added once its leader (candidate 0) has produced its first output:
+its prompt blocks are cached then, and the followers' prefill hits them (all but the last partial block). With
+prefix caching off there is nothing to share, and all are added at once. The cost is the followers' wait of
+one prefill.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Sequence
+
+from kvpilot.outputs import CompletionOutput, RequestOutput
+from kvpilot.server.engine_client import EngineClient, Item
+from kvpilot.server.fanout import FanoutShape
+from kvpilot.server.messages import AddRequest
+
+
+class SubRequests:
+    """Invariants: every sub-request is added to the client at most once, and `get()` yields exactly one final
+    item (a finished RequestOutput or an exception) per sub-request: a follower that is never added (its
+    leader ended without a token, e.g. aborted) yields a synthetic finished output with finish_reason "abort"
+    and no tokens. Only used on the event loop."""
+
+    def __init__(self, client: EngineClient, shape: FanoutShape, messages: Sequence[AddRequest],
+                 stage_followers: bool) -> None:
+        self._client, self._shape, self._messages = client, shape, list(messages)
+        self._stage = stage_followers and shape.candidates > 1
+        self._merged: asyncio.Queue[tuple[int, Item]] = asyncio.Queue()
+        self._pumps: list[asyncio.Future[None]] = []
+        self._added: set[int] = set()
+        self._released: set[int] = set()  # leaders whose followers were added (or given up)
+        self._finished: set[int] = set()
+        self._closed = False
+
+    def start(self) -> None:
+        """Adds the leaders (every sub-request when not staging)."""
+        for k in range(self._shape.size):
+            if not self._stage or self._shape.is_leader(k):
+                self._add(k)
+
+    async def get(self) -> tuple[int, Item]:
+        """The next item of any sub-request, with its k."""
+        return await self._merged.get()
+
+    def close(self) -> None:
+        """Aborts the sub-requests still running (the client went away, or another one failed) and stops
+        reading; idempotent."""
+        self._closed = True
+        live = [self._messages[k].request_id for k in self._added - self._finished]
+        if live:
+            self._client.abort(live)
+        for pump in self._pumps:
+            pump.cancel()
+
+    def _after_leader(self, k: int, item: Item) -> None:
+        """Adds leader k's followers once its prompt is cached: its first token, or its end with tokens. A
+        leader that failed fails the whole request (no followers); one that was aborted (drain) ends its
+        followers the same way, never started."""
+        if isinstance(item, RequestOutput) and not item.outputs[0].token_ids and not item.finished:
+            return  # no token yet (a step that produced none): the prompt is not computed
+        self._released.add(k)
+        if isinstance(item, BaseException):
+            return
+        started = bool(item.outputs[0].token_ids) and item.outputs[0].finish_reason != "abort"
+        for follower in self._shape.followers(k):
+            if started and not self._closed:
+                self._add(follower)
+            else:
+                self._merged.put_nowait((follower, _never_started(self._messages[follower])))
+
+    def _add(self, k: int) -> None:
+        self._added.add(k)
+        try:
+            stream = self._client.add(self._messages[k])
+        except Exception as exc:  # noqa: BLE001 - the engine is gone: this sub-request ends with the cause
+            self._finished.add(k)
+            self._merged.put_nowait((k, exc))
+            return
+        self._pumps.append(asyncio.ensure_future(self._pump(k, stream)))
+
+    async def _pump(self, k: int, stream: asyncio.Queue[Item]) -> None:
+        """Moves sub-request k's items to the merged queue as they arrive (not as the consumer reads them: a
+        slow client must not hold the followers back)."""
+        while True:
+            item = await stream.get()
+            self._merged.put_nowait((k, item))
+            ended = not isinstance(item, RequestOutput) or item.finished
+            if ended:
+                self._finished.add(k)
+            if self._stage and self._shape.is_leader(k) and k not in self._released:
+                self._after_leader(k, item)
+            if ended:
+                return
+
+
+def _never_started(message: AddRequest) -> RequestOutput:
+    return RequestOutput(request_id=message.request_id, prompt=message.prompt,
+                         prompt_token_ids=message.prompt_token_ids,
+                         outputs=[CompletionOutput(index=0, text="", token_ids=[], finish_reason="abort")],
+                         finished=True)

@@ -1,0 +1,14 @@
+"""`--tool-call-parser NAME`: the parsers that read tool calls out of a model's free text (tool_choice "auto").
+
+Each takes the finished text and the offered function names and returns ExtractedToolCalls. vLLM names
+its parsers after the model family whose format they read; kvpilot has the one most open models share.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+
+from kvpilot.server.hermes_tool_parser import ExtractedToolCalls, extract_tool_calls
+
+ToolCallParser = Callable[[str, Collection[str]], ExtractedToolCalls]
+TOOL_CALL_PARSERS: dict[str, ToolCallParser] = {"hermes": extract_tool_calls}

@@ -1,0 +1,115 @@
+"""StructuredOutputsParams: a request's output constrained to a grammar (vLLM's field names and meaning).
+
+Exactly one of `json` (a JSON schema, as a dict or its text), `json_object` (any JSON object), `regex`,
+`choice` (one of these strings) or `grammar` (Lark, or llama.cpp's GBNF) is set. The spec is plain data:
+it pickles into the engine core and costs nothing until a request uses it. `grammar_text()` turns it into
+an llguidance grammar and `check()` validates that (both import llguidance lazily, so this module stays
+importable without it; the runner's matchers compile the same text, model/grammar_state.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from typing import Any
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+class StructuredOutputsError(ValueError):
+    """The structured-outputs spec is malformed or its grammar does not compile; the message says why."""
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Invariants (checked in __post_init__): exactly one kind is set; json is a dict or a JSON text of an
+    object schema; regex and grammar are non-empty strings; choice is a non-empty list of strings."""
+
+    json: str | dict[str, Any] | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
+        if len(given) != 1:
+            raise StructuredOutputsError(f"structured_outputs: set exactly one of {', '.join(KINDS)}, got "
+                                         f"{given or 'none'}")
+        if isinstance(self.json, str):
+            try:
+                parsed = json.loads(self.json)
+            except ValueError as exc:
+                raise StructuredOutputsError(f"structured_outputs.json: not valid JSON ({exc})") from None
+            if not isinstance(parsed, dict):
+                raise StructuredOutputsError("structured_outputs.json: a JSON schema is an object")
+        elif self.json is not None and not isinstance(self.json, dict):
+            raise StructuredOutputsError(f"structured_outputs.json must be a schema (dict or JSON text), got "
+                                         f"{type(self.json).__name__}")
+        if self.json_object not in (None, True, False):
+            raise StructuredOutputsError("structured_outputs.json_object must be true or false")
+        for kind in ("regex", "grammar"):
+            value = getattr(self, kind)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise StructuredOutputsError(f"structured_outputs.{kind} must be a non-empty string")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or not all(isinstance(c, str) for c in self.choice)):
+            raise StructuredOutputsError("structured_outputs.choice must be a non-empty list of strings")
+
+    @property
+    def kind(self) -> str:
+        return next(kind for kind in KINDS if getattr(self, kind) not in (None, False))
+
+    def cache_key(self) -> tuple[str, str]:
+        """(kind, canonical text): equal specs have equal keys. A schema keeps its key order (it is the
+        order the properties are generated in)."""
+        kind = self.kind
+        if kind == "json":
+            schema = json.loads(self.json) if isinstance(self.json, str) else self.json
+            return kind, json.dumps(schema, separators=(",", ":"))
+        if kind == "json_object":
+            return kind, ""
+        if kind == "choice":
+            return kind, json.dumps(self.choice)
+        return kind, str(getattr(self, kind))
+
+    def grammar_text(self) -> str:
+        """The llguidance grammar (StructuredOutputsError if the spec cannot be converted)."""
+        return _grammar_text(self.cache_key())
+
+    def check(self) -> None:
+        """StructuredOutputsError (naming what is wrong) unless the grammar compiles. Cached by spec."""
+        error = _validate(self.cache_key())
+        if error:
+            raise StructuredOutputsError(f"structured_outputs.{self.kind}: the grammar does not compile: "
+                                         f"{error.strip()[:500]}")
+
+
+@functools.lru_cache(maxsize=256)
+def _grammar_text(key: tuple[str, str]) -> str:
+    from llguidance import LLMatcher, grammar_from
+
+    kind, text = key
+    try:
+        if kind == "json":
+            return LLMatcher.grammar_from_json_schema(text)
+        if kind == "json_object":
+            return LLMatcher.grammar_from_json_schema({"type": "object"})
+        if kind == "regex":
+            return LLMatcher.grammar_from_regex(text)
+        return grammar_from("choice" if kind == "choice" else "grammar", text)
+    except ValueError as exc:
+        raise StructuredOutputsError(f"structured_outputs.{kind}: {exc}") from None
+
+
+@functools.lru_cache(maxsize=256)
+def _validate(key: tuple[str, str]) -> str:
+    """'' when the grammar of `key` compiles, else llguidance's error message."""
+    from llguidance import LLMatcher
+
+    try:
+        grammar = _grammar_text(key)
+    except StructuredOutputsError as exc:
+        return str(exc)
+    return LLMatcher.validate_grammar(grammar)
