@@ -16,12 +16,14 @@ DtypeOpt = Annotated[str, typer.Option(
     "--dtype", help="auto (bfloat16 on GPUs and on CPUs with native bf16, else float32), float32, bfloat16, or float16 (CUDA only).")]
 QuantizationOpt = Annotated[str, typer.Option(
     "--quantization", "-q", help="GGUF weights on CPU: auto (keep Q8_0/Q4_0/Q4_1 packed, computed by fused "
-    "kernels, when every linear weight has one of those types and --dtype is float32; bfloat16 runs dense), gguf (packed, or an error naming the types "
+    "kernels, when every linear weight has one of those types; with bfloat16 also a dense bf16 copy for "
+    "many-row GEMMs: more memory, the fastest of both), gguf (packed only, or an error naming the types "
     "that are not), none (dequantize to --dtype at load); int8 / int4: quantize any model's linear weights "
     "at load (per-32 scales, Q8_0 / Q4_1 blocks; CPU).")]
 DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="cpu or cuda[:N]. Default: cuda if available.")]
 MaxModelLenOpt = Annotated[Optional[int], typer.Option(
-    "--max-model-len", help="Longest prompt + output of one request, in tokens. Default: the model's context.")]
+    "--max-model-len", help="Longest prompt + output of one request, in tokens. Default: the model's context, "
+    "or the largest length the KV cache holds when the context does not fit (an INFO line says so).")]
 MaxNumSeqsOpt = Annotated[int, typer.Option("--max-num-seqs", help="Most requests in one batch (step).")]
 MaxBatchedTokensOpt = Annotated[Optional[int], typer.Option(
     "--max-num-batched-tokens", help="Token budget of one step; longer prompts are chunked across steps. "
