@@ -269,8 +269,11 @@ def test_long_prefill_between_decode_steps_is_prefill_interrupts_decode(
     """Ten streams decode; one long prompt arrives and is prefilled in a single step with their
     decodes, so every stream's next token waits for it."""
     t_long = _median(one_at_a_time, "ttft_ms", "long") / 1000
-    rows = [{"timestamp": 0.0, "input_len": 24, "output_len": 16} for _ in range(10)]
-    rows.append({"timestamp": 0.6 * t_long, "input_len": LONG_LEN, "output_len": 2})  # after their prefill
+    # The long prompt comes one long-prefill time after the streams (their prefill, 240 tokens in all, is done
+    # by then even when the first batched steps are slow), and the streams decode long enough to still run
+    # then: at 0.6x with 16 tokens a slow CI machine prefilled it with the last streams' prompts (no stall).
+    rows = [{"timestamp": 0.0, "input_len": 24, "output_len": 48} for _ in range(10)]
+    rows.append({"timestamp": t_long, "input_len": LONG_LEN, "output_len": 2})
     measured = bench(worker, big_budget_server.url, _trace(tmp_path / "stall.jsonl", rows),
                      LoadShape(num_requests=len(rows)), "streams + long")
     report = doctor(measured)
