@@ -48,17 +48,18 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--kv-cache-memory", default="6GiB",
                         help="Enough for batch x (context + steps) tokens, or preemptions distort the steps.")
+    parser.add_argument("--quantization", default="auto", help="auto | gguf (packed) | none (dense)")
     parser.add_argument("--profile", action="store_true", help="Also print the top operators.")
     args = parser.parse_args()
     llm = LLM(dtype=args.dtype, max_model_len=args.context + 4 * args.steps + 16, max_num_seqs=args.batch,
-              kv_cache_memory=args.kv_cache_memory)
+              kv_cache_memory=args.kv_cache_memory, quantization=args.quantization)
     fill_to_decode(llm, args.batch, args.context, max_tokens=4 * args.steps + 16, seed=0)
     timed_steps(llm, 2)  # warm-up
     times = timed_steps(llm, args.steps)
     step_s = statistics.median(times)
     print(f"decode step: batch {args.batch}, context ~{args.context}: {step_s * 1e3:.1f} ms "
           f"= {args.batch / step_s:.1f} tok/s (median of {args.steps}; min {min(times) * 1e3:.1f} ms; "
-          f"{torch.get_num_threads()} threads, {args.dtype})")
+          f"{torch.get_num_threads()} threads, {args.dtype}, quantization {args.quantization})")
     if args.profile:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             timed_steps(llm, args.steps)

@@ -130,6 +130,7 @@ def _input(layer: PackedLinear, x: torch.Tensor) -> torch.Tensor:
 
 
 DECODE_VARIANTS = {"packed-fp32": ("float32", "gguf"), "packed-bf16": ("bfloat16", "gguf"),
+                   "hybrid-bf16": ("bfloat16", "auto"),  # packed for few rows, resident dense bf16 for more
                    "dense-bf16": ("bfloat16", "none"), "dense-fp32": ("float32", "none")}
 
 

@@ -107,6 +107,27 @@ def test_kernel_widens_16_and_8_bit_kv_like_torch(kv_dtype, head_dim):
 
 
 @pytest.mark.skipif(get_kernel() is None, reason="no C++ toolchain: the torch path is used")
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [[1, 2, 3], [0, 2, 4]], ids=["consecutive", "scattered"])
+def test_16_bit_queries_are_widened_and_the_output_narrowed(q_dtype, rows):
+    """bf16 / fp16 activations (the CPU default with AVX512_BF16) run in the kernel too: the queries widened
+    to float32, the result written back in the output's dtype, into exactly the decode rows."""
+    gen = torch.Generator().manual_seed(4)
+    heads, kv_heads, block_size, head_dim = 6, 2, 8, 64
+    cache = torch.randn(2, kv_heads, 16, block_size, head_dim, generator=gen).to(q_dtype)
+    chunks = [_Chunk(4, [3]), _Chunk(20, [0, 9, 4]), _Chunk(11, [1, 2])]
+    batch = _decode_batch(chunks, rows, block_size, torch.device("cpu"), with_bias=False)
+    q = torch.randn(5, heads, head_dim, generator=gen).to(q_dtype)
+    out = torch.full_like(q, float("nan"))
+    assert decode_kernel(q, cache, batch, 0.125, out)
+    wide = _kernel(q.float(), cache, batch, 0.125)
+    assert torch.equal(out[rows], wide.to(q_dtype))  # the float32 kernel's result, rounded once
+    torch.testing.assert_close(wide, decode_torch(q.float(), cache.float(), batch, 0.125), rtol=1e-5, atol=1e-6)
+    others = [r for r in range(5) if r not in rows]
+    assert out[others].isnan().all()
+
+
+@pytest.mark.skipif(get_kernel() is None, reason="no C++ toolchain: the torch path is used")
 def test_kernel_runs_on_all_of_torchs_threads():
     """Built without OpenMP, the parallel_for inlined into the extension runs serially (no error, half speed)."""
     before = torch.get_num_threads()

@@ -50,3 +50,44 @@ def test_quantization_setting_is_checked():
         load_model("dummy:smollm2-135m", dtype="float32", max_model_len=64, quantization="gguf")
     with pytest.raises(ModelLoadError, match="not one of auto, gguf, none"):
         load_model(None, quantization="int3")
+
+
+@needs_kernel
+def test_auto_with_bfloat16_is_hybrid_packed_plus_resident_dense(tmp_path):
+    """bf16 activations under auto: the kernel for few rows, and for many rows a dense bf16 copy built once
+    and kept (the same values as the dequantized model's weights, in its [in, out] memory layout)."""
+    path = tmp_path / "tiny-Q4_1.gguf"
+    _write_gguf(path, T.Q4_1)
+    hybrid = load_model(str(path), dtype="bfloat16", max_model_len=64)
+    dense = load_model(str(path), dtype="bfloat16", max_model_len=64, quantization="none")
+    forced = load_model(str(path), dtype="bfloat16", max_model_len=64, quantization="gguf")
+    layer, dense_layer = hybrid.model.layers[0].mlp.gate_up_proj, dense.model.layers[0].mlp.gate_up_proj
+    assert isinstance(layer, PackedLinear) and layer.keep_dense
+    assert not forced.model.layers[0].mlp.gate_up_proj.keep_dense  # gguf: packed only
+    packed_bytes = layer.nbytes
+    x = torch.randn(40, HIDDEN, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    with torch.no_grad():
+        many = layer(x)
+        resident = layer._dense(torch.bfloat16)
+        assert resident is layer._dense(torch.bfloat16)  # built once, then kept
+        assert torch.equal(resident, dense_layer.weight) and resident.stride() == dense_layer.weight.stride()
+        assert layer.nbytes == packed_bytes + resident.numel() * 2
+        torch.testing.assert_close(many, dense_layer(x))
+        few = layer(x[:1])  # the kernel (float32 accumulation of the same values)
+        torch.testing.assert_close(few.float(), dense_layer(x[:1]).float(), rtol=2e-2, atol=2e-2)
+
+
+def test_hybrid_only_when_the_dense_copy_fits_a_quarter_of_the_memory():
+    import numpy as np
+
+    from kvpilot.model.quant.formats import packed_format
+    from kvpilot.model.quant.model_pack import keeps_dense
+    from kvpilot.model.quant.packed import PackedWeight
+
+    fmt = packed_format("Q8_0")
+    packed = {"w": PackedWeight.from_blocks(np.zeros((64, 2 * fmt.block_bytes), dtype=np.uint8), fmt)}
+    dense_bytes = 64 * 64 * 2  # [64 out, 64 in] in bf16
+    assert keeps_dense("auto", torch.bfloat16, packed, available_bytes=4 * dense_bytes)
+    assert not keeps_dense("auto", torch.bfloat16, packed, available_bytes=4 * dense_bytes - 1)
+    assert not keeps_dense("auto", torch.float32, packed, available_bytes=1 << 40)  # float32: packed only
+    assert not keeps_dense("gguf", torch.bfloat16, packed, available_bytes=1 << 40)

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import torch
 
 from kvpilot.model.config import ModelConfig, from_hf_config
@@ -54,14 +55,15 @@ def _load_gguf(path: Path, max_model_len: int | None, dtype: torch.dtype, device
                quantization: str) -> LoadedModel:
     from kvpilot.fit.gguf_metadata import field_value, hf_config_from_reader, open_gguf
     from kvpilot.model.gguf_weights import linear_tensor_types, load_gguf_tensors
-    from kvpilot.model.quant.model_pack import pack_linear_layers, packed_names
+    from kvpilot.model.quant.model_pack import keeps_dense, pack_linear_layers, packed_names
     from kvpilot.model.tokenizer import tokenizer_from_gguf
 
     reader = open_gguf(path)
     config = from_hf_config(hf_config_from_reader(reader, path), str(path))
-    names = packed_names(quantization, device, linear_tensor_types(reader), config, path, dtype)
+    names = packed_names(quantization, device, linear_tensor_types(reader), config, path)
     dense, packed = load_gguf_tensors(reader, path, config, names)
-    prepare = (lambda m: pack_linear_layers(m, packed, config)) if names else None
+    hybrid = keeps_dense(quantization, dtype, packed, psutil.virtual_memory().available)
+    prepare = (lambda m: pack_linear_layers(m, packed, config, keep_dense=hybrid)) if names else None
     model = _build_model(config, max_model_len or config.max_position_embeddings, dtype, device, prepare)
     model.load_weights(dense, str(path))
     # A GGUF without vocabulary metadata still runs on token ids.

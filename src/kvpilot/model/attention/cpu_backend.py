@@ -1,6 +1,7 @@
 """The CPU backend: the torch backend's prefill, with decodes in the C++ kernel (layers/csrc), which reads
 each K/V row once, in place, through the block table, for all decodes in one unpadded batch (no gather copy,
-no padding, no bias tensor). For float32 queries with float32/bf16/fp16/fp8 K/V on CPU."""
+no padding, no bias tensor). For float32 / bf16 / fp16 queries (float32 math) with float32/bf16/fp16/fp8
+K/V on CPU."""
 
 from __future__ import annotations
 

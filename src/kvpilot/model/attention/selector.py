@@ -1,5 +1,5 @@
 """--attention-backend: which backend runs attention. `auto` picks the fastest that applies to the device
-and dtypes: the Triton kernels on CUDA (when triton imports), the C++ kernel backend for float32 on CPU
+and dtypes: the Triton kernels on CUDA (when triton imports), the C++ kernel backend on CPU
 (when it builds), else the torch reference."""
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ def select_attention_backend(name: str, device: torch.device, dtype: torch.dtype
         return _triton_backend()
     kernel = CpuKernelAttentionBackend.applies(device, dtype, kv_dtype)
     if name == "cpu" and not kernel:
-        raise ModelLoadError(f"the cpu attention backend needs float32 on a CPU and a C++ compiler (here: "
-                             f"{dtype} on {device.type}): use --attention-backend auto or torch")
+        raise ModelLoadError(f"the cpu attention backend needs float32, bfloat16 or float16 on a CPU and a C++ "
+                             f"compiler (here: {dtype} on {device.type}): use --attention-backend auto or torch")
     if name == "cpu" or (name == "auto" and kernel):
         return CpuKernelAttentionBackend()
     return TorchAttentionBackend()

@@ -1,4 +1,4 @@
-"""The C++ paged decode-attention kernel for float32 queries on CPU (csrc/: paged_decode_cpu.cpp, with an
+"""The C++ paged decode-attention kernel on CPU, computing in float32 (csrc/: paged_decode_cpu.cpp, with an
 AVX-512 path in decode_avx512.h; K/V stored as float32, bfloat16, float16 or fp8 e4m3), built once with
 torch's cpp_extension (JIT, cached on disk by torch under ~/.cache/torch_extensions).
 
@@ -35,9 +35,12 @@ def get_kernel() -> Any | None:
 
 
 KERNEL_KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)
+# Query dtypes: the kernel computes in float32; bfloat16 / float16 queries are widened first and the output
+# narrowed after (a few KB per step: far cheaper than the torch path's gather of every K/V block).
+KERNEL_QUERY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def kernel_applies(device: torch.device, compute_dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
-    """Whether decode attention runs in the C++ kernel: CPU, float32 queries, a KV dtype it widens."""
-    return (device.type == "cpu" and compute_dtype == torch.float32 and kv_dtype in KERNEL_KV_DTYPES
+    """Whether decode attention runs in the C++ kernel: CPU, a query dtype it widens, a KV dtype it widens."""
+    return (device.type == "cpu" and compute_dtype in KERNEL_QUERY_DTYPES and kv_dtype in KERNEL_KV_DTYPES
             and get_kernel() is not None)

@@ -54,19 +54,26 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cach
 
 def decode_kernel(q: torch.Tensor, kv_cache: torch.Tensor, batch: DecodeBatch, scale: float,
                   out: torch.Tensor) -> bool:
-    """Runs the batch in the C++ kernel (float32 CPU queries; reads K/V in place), writing its rows of `out`
-    ([T, heads, D]); False, with nothing written, when the kernel does not apply."""
+    """Runs the batch in the C++ kernel (CPU; float32 math, bf16/fp16 queries widened; reads K/V in place),
+    writing its rows of `out` ([T, heads, D]); False, with nothing written, when the kernel does not apply."""
     if not kernel_applies(q.device, q.dtype, kv_cache.dtype):
         return False
     queries = batch.rows_of(q)
-    if queries.stride(-1) != 1 or queries.stride(-2) != queries.shape[-1]:
+    widened = queries.dtype != torch.float32
+    if widened:
+        queries = queries.float()
+    elif queries.stride(-1) != 1 or queries.stride(-2) != queries.shape[-1]:
         queries = queries.contiguous()
-    # consecutive rows: the kernel writes straight into `out`; otherwise into a buffer scattered after
-    target = batch.rows_of(out) if batch.row_range is not None else torch.empty_like(queries)
+    # consecutive float32 rows: the kernel writes straight into `out`; otherwise into a buffer copied after
+    direct = batch.row_range is not None and not widened
+    target = batch.rows_of(out) if direct else torch.empty_like(queries)
     get_kernel().paged_decode(target, queries, kv_cache[0], kv_cache[1], batch.block_tables, batch.context_lens,
                               scale)
-    if batch.row_range is None:
-        out[batch.token_rows] = target
+    if not direct:
+        if batch.row_range is not None:
+            batch.rows_of(out).copy_(target)
+        else:
+            out[batch.token_rows] = target.to(out.dtype)
     return True
 
 

@@ -6,6 +6,8 @@ Two paths, picked per call by the number of rows (tokens) in x:
 - more rows: the weights are dequantized into a scratch matrix shared by every layer (one layer at a time
   runs) in the activation dtype, then torch's GEMM runs (prefill and big batches: compute-bound, and
   MKL's GEMM is faster than the kernel's dot-product tiles there; the dequantization is a few % of it).
+  With `keep_dense` (the hybrid layout) the dequantized matrix is built once, on the first many-row call, and
+  kept: native bf16 GEMMs on resident weights beat both the kernel and dequantize-per-call from a few rows up.
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ from kvpilot.model.quant.packed import PackedWeight
 # float32 it beat dequantize + MKL GEMM at every size measured (1-512 rows: MKL's float32 GEMM on a [N, K]
 # weight is slow); in bfloat16, native bf16 GEMMs overtake it between 16 and 64 rows.
 DEFAULT_MAX_KERNEL_ROWS = {torch.float32: 1 << 30, torch.bfloat16: 32}
+# With resident dense weights (keep_dense) the bf16 GEMM needs no dequantization, so it wins from fewer rows:
+# whole decode steps of the embedded model on the 2-vCPU AVX512_BF16 EPYC, kernel vs resident dense, batch 8:
+# 32.4 vs 46.4 ms, 16: 48.4 vs 51.1, 24: 68.1 vs 64.9, 32: 86.5 vs 73.4 (2026-11-25).
+HYBRID_MAX_KERNEL_ROWS = {torch.float32: 1 << 30, torch.bfloat16: 16}
 
 
 @dataclass
@@ -46,11 +52,13 @@ class PackedLinear(nn.Module):
     Invariant: same-format parts are concatenated into one packed matrix (one kernel call); parts of
     different formats are kept apart and write side by side into one output. `dense_weight`, when given,
     returns the same values densely (a tied embedding table) for the many-row path, with no scratch.
+    `keep_dense`: the many-row path's dequantized matrix is kept per dtype after its first use (more memory:
+    the dense bytes besides the packed ones) instead of rebuilt in the shared scratch at every call.
     """
 
     def __init__(self, parts: list[PackedWeight], bias: bool, scratch: DenseScratch, isa: int,
                  max_kernel_rows: dict[torch.dtype, int] | None = None,
-                 dense_weight: Callable[[], torch.Tensor] | None = None) -> None:
+                 dense_weight: Callable[[], torch.Tensor] | None = None, keep_dense: bool = False) -> None:
         super().__init__()
         if len({p.format for p in parts}) == 1 and len(parts) > 1:
             parts = [PackedWeight.concat(parts)]
@@ -61,12 +69,16 @@ class PackedLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(self.out_features), requires_grad=False) if bias else None
         self.scratch = scratch
         self.isa = isa
-        self.max_kernel_rows = dict(max_kernel_rows or DEFAULT_MAX_KERNEL_ROWS)
+        default_rows = HYBRID_MAX_KERNEL_ROWS if keep_dense else DEFAULT_MAX_KERNEL_ROWS
+        self.max_kernel_rows = dict(max_kernel_rows or default_rows)
         self.dense_weight = dense_weight
+        self.keep_dense = keep_dense
+        self._resident: dict[torch.dtype, torch.Tensor] = {}
 
     @property
     def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.parts)
+        """Packed bytes plus any resident dense copies."""
+        return sum(p.nbytes for p in self.parts) + sum(w.numel() * w.element_size() for w in self._resident.values())
 
     @property
     def weight(self) -> torch.Tensor:
@@ -96,9 +108,14 @@ class PackedLinear(nn.Module):
             return self.dense_weight().to(dtype)
         if dtype not in (torch.float32, torch.bfloat16):
             return self._dense(torch.float32).to(dtype)
+        resident = self._resident.get(dtype)
+        if resident is not None:
+            return resident
         weight = self.scratch.matrix(self.out_features, self.in_features, dtype)
         for part, offset in zip(self.parts, self.offsets):
             part.dequantize_into(weight[offset:offset + part.out_features], self.isa)
+        if self.keep_dense:  # kept as an [out, in] view of [in, out] memory, like dense weights (weight_layout.py)
+            weight = self._resident[dtype] = weight.t().contiguous().t()
         return weight
 
     def extra_repr(self) -> str:

@@ -1,11 +1,13 @@
 """Which of a GGUF model's linear layers stay packed, and swapping them into the model.
 
 `--quantization` (EngineArgs.quantization), for GGUF files:
-- auto (default): packed on CPU when every linear weight is Q8_0 / Q4_0 / Q4_1, the kernel builds and the
-  activations are float32; otherwise dequantized at load as before (K-quants, float GGUFs, GPUs, bfloat16:
-  measured 2026-11-23 on an AVX512_BF16 EPYC, native bf16 GEMMs on dense weights beat the packed kernel
-  from 16 rows up, 196 vs 163 tok/s at batch 16, while packed float32 beats dense float32 at every batch);
-- gguf: packed, or a ModelLoadError naming the tensor types the kernels lack;
+- auto (default): packed on CPU when every linear weight is Q8_0 / Q4_0 / Q4_1 and the kernel builds;
+  otherwise dequantized at load (K-quants, float GGUFs, GPUs). With bfloat16 activations the layout is
+  hybrid: the packed kernel for few rows (decode of few streams reads 4-bit weights: single stream 41 vs
+  25 tok/s dense bf16) and resident dense bf16 weights for more rows (native bf16 GEMMs beat the kernel from
+  16 rows up, 196 vs 163 tok/s at batch 16; measured 2026-11-23 on an AVX512_BF16 EPYC), at the price of
+  holding both copies. Float32 activations stay packed only (packed beats dense float32 at every batch);
+- gguf: packed only, or a ModelLoadError naming the tensor types the kernels lack;
 - none: dequantized to --dtype at load (dense matmuls);
 - int8 / int4: any model's dense weights quantized at load (quant/at_load.py; a GGUF is dequantized first).
 --dtype still sets the activations' dtype either way.
@@ -39,7 +41,7 @@ def check_quantization(quantization: str) -> None:
 
 
 def packed_names(quantization: str, device: torch.device, tensor_types: dict[str, str], config: ModelConfig,
-                 path: Path, compute_dtype: torch.dtype = torch.float32) -> frozenset[str]:
+                 path: Path) -> frozenset[str]:
     """The HF names of the linear weights to keep packed (empty: dequantize the whole model).
 
     `tensor_types` maps every linear weight of the file to its GGUF type name. Raises ModelLoadError
@@ -47,11 +49,6 @@ def packed_names(quantization: str, device: torch.device, tensor_types: dict[str
     """
     check_quantization(quantization)
     if quantization in ("none", "int8", "int4"):
-        return frozenset()
-    if quantization == "auto" and compute_dtype != torch.float32:
-        logger.info("%s: %s activations run dense GEMMs faster than the packed kernel beyond a few streams: "
-                    "dequantizing the weights at load (--quantization gguf keeps them packed)", path,
-                    str(compute_dtype).removeprefix("torch."))
         return frozenset()
     wanted = {name for name in tensor_types if name != EMBED or config.tie_word_embeddings}
     if config.tie_word_embeddings:
@@ -78,8 +75,30 @@ def _packing_problem(device: torch.device, types: dict[str, str], path: Path) ->
     return None
 
 
-def pack_linear_layers(model: nn.Module, packed: dict[str, PackedWeight], config: ModelConfig) -> None:
-    """Replaces the model's projections (and output layer) with PackedLinear modules over `packed`.
+# The hybrid layout's dense copy may take at most this share of the memory available at load: a big model
+# on a small machine stays packed only (its dense copy alone could exhaust the RAM the KV cache needs).
+HYBRID_MAX_MEMORY_SHARE = 0.25
+
+
+def keeps_dense(quantization: str, compute_dtype: torch.dtype, packed: dict[str, PackedWeight],
+                available_bytes: int) -> bool:
+    """The hybrid layout (see the module docstring): auto, non-float32 activations, and a dense copy of the
+    packed weights that fits in HYBRID_MAX_MEMORY_SHARE of `available_bytes`."""
+    if quantization != "auto" or compute_dtype == torch.float32 or not packed:
+        return False
+    dense_bytes = sum(w.out_features * w.in_features for w in packed.values()) * compute_dtype.itemsize
+    if dense_bytes > HYBRID_MAX_MEMORY_SHARE * available_bytes:
+        logger.info("packed weights only: their dense %s copy for many-row GEMMs would take %.1f GiB of the "
+                    "%.1f GiB available", str(compute_dtype).removeprefix("torch."), dense_bytes / 2**30,
+                    available_bytes / 2**30)
+        return False
+    return True
+
+
+def pack_linear_layers(model: nn.Module, packed: dict[str, PackedWeight], config: ModelConfig,
+                       keep_dense: bool = False) -> None:
+    """Replaces the model's projections (and output layer) with PackedLinear modules over `packed`;
+    `keep_dense`: each also keeps the dense copy its many-row path builds (the hybrid layout).
 
     Call on the model before its parameters are materialized (the dense weights are never allocated);
     the remaining parameters (norms, embeddings, biases) load as usual afterwards.
@@ -88,7 +107,8 @@ def pack_linear_layers(model: nn.Module, packed: dict[str, PackedWeight], config
     isa = best_isa()
 
     def make(names: list[str], bias: bool = False, dense: Callable[[], torch.Tensor] | None = None) -> PackedLinear:
-        return PackedLinear([packed[name] for name in names], bias, scratch, isa, dense_weight=dense)
+        return PackedLinear([packed[name] for name in names], bias, scratch, isa, dense_weight=dense,
+                            keep_dense=keep_dense)
 
     for i, layer in enumerate(model.layers):
         prefix = f"model.layers.{i}."
