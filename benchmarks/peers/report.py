@@ -29,9 +29,9 @@ class Machine:
     flags: list[str]
     kvpilot_commit: str
 
-    def header_lines(self) -> list[str]:
+    def header_lines(self, script: str = "peers_cpu.py") -> list[str]:
         shown = [f for f in INTERESTING_FLAGS if f in self.flags]
-        return [f"# peers_cpu.py  {self.date_utc}  kvpilot {self.kvpilot_commit}",
+        return [f"# {script}  {self.date_utc}  kvpilot {self.kvpilot_commit}",
                 f"# CPU: {self.cpu_model} (family {self.cpu_family}, model {self.cpu_model_number}), "
                 f"{self.num_cpus} CPUs; flags: {' '.join(shown) or 'none of ' + ','.join(INTERESTING_FLAGS)}"]
 
