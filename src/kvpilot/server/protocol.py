@@ -66,12 +66,7 @@ class _Sampling(StructuredFields):
     @classmethod
     def _no_lone_surrogates(cls, data: Any) -> Any:
         """A 400 naming the field (raised as APIError: pydantic passes it through to the error handler)."""
-        path = _find_surrogate(data)
-        if path is not None:
-            param = ".".join(str(p) for p in path) or None
-            raise APIError(400, f"{param}: the text holds a lone UTF-16 surrogate (e.g. \\ud800), which is not "
-                                "valid Unicode: send well-formed UTF-8 text", param=param)
-        return data
+        return reject_lone_surrogates(data)
 
     model: str | None = None
     max_tokens: int | None = None
