@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize, quantize
 
 from kvpilot.model.quant.formats import FORMATS
-from kvpilot.model.quant.kernel import best_isa, get_quant_kernel
+from kvpilot.model.quant.kernel import best_isa, get_quant_kernel, has_vnni
 from kvpilot.model.quant.linear import DenseScratch, PackedLinear
 from kvpilot.model.quant.packed import PackedWeight
 
@@ -77,3 +77,26 @@ def test_same_format_parts_are_concatenated():
     parts = [_random_packed("Q4_1", n, K, seed=n)[0] for n in (12, 4, 4)]
     layer = PackedLinear(parts, bias=False, scratch=DenseScratch(), isa=best_isa())
     assert len(layer.parts) == 1 and layer.parts[0].out_features == 20
+
+
+@pytest.mark.skipif(not has_vnni(), reason="no AVX-512 VNNI on this CPU")
+def test_int8_activations_agree_with_the_float32_kernel_to_the_activation_rounding():
+    """The hybrid layout's few-row path (Q4_1 x int8 blocks, VNNI): each 32-value block of x is rounded to
+    int8 with its own scale, so a dot product moves by at most sum_b max|x_b| / 254 * sum |w_b| (the bound
+    asserted), while the float32 kernel stays at float32 rounding."""
+    packed, w = _random_packed("Q4_1", N, K, seed=7)
+    exact = PackedLinear([packed], bias=False, scratch=DenseScratch(), isa=best_isa())
+    int8 = PackedLinear([packed], bias=False, scratch=DenseScratch(), isa=best_isa(), int8_activations=True)
+    assert int8.int8_activations and not exact.int8_activations
+    x = torch.randn(1, K, generator=torch.Generator().manual_seed(1))  # one row: the VNNI path
+    blocks = x.view(1, K // 32, 32)
+    step = blocks.abs().amax(-1, keepdim=True) / 127  # one int8 step per block
+    w_blocks = torch.from_numpy(np.abs(w)).view(N, K // 32, 32).sum(-1)  # [N, KB]
+    bound = (step.squeeze(-1) / 2) @ w_blocks.T  # half a step per value, times |w| summed per block
+    diff = (int8(x) - exact(x)).abs()
+    assert bool((diff <= bound + 1e-4).all()) and float(diff.max()) > 0  # rounded, within its bound
+    two = torch.cat([x, x])  # more rows: the float32 kernel, as exact as ever
+    assert torch.equal(int8(two), exact(two))
+    mixed = PackedLinear([packed, _random_packed("Q8_0", 4, K, seed=8)[0]], bias=False, scratch=DenseScratch(),
+                         isa=best_isa(), int8_activations=True)
+    assert not mixed.int8_activations  # several parts (or other formats): the float32 kernel

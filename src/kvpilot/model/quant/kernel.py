@@ -19,7 +19,8 @@ _CSRC = Path(__file__).resolve().parent.parent / "layers" / "csrc"
 # concatenated in this order into one translation unit (the headers are not on an include path)
 SOURCE_PATHS = tuple(_CSRC / name for name in ("quant_common.h", "quant_avx512.h", "quant_avx2.h",
                                                "quant_vnni.h", "quant_linear_cpu.cpp"))
-FUNCTIONS = ["quant_matmul", "quant_dequantize", "cpu_isa", "quant_parallel_width", "quant_matmul_q8act"]
+FUNCTIONS = ["quant_matmul", "quant_dequantize", "cpu_isa", "quant_parallel_width", "quant_matmul_q8act",
+             "has_vnni"]
 ISA_NAMES = ("portable", "avx2", "avx512")
 
 _KERNEL = CppKernel(label="CPU quantized-linear kernel", name_prefix="kvpilot_cpu_quant_", sources=SOURCE_PATHS,
@@ -38,3 +39,9 @@ def best_isa() -> int:
     """The best ISA level the kernel runs on this CPU: 0 portable, 1 AVX2, 2 AVX-512 (-1: no kernel)."""
     kernel = get_quant_kernel()
     return -1 if kernel is None else int(kernel.cpu_isa())
+
+
+def has_vnni() -> bool:
+    """Whether the int8-activation (VNNI) Q4_1 path runs on this CPU."""
+    kernel = get_quant_kernel()
+    return kernel is not None and bool(kernel.has_vnni())

@@ -29,6 +29,9 @@ DEFAULT_MAX_KERNEL_ROWS = {torch.float32: 1 << 30, torch.bfloat16: 32}
 # whole decode steps of the embedded model on the 2-vCPU AVX512_BF16 EPYC, kernel vs resident dense, batch 8:
 # 32.4 vs 46.4 ms, 16: 48.4 vs 51.1, 24: 68.1 vs 64.9, 32: 86.5 vs 73.4 (2026-11-25).
 HYBRID_MAX_KERNEL_ROWS = {torch.float32: 1 << 30, torch.bfloat16: 16}
+# The int8-activation (VNNI) path wins for one row only (its loop re-reads each weight row per x row): the
+# 120 Q4_1 layers of the embedded model, 1 row: 3.19 vs 5.30 ms float32; 2 rows: 7.65 vs 6.54 ms (same box).
+INT8_MAX_ROWS = 1
 
 
 @dataclass
@@ -54,11 +57,15 @@ class PackedLinear(nn.Module):
     returns the same values densely (a tied embedding table) for the many-row path, with no scratch.
     `keep_dense`: the many-row path's dequantized matrix is kept per dtype after its first use (more memory:
     the dense bytes besides the packed ones) instead of rebuilt in the shared scratch at every call.
+    `int8_activations`: a single row (INT8_MAX_ROWS) is quantized to int8 blocks and multiplied with the Q4_1
+    weights by VNNI dot products (llama.cpp's scheme; within ~1/254 of a block's largest value of the float32
+    path), for a lone Q4_1 part on a CPU with VNNI; other parts and more rows keep the float32 kernel.
     """
 
     def __init__(self, parts: list[PackedWeight], bias: bool, scratch: DenseScratch, isa: int,
                  max_kernel_rows: dict[torch.dtype, int] | None = None,
-                 dense_weight: Callable[[], torch.Tensor] | None = None, keep_dense: bool = False) -> None:
+                 dense_weight: Callable[[], torch.Tensor] | None = None, keep_dense: bool = False,
+                 int8_activations: bool = False) -> None:
         super().__init__()
         if len({p.format for p in parts}) == 1 and len(parts) > 1:
             parts = [PackedWeight.concat(parts)]
@@ -73,6 +80,7 @@ class PackedLinear(nn.Module):
         self.max_kernel_rows = dict(max_kernel_rows or default_rows)
         self.dense_weight = dense_weight
         self.keep_dense = keep_dense
+        self.int8_activations = int8_activations and len(parts) == 1 and parts[0].format.name == "Q4_1"
         self._resident: dict[torch.dtype, torch.Tensor] = {}
 
     @property
@@ -99,6 +107,9 @@ class PackedLinear(nn.Module):
     def _kernel_rows(self, rows: torch.Tensor) -> torch.Tensor:
         x = rows.to(torch.float32).contiguous()
         out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
+        if self.int8_activations and x.shape[0] <= INT8_MAX_ROWS:
+            self.parts[0].matmul_q8act_into(out, x)
+            return out
         for part, offset in zip(self.parts, self.offsets):
             part.matmul_into(out[:, offset:offset + part.out_features], x, self.isa)
         return out

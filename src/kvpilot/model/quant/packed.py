@@ -70,6 +70,10 @@ class PackedWeight:
         """out [M, N] float32 (unit column stride, may be a column slice) = x [M, K] float32 @ W^T."""
         _kernel().quant_matmul(out, x, self.qs, self.d, self.min_or_empty(), self.format.code, isa)
 
+    def matmul_q8act_into(self, out: torch.Tensor, x: torch.Tensor) -> None:
+        """out [M, N] float32 contiguous = int8-quantized x [M, K] float32 contiguous @ W^T (Q4_1, VNNI)."""
+        _kernel().quant_matmul_q8act(out, x, self.qs, self.d, self.min_or_empty())
+
     def dequantize(self, dtype: torch.dtype = torch.float32, isa: int | None = None) -> torch.Tensor:
         out = torch.empty(self.out_features, self.in_features, dtype=dtype)
         self.dequantize_into(out, _kernel().cpu_isa() if isa is None else isa)

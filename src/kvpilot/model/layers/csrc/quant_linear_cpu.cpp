@@ -113,6 +113,12 @@ void quant_dequantize(torch::Tensor out, torch::Tensor qs, torch::Tensor d, torc
 // The best ISA level this CPU runs: 0 portable, 1 AVX2 + FMA, 2 AVX-512 (F, BW, VL).
 int64_t cpu_isa() { return detect_isa(); }
 
+// Whether quant_matmul_q8act runs here (AVX-512 with VNNI).
+bool has_vnni() {
+  __builtin_cpu_init();
+  return detect_isa() == kAvx512 && __builtin_cpu_supports("avx512vnni");
+}
+
 // How many threads this module's parallel_for really runs on (0 would mean a broken build).
 int64_t quant_parallel_width() {
   std::atomic<uint64_t> seen{0};
@@ -122,11 +128,11 @@ int64_t quant_parallel_width() {
   return __builtin_popcountll(seen.load());
 }
 
-// The VNNI experiment (quant_vnni.h): out [M, N] float32 = int8-quantized x [M, K] @ Q4_1 W^T.
+// int8 activations (quant_vnni.h): out [M, N] float32 = int8-quantized x [M, K] @ Q4_1 W^T.
 void quant_matmul_q8act(torch::Tensor out, torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m) {
   const Packed w = packed_of(qs, d, m, kQ4_1);
   __builtin_cpu_init();
-  TORCH_CHECK(__builtin_cpu_supports("avx512vnni") && detect_isa() == kAvx512, "needs AVX-512 VNNI");
+  TORCH_CHECK(has_vnni(), "needs AVX-512 VNNI");
   TORCH_CHECK(x.is_contiguous() && x.size(1) == w.K && out.is_contiguous() && out.size(1) == w.N, "shapes");
   const int64_t M = x.size(0);
   std::vector<int8_t> xq(M * w.K);

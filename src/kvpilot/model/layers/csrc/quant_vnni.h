@@ -1,7 +1,8 @@
-// An experiment kept for benchmarks/quant_linear.py: Q4_1 weights times int8-quantized activations with
-// AVX-512 VNNI dot products (llama.cpp's q8 scheme: each 32-value block of x gets its own scale). It is not
-// used by the model: quantizing activations changes results by up to ~1/254 of a block's largest value,
-// where the float32 path matches dequantize-then-matmul to rounding. quant_matmul_q8act() runs it.
+// Q4_1 weights times int8-quantized activations with AVX-512 VNNI dot products (llama.cpp's q8 scheme: each
+// 32-value block of x gets its own scale). Quantizing activations changes results by up to ~1/254 of a
+// block's largest value, where the float32 path matches dequantize-then-matmul to rounding: the model uses
+// it only where results are already rounded to bf16 (PackedLinear.int8_activations, the hybrid layout).
+// quant_matmul_q8act() runs it.
 #define KVP_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
 
 namespace {
