@@ -67,3 +67,23 @@ def test_healthy_headroom_against_the_roofline(tmp_path: Path) -> None:
     report = diagnose(load_inputs(healthy(tmp_path)[0], model="llama-3.1-8b", gpu="h100-sxm"))
     assert report.healthy
     assert any(line.startswith("decode at 37% of the roofline TPOT floor") for line in report.headroom), report.headroom
+
+
+def test_prefill_at_the_hardwares_speed_is_a_note_unless_a_ttft_slo_is_missed(tmp_path: Path) -> None:
+    """The staged prefill-bound run, served with prefix caching on and a budget that holds every prompt
+    (8k) in one step: no setting shortens its TTFT, so without a TTFT target it is LOW with the reason; a
+    budget smaller than the prompts (chunked prefill) keeps it a finding."""
+    import dataclasses
+
+    from kvpilot.doctor.server_config import ServerConfig
+    from tests.doctor.scenarios import prefill_bound
+
+    results, metrics, model, gpu = prefill_bound(tmp_path)
+    inputs = load_inputs(results, metrics, model, gpu)
+    whole = ServerConfig("test", max_num_batched_tokens=8192, enable_prefix_caching=True)
+    note = diagnose(dataclasses.replace(inputs, server_config=whole))
+    finding = next(f for f in note.findings if f.rule_id == "prefill-bound")
+    assert finding.severity is Severity.LOW and "no server setting shortens this" in finding.summary
+    chunked = dataclasses.replace(whole, max_num_batched_tokens=2048)
+    report = diagnose(dataclasses.replace(inputs, server_config=chunked))
+    assert report.findings[0].rule_id == "prefill-bound" and report.findings[0].severity is not Severity.LOW

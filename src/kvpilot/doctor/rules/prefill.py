@@ -61,19 +61,33 @@ def prefill_bound(ctx: RuleContext) -> Finding | None:
     roof = ctx.inputs.roofline
     if roof is not None:
         evidence.append(Evidence(f"roofline TTFT for the median prompt ({roof.gpu})", roof.ttft_ms, "ms"))
+    summary = (f"Each 1k prompt tokens add {per_token * 1000:.0f} ms before the first token "
+               f"(correlation {corr:.2f}); p90 TTFT is {ttft_p90:.0f} ms.")
+    severity = Severity.HIGH if ttft_p90 >= 2 * limit else Severity.MEDIUM
+    if not slos and _no_setting_shortens_prefill(ctx, max(xs)):
+        # The issue-13 rule: a fix must be able to change what was measured. With no TTFT target given, the
+        # hardware's own prefill speed is a note, not a problem with the deployment.
+        severity = Severity.LOW
+        summary += (" Every prompt was prefilled in one step with prefix caching on: no server setting "
+                    "shortens this, it is this hardware's prefill speed (pass a TTFT SLO to judge it).")
     return defer_to_host(ctx, Finding(
         rule_id="prefill-bound", title="Prefill is slow: TTFT grows with prompt length",
-        severity=Severity.HIGH if ttft_p90 >= 2 * limit else Severity.MEDIUM,
-        confidence=clamp01(0.6 + (corr - th.prefill_min_correlation)), impact=clamp01(explained),
-        summary=(f"Each 1k prompt tokens add {per_token * 1000:.0f} ms before the first token "
-                 f"(correlation {corr:.2f}); p90 TTFT is {ttft_p90:.0f} ms."),
-        evidence=tuple(evidence),
+        severity=severity, confidence=clamp01(0.6 + (corr - th.prefill_min_correlation)),
+        impact=clamp01(explained), summary=summary, evidence=tuple(evidence),
         fixes=(Fix("reuse shared prompt prefixes instead of recomputing them",
                    kvpilot="--enable-prefix-caching", vllm="--enable-prefix-caching"),
                Fix("prefill in fewer, larger steps when latency of others allows",
                    kvpilot="--max-num-batched-tokens 8192", vllm="--max-num-batched-tokens 8192"),
                Fix("use a faster attention kernel", vllm="VLLM_ATTENTION_BACKEND=FLASH_ATTN"),
                Fix("split prefill over more GPUs or shorten prompts", vllm="--tensor-parallel-size 2"))))
+
+
+def _no_setting_shortens_prefill(ctx: RuleContext, longest_prompt: float) -> bool:
+    """The server says prefix caching is on and its token budget holds the longest prompt whole (one step):
+    the configuration fixes above cannot help. Unknown configuration (another server): False."""
+    cfg = ctx.inputs.server_config
+    return (cfg is not None and cfg.enable_prefix_caching is True and cfg.max_num_batched_tokens is not None
+            and longest_prompt <= cfg.max_num_batched_tokens)
 
 
 def _longs_and_median(records: list[RequestRecord], factor: float) -> tuple[list[RequestRecord], float]:
