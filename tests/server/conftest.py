@@ -35,17 +35,26 @@ def live_server() -> Iterator[BackgroundServer]:
         yield server
 
 
+def authed_http(server: BackgroundServer) -> httpx.Client:
+    """An HTTP client of `server` that sends the tests' API key."""
+    return httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120)
+
+
+def openai_sdk(server: BackgroundServer):
+    """The OpenAI SDK pointed at `server`, no retries (a failure shows at once)."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, timeout=120, max_retries=0)
+
+
 @pytest.fixture()
 def http(live_server: BackgroundServer) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=live_server.url, headers={"Authorization": f"Bearer {API_KEY}"},
-                      timeout=120) as client:
+    with authed_http(live_server) as client:
         yield client
 
 
 @pytest.fixture()
 def openai_client(live_server: BackgroundServer):
-    import openai
-
-    client = openai.OpenAI(base_url=f"{live_server.url}/v1", api_key=API_KEY, timeout=120, max_retries=0)
+    client = openai_sdk(live_server)
     yield client
     client.close()

@@ -19,7 +19,7 @@ import pytest
 from kvpilot.server import ServerArgs, create_app, engine_factory
 from kvpilot.server.background import BackgroundServer
 from kvpilot.server.config import ServerConfigError
-from tests.server.conftest import API_KEY, MODEL, server_engine_args
+from tests.server.conftest import API_KEY, MODEL, authed_http, openai_sdk, server_engine_args
 
 pytestmark = pytest.mark.slow
 
@@ -57,16 +57,13 @@ def auto_server() -> Iterator[BackgroundServer]:
 
 @pytest.fixture()
 def client(auto_server: BackgroundServer) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=auto_server.url, headers={"Authorization": f"Bearer {API_KEY}"},
-                      timeout=120) as http:
+    with authed_http(auto_server) as http:
         yield http
 
 
 @pytest.fixture()
 def sdk(auto_server: BackgroundServer):
-    import openai
-
-    with openai.OpenAI(base_url=f"{auto_server.url}/v1", api_key=API_KEY, timeout=120, max_retries=0) as sdk:
+    with openai_sdk(auto_server) as sdk:
         yield sdk
 
 
