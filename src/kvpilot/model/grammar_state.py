@@ -102,9 +102,7 @@ class GrammarState:
 
     def apply(self, logits: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
         """logits [N, vocab] of persistent `rows` -> disallowed tokens of constrained rows set to -inf."""
-        if not self.num_active:
-            return logits
-        which = [i for i, row in enumerate(rows.tolist()) if self.matchers[row] is not None]
+        which = self._constrained(rows)
         if not which:
             return logits
         from llguidance.numpy import fill_next_token_bitmask
@@ -121,6 +119,12 @@ class GrammarState:
         logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
         return logits
 
+    def _constrained(self, rows: np.ndarray) -> list[int]:
+        """Positions in `rows` whose row holds a matcher (none at all costs one integer test)."""
+        if not self.num_active:
+            return []
+        return [i for i, row in enumerate(rows.tolist()) if self.matchers[row] is not None]
+
     def _unpack(self, bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """int32 [k, words] (bit j of word w: token 32w + j) -> bool [k, vocab_size]."""
         if self._shifts is None or self._shifts.device != bitmask.device:
@@ -130,9 +134,7 @@ class GrammarState:
 
     def record(self, rows: np.ndarray, token_ids: torch.Tensor) -> None:
         """Feeds each constrained row its just-sampled token (reads those ids to the host)."""
-        if not self.num_active:
-            return
-        which = [i for i, row in enumerate(rows.tolist()) if self.matchers[row] is not None]
+        which = self._constrained(rows)
         if not which:
             return
         sampled = token_ids[torch.tensor(which, device=token_ids.device)].tolist()
