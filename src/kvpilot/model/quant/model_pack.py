@@ -86,7 +86,9 @@ def keeps_dense(quantization: str, compute_dtype: torch.dtype, packed: dict[str,
     packed weights that fits in HYBRID_MAX_MEMORY_SHARE of `available_bytes`."""
     if quantization != "auto" or compute_dtype == torch.float32 or not packed:
         return False
-    dense_bytes = sum(w.out_features * w.in_features for w in packed.values()) * compute_dtype.itemsize
+    # a tied output head's many-row path reads the embedding table itself: it builds no copy
+    dense_bytes = sum(w.out_features * w.in_features for name, w in packed.items() if name != EMBED) * \
+        compute_dtype.itemsize
     if dense_bytes > HYBRID_MAX_MEMORY_SHARE * available_bytes:
         logger.info("packed weights only: their dense %s copy for many-row GEMMs would take %.1f GiB of the "
                     "%.1f GiB available", str(compute_dtype).removeprefix("torch."), dense_bytes / 2**30,
