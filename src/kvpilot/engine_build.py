@@ -20,6 +20,7 @@ from kvpilot.fit.kv_cache import KvCapacity, format_capacity_line, kv_capacity_f
 from kvpilot.memory_size import format_bytes, parse_memory_size
 from kvpilot.model.kv_dtype import kv_dtype_name, resolve_kv_cache_dtype
 from kvpilot.model.loader import LoadedModel, load_model
+from kvpilot.model.onednn_caches import bound_onednn_caches
 from kvpilot.model.runner import ModelRunner, RunnerLimits
 from kvpilot.sampling_params import SamplingParams
 
@@ -80,6 +81,7 @@ def build_engine(args: EngineArgs, loaded: LoadedModel | None = None) -> BuiltEn
     """Loads the model (or reuses `loaded`: its weights are read-only, so engines may share them) and builds
     the engine; EngineConfigError / ModelLoadError say what to change."""
     args.check()
+    bound_onednn_caches()  # before the first GEMM: the engine's memory stays flat over hours of mixed steps
     if loaded is None:
         loaded = load_model(args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
                             max_model_len=args.max_model_len, seed=args.seed, quantization=args.quantization)
