@@ -7,6 +7,8 @@ a TCP proxy that delays every byte like a long network path. The real engine com
 
 from __future__ import annotations
 
+import dataclasses
+
 import asyncio
 import contextlib
 import threading
@@ -161,9 +163,10 @@ def bench(worker: BenchWorker, url: str, dataset: DatasetConfig, load: LoadShape
     return Measured(worker.run(cfg, busy_client), label)
 
 
-def doctor(*runs: Measured, **kwargs: Any) -> DoctorReport:
-    """Diagnose the runs together (``kwargs``: model, gpu for the roofline)."""
-    return diagnose(inputs_from_documents([(m.result, m.label) for m in runs], **kwargs))
+def doctor(*runs: Measured, slos_ms: dict[str, float] | None = None, **kwargs: Any) -> DoctorReport:
+    """Diagnose the runs together (``kwargs``: model, gpu for the roofline; ``slos_ms`` as --slo gives)."""
+    inputs = inputs_from_documents([(m.result, m.label) for m in runs], **kwargs)
+    return diagnose(dataclasses.replace(inputs, slos_ms=dict(slos_ms or {})))
 
 
 def ranked(report: DoctorReport) -> list[tuple[str, str]]:

@@ -102,3 +102,17 @@ def test_verify_without_serve_and_serve_with_url_are_refused() -> None:
     assert "--verify needs --serve" in _invoke("--verify").output
     result = _invoke("--serve", "kvpilot serve", "--url", "http://127.0.0.1:1")
     assert result.exit_code == 2 and "leave out --url" in result.output
+
+
+def test_slo_turns_a_healthy_run_into_a_finding_and_bad_goals_exit_2(tmp_path: Path) -> None:
+    (path,), _, _, _ = healthy(tmp_path)
+    assert _invoke("--from", path, "--workload", "chat").exit_code == 0  # the healthy run meets chat's SLOs
+    strict = _invoke("--from", path, "--slo", "tpot=1ms", "--json")
+    assert strict.exit_code == 1, strict.output
+    doc = json.loads(strict.stdout)
+    assert doc["findings"][0]["rule_id"] == "decode-bound" and "even at" in doc["findings"][0]["summary"]
+    assert doc["slos_ms"] == {"tpot": 1.0} and any(h.startswith("SLOs (tpot <= 1 ms)") for h in doc["headroom"])
+    for args, message in ((("--workload", "gaming"), "use one of chat, agent, batch"),
+                          (("--slo", "latency=fast"), "--slo: bad SLO")):
+        result = _invoke("--from", path, *args)
+        assert result.exit_code == 2 and message in result.output

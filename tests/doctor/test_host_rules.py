@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from kvpilot.bench.datasets import DatasetConfig
 from kvpilot.doctor.diagnose import diagnose
 from kvpilot.doctor.findings import Finding, Severity
 from kvpilot.doctor.inputs import DoctorInputs, load_inputs
@@ -175,3 +176,15 @@ def test_stalls_of_a_one_chunk_prefill_are_a_note(tmp_path: Path) -> None:
     report = diagnose(load_inputs([write(tmp_path / "r.json", [run("concurrency=9", recs, concurrency=9)])]))
     assert "prefill-interrupts-decode" not in [f.rule_id for f in report.findings]
     assert any(line.startswith("token streams paused") and "512-token prompt" in line for line in report.headroom)
+
+
+def test_prefix_caching_off_still_noted_when_the_shared_prefix_loss_could_not_be_measured(tmp_path: Path) -> None:
+    """A starved probe: its four shared-prefix requests all ran at once, so no reuse was achievable and
+    prefix-cache-miss stays silent; the configuration note must not vanish with it."""
+    rng = random.Random(3)
+    recs = closed_loop(4, 4, lambda i, t: req(i, t, prompt=256, prefill=jitter(rng, 60), group=f"prefix-{i % 2}"))
+    dataset = DatasetConfig(kind="shared-prefix", input_len=256, prefix_len=192, num_prefixes=2, num_suffixes=2)
+    shared = load_inputs([write(tmp_path / "r.json", [run("concurrency=4", recs)], dataset=dataset)])
+    config = from_capacity(capacity_json(4096, 1024, enable_prefix_caching=False))
+    ids = [f.rule_id for f in diagnose(replace(shared, server_config=config)).findings]
+    assert "prefix-cache-miss" not in ids and "prefix-caching-off" in ids

@@ -1,6 +1,6 @@
 """Staged on the real kvpilot server, doctor v2: a KV pool too small for its context under --quick, a
 host whose CPUs other processes take, a healthy default server under mixed long/short traffic, and
-verify mode on `--max-num-seqs 1` (docs/doctor.md has the table).
+verify mode on `--max-num-seqs 1` and on prefix caching turned off (docs/doctor.md has the table).
 
 The doctor runs in a process of its own (the servers live in the test process, and a load generator
 sharing their GIL would measure their Python work as its own lag). When the doctor measures that the
@@ -134,6 +134,26 @@ def test_serve_verify_restarts_with_the_fix_and_prints_before_after() -> None:
     assert all(not t["kept"] for t in trials[:-1])  # every fix before the last was withdrawn
     assert doc["verify"]["stopped"]
     assert "verify: restarting with --max-num-seqs 2 (queueing)" in proc.stderr
+
+
+def test_serve_verify_turns_prefix_caching_on_for_shared_prefix_traffic() -> None:
+    """`--no-enable-prefix-caching`: the probe's shared-prefix phase re-prefills every prefix; the doctor
+    restarts with `--enable-prefix-caching` and keeps it because shared-prefix TTFT falls. Fixes tried
+    before it (other findings' flags) must have been withdrawn."""
+    serve = ("kvpilot serve --no-enable-prefix-caching --dtype float32 --kv-cache-memory 256MiB "
+             "--max-model-len 1024")
+    proc = _doctor_cli("--serve", serve, "--verify", "--quick", "--json", "--verify-budget", "500", timeout_s=590)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    doc = json.loads(proc.stdout)
+    trials = doc["verify"]["trials"]
+    prefix = [t for t in trials if t["flags"] == ["--enable-prefix-caching"]]
+    assert prefix, trials
+    trial = prefix[0]
+    assert trial["metric"] == "median TTFT of shared-prefix requests"
+    assert trial["kept"] and trial["after"] < 0.9 * trial["before"], trial
+    assert trial is trials[-1] and all(not t["kept"] for t in trials[:-1])
+    assert doc["verify"]["stopped"] == "a fix helped"
+    assert "verify: restarting with --enable-prefix-caching" in proc.stderr
 
 
 def test_serve_command_that_exits_is_one_line_exit_2() -> None:

@@ -7,6 +7,7 @@ import pytest
 
 from kvpilot.doctor.probe import PhaseResult, thin_phases
 from kvpilot.doctor.probe_plan import (DEFAULT_MAX_MODEL_LEN, FULL, QUICK, TOKEN_SLACK, Baseline, ProbeLimits,
+                                       RampPoint, knee_reason,
                                        ProbePhase, baseline_phase, plan_after_baseline)
 from kvpilot.doctor.thresholds import Thresholds
 
@@ -57,7 +58,25 @@ def test_quick_probe_is_smaller_than_the_full_one() -> None:
     assert QUICK.max_in_flight < FULL.max_in_flight and QUICK.phase_s < FULL.phase_s
     assert not QUICK.unique_control and FULL.unique_control
     names = [p.name for p in plan_after_baseline(FULL, None, BASELINES["cpu"])]
-    assert names == ["long-short", "shared-prefix", "unique-prefix", "ramp-4", "ramp-16"]
+    assert names == ["long-short", "shared-prefix", "unique-prefix", "ramp-2", "ramp-4", "ramp-8", "ramp-16",
+                     "ramp-32", "ramp-64"]
+    assert FULL.find_knee and not QUICK.find_knee
+
+
+def test_ramp_stops_at_the_knee_or_on_failures() -> None:
+    rising = [RampPoint(1, 50.0), RampPoint(2, 95.0), RampPoint(4, 170.0)]
+    assert knee_reason(rising[:1]) is None and knee_reason(rising) is None
+    flat = [*rising, RampPoint(8, 180.0)]
+    assert knee_reason(flat) == "throughput stopped rising: 180.0 tok/s at 8 in flight, +6% over 4"
+    assert knee_reason([*rising, RampPoint(8, 400.0, failed_share=0.25)]) == "25% of the requests at 8 in flight failed"
+
+
+def test_max_concurrency_cuts_the_ramp_and_a_fixed_ramp_repeats_points() -> None:
+    assert FULL.capped(10).ramp == (1, 2, 4, 8, 10) and FULL.capped(10).max_in_flight == 10
+    assert FULL.capped(1).ramp == (1,) and FULL.capped(1).mixed_concurrency == 1
+    assert FULL.capped(500).ramp == FULL.ramp
+    again = FULL.fixed_ramp((1, 2, 4))
+    assert again.ramp == (1, 2, 4) and not again.find_knee
 
 
 def test_baseline_request_time_estimate() -> None:

@@ -70,3 +70,16 @@ def test_waiting_for_the_step_in_progress_is_not_queueing(tmp_path: Path) -> Non
     assert "queueing" not in _ids(diagnose(load_inputs([step_wait])))
     waits = write(tmp_path / "b.json", [run("c4", at(560.0), metrics=samples(2, running=4, waiting=1.5, kv=0.2))])
     assert "queueing" in _ids(diagnose(load_inputs([waits])))
+
+
+def test_headroom_names_the_saturation_knee(tmp_path: Path) -> None:
+    """Throughput rises 1 -> 4 streams and stays flat at 16 (each step 4x slower): the knee is 4."""
+    rng = random.Random(9)
+    loads = ((1, 10.0, 12), (4, 12.0, 24), (16, 60.0, 48))
+    paths = [write(tmp_path / f"c{c}.json", [run(f"c{c}", closed_loop(n, c, lambda i, t, itl=itl: req(
+        i, t, itl=jitter(rng, itl, 0.02), num_out=16)), concurrency=c)]) for c, itl, n in loads]
+    headroom = diagnose(load_inputs(paths)).headroom
+    knee = next(line for line in headroom if line.startswith("saturation knee"))
+    assert knee.startswith("saturation knee at 4 in flight") and "throughput stopped rising" in knee
+    rising = diagnose(load_inputs(paths[:2])).headroom  # two loads make no curve yet
+    assert not any("knee" in line for line in rising)

@@ -93,6 +93,22 @@ def test_url_quick_probe_of_the_scripted_server(scripted: ScriptedProcess, tmp_p
     assert "live probe &#x27;ramp-8&#x27;" in html.read_text()  # the HTML names the probes as inputs
 
 
+def test_full_probe_ramps_to_the_saturation_knee_and_stops(scripted: ScriptedProcess) -> None:
+    """A server that runs 4 requests at a time: throughput doubles from 1 to 2 to 4 in flight and stays flat
+    at 8, so the full probe's ramp stops there (not at --max-concurrency 32) and names the knee at 4."""
+    scripted.set_script(Behavior(ttft_s=0.03, itl_s=0.005), max_running=4)
+    try:
+        result = CliRunner().invoke(_cli(), ["--url", scripted.base_url, "--json", "--max-concurrency", "32"])
+    finally:
+        scripted.set_script(Behavior())
+    doc = json.loads(result.stdout)
+    ramps = [p["name"] for p in doc["probe"]["phases"] if p["name"].startswith("ramp-")]
+    assert ramps == ["ramp-2", "ramp-4", "ramp-8"], ramps
+    knee = next(h for h in doc["headroom"] if "knee" in h)
+    assert knee.startswith("saturation knee at 4") and "stopped rising" in knee, knee
+    assert doc["probe"]["max_in_flight"] == 32
+
+
 def test_check_endpoint_reads_the_model_list(scripted: ScriptedProcess) -> None:
     endpoint = check_endpoint(scripted.base_url + "/v1/")  # a pasted OpenAI base URL works too
     assert endpoint.base_url == scripted.base_url and endpoint.model == scripted.model

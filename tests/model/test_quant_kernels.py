@@ -100,3 +100,22 @@ def test_int8_activations_agree_with_the_float32_kernel_to_the_activation_roundi
     mixed = PackedLinear([packed, _random_packed("Q8_0", 4, K, seed=8)[0]], bias=False, scratch=DenseScratch(),
                          isa=best_isa(), int8_activations=True)
     assert not mixed.int8_activations  # several parts (or other formats): the float32 kernel
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path) -> None:
+    """A process killed while holding torch's build lock must not hang every later start."""
+    import os
+
+    from kvpilot.model.layers.cpp_build import STALE_BUILD_LOCK_S, STALE_CHECK_LOCK_S, remove_stale_lock
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    made = lock.stat().st_mtime
+    assert not remove_stale_lock(tmp_path, "m", now=made + STALE_CHECK_LOCK_S + 1)  # a build may be running
+    (tmp_path / "m.so").touch()
+    assert not remove_stale_lock(tmp_path, "m", now=made + 1)  # someone checking the built module right now
+    assert remove_stale_lock(tmp_path, "m", now=made + STALE_CHECK_LOCK_S + 1) and not lock.exists()
+    lock.touch()
+    os.remove(tmp_path / "m.so")
+    assert remove_stale_lock(tmp_path, "m", now=lock.stat().st_mtime + STALE_BUILD_LOCK_S + 1)
+    assert not remove_stale_lock(tmp_path, "m")  # no lock at all

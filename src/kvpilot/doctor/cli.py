@@ -16,6 +16,8 @@ from kvpilot.doctor.errors import DoctorInputError
 
 if TYPE_CHECKING:
     from kvpilot.doctor.probe import ProbeSession
+    from kvpilot.doctor.probe_plan import ProbeLimits
+    from kvpilot.doctor.slo import Goal
 
 EXIT_UNUSABLE = 2
 
@@ -25,13 +27,23 @@ def _fail(message: str) -> typer.Exit:
     return typer.Exit(EXIT_UNUSABLE)
 
 
-def _probe(url: str, quick: bool, api_key: str | None, model_name: str | None, tokenizer: str | None,
+def _limits(quick: bool, max_concurrency: int | None) -> ProbeLimits:
+    from kvpilot.doctor.probe_plan import FULL, QUICK  # noqa: PLC0415
+
+    limits = QUICK if quick else FULL
+    if max_concurrency is None:
+        return limits
+    if max_concurrency < 1:
+        raise DoctorInputError(f"--max-concurrency must be at least 1, got {max_concurrency}")
+    return limits.capped(max_concurrency)
+
+
+def _probe(url: str, limits: ProbeLimits, api_key: str | None, model_name: str | None, tokenizer: str | None,
            has_files: bool) -> ProbeSession:
     """Check the endpoint and run the live probes (progress lines on stderr)."""
     from rich.console import Console  # noqa: PLC0415
 
     from kvpilot.doctor.probe import check_endpoint, probe_endpoint  # noqa: PLC0415
-    from kvpilot.doctor.probe_plan import FULL, QUICK  # noqa: PLC0415
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # it logs every request (and /metrics scrape) at INFO
     if has_files:
@@ -39,16 +51,15 @@ def _probe(url: str, quick: bool, api_key: str | None, model_name: str | None, t
                                "measurements: use one or the other")
     endpoint = check_endpoint(url, api_key, model_name)
     # A new seed per session: prompts of an earlier probe may still sit in the server's prefix cache.
-    return probe_endpoint(endpoint, QUICK if quick else FULL, Console(stderr=True), tokenizer,
+    return probe_endpoint(endpoint, limits, Console(stderr=True), tokenizer,
                           seed=int(time.time()) % 100_000)
 
 
-def _serve_mode(serve: str | None, verify: bool, quick: bool, other_inputs: bool, model: str | None,
-                gpu: str | None, as_json: bool, budget_s: float, serve_timeout_s: float) -> None:
+def _serve_mode(serve: str | None, verify: bool, limits: ProbeLimits, other_inputs: bool, model: str | None,
+                gpu: str | None, as_json: bool, budget_s: float, serve_timeout_s: float, goal: Goal) -> None:
     """``--serve`` (and ``--verify``): start the server, probe, report; raises typer.Exit when done."""
     from rich.console import Console  # noqa: PLC0415
 
-    from kvpilot.doctor.probe_plan import FULL, QUICK  # noqa: PLC0415
     from kvpilot.doctor.render_console import print_report  # noqa: PLC0415
     from kvpilot.doctor.serve import parse_command  # noqa: PLC0415
     from kvpilot.doctor.verify import print_verify, run_verify  # noqa: PLC0415
@@ -61,8 +72,8 @@ def _serve_mode(serve: str | None, verify: bool, quick: bool, other_inputs: bool
     logging.getLogger("httpx").setLevel(logging.WARNING)
     err = Console(stderr=True)
     seed = int(time.time()) % 100_000
-    result = run_verify(parse_command(serve), QUICK if quick else FULL, err, seed,
-                        budget_s if verify else 0.0, serve_timeout_s, model, gpu)
+    result = run_verify(parse_command(serve), limits, err, seed,
+                        budget_s if verify else 0.0, serve_timeout_s, model, gpu, goal)
     report = result.report
     if as_json:
         doc = report.to_json()
@@ -91,11 +102,18 @@ def doctor_command(
         str | None,
         typer.Option("--url", help="Live server to probe (base URL, e.g. http://127.0.0.1:8000): the doctor runs "
                      "its own short bench workloads (a single-request baseline, short vs long prompts, shared vs "
-                     "unique prefixes, a concurrency ramp; at most 16 requests in flight, about 3 minutes) and "
+                     "unique prefixes, a concurrency ramp doubling from 1 to at most 64 in flight until throughput stops "
+                     "rising: the saturation knee; 3-5 minutes) and "
                      "scrapes /metrics before and after. Not with --from/--metrics-file."),
     ] = None,
     quick: Annotated[bool, typer.Option("--quick", help="With --url: a smaller probe, under a minute (ramp "
                                         "to 8 in flight, no unique-prefix control).")] = False,
+    max_concurrency: Annotated[
+        int | None,
+        typer.Option("--max-concurrency", help="With --url/--serve: never more requests in flight than this "
+                     "(the full probe doubles concurrency from 1 up to 64 until throughput stops rising: "
+                     "the saturation knee)."),
+    ] = None,
     api_key: Annotated[
         str | None,
         typer.Option("--api-key", envvar=["OPENAI_API_KEY", "KVPILOT_API_KEY"],
@@ -138,6 +156,18 @@ def doctor_command(
                                                  "rounds (no new round starts that would overrun it).")] = 900.0,
     serve_timeout: Annotated[float, typer.Option("--serve-timeout", help="With --serve: seconds to wait for "
                                                  "the server to answer /v1/models.")] = 300.0,
+    slo: Annotated[
+        str | None,
+        typer.Option("--slo", help="Latency targets the findings are judged against, as in `kvpilot bench` "
+                     "(e.g. ttft=500ms,tpot=50ms,itl=100ms,e2e=5s; 90% of requests must meet them). Without "
+                     "one, latency trade-offs (TPOT rising with the batch) are notes, not findings."),
+    ] = None,
+    workload: Annotated[
+        str | None,
+        typer.Option("--workload", help="What the deployment is for: chat (ttft=1s,tpot=100ms), agent "
+                     "(ttft=2s,tpot=50ms) or batch (throughput only). Sets those SLOs (--slo overrides) and "
+                     "recommends flags for the goal; with --verify they are measured."),
+    ] = None,
 ) -> None:
     """Name the bottleneck of a slow deployment, with the evidence, a confidence and the fix."""
     from rich.console import Console  # noqa: PLC0415 (lazy: `kvpilot --help` stays fast)
@@ -146,22 +176,25 @@ def doctor_command(
     from kvpilot.doctor.inputs import load_inputs  # noqa: PLC0415
     from kvpilot.doctor.render_console import print_report  # noqa: PLC0415
     from kvpilot.doctor.render_html import doctor_html_section  # noqa: PLC0415
+    from kvpilot.doctor.slo import resolve_goal  # noqa: PLC0415
 
     probe = None
     try:
+        goal = resolve_goal(workload, slo)
+        limits = _limits(quick, max_concurrency)
         if serve is not None or verify:
-            _serve_mode(serve, verify, quick, bool(url or from_ or metrics_file), model, gpu, as_json,
-                        verify_budget, serve_timeout)
+            _serve_mode(serve, verify, limits, bool(url or from_ or metrics_file), model, gpu, as_json,
+                        verify_budget, serve_timeout, goal)
         if url is not None:
-            probe = _probe(url, quick, api_key, model_name, tokenizer, bool(from_ or metrics_file))
+            probe = _probe(url, limits, api_key, model_name, tokenizer, bool(from_ or metrics_file))
             inputs = probe.inputs(model, gpu)
         else:
-            if quick or model_name or tokenizer:
-                raise DoctorInputError("--quick, --model-name and --tokenizer go with --url")
+            if quick or model_name or tokenizer or max_concurrency is not None:
+                raise DoctorInputError("--quick, --max-concurrency, --model-name and --tokenizer go with --url")
             inputs = load_inputs(from_ or [], metrics_file or [], model, gpu)
     except DoctorInputError as exc:
         raise _fail(str(exc)) from None
-    report = diagnose(inputs)
+    report = diagnose(goal.apply(inputs))
     if as_json:
         doc = report.to_json()
         doc["probe"] = probe.to_json() if probe is not None else None

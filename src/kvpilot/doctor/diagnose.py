@@ -7,10 +7,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpilot.doctor.findings import Finding, Severity
-from kvpilot.doctor.inputs import DoctorInputs
+from kvpilot.doctor.inputs import DoctorInputs, RunData
+from kvpilot.doctor.probe_plan import RampPoint, knee_reason
 from kvpilot.doctor.rules import RULES, Rule, RuleContext
 from kvpilot.doctor.rules.prefill import mixing_note, stall_note
 from kvpilot.doctor.signals import median
+from kvpilot.doctor.slo import slo_lines
 from kvpilot.doctor.split import LatencySplit
 from kvpilot.doctor.thresholds import Thresholds
 
@@ -33,6 +35,9 @@ class DoctorReport:
     """Measured batch-1 decode speed as a share of the roofline's (TPOT floor / measured TPOT)."""
     server_config: dict[str, Any] | None = None
     resources: dict[str, Any] | None = None
+    slos_ms: dict[str, float] | None = None
+    """The latency targets the findings were judged against (--slo, --workload, or bench's)."""
+    workload: str | None = None
 
     @property
     def healthy(self) -> bool:
@@ -63,7 +68,7 @@ class DoctorReport:
                 "headroom": list(self.headroom), "sources": list(self.sources),
                 "metrics_source": self.metrics_source, "roofline": self.roofline,
                 "roofline_share": self.roofline_share, "server_config": self.server_config,
-                "resources": self.resources}
+                "resources": self.resources, "slos_ms": self.slos_ms, "workload": self.workload}
 
 
 def _dtype_word(dtype: str | None) -> str:
@@ -108,12 +113,45 @@ def _headroom(ctx: RuleContext) -> list[str]:
     if peak is not None:
         lines.append(f"peak output throughput {peak.output_throughput:,.1f} tok/s at "
                      f"{peak.in_flight:.1f} requests in flight")
+        knee = _knee_line(ctx)
+        if knee is not None:
+            lines.append(knee)
         if roof is not None and roof.aggregate_tokens_per_s > 0:
             lines.append(f"that is {peak.output_throughput / roof.aggregate_tokens_per_s:.0%} of the roofline "
                          f"({roof.aggregate_tokens_per_s:,.0f} tok/s at batch {roof.batch_size} on {roof.gpu})")
+    lines.extend(slo_lines(ctx.inputs.runs, ctx.slos))
     lines.extend(note for note in (mixing_note(ctx), stall_note(ctx)) if note is not None)
     lines.extend(_resource_lines(ctx))
     return lines
+
+
+def _load_level(run: RunData) -> int:
+    """The concurrency a run was sent at: a probe's ramp phase names it; other runs, their measured in-flight."""
+    if run.source == "probe:baseline":
+        return 1
+    if run.source.startswith("probe:ramp-"):
+        return int(run.source.rsplit("-", 1)[1])
+    return max(1, round(run.in_flight))
+
+
+def _knee_line(ctx: RuleContext) -> str | None:
+    """Where throughput stopped rising with load (the saturation knee), or that it was still rising at the
+    highest load measured. From the probe's ramp (same prompts at each point), else from saved runs such as
+    a bench sweep; None with fewer than three loads (two points make no curve)."""
+    runs = [r for r in ctx.inputs.runs if r.ok and not r.burst]
+    ramp = [r for r in runs if r.source == "probe:baseline" or r.source.startswith("probe:ramp-")]
+    series = sorted(ramp if ramp else runs, key=_load_level)
+    if len(series) < 3:
+        return None
+    points = [RampPoint(_load_level(r), r.output_throughput, 1.0 - len(r.ok) / len(r.records)) for r in series]
+    for end in range(2, len(points) + 1):
+        reason = knee_reason(points[:end])
+        if reason is not None:
+            knee = points[end - 2]
+            return (f"saturation knee at {knee.concurrency} in flight ({knee.output_throughput:,.1f} tok/s): "
+                    f"past it, {reason}")
+    return (f"throughput still rising at the highest load measured ({points[-1].concurrency} in flight): "
+            "the knee is further out (probe with a higher --max-concurrency)")
 
 
 def _resource_lines(ctx: RuleContext) -> list[str]:
@@ -145,4 +183,5 @@ def diagnose(inputs: DoctorInputs, thresholds: Thresholds | None = None,
         metrics_source=ctx.view.source, roofline=roof.__dict__.copy() if roof is not None else None,
         created_unix=time.time(), roofline_share=_roofline_share(ctx),
         server_config=inputs.server_config.to_json() if inputs.server_config is not None else None,
-        resources=inputs.resources.to_json() if inputs.resources is not None else None)
+        resources=inputs.resources.to_json() if inputs.resources is not None else None,
+        slos_ms=ctx.slos or None, workload=inputs.workload)

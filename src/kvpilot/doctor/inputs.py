@@ -66,6 +66,10 @@ class DoctorInputs:
     sources: tuple[str, ...] = ()
     server_config: ServerConfig | None = None
     resources: ResourceUsage | None = None
+    slos_ms: dict[str, float] = field(default_factory=dict)
+    """The doctor's own targets (`--slo`, `--workload`), ms by metric; empty: the runs' bench SLOs, if any."""
+    workload: str | None = None
+    """`--workload` preset name (chat, agent, batch), or None."""
 
     def __post_init__(self) -> None:
         if not self.runs and self.metrics is None:

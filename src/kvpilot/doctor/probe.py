@@ -23,9 +23,9 @@ from kvpilot.bench.client import Target
 from kvpilot.bench.datasets import DatasetError
 from kvpilot.bench.tokens import Tokenizer, TokenizerError, load_tokenizer
 from kvpilot.doctor.errors import DoctorInputError
-from kvpilot.doctor.inputs import DoctorInputs, inputs_from_documents
-from kvpilot.doctor.probe_plan import (Baseline, ProbeLimits, ProbePhase, baseline_phase,
-                                       plan_after_baseline)
+from kvpilot.doctor.inputs import DoctorInputs, inputs_from_documents, runs_from_result
+from kvpilot.doctor.probe_plan import (Baseline, ProbeLimits, ProbePhase, RampPoint, baseline_phase,
+                                       knee_reason, plan_after_baseline)
 from kvpilot.doctor.prometheus import MetricsSnapshot, metrics_delta, parse_prometheus_text
 from kvpilot.doctor.resources import ResourceUsage, meter_for, remote_usage
 from kvpilot.doctor.server_config import ServerConfig, fetch_capacity, merge
@@ -172,6 +172,14 @@ def run_phase(endpoint: Endpoint, phase: ProbePhase, tok: Tokenizer, timeout_s: 
                        statistics.median(ttfts) if ttfts else None)
 
 
+def ramp_point(result: PhaseResult) -> RampPoint:
+    """Concurrency, output throughput and failed share of one ramp phase (the baseline is the first)."""
+    runs = runs_from_result(result.result, result.phase.name)
+    throughput = runs[0].output_throughput if runs else 0.0
+    failed = 1.0 - result.num_ok / result.num_sent if result.num_sent else 1.0
+    return RampPoint(result.phase.load.concurrency or 1, throughput, failed)
+
+
 def baseline_of(result: PhaseResult, url: str) -> Baseline:
     """Medians of the baseline's successful requests; DoctorInputError (exit 2) when none succeeded."""
     runs = result.result.get("runs") or []
@@ -230,12 +238,20 @@ def probe_endpoint(endpoint: Endpoint, limits: ProbeLimits, console: Console, to
     console.print(_phase_line(results[0]), markup=False)
     base = baseline_of(results[0], endpoint.base_url)
     plan = [_seeded(p, seed) for p in plan_after_baseline(limits, endpoint.max_model_len, base)]
+    points, knee = [ramp_point(results[0])], None
     for i, phase in enumerate(plan, 2):
+        ramp = phase.name.startswith("ramp-")
+        if ramp and knee is not None:
+            continue
         console.print(f"[{i}] {phase.name}: {phase.describe()}", markup=False)
         results.append(run_phase(endpoint, phase, tok, timeout_s))
         console.print(_phase_line(results[-1]), markup=False)
         if meter is not None:
             meter.sample()
+        if ramp and limits.find_knee:
+            points.append(ramp_point(results[-1]))
+            if (knee := knee_reason(points)) is not None:
+                console.print(f"  saturation knee: {knee}; the ramp stops here", markup=False)
     after, after_error = scrape_metrics(endpoint)
     wall_s = time.perf_counter() - started
     metrics = metrics_delta(before, after) if before is not None and after is not None else None

@@ -8,7 +8,7 @@ count, a send deadline (``LoadShape.duration_s``: no request starts after it) an
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvpilot.bench.datasets import DatasetConfig
 from kvpilot.bench.load import LoadShape
@@ -41,16 +41,60 @@ class ProbeLimits:
     max_requests: int
     mixed_concurrency: int
     unique_control: bool
+    find_knee: bool = False
+    """Stop the ramp at the saturation knee (see :func:`knee_reason`) instead of running every point."""
 
     @property
     def max_in_flight(self) -> int:
         return self.ramp[-1]
 
+    def capped(self, max_concurrency: int) -> ProbeLimits:
+        """The same probe never sending more than ``max_concurrency`` at once (the ramp cut there)."""
+        if max_concurrency < 1:
+            raise ValueError("max_concurrency must be at least 1")
+        ramp = tuple(n for n in self.ramp if n < max_concurrency) + (max_concurrency,)
+        ramp = tuple(dict.fromkeys(r for r in ramp if r <= self.ramp[-1])) or (1,)
+        return replace(self, ramp=ramp, mixed_concurrency=min(self.mixed_concurrency, max_concurrency))
 
-FULL = ProbeLimits(name="full", ramp=(1, 4, 16), output_len=16, max_short_len=128, max_long_len=1024,
-                   max_long_prefill_s=4.0, phase_s=24.0, num_baseline=5, max_requests=48,
-                   mixed_concurrency=4, unique_control=True)
-"""About 3 minutes on a slow CPU server: 6 phases x (24 s + what is in flight at the deadline)."""
+    def fixed_ramp(self, ramp: tuple[int, ...]) -> ProbeLimits:
+        """This probe with exactly ``ramp`` (e.g. to repeat an earlier probe's points for a fair comparison)."""
+        return replace(self, ramp=ramp, find_knee=False)
+
+
+FULL = ProbeLimits(name="full", ramp=(1, 2, 4, 8, 16, 32, 64), output_len=16, max_short_len=128,
+                   max_long_len=1024, max_long_prefill_s=4.0, phase_s=24.0, num_baseline=5, max_requests=128,
+                   mixed_concurrency=4, unique_control=True, find_knee=True)
+"""Finds the saturation knee: the ramp doubles concurrency until throughput stops rising (3-5 minutes on a
+CPU server, which saturates at 8-32 streams; `--max-concurrency` caps it for a production server)."""
+
+KNEE_MIN_GAIN = 1.1
+"""A ramp point whose output throughput is under this multiple of the previous point's is past the knee."""
+MAX_FAILED_SHARE = 0.1
+"""A ramp point with more failed requests than this (HTTP 429s of a full queue, timeouts) ends the ramp."""
+
+
+@dataclass(frozen=True)
+class RampPoint:
+    """One measured ramp point: concurrency, output tokens per second, and failed requests' share."""
+
+    concurrency: int
+    output_throughput: float
+    failed_share: float = 0.0
+
+
+def knee_reason(points: list[RampPoint]) -> str | None:
+    """Why the ramp stops after the last point, or None to go on. Pure: the probe measures, this decides.
+    The knee is the last point that still raised throughput by KNEE_MIN_GAIN over the one before."""
+    last = points[-1]
+    if last.failed_share > MAX_FAILED_SHARE:
+        return f"{last.failed_share:.0%} of the requests at {last.concurrency} in flight failed"
+    if len(points) < 2 or points[-2].output_throughput <= 0:
+        return None
+    gain = last.output_throughput / points[-2].output_throughput
+    if gain < KNEE_MIN_GAIN:
+        return (f"throughput stopped rising: {last.output_throughput:,.1f} tok/s at {last.concurrency} in flight, "
+                f"{gain - 1:+.0%} over {points[-2].concurrency}")
+    return None
 
 QUICK = ProbeLimits(name="quick", ramp=(1, 8), output_len=8, max_short_len=64, max_long_len=512,
                     max_long_prefill_s=1.5, phase_s=8.0, num_baseline=5, max_requests=24,

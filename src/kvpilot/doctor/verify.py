@@ -26,6 +26,7 @@ from kvpilot.doctor.probe_plan import ProbeLimits
 from kvpilot.doctor.serve import engine_of, served
 from kvpilot.doctor.server_config import from_serve_flags
 from kvpilot.doctor.signals import median
+from kvpilot.doctor.slo import Goal, good_fraction, run_slos
 
 MIN_GAIN = 0.1
 """A fix must move its finding's metric by at least this share (beyond run-to-run noise on a CPU)."""
@@ -73,18 +74,35 @@ def _shorts_ttft(inputs: DoctorInputs) -> float | None:
 # server refused (HTTP 429) are admitted and wait, so their TTFT can rise while the service improves.
 THROUGHPUT = Metric("output throughput at the highest load", "tok/s", False, _peak_throughput)
 TTFT_AT_PEAK = Metric("median TTFT at the highest load", "ms", True, lambda i: _peak(i, "ttft_ms"))
+SHARED_PREFIX_TTFT = Metric("median TTFT of shared-prefix requests", "ms", True,
+                            lambda i: _phase(i, "shared-prefix", "ttft_ms"))
 METRICS: dict[str, Metric] = {
     "queueing": THROUGHPUT, "static-batching": THROUGHPUT, "kv-cache-pressure": TTFT_AT_PEAK,
     "kv-pool-too-small": TTFT_AT_PEAK, "max-num-seqs-over-kv": TTFT_AT_PEAK,
     "token-budget-below-seqs": Metric("median TPOT at the highest load", "ms", True, lambda i: _peak(i, "tpot_ms")),
     "decode-bound": Metric("median TPOT at the highest load", "ms", True, lambda i: _peak(i, "tpot_ms")),
-    "prefix-cache-miss": Metric("median TTFT of shared-prefix requests", "ms", True,
-                                lambda i: _phase(i, "shared-prefix", "ttft_ms")),
+    "prefix-cache-miss": SHARED_PREFIX_TTFT, "prefix-caching-off": SHARED_PREFIX_TTFT,
     "long-short-mixing": Metric("median TTFT of short requests beside long ones", "ms", True, _shorts_ttft),
     "prefill-interrupts-decode": Metric("median TPOT beside long prompts", "ms", True,
                                         lambda i: _phase(i, "long-short", "tpot_ms")),
 }
 DEFAULT_METRIC = Metric("median E2E at the highest load", "ms", True, lambda i: _peak(i, "e2e_ms"))
+
+
+def _within_slos(inputs: DoctorInputs) -> float | None:
+    run = _top_ramp(inputs)
+    slos = run_slos(inputs.runs, inputs.slos_ms)
+    return good_fraction(run, slos) if run is not None and slos else None
+
+
+WITHIN_SLOS = Metric("share of requests within the SLOs at the highest load", "", False, _within_slos)
+
+
+def metric_for(rule_id: str, workload: str | None = None) -> Metric:
+    """What a trial of ``rule_id``'s fix is judged by; workload tuning by its goal (throughput for batch)."""
+    if rule_id == "workload-tuning":
+        return THROUGHPUT if workload == "batch" else WITHIN_SLOS
+    return METRICS.get(rule_id, DEFAULT_METRIC)
 
 
 def fix_flags(fix: Fix, engine: str) -> list[str] | None:
@@ -137,6 +155,7 @@ class Trial:
     finding_after: str  # "gone", or the severity it still has
     kept: bool
     wall_s: float
+    metric: Metric = DEFAULT_METRIC
 
     @property
     def change(self) -> float | None:
@@ -158,19 +177,20 @@ class VerifyResult:
     def to_json(self) -> dict[str, Any]:
         return {"finding": self.finding.rule_id if self.finding else None,
                 "metric": self.metric.name if self.metric else None,
-                "trials": [{"rule_id": t.rule_id, "flags": list(t.flags), "before": t.before, "after": t.after,
+                "trials": [{"rule_id": t.rule_id, "flags": list(t.flags), "metric": t.metric.name,
+                            "before": t.before, "after": t.after,
                             "change": t.change,
                             "finding_after": t.finding_after, "kept": t.kept, "wall_s": round(t.wall_s, 1)}
                            for t in self.trials], "stopped": self.stopped}
 
 
 def _probe(argv: list[str], limits: ProbeLimits, console: Console, seed: int, timeout_s: float,
-           model: str | None, gpu: str | None) -> tuple[ProbeSession, DoctorReport]:
+           model: str | None, gpu: str | None, goal: Goal) -> tuple[ProbeSession, DoctorReport]:
     with served(argv, timeout_s) as server:
         endpoint = check_endpoint(server.base_url)
         session = probe_endpoint(endpoint, limits, console, seed=seed, server_pids=server.pids,
                                  extra_config=from_serve_flags(argv))
-    return session, diagnose(session.inputs(model, gpu))
+    return session, diagnose(goal.apply(session.inputs(model, gpu)))
 
 
 def _helped(metric: Metric, before: float | None, after: float | None) -> bool:
@@ -182,40 +202,48 @@ def _helped(metric: Metric, before: float | None, after: float | None) -> bool:
 
 def _candidates(report: DoctorReport, engine: str) -> list[tuple[Finding, list[str]]]:
     """(finding, flags) for every concrete flag fix of the findings above low severity, in rank order
-    (a top finding with no flag fix, like cpu-starvation, leaves the next finding's fixes to try)."""
-    return [(f, flags) for f in report.findings if f.severity is not Severity.LOW
-            for fix in f.fixes if (flags := fix_flags(fix, engine)) is not None]
+    (a top finding with no flag fix, like cpu-starvation, leaves the next finding's fixes to try), then
+    the `--workload` recommendation (low severity: a goal, not a fault, so it is tried last)."""
+    tried = [f for f in report.findings if f.severity is not Severity.LOW or f.rule_id == "workload-tuning"]
+    return [(f, flags) for f in tried for fix in f.fixes if (flags := fix_flags(fix, engine)) is not None]
 
 
 def run_verify(command: list[str], limits: ProbeLimits, console: Console, seed: int, budget_s: float,
-               serve_timeout_s: float, model: str | None = None, gpu: str | None = None) -> VerifyResult:
+               serve_timeout_s: float, model: str | None = None, gpu: str | None = None,
+               goal: Goal | None = None) -> VerifyResult:
     """Baseline probe, then trials of the findings' fixes within ``budget_s`` seconds in all."""
     started = time.monotonic()
-    session, report = _probe(command, limits, console, seed, serve_timeout_s, model, gpu)
+    goal = goal or Goal()
+    session, report = _probe(command, limits, console, seed, serve_timeout_s, model, gpu, goal)
     candidates = _candidates(report, engine_of(command))
     above_low = [f for f in report.findings if f.severity is not Severity.LOW]
     top = candidates[0][0] if candidates else (above_low[0] if above_low else None)
-    result = VerifyResult(report, session, top, METRICS.get(top.rule_id, DEFAULT_METRIC) if top else None)
+    result = VerifyResult(report, session, top, metric_for(top.rule_id, goal.workload) if top else None)
     if not candidates:
         result.stopped = "healthy: nothing to verify" if top is None else "no concrete flag fix to try"
         return result
     round_s = time.monotonic() - started
+    # Every restart repeats the ramp points the first probe ran (its knee), so before and after compare the
+    # same loads.
+    ran = tuple(int(p.phase.name.rsplit("-", 1)[1]) for p in session.phases if p.phase.name.startswith("ramp-"))
+    limits = limits.fixed_ramp((1, *ran))
     for finding, flags in candidates:
         if time.monotonic() - started + round_s > budget_s:
             result.stopped = f"time budget of {budget_s:.0f} s reached"
             break
-        metric = METRICS.get(finding.rule_id, DEFAULT_METRIC)
+        metric = metric_for(finding.rule_id, goal.workload)
         result.finding, result.metric = finding, metric
         t0 = time.monotonic()
         console.print(f"verify: restarting with {' '.join(flags)} ({finding.rule_id})", markup=False)
         after_session, after_report = _probe(apply_flags(command, flags), limits, console, seed, serve_timeout_s,
-                                             model, gpu)
-        before, after = metric.measure(session.inputs()), metric.measure(after_session.inputs())
+                                             model, gpu, goal)
+        before = metric.measure(goal.apply(session.inputs()))
+        after = metric.measure(goal.apply(after_session.inputs()))
         still = next((f for f in after_report.findings if f.rule_id == finding.rule_id), None)
         helped = _helped(metric, before, after)  # the finding may remain (a 2x cap still queues), smaller
         round_s = time.monotonic() - t0
         result.trials.append(Trial(finding.rule_id, tuple(flags), before, after,
-                                   still.severity.value if still else "gone", helped, round_s))
+                                   still.severity.value if still else "gone", helped, round_s, metric))
         if helped:
             result.stopped = "a fix helped"
             break
@@ -230,7 +258,7 @@ def print_verify(console: Console, result: VerifyResult) -> None:
         console.print(f"verify: {result.stopped}", markup=False)
         return
     for t in result.trials:
-        m = METRICS.get(t.rule_id, DEFAULT_METRIC)
+        m = t.metric
         console.print(f"verify {t.rule_id}: {m.name} ({m.unit}, {'lower' if m.lower_is_better else 'higher'} "
                       "is better)", markup=False)
         before = f"{t.before:,.1f}" if t.before is not None else "n/a"

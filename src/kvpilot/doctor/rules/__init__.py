@@ -14,12 +14,16 @@ from kvpilot.doctor.rules.spillover import memory_spillover
 from kvpilot.doctor.rules.prefill import long_short_mixing, prefill_bound, prefill_interrupts_decode
 from kvpilot.doctor.rules.queueing import queueing, tokenization
 from kvpilot.doctor.rules.starvation import cpu_starvation
+from kvpilot.doctor.rules.workload import workload_tuning
+
+RECOMMENDATIONS: tuple[Rule, ...] = (workload_tuning,)
+"""Rules that suggest settings for a stated goal (low severity) rather than name a fault."""
 
 RULES: tuple[Rule, ...] = (
     cpu_starvation, kv_pool_too_small, seqs_over_kv, token_budget_below_seqs, prefix_caching_off,
     client_overload, network_overhead, queueing, tokenization, kv_pressure, prefill_bound,
     decode_bound, static_batching, prefill_interrupts_decode, prefix_cache_miss, long_short_mixing,
-    memory_spillover,
+    memory_spillover, *RECOMMENDATIONS,
 )
 
-__all__ = ["RULES", "Rule", "RuleContext"]
+__all__ = ["RECOMMENDATIONS", "RULES", "Rule", "RuleContext"]

@@ -12,7 +12,7 @@ import math
 
 from kvpilot.doctor.findings import Evidence, Finding, Fix, Severity, clamp01
 from kvpilot.doctor.rules.context import RuleContext
-from kvpilot.doctor.rules.kv_cache import shared_prefix_traffic
+from kvpilot.doctor.rules.kv_cache import prefix_cache_miss, shared_prefix_traffic
 from kvpilot.doctor.server_config import ServerConfig
 from kvpilot.doctor.signals import median, quantile
 
@@ -138,10 +138,14 @@ def token_budget_below_seqs(ctx: RuleContext) -> Finding | None:
 
 
 def prefix_caching_off(ctx: RuleContext) -> Finding | None:
-    """Prefix caching is off and the measured traffic did not share prefixes (a low note: chat turns,
-    system prompts and agents usually do). With shared-prefix traffic prefix-cache-miss reports it."""
+    """Prefix caching is off and no measured reuse was lost to it (a low note: chat turns, system prompts
+    and agents usually share prefixes). When prefix-cache-miss measured the loss, it reports the cause
+    instead; when it could not (a starved probe whose shared-prefix requests all ran at once), this note
+    still says caching is off."""
     cfg = ctx.inputs.server_config
-    if cfg is None or cfg.enable_prefix_caching is not False or shared_prefix_traffic(ctx):
+    if cfg is None or cfg.enable_prefix_caching is not False:
+        return None
+    if shared_prefix_traffic(ctx) and prefix_cache_miss(ctx) is not None:
         return None
     return Finding(
         rule_id="prefix-caching-off", title="Prefix caching is off", severity=Severity.LOW, confidence=0.9,

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from kvpilot.doctor.findings import Finding
 from kvpilot.doctor.inputs import DoctorInputs, RunData
 from kvpilot.doctor.signals import MetricsView, metrics_view
+from kvpilot.doctor.slo import run_slos
 from kvpilot.doctor.split import LatencySplit, latency_splits
 from kvpilot.doctor.thresholds import Thresholds
 
@@ -44,6 +45,16 @@ class RuleContext:
             return peak
         from_metrics = [s for s in self.splits if s.source == "metrics means" and s.server_ttft_ms is not None]
         return from_metrics[-1] if from_metrics else peak
+
+    @property
+    def slos(self) -> dict[str, float]:
+        """Latency targets in force (ms by metric): the doctor's --slo/--workload, else bench's; may be empty."""
+        return run_slos(self.inputs.runs, self.inputs.slos_ms)
+
+    @property
+    def throughput_only(self) -> bool:
+        """`--workload batch`: tokens per second are the goal, latency trade-offs are not problems."""
+        return self.inputs.workload == "batch"
 
     def low_and_high(self) -> tuple[RunData, RunData] | None:
         """Lowest- and highest-load runs when their in-flight ratio allows comparing them."""

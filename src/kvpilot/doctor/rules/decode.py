@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from kvpilot.doctor.findings import Evidence, Finding, Fix, Severity, clamp01
+from kvpilot.doctor.inputs import RunData
 from kvpilot.doctor.rules.context import RuleContext
 from kvpilot.doctor.rules.deferral import defer_to_host
 from kvpilot.doctor.signals import median, ratio
+from kvpilot.doctor.slo import format_slos, meets
+
+DECODE_SLOS = ("tpot", "itl")
 
 
 def _decode_share(ctx: RuleContext) -> float:
@@ -16,10 +22,59 @@ def _decode_share(ctx: RuleContext) -> float:
     return clamp01((s.e2e_ms - s.ttft_ms) / s.e2e_ms)
 
 
+@dataclass(frozen=True)
+class _Growth:
+    """TPOT from the lowest to the highest load, and whether that is a problem for this deployment."""
+
+    low: RunData
+    high: RunData
+    factor: float
+    expected: float | None  # what the roofline predicts for that batch growth (compute-bound steps), if known
+    slo_cap: int | None  # the most in flight that met the decode SLO, when the highest load broke it
+    slos: dict[str, float]
+
+    @property
+    def inefficient(self) -> bool:
+        return self.expected is not None and self.factor >= 2.0 * max(1.0, self.expected)
+
+    @property
+    def breaks_slo(self) -> bool:
+        return self.slo_cap is not None
+
+
+def _expected_growth(ctx: RuleContext, high: RunData) -> float | None:
+    """Roofline step time at the highest load's batch over the batch-1 floor (a compute-bound device
+    slows each step as the batch grows; a memory-bound one hardly)."""
+    roof = ctx.inputs.roofline
+    if roof is None or roof.aggregate_tokens_per_s <= 0 or roof.decode_step_ms <= 0:
+        return None
+    batch = max(1, min(roof.batch_size, round(high.in_flight)))
+    return max(1.0, batch / roof.aggregate_tokens_per_s * 1000.0 / roof.decode_step_ms)
+
+
+def _growth(ctx: RuleContext) -> _Growth | None:
+    pair = ctx.low_and_high()
+    if pair is None:
+        return None
+    low, high = pair
+    factor = ratio(median(r.tpot_ms for r in high.ok), median(r.tpot_ms for r in low.ok))
+    slos = {k: v for k, v in ctx.slos.items() if k in DECODE_SLOS}
+    cap = None
+    if slos and meets(low, slos) and meets(high, slos) is False:
+        passing = [r.in_flight for r in ctx.inputs.runs if r.ok and meets(r, slos)]
+        cap = max(1, int(max(passing, default=low.in_flight)))
+    # With an SLO that breaks, any growth matters; without one, only steep growth is worth a note.
+    if factor is None or (factor < ctx.th.tpot_growth_high and (cap is None or factor <= 1.0)):
+        return None
+    return _Growth(low, high, factor, _expected_growth(ctx, high), cap, slos)
+
+
 def decode_bound(ctx: RuleContext) -> Finding | None:
     """Per-token decode far from the roofline at low concurrency (bandwidth wasted), or TPOT growing
-    steeply with the batch. Defers to memory-spillover (lower confidence, says so) when the server's
-    own pages are in swap and read back while it generates: that is why decode is slow."""
+    steeply with the batch. Growth alone is a trade (each step serves more streams) and a low-severity
+    note unless a TPOT/ITL SLO met at low load breaks at high load (fix: cap the batch where it held) or
+    it exceeds twice what the roofline predicts. Defers to memory-spillover (lower confidence, says so)
+    when the server's own pages are in swap and read back while it generates."""
     th, roof = ctx.th, ctx.inputs.roofline
     runs = [r for r in ctx.inputs.runs if len(r.ok) >= th.min_requests]
     if not runs:
@@ -27,36 +82,70 @@ def decode_bound(ctx: RuleContext) -> Finding | None:
     low = runs[0]
     tpot_low = median(r.tpot_ms for r in low.ok)
     efficiency = ratio(roof.decode_step_ms, tpot_low) if roof is not None and low.in_flight <= 2.0 else None
-    pair = ctx.low_and_high()
-    growth = ratio(median(r.tpot_ms for r in pair[1].ok), median(r.tpot_ms for r in pair[0].ok)) if pair else None
     slow = efficiency is not None and efficiency < th.decode_roofline_efficiency_low
-    grows = growth is not None and growth >= th.tpot_growth_high
-    if not (slow or grows) or tpot_low is None:
+    growth = _growth(ctx)
+    decode_slos = {k: v for k, v in ctx.slos.items() if k in DECODE_SLOS}
+    misses_alone = bool(decode_slos) and meets(low, decode_slos) is False
+    if not (slow or growth or misses_alone) or tpot_low is None:
         return None
     evidence = [Evidence(f"median TPOT at {low.in_flight:.1f} in flight", tpot_low, "ms", "client")]
     if efficiency is not None and roof is not None:
         evidence += [Evidence(f"roofline TPOT floor ({roof.model} on {roof.gpu}, {roof.bound})",
                               roof.decode_step_ms, "ms", "kvpilot fit"),
                      Evidence("decode speed vs roofline", efficiency, "%")]
-    if growth is not None and pair is not None:
-        evidence += [Evidence(f"TPOT growth from {pair[0].in_flight:.1f} to {pair[1].in_flight:.1f} in flight",
-                              growth, "x", "client")]
+    if growth is not None:
+        evidence += _growth_evidence(growth)
+    problem = growth is not None and not ctx.throughput_only and (growth.breaks_slo or growth.inefficient)
     parts = ([f"decode runs at {efficiency:.0%} of the memory-bandwidth limit"] if slow else []) + (
-        [f"TPOT grows {growth:.1f}x as concurrency rises"] if grows else [])
+        [f"decode misses the SLO ({format_slos(decode_slos)}) even at {low.in_flight:.1f} in flight"]
+        if misses_alone else []) + ([_growth_text(growth, problem)] if growth is not None else [])
+    problem = problem or misses_alone
     fixes = [Fix("read fewer bytes per token: quantize the weights",
                  kvpilot="--model <int4/Q4 GGUF of the model>", vllm="--quantization fp8"),
              Fix("check the attention/GEMM path: CUDA graphs on, a fused attention backend",
                  vllm="(drop --enforce-eager) VLLM_ATTENTION_BACKEND=FLASH_ATTN")]
-    if grows:
+    if growth is not None and growth.breaks_slo:
+        fixes.insert(0, Fix(f"cap the batch where the decode SLO held ({growth.slo_cap} in flight); run more "
+                            "replicas for more streams", kvpilot=f"--max-num-seqs {growth.slo_cap}",
+                            vllm=f"--max-num-seqs {growth.slo_cap}"))
+    elif growth is not None:
         fixes.insert(0, Fix("keep interactive lanes at a smaller batch", kvpilot="--max-num-seqs <lower>",
                             vllm="--max-num-seqs <lower>"))
     severe = (efficiency is not None and efficiency < th.decode_roofline_efficiency_low / 2) or \
-        (growth is not None and growth >= 2 * th.tpot_growth_high)
+        (problem and growth is not None and growth.factor >= 2 * th.tpot_growth_high) or \
+        (misses_alone and tpot_low >= 2 * min(decode_slos.values()))
+    severity = Severity.HIGH if severe else Severity.MEDIUM if slow or problem else Severity.LOW
     return defer_to_host(ctx, Finding(
         rule_id="decode-bound", title="Decode is slow per token",
-        severity=Severity.HIGH if severe else Severity.MEDIUM,
-        confidence=0.8 if slow and grows else 0.7, impact=_decode_share(ctx),
+        severity=severity, confidence=0.8 if slow and growth is not None else 0.7, impact=_decode_share(ctx),
         summary=_sentence("; ".join(parts)), evidence=tuple(evidence), fixes=tuple(fixes)))
+
+
+def _growth_evidence(g: _Growth) -> list[Evidence]:
+    out = [Evidence(f"TPOT growth from {g.low.in_flight:.1f} to {g.high.in_flight:.1f} in flight", g.factor, "x",
+                    "client")]
+    gain = ratio(g.high.output_throughput, g.low.output_throughput)
+    if gain is not None:
+        out.append(Evidence("output throughput gain over the same loads", gain, "x", "client"))
+    if g.expected is not None:
+        out.append(Evidence("TPOT growth the roofline predicts for that batch", g.expected, "x", "kvpilot fit"))
+    return out
+
+
+def _growth_text(g: _Growth, problem: bool) -> str:
+    text = f"TPOT grows {g.factor:.1f}x as concurrency rises"
+    if g.breaks_slo:
+        return text + (f", breaking the SLO ({format_slos(g.slos)}) that held up to {g.slo_cap} in flight")
+    if g.inefficient:
+        return text + f", more than twice the {g.expected:.1f}x the roofline predicts for that batch"
+    if problem:
+        return text
+    gain = ratio(g.high.output_throughput, g.low.output_throughput)
+    traded = f" while output throughput grows {gain:.1f}x" if gain is not None else ""
+    goal = ("pass a TPOT SLO to judge it (--slo tpot=50ms, or --workload chat)" if not g.slos else
+            f"the SLO ({format_slos(g.slos)}) holds at the highest load" if meets(g.high, g.slos) else
+            f"the SLO ({format_slos(g.slos)}) is missed at every load")
+    return text + f"{traded}: each step serves more streams, a trade rather than a fault; {goal}"
 
 
 def _sentence(text: str) -> str:

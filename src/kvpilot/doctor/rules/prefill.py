@@ -47,8 +47,8 @@ def prefill_bound(ctx: RuleContext) -> Finding | None:
     lo, hi = quantile(xs, 0.1) or 0.0, quantile(xs, 0.9) or 0.0
     corr, per_token = pearson(xs, ys), slope(xs, ys)
     ttft_p90 = quantile([t for _, _, t in rows], 0.9) or 0.0
-    slos = [float(run.slos_ms["ttft"]) for run in ctx.inputs.runs if run.slos_ms.get("ttft")]
-    limit = min(slos, default=th.ttft_high_ms)  # the tightest TTFT SLO given to bench, if any
+    slos = [ctx.slos["ttft"]] if ctx.slos.get("ttft") else []
+    limit = min(slos, default=th.ttft_high_ms)  # the TTFT SLO (--slo, --workload or bench's), if any
     if lo <= 0 or hi / lo < th.min_length_spread or corr is None or per_token is None:
         return None
     explained = per_token * (hi - lo) / ttft_p90 if ttft_p90 > 0 else 0.0

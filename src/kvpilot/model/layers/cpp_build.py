@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,12 @@ from typing import Any
 logger = logging.getLogger("kvpilot")
 
 _BUILDS = (("-fopenmp",), ())
+# torch serializes builds with a lock file in the build directory and waits, without limit, while it exists; a
+# process killed while holding it (Ctrl-C during start-up, a killed test) left every later start hanging at
+# "loading". Holding it with the module built is a no-op check (well under a second); a real build took up to
+# 4 minutes on a loaded 2-core box (docs/deploy.md).
+STALE_CHECK_LOCK_S = 60.0
+STALE_BUILD_LOCK_S = 900.0
 
 
 @dataclass(frozen=True)
@@ -42,9 +49,11 @@ def build_cpp_kernel(kernel: CppKernel) -> Any | None:
     error: Exception | None = None
     for openmp in _BUILDS:
         try:
-            from torch.utils.cpp_extension import load_inline
+            from torch.utils.cpp_extension import _get_build_directory, load_inline
 
-            module = load_inline(name=name if openmp else name + "_serial", cpp_sources=[source],
+            module_name = name if openmp else name + "_serial"
+            remove_stale_lock(Path(_get_build_directory(module_name, verbose=False)), module_name)
+            module = load_inline(name=module_name, cpp_sources=[source],
                                  functions=list(kernel.functions), extra_cflags=[*kernel.cflags, *openmp],
                                  extra_ldflags=list(openmp), verbose=False)
         except Exception as exc:  # no compiler / ninja / headers / OpenMP: try the next build, then give up
@@ -56,3 +65,19 @@ def build_cpp_kernel(kernel: CppKernel) -> Any | None:
     logger.warning("%s unavailable, %s (%s: %s)", kernel.label, kernel.fallback, type(error).__name__,
                    str(error).splitlines()[0] if str(error) else "")
     return None
+
+
+def remove_stale_lock(build_dir: Path, module_name: str, now: float | None = None) -> bool:
+    """Deletes torch's build lock in `build_dir` when no live build can hold it: older than STALE_CHECK_LOCK_S
+    with the module already built, or than STALE_BUILD_LOCK_S without. Returns whether it did (and warns)."""
+    lock = build_dir / "lock"
+    try:
+        age_s = (time.time() if now is None else now) - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    built = (build_dir / f"{module_name}.so").exists()
+    if age_s < (STALE_CHECK_LOCK_S if built else STALE_BUILD_LOCK_S):
+        return False
+    logger.warning("removing a stale kernel build lock left by a stopped process (%.0f s old): %s", age_s, lock)
+    lock.unlink(missing_ok=True)
+    return True
