@@ -73,6 +73,21 @@ def test_fused_mixed_formats_write_side_by_side():
         torch.testing.assert_close(out_bf16, reference, rtol=0.05, atol=0.1 * float(reference.abs().mean()))
 
 
+@pytest.mark.parametrize("int8", [False, True])
+def test_bfloat16_rows_give_exactly_the_converted_float32_result(int8):
+    """bf16 in and out inside the kernel (no torch conversions around it) must equal widening x to float32,
+    running the float32 kernel, and rounding the result to bf16 (as the layer did before)."""
+    if int8 and not has_vnni():
+        pytest.skip("no AVX-512 VNNI on this CPU")
+    parts = [_random_packed("Q4_1", 21, K, seed=3)[0]] + ([] if int8 else [_random_packed("Q8_0", 9, K, seed=4)[0]])
+    layer = PackedLinear(parts, bias=False, scratch=DenseScratch(), isa=best_isa(), int8_activations=int8)
+    for rows in (1, 3, 16):
+        x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+        out = layer(x)
+        assert out.dtype == torch.bfloat16
+        assert torch.equal(out, layer(x.float()).to(torch.bfloat16)), rows
+
+
 def test_same_format_parts_are_concatenated():
     parts = [_random_packed("Q4_1", n, K, seed=n)[0] for n in (12, 4, 4)]
     layer = PackedLinear(parts, bias=False, scratch=DenseScratch(), isa=best_isa())

@@ -1,7 +1,8 @@
 """tool_choice "auto" on a server started with --enable-auto-tool-choice --tool-call-parser hermes (real embedded
-model): the output is free, and `<tool_call>` blocks in it become `message.tool_calls` (streamed: in the last
-chunk); an answer without them is ordinary content; "none" parses nothing. The OpenAI SDK round-trips a whole
-tool conversation: forced call -> tool result -> the next answer. The flags are checked at start-up.
+model): the output is free, and `<tool_call>` blocks in it become `message.tool_calls` (streamed: text before
+a call's marker as content, the calls in the last chunk); an answer without them is ordinary content; "none"
+parses nothing. The OpenAI SDK round-trips a whole tool conversation: forced call -> tool result -> the next
+answer. The flags are checked at start-up.
 
 The 135M model calls a tool by itself after a few turns of history that show it how (the history's calls are
 written into the prompt as `<tool_call>` text by tool_prompt.py, its template having no tool syntax)."""
@@ -101,9 +102,19 @@ def test_auto_streamed_sends_text_and_calls_in_the_last_chunk(sdk) -> None:
     chunks = list(sdk.chat.completions.create(model=MODEL, messages=ASK_PARIS, tools=TOOLS, max_tokens=40,
                                               temperature=0, stream=True))
     *before, last = [c.choices[0] for c in chunks if c.choices]
-    assert not any(c.delta.content or c.delta.tool_calls for c in before)  # held back until the end
+    assert not any(c.delta.tool_calls for c in before) and "<tool" not in "".join(
+        c.delta.content or "" for c in before)  # text streams, a call's marker never does
     assert last.finish_reason == "tool_calls" and last.delta.tool_calls[0].function.name == "get_weather"
     assert json.loads(last.delta.tool_calls[0].function.arguments) == {"city": "Paris"}
+
+
+def test_auto_streams_an_answer_without_calls_as_it_is_written(sdk) -> None:
+    """Text that holds no call marker is not held back: it arrives in many chunks, as without tools."""
+    chunks = list(sdk.chat.completions.create(model=MODEL, messages=ASK_SUM, tools=TOOLS, max_tokens=24,
+                                              temperature=0, stream=True))
+    contents = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    whole = sdk.chat.completions.create(model=MODEL, messages=ASK_SUM, tools=TOOLS, max_tokens=24, temperature=0)
+    assert len(contents) > 3 and "".join(contents) == whole.choices[0].message.content
 
 
 def test_openai_sdk_round_trips_a_tool_conversation(sdk) -> None:

@@ -87,3 +87,27 @@ def test_auto_plan_last_chunk_holds_text_and_calls() -> None:
     assert call["index"] == 0 and json.loads(call["function"]["arguments"]) == {"city": "Oslo"}
     plain = PLAN.final_delta({**chunk, "finish_reason": "length"}, "It is", "length")
     assert plain["delta"] == {"content": "It is"} and plain["finish_reason"] == "length"
+
+
+def test_auto_plan_streams_text_until_a_call_marker_may_begin() -> None:
+    assert [PLAN.streamable(CALL_TEXT[:n]) for n in (3, 10, 11, 14, 21, 22, len(CALL_TEXT))] == [
+        3, 10, 10, 10, 10, 10, 10]  # "Checking.\n" streams; "<", "<tool", "<tool_call>..." are held back
+    assert PLAN.streamable("a < b and <too") == len("a < b and ")  # a "<" followed by other text streams
+    assert PLAN.streamable("It is sunny.") == len("It is sunny.")
+    forced = ToolCallPlan({"add": EMPTY_PARAMETERS})
+    assert forced.streamable('{"a": 1}') == 0  # a forced call's text is the call: all held back
+    chunk = {"index": 0, "logprobs": None, "finish_reason": "stop", "delta": {}}
+    last = PLAN.final_delta(chunk, CALL_TEXT, "stop", num_streamed=len("Checking.\n"))
+    assert "content" not in last["delta"] and last["finish_reason"] == "tool_calls"  # sent already
+    assert last["delta"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    tail = PLAN.final_delta(chunk, "It is <to", "length", num_streamed=len("It is "))
+    assert tail["delta"] == {"content": "<to"}  # the held-back end that never became a call
+
+
+def test_auto_plan_keeps_one_call_when_parallel_calls_are_off() -> None:
+    two = CALL_TEXT + '\n<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+    calls, _ = PLAN.parsed(two)
+    assert calls is not None and [c["function"]["name"] for c in calls] == ["get_weather", "add"]
+    single = ToolCallPlan(PLAN.parameters, parallel=False, parser="hermes")
+    calls, _ = single.parsed(two)
+    assert calls is not None and [c["function"]["name"] for c in calls] == ["get_weather"]

@@ -191,6 +191,7 @@ async def _events(state: ServerState, prepared: Prepared, subs: SubRequests) -> 
     shape, fanout = prepared.shape, prepared.fanout
     collector = Collector(state, prepared)
     text_offsets = [0] * fanout.size
+    num_streamed = [0] * fanout.size  # tool_choice "auto": characters sent as content before any call marker
     echo_pending = [bool(prepared.echo[fanout.prompt_of(k)]) for k in range(fanout.size)]
     try:
         if shape.chat:
@@ -216,11 +217,18 @@ async def _events(state: ServerState, prepared: Prepared, subs: SubRequests) -> 
                 # model has no tokenizer): clients time tokens by chunks.
                 if (item.delta_text or item.delta_token_ids) and prepared.tool_calls is None:
                     yield shape.chunk([shape.choice(text, None, logprobs, chunk=True, index=k)])
+                elif prepared.tool_calls is not None and item.delta_text:
+                    so_far = out.text
+                    ready = prepared.tool_calls.streamable(so_far)
+                    if ready > num_streamed[k]:
+                        content = so_far[num_streamed[k]:ready]
+                        num_streamed[k] = ready
+                        yield shape.chunk([shape.choice(content, None, None, chunk=True, index=k)])
                 continue
             choice = shape.choice(text, out.finish_reason, logprobs, chunk=True, stop_reason=out.stop_reason,
                                   index=k)
-            if prepared.tool_calls is not None:  # the call's text was held back: all of it in this chunk
-                choice = prepared.tool_calls.final_delta(choice, out.text, out.finish_reason)
+            if prepared.tool_calls is not None:  # the text held back (all of a forced call's): in this chunk
+                choice = prepared.tool_calls.final_delta(choice, out.text, out.finish_reason, num_streamed[k])
             if collector.remaining:  # another choice still runs: this one's finish chunk alone
                 yield shape.chunk([choice])
                 continue

@@ -191,7 +191,8 @@ class ToolFields(StructuredFields):
         if len(parameters) != len(self.tools):
             raise APIError(400, "tools: function names must be unique", param="tools")
         if choice is None or choice == "auto":
-            return ToolCallPlan(parameters, parser=self._auto_tool_parser)
+            return ToolCallPlan(parameters, parallel=self.parallel_tool_calls is not False,
+                                parser=self._auto_tool_parser)
         if isinstance(choice, NamedToolChoice):
             if choice.function.name not in parameters:
                 raise APIError(400, f"tool_choice: function {choice.function.name!r} is not in tools "

@@ -10,8 +10,9 @@ finish_reason "length" (its arguments are then incomplete JSON, as OpenAI's are)
 "auto" (with the server's --enable-auto-tool-choice --tool-call-parser hermes) constrains nothing: the
 parser reads the calls out of the finished text (hermes_tool_parser.py). With calls, the answer has
 `tool_calls`, the text around them as content (null when there is none) and finish_reason "tool_calls";
-without, it is an ordinary answer. A stream cannot know whether a call follows, so serving.py holds the
-whole text back and this sends it, calls and content, in the last chunk.
+without, it is an ordinary answer. A stream sends the text as content until a call's opening marker (or
+what may become one) appears; from there serving.py holds the text back, and the last chunk carries the
+calls and any content after them (parsed from the held-back part alone).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from kvpilot.server.tool_parsers import TOOL_CALL_PARSERS
+from kvpilot.server.tool_parsers import TOOL_CALL_MARKERS, TOOL_CALL_PARSERS
 from kvpilot.structured_outputs import StructuredOutputsParams
 
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
@@ -74,6 +75,8 @@ class ToolCallPlan:
             return self.calls(text), None
         found = TOOL_CALL_PARSERS[self.parser](text, self.parameters.keys())
         calls = [_call(call.name, call.arguments) for call in found.calls]
+        if not self.parallel:  # parallel_tool_calls false: the first call only (the grammar of a forced one)
+            calls = calls[:1]
         return (calls or None), (found.content or None)
 
     def shape_message(self, choice: dict[str, Any], text: str, finish_reason: str | None) -> dict[str, Any]:
@@ -84,11 +87,29 @@ class ToolCallPlan:
         message = {**choice["message"], "content": content, "tool_calls": calls}
         return {**choice, "message": message, "finish_reason": _finish(finish_reason)}
 
-    def final_delta(self, choice: dict[str, Any], text: str, finish_reason: str | None) -> dict[str, Any]:
-        """The last streamed chunk's choice: the held-back text, every call in one `delta.tool_calls`."""
-        calls, content = self.parsed(text)
+    def streamable(self, text: str) -> int:
+        """How many leading characters of the answer so far may stream as content: none for a forced call
+        (the text is the call); under "auto", all before the parser's call marker, holding back an end that
+        may still become one. Invariant: never decreases as `text` grows."""
+        if self.parser is None:
+            return 0
+        marker = TOOL_CALL_MARKERS[self.parser]
+        at = text.find(marker)
+        if at >= 0:
+            return at
+        for keep in range(min(len(marker) - 1, len(text)), 0, -1):
+            if marker.startswith(text[-keep:]):
+                return len(text) - keep
+        return len(text)
+
+    def final_delta(self, choice: dict[str, Any], text: str, finish_reason: str | None,
+                    num_streamed: int = 0) -> dict[str, Any]:
+        """The last streamed chunk's choice: the text not streamed yet (after `num_streamed` characters sent as
+        content), every call in one `delta.tool_calls`."""
+        held = text[num_streamed:]
+        calls, content = self.parsed(held)
         if calls is None:
-            return {**choice, "delta": {"content": text} if text else {}}
+            return {**choice, "delta": {"content": held} if held else {}}
         delta: dict[str, Any] = {"content": content} if content else {}
         delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
         return {**choice, "delta": delta, "finish_reason": _finish(finish_reason)}

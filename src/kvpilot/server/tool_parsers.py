@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 
-from kvpilot.server.hermes_tool_parser import ExtractedToolCalls, extract_tool_calls
+from kvpilot.server.hermes_tool_parser import OPEN, ExtractedToolCalls, extract_tool_calls
 
 ToolCallParser = Callable[[str, Collection[str]], ExtractedToolCalls]
 TOOL_CALL_PARSERS: dict[str, ToolCallParser] = {"hermes": extract_tool_calls}
+TOOL_CALL_MARKERS: dict[str, str] = {"hermes": OPEN}
+"""What starts a call in each parser's format: text before it can stream as content."""

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from kvpilot.model.config import ModelConfig, RopeScaling
+from kvpilot.model.layers.cpu_bf16_ops import bf16_ops_for
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
@@ -53,7 +54,15 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]."""
+    """x: [T, heads, head_dim]. bfloat16 on CPU: one C++ call, bit for bit the torch ops below."""
+    ops = bf16_ops_for(x)
+    if ops is not None and x.stride(-1) == 1 and cos.dtype == sin.dtype == torch.bfloat16:
+        return ops.rope_bf16(x, cos.contiguous(), sin.contiguous())
+    return rotary_reference(x, cos, sin)
+
+
+def rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The torch ops (any device and dtype)."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

@@ -32,6 +32,7 @@ HYBRID_MAX_KERNEL_ROWS = {torch.float32: 1 << 30, torch.bfloat16: 16}
 # The int8-activation (VNNI) path wins for one row only (its loop re-reads each weight row per x row): the
 # 120 Q4_1 layers of the embedded model, 1 row: 3.19 vs 5.30 ms float32; 2 rows: 7.65 vs 6.54 ms (same box).
 INT8_MAX_ROWS = 1
+KERNEL_IO_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @dataclass
@@ -97,7 +98,9 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if rows.shape[0] <= self.max_kernel_rows.get(x.dtype, 0):
-            out = self._kernel_rows(rows).to(x.dtype)
+            out = self._kernel_rows(rows)
+            if out.dtype != x.dtype:
+                out = out.to(x.dtype)
         else:
             out = F.linear(rows, self._dense(x.dtype))
         if self.bias is not None:
@@ -105,8 +108,10 @@ class PackedLinear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
     def _kernel_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        x = rows.to(torch.float32).contiguous()
-        out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
+        """float32 or bfloat16 rows go to the kernel as they are (it converts, computing in float32) and the
+        result comes back in their dtype; other dtypes through float32."""
+        x = (rows if rows.dtype in KERNEL_IO_DTYPES else rows.to(torch.float32)).contiguous()
+        out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
         if self.int8_activations and x.shape[0] <= INT8_MAX_ROWS:
             self.parts[0].matmul_q8act_into(out, x)
             return out

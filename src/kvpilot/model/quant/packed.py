@@ -67,11 +67,12 @@ class PackedWeight:
         _kernel().quant_dequantize(out, self.qs, self.d, self.min_or_empty(), self.format.code, isa)
 
     def matmul_into(self, out: torch.Tensor, x: torch.Tensor, isa: int) -> None:
-        """out [M, N] float32 (unit column stride, may be a column slice) = x [M, K] float32 @ W^T."""
+        """out [M, N] (unit column stride, may be a column slice) = x [M, K] @ W^T, computed in float32; x and out
+        float32 or bfloat16 each."""
         _kernel().quant_matmul(out, x, self.qs, self.d, self.min_or_empty(), self.format.code, isa)
 
     def matmul_q8act_into(self, out: torch.Tensor, x: torch.Tensor) -> None:
-        """out [M, N] float32 contiguous = int8-quantized x [M, K] float32 contiguous @ W^T (Q4_1, VNNI)."""
+        """out [M, N] contiguous = int8-quantized x [M, K] contiguous @ W^T (Q4_1, VNNI); float32 or bfloat16."""
         _kernel().quant_matmul_q8act(out, x, self.qs, self.d, self.min_or_empty())
 
     def dequantize(self, dtype: torch.dtype = torch.float32, isa: int | None = None) -> torch.Tensor:

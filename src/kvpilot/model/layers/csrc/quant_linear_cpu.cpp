@@ -74,18 +74,65 @@ void matmul(const Kernels& kern, const float* x, int64_t M, int64_t ldx, const P
   });
 }
 
+// bfloat16 activations: widened into a float32 copy on the way in and rounded (to nearest even, as
+// torch's .to(bfloat16)) on the way out, here rather than as two torch ops around each call: a decode step
+// of a bf16 model made ~250 such conversions, each a dispatch costing more than the copy.
+struct Float32Rows {
+  std::vector<float> buf;
+  const float* ptr;
+  int64_t ld;
+};
+
+Float32Rows float32_rows(const torch::Tensor& x) {
+  if (x.scalar_type() == torch::kFloat32) return {{}, x.data_ptr<float>(), x.stride(0)};
+  const int64_t M = x.size(0), K = x.size(1);
+  Float32Rows rows{std::vector<float>(M * K), nullptr, K};
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t k = 0; k < K; ++k) {
+      const uint32_t bits = static_cast<uint32_t>(src[i * x.stride(0) + k]) << 16;
+      std::memcpy(&rows.buf[i * K + k], &bits, 4);
+    }
+  rows.ptr = rows.buf.data();
+  return rows;
+}
+
+void store_bf16_rows(const Kernels& kern, const float* in, int64_t M, int64_t N, torch::Tensor& out) {
+  uint16_t* base = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const int64_t vec = N & ~int64_t{15};
+  for (int64_t i = 0; i < M; ++i) {
+    uint16_t* row = base + i * out.stride(0);
+    kern.to_bf16(in + i * N, row, vec);
+    to_bf16_scalar(in + i * N + vec, row + vec, N - vec);
+  }
+}
+
+bool float_or_bf16(const torch::Tensor& t) {
+  return t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kBFloat16;
+}
+
 }  // namespace
 
-// out[:, :N] (row stride out.stride(0), float32) = x [M, K] float32 @ dequantized(W [N, K])^T.
-// `out` may be a column slice of a wider tensor (fused projections write their parts side by side).
+// out[:, :N] (row stride out.stride(0)) = x [M, K] @ dequantized(W [N, K])^T, computed in float32; x and out
+// each float32 or bfloat16. `out` may be a column slice of a wider tensor (fused projections write their
+// parts side by side).
 void quant_matmul(torch::Tensor out, torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m,
                   int64_t fmt, int64_t isa) {
   const Packed w = packed_of(qs, d, m, fmt);
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && out.scalar_type() == torch::kFloat32, "x/out must be float32");
+  TORCH_CHECK(float_or_bf16(x) && float_or_bf16(out), "x/out must be float32 or bfloat16");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == w.K && x.stride(1) == 1, "x must be [M, ", w.K, "] with unit stride");
   TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == w.N && out.stride(1) == 1,
               "out must be [M, ", w.N, "] with unit column stride");
-  matmul(kernels_for(isa), x.data_ptr<float>(), x.size(0), x.stride(0), w, out.data_ptr<float>(), out.stride(0));
+  const Kernels kern = kernels_for(isa);
+  const Float32Rows xf = float32_rows(x);
+  const int64_t M = x.size(0);
+  if (out.scalar_type() == torch::kFloat32) {
+    matmul(kern, xf.ptr, M, xf.ld, w, out.data_ptr<float>(), out.stride(0));
+    return;
+  }
+  std::vector<float> acc(M * w.N);
+  matmul(kern, xf.ptr, M, xf.ld, w, acc.data(), w.N);
+  store_bf16_rows(kern, acc.data(), M, w.N, out);
 }
 
 // out [N, K] float32 or bfloat16, contiguous = dequantized W.
@@ -128,21 +175,26 @@ int64_t quant_parallel_width() {
   return __builtin_popcountll(seen.load());
 }
 
-// int8 activations (quant_vnni.h): out [M, N] float32 = int8-quantized x [M, K] @ Q4_1 W^T.
+// int8 activations (quant_vnni.h): out [M, N] = int8-quantized x [M, K] @ Q4_1 W^T; x and out contiguous,
+// each float32 or bfloat16 (converted here, as in quant_matmul).
 void quant_matmul_q8act(torch::Tensor out, torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m) {
   const Packed w = packed_of(qs, d, m, kQ4_1);
   __builtin_cpu_init();
   TORCH_CHECK(has_vnni(), "needs AVX-512 VNNI");
+  TORCH_CHECK(float_or_bf16(x) && float_or_bf16(out), "x/out must be float32 or bfloat16");
   TORCH_CHECK(x.is_contiguous() && x.size(1) == w.K && out.is_contiguous() && out.size(1) == w.N, "shapes");
   const int64_t M = x.size(0);
+  const Float32Rows xf = float32_rows(x);
   std::vector<int8_t> xq(M * w.K);
   std::vector<float> xd(M * w.KB), xs(M * w.KB);
   for (int64_t i = 0; i < M; ++i)
-    quantize_row_q8(x.data_ptr<float>() + i * w.K, w.KB, xq.data() + i * w.K, xd.data() + i * w.KB,
-                    xs.data() + i * w.KB);
-  float* op = out.data_ptr<float>();
+    quantize_row_q8(xf.ptr + i * xf.ld, w.KB, xq.data() + i * w.K, xd.data() + i * w.KB, xs.data() + i * w.KB);
+  const bool bf16_out = out.scalar_type() == torch::kBFloat16;
+  std::vector<float> acc(bf16_out ? M * w.N : 0);
+  float* op = bf16_out ? acc.data() : out.data_ptr<float>();
   at::parallel_for(0, w.N, 16, [&](int64_t n0, int64_t n1) {
     std::vector<float> scales(2 * w.KB);
     q41_rows_vnni(w, n0, n1, xq.data(), xd.data(), xs.data(), M, op, w.N, scales.data());
   });
+  if (bf16_out) store_bf16_rows(kernels_for(detect_isa()), acc.data(), M, w.N, out);
 }

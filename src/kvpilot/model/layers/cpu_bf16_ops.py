@@ -1,0 +1,33 @@
+"""The C++ small ops for bfloat16 activations on CPU (csrc/bf16_ops_cpu.cpp: RMSNorm and rotary embedding),
+built once with torch's cpp_extension like the other CPU kernels. Each call replaces several torch ops (two
+of RMSNorm's eight are dtype conversions); a decode step of a bf16 model runs 61 norms and 30 rotations.
+None (the torch ops) when it cannot be built or KVPILOT_CPU_KERNELS=0.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvpilot.model.layers.cpp_build import CppKernel, build_cpp_kernel
+
+_KERNEL = CppKernel(label="CPU bf16 ops kernel", name_prefix="kvpilot_cpu_bf16_ops_",
+                    sources=(Path(__file__).parent / "csrc" / "bf16_ops_cpu.cpp",),
+                    functions=("rms_norm_bf16", "rope_bf16"), cflags=("-O3",),
+                    serial="norms and rotations of long prompts run on one thread", fallback="using torch ops")
+
+
+@lru_cache(maxsize=1)
+def get_bf16_ops() -> Any | None:
+    """The compiled module, or None when it cannot be built or is switched off."""
+    return build_cpp_kernel(_KERNEL)
+
+
+def bf16_ops_for(x: torch.Tensor) -> Any | None:
+    """The module when `x` is a bfloat16 CPU tensor and the module builds; else None (use torch ops)."""
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu":
+        return None
+    return get_bf16_ops()

@@ -1,0 +1,106 @@
+// The decoder's small per-token ops on bfloat16 activations on CPU (RMSNorm, rotary embedding), built at run
+// time by kvpilot/model/layers/cpu_bf16_ops.py. Each replaces several torch ops, each a dispatch that costs
+// more than the row's arithmetic: a decode step of a bf16 model ran ~550 dtype conversions and ~500 small ops.
+//
+// rms_norm_bf16: the same arithmetic as the torch ops of kvpilot.model.layers.norm.RMSNorm (HF's order): x widened
+// to float32, x * 1/sqrt(sum(x^2) / K + eps), rounded to bfloat16, times the bfloat16 weight with the product
+// rounded to bfloat16. One call instead of eight torch ops (two of them dtype conversions), each a dispatch
+// that costs more than the row's arithmetic: a decode step of a bf16 model runs 61 norms. Built without
+// -ffast-math: the sum is divided by K as torch's mean does, not multiplied by 1/K. The sum's order differs
+// from torch's vectorised reduction, so a value can land one float32 ulp apart before the bf16 rounding.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+inline float bf16_to_float(uint16_t v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// round to nearest even, as torch's float -> bfloat16 (NaN stays a quiet NaN)
+inline uint16_t float_to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
+  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+void norm_row(const uint16_t* x, const uint16_t* w, uint16_t* out, int64_t K, float eps, float* widened) {
+  float sum = 0.0f;
+  for (int64_t k = 0; k < K; ++k) {
+    widened[k] = bf16_to_float(x[k]);
+    sum += widened[k] * widened[k];
+  }
+  const float inv = 1.0f / std::sqrt(sum / static_cast<float>(K) + eps);
+  for (int64_t k = 0; k < K; ++k) {
+    const float normed = bf16_to_float(float_to_bf16(widened[k] * inv));
+    out[k] = float_to_bf16(bf16_to_float(w[k]) * normed);
+  }
+}
+
+}  // namespace
+
+// out [..., K] bfloat16 = RMSNorm(x [..., K] bfloat16, contiguous) with weight [K] bfloat16.
+torch::Tensor rms_norm_bf16(torch::Tensor x, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && weight.scalar_type() == torch::kBFloat16,
+              "rms_norm_bf16: x and weight must be bfloat16");
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && x.dim() >= 1 && x.size(-1) == weight.numel(),
+              "rms_norm_bf16: contiguous x [..., K] and weight [K]");
+  torch::Tensor out = torch::empty_like(x);
+  const int64_t K = weight.numel();
+  const int64_t rows = K == 0 ? 0 : x.numel() / K;
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const float e = static_cast<float>(eps);
+  // a few hundred ns a row: threads only for prefill-sized batches
+  at::parallel_for(0, rows, std::max<int64_t>(1, 65536 / std::max<int64_t>(K, 1)), [&](int64_t r0, int64_t r1) {
+    std::vector<float> widened(K);
+    for (int64_t r = r0; r < r1; ++r) norm_row(xp + r * K, wp, op + r * K, K, e, widened.data());
+  });
+  return out;
+}
+
+// out [T, H, D] bfloat16 (new, contiguous) = x * cos + rotate_half(x) * sin for x [T, H, D] bfloat16 with unit
+// stride in D (rows may be strided: q and k are a slice of the fused qkv projection) and cos / sin [T, 1, D]
+// bfloat16 contiguous. Bit for bit the torch ops of rope.apply_rotary: rotate_half(x) = cat(-x[D/2:], x[:D/2]),
+// and each product and the sum rounded to bfloat16 as torch rounds them.
+torch::Tensor rope_bf16(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && cos.scalar_type() == torch::kBFloat16 &&
+              sin.scalar_type() == torch::kBFloat16, "rope_bf16: bfloat16 x, cos and sin");
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0, "rope_bf16: x [T, H, D], unit stride in D");
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2), half = D / 2;
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == T * D && sin.numel() == T * D,
+              "rope_bf16: contiguous cos and sin [T, 1, D]");
+  torch::Tensor out = torch::empty({T, H, D}, x.options());
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const auto* cp = reinterpret_cast<const uint16_t*>(cos.data_ptr<at::BFloat16>());
+  const auto* sp = reinterpret_cast<const uint16_t*>(sin.data_ptr<at::BFloat16>());
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const int64_t s0 = x.stride(0), s1 = x.stride(1);
+  at::parallel_for(0, T * H, std::max<int64_t>(1, 65536 / D), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t t = r / H, h = r % H;
+      const uint16_t* xr = xp + t * s0 + h * s1;
+      const uint16_t* c = cp + t * D;
+      const uint16_t* s = sp + t * D;
+      uint16_t* o = op + r * D;
+      for (int64_t j = 0; j < D; ++j) {
+        const float xj = bf16_to_float(xr[j]);
+        const float rot = j < half ? -bf16_to_float(xr[j + half]) : bf16_to_float(xr[j - half]);
+        const float a = bf16_to_float(float_to_bf16(xj * bf16_to_float(c[j])));
+        const float b = bf16_to_float(float_to_bf16(rot * bf16_to_float(s[j])));
+        o[j] = float_to_bf16(a + b);
+      }
+    }
+  });
+  return out;
+}
