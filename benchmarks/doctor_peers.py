@@ -7,11 +7,11 @@ that pip cannot install becomes a "not installable: ..." column. Scenarios run o
 `kvpilot serve` (float32, 256 MiB KV pool, 1024-token context unless the scenario changes them) with one
 planted cause, stopped with SIGTERM afterwards whatever happened. On that server, in this order:
   1. the passive peers (inferpilot, vllm-doctor: they only read /metrics, so every counter they see is from
-     this load), one after another, while the background load runs: `kvpilot bench`, 8 streams, prompts of
+     this load), one after another, 45 s into the background load: `kvpilot bench`, 8 streams, prompts of
      ~256 tokens of which 192 are one of two shared prefixes, 32 tokens out; then the load is stopped and
      the server left to go idle;
   2. `kvpilot doctor --url URL --quick --json` (it sends its own probe load);
-  3. inference-profiler (its own load: 32 chat requests at concurrency 8).
+  3. inference-profiler (its own load: 16 chat requests at concurrency 8).
 "Named the planted cause": kvpilot doctor: the expected rule id is its first finding above "low" (the
 measured host causes cpu-starvation and client-overload are passed over); a peer: the headline of its
 first warning/critical finding matches the scenario's keywords (CAUSE_KEYWORDS). Healthy: no such
@@ -64,7 +64,9 @@ HOST_CAUSES = {"cpu-starvation", "client-overload"}
 LOAD_ARGS = ("--dataset", "shared-prefix", "--input-len", "256", "--prefix-len", "192", "--num-prefixes", "2",
              "--num-suffixes", "16", "--output-len", "32", "--ignore-eos", "--temperature", "0",
              "--concurrency", "8", "--duration", "900", "--no-progress", "--no-scrape-metrics")
-LOAD_WARMUP_S = 15.0
+LOAD_WARMUP_S = 45.0
+"""The passive peers start after the load has run this long: vllm-doctor reads lifetime counters (prefix
+hits / queries since the server started), which a cold start dominates (15 s gave a 50% hit rate)."""
 BUSY_GAUGES = re.compile(r"^vllm:num_requests_(?:running|waiting)(?:\{[^}]*\})? ([0-9.e+]+)$", re.MULTILINE)
 
 
@@ -164,7 +166,8 @@ def background_load(base_url: str, log_path: Path):
     with log_path.open("w") as log:
         log.write(f"$ {' '.join(command)}\n")
         log.flush()
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                   env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         yield process
     finally:

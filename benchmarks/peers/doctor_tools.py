@@ -96,8 +96,8 @@ class DoctorTool:
 def _profiler_command(bin_dir: Path, target: Target) -> list[str]:
     # The README's quick start, sized for a 2-core CPU and a 512-token context.
     return [str(bin_dir / "inference-profiler"), "profile", "--endpoint", f"{target.base_url}/v1",
-            "--model", target.model, "--requests", "32", "--concurrency", "8", "--prompt-tokens", "64-256",
-            "--output-tokens", "16-48", "--stream", "--seed", "0", "--timeout", "120",
+            "--model", target.model, "--requests", "16", "--concurrency", "8", "--prompt-tokens", "64-192",
+            "--output-tokens", "16-32", "--warmup", "1", "--stream", "--seed", "0",
             "--output-dir", str(target.work_dir / "inference-profiler")]
 
 
@@ -202,12 +202,12 @@ def judge(statements: list[Statement], named: Callable[[str], bool] | None) -> t
     (a statement at an alarm level); `named` None means healthy, which wants no finding at all."""
     findings = [s for s in statements if s.level in ALARM_LEVELS]
     first = findings[0] if findings else None
-    shown = f"{first.level}: {first.headline} -- {first.detail[:160]}" if first else "no warning/critical finding"
-    if named is None:
-        return ("no (" + shown + ")" if first else "yes"), shown
     if first is None:
-        return "no (nothing found)", shown
-    return ("yes" if named(first.headline) else f"no ({first.headline})"), shown
+        notes = "; ".join(f"{s.level}: {s.headline}" for s in statements[:3])
+        evidence = "no warning/critical finding" + (f" (notes: {notes})" if notes else "")
+        return ("yes" if named is None else "no (only notes)" if notes else "no (nothing found)"), evidence
+    shown = f"{first.level}: {first.headline} -- {first.detail[:160]}"
+    return ("yes" if named is not None and named(first.headline) else f"no ({first.headline})"), shown
 
 
 def keyword_matcher(cause: str) -> Callable[[str], bool]:
