@@ -8,7 +8,7 @@ from typing import Any
 
 from kvpilot.doctor.findings import Finding, Severity
 from kvpilot.doctor.inputs import DoctorInputs, RunData
-from kvpilot.doctor.probe_plan import RampPoint, knee_reason
+from kvpilot.doctor.probe_plan import RampPoint, knee_reason, ramp_level
 from kvpilot.doctor.rules import RULES, Rule, RuleContext
 from kvpilot.doctor.rules.prefill import mixing_note, stall_note
 from kvpilot.doctor.signals import median
@@ -127,11 +127,8 @@ def _headroom(ctx: RuleContext) -> list[str]:
 
 def _load_level(run: RunData) -> int:
     """The concurrency a run was sent at: a probe's ramp phase names it; other runs, their measured in-flight."""
-    if run.source == "probe:baseline":
-        return 1
-    if run.source.startswith("probe:ramp-"):
-        return int(run.source.rsplit("-", 1)[1])
-    return max(1, round(run.in_flight))
+    level = ramp_level(run.source)
+    return level if level is not None else max(1, round(run.in_flight))
 
 
 def _knee_line(ctx: RuleContext) -> str | None:
@@ -139,7 +136,7 @@ def _knee_line(ctx: RuleContext) -> str | None:
     highest load measured. From the probe's ramp (same prompts at each point), else from saved runs such as
     a bench sweep; None with fewer than three loads (two points make no curve)."""
     runs = [r for r in ctx.inputs.runs if r.ok and not r.burst]
-    ramp = [r for r in runs if r.source == "probe:baseline" or r.source.startswith("probe:ramp-")]
+    ramp = [r for r in runs if ramp_level(r.source) is not None]
     series = sorted(ramp if ramp else runs, key=_load_level)
     if len(series) < 3:
         return None

@@ -52,8 +52,8 @@ class ProbeLimits:
         """The same probe never sending more than ``max_concurrency`` at once (the ramp cut there)."""
         if max_concurrency < 1:
             raise ValueError("max_concurrency must be at least 1")
-        ramp = tuple(n for n in self.ramp if n < max_concurrency) + (max_concurrency,)
-        ramp = tuple(dict.fromkeys(r for r in ramp if r <= self.ramp[-1])) or (1,)
+        top = min(max_concurrency, self.ramp[-1])
+        ramp = tuple(n for n in self.ramp if n < top) + (top,)
         return replace(self, ramp=ramp, mixed_concurrency=min(self.mixed_concurrency, max_concurrency))
 
     def fixed_ramp(self, ramp: tuple[int, ...]) -> ProbeLimits:
@@ -66,6 +66,17 @@ FULL = ProbeLimits(name="full", ramp=(1, 2, 4, 8, 16, 32, 64), output_len=16, ma
                    mixed_concurrency=4, unique_control=True, find_knee=True)
 """Finds the saturation knee: the ramp doubles concurrency until throughput stops rising (3-5 minutes on a
 CPU server, which saturates at 8-32 streams; `--max-concurrency` caps it for a production server)."""
+
+RAMP_PREFIX = "probe:ramp-"
+
+
+def ramp_level(source: str) -> int | None:
+    """The concurrency of a probe ramp run from its source name ("probe:ramp-8" -> 8; the baseline, the
+    ramp's first point, -> 1); None for any other run."""
+    if source == "probe:baseline":
+        return 1
+    return int(source[len(RAMP_PREFIX):]) if source.startswith(RAMP_PREFIX) else None
+
 
 KNEE_MIN_GAIN = 1.1
 """A ramp point whose output throughput is under this multiple of the previous point's is past the knee."""

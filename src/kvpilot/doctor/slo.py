@@ -21,19 +21,19 @@ GOOD_FRACTION = 0.9
 
 @dataclass(frozen=True)
 class Workload:
-    """A preset goal: latency targets (ms; empty: throughput only) and why."""
+    """A preset goal: its name and latency targets (ms by metric; empty: throughput only)."""
 
     name: str
     slos_ms: dict[str, float]
-    goal: str
 
 
 WORKLOADS: dict[str, Workload] = {
-    "chat": Workload("chat", {"ttft": 1000.0, "tpot": 100.0},
-                     "people read along: first token within 1 s, then faster than reading (TPOT <= 100 ms)"),
-    "agent": Workload("agent", {"ttft": 2000.0, "tpot": 50.0},
-                      "a program waits for whole answers on long contexts: TTFT <= 2 s, TPOT <= 50 ms"),
-    "batch": Workload("batch", {}, "a document queue: output tokens per second; latency only as a bound"),
+    # people read along: the first token within 1 s, then faster than reading
+    "chat": Workload("chat", {"ttft": 1000.0, "tpot": 100.0}),
+    # a program waits for whole answers built on long contexts
+    "agent": Workload("agent", {"ttft": 2000.0, "tpot": 50.0}),
+    # a document queue: output tokens per second; latency only as a bound
+    "batch": Workload("batch", {}),
 }
 
 
@@ -75,18 +75,21 @@ def run_slos(runs: tuple[RunData, ...], doctor_slos: dict[str, float]) -> dict[s
     return merged
 
 
-def good_fraction(run: RunData, slos: dict[str, float], metrics: tuple[str, ...] | None = None) -> float | None:
-    """Share of the run's requests meeting the SLOs (only `metrics` of them when given); None without
-    requests or without any SLO to check."""
-    chosen = {k: v for k, v in slos.items() if metrics is None or k in metrics}
-    if not run.records or not chosen:
+def good_fraction(run: RunData, slos: dict[str, float]) -> float | None:
+    """Share of the run's requests meeting the SLOs; None without requests or without any SLO to check."""
+    if not run.records or not slos:
         return None
-    return sum(meets_slo(r, chosen) for r in run.records) / len(run.records)
+    return sum(meets_slo(r, slos) for r in run.records) / len(run.records)
 
 
-def meets(run: RunData, slos: dict[str, float], metrics: tuple[str, ...] | None = None) -> bool | None:
-    fraction = good_fraction(run, slos, metrics)
+def meets(run: RunData, slos: dict[str, float]) -> bool | None:
+    fraction = good_fraction(run, slos)
     return None if fraction is None else fraction >= GOOD_FRACTION
+
+
+def busiest_meeting(runs: list[RunData], slos: dict[str, float]) -> RunData | None:
+    """Of `runs`, the one with the most requests in flight that met the SLOs (the capacity at this goal)."""
+    return max((r for r in runs if meets(r, slos)), key=lambda r: r.in_flight, default=None)
 
 
 def format_slos(slos: dict[str, float]) -> str:
@@ -99,14 +102,9 @@ def slo_lines(runs: tuple[RunData, ...], slos: dict[str, float]) -> list[str]:
     if not slos:
         return []
     steady = [r for r in runs if r.ok and not r.burst]
-    parts, best = [], None
-    for run in steady:
-        fraction = good_fraction(run, slos)
-        if fraction is None:
-            continue
-        parts.append(f"{fraction:.0%} at {run.in_flight:.1f} in flight")
-        if fraction >= GOOD_FRACTION and (best is None or run.in_flight > best.in_flight):
-            best = run
+    parts = [f"{fraction:.0%} at {run.in_flight:.1f} in flight" for run in steady
+             if (fraction := good_fraction(run, slos)) is not None]
+    best = busiest_meeting(steady, slos)
     if not parts:
         return []
     capacity = (f"; met up to {best.in_flight:.1f} in flight ({best.output_throughput:,.1f} tok/s)"

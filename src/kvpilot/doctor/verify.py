@@ -22,7 +22,7 @@ from kvpilot.doctor.diagnose import DoctorReport, diagnose
 from kvpilot.doctor.findings import Finding, Fix, Severity
 from kvpilot.doctor.inputs import DoctorInputs, RunData
 from kvpilot.doctor.probe import ProbeSession, check_endpoint, probe_endpoint
-from kvpilot.doctor.probe_plan import ProbeLimits
+from kvpilot.doctor.probe_plan import RAMP_PREFIX, ProbeLimits, ramp_level
 from kvpilot.doctor.serve import engine_of, served
 from kvpilot.doctor.server_config import from_serve_flags
 from kvpilot.doctor.signals import median
@@ -44,9 +44,9 @@ class Metric:
 
 def _top_ramp(inputs: DoctorInputs) -> RunData | None:
     """The probe's highest ramp point (the same load before and after a fix), else the busiest run."""
-    ramps = [r for r in inputs.runs if r.source.startswith("probe:ramp-")]
+    ramps = [r for r in inputs.runs if r.source.startswith(RAMP_PREFIX)]
     if ramps:
-        return max(ramps, key=lambda r: int(r.source.rsplit("-", 1)[1]))
+        return max(ramps, key=lambda r: ramp_level(r.source) or 0)
     return max(inputs.runs, key=lambda r: r.in_flight, default=None)
 
 
@@ -225,7 +225,7 @@ def run_verify(command: list[str], limits: ProbeLimits, console: Console, seed: 
     round_s = time.monotonic() - started
     # Every restart repeats the ramp points the first probe ran (its knee), so before and after compare the
     # same loads.
-    ran = tuple(int(p.phase.name.rsplit("-", 1)[1]) for p in session.phases if p.phase.name.startswith("ramp-"))
+    ran = tuple(p.phase.load.concurrency or 1 for p in session.phases if p.phase.name.startswith("ramp-"))
     limits = limits.fixed_ramp((1, *ran))
     for finding, flags in candidates:
         if time.monotonic() - started + round_s > budget_s:

@@ -218,10 +218,9 @@ async def _events(state: ServerState, prepared: Prepared, subs: SubRequests) -> 
                 if (item.delta_text or item.delta_token_ids) and prepared.tool_calls is None:
                     yield shape.chunk([shape.choice(text, None, logprobs, chunk=True, index=k)])
                 elif prepared.tool_calls is not None and item.delta_text:
-                    so_far = out.text
-                    ready = prepared.tool_calls.streamable(so_far)
+                    ready = prepared.tool_calls.streamable(out.text, num_streamed[k])
                     if ready > num_streamed[k]:
-                        content = so_far[num_streamed[k]:ready]
+                        content = out.text[num_streamed[k]:ready]
                         num_streamed[k] = ready
                         yield shape.chunk([shape.choice(content, None, None, chunk=True, index=k)])
                 continue

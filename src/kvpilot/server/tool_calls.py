@@ -87,14 +87,15 @@ class ToolCallPlan:
         message = {**choice["message"], "content": content, "tool_calls": calls}
         return {**choice, "message": message, "finish_reason": _finish(finish_reason)}
 
-    def streamable(self, text: str) -> int:
+    def streamable(self, text: str, start: int = 0) -> int:
         """How many leading characters of the answer so far may stream as content: none for a forced call
         (the text is the call); under "auto", all before the parser's call marker, holding back an end that
-        may still become one. Invariant: never decreases as `text` grows."""
+        may still become one. Invariant: never decreases as `text` grows, so a caller that already streamed
+        `start` characters (an earlier answer of this method) lets the search begin there."""
         if self.parser is None:
             return 0
         marker = TOOL_CALL_MARKERS[self.parser]
-        at = text.find(marker)
+        at = text.find(marker, start)
         if at >= 0:
             return at
         for keep in range(min(len(marker) - 1, len(text)), 0, -1):

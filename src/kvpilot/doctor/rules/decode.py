@@ -9,7 +9,7 @@ from kvpilot.doctor.inputs import RunData
 from kvpilot.doctor.rules.context import RuleContext
 from kvpilot.doctor.rules.deferral import defer_to_host
 from kvpilot.doctor.signals import median, ratio
-from kvpilot.doctor.slo import format_slos, meets
+from kvpilot.doctor.slo import busiest_meeting, format_slos, meets
 
 DECODE_SLOS = ("tpot", "itl")
 
@@ -61,8 +61,8 @@ def _growth(ctx: RuleContext) -> _Growth | None:
     slos = {k: v for k, v in ctx.slos.items() if k in DECODE_SLOS}
     cap = None
     if slos and meets(low, slos) and meets(high, slos) is False:
-        passing = [r.in_flight for r in ctx.inputs.runs if r.ok and meets(r, slos)]
-        cap = max(1, int(max(passing, default=low.in_flight)))
+        held = busiest_meeting([r for r in ctx.inputs.runs if r.ok], slos)
+        cap = max(1, int((held or low).in_flight))
     # With an SLO that breaks, any growth matters; without one, only steep growth is worth a note.
     if factor is None or (factor < ctx.th.tpot_growth_high and (cap is None or factor <= 1.0)):
         return None

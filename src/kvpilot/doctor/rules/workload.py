@@ -14,7 +14,7 @@ import math
 from kvpilot.doctor.findings import Evidence, Finding, Fix, Severity
 from kvpilot.doctor.rules.context import RuleContext
 from kvpilot.doctor.signals import median
-from kvpilot.doctor.slo import GOOD_FRACTION, format_slos, good_fraction
+from kvpilot.doctor.slo import busiest_meeting, format_slos, meets
 
 BATCH_TOKEN_BUDGET = 8192
 MAX_BATCH_SEQS = 256
@@ -24,14 +24,10 @@ def _slo_capacity(ctx: RuleContext) -> tuple[float, float] | None:
     """(most in flight that met every SLO, in flight of the highest steady load) when the highest missed."""
     steady = [r for r in ctx.inputs.runs if r.ok and not r.burst]
     slos = ctx.slos
-    if not slos or len(steady) < 2:
+    if not slos or len(steady) < 2 or meets(steady[-1], slos) is not False:
         return None
-    fractions = [(r.in_flight, good_fraction(r, slos)) for r in steady]
-    passing = [n for n, f in fractions if f is not None and f >= GOOD_FRACTION]
-    top_n, top_f = fractions[-1]
-    if not passing or top_f is None or top_f >= GOOD_FRACTION:
-        return None
-    return max(passing), top_n
+    held = busiest_meeting(steady, slos)
+    return None if held is None else (held.in_flight, steady[-1].in_flight)
 
 
 def _interactive(ctx: RuleContext) -> tuple[list[str], list[Evidence], list[str]]:
