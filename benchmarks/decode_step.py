@@ -40,6 +40,25 @@ def timed_steps(llm: LLM, steps: int) -> list[float]:
     return times
 
 
+def compare_fused(llm: LLM, batch: int, steps: int) -> None:
+    """Alternates the two forwards in rounds of steps/4 (a shared VM's slow phases hit both alike)."""
+    model = llm.engine.runner.model
+    fused = model.fused_decode
+    if fused is None:
+        raise SystemExit("the fused decode path does not apply to this model (it needs bf16 activations and "
+                         "packed GGUF weights on CPU: --dtype auto or bfloat16, --quantization auto or gguf)")
+    times: dict[str, list[float]] = {"fused": [], "layer by layer": []}
+    for _ in range(4):
+        for name in times:
+            model.fused_decode = fused if name == "fused" else None
+            times[name] += timed_steps(llm, max(1, steps // 4))
+    model.fused_decode = fused
+    fused_ms, layers_ms = (statistics.median(t) * 1e3 for t in times.values())
+    print(f"decode step, batch {batch}: fused {fused_ms:.2f} ms, layer by layer {layers_ms:.2f} ms "
+          f"({layers_ms / fused_ms:.2f}x; medians of {len(times['fused'])} steps each, {torch.get_num_threads()} "
+          f"threads)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=64)
@@ -50,11 +69,17 @@ def main() -> None:
                         help="Enough for batch x (context + steps) tokens, or preemptions distort the steps.")
     parser.add_argument("--quantization", default="auto", help="auto | gguf (packed) | none (dense)")
     parser.add_argument("--profile", action="store_true", help="Also print the top operators.")
+    parser.add_argument("--compare-fused", action="store_true",
+                        help="bf16 packed models: alternate the fused decode kernel (kvpilot.model.fused_decode) "
+                             "and the layer-by-layer forward on the same requests; print both and the ratio.")
     args = parser.parse_args()
     llm = LLM(dtype=args.dtype, max_model_len=args.context + 4 * args.steps + 16, max_num_seqs=args.batch,
               kv_cache_memory=args.kv_cache_memory, quantization=args.quantization)
     fill_to_decode(llm, args.batch, args.context, max_tokens=4 * args.steps + 16, seed=0)
     timed_steps(llm, 2)  # warm-up
+    if args.compare_fused:
+        compare_fused(llm, args.batch, args.steps)
+        return
     times = timed_steps(llm, args.steps)
     step_s = statistics.median(times)
     print(f"decode step: batch {args.batch}, context ~{args.context}: {step_s * 1e3:.1f} ms "

@@ -91,13 +91,20 @@ def kernel_part(rows_list: list[int], reps: int) -> None:
 
 @torch.inference_mode()
 def vnni_part(rows_list: list[int], reps: int) -> None:
-    """The float32 kernel vs int8 activations with VNNI dot products, on the Q4_1 layers (not the output)."""
+    """The float32 kernel vs int8 activations with VNNI dot products: the 120 Q4_1 layers, then the Q8_0
+    output layer (49,152 x 576, the tied embedding table) on its own."""
     from kvpilot.model.quant.kernel import get_quant_kernel
 
     kernel = get_quant_kernel()
     loaded = load_model(None, dtype="float32", quantization="gguf", max_model_len=64)
-    layers = [m for m in packed_layers(loaded.model) if m.parts[0].format.name == "Q4_1"]
-    print(f"{len(layers)} Q4_1 layers; ms per step (min of {reps} interleaved rounds)")
+    every = packed_layers(loaded.model)
+    for name in ("Q4_1", "Q8_0"):
+        layers = [m for m in every if m.parts[0].format.name == name]
+        print(f"{len(layers)} {name} layers; ms per step (min of {reps} interleaved rounds)")
+        _vnni_rows(kernel, layers, rows_list, reps)
+
+
+def _vnni_rows(kernel, layers: list[PackedLinear], rows_list: list[int], reps: int) -> None:
     for rows in rows_list:
         x = torch.randn(rows, 576)
         outs = [torch.empty(rows, layer.out_features) for layer in layers]
@@ -109,7 +116,8 @@ def vnni_part(rows_list: list[int], reps: int) -> None:
         def vnni_run() -> None:
             for layer, out in zip(layers, outs):
                 part = layer.parts[0]
-                kernel.quant_matmul_q8act(out, _input(layer, x), part.qs, part.d, part.m)
+                kernel.quant_matmul_q8act(out, _input(layer, x), part.qs, part.d, part.min_or_empty(),
+                                          part.format.code)
 
         fp32_s, vnni_s = time_interleaved([fp32_run, vnni_run], reps)
         print(f"rows {rows:>3}: float32 dequantize + FMA {fp32_s * 1e3:.2f} ms, int8 activations + VNNI "

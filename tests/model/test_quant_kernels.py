@@ -11,7 +11,7 @@ from gguf.quants import dequantize, quantize
 
 from kvpilot.model.quant.formats import FORMATS
 from kvpilot.model.quant.kernel import best_isa, get_quant_kernel, has_vnni
-from kvpilot.model.quant.linear import DenseScratch, PackedLinear
+from kvpilot.model.quant.linear import INT8_MAX_ROWS, DenseScratch, PackedLinear
 from kvpilot.model.quant.packed import PackedWeight
 
 pytestmark = pytest.mark.skipif(get_quant_kernel() is None, reason="no C++ compiler for the CPU kernels")
@@ -95,26 +95,29 @@ def test_same_format_parts_are_concatenated():
 
 
 @pytest.mark.skipif(not has_vnni(), reason="no AVX-512 VNNI on this CPU")
-def test_int8_activations_agree_with_the_float32_kernel_to_the_activation_rounding():
-    """The hybrid layout's few-row path (Q4_1 x int8 blocks, VNNI): each 32-value block of x is rounded to
-    int8 with its own scale, so a dot product moves by at most sum_b max|x_b| / 254 * sum |w_b| (the bound
-    asserted), while the float32 kernel stays at float32 rounding."""
-    packed, w = _random_packed("Q4_1", N, K, seed=7)
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_int8_activations_agree_with_the_float32_kernel_to_the_activation_rounding(name):
+    """The hybrid layout's few-row path (packed weights x int8 blocks, VNNI): each 32-value block of x is rounded
+    to int8 with its own scale, so a dot product moves by at most sum_b max|x_b| / 254 * sum |w_b| (the bound
+    asserted), while the float32 kernel stays at float32 rounding. Rows 1-3 cover the 2-row tiles and their
+    remainder; Q8_0's negative quants (sign moved onto x) and Q4_0's offset (-8 d) are covered by the formats."""
+    packed, w = _random_packed(name, N, K, seed=7)
     exact = PackedLinear([packed], bias=False, scratch=DenseScratch(), isa=best_isa())
     int8 = PackedLinear([packed], bias=False, scratch=DenseScratch(), isa=best_isa(), int8_activations=True)
     assert int8.int8_activations and not exact.int8_activations
-    x = torch.randn(1, K, generator=torch.Generator().manual_seed(1))  # one row: the VNNI path
-    blocks = x.view(1, K // 32, 32)
-    step = blocks.abs().amax(-1, keepdim=True) / 127  # one int8 step per block
-    w_blocks = torch.from_numpy(np.abs(w)).view(N, K // 32, 32).sum(-1)  # [N, KB]
-    bound = (step.squeeze(-1) / 2) @ w_blocks.T  # half a step per value, times |w| summed per block
-    diff = (int8(x) - exact(x)).abs()
-    assert bool((diff <= bound + 1e-4).all()) and float(diff.max()) > 0  # rounded, within its bound
-    two = torch.cat([x, x])  # more rows: the float32 kernel, as exact as ever
-    assert torch.equal(int8(two), exact(two))
-    mixed = PackedLinear([packed, _random_packed("Q8_0", 4, K, seed=8)[0]], bias=False, scratch=DenseScratch(),
+    w_blocks = torch.from_numpy(np.abs(w)).view(N, K // 32, 32).sum(-1).double()  # [N, KB]
+    for rows in (1, 2, 3, INT8_MAX_ROWS):
+        x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
+        step = x.view(rows, K // 32, 32).abs().amax(-1).double() / 127  # one int8 step per block
+        bound = (step / 2) @ w_blocks.T  # half a step per value, times |w| summed per block
+        diff = (int8(x).double() - exact(x).double()).abs()
+        assert bool((diff <= bound + 1e-4).all()) and float(diff.max()) > 0, rows  # rounded, within its bound
+    more = torch.randn(INT8_MAX_ROWS + 1, K)  # more rows: the float32 kernel, as exact as ever
+    assert torch.equal(int8(more), exact(more))
+    other = "Q4_0" if name == "Q8_0" else "Q8_0"
+    mixed = PackedLinear([packed, _random_packed(other, 4, K, seed=8)[0]], bias=False, scratch=DenseScratch(),
                          isa=best_isa(), int8_activations=True)
-    assert not mixed.int8_activations  # several parts (or other formats): the float32 kernel
+    assert not mixed.int8_activations  # parts of two formats: the float32 kernel
 
 
 def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path) -> None:
@@ -134,3 +137,18 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path) -> None:
     os.remove(tmp_path / "m.so")
     assert remove_stale_lock(tmp_path, "m", now=lock.stat().st_mtime + STALE_BUILD_LOCK_S + 1)
     assert not remove_stale_lock(tmp_path, "m")  # no lock at all
+
+
+def test_native_builds_are_named_per_cpu_and_portable_ones_are_not() -> None:
+    """A -march=native module cached on one CPU must never load on another (illegal instructions there)."""
+    from dataclasses import replace
+
+    from kvpilot.model.layers.cpp_build import CppKernel, cpu_identity, module_name
+
+    portable = CppKernel(label="k", name_prefix="k_", sources=(), functions=(), cflags=("-O3",), serial="",
+                         fallback="")
+    native = replace(portable, cflags=("-O3", "-march=native"))
+    assert module_name(portable, "src", "cpu A") == module_name(portable, "src", "cpu B")
+    assert module_name(native, "src", "cpu A") != module_name(native, "src", "cpu B")
+    assert module_name(native, "src", "cpu A") != module_name(native, "src2", "cpu A")
+    assert cpu_identity()  # something names this CPU

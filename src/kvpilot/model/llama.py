@@ -6,6 +6,8 @@ an HF-named state dict and fuses it, checking every shape against the config.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -15,6 +17,9 @@ from kvpilot.model.errors import ModelLoadError
 from kvpilot.model.attention.base import StepAttention
 from kvpilot.model.layers.norm import RMSNorm
 from kvpilot.model.layers.rope import RotaryEmbedding, apply_rotary
+
+if TYPE_CHECKING:
+    from kvpilot.model.fused_decode import FusedDecode
 
 
 class Attention(nn.Module):
@@ -86,11 +91,16 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config, max_positions)
         # set by the packed-weight loader (kvpilot.model.quant): the output projection as a module
         self.output_head: nn.Module | None = None
+        # set by the loader where it qualifies (kvpilot.model.fused_decode): the layers of a small decode step
+        # in one C++ call, bit for bit the loop below
+        self.fused_decode: FusedDecode | None = None
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn: StepAttention) -> torch.Tensor:
         x = self.embed_tokens(token_ids)
         cos, sin = self.rotary.tables(positions, x.dtype)
+        if self.fused_decode is not None and self.fused_decode.applies(x, kv_caches, attn):
+            return self.norm(self.fused_decode(x, cos, sin, kv_caches, attn))
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, kv_cache, attn)
         return self.norm(x)

@@ -14,6 +14,7 @@ from kvpilot.model.config import ModelConfig, from_hf_config
 from kvpilot.model.default_model import DEFAULT_MODEL_NAME, default_model_path
 from kvpilot.model.dtypes import resolve_dtype
 from kvpilot.model.errors import ModelLoadError, config_errors_as_load_errors
+from kvpilot.model.fused_decode import FusedDecode
 from kvpilot.model.layers.cpu_bf16_ops import get_bf16_ops
 from kvpilot.model.llama import LlamaForCausalLM
 from kvpilot.model.quant.model_pack import check_quantization
@@ -132,6 +133,7 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
         relayout_linear_weights(loaded.model)
         if torch_dtype == torch.bfloat16:
             get_bf16_ops()  # built (or found in the cache) now, not in the first request's forward
+            loaded.model.fused_decode = FusedDecode.for_model(loaded.model)
     return loaded
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import platform
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,15 +46,15 @@ def build_cpp_kernel(kernel: CppKernel) -> Any | None:
     if os.environ.get("KVPILOT_CPU_KERNELS", "1") == "0":
         return None
     source = "\n".join(path.read_text(encoding="utf-8") for path in kernel.sources)
-    name = kernel.name_prefix + hashlib.sha256(source.encode()).hexdigest()[:12]
+    name = module_name(kernel, source, cpu_identity())
     error: Exception | None = None
     for openmp in _BUILDS:
         try:
             from torch.utils.cpp_extension import _get_build_directory, load_inline
 
-            module_name = name if openmp else name + "_serial"
-            remove_stale_lock(Path(_get_build_directory(module_name, verbose=False)), module_name)
-            module = load_inline(name=module_name, cpp_sources=[source],
+            built = name if openmp else name + "_serial"
+            remove_stale_lock(Path(_get_build_directory(built, verbose=False)), built)
+            module = load_inline(name=built, cpp_sources=[source],
                                  functions=list(kernel.functions), extra_cflags=[*kernel.cflags, *openmp],
                                  extra_ldflags=list(openmp), verbose=False)
         except Exception as exc:  # no compiler / ninja / headers / OpenMP: try the next build, then give up
@@ -65,6 +66,24 @@ def build_cpp_kernel(kernel: CppKernel) -> Any | None:
     logger.warning("%s unavailable, %s (%s: %s)", kernel.label, kernel.fallback, type(error).__name__,
                    str(error).splitlines()[0] if str(error) else "")
     return None
+
+
+def module_name(kernel: CppKernel, source: str, cpu: str) -> str:
+    """The prefix and a hash of the source; for -march=native builds also of `cpu`: such a binary runs only
+    where it was built, and a cache shared across machines (a home directory, an image) must not hand it to
+    another CPU."""
+    native = cpu if "-march=native" in kernel.cflags else ""
+    return kernel.name_prefix + hashlib.sha256((source + native).encode()).hexdigest()[:12]
+
+
+def cpu_identity() -> str:
+    """This CPU's model name and feature flags (Linux /proc/cpuinfo), else what `platform` knows."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        lines = []
+    wanted = [line for line in lines if line.startswith(("model name", "flags"))][:2]
+    return "\n".join(wanted) or f"{platform.machine()} {platform.processor()}"
 
 
 def remove_stale_lock(build_dir: Path, module_name: str, now: float | None = None) -> bool:

@@ -29,9 +29,11 @@ DEFAULT_MAX_KERNEL_ROWS = {torch.float32: 1 << 30, torch.bfloat16: 32}
 # whole decode steps of the embedded model on the 2-vCPU AVX512_BF16 EPYC, kernel vs resident dense, batch 8:
 # 32.4 vs 46.4 ms, 16: 48.4 vs 51.1, 24: 68.1 vs 64.9, 32: 86.5 vs 73.4 (2026-11-25).
 HYBRID_MAX_KERNEL_ROWS = {torch.float32: 1 << 30, torch.bfloat16: 16}
-# The int8-activation (VNNI) path wins for one row only (its loop re-reads each weight row per x row): the
-# 120 Q4_1 layers of the embedded model, 1 row: 3.19 vs 5.30 ms float32; 2 rows: 7.65 vs 6.54 ms (same box).
-INT8_MAX_ROWS = 1
+# The int8-activation (VNNI) path up to this many rows (benchmarks/quant_linear.py --part vnni, 2-vCPU Zen 4 EPYC,
+# 2026-11-25, ms for the embedded model's 120 Q4_1 layers, float32 kernel vs VNNI: 1 row 5.52 vs 3.68, 2: 6.32 vs
+# 4.16, 4: 8.03 vs 7.62, 8: 14.53 vs 12.79, 16: 23.17 vs 24.78; its Q8_0 output layer: 1 row 1.75 vs 0.62,
+# 8: 4.06 vs 3.03, 16: 6.40 vs 5.80).
+INT8_MAX_ROWS = 8
 KERNEL_IO_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -58,9 +60,10 @@ class PackedLinear(nn.Module):
     returns the same values densely (a tied embedding table) for the many-row path, with no scratch.
     `keep_dense`: the many-row path's dequantized matrix is kept per dtype after its first use (more memory:
     the dense bytes besides the packed ones) instead of rebuilt in the shared scratch at every call.
-    `int8_activations`: a single row (INT8_MAX_ROWS) is quantized to int8 blocks and multiplied with the Q4_1
+    `int8_activations`: up to INT8_MAX_ROWS rows are quantized to int8 blocks and multiplied with the packed
     weights by VNNI dot products (llama.cpp's scheme; within ~1/254 of a block's largest value of the float32
-    path), for a lone Q4_1 part on a CPU with VNNI; other parts and more rows keep the float32 kernel.
+    path), for a lone part (Q8_0, Q4_0 or Q4_1) on a CPU with VNNI; several parts and more rows keep the
+    float32 kernel.
     """
 
     def __init__(self, parts: list[PackedWeight], bias: bool, scratch: DenseScratch, isa: int,
@@ -81,7 +84,7 @@ class PackedLinear(nn.Module):
         self.max_kernel_rows = dict(max_kernel_rows or default_rows)
         self.dense_weight = dense_weight
         self.keep_dense = keep_dense
-        self.int8_activations = int8_activations and len(parts) == 1 and parts[0].format.name == "Q4_1"
+        self.int8_activations = int8_activations and len(parts) == 1
         self._resident: dict[torch.dtype, torch.Tensor] = {}
 
     @property

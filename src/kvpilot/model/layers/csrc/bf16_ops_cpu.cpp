@@ -16,6 +16,11 @@
 #include <cstring>
 #include <vector>
 
+// The fused decode kernel (decode_layers_cpu.cpp) compiles this file inside a -ffast-math translation unit:
+// keep the sum in order and the division a division there too (a no-op in this module's own build).
+#pragma GCC push_options
+#pragma GCC optimize("no-fast-math")
+
 namespace {
 
 inline float bf16_to_float(uint16_t v) {
@@ -104,3 +109,5 @@ torch::Tensor rope_bf16(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   });
   return out;
 }
+
+#pragma GCC pop_options

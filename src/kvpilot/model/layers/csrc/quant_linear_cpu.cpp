@@ -175,11 +175,11 @@ int64_t quant_parallel_width() {
   return __builtin_popcountll(seen.load());
 }
 
-// int8 activations (quant_vnni.h): out [M, N] = int8-quantized x [M, K] @ Q4_1 W^T; x and out contiguous,
-// each float32 or bfloat16 (converted here, as in quant_matmul).
-void quant_matmul_q8act(torch::Tensor out, torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m) {
-  const Packed w = packed_of(qs, d, m, kQ4_1);
-  __builtin_cpu_init();
+// int8 activations (quant_vnni.h): out [M, N] = int8-quantized x [M, K] @ W^T for Q8_0, Q4_0 or Q4_1 weights;
+// x and out contiguous, each float32 or bfloat16 (converted here, as in quant_matmul).
+void quant_matmul_q8act(torch::Tensor out, torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m,
+                        int64_t fmt) {
+  const Packed w = packed_of(qs, d, m, fmt);
   TORCH_CHECK(has_vnni(), "needs AVX-512 VNNI");
   TORCH_CHECK(float_or_bf16(x) && float_or_bf16(out), "x/out must be float32 or bfloat16");
   TORCH_CHECK(x.is_contiguous() && x.size(1) == w.K && out.is_contiguous() && out.size(1) == w.N, "shapes");
@@ -194,7 +194,7 @@ void quant_matmul_q8act(torch::Tensor out, torch::Tensor x, torch::Tensor qs, to
   float* op = bf16_out ? acc.data() : out.data_ptr<float>();
   at::parallel_for(0, w.N, 16, [&](int64_t n0, int64_t n1) {
     std::vector<float> scales(2 * w.KB);
-    q41_rows_vnni(w, n0, n1, xq.data(), xd.data(), xs.data(), M, op, w.N, scales.data());
+    rows_vnni(w, n0, n1, xq.data(), xd.data(), xs.data(), M, op, w.N, scales.data());
   });
   if (bf16_out) store_bf16_rows(kernels_for(detect_isa()), acc.data(), M, w.N, out);
 }

@@ -1,0 +1,138 @@
+"""FusedDecode: all decoder layers of a small decode-only step in one C++ call (CPU, bf16, packed weights).
+
+A decode step of few sequences is memory-bound in the packed matmuls, and everything between them is dispatch:
+at batch 1 the embedded model spent ~4 of its ~10 ms per step in Python and torch calls (about 15 ops and 8
+module calls per layer). The kernel (layers/csrc/decode_layers_cpu.cpp) runs the same functions back to back:
+the packed matmuls (int8-activation or float32 path, as PackedLinear picks), RMSNorm and RoPE (the bf16 ops),
+the K/V write, the paged decode-attention kernel, and torch's add / silu / mul, so the hidden states are bit for
+bit the layer-by-layer forward's.
+
+It applies to a model whose every layer has single-part packed projections without bias or q/k norms, bf16
+norm weights and a bf16 KV cache, and to a step whose tokens are all decodes, in one consecutive batch, no more
+than the packed kernels' row limit, run by the cpu attention backend. Anything else takes the modules.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvpilot.model.attention.base import StepAttention
+from kvpilot.model.layers.cpp_build import CppKernel, build_cpp_kernel
+from kvpilot.model.layers.cpu_bf16_ops import get_bf16_ops
+from kvpilot.model.quant.linear import INT8_MAX_ROWS, PackedLinear
+
+logger = logging.getLogger("kvpilot")
+
+_CSRC = Path(__file__).resolve().parent / "layers" / "csrc"
+# one translation unit: the kernels it calls, then the layer loop (the headers are not on an include path)
+SOURCE_PATHS = tuple(_CSRC / name for name in (
+    "quant_common.h", "quant_avx512.h", "quant_avx2.h", "quant_vnni.h", "quant_linear_cpu.cpp",
+    "decode_common.h", "decode_avx512.h", "paged_decode_cpu.cpp", "bf16_ops_cpu.cpp", "decode_layers_cpu.cpp"))
+
+# The flags of the modules whose code it includes, so each function computes exactly what it computes there:
+# -ffast-math as the quantized-linear and decode-attention kernels (the int8 path's scales round differently
+# without it), -march=native as the decode-attention kernel (its AVX-512 path has no target attributes); the
+# bf16 ops, built without -ffast-math, switch it off for their functions (a pragma in bf16_ops_cpu.cpp).
+_KERNEL = CppKernel(label="CPU fused decode kernel", name_prefix="kvpilot_cpu_fused_decode_", sources=SOURCE_PATHS,
+                    functions=("decode_layers_bf16",), cflags=("-O3", "-march=native", "-ffast-math"),
+                    serial="fused decode steps run on one thread",
+                    fallback="decode steps run layer by layer")
+
+ATTENTION_BACKEND = "cpu"
+# Rows up to which the fused path runs when the packed matmuls take the float32 kernel (no VNNI, or more rows
+# than the int8 path's INT8_MAX_ROWS): benchmarks/decode_step.py --compare-fused on the 2-vCPU Zen 4 EPYC
+# (2026-11-25), fused vs layer by layer: batch 1 6.89 vs 10.55 ms, 4: 12.74 vs 16.55, 8: 22.92 vs 26.93, but
+# 9: 37.14 vs 33.71 and 16: 59.58 vs 52.23: the float32 kernel's many-row tiles ran slower in this translation
+# unit (-march=native) than in their own; up to 4 rows that kernel takes its fused few-row path.
+FLOAT32_KERNEL_MAX_ROWS = 4
+
+
+@lru_cache(maxsize=1)
+def get_fused_decode_kernel() -> Any | None:
+    """The compiled module, or None when it cannot be built or is switched off (KVPILOT_CPU_KERNELS=0)."""
+    return build_cpp_kernel(_KERNEL)
+
+
+class FusedDecode:
+    """Runs a model's decoder layers for a decode-only step; build with `for_model`.
+
+    Invariant: `__call__(x, ...)` returns what `for layer in model.layers: x = layer(x, ...)` returns, bit for
+    bit, whenever `applies` says yes.
+    """
+
+    def __init__(self, model: torch.nn.Module, kernel: Any) -> None:
+        self.kernel = kernel
+        config = model.config
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.eps = float(config.rms_norm_eps)
+        self.scale = float(config.head_dim ** -0.5)
+        linears = [lin for layer in model.layers for lin in _projections(layer)]
+        self.int8_activations = all(lin.int8_activations for lin in linears)
+        self.max_rows = min(min(lin.max_kernel_rows.get(torch.bfloat16, 0) for lin in linears),
+                            INT8_MAX_ROWS if self.int8_activations else FLOAT32_KERNEL_MAX_ROWS)
+        self.isa = linears[0].isa
+        # per layer, in the kernel's order: in_norm, qkv (qs, d, m), o, post_norm, gate_up, down
+        self.weights: list[torch.Tensor] = []
+        self.formats: list[int] = []
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for norm, projections in ((layer.input_layernorm, (attn.qkv_proj, attn.o_proj)),
+                                      (layer.post_attention_layernorm, (mlp.gate_up_proj, mlp.down_proj))):
+                self.weights.append(norm.weight.detach())
+                for lin in projections:
+                    part = lin.parts[0]
+                    self.weights += [part.qs, part.d, part.min_or_empty()]
+                    self.formats.append(part.format.code)
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module) -> FusedDecode | None:
+        """The fused path for `model` (building its kernel now, not in the first request), or None when the
+        model does not qualify or the kernel cannot be built."""
+        if not _qualifies(model) or get_bf16_ops() is None:
+            return None
+        kernel = get_fused_decode_kernel()
+        return None if kernel is None else cls(model, kernel)
+
+    def applies(self, x: torch.Tensor, kv_caches: list[torch.Tensor], attn: StepAttention) -> bool:
+        meta = attn.meta
+        rows = x.shape[0]
+        if (x.dtype != torch.bfloat16 or rows > self.max_rows or attn.backend.name != ATTENTION_BACKEND
+                or meta.prefills or len(meta.decodes) != 1 or kv_caches[0].dtype != torch.bfloat16):
+            return False
+        return meta.decodes[0].row_range == (0, rows)
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list[torch.Tensor],
+                 attn: StepAttention) -> torch.Tensor:
+        meta = attn.meta
+        batch = meta.decodes[0]
+        int8 = self.int8_activations and x.shape[0] <= INT8_MAX_ROWS
+        return self.kernel.decode_layers_bf16(
+            x.contiguous(), cos.contiguous(), sin.contiguous(), self.weights, self.formats, kv_caches,
+            meta.slot_mapping, batch.block_tables, batch.context_lens, self.num_heads, self.num_kv_heads,
+            self.eps, self.scale, int8, self.isa)
+
+
+def _projections(layer: torch.nn.Module) -> list[Any]:
+    attn, mlp = layer.self_attn, layer.mlp
+    return [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+
+
+def _qualifies(model: torch.nn.Module) -> bool:
+    layers = getattr(model, "layers", None)
+    if not layers:
+        return False
+    for layer in layers:
+        if layer.self_attn.q_norm is not None:
+            return False
+        for lin in _projections(layer):
+            if not isinstance(lin, PackedLinear) or len(lin.parts) != 1 or lin.bias is not None:
+                return False
+        if any(norm.weight.dtype != torch.bfloat16 or norm.weight.device.type != "cpu"
+               for norm in (layer.input_layernorm, layer.post_attention_layernorm)):
+            return False
+    return True

@@ -1,0 +1,116 @@
+// Every decoder layer of a few-token, decode-only step in one call (CPU, bfloat16 activations and K/V, packed
+// GGUF weights): built at run time by kvpilot/model/layers/fused_decode.py after the quantized-linear, decode
+// attention and bf16-ops sources, whose functions it calls.
+//
+// Why: at batch 1 the embedded model's step took ~10 ms, of which ~4 ms was Python and torch dispatch between
+// the kernels (some 15 ops and 8 module calls per layer, 30 layers). Here the same kernels run back to back.
+// Invariant: each piece is the function or torch op the module path (kvpilot.model.llama with PackedLinear, the
+// cpu attention backend, RMSNorm and the rotary embedding) runs, on the same values in the same order, so the
+// hidden states are bit for bit the module path's (tests/model/test_fused_decode.py).
+namespace {
+
+constexpr int64_t kWeightsPerLayer = 14;  // in_norm, qkv (qs, d, m), o (qs, d, m), post_norm, gate_up (3), down (3)
+constexpr int64_t kFormatsPerLayer = 4;   // qkv, o, gate_up, down
+
+struct LayerWeights {
+  const torch::Tensor* t;  // kWeightsPerLayer tensors
+  const int64_t* formats;  // kFormatsPerLayer codes
+};
+
+// PackedLinear._kernel_rows for bf16 rows and a single packed part: int8 activations (VNNI) or the float32 kernel.
+torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor* w, int64_t fmt, bool int8, int64_t isa) {
+  torch::Tensor out = torch::empty({x.size(0), w[1].size(0)}, x.options());
+  if (int8) {
+    quant_matmul_q8act(out, x, w[0], w[1], w[2], fmt);
+  } else {
+    quant_matmul(out, x, w[0], w[1], w[2], fmt, isa);
+  }
+  return out;
+}
+
+// write_kv: row t of k (rotated) and v into cache slot slots[t], for every KV head (same dtype: a plain copy).
+void write_kv_bf16(torch::Tensor& cache, const torch::Tensor& k, const torch::Tensor& v, const int64_t* slots) {
+  const int64_t T = k.size(0), kvH = k.size(1), D = k.size(2);
+  const int64_t slots_per_head = cache.size(2) * cache.size(3);
+  auto* base = reinterpret_cast<uint16_t*>(cache.data_ptr<at::BFloat16>());
+  const auto* kp = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
+  const auto* vp = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < kvH; ++h) {
+      const int64_t row = h * slots_per_head + slots[t];
+      std::memcpy(base + row * D, kp + t * k.stride(0) + h * k.stride(1), D * sizeof(uint16_t));
+      std::memcpy(base + (kvH * slots_per_head + row) * D, vp + t * v.stride(0) + h * v.stride(1),
+                  D * sizeof(uint16_t));
+    }
+}
+
+// decode_kernel: queries widened to float32, the kernel, the output rounded to bf16 (as Tensor.copy_ rounds).
+torch::Tensor attention_bf16(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& block_tables,
+                             const torch::Tensor& context_lens, double scale) {
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+  torch::Tensor qf = torch::empty({T, H, D}, q.options().dtype(torch::kFloat32));
+  const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
+  float* qfp = qf.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t i = 0; i < H * D; ++i) qfp[t * H * D + i] = bf16_to_float(qp[t * q.stride(0) + i]);
+  torch::Tensor target = torch::empty_like(qf);
+  paged_decode(target, qf, cache.select(0, 0), cache.select(0, 1), block_tables, context_lens, scale);
+  torch::Tensor out = torch::empty({T, H * D}, q.options());
+  const float* tp = target.data_ptr<float>();
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  for (int64_t i = 0; i < T * H * D; ++i) op[i] = float_to_bf16(tp[i]);
+  return out;
+}
+
+// DecoderLayer.forward for one layer.
+torch::Tensor layer_bf16(const torch::Tensor& x, const LayerWeights& lw, const torch::Tensor& cos,
+                         const torch::Tensor& sin, torch::Tensor& cache, const int64_t* slots,
+                         const torch::Tensor& block_tables, const torch::Tensor& context_lens, int64_t H, int64_t kvH,
+                         double eps, double scale, bool int8, int64_t isa) {
+  const torch::Tensor* w = lw.t;
+  const int64_t D = cos.size(-1), T = x.size(0);
+  // attention
+  const torch::Tensor qkv = linear_bf16(rms_norm_bf16(x, w[0], eps), w + 1, lw.formats[0], int8, isa);
+  const torch::Tensor rotated = rope_bf16(qkv.narrow(1, 0, (H + kvH) * D).view({T, H + kvH, D}), cos, sin);
+  const torch::Tensor v = qkv.narrow(1, (H + kvH) * D, kvH * D).view({T, kvH, D});
+  write_kv_bf16(cache, rotated.narrow(1, H, kvH), v, slots);
+  const torch::Tensor attended = attention_bf16(rotated.narrow(1, 0, H), cache, block_tables, context_lens, scale);
+  const torch::Tensor h = at::add(x, linear_bf16(attended, w + 4, lw.formats[1], int8, isa));
+  // MLP
+  const torch::Tensor gate_up = linear_bf16(rms_norm_bf16(h, w[7], eps), w + 8, lw.formats[2], int8, isa);
+  const int64_t I = gate_up.size(1) / 2;
+  torch::Tensor act = at::silu(gate_up.narrow(1, 0, I));
+  act.mul_(gate_up.narrow(1, I, I));
+  return at::add(h, linear_bf16(act, w + 11, lw.formats[3], int8, isa));
+}
+
+}  // namespace
+
+// x [T, hidden] bfloat16 contiguous: the embedded tokens of T decoding sequences, row t = sequence t; cos/sin
+// [T, 1, D] bfloat16 contiguous; weights: kWeightsPerLayer tensors per layer (norm weights bf16, packed parts as
+// PackedWeight holds them, m empty unless Q4_1), formats: kFormatsPerLayer codes per layer; kv_caches: one
+// [2, kvH, blocks, block_size, D] bf16 tensor per layer; slot_mapping [T], block_tables [T, max_blocks] and
+// context_lens [T] int64. Returns the hidden states after the last layer (before the final norm).
+torch::Tensor decode_layers_bf16(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
+                                 std::vector<torch::Tensor> weights, std::vector<int64_t> formats,
+                                 std::vector<torch::Tensor> kv_caches, torch::Tensor slot_mapping,
+                                 torch::Tensor block_tables, torch::Tensor context_lens, int64_t num_heads,
+                                 int64_t num_kv_heads, double eps, double scale, bool int8, int64_t isa) {
+  const int64_t L = static_cast<int64_t>(kv_caches.size());
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == L * kWeightsPerLayer &&
+              static_cast<int64_t>(formats.size()) == L * kFormatsPerLayer, "decode_layers_bf16: ", L,
+              " layers need ", kWeightsPerLayer, " weights and ", kFormatsPerLayer, " formats each");
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.is_contiguous() && x.dim() == 2, "x: [T, hidden] bf16");
+  TORCH_CHECK(slot_mapping.is_contiguous() && slot_mapping.scalar_type() == torch::kInt64 &&
+              slot_mapping.numel() == x.size(0), "slot_mapping: [T] int64");
+  for (const torch::Tensor& cache : kv_caches)
+    TORCH_CHECK(cache.scalar_type() == torch::kBFloat16 && cache.is_contiguous() && cache.dim() == 5,
+                "kv caches: [2, kvH, blocks, block_size, D] bf16, contiguous");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t l = 0; l < L; ++l) {
+    const LayerWeights lw{weights.data() + l * kWeightsPerLayer, formats.data() + l * kFormatsPerLayer};
+    x = layer_bf16(x, lw, cos, sin, kv_caches[l], slots, block_tables, context_lens, num_heads, num_kv_heads, eps,
+                   scale, int8, isa);
+  }
+  return x;
+}

@@ -1,0 +1,58 @@
+"""The fused decode path (kvpilot.model.fused_decode: all layers of a small decode-only step in one C++ call)
+gives bit for bit the layer-by-layer forward: same greedy tokens and the same float logprobs, on the embedded
+model in bf16, for steps it runs and steps it leaves to the modules (prefills, more rows than its limit)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpilot import LLM, SamplingParams
+from kvpilot.model.fused_decode import FusedDecode, get_fused_decode_kernel
+from kvpilot.model.layers.cpu_bf16_ops import get_bf16_ops
+
+pytestmark = pytest.mark.skipif(get_bf16_ops() is None or get_fused_decode_kernel() is None,
+                                reason="no C++ compiler for the CPU kernels")
+
+
+class CountingKernel:
+    """The real kernel, counting its calls (to show the fused path ran)."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel = kernel
+        self.calls = 0
+
+    def decode_layers_bf16(self, *args):
+        self.calls += 1
+        return self.kernel.decode_layers_bf16(*args)
+
+
+def _generate(llm: LLM, prompts: list[list[int]]) -> list[tuple]:
+    """Greedy, with lengths 8-27 so that the batch shrinks step by step."""
+    params = [SamplingParams(temperature=0, max_tokens=8 + i, ignore_eos=True, logprobs=2) for i in range(len(prompts))]
+    outputs = llm.generate(prompts, params)
+    return [(o.outputs[0].token_ids, [(p.token_id, p.logprob, tuple(p.top_logprobs)) for p in o.outputs[0].logprobs])
+            for o in outputs]
+
+
+@pytest.mark.parametrize("quantization", ["auto", "int4"])
+def test_fused_steps_equal_the_layer_by_layer_forward(quantization):
+    # no prefix caching: the second run must compute exactly what the first did, not reuse its blocks
+    llm = LLM(dtype="bfloat16", quantization=quantization, max_model_len=256, max_num_seqs=24,
+              kv_cache_memory="128MiB", enable_prefix_caching=False)
+    model = llm.engine.runner.model
+    fused = model.fused_decode
+    assert isinstance(fused, FusedDecode)
+    counting = CountingKernel(fused.kernel)
+    fused.kernel = counting
+    # 20 prompts: prefill steps, decode steps of 20 rows down to the fused path's limit (the modules), then
+    # fused steps down to 1 row as requests finish
+    prompts = [[100 + (7 * i + 3 * j) % 4000 for j in range(3 + 11 * i)] for i in range(20)]
+    with_fused = _generate(llm, prompts)
+    assert counting.calls >= fused.max_rows
+    model.fused_decode = None
+    assert _generate(llm, prompts) == with_fused
+
+
+def test_float32_models_keep_the_modules():
+    llm = LLM(dtype="float32", max_model_len=64, max_num_seqs=2, kv_cache_memory="16MiB")
+    assert llm.engine.runner.model.fused_decode is None
