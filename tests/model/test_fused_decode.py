@@ -27,7 +27,7 @@ class CountingKernel:
 
 
 def _generate(llm: LLM, prompts: list[list[int]]) -> list[tuple]:
-    """Greedy, with lengths 8-27 so that the batch shrinks step by step."""
+    """Greedy, with lengths 8, 9, ... so that the batch shrinks step by step."""
     params = [SamplingParams(temperature=0, max_tokens=8 + i, ignore_eos=True, logprobs=2) for i in range(len(prompts))]
     outputs = llm.generate(prompts, params)
     return [(o.outputs[0].token_ids, [(p.token_id, p.logprob, tuple(p.top_logprobs)) for p in o.outputs[0].logprobs])
@@ -37,16 +37,17 @@ def _generate(llm: LLM, prompts: list[list[int]]) -> list[tuple]:
 @pytest.mark.parametrize("quantization", ["auto", "int4"])
 def test_fused_steps_equal_the_layer_by_layer_forward(quantization):
     # no prefix caching: the second run must compute exactly what the first did, not reuse its blocks
-    llm = LLM(dtype="bfloat16", quantization=quantization, max_model_len=256, max_num_seqs=24,
-              kv_cache_memory="128MiB", enable_prefix_caching=False)
+    llm = LLM(dtype="bfloat16", quantization=quantization, max_model_len=256, max_num_seqs=48,
+              kv_cache_memory="256MiB", enable_prefix_caching=False)
     model = llm.engine.runner.model
     fused = model.fused_decode
     assert isinstance(fused, FusedDecode)
     counting = CountingKernel(fused.kernel)
     fused.kernel = counting
-    # 20 prompts: prefill steps, decode steps of 20 rows down to the fused path's limit (the modules), then
+    # 40 prompts: prefill steps, decode steps of 40 rows down to the fused path's limit (the modules), then
     # fused steps down to 1 row as requests finish
-    prompts = [[100 + (7 * i + 3 * j) % 4000 for j in range(3 + 11 * i)] for i in range(20)]
+    prompts = [[100 + (7 * i + 3 * j) % 4000 for j in range(3 + 5 * i)] for i in range(40)]
+    assert fused.max_rows < len(prompts)
     with_fused = _generate(llm, prompts)
     assert counting.calls >= fused.max_rows
     model.fused_decode = None

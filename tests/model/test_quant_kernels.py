@@ -13,6 +13,7 @@ from kvpilot.model.quant.formats import FORMATS
 from kvpilot.model.quant.kernel import best_isa, get_quant_kernel, has_vnni
 from kvpilot.model.quant.linear import INT8_MAX_ROWS, DenseScratch, PackedLinear
 from kvpilot.model.quant.packed import PackedWeight
+from kvpilot.model.quant.vnni_layout import dequantize_interleaved, interleave
 
 pytestmark = pytest.mark.skipif(get_quant_kernel() is None, reason="no C++ compiler for the CPU kernels")
 
@@ -94,19 +95,30 @@ def test_same_format_parts_are_concatenated():
     assert len(layer.parts) == 1 and layer.parts[0].out_features == 20
 
 
+@pytest.mark.parametrize("name", list(FORMATS))
+@pytest.mark.parametrize("blocks", [7, 8, 18])  # only a tail, whole groups, the embedded model's K=576 (2 + tail)
+def test_the_interleaved_copy_holds_the_same_values(name, blocks):
+    """The int8 path's layout (8 blocks per group, chunk-interleaved, the tail in order, offsets folded in) holds
+    exactly the gguf package's values, in as many bytes as the packed blocks' quants."""
+    packed, expected = _random_packed(name, N, 32 * blocks, seed=blocks)
+    copy = interleave(packed)
+    assert copy.vq.shape == packed.qs.shape and copy.vd.shape == packed.d.shape
+    assert np.array_equal(dequantize_interleaved(copy).numpy(), expected)
+
+
 @pytest.mark.skipif(not has_vnni(), reason="no AVX-512 VNNI on this CPU")
 @pytest.mark.parametrize("name", list(FORMATS))
 def test_int8_activations_agree_with_the_float32_kernel_to_the_activation_rounding(name):
     """The hybrid layout's few-row path (packed weights x int8 blocks, VNNI): each 32-value block of x is rounded
     to int8 with its own scale, so a dot product moves by at most sum_b max|x_b| / 254 * sum |w_b| (the bound
-    asserted), while the float32 kernel stays at float32 rounding. Rows 1-3 cover the 2-row tiles and their
-    remainder; Q8_0's negative quants (sign moved onto x) and Q4_0's offset (-8 d) are covered by the formats."""
+    asserted), while the float32 kernel stays at float32 rounding. Rows 1-5 cover the 4-row tiles and their
+    remainder, K (7 blocks) the tail; the formats cover Q8_0's +128 storage and Q4_0's offset (-8 d)."""
     packed, w = _random_packed(name, N, K, seed=7)
     exact = PackedLinear([packed], bias=False, scratch=DenseScratch(), isa=best_isa())
     int8 = PackedLinear([packed], bias=False, scratch=DenseScratch(), isa=best_isa(), int8_activations=True)
     assert int8.int8_activations and not exact.int8_activations
     w_blocks = torch.from_numpy(np.abs(w)).view(N, K // 32, 32).sum(-1).double()  # [N, KB]
-    for rows in (1, 2, 3, INT8_MAX_ROWS):
+    for rows in (1, 2, 3, 5, INT8_MAX_ROWS):
         x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
         step = x.view(rows, K // 32, 32).abs().amax(-1).double() / 127  # one int8 step per block
         bound = (step / 2) @ w_blocks.T  # half a step per value, times |w| summed per block

@@ -76,7 +76,7 @@ class FusedDecode:
         self.max_rows = min(min(lin.max_kernel_rows.get(torch.bfloat16, 0) for lin in linears),
                             INT8_MAX_ROWS if self.int8_activations else FLOAT32_KERNEL_MAX_ROWS)
         self.isa = linears[0].isa
-        # per layer, in the kernel's order: in_norm, qkv (qs, d, m), o, post_norm, gate_up, down
+        # per layer, in the kernel's order: in_norm, qkv (qs, d, m, or vq, vd, vo), o, post_norm, gate_up, down
         self.weights: list[torch.Tensor] = []
         self.formats: list[int] = []
         for layer in model.layers:
@@ -86,7 +86,10 @@ class FusedDecode:
                 self.weights.append(norm.weight.detach())
                 for lin in projections:
                     part = lin.parts[0]
-                    self.weights += [part.qs, part.d, part.min_or_empty()]
+                    if self.int8_activations:  # the int8 path's interleaved copy
+                        self.weights += [lin.interleaved.vq, lin.interleaved.vd, lin.interleaved.vo]
+                    else:
+                        self.weights += [part.qs, part.d, part.min_or_empty()]
                     self.formats.append(part.format.code)
 
     @classmethod
@@ -110,7 +113,7 @@ class FusedDecode:
                  attn: StepAttention) -> torch.Tensor:
         meta = attn.meta
         batch = meta.decodes[0]
-        int8 = self.int8_activations and x.shape[0] <= INT8_MAX_ROWS
+        int8 = self.int8_activations  # then max_rows is INT8_MAX_ROWS
         return self.kernel.decode_layers_bf16(
             x.contiguous(), cos.contiguous(), sin.contiguous(), self.weights, self.formats, kv_caches,
             meta.slot_mapping, batch.block_tables, batch.context_lens, self.num_heads, self.num_kv_heads,

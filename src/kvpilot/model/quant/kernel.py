@@ -19,7 +19,7 @@ _CSRC = Path(__file__).resolve().parent.parent / "layers" / "csrc"
 # concatenated in this order into one translation unit (the headers are not on an include path)
 SOURCE_PATHS = tuple(_CSRC / name for name in ("quant_common.h", "quant_avx512.h", "quant_avx2.h",
                                                "quant_vnni.h", "quant_linear_cpu.cpp"))
-FUNCTIONS = ["quant_matmul", "quant_dequantize", "cpu_isa", "quant_parallel_width", "quant_matmul_q8act",
+FUNCTIONS = ["quant_matmul", "quant_dequantize", "cpu_isa", "quant_parallel_width", "quant_matmul_interleaved",
              "has_vnni"]
 ISA_NAMES = ("portable", "avx2", "avx512")
 
@@ -42,6 +42,6 @@ def best_isa() -> int:
 
 
 def has_vnni() -> bool:
-    """Whether the int8-activation (VNNI) Q4_1 path runs on this CPU."""
+    """Whether the int8-activation (VNNI) path runs on this CPU."""
     kernel = get_quant_kernel()
     return kernel is not None and bool(kernel.has_vnni())

@@ -20,20 +20,24 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvpilot.model.quant.packed import PackedWeight
+from kvpilot.model.quant.vnni_layout import interleave
 
 # Rows at and below which the fused kernel runs (benchmarks/quant_linear.py, AVX-512 EPYC, 1 thread): in
 # float32 it beat dequantize + MKL GEMM at every size measured (1-512 rows: MKL's float32 GEMM on a [N, K]
 # weight is slow); in bfloat16, native bf16 GEMMs overtake it between 16 and 64 rows.
 DEFAULT_MAX_KERNEL_ROWS = {torch.float32: 1 << 30, torch.bfloat16: 32}
-# With resident dense weights (keep_dense) the bf16 GEMM needs no dequantization, so it wins from fewer rows:
-# whole decode steps of the embedded model on the 2-vCPU AVX512_BF16 EPYC, kernel vs resident dense, batch 8:
-# 32.4 vs 46.4 ms, 16: 48.4 vs 51.1, 24: 68.1 vs 64.9, 32: 86.5 vs 73.4 (2026-11-25).
+# With resident dense weights (keep_dense) the bf16 GEMM needs no dequantization, so it wins from fewer rows than
+# the float32 kernel; the int8 path (INT8_MAX_ROWS, on VNNI CPUs) moves the crossover up. Whole decode steps of the
+# embedded model on the 2-vCPU AVX512_BF16 EPYC (2026-11-25, benchmarks/decode_step.py), int8 kernel vs resident
+# dense: batch 24 43.2 vs 54.2 ms, 32: 54.3 vs 62.8, 48: 97.1 vs 79.3, 64: 115.5 vs 96.5 (the float32 kernel
+# lost from 24 rows: 68.1 vs 64.9 ms).
 HYBRID_MAX_KERNEL_ROWS = {torch.float32: 1 << 30, torch.bfloat16: 16}
-# The int8-activation (VNNI) path up to this many rows (benchmarks/quant_linear.py --part vnni, 2-vCPU Zen 4 EPYC,
-# 2026-11-25, ms for the embedded model's 120 Q4_1 layers, float32 kernel vs VNNI: 1 row 5.52 vs 3.68, 2: 6.32 vs
-# 4.16, 4: 8.03 vs 7.62, 8: 14.53 vs 12.79, 16: 23.17 vs 24.78; its Q8_0 output layer: 1 row 1.75 vs 0.62,
-# 8: 4.06 vs 3.03, 16: 6.40 vs 5.80).
-INT8_MAX_ROWS = 8
+HYBRID_INT8_MAX_KERNEL_ROWS = {torch.float32: 1 << 30, torch.bfloat16: 32}
+# The int8-activation (VNNI) path up to this many rows: all the rows the hybrid layout gives the kernel
+# (benchmarks/quant_linear.py --part vnni, 2-vCPU Zen 4 EPYC, 2026-11-25, ms for the embedded model's 120 Q4_1
+# layers, float32 kernel vs int8 on the interleaved copy: 1 row 5.85 vs 3.06, 4: 7.94 vs 4.22, 16: 23.43 vs
+# 14.49, 32: 42.37 vs 33.39; its Q8_0 output layer: 1 row 2.15 vs 0.61, 16: 6.42 vs 3.63).
+INT8_MAX_ROWS = HYBRID_INT8_MAX_KERNEL_ROWS[torch.bfloat16]
 KERNEL_IO_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -80,17 +84,23 @@ class PackedLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(self.out_features), requires_grad=False) if bias else None
         self.scratch = scratch
         self.isa = isa
-        default_rows = HYBRID_MAX_KERNEL_ROWS if keep_dense else DEFAULT_MAX_KERNEL_ROWS
+        self.int8_activations = int8_activations and len(parts) == 1
+        default_rows = DEFAULT_MAX_KERNEL_ROWS if not keep_dense else \
+            HYBRID_INT8_MAX_KERNEL_ROWS if self.int8_activations else HYBRID_MAX_KERNEL_ROWS
         self.max_kernel_rows = dict(max_kernel_rows or default_rows)
         self.dense_weight = dense_weight
         self.keep_dense = keep_dense
-        self.int8_activations = int8_activations and len(parts) == 1
+        # the int8 path's own copy of the blocks (vnni_layout.py), beside the parts the float32 kernel and the
+        # dense copy read
+        self.interleaved = interleave(parts[0]) if self.int8_activations else None
         self._resident: dict[torch.dtype, torch.Tensor] = {}
 
     @property
     def nbytes(self) -> int:
-        """Packed bytes plus any resident dense copies."""
-        return sum(p.nbytes for p in self.parts) + sum(w.numel() * w.element_size() for w in self._resident.values())
+        """Packed bytes (with the int8 path's interleaved copy) plus any resident dense copies."""
+        interleaved = self.interleaved.nbytes if self.interleaved is not None else 0
+        return sum(p.nbytes for p in self.parts) + interleaved + sum(w.numel() * w.element_size()
+                                                                     for w in self._resident.values())
 
     @property
     def weight(self) -> torch.Tensor:
@@ -115,8 +125,8 @@ class PackedLinear(nn.Module):
         result comes back in their dtype; other dtypes through float32."""
         x = (rows if rows.dtype in KERNEL_IO_DTYPES else rows.to(torch.float32)).contiguous()
         out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
-        if self.int8_activations and x.shape[0] <= INT8_MAX_ROWS:
-            self.parts[0].matmul_q8act_into(out, x)
+        if self.interleaved is not None and x.shape[0] <= INT8_MAX_ROWS:
+            self.interleaved.matmul_into(out, x)
             return out
         for part, offset in zip(self.parts, self.offsets):
             part.matmul_into(out[:, offset:offset + part.out_features], x, self.isa)

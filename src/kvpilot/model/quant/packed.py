@@ -71,10 +71,6 @@ class PackedWeight:
         float32 or bfloat16 each."""
         _kernel().quant_matmul(out, x, self.qs, self.d, self.min_or_empty(), self.format.code, isa)
 
-    def matmul_q8act_into(self, out: torch.Tensor, x: torch.Tensor) -> None:
-        """out [M, N] contiguous = int8-quantized x [M, K] contiguous @ W^T (VNNI); float32 or bfloat16."""
-        _kernel().quant_matmul_q8act(out, x, self.qs, self.d, self.min_or_empty(), self.format.code)
-
     def dequantize(self, dtype: torch.dtype = torch.float32, isa: int | None = None) -> torch.Tensor:
         out = torch.empty(self.out_features, self.in_features, dtype=dtype)
         self.dequantize_into(out, _kernel().cpu_isa() if isa is None else isa)

@@ -9,7 +9,9 @@
 // hidden states are bit for bit the module path's (tests/model/test_fused_decode.py).
 namespace {
 
-constexpr int64_t kWeightsPerLayer = 14;  // in_norm, qkv (qs, d, m), o (qs, d, m), post_norm, gate_up (3), down (3)
+// in_norm, qkv, o, post_norm, gate_up, down: each projection as 3 tensors, (qs, d, m) of the packed blocks for the
+// float32 kernel or (vq, vd, vo) of the int8 path's interleaved copy
+constexpr int64_t kWeightsPerLayer = 14;
 constexpr int64_t kFormatsPerLayer = 4;   // qkv, o, gate_up, down
 
 struct LayerWeights {
@@ -17,11 +19,12 @@ struct LayerWeights {
   const int64_t* formats;  // kFormatsPerLayer codes
 };
 
-// PackedLinear._kernel_rows for bf16 rows and a single packed part: int8 activations (VNNI) or the float32 kernel.
+// PackedLinear._kernel_rows for bf16 rows and a single packed part: int8 activations (VNNI, interleaved copy) or
+// the float32 kernel.
 torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor* w, int64_t fmt, bool int8, int64_t isa) {
   torch::Tensor out = torch::empty({x.size(0), w[1].size(0)}, x.options());
   if (int8) {
-    quant_matmul_q8act(out, x, w[0], w[1], w[2], fmt);
+    quant_matmul_interleaved(out, x, w[0], w[1], w[2], fmt == kQ8_0);
   } else {
     quant_matmul(out, x, w[0], w[1], w[2], fmt, isa);
   }

@@ -160,7 +160,7 @@ void quant_dequantize(torch::Tensor out, torch::Tensor qs, torch::Tensor d, torc
 // The best ISA level this CPU runs: 0 portable, 1 AVX2 + FMA, 2 AVX-512 (F, BW, VL).
 int64_t cpu_isa() { return detect_isa(); }
 
-// Whether quant_matmul_q8act runs here (AVX-512 with VNNI).
+// Whether quant_matmul_interleaved runs here (AVX-512 with VNNI).
 bool has_vnni() {
   __builtin_cpu_init();
   return detect_isa() == kAvx512 && __builtin_cpu_supports("avx512vnni");
@@ -175,26 +175,32 @@ int64_t quant_parallel_width() {
   return __builtin_popcountll(seen.load());
 }
 
-// int8 activations (quant_vnni.h): out [M, N] = int8-quantized x [M, K] @ W^T for Q8_0, Q4_0 or Q4_1 weights;
-// x and out contiguous, each float32 or bfloat16 (converted here, as in quant_matmul).
-void quant_matmul_q8act(torch::Tensor out, torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m,
-                        int64_t fmt) {
-  const Packed w = packed_of(qs, d, m, fmt);
+// The interleaved layout (quant_vnni.h): out [M, N] = int8-quantized x [M, K] @ W^T; vq uint8 [N, KB * 16]
+// (Q4_0, Q4_1) or [N, KB * 32] (Q8_0), vd / vo float16 [N, KB]; x and out contiguous, float32 or bfloat16.
+void quant_matmul_interleaved(torch::Tensor out, torch::Tensor x, torch::Tensor vq, torch::Tensor vd,
+                              torch::Tensor vo, bool q8) {
   TORCH_CHECK(has_vnni(), "needs AVX-512 VNNI");
   TORCH_CHECK(float_or_bf16(x) && float_or_bf16(out), "x/out must be float32 or bfloat16");
-  TORCH_CHECK(x.is_contiguous() && x.size(1) == w.K && out.is_contiguous() && out.size(1) == w.N, "shapes");
-  const int64_t M = x.size(0);
+  TORCH_CHECK(vq.is_contiguous() && vd.is_contiguous() && vo.is_contiguous() && vq.scalar_type() == torch::kUInt8 &&
+              vd.scalar_type() == torch::kFloat16 && vo.scalar_type() == torch::kFloat16 && vd.sizes() == vo.sizes(),
+              "interleaved weights: vq uint8, vd / vo float16 of one shape, contiguous");
+  const int64_t N = vd.size(0), KB = vd.size(1), M = x.size(0), K = x.size(1);
+  TORCH_CHECK(vq.size(0) == N && vq.size(1) == KB * (q8 ? kBlock : kBlock / 2) && K == KB * kBlock,
+              "interleaved weights do not match x [M, ", K, "]");
+  TORCH_CHECK(x.is_contiguous() && out.is_contiguous() && out.size(0) == M && out.size(1) == N, "shapes");
   const Float32Rows xf = float32_rows(x);
-  std::vector<int8_t> xq(M * w.K);
-  std::vector<float> xd(M * w.KB), xs(M * w.KB);
+  std::vector<int8_t> xi(M * K), scratch(K);
+  std::vector<float> xd(M * KB), xs(M * KB);
   for (int64_t i = 0; i < M; ++i)
-    quantize_row_q8(xf.ptr + i * xf.ld, w.KB, xq.data() + i * w.K, xd.data() + i * w.KB, xs.data() + i * w.KB);
+    quantize_row_interleaved(xf.ptr + i * xf.ld, KB, xi.data() + i * K, xd.data() + i * KB, xs.data() + i * KB,
+                             scratch.data());
   const bool bf16_out = out.scalar_type() == torch::kBFloat16;
-  std::vector<float> acc(bf16_out ? M * w.N : 0);
+  std::vector<float> acc(bf16_out ? M * N : 0);
   float* op = bf16_out ? acc.data() : out.data_ptr<float>();
-  at::parallel_for(0, w.N, 16, [&](int64_t n0, int64_t n1) {
-    std::vector<float> scales(2 * w.KB);
-    rows_vnni(w, n0, n1, xq.data(), xd.data(), xs.data(), M, op, w.N, scales.data());
+  const auto* d = reinterpret_cast<const uint16_t*>(vd.data_ptr<at::Half>());
+  const auto* o = reinterpret_cast<const uint16_t*>(vo.data_ptr<at::Half>());
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    interleaved_rows(vq.data_ptr<uint8_t>(), d, o, q8, KB, n0, n1, xi.data(), xd.data(), xs.data(), M, op, N);
   });
-  if (bf16_out) store_bf16_rows(kernels_for(detect_isa()), acc.data(), M, w.N, out);
+  if (bf16_out) store_bf16_rows(kernels_for(detect_isa()), acc.data(), M, N, out);
 }

@@ -2,18 +2,10 @@
 // 32-value block of x gets its own scale). Quantizing activations changes results by up to ~1/254 of a
 // block's largest value, where the float32 path matches dequantize-then-matmul to rounding: the model uses
 // it only where results are already rounded to bf16 (PackedLinear.int8_activations, the hybrid layout).
-// quant_matmul_q8act() runs it.
-//
-// Per weight block, the unsigned operand of vpdpbusd is the block's 32 quants: Q4_0/Q4_1 nibbles as they are
-// (their offset, -8 d or m, comes back through sum(xq)), Q8_0's |q| with q's sign moved onto x. Up to kVnniMR
-// x rows share each unpacked weight block, so a weight row is read from memory once for the whole batch.
+// quant_matmul_interleaved() runs it on the interleaved copy of the weights described below.
 #define KVP_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
 
 namespace {
-
-// x rows per tile (weights unpacked once per tile; a weight row stays in L1 across tiles). 2 measured
-// fastest on the Zen 4 EPYC: 4-row tiles were no faster than two 2-row passes, 8-block zmm variants slower.
-constexpr int kVnniMR = 2;
 
 // x [K] -> int8 blocks xq, per-block scales xd and xd * sum(xq) (for Q4_1's minimum term)
 KVP_VNNI void quantize_row_q8(const float* x, int64_t KB, int8_t* xq, float* xd, float* xs) {
@@ -37,68 +29,106 @@ KVP_VNNI inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// out[i * ldo] for MR x rows (quantized: xq [MR, K], xd/xs [MR, KB]) times one weight row (quants q, float
-// scales ds, block offsets os: m for Q4_1, -8 d for Q4_0, unused for Q8_0)
-template <int MR, int64_t FMT>
-KVP_VNNI void vnni_tile(const uint8_t* q, const float* ds, const float* os, int64_t KB, const int8_t* xq,
-                        const float* xd, const float* xs, float* out, int64_t ldo) {
-  const int64_t K = KB * kBlock;
-  const __m128i low4 = _mm_set1_epi8(0x0F);
-  __m256 acc[MR];
-  float offset_term[MR];
-  for (int i = 0; i < MR; ++i) {
-    acc[i] = _mm256_setzero_ps();
-    offset_term[i] = 0.f;
+}  // namespace
+
+// ---- the interleaved layout (kvpilot/model/quant/vnni_layout.py builds it at load) ------------------------------
+// Blocks go in groups of 8. In a group, 32-byte chunk g holds values 4g..4g+3 of each of the 8 blocks, block
+// after block, so one vpdpbusd advances 8 blocks' dot products by 4 values each and 8 of them finish the group
+// in one int32 register: the per-block scaling is then one vector FMA per group (8 blocks) instead of a
+// broadcast, a convert and an FMA per block. Q4_0/Q4_1 store 4 chunks of 32 bytes per group (low nibbles:
+// chunk c = values 4c.., high nibbles: values 16 + 4c..); Q8_0 stores 8 chunks of q + 128 (unsigned). The last
+// KB % 8 blocks of a row (the tail) keep their own order (Q4: GGUF's 16 nibble bytes, Q8_0: 32 bytes of q + 128)
+// and are scaled block by block. A row takes as many bytes as before; vd: the block scales, vo: the block offsets
+// (Q4_1 m, Q4_0 -8 d, Q8_0 -128 d), both float16 [N, KB]. Activations are quantized into the same arrangement.
+namespace {
+
+constexpr int kInterleavedMR = 4;  // x rows per tile: each group's 8 unpacked weight registers serve all 4
+
+// x [K] quantized (quantize_row_q8) into the interleaved arrangement: xi [K] int8 (full groups interleaved, the
+// tail in order), xd / xs [KB] (scale, scale * sum(q) per block, in block order)
+KVP_VNNI void quantize_row_interleaved(const float* x, int64_t KB, int8_t* xi, float* xd, float* xs, int8_t* q) {
+  quantize_row_q8(x, KB, q, xd, xs);
+  const int64_t full = KB / 8 * 8;
+  for (int64_t b = 0; b < full; ++b) {
+    const int64_t group = b / 8, k = b % 8;
+    for (int g = 0; g < 8; ++g) std::memcpy(xi + group * 256 + g * 32 + k * 4, q + b * kBlock + g * 4, 4);
   }
-  for (int64_t b = 0; b < KB; ++b) {
-    __m256i wq, sign;
-    if constexpr (FMT == kQ8_0) {
-      sign = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * kBlock));
-      wq = _mm256_sign_epi8(sign, sign);  // |q| (-128 reads as 128 unsigned)
+  std::memcpy(xi + full * kBlock, q + full * kBlock, (KB - full) * kBlock);
+}
+
+template <int MR, bool kQ8>
+KVP_VNNI void interleaved_tile(const uint8_t* wq, const uint16_t* wd, const uint16_t* wo, int64_t KB,
+                               const int8_t* xi, const float* xd, const float* xs, float* out, int64_t ldo) {
+  const int64_t G = KB / 8, K = KB * kBlock;
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  __m256 acc[MR], off[MR];
+  for (int i = 0; i < MR; ++i) acc[i] = off[i] = _mm256_setzero_ps();
+  for (int64_t grp = 0; grp < G; ++grp) {
+    __m256i w[8];
+    if constexpr (kQ8) {
+      for (int g = 0; g < 8; ++g) w[g] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + grp * 256 + g * 32));
     } else {
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * 16));
-      wq = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low4), _mm_and_si128(bytes, low4));
+      for (int c = 0; c < 4; ++c) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + grp * 128 + c * 32));
+        w[c] = _mm256_and_si256(raw, low4);
+        w[c + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+      }
     }
+    const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wd + grp * 8)));
+    const __m256 ov = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wo + grp * 8)));
     for (int i = 0; i < MR; ++i) {
-      __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * K + b * kBlock));
-      if constexpr (FMT == kQ8_0) xv = _mm256_sign_epi8(xv, sign);
-      const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wq, xv);
-      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(ds[b] * xd[i * KB + b]), acc[i]);
-      if constexpr (FMT != kQ8_0) offset_term[i] += os[b] * xs[i * KB + b];
+      const int8_t* x = xi + i * K + grp * 256;
+      __m256i dot = _mm256_setzero_si256();
+      for (int g = 0; g < 8; ++g)
+        dot = _mm256_dpbusd_epi32(dot, w[g], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + g * 32)));
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dv, _mm256_loadu_ps(xd + i * KB + grp * 8)), acc[i]);
+      off[i] = _mm256_fmadd_ps(ov, _mm256_loadu_ps(xs + i * KB + grp * 8), off[i]);
     }
   }
-  for (int i = 0; i < MR; ++i) out[i * ldo] = hsum8(acc[i]) + offset_term[i];
-}
-
-template <int64_t FMT>
-KVP_VNNI void vnni_row_tiles(const uint8_t* q, const float* ds, const float* os, int64_t KB, const int8_t* xq,
-                             const float* xd, const float* xs, int64_t M, float* out, int64_t ldo) {
-  const int64_t K = KB * kBlock;
-  for (int64_t i = 0; i < M; i += kVnniMR) {
-    const int64_t mr = std::min<int64_t>(kVnniMR, M - i);
-    const int8_t* x = xq + i * K;
-    float* o = out + i * ldo;
-    if (mr == 2) vnni_tile<2, FMT>(q, ds, os, KB, x, xd + i * KB, xs + i * KB, o, ldo);
-    else vnni_tile<1, FMT>(q, ds, os, KB, x, xd + i * KB, xs + i * KB, o, ldo);
-  }
-}
-
-// out[i * ldo + n] for rows i < M of quantized x, weight rows [n0, n1); scales: 2 * KB floats of scratch
-KVP_VNNI void rows_vnni(const Packed& w, int64_t n0, int64_t n1, const int8_t* xq, const float* xd,
-                        const float* xs, int64_t M, float* out, int64_t ldo, float* scales) {
-  float* ds = scales;
-  float* os = scales + w.KB;
-  for (int64_t n = n0; n < n1; ++n) {
-    convert_scales512(w.d + n * w.KB, w.KB, ds);
-    const uint8_t* q = w.qs + n * w.qs_row();
-    if (w.fmt == kQ8_0) {
-      vnni_row_tiles<kQ8_0>(q, ds, os, w.KB, xq, xd, xs, M, out + n, ldo);
-    } else if (w.fmt == kQ4_1) {
-      convert_scales512(w.m + n * w.KB, w.KB, os);
-      vnni_row_tiles<kQ4_1>(q, ds, os, w.KB, xq, xd, xs, M, out + n, ldo);
+  float tail_offset[MR] = {};
+  for (int64_t b = G * 8; b < KB; ++b) {  // the tail, block by block
+    __m256i w;
+    if constexpr (kQ8) {
+      w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + b * kBlock));
     } else {
-      for (int64_t b = 0; b < w.KB; ++b) os[b] = -8.0f * ds[b];
-      vnni_row_tiles<kQ4_0>(q, ds, os, w.KB, xq, xd, xs, M, out + n, ldo);
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wq + b * 16));
+      const __m128i low = _mm_set1_epi8(0x0F);
+      w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low), _mm_and_si128(bytes, low));
+    }
+    const float d = _cvtsh_ss(wd[b]), o = _cvtsh_ss(wo[b]);
+    for (int i = 0; i < MR; ++i) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xi + i * K + b * kBlock));
+      const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * xd[i * KB + b]), acc[i]);
+      tail_offset[i] += o * xs[i * KB + b];
+    }
+  }
+  for (int i = 0; i < MR; ++i) out[i * ldo] = hsum8(_mm256_add_ps(acc[i], off[i])) + tail_offset[i];
+}
+
+// out[i * ldo + n] for rows i < M, weight rows [n0, n1) of the interleaved layout (KB blocks per row)
+KVP_VNNI void interleaved_rows(const uint8_t* vq, const uint16_t* vd, const uint16_t* vo, bool q8, int64_t KB,
+                               int64_t n0, int64_t n1, const int8_t* xi, const float* xd, const float* xs, int64_t M,
+                               float* out, int64_t ldo) {
+  const int64_t row_bytes = KB * (q8 ? kBlock : kBlock / 2), K = KB * kBlock;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* q = vq + n * row_bytes;
+    const uint16_t* d = vd + n * KB;
+    const uint16_t* o = vo + n * KB;
+    for (int64_t i = 0; i < M; i += kInterleavedMR) {
+      const int64_t mr = std::min<int64_t>(kInterleavedMR, M - i);
+      const int8_t* x = xi + i * K;
+      const float* xdi = xd + i * KB;
+      const float* xsi = xs + i * KB;
+      float* dst = out + i * ldo + n;
+#define KVP_TILE(R)                                                                       \
+  (q8 ? interleaved_tile<R, true>(q, d, o, KB, x, xdi, xsi, dst, ldo)                     \
+      : interleaved_tile<R, false>(q, d, o, KB, x, xdi, xsi, dst, ldo))
+      if (mr == 4) KVP_TILE(4);
+      else if (mr == 3) KVP_TILE(3);
+      else if (mr == 2) KVP_TILE(2);
+      else KVP_TILE(1);
+#undef KVP_TILE
     }
   }
 }
