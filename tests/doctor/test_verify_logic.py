@@ -34,6 +34,8 @@ def test_serve_command_gets_a_port_and_its_engine() -> None:
     assert argv[-2:] == ["--port", str(port)] and port > 0
     assert with_port(["vllm", "serve", "m", "--port", "8123"]) == (["vllm", "serve", "m", "--port", "8123"], 8123)
     assert engine_of(["vllm", "serve", "m"]) == "vllm" and engine_of(["kvpilot", "serve"]) == "kvpilot"
+    assert engine_of(["env", "VLLM_CPU_KVCACHE_SPACE=2", "/opt/venv/bin/vllm", "serve", "m"]) == "vllm"
+    assert engine_of(["env", "A=1", "kvpilot", "serve"]) == "kvpilot"
 
 
 def test_candidates_follow_the_ranking_and_metrics_say_which_way_is_better(tmp_path: Path) -> None:

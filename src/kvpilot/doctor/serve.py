@@ -54,7 +54,12 @@ def parse_command(command: str) -> list[str]:
 
 
 def engine_of(argv: list[str]) -> str:
-    """"vllm" for a ``vllm serve`` command (fixes then use vLLM's flags), else "kvpilot"."""
+    """"vllm" for a ``vllm serve`` command (fixes then use vLLM's flags), else "kvpilot". A leading
+    ``env NAME=VALUE ...`` (vLLM's CPU build is configured by environment variables) is looked past."""
+    if argv and os.path.basename(argv[0]) == "env":
+        argv = [arg for arg in argv[1:] if "=" not in arg or arg.startswith("-")]
+    if not argv:
+        return "kvpilot"
     return "vllm" if os.path.basename(argv[0]) == "vllm" or "vllm.entrypoints" in " ".join(argv[:3]) else "kvpilot"
 
 
