@@ -175,10 +175,19 @@ def memory_spillover(tmp: Path) -> Scenario:
             [str(FIXTURES / "vllm_v0_swapping.txt")], "llama-3.1-8b", "h100-sxm")
 
 
+def slo_floor(tmp: Path) -> Scenario:
+    """A bench run with a 300 ms TTFT SLO on uniform 512-token prompts that take 700 ms to prefill alone."""
+    rng = random.Random(14)
+    recs = closed_loop(20, 1, lambda i, t: req(i, t, prompt=512, prefill=jitter(rng, 700, 0.03), num_out=16))
+    return [write(tmp / "r.json", [run("concurrency=1", recs, concurrency=1,
+                                       metrics=samples(20, running=1, waiting=0, kv=0.2))],
+                  slos={"ttft": 300.0})], [], None, None
+
+
 SCENARIOS: dict[str, Callable[[Path], Scenario]] = {
     "queueing": queueing, "tokenization": tokenization, "kv-cache-pressure": kv_pressure,
     "prefill-bound": prefill_bound, "decode-bound": decode_bound, "static-batching": static_batching,
     "prefill-interrupts-decode": prefill_interrupts_decode, "long-short-mixing": long_short,
     "prefix-cache-miss": prefix_cache_miss, "network-overhead": network_overhead,
-    "client-overload": client_overload, "memory-spillover": memory_spillover,
+    "client-overload": client_overload, "memory-spillover": memory_spillover, "slo-floor": slo_floor,
 }

@@ -111,3 +111,35 @@ def test_goal_resolution_merges_presets_and_explicit_targets() -> None:
         resolve_goal("gaming", None)
     with pytest.raises(DoctorInputError, match="--slo: bad SLO"):
         resolve_goal(None, "latency=fast")
+
+
+def _uniform(tmp: Path, prefill_ms: float) -> DoctorInputs:
+    """Uniform 512-token prompts at 1 and 4 in flight, each prefilled in `prefill_ms` (no length spread, so
+    prefill-bound cannot speak), the server saying prefix caching is on."""
+    rng = random.Random(5)
+    one = closed_loop(12, 1, lambda i, t: req(i, t, prompt=512, prefill=jitter(rng, prefill_ms, 0.03), num_out=8))
+    four = closed_loop(30, 4, lambda i, t: req(i, t, prompt=512, prefill=jitter(rng, prefill_ms, 0.03), num_out=8))
+    inputs = load_inputs([write(tmp / "c1.json", [run("c1", one, concurrency=1)]),
+                          write(tmp / "c4.json", [run("c4", four, concurrency=4)])])
+    return replace(inputs, server_config=ServerConfig(source="test", enable_prefix_caching=True))
+
+
+def test_a_ttft_slo_missed_with_one_request_in_flight_is_named_not_healthy(tmp_path: Path) -> None:
+    """TTFT over its SLO on uniform prompts at the lightest load: no scheduling setting can help, and the
+    verdict must not say healthy (it used to: the miss showed only in the headroom line)."""
+    report = diagnose(Goal(None, {"ttft": 300.0}).apply(_uniform(tmp_path, prefill_ms=700.0)))
+    floor = next(f for f in report.findings if f.rule_id == "slo-floor")
+    assert floor.severity is Severity.HIGH and not report.healthy and report.exit_code == 1
+    assert "median TTFT" in floor.summary and "against 300 ms" in floor.summary
+    assert [f.kvpilot for f in floor.fixes if f.kvpilot] == []  # prefix caching is on: nothing to restart with
+    assert all(finding.rule_id != "slo-floor" for finding, _ in _candidates(report, "kvpilot"))
+
+
+def test_a_ttft_slo_met_at_the_lightest_load_raises_no_floor(tmp_path: Path) -> None:
+    report = diagnose(Goal(None, {"ttft": 2000.0}).apply(_uniform(tmp_path, prefill_ms=700.0)))
+    assert all(f.rule_id != "slo-floor" for f in report.findings)
+
+
+def test_a_tpot_slo_is_left_to_decode_bound(tmp_path: Path) -> None:
+    report = diagnose(Goal(None, {"tpot": 5.0}).apply(_uniform(tmp_path, prefill_ms=700.0)))
+    assert all(f.rule_id != "slo-floor" for f in report.findings)
