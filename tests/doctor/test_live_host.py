@@ -114,6 +114,8 @@ def test_healthy_default_server_under_mixed_traffic_has_nothing_above_low(llm_fp
     assert config is not None and config.dtype == "float32" and (config.max_len_requests or 0) >= 4
     report = doctor(measured, server_config=config)
     above_low = [f.rule_id for f in report.findings if f.severity is not Severity.LOW]
+    # no --model/--gpu: the verdict still has the roofline of the model and device the server names
+    assert report.roofline is not None and report.roofline["model"].endswith(".gguf") and "roofline" in report.verdict
     lagged = any(r["client_lag"]["overloaded"] for r in measured.result["runs"])
     assert above_low in ([], ["client-overload"] if lagged else []), ranked(report)
     roof = doctor(measured, server_config=config, model="smollm2-135m", gpu="cpu")

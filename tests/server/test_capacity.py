@@ -18,6 +18,8 @@ def test_capacity_endpoint_matches_the_prediction(http, live_server) -> None:
     assert capacity["max_model_len"] == 1024 and capacity["kv_dtype_bytes"] == 4
     assert capacity["kv_cache_memory_bytes"] == 256 * 2**20
     assert compare_capacity(capacity).matches
+    # the model and device as `kvpilot fit` names them (the doctor's roofline without --model/--gpu)
+    assert capacity["fit_device"] == "cpu" and capacity["fit_model"].endswith(".gguf")
 
 
 def test_fit_url_fetches_and_compares(live_server, monkeypatch) -> None:

@@ -83,7 +83,7 @@ def rank(findings: list[Finding]) -> tuple[Finding, ...]:
 
 def _roofline_share(ctx: RuleContext) -> float | None:
     """Roofline TPOT floor / measured median TPOT of the lowest-load run."""
-    roof, runs = ctx.inputs.roofline, ctx.inputs.runs
+    roof, runs = ctx.inputs.verdict_roofline, ctx.inputs.runs
     tpot = median(r.tpot_ms for r in runs[0].ok) if runs else None
     return roof.decode_step_ms / tpot if roof is not None and tpot else None
 
@@ -92,7 +92,7 @@ def _headroom(ctx: RuleContext) -> list[str]:
     """What is left before the first limit, from what was measured, then effects inherent to the
     hardware (with their size) and how much of the machine the server got."""
     lines = []
-    view, roof, peak = ctx.view, ctx.inputs.roofline, ctx.inputs.peak_run
+    view, roof, peak = ctx.view, ctx.inputs.verdict_roofline, ctx.inputs.peak_run
     cfg = ctx.inputs.server_config
     if cfg is not None and cfg.max_len_requests is not None:
         lines.append(f"KV pool {cfg.num_kv_tokens:,} tokens: {cfg.max_len_requests:.1f} requests of max_model_len "
@@ -174,7 +174,7 @@ def diagnose(inputs: DoctorInputs, thresholds: Thresholds | None = None,
     """Apply every rule to the inputs; pure apart from the timestamp."""
     ctx = RuleContext.build(inputs, thresholds or Thresholds())
     findings = [f for rule in rules if (f := rule(ctx)) is not None]
-    roof = inputs.roofline
+    roof = inputs.verdict_roofline
     return DoctorReport(
         findings=rank(findings), splits=ctx.splits, headroom=tuple(_headroom(ctx)), sources=inputs.sources,
         metrics_source=ctx.view.source, roofline=roof.__dict__.copy() if roof is not None else None,

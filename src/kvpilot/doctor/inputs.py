@@ -7,7 +7,7 @@ their requests rebuilt with :func:`kvpilot.bench.records.record_from_json`.
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +58,9 @@ class DoctorInputs:
     """Everything one diagnosis reads. Invariant: at least one run or a metrics snapshot.
     ``runs`` are sorted by ``in_flight`` (lowest load first). ``server_config``: the server's
     configured limits (capacity endpoint, metrics, --serve flags); ``resources``: CPU/GPU use of the
-    server and its host over a live probe (None for saved files)."""
+    server and its host over a live probe (None for saved files). ``roofline`` (--model/--gpu) is what rules
+    judge by; ``served_roofline``, drawn for the model and device the server names, only informs the verdict
+    and headroom lines: fit's CPU and device figures are catalog values the user did not vouch for."""
 
     runs: tuple[RunData, ...] = ()
     metrics: MetricsSnapshot | None = None
@@ -70,6 +72,11 @@ class DoctorInputs:
     """The doctor's own targets (`--slo`, `--workload`), ms by metric; empty: the runs' bench SLOs, if any."""
     workload: str | None = None
     """`--workload` preset name (chat, agent, batch), or None."""
+    served_roofline: RooflineRef | None = None
+
+    @property
+    def verdict_roofline(self) -> RooflineRef | None:
+        return self.roofline or self.served_roofline
 
     def __post_init__(self) -> None:
         if not self.runs and self.metrics is None:
@@ -151,6 +158,17 @@ def load_inputs(result_paths: list[str], metrics_paths: list[str] | None = None,
                                  tuple([*result_paths, *(metrics_paths or [])]), dtype=dtype)
 
 
+def _served_roofline(model: str, device: str, shape: tuple[int, int, int], dtype: str | None) -> RooflineRef | None:
+    """The roofline of the model and device the server named (kvpilot's capacity endpoint); None when fit
+    cannot place it here (the model file is on another host, an unknown device): it is a bonus, not an input
+    the user gave."""
+    try:
+        ref = roofline_for(model, device, *shape, dtype)
+    except (DoctorInputError, OSError, ValueError):
+        return None
+    return replace(ref, model=Path(model).name)  # a file or directory: its name in the verdict
+
+
 def inputs_from_documents(docs: list[tuple[dict[str, Any], str]], metrics: MetricsSnapshot | None = None,
                           model: str | None = None, gpu: str | None = None,
                           sources: tuple[str, ...] = (), server_config: ServerConfig | None = None,
@@ -162,15 +180,16 @@ def inputs_from_documents(docs: list[tuple[dict[str, Any], str]], metrics: Metri
         raise DoctorInputError("no successful request in the bench results: fix the errors `kvpilot bench` "
                                "reported (server down? wrong --base-url?) and measure again")
     runs.sort(key=lambda r: r.in_flight)
-    roofline = None
+    ok = [r for run in runs for r in run.ok]
+    shape = (_median_int([r.num_prompt_tokens or 0 for r in ok]), _median_int([r.num_output_tokens for r in ok]),
+             max(1, round(max((run.in_flight for run in runs), default=1.0))))
+    served_dtype = dtype or (server_config.dtype if server_config is not None else None)
+    roofline = served = None
     if model or gpu:
-        ok = [r for run in runs for r in run.ok]
-        roofline = roofline_for(model or "smollm2-135m", gpu or "cpu",
-                                _median_int([r.num_prompt_tokens or 0 for r in ok]),
-                                _median_int([r.num_output_tokens for r in ok]),
-                                max(1, round(max((run.in_flight for run in runs), default=1.0))),
-                                dtype or (server_config.dtype if server_config is not None else None))
+        roofline = roofline_for(model or "smollm2-135m", gpu or "cpu", *shape, served_dtype)
+    elif server_config is not None and server_config.fit_model and server_config.fit_device:
+        served = _served_roofline(server_config.fit_model, server_config.fit_device, shape, served_dtype)
     if server_config is None and metrics is not None:
         server_config = config_from_metrics(metrics)
     return DoctorInputs(tuple(runs), metrics, roofline, sources or tuple(name for _, name in docs),
-                        server_config, resources)
+                        server_config, resources, served_roofline=served)

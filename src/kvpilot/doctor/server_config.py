@@ -35,6 +35,8 @@ class ServerConfig:
     dtype: str | None = None
     kv_cache_memory_bytes: int | None = None
     bytes_per_block: int | None = None
+    fit_model: str | None = None  # the model and device as `kvpilot fit` names them (kvpilot's capacity endpoint)
+    fit_device: str | None = None
 
     @property
     def num_kv_tokens(self) -> int | None:
@@ -80,7 +82,9 @@ def from_capacity(doc: dict[str, Any]) -> ServerConfig:
         max_num_batched_tokens=_int(doc.get("max_num_batched_tokens")),
         enable_prefix_caching=_bool(doc.get("enable_prefix_caching")),
         dtype=str(doc["dtype"]) if doc.get("dtype") else None,
-        kv_cache_memory_bytes=_int(doc.get("kv_cache_memory_bytes")), bytes_per_block=_int(doc.get("bytes_per_block")))
+        kv_cache_memory_bytes=_int(doc.get("kv_cache_memory_bytes")), bytes_per_block=_int(doc.get("bytes_per_block")),
+        fit_model=str(doc["fit_model"]) if doc.get("fit_model") else None,
+        fit_device=str(doc["fit_device"]) if doc.get("fit_device") else None)
 
 
 def from_metrics(snap: MetricsSnapshot) -> ServerConfig | None:

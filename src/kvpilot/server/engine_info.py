@@ -32,7 +32,10 @@ class KVCacheInfo:
 @dataclass(frozen=True)
 class EngineInfo:
     """Fixed at start-up. `vocab_size` bounds valid prompt token ids; `max_model_len` prompt + output.
-    `max_num_seqs`, `enable_prefix_caching` and `dtype` (weights) are reported for tools (`kvpilot doctor`)."""
+    `max_num_seqs`, `enable_prefix_caching` and `dtype` (weights) are reported for tools (`kvpilot doctor`);
+    `fit_model` / `fit_device` name the model and device as `kvpilot fit` takes them (a GGUF file or model
+    directory, a catalog name; "cpu" or a catalog GPU; "" when unknown), so the doctor can draw the roofline
+    without --model/--gpu."""
 
     model: str
     max_model_len: int
@@ -42,6 +45,8 @@ class EngineInfo:
     max_num_seqs: int = 0
     enable_prefix_caching: bool = True
     dtype: str = ""
+    fit_model: str = ""
+    fit_device: str = ""
 
     @property
     def capacity(self) -> dict[str, Any]:
@@ -54,7 +59,8 @@ class EngineInfo:
                 "num_blocks": kv.num_blocks, "bytes_per_block": kv.bytes_per_block,
                 "max_model_len": self.max_model_len, "max_num_seqs": self.max_num_seqs,
                 "max_num_batched_tokens": self.max_num_batched_tokens,
-                "enable_prefix_caching": self.enable_prefix_caching, "dtype": self.dtype}
+                "enable_prefix_caching": self.enable_prefix_caching, "dtype": self.dtype,
+                "fit_model": self.fit_model, "fit_device": self.fit_device}
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from kvpilot.model.kv_dtype import kv_dtype_name
 from kvpilot.model.loader import LoadedModel
 from kvpilot.sampling_params import SamplingParams
 from kvpilot.server.engine_info import EngineInfo, KVCacheInfo
+from kvpilot.server.fit_names import fit_device_name, fit_model_name
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,8 @@ def describe(built: BuiltEngine) -> EngineInfo:
     return EngineInfo(model=built.loaded.name, max_model_len=scheduler.config.max_model_len,
                       max_num_batched_tokens=scheduler.config.max_num_batched_tokens,
                       vocab_size=engine.vocab_size, kv=kv, max_num_seqs=scheduler.config.max_num_seqs,
-                      enable_prefix_caching=cache.enable_prefix_caching, dtype=kv_dtype_name(built.loaded.dtype))
+                      enable_prefix_caching=cache.enable_prefix_caching, dtype=kv_dtype_name(built.loaded.dtype),
+                      fit_model=fit_model_name(built.loaded), fit_device=fit_device_name(built.loaded.device))
 
 
 def warm_up(engine: LLMEngine) -> None:
