@@ -71,7 +71,13 @@ def test_auto_with_bfloat16_is_hybrid_packed_plus_resident_dense(tmp_path):
         resident = layer._dense(torch.bfloat16)
         assert resident is layer._dense(torch.bfloat16)  # built once, then kept
         assert torch.equal(resident, dense_layer.weight) and resident.stride() == dense_layer.weight.stride()
-        assert layer.nbytes == packed_bytes + resident.numel() * 2
+        if layer.interleaved is None:  # no VNNI: the dense copy is built on the first many-row call
+            assert layer.nbytes == packed_bytes + resident.numel() * 2
+        else:  # the int8 path: dense copy built at load, the packed quants dropped (its interleaved copy has them)
+            assert layer.quants_released and layer.nbytes == packed_bytes
+            assert layer.nbytes == forced.model.layers[0].mlp.gate_up_proj.nbytes + resident.numel() * 2  # no extra
+            assert torch.equal(layer.weight, forced.model.layers[0].mlp.gate_up_proj.weight)  # same values
+            torch.testing.assert_close(layer(x.float()), dense_layer(x).float(), rtol=2e-2, atol=2e-2)
         torch.testing.assert_close(many, dense_layer(x))
         few = layer(x[:1])  # the kernel (float32 accumulation of the same values)
         torch.testing.assert_close(few.float(), dense_layer(x[:1]).float(), rtol=2e-2, atol=2e-2)

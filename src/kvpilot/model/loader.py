@@ -57,7 +57,7 @@ def _load_gguf(path: Path, max_model_len: int | None, dtype: torch.dtype, device
                quantization: str) -> LoadedModel:
     from kvpilot.fit.gguf_metadata import field_value, hf_config_from_reader, open_gguf
     from kvpilot.model.gguf_weights import linear_tensor_types, load_gguf_tensors
-    from kvpilot.model.quant.model_pack import keeps_dense, pack_linear_layers, packed_names
+    from kvpilot.model.quant.model_pack import keeps_dense, pack_linear_layers, packed_names, release_packed_quants
     from kvpilot.model.tokenizer import tokenizer_from_gguf
 
     reader = open_gguf(path)
@@ -68,6 +68,8 @@ def _load_gguf(path: Path, max_model_len: int | None, dtype: torch.dtype, device
     prepare = (lambda m: pack_linear_layers(m, packed, config, keep_dense=hybrid)) if names else None
     model = _build_model(config, max_model_len or config.max_position_embeddings, dtype, device, prepare)
     model.load_weights(dense, str(path))
+    if hybrid:
+        release_packed_quants(model, dtype)
     # A GGUF without vocabulary metadata still runs on token ids.
     has_vocab = field_value(reader, "tokenizer.ggml.tokens") is not None
     tokenizer = tokenizer_from_gguf(reader, path) if has_vocab else None

@@ -13,14 +13,14 @@ Two paths, picked per call by the number of rows (tokens) in x:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kvpilot.model.quant.packed import PackedWeight
-from kvpilot.model.quant.vnni_layout import interleave
+from kvpilot.model.quant.vnni_layout import dequantize_interleaved, interleave
 
 # Rows at and below which the fused kernel runs (benchmarks/quant_linear.py, AVX-512 EPYC, 1 thread): in
 # float32 it beat dequantize + MKL GEMM at every size measured (1-512 rows: MKL's float32 GEMM on a [N, K]
@@ -98,7 +98,7 @@ class PackedLinear(nn.Module):
     @property
     def nbytes(self) -> int:
         """Packed bytes (with the int8 path's interleaved copy) plus any resident dense copies."""
-        interleaved = self.interleaved.nbytes if self.interleaved is not None else 0
+        interleaved = self.interleaved.nbytes_beside(self.parts[0]) if self.interleaved is not None else 0
         return sum(p.nbytes for p in self.parts) + interleaved + sum(w.numel() * w.element_size()
                                                                      for w in self._resident.values())
 
@@ -106,7 +106,26 @@ class PackedLinear(nn.Module):
     def weight(self) -> torch.Tensor:
         """The dequantized [out, in] float32 values, like nn.Linear.weight (for inspection: a new tensor
         each call; the forward never builds it)."""
+        if self.quants_released:
+            return dequantize_interleaved(self.interleaved)
         return torch.cat([p.dequantize(torch.float32, self.isa) for p in self.parts])
+
+    @property
+    def quants_released(self) -> bool:
+        return self.parts[0].qs.numel() == 0
+
+    def release_quants(self) -> None:
+        """Hybrid layout with the int8 path, bf16 activations: build the resident dense copy now and drop the
+        packed quants only the float32 kernel reads. The interleaved copy serves every call of up to
+        INT8_MAX_ROWS rows, the dense copy (or, for a tied head, the embedding table) every larger one, so the
+        int8 path costs no memory beside them. Scales stay (they size the module)."""
+        if self.interleaved is None or not self.keep_dense or self.quants_released:
+            return
+        if self.dense_weight is None:
+            self._dense(torch.bfloat16)
+        self.parts = [replace(p, qs=p.qs.new_empty(0)) for p in self.parts]
+        for dtype in self.max_kernel_rows:  # every dtype's few rows through the int8 path, more through dense
+            self.max_kernel_rows[dtype] = min(self.max_kernel_rows[dtype], INT8_MAX_ROWS)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
@@ -135,6 +154,8 @@ class PackedLinear(nn.Module):
     def _dense(self, dtype: torch.dtype) -> torch.Tensor:
         if self.dense_weight is not None:
             return self.dense_weight().to(dtype)
+        if self.quants_released and dtype not in self._resident:  # only the bf16 copy is left to widen
+            return self._resident[torch.bfloat16].to(dtype)
         if dtype not in (torch.float32, torch.bfloat16):
             return self._dense(torch.float32).to(dtype)
         resident = self._resident.get(dtype)

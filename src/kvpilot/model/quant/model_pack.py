@@ -125,3 +125,14 @@ def pack_linear_layers(model: nn.Module, packed: dict[str, PackedWeight], config
     else:
         model.lm_head = make(["lm_head.weight"])
         model.output_head = model.lm_head
+
+
+def release_packed_quants(model: nn.Module, compute_dtype: torch.dtype) -> None:
+    """With bf16 activations, the hybrid layout's int8 path needs neither the packed quants (its interleaved
+    copy holds them) nor the float32 kernel: each PackedLinear builds its dense copy now and drops them
+    (PackedLinear.release_quants), ~the packed bytes less resident memory."""
+    if compute_dtype != torch.bfloat16:
+        return
+    for module in model.modules():
+        if isinstance(module, PackedLinear):
+            module.release_quants()

@@ -37,6 +37,11 @@ class InterleavedWeight:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.vq, self.vd, self.vo))
 
+    def nbytes_beside(self, w: PackedWeight) -> int:
+        """Bytes not shared with `w` (interleave() reuses its scales, and Q4_1's minimums, as they are)."""
+        shared = {t.data_ptr() for t in (w.d, w.m) if t is not None}
+        return sum(t.numel() * t.element_size() for t in (self.vq, self.vd, self.vo) if t.data_ptr() not in shared)
+
     def matmul_into(self, out: torch.Tensor, x: torch.Tensor) -> None:
         """out [M, N] contiguous = int8-quantized x [M, K] contiguous @ W^T; each float32 or bfloat16."""
         kernel = get_quant_kernel()
