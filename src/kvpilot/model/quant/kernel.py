@@ -35,6 +35,14 @@ def get_quant_kernel() -> Any | None:
     return build_cpp_kernel(_KERNEL)
 
 
+def require_quant_kernel() -> Any:
+    """The compiled module; RuntimeError when it is unavailable (callers that hold packed weights need it)."""
+    kernel = get_quant_kernel()
+    if kernel is None:
+        raise RuntimeError("the CPU quantized-linear kernel is unavailable (no compiler, or KVPILOT_CPU_KERNELS=0)")
+    return kernel
+
+
 def best_isa() -> int:
     """The best ISA level the kernel runs on this CPU: 0 portable, 1 AVX2, 2 AVX-512 (-1: no kernel)."""
     kernel = get_quant_kernel()

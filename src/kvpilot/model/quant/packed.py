@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from kvpilot.model.quant.formats import BLOCK_VALUES, QuantFormat
-from kvpilot.model.quant.kernel import get_quant_kernel
+from kvpilot.model.quant.kernel import require_quant_kernel
 
 _EMPTY_HALF = torch.empty(0, dtype=torch.float16)
 
@@ -64,21 +64,15 @@ class PackedWeight:
 
     def dequantize_into(self, out: torch.Tensor, isa: int) -> None:
         """Writes the values into out [N, K] (float32 or bfloat16, contiguous)."""
-        _kernel().quant_dequantize(out, self.qs, self.d, self.min_or_empty(), self.format.code, isa)
+        require_quant_kernel().quant_dequantize(out, self.qs, self.d, self.min_or_empty(), self.format.code, isa)
 
     def matmul_into(self, out: torch.Tensor, x: torch.Tensor, isa: int) -> None:
         """out [M, N] (unit column stride, may be a column slice) = x [M, K] @ W^T, computed in float32; x and out
         float32 or bfloat16 each."""
-        _kernel().quant_matmul(out, x, self.qs, self.d, self.min_or_empty(), self.format.code, isa)
+        require_quant_kernel().quant_matmul(out, x, self.qs, self.d, self.min_or_empty(), self.format.code, isa)
 
     def dequantize(self, dtype: torch.dtype = torch.float32, isa: int | None = None) -> torch.Tensor:
         out = torch.empty(self.out_features, self.in_features, dtype=dtype)
-        self.dequantize_into(out, _kernel().cpu_isa() if isa is None else isa)
+        self.dequantize_into(out, require_quant_kernel().cpu_isa() if isa is None else isa)
         return out
 
-
-def _kernel():
-    kernel = get_quant_kernel()
-    if kernel is None:
-        raise RuntimeError("the CPU quantized-linear kernel is unavailable (no compiler, or KVPILOT_CPU_KERNELS=0)")
-    return kernel

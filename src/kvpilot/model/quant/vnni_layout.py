@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from kvpilot.model.quant.formats import BLOCK_VALUES, Q8_0, Q4_0
-from kvpilot.model.quant.kernel import get_quant_kernel
+from kvpilot.model.quant.kernel import require_quant_kernel
 from kvpilot.model.quant.packed import PackedWeight
 
 GROUP_BLOCKS = 8
@@ -44,10 +44,7 @@ class InterleavedWeight:
 
     def matmul_into(self, out: torch.Tensor, x: torch.Tensor) -> None:
         """out [M, N] contiguous = int8-quantized x [M, K] contiguous @ W^T; each float32 or bfloat16."""
-        kernel = get_quant_kernel()
-        if kernel is None:
-            raise RuntimeError("the CPU quantized-linear kernel is unavailable (no compiler, or KVPILOT_CPU_KERNELS=0)")
-        kernel.quant_matmul_interleaved(out, x, self.vq, self.vd, self.vo, self.q8)
+        require_quant_kernel().quant_matmul_interleaved(out, x, self.vq, self.vd, self.vo, self.q8)
 
 
 def interleave(w: PackedWeight) -> InterleavedWeight:
