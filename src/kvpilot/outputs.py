@@ -14,7 +14,7 @@ class TokenLogprob:
     top_logprobs: list[tuple[int, float]]
 
 
-@dataclass
+@dataclass(slots=True)  # built for every running request every step: slots make that ~2x cheaper
 class CompletionOutput:
     """One generated sequence. `finish_reason` is None while running, then "stop", "length", "abort" or
     "error" (the engine failed this request alone: RequestOutput.error says why).
@@ -30,7 +30,7 @@ class CompletionOutput:
     logprobs: list[TokenLogprob] | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """A request's state after a step. Invariant: `finished` iff outputs[0].finish_reason is not None.
 

@@ -240,7 +240,7 @@ class LLMEngine:
             return None
         if tracked.logprobs is not None and sampled is not None and sampled.logprob is not None:
             tracked.logprobs.append(TokenLogprob(sampled.token_id, sampled.logprob, sampled.top_logprobs or []))
-        token_ids = list(update.new_token_ids)
+        token_ids = update.new_token_ids  # a fresh list per update: the output may own it
         finish_reason = update.finish_reason
         text_ids = token_ids
         stop_reason: str | int | None = None
@@ -248,12 +248,13 @@ class LLMEngine:
             text_ids = token_ids[:-1]
             if token_ids[-1] in tracked.request.sampling_params.stop_token_ids:
                 stop_reason = token_ids[-1]
-        delta = tracked.detokenizer.push(text_ids)
-        if tracked.detokenizer.stop_reason is not None and finish_reason is None:
+        detokenizer = tracked.detokenizer
+        delta = detokenizer.push(text_ids)
+        if detokenizer.stop_reason is not None and finish_reason is None:
             self.scheduler.finish_requests(update.request_id, FinishReason.STOP)
-            finish_reason, stop_reason = FinishReason.STOP, tracked.detokenizer.stop_reason
+            finish_reason, stop_reason = FinishReason.STOP, detokenizer.stop_reason
         if finish_reason is not None:
-            delta += tracked.detokenizer.finish()
+            delta += detokenizer.finish()
         return self._output(tracked, delta, token_ids, finish_reason, stop_reason)
 
     def _finish_aborted(self, request_id: str) -> RequestOutput | None:
@@ -267,21 +268,21 @@ class LLMEngine:
         """A running request's output shares its live token lists (no per-step copies: O(1) per request);
         the final one owns copies, and carries the metrics (built once, at the end)."""
         request = tracked.request
-        finished = finish_reason is not None
-        if finished:
-            self._tracked.pop(request.request_id, None)
-        token_ids = list(request.output_token_ids) if finished else request.output_token_ids
         logprobs = tracked.logprobs
-        completion = CompletionOutput(index=0, text=tracked.detokenizer.text, token_ids=token_ids,
-                                      finish_reason=finish_reason.value if finished else None,
-                                      stop_reason=stop_reason,
-                                      logprobs=(list(logprobs) if finished else logprobs) if logprobs is not None
+        if finish_reason is None:  # every running request every step: positional, shared lists
+            return RequestOutput(request.request_id, tracked.prompt, request.prompt_token_ids,
+                                 [CompletionOutput(0, tracked.detokenizer.text, request.output_token_ids, None,
+                                                   stop_reason, logprobs)],
+                                 False, None, request.num_cached_tokens, delta, delta_ids)
+        self._tracked.pop(request.request_id, None)
+        completion = CompletionOutput(index=0, text=tracked.detokenizer.text,
+                                      token_ids=list(request.output_token_ids), finish_reason=finish_reason.value,
+                                      stop_reason=stop_reason, logprobs=list(logprobs) if logprobs is not None
                                       else None)
         return RequestOutput(request_id=request.request_id, prompt=tracked.prompt,
-                             prompt_token_ids=request.prompt_token_ids, outputs=[completion], finished=finished,
-                             metrics=request.metrics() if finished else None,
-                             num_cached_tokens=request.num_cached_tokens, delta_text=delta,
-                             delta_token_ids=delta_ids)
+                             prompt_token_ids=request.prompt_token_ids, outputs=[completion], finished=True,
+                             metrics=request.metrics(), num_cached_tokens=request.num_cached_tokens,
+                             delta_text=delta, delta_token_ids=delta_ids)
 
 
 def _step_stats(scheduled: SchedulerOutput, num_generated: int, duration: float) -> StepStats:

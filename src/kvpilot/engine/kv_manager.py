@@ -140,11 +140,15 @@ class KVCacheManager:
     def cache_computed_blocks(self, request: Request, num_computed: int | None = None) -> None:
         """Register the request's full blocks whose K/V is computed (the first num_computed tokens; default
         all its computed tokens) and whose token ids are known, for reuse."""
+        if not self.enable_prefix_caching:
+            return
         table = self._tables.get(request.request_id)
-        if table is None or not self.enable_prefix_caching:
+        if table is None:
             return
         num_computed = request.num_computed_tokens if num_computed is None else num_computed
-        num_known = min(num_computed, request.num_tokens)  # a token sampled in flight has no id to hash yet
+        num_known = request.num_tokens  # a token sampled in flight has no id to hash yet
+        if num_computed < num_known:
+            num_known = num_computed
         if num_known < (table.num_cached_blocks + 1) * self.block_size:
             return  # no new full block (the common decode step)
         num_full = min(num_known // self.block_size, len(table.blocks))

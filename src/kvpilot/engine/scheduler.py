@@ -120,27 +120,31 @@ class Scheduler(SchedulerRecovery):
 
     def _schedule_running(self, step: StepBuilder, only: Request | None = None) -> list[Request]:
         preempted: list[Request] = []
-        # Decodes first so a long prompt's next chunk never delays them; stable sort keeps policy order.
-        pending = [only] if only is not None else \
-            sorted(self._running, key=lambda r: r.num_tokens_with_placeholders - r.num_computed_tokens > 1)
+        # Decodes first so a long prompt's next chunk never delays them, each group in policy order. This
+        # loop runs for every running request every step: it reads plain attributes, not properties.
+        pending = [only] if only is not None else _decodes_first(self._running)
+        kv = self.kv
         for request in pending:
-            if request.status is not RequestStatus.RUNNING or step.budget == 0:
-                continue
-            if request.num_output_tokens + request.num_output_placeholders >= request.max_tokens:
+            if step.budget == 0:
+                break  # a budget only grows back by preempting, which needs an allocation: none comes now
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted as a victim earlier in this loop
+            num_placeholders = request.num_output_placeholders
+            if len(request.output_token_ids) + num_placeholders >= request.sampling_params.max_tokens:
                 continue  # the token in flight is its last (max_tokens): nothing more to compute
-            num_new = min(request.num_tokens_with_placeholders - request.num_computed_tokens, step.budget)
+            num_new = min(request.num_tokens + num_placeholders - request.num_computed_tokens, step.budget)
             if num_new <= 0:
                 continue  # nothing to compute until the tokens in flight are known
             num_blocks_before = len(request.block_ids)
-            if self._allocate_or_preempt(request, num_new, step, preempted):
-                step.add(self._chunk(request, num_new), num_blocks_before)
+            if kv.allocate_slots(request, num_new) is not None or \
+                    self._preempt_until_allocated(request, num_new, step, preempted):
+                step.add(request, self._chunk(request, num_new), num_blocks_before)
         return preempted
 
-    def _allocate_or_preempt(self, request: Request, num_new: int, step: StepBuilder, preempted: list[Request]) -> bool:
-        """Allocate the request's slots, preempting the newest running requests until they fit.
-
-        False if the request itself had to be preempted (it was the newest left).
-        """
+    def _preempt_until_allocated(self, request: Request, num_new: int, step: StepBuilder,
+                                 preempted: list[Request]) -> bool:
+        """Preempts the newest running requests until the request's slots fit; False if the request itself
+        had to be preempted (it was the newest left)."""
         while self.kv.allocate_slots(request, num_new) is None:
             victim = self._running[-1]
             step.drop(victim.request_id)
@@ -161,30 +165,33 @@ class Scheduler(SchedulerRecovery):
                 break  # head-of-line: admitting a later request first would starve this one
             self._waiting.pop()
             self._admit(request, hit.num_tokens)
-            step.add(self._chunk(request, num_new), 0, admitted=True)
+            step.add(request, self._chunk(request, num_new), 0, admitted=True)
 
-    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+    @staticmethod
+    def _chunk(request: Request, num_new: int) -> ScheduledChunk:
         start = request.num_computed_tokens
-        return ScheduledChunk(request_id=request.request_id, start_position=start, num_tokens=num_new,
-                              needs_sample=start + num_new == request.num_tokens_with_placeholders)
+        return ScheduledChunk(request.request_id, start, num_new,
+                              start + num_new == request.num_tokens_with_placeholders)
 
     def _commit(self, step: StepBuilder, preempted_ids: list[str], finished_ids: list[str]) -> SchedulerOutput:
         """Turns the built step into the runner's diff and advances the scheduled requests."""
         new: list[NewRequestData] = []
         running: list[RunningRequestData] = []
-        for chunk in step.chunks.values():
-            request = self._requests[chunk.request_id]
-            if chunk.request_id in step.admitted:
+        chunks: list[ScheduledChunk] = []
+        for request, chunk, num_blocks_before, admitted in step.entries.values():
+            if admitted:
                 new.append(NewRequestData(request.request_id, request.prompt_token_ids,
                                           list(request.output_token_ids), request.sampling_params,
                                           list(request.block_ids), request.num_computed_tokens))
             else:
+                block_ids = request.block_ids
                 running.append(RunningRequestData(request.request_id,
-                                                  request.block_ids[step.num_blocks_before[chunk.request_id]:],
-                                                  request.num_computed_tokens))
+                                                  block_ids[num_blocks_before:] if len(block_ids) > num_blocks_before
+                                                  else [], request.num_computed_tokens))
             request.num_computed_tokens += chunk.num_tokens
             request.num_output_placeholders += chunk.needs_sample
-        return SchedulerOutput(chunks=list(step.chunks.values()), new_requests=new, running_requests=running,
+            chunks.append(chunk)
+        return SchedulerOutput(chunks=chunks, new_requests=new, running_requests=running,
                                preempted_request_ids=preempted_ids, finished_request_ids=finished_ids)
 
     # ---- after the model ran -------------------------------------------------------------------------
@@ -199,45 +206,39 @@ class Scheduler(SchedulerRecovery):
         """
         now = self.clock()
         updates: list[RequestUpdate] = []
-        for chunk in output.chunks:
-            request = self._requests.get(chunk.request_id)
+        requests, cache_computed_blocks = self._requests, self.kv.cache_computed_blocks
+        for chunk in output.chunks:  # every running request every step: plain attributes, few calls
+            request = requests.get(chunk.request_id)
             if request is None:
                 continue
             if request.status is RequestStatus.RUNNING:  # first: a finishing token frees the blocks
                 # (only what this step computed: a later step in flight may have computed more)
-                self.kv.cache_computed_blocks(request, chunk.start_position + chunk.num_tokens)
-            if chunk.needs_sample:
-                if request.num_output_placeholders <= 0:
-                    raise ValueError(f"stale output for request {request.request_id!r}: no token of it is in "
-                                     f"flight; call update_from_output once per schedule()")
-                token_id = self._sampled(sampled_token_ids, chunk)
-                request.num_output_placeholders -= 1
-                updates.append(self._append_token(request, token_id, now))
+                cache_computed_blocks(request, chunk.start_position + chunk.num_tokens)
+            if not chunk.needs_sample:
+                continue
+            if request.num_output_placeholders <= 0:
+                raise ValueError(f"stale output for request {request.request_id!r}: no token of it is in "
+                                 f"flight; call update_from_output once per schedule()")
+            token_id = sampled_token_ids.get(chunk.request_id)
+            if token_id is None:
+                raise ValueError(f"no sampled token for request {chunk.request_id!r}: every chunk with "
+                                 f"needs_sample=True must get one")
+            request.num_output_placeholders -= 1
+            request.append_output_token(token_id, now)
+            reason = self._stop_reason(request, token_id)
+            if reason is not None:
+                self._finish(request, reason, now)
+            updates.append(RequestUpdate(request.request_id, [token_id], reason))
         return updates
-
-    @staticmethod
-    def _sampled(sampled_token_ids: dict[str, int], chunk: ScheduledChunk) -> int:
-        try:
-            return sampled_token_ids[chunk.request_id]
-        except KeyError:
-            raise ValueError(f"no sampled token for request {chunk.request_id!r}: every chunk with "
-                             f"needs_sample=True must get one") from None
-
-    def _append_token(self, request: Request, token_id: int, now: float) -> RequestUpdate:
-        request.append_output_token(token_id, now)
-        reason = self._stop_reason(request, token_id)
-        if reason is not None:
-            self._finish(request, reason, now)
-        return RequestUpdate(request.request_id, [token_id], reason)
 
     def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
         """EOS (unless ignore_eos) or a stop token -> stop, not before min_tokens; max_tokens -> length."""
         params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
-            is_eos = token_id in self.eos_token_ids and not params.ignore_eos
-            if is_eos or token_id in params.stop_token_ids:
-                return FinishReason.STOP
-        if request.num_output_tokens >= params.max_tokens:
+        num_output = len(request.output_token_ids)
+        if num_output >= params.min_tokens and (
+                (token_id in self.eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids):
+            return FinishReason.STOP
+        if num_output >= params.max_tokens:
             return FinishReason.LENGTH
         return None
 
@@ -305,3 +306,12 @@ class Scheduler(SchedulerRecovery):
         after every step in tests, and whenever the engine is idle)."""
         check_scheduler_integrity(self.config.max_num_seqs, list(self._running), list(self._waiting),
                                   self._requests, self._key, self.kv)
+
+
+def _decodes_first(running: list[Request]) -> list[Request]:
+    """The running requests with at most one token to compute (decodes) first, then the rest (partial
+    prefills, resumed ones), each group in running (policy) order. A new list: preemption edits `running`."""
+    rest = [r for r in running if r.num_tokens_with_placeholders - r.num_computed_tokens > 1]
+    if not rest:
+        return list(running)
+    return [r for r in running if r.num_tokens_with_placeholders - r.num_computed_tokens <= 1] + rest

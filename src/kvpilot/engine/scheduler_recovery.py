@@ -60,5 +60,5 @@ class SchedulerRecovery(_Base):
             preempted.append(victim)
         self._waiting.remove(request)
         self._admit(request, hit.num_tokens)
-        step.add(self._chunk(request, num_new), 0, admitted=True)
+        step.add(request, self._chunk(request, num_new), 0, admitted=True)
         return preempted

@@ -2,30 +2,35 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+from kvpilot.engine.request import Request
 from kvpilot.engine.scheduler_output import ScheduledChunk
 
 
-class StepBuilder:
-    """The chunks of the step being built and the token budget left (a preempted victim refunds its chunk).
+class StepEntry(NamedTuple):
+    """One scheduled request: its chunk, its table length before this step (its new blocks follow), and
+    whether it is new to the runner this step (first admission or resumption)."""
 
-    num_blocks_before: each scheduled request's table length before this step (its new blocks follow);
-    admitted: requests new to the runner this step (first admission or resumption).
-    """
+    request: Request
+    chunk: ScheduledChunk
+    num_blocks_before: int
+    admitted: bool
+
+
+class StepBuilder:
+    """The chunks of the step being built, in scheduling order, and the token budget left (a preempted
+    victim refunds its chunk). One dict entry per request: this runs for every request every step."""
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
-        self.chunks: dict[str, ScheduledChunk] = {}
-        self.num_blocks_before: dict[str, int] = {}
-        self.admitted: set[str] = set()
+        self.entries: dict[str, StepEntry] = {}
 
-    def add(self, chunk: ScheduledChunk, num_blocks_before: int, admitted: bool = False) -> None:
-        self.chunks[chunk.request_id] = chunk
-        self.num_blocks_before[chunk.request_id] = num_blocks_before
-        if admitted:
-            self.admitted.add(chunk.request_id)
+    def add(self, request: Request, chunk: ScheduledChunk, num_blocks_before: int, admitted: bool = False) -> None:
+        self.entries[chunk.request_id] = StepEntry(request, chunk, num_blocks_before, admitted)
         self.budget -= chunk.num_tokens
 
     def drop(self, request_id: str) -> None:
-        chunk = self.chunks.pop(request_id, None)
-        if chunk is not None:
-            self.budget += chunk.num_tokens
+        entry = self.entries.pop(request_id, None)
+        if entry is not None:
+            self.budget += entry.chunk.num_tokens

@@ -9,6 +9,7 @@ request holds it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -96,18 +97,25 @@ class InputBatch:
         self.min_tokens[row] = params.min_tokens
         self.num_logprobs[row] = params.logprobs if params.logprobs is not None else -1
 
-    def update(self, running: RunningRequestData) -> int:
-        """Applies a running request's diff (new blocks, computed tokens); returns its row."""
-        row = self.rows[running.request_id]
+    def update(self, running: Sequence[RunningRequestData]) -> None:
+        """Applies the running requests' diffs (new blocks, computed tokens), vectorized over the batch."""
+        if not running:
+            return
+        rows = self.rows
+        row_of = np.fromiter((rows[r.request_id] for r in running), dtype=np.int64, count=len(running))
+        self.num_computed[row_of] = np.fromiter((r.num_computed_tokens for r in running), dtype=np.int64,
+                                                count=len(running))
+        for i, diff in enumerate(running):
+            if diff.new_block_ids:  # a block boundary: a few requests a step
+                self._append_blocks(int(row_of[i]), diff)
+
+    def _append_blocks(self, row: int, running: RunningRequestData) -> None:
         start = int(self.num_blocks[row])
         end = start + len(running.new_block_ids)
         if end > self.limits.max_blocks_per_seq:
             raise BatchFullError(f"request {running.request_id!r} has {end} blocks: over max_model_len")
-        if running.new_block_ids:
-            self.block_table[row, start:end] = running.new_block_ids
-            self.num_blocks[row] = end
-        self.num_computed[row] = running.num_computed_tokens
-        return row
+        self.block_table[row, start:end] = running.new_block_ids
+        self.num_blocks[row] = end
 
     def remove(self, request_id: str) -> int | None:
         """Frees the request's row (finished, aborted or preempted); unknown ids are ignored."""
@@ -126,10 +134,16 @@ class InputBatch:
         self.num_output[rows] += 1
         return positions
 
-    def commit(self, request_id: str, position: int, token_id: int) -> None:
-        """The host now knows the id of the token sampled into `position` (commits come in step order)."""
-        row = self.rows.get(request_id)
-        if row is None or position >= self.num_tokens[row]:
-            return  # finished, aborted or preempted since: nothing to fill
-        self.token_ids[row, position] = token_id
-        self.num_known[row] = position + 1
+    def commit(self, request_ids: Sequence[str], rows: np.ndarray, positions: np.ndarray,
+               token_ids: Sequence[int]) -> None:
+        """The host now knows the ids of the tokens sampled into `positions` of `rows` for `request_ids` (as
+        they were when the step launched; commits come in step order). A request finished, aborted or
+        preempted since (its row gone, or taken by another request) is skipped: nothing to fill."""
+        live = self.rows
+        now = np.fromiter((live.get(rid, -1) for rid in request_ids), dtype=np.int64, count=len(request_ids))
+        keep = (now == rows) & (positions < self.num_tokens[rows])  # a resumed request may hold its old row
+        if not keep.all():
+            rows, positions = rows[keep], positions[keep]
+            token_ids = np.asarray(token_ids, dtype=np.int64)[keep]
+        self.token_ids[rows, positions] = token_ids
+        self.num_known[rows] = positions + 1

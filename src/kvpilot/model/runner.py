@@ -39,18 +39,19 @@ class StepResult:
     persistent batch and returns the RunnerOutput; later calls return the same object."""
 
     def __init__(self, runner: "ModelRunner | None" = None, request_ids: Sequence[str] = (),
-                 positions: np.ndarray | None = None, token_ids: torch.Tensor | None = None,
-                 num_top: Sequence[int] = (), logprobs: Logprobs | None = None) -> None:
-        self._runner, self._request_ids, self._positions = runner, list(request_ids), positions
+                 rows: np.ndarray | None = None, positions: np.ndarray | None = None,
+                 token_ids: torch.Tensor | None = None, num_top: Sequence[int] = (),
+                 logprobs: Logprobs | None = None) -> None:
+        self._runner, self._request_ids, self._rows, self._positions = runner, list(request_ids), rows, positions
         self._token_ids, self._num_top, self._logprobs = token_ids, list(num_top), logprobs
         self._output: RunnerOutput | None = None if request_ids else RunnerOutput()
 
     def result(self) -> RunnerOutput:
         if self._output is None:
-            assert self._token_ids is not None and self._positions is not None and self._runner is not None
+            assert self._token_ids is not None and self._positions is not None and self._rows is not None \
+                and self._runner is not None
             ids = self._token_ids.tolist()  # the one device-to-host sync of the step
-            for request_id, position, token_id in zip(self._request_ids, self._positions.tolist(), ids):
-                self._runner.batch.commit(request_id, position, token_id)
+            self._runner.batch.commit(self._request_ids, self._rows, self._positions, ids)
             tokens = sampled_tokens(ids, self._num_top, self._logprobs)
             self._output = RunnerOutput(dict(zip(self._request_ids, tokens)))
         return self._output
@@ -118,8 +119,7 @@ class ModelRunner:
         self._drop(output.preempted_request_ids, finished=False)
         for new in output.new_requests:
             self._add(new)
-        for running in output.running_requests:
-            self.batch.update(running)
+        self.batch.update(output.running_requests)
         rows = self.batch.rows
         return np.fromiter((rows[c.request_id] for c in output.chunks), dtype=np.int64, count=len(output.chunks))
 
@@ -171,7 +171,7 @@ class ModelRunner:
         index_of_row[rows] = np.arange(len(rows))
         self._previous = PreviousSample(token_ids, index_of_row)
         positions = batch.append_placeholders(rows)
-        return StepResult(self, inputs.sample_request_ids, positions, token_ids, num_top.tolist(), logprobs)
+        return StepResult(self, inputs.sample_request_ids, rows, positions, token_ids, num_top.tolist(), logprobs)
 
     def _banned(self, rows: np.ndarray) -> list[list[int]]:
         """Per sampled row, the tokens min_tokens forbids now (EOS unless ignore_eos, and stop tokens)."""
