@@ -105,12 +105,18 @@ def vnni_part(rows_list: list[int], reps: int) -> None:
 
 
 def _vnni_rows(kernel, layers: list[PackedLinear], rows_list: list[int], reps: int) -> None:
+    """The float32 kernel, the int8 path on the interleaved copy and on the column-tiled copy (Q4 only), and
+    torch's dense bf16 GEMM (the hybrid layout's many-row path), side by side."""
+    from kvpilot.model.quant.vnni_gemm import can_tile, tile
     from kvpilot.model.quant.vnni_layout import interleave
 
     interleaved = [interleave(layer.parts[0]) for layer in layers]
+    tiled = [tile(layer.parts[0]) if can_tile(layer.parts[0]) else None for layer in layers]
+    dense = [layer.parts[0].dequantize(torch.bfloat16, layer.isa) for layer in layers]
     for rows in rows_list:
         x = torch.randn(rows, 576)
         outs = [torch.empty(rows, layer.out_features) for layer in layers]
+        bf16_outs = [torch.empty(rows, layer.out_features, dtype=torch.bfloat16) for layer in layers]
 
         def fp32_run() -> None:
             for layer, out in zip(layers, outs):
@@ -120,9 +126,19 @@ def _vnni_rows(kernel, layers: list[PackedLinear], rows_list: list[int], reps: i
             for layer, v, out in zip(layers, interleaved, outs):
                 kernel.quant_matmul_interleaved(out, _input(layer, x), v.vq, v.vd, v.vo, v.q8)
 
-        fp32_s, vnni_s = time_interleaved([fp32_run, interleaved_run], reps)
-        print(f"rows {rows:>3}: float32 dequantize + FMA {fp32_s * 1e3:.2f} ms, int8 activations + VNNI "
-              f"(interleaved copy) {vnni_s * 1e3:.2f} ms ({fp32_s / vnni_s:.2f}x)")
+        def tiled_run() -> None:
+            for layer, v, out in zip(layers, tiled, bf16_outs):
+                if v is not None:
+                    v.matmul_into(out, _input(layer, x.to(torch.bfloat16)))
+
+        def dense_run() -> None:
+            for layer, w, out in zip(layers, dense, bf16_outs):
+                torch.mm(_input(layer, x.to(torch.bfloat16)), w.t(), out=out)
+
+        fp32_s, vnni_s, tiled_s, dense_s = time_interleaved([fp32_run, interleaved_run, tiled_run, dense_run], reps)
+        tiled_note = f", tiled {tiled_s * 1e3:.2f} ms" if any(v is not None for v in tiled) else ""
+        print(f"rows {rows:>3}: float32 dequantize + FMA {fp32_s * 1e3:.2f} ms, int8 activations + VNNI: interleaved "
+              f"{vnni_s * 1e3:.2f} ms ({fp32_s / vnni_s:.2f}x){tiled_note}; dense bf16 GEMM {dense_s * 1e3:.2f} ms")
 
 
 _INPUTS: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}

@@ -25,13 +25,15 @@ from kvpilot.model.attention.base import StepAttention
 from kvpilot.model.layers.cpp_build import CppKernel, build_cpp_kernel
 from kvpilot.model.layers.cpu_bf16_ops import get_bf16_ops
 from kvpilot.model.quant.linear import INT8_MAX_ROWS, PackedLinear
+from kvpilot.model.quant.vnni_gemm import TiledWeight
+from kvpilot.model.quant.vnni_layout import InterleavedWeight
 
 logger = logging.getLogger("kvpilot")
 
 _CSRC = Path(__file__).resolve().parent / "layers" / "csrc"
 # one translation unit: the kernels it calls, then the layer loop (the headers are not on an include path)
 SOURCE_PATHS = tuple(_CSRC / name for name in (
-    "quant_common.h", "quant_avx512.h", "quant_avx2.h", "quant_vnni.h", "quant_linear_cpu.cpp",
+    "quant_common.h", "quant_avx512.h", "quant_avx2.h", "quant_vnni.h", "quant_vnni_gemm.h", "quant_linear_cpu.cpp",
     "decode_common.h", "decode_avx512.h", "paged_decode_cpu.cpp", "bf16_ops_cpu.cpp", "decode_layers_cpu.cpp"))
 
 # The flags of the modules whose code it includes, so each function computes exactly what it computes there:
@@ -86,8 +88,11 @@ class FusedDecode:
                 self.weights.append(norm.weight.detach())
                 for lin in projections:
                     part = lin.parts[0]
-                    if self.int8_activations:  # the int8 path's interleaved copy
-                        self.weights += [lin.interleaved.vq, lin.interleaved.vd, lin.interleaved.vo]
+                    copy = lin.int8_weight
+                    if isinstance(copy, TiledWeight):  # the int8 path's copy (the kernel tells them by td's rank)
+                        self.weights += [copy.tq, copy.td, copy.to]
+                    elif isinstance(copy, InterleavedWeight):
+                        self.weights += [copy.vq, copy.vd, copy.vo]
                     else:
                         self.weights += [part.qs, part.d, part.min_or_empty()]
                     self.formats.append(part.format.code)

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvpilot.model.quant.packed import PackedWeight
-from kvpilot.model.quant.vnni_layout import dequantize_interleaved, interleave
+from kvpilot.model.quant.vnni_gemm import TiledWeight, can_tile, dequantize_tiled, tile
+from kvpilot.model.quant.vnni_layout import InterleavedWeight, dequantize_interleaved, interleave
 
 # Rows at and below which the fused kernel runs (benchmarks/quant_linear.py, AVX-512 EPYC, 1 thread): in
 # float32 it beat dequantize + MKL GEMM at every size measured (1-512 rows: MKL's float32 GEMM on a [N, K]
@@ -38,6 +39,11 @@ HYBRID_INT8_MAX_KERNEL_ROWS = {torch.float32: 1 << 30, torch.bfloat16: 32}
 # layers, float32 kernel vs int8 on the interleaved copy: 1 row 5.85 vs 3.06, 4: 7.94 vs 4.22, 16: 23.43 vs
 # 14.49, 32: 42.37 vs 33.39; its Q8_0 output layer: 1 row 2.15 vs 0.61, 16: 6.42 vs 3.63).
 INT8_MAX_ROWS = HYBRID_INT8_MAX_KERNEL_ROWS[torch.bfloat16]
+# Q4_0 / Q4_1 layers of 16-row tiles take the int8 path through the column-tiled copy (vnni_gemm.py) up to this
+# many rows, dense bf16 GEMMs beyond (benchmarks/quant_linear.py --part vnni, 2-vCPU Zen 4 EPYC, 2026-11-26, the
+# embedded model's 120 Q4_1 layers, tiled vs interleaved vs resident dense bf16, ms: 8 rows 5.50 / 8.16 / 19.0,
+# 32: 18.3 / 32.4 / 30.9, 64: 34.5 / 65.0 / 49.0, 128: 66.4 / 129.8 / 79.5, 512: 255 / 533 / 267).
+TILED_MAX_ROWS = 128
 KERNEL_IO_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -64,10 +70,11 @@ class PackedLinear(nn.Module):
     returns the same values densely (a tied embedding table) for the many-row path, with no scratch.
     `keep_dense`: the many-row path's dequantized matrix is kept per dtype after its first use (more memory:
     the dense bytes besides the packed ones) instead of rebuilt in the shared scratch at every call.
-    `int8_activations`: up to INT8_MAX_ROWS rows are quantized to int8 blocks and multiplied with the packed
+    `int8_activations`: up to `int8_max_rows` rows are quantized to int8 blocks and multiplied with the packed
     weights by VNNI dot products (llama.cpp's scheme; within ~1/254 of a block's largest value of the float32
     path), for a lone part (Q8_0, Q4_0 or Q4_1) on a CPU with VNNI; several parts and more rows keep the
-    float32 kernel.
+    float32 kernel. Q4_0 / Q4_1 parts of 16-row tiles use the column-tiled copy up to TILED_MAX_ROWS rows,
+    others the interleaved one up to INT8_MAX_ROWS.
     """
 
     def __init__(self, parts: list[PackedWeight], bias: bool, scratch: DenseScratch, isa: int,
@@ -85,29 +92,36 @@ class PackedLinear(nn.Module):
         self.scratch = scratch
         self.isa = isa
         self.int8_activations = int8_activations and len(parts) == 1
+        # the int8 path's own copy of the blocks, beside the parts the float32 kernel and the dense copy read:
+        # column-tiled (vnni_gemm.py) where it applies, else interleaved (vnni_layout.py)
+        self.int8_weight: TiledWeight | InterleavedWeight | None = None
+        self.int8_max_rows = 0
+        if self.int8_activations:
+            tiled = can_tile(parts[0])
+            self.int8_weight = tile(parts[0]) if tiled else interleave(parts[0])
+            self.int8_max_rows = TILED_MAX_ROWS if tiled else INT8_MAX_ROWS
         default_rows = DEFAULT_MAX_KERNEL_ROWS if not keep_dense else \
-            HYBRID_INT8_MAX_KERNEL_ROWS if self.int8_activations else HYBRID_MAX_KERNEL_ROWS
+            {**HYBRID_INT8_MAX_KERNEL_ROWS, torch.bfloat16: self.int8_max_rows} if self.int8_activations \
+            else HYBRID_MAX_KERNEL_ROWS
         self.max_kernel_rows = dict(max_kernel_rows or default_rows)
         self.dense_weight = dense_weight
         self.keep_dense = keep_dense
-        # the int8 path's own copy of the blocks (vnni_layout.py), beside the parts the float32 kernel and the
-        # dense copy read
-        self.interleaved = interleave(parts[0]) if self.int8_activations else None
         self._resident: dict[torch.dtype, torch.Tensor] = {}
 
     @property
     def nbytes(self) -> int:
-        """Packed bytes (with the int8 path's interleaved copy) plus any resident dense copies."""
-        interleaved = self.interleaved.nbytes_beside(self.parts[0]) if self.interleaved is not None else 0
-        return sum(p.nbytes for p in self.parts) + interleaved + sum(w.numel() * w.element_size()
-                                                                     for w in self._resident.values())
+        """Packed bytes (with the int8 path's copy) plus any resident dense copies."""
+        int8 = self.int8_weight.nbytes_beside(self.parts[0]) if self.int8_weight is not None else 0
+        return sum(p.nbytes for p in self.parts) + int8 + sum(w.numel() * w.element_size()
+                                                              for w in self._resident.values())
 
     @property
     def weight(self) -> torch.Tensor:
         """The dequantized [out, in] float32 values, like nn.Linear.weight (for inspection: a new tensor
         each call; the forward never builds it)."""
         if self.quants_released:
-            return dequantize_interleaved(self.interleaved)
+            copy = self.int8_weight
+            return dequantize_tiled(copy) if isinstance(copy, TiledWeight) else dequantize_interleaved(copy)
         return torch.cat([p.dequantize(torch.float32, self.isa) for p in self.parts])
 
     @property
@@ -116,16 +130,16 @@ class PackedLinear(nn.Module):
 
     def release_quants(self) -> None:
         """Hybrid layout with the int8 path, bf16 activations: build the resident dense copy now and drop the
-        packed quants only the float32 kernel reads. The interleaved copy serves every call of up to
-        INT8_MAX_ROWS rows, the dense copy (or, for a tied head, the embedding table) every larger one, so the
-        int8 path costs no memory beside them. Scales stay (they size the module)."""
-        if self.interleaved is None or not self.keep_dense or self.quants_released:
+        packed quants only the float32 kernel reads. The int8 copy serves every call of up to int8_max_rows
+        rows, the dense copy (or, for a tied head, the embedding table) every larger one, so the int8 path costs
+        no memory beside them but its scales. Scales stay (they size the module)."""
+        if self.int8_weight is None or not self.keep_dense or self.quants_released:
             return
         if self.dense_weight is None:
             self._dense(torch.bfloat16)
         self.parts = [replace(p, qs=p.qs.new_empty(0)) for p in self.parts]
         for dtype in self.max_kernel_rows:  # every dtype's few rows through the int8 path, more through dense
-            self.max_kernel_rows[dtype] = min(self.max_kernel_rows[dtype], INT8_MAX_ROWS)
+            self.max_kernel_rows[dtype] = min(self.max_kernel_rows[dtype], self.int8_max_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
@@ -144,8 +158,8 @@ class PackedLinear(nn.Module):
         result comes back in their dtype; other dtypes through float32."""
         x = (rows if rows.dtype in KERNEL_IO_DTYPES else rows.to(torch.float32)).contiguous()
         out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
-        if self.interleaved is not None and x.shape[0] <= INT8_MAX_ROWS:
-            self.interleaved.matmul_into(out, x)
+        if self.int8_weight is not None and x.shape[0] <= self.int8_max_rows:
+            self.int8_weight.matmul_into(out, x)
             return out
         for part, offset in zip(self.parts, self.offsets):
             part.matmul_into(out[:, offset:offset + part.out_features], x, self.isa)

@@ -10,7 +10,7 @@
 namespace {
 
 // in_norm, qkv, o, post_norm, gate_up, down: each projection as 3 tensors, (qs, d, m) of the packed blocks for the
-// float32 kernel or (vq, vd, vo) of the int8 path's interleaved copy
+// float32 kernel or the int8 path's copy: (tq, td, to) column-tiled or (vq, vd, vo) interleaved
 constexpr int64_t kWeightsPerLayer = 14;
 constexpr int64_t kFormatsPerLayer = 4;   // qkv, o, gate_up, down
 
@@ -19,11 +19,14 @@ struct LayerWeights {
   const int64_t* formats;  // kFormatsPerLayer codes
 };
 
-// PackedLinear._kernel_rows for bf16 rows and a single packed part: int8 activations (VNNI, interleaved copy) or
+// PackedLinear._kernel_rows for bf16 rows and a single packed part: int8 activations (VNNI, tiled or interleaved) or
 // the float32 kernel.
 torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor* w, int64_t fmt, bool int8, int64_t isa) {
-  torch::Tensor out = torch::empty({x.size(0), w[1].size(0)}, x.options());
-  if (int8) {
+  const bool tiled = int8 && w[1].dim() == 3;  // the column-tiled copy: td [N / 16, KB, 16]
+  torch::Tensor out = torch::empty({x.size(0), tiled ? w[1].size(0) * 16 : w[1].size(0)}, x.options());
+  if (tiled) {
+    quant_matmul_tiled(out, x, w[0], w[1], w[2]);
+  } else if (int8) {
     quant_matmul_interleaved(out, x, w[0], w[1], w[2], fmt == kQ8_0);
   } else {
     quant_matmul(out, x, w[0], w[1], w[2], fmt, isa);

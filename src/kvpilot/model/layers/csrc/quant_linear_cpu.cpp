@@ -204,3 +204,33 @@ void quant_matmul_interleaved(torch::Tensor out, torch::Tensor x, torch::Tensor 
   });
   if (bf16_out) store_bf16_rows(kernels_for(detect_isa()), acc.data(), M, N, out);
 }
+
+// The column-tiled layout (quant_vnni_gemm.h), for many rows: out [M, N] = int8-quantized x [M, K] @ W^T; tq uint8
+// [N / 16, KB, 256] (Q4_0, Q4_1), td / to float16 [N / 16, KB, 16]; x and out contiguous, float32 or bfloat16.
+void quant_matmul_tiled(torch::Tensor out, torch::Tensor x, torch::Tensor tq, torch::Tensor td, torch::Tensor to) {
+  TORCH_CHECK(has_vnni(), "needs AVX-512 VNNI");
+  TORCH_CHECK(float_or_bf16(x) && float_or_bf16(out), "x/out must be float32 or bfloat16");
+  TORCH_CHECK(tq.is_contiguous() && td.is_contiguous() && to.is_contiguous() && tq.scalar_type() == torch::kUInt8 &&
+              td.scalar_type() == torch::kFloat16 && to.scalar_type() == torch::kFloat16 && td.sizes() == to.sizes() &&
+              td.dim() == 3 && td.size(2) == 16,
+              "tiled weights: tq uint8, td / to float16 [N / 16, KB, 16], contiguous");
+  const int64_t T = td.size(0), KB = td.size(1), N = T * 16, M = x.size(0), K = x.size(1);
+  TORCH_CHECK(tq.numel() == T * KB * 256 && K == KB * kBlock, "tiled weights do not match x [M, ", K, "]");
+  TORCH_CHECK(x.is_contiguous() && out.is_contiguous() && out.size(0) == M && out.size(1) == N, "shapes");
+  const Float32Rows xf = float32_rows(x);
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> xd(M * KB), xs(M * KB);
+  at::parallel_for(0, M, 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i)
+      quantize_row_q8(xf.ptr + i * xf.ld, KB, xq.data() + i * K, xd.data() + i * KB, xs.data() + i * KB);
+  });
+  const bool bf16_out = out.scalar_type() == torch::kBFloat16;
+  std::vector<float> acc(bf16_out ? M * N : 0);
+  float* op = bf16_out ? acc.data() : out.data_ptr<float>();
+  const auto* d = reinterpret_cast<const uint16_t*>(td.data_ptr<at::Half>());
+  const auto* o = reinterpret_cast<const uint16_t*>(to.data_ptr<at::Half>());
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    tiled_rows(tq.data_ptr<uint8_t>(), d, o, KB, t0, t1, xq.data(), xd.data(), xs.data(), M, op, N);
+  });
+  if (bf16_out) store_bf16_rows(kernels_for(detect_isa()), acc.data(), M, N, out);
+}

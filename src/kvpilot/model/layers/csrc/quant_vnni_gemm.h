@@ -1,0 +1,79 @@
+// The int8 GEMM for many rows (prefill, big batches): Q4_0 / Q4_1 weights in a column-tiled copy times
+// int8-quantized activations (quantize_row_q8, llama.cpp's q8 scheme), by AVX-512 VNNI dot products.
+//
+// Why a second layout: the interleaved one (quant_vnni.h) puts 8 blocks of one weight row in a register, which
+// is right for a few rows but ends every output value with a horizontal sum. Here a 512-bit register holds 16
+// weight rows (output columns) side by side, 4 values each, so one vpdpbusd advances 16 outputs of one x row and
+// an 8-row tile of x reuses every weight register 8 times: no horizontal sums, and the block scaling is two FMAs
+// per 16 outputs and block.
+//
+// The tiled layout (kvpilot/model/quant/vnni_gemm.py builds it at load): for each tile of 16 weight rows and each
+// block b, 256 bytes: pair p (0..3) holds, for weight row j of the tile, 4 bytes: the GGUF nibble bytes
+// 4p..4p+3 of that row's block (low nibble: values 4p.., high nibble: values 16 + 4p..). td / to: float16
+// [N / 16, KB, 16], the block scales and offsets (Q4_1 m, Q4_0 -8 d), so a value is d * q + o.
+namespace {
+
+constexpr int kTiledMR = 8;  // x rows per tile: 8 int32 and 8 float accumulators, 16 of the 32 registers
+
+template <int MR>
+KVP_VNNI void tiled_tile(const uint8_t* tq, const uint16_t* td, const uint16_t* to, int64_t KB, const int8_t* xq,
+                         const float* xd, const float* xs, int64_t K, float* out, int64_t ldo) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < KB; ++b) {
+    const uint8_t* wb = tq + b * 256;
+    __m512i dot[MR];
+    for (int r = 0; r < MR; ++r) dot[r] = _mm512_setzero_si512();
+    for (int p = 0; p < 4; ++p) {
+      const __m512i raw = _mm512_loadu_si512(wb + p * 64);
+      const __m512i lo = _mm512_and_si512(raw, low4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+      for (int r = 0; r < MR; ++r) {
+        const int8_t* x = xq + r * K + b * kBlock + 4 * p;
+        int32_t x_lo, x_hi;
+        std::memcpy(&x_lo, x, 4);
+        std::memcpy(&x_hi, x + 16, 4);
+        dot[r] = _mm512_dpbusd_epi32(dot[r], lo, _mm512_set1_epi32(x_lo));
+        dot[r] = _mm512_dpbusd_epi32(dot[r], hi, _mm512_set1_epi32(x_hi));
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(td + b * 16)));
+    const __m512 o = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(to + b * 16)));
+    for (int r = 0; r < MR; ++r) {
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(d, _mm512_set1_ps(xd[r * KB + b])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(o, _mm512_set1_ps(xs[r * KB + b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(out + r * ldo, acc[r]);
+}
+
+// out[i * ldo + n] for x rows i < M and the weight-row tiles [t0, t1) (16 weight rows each)
+KVP_VNNI void tiled_rows(const uint8_t* tq, const uint16_t* td, const uint16_t* to, int64_t KB, int64_t t0,
+                         int64_t t1, const int8_t* xq, const float* xd, const float* xs, int64_t M, float* out,
+                         int64_t ldo) {
+  const int64_t K = KB * kBlock;
+  for (int64_t t = t0; t < t1; ++t) {  // one tile's weights (KB * 256 bytes) stay in L1 across all x rows
+    const uint8_t* q = tq + t * KB * 256;
+    const uint16_t* d = td + t * KB * 16;
+    const uint16_t* o = to + t * KB * 16;
+    for (int64_t i = 0; i < M; i += kTiledMR) {
+      const int64_t mr = std::min<int64_t>(kTiledMR, M - i);
+      const int8_t* x = xq + i * K;
+      const float* xdi = xd + i * KB;
+      const float* xsi = xs + i * KB;
+      float* dst = out + i * ldo + t * 16;
+      switch (mr) {
+        case 8: tiled_tile<8>(q, d, o, KB, x, xdi, xsi, K, dst, ldo); break;
+        case 7: tiled_tile<7>(q, d, o, KB, x, xdi, xsi, K, dst, ldo); break;
+        case 6: tiled_tile<6>(q, d, o, KB, x, xdi, xsi, K, dst, ldo); break;
+        case 5: tiled_tile<5>(q, d, o, KB, x, xdi, xsi, K, dst, ldo); break;
+        case 4: tiled_tile<4>(q, d, o, KB, x, xdi, xsi, K, dst, ldo); break;
+        case 3: tiled_tile<3>(q, d, o, KB, x, xdi, xsi, K, dst, ldo); break;
+        case 2: tiled_tile<2>(q, d, o, KB, x, xdi, xsi, K, dst, ldo); break;
+        default: tiled_tile<1>(q, d, o, KB, x, xdi, xsi, K, dst, ldo);
+      }
+    }
+  }
+}
+
+}  // namespace
