@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvpilot.model.quant.kernel import best_isa, get_quant_kernel, has_vnni
-from kvpilot.model.quant.linear import TILED_MAX_ROWS, DenseScratch, PackedLinear
+from kvpilot.model.quant.linear import INT8_MAX_ROWS, TILED_MAX_ROWS, DenseScratch, PackedLinear
 from kvpilot.model.quant.vnni_gemm import TiledWeight, can_tile, dequantize_tiled, tile
 from kvpilot.model.quant.vnni_layout import InterleavedWeight
 from tests.model.test_quant_kernels import _random_packed
@@ -40,12 +40,12 @@ def test_only_q4_weights_of_whole_tiles_are_tiled():
 def test_tiled_gemm_is_within_the_int8_rounding_of_the_activations(name):
     """Each 32-value block of x is rounded to int8 with its own scale: a dot product moves by at most
     sum_b max|x_b| / 254 * sum |w_b| from the exact float32 one (the bound asserted), for 1-9 rows (a tile of 8
-    and remainders), 33 and TILED_MAX_ROWS rows, float32 and bfloat16 in and out."""
+    and remainders), 33 and 300 rows (a prefill's), float32 and bfloat16 in and out."""
     packed, w = _random_packed(name, N, K, seed=11)
     copy = tile(packed)
     w_blocks = torch.from_numpy(np.abs(w)).view(N, K // 32, 32).sum(-1).double()
     exact_w = torch.from_numpy(w).double()
-    for rows in (*range(1, 10), 33, TILED_MAX_ROWS):
+    for rows in (*range(1, 10), 33, 300):
         x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
         bound = (x.view(rows, K // 32, 32).abs().amax(-1).double() / 254) @ w_blocks.T + 1e-4
         out = torch.empty(rows, N)
@@ -60,23 +60,22 @@ def test_tiled_gemm_is_within_the_int8_rounding_of_the_activations(name):
 
 
 @pytest.mark.skipif(not has_vnni(), reason="no AVX-512 VNNI on this CPU")
-def test_packed_linear_takes_the_tiled_copy_up_to_its_row_limit():
-    """Q4 in whole tiles: the tiled copy up to TILED_MAX_ROWS rows, dense bf16 beyond (hybrid layout); Q8_0 and
-    odd widths keep the interleaved copy up to INT8_MAX_ROWS."""
-    packed, _ = _random_packed("Q4_1", N, K, seed=5)
+def test_packed_linear_takes_the_tiled_copy_at_every_row_count():
+    """Q4 in whole tiles (hybrid layout): the tiled copy at every row count, no dense copy kept (a float32 call
+    widens the int8 copy's values); Q8_0 and odd widths keep the interleaved copy up to INT8_MAX_ROWS."""
+    packed, w = _random_packed("Q4_1", N, K, seed=5)
     layer = PackedLinear([packed], bias=False, scratch=DenseScratch(), isa=best_isa(), keep_dense=True,
                          int8_activations=True)
     assert isinstance(layer.int8_weight, TiledWeight) and layer.int8_max_rows == TILED_MAX_ROWS
     assert layer.max_kernel_rows[torch.bfloat16] == TILED_MAX_ROWS
     layer.release_quants()
-    assert layer.quants_released
-    for rows in (1, 8, 40, TILED_MAX_ROWS):
+    assert layer.quants_released and not layer._resident
+    for rows in (1, 8, 40, 600):
         x = torch.randn(rows, K).to(torch.bfloat16)
         expected = torch.empty(rows, N, dtype=torch.bfloat16)
         layer.int8_weight.matmul_into(expected, x)
         assert torch.equal(layer(x), expected), rows
-    more = torch.randn(TILED_MAX_ROWS + 1, K).to(torch.bfloat16)
-    assert torch.equal(layer(more), more @ layer._dense(torch.bfloat16).T)
+    assert torch.equal(layer._dense(torch.float32), torch.from_numpy(w))  # the same values, widened on demand
     q8 = PackedLinear([_random_packed("Q8_0", N, K, seed=6)[0]], bias=False, scratch=DenseScratch(), isa=best_isa(),
                       keep_dense=True, int8_activations=True)
-    assert isinstance(q8.int8_weight, InterleavedWeight)
+    assert isinstance(q8.int8_weight, InterleavedWeight) and q8.int8_max_rows == INT8_MAX_ROWS

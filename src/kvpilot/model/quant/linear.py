@@ -8,6 +8,9 @@ Two paths, picked per call by the number of rows (tokens) in x:
   MKL's GEMM is faster than the kernel's dot-product tiles there; the dequantization is a few % of it).
   With `keep_dense` (the hybrid layout) the dequantized matrix is built once, on the first many-row call, and
   kept: native bf16 GEMMs on resident weights beat both the kernel and dequantize-per-call from a few rows up.
+On CPUs with AVX-512 VNNI the hybrid layout's bf16 activations take a third path, int8 activations times the
+packed blocks (`int8_activations`): Q4_0 / Q4_1 layers at every row count through a column-tiled copy, which beats
+the resident bf16 GEMM everywhere (so they keep no dense copy); other layers up to INT8_MAX_ROWS rows.
 """
 
 from __future__ import annotations
@@ -39,11 +42,12 @@ HYBRID_INT8_MAX_KERNEL_ROWS = {torch.float32: 1 << 30, torch.bfloat16: 32}
 # layers, float32 kernel vs int8 on the interleaved copy: 1 row 5.85 vs 3.06, 4: 7.94 vs 4.22, 16: 23.43 vs
 # 14.49, 32: 42.37 vs 33.39; its Q8_0 output layer: 1 row 2.15 vs 0.61, 16: 6.42 vs 3.63).
 INT8_MAX_ROWS = HYBRID_INT8_MAX_KERNEL_ROWS[torch.bfloat16]
-# Q4_0 / Q4_1 layers of 16-row tiles take the int8 path through the column-tiled copy (vnni_gemm.py) up to this
-# many rows, dense bf16 GEMMs beyond (benchmarks/quant_linear.py --part vnni, 2-vCPU Zen 4 EPYC, 2026-11-26, the
-# embedded model's 120 Q4_1 layers, tiled vs interleaved vs resident dense bf16, ms: 8 rows 5.50 / 8.16 / 19.0,
-# 32: 18.3 / 32.4 / 30.9, 64: 34.5 / 65.0 / 49.0, 128: 66.4 / 129.8 / 79.5, 512: 255 / 533 / 267).
-TILED_MAX_ROWS = 128
+# Q4_0 / Q4_1 layers of 16-row tiles take the int8 path through the column-tiled copy (vnni_gemm.py) at every row
+# count: it beats resident dense bf16 GEMMs from 1 row to prefill sizes (benchmarks/quant_linear.py --part vnni,
+# 2-vCPU Zen 4 EPYC, 2026-11-26, the embedded model's 120 Q4_1 layers, ms tiled vs dense bf16: 8 rows 7.0 vs
+# 25.1, 32: 18.8 vs 37.6, 128: 60.7 vs 95.5, 256: 103 vs 144, 512: 201 vs 283, 1024: 456 vs 591), so such layers
+# keep no dense copy at all.
+TILED_MAX_ROWS = 1 << 30
 KERNEL_IO_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -129,13 +133,14 @@ class PackedLinear(nn.Module):
         return self.parts[0].qs.numel() == 0
 
     def release_quants(self) -> None:
-        """Hybrid layout with the int8 path, bf16 activations: build the resident dense copy now and drop the
-        packed quants only the float32 kernel reads. The int8 copy serves every call of up to int8_max_rows
-        rows, the dense copy (or, for a tied head, the embedding table) every larger one, so the int8 path costs
-        no memory beside them but its scales. Scales stay (they size the module)."""
+        """Hybrid layout with the int8 path, bf16 activations: drop the packed quants only the float32 kernel
+        reads. The int8 copy serves every call of up to int8_max_rows rows: a tiled copy every call (no dense
+        copy is built); an interleaved one up to INT8_MAX_ROWS, the dense copy (built now) or, for a tied head,
+        the embedding table every larger one. So the int8 path costs no memory beside them but its scales.
+        Scales stay (they size the module)."""
         if self.int8_weight is None or not self.keep_dense or self.quants_released:
             return
-        if self.dense_weight is None:
+        if self.dense_weight is None and self.int8_max_rows < TILED_MAX_ROWS:  # the tiled copy takes every call
             self._dense(torch.bfloat16)
         self.parts = [replace(p, qs=p.qs.new_empty(0)) for p in self.parts]
         for dtype in self.max_kernel_rows:  # every dtype's few rows through the int8 path, more through dense
@@ -168,8 +173,9 @@ class PackedLinear(nn.Module):
     def _dense(self, dtype: torch.dtype) -> torch.Tensor:
         if self.dense_weight is not None:
             return self.dense_weight().to(dtype)
-        if self.quants_released and dtype not in self._resident:  # only the bf16 copy is left to widen
-            return self._resident[torch.bfloat16].to(dtype)
+        if self.quants_released and dtype not in self._resident:  # the bf16 copy, or the int8 copy, to widen
+            source = self._resident.get(torch.bfloat16)
+            return source.to(dtype) if source is not None else self.weight.to(dtype)
         if dtype not in (torch.float32, torch.bfloat16):
             return self._dense(torch.float32).to(dtype)
         resident = self._resident.get(dtype)

@@ -217,20 +217,30 @@ void quant_matmul_tiled(torch::Tensor out, torch::Tensor x, torch::Tensor tq, to
   const int64_t T = td.size(0), KB = td.size(1), N = T * 16, M = x.size(0), K = x.size(1);
   TORCH_CHECK(tq.numel() == T * KB * 256 && K == KB * kBlock, "tiled weights do not match x [M, ", K, "]");
   TORCH_CHECK(x.is_contiguous() && out.is_contiguous() && out.size(0) == M && out.size(1) == N, "shapes");
-  const Float32Rows xf = float32_rows(x);
+  // rows quantized in parallel, bf16 ones widened row by row on the way (no float32 copy of x)
   std::vector<int8_t> xq(M * K);
   std::vector<float> xd(M * KB), xs(M * KB);
+  const bool bf16_in = x.scalar_type() == torch::kBFloat16;
   at::parallel_for(0, M, 16, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i)
-      quantize_row_q8(xf.ptr + i * xf.ld, KB, xq.data() + i * K, xd.data() + i * KB, xs.data() + i * KB);
+    std::vector<float> row(bf16_in ? K : 0);
+    for (int64_t i = i0; i < i1; ++i) {
+      const float* xi = bf16_in ? row.data() : x.data_ptr<float>() + i * K;
+      if (bf16_in) {
+        const uint16_t* src = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) + i * K;
+        for (int64_t k = 0; k < K; ++k) {
+          const uint32_t bits = static_cast<uint32_t>(src[k]) << 16;
+          std::memcpy(&row[k], &bits, 4);
+        }
+      }
+      quantize_row_q8(xi, KB, xq.data() + i * K, xd.data() + i * KB, xs.data() + i * KB);
+    }
   });
   const bool bf16_out = out.scalar_type() == torch::kBFloat16;
-  std::vector<float> acc(bf16_out ? M * N : 0);
-  float* op = bf16_out ? acc.data() : out.data_ptr<float>();
+  float* op = bf16_out ? nullptr : out.data_ptr<float>();
+  uint16_t* ob = bf16_out ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr;
   const auto* d = reinterpret_cast<const uint16_t*>(td.data_ptr<at::Half>());
   const auto* o = reinterpret_cast<const uint16_t*>(to.data_ptr<at::Half>());
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
-    tiled_rows(tq.data_ptr<uint8_t>(), d, o, KB, t0, t1, xq.data(), xd.data(), xs.data(), M, op, N);
+    tiled_rows(tq.data_ptr<uint8_t>(), d, o, KB, t0, t1, xq.data(), xd.data(), xs.data(), M, op, ob, N);
   });
-  if (bf16_out) store_bf16_rows(kernels_for(detect_isa()), acc.data(), M, N, out);
 }

@@ -47,11 +47,13 @@ KVP_VNNI void tiled_tile(const uint8_t* tq, const uint16_t* td, const uint16_t* 
   for (int r = 0; r < MR; ++r) _mm512_storeu_ps(out + r * ldo, acc[r]);
 }
 
-// out[i * ldo + n] for x rows i < M and the weight-row tiles [t0, t1) (16 weight rows each)
+// out[i * ldo + n] for x rows i < M and the weight-row tiles [t0, t1) (16 weight rows each); float32, or bfloat16
+// (rounded to nearest even, as torch) when out_bf16 is given instead
 KVP_VNNI void tiled_rows(const uint8_t* tq, const uint16_t* td, const uint16_t* to, int64_t KB, int64_t t0,
                          int64_t t1, const int8_t* xq, const float* xd, const float* xs, int64_t M, float* out,
-                         int64_t ldo) {
+                         uint16_t* out_bf16, int64_t ldo) {
   const int64_t K = KB * kBlock;
+  float tile_out[kTiledMR * 16];
   for (int64_t t = t0; t < t1; ++t) {  // one tile's weights (KB * 256 bytes) stay in L1 across all x rows
     const uint8_t* q = tq + t * KB * 256;
     const uint16_t* d = td + t * KB * 16;
@@ -61,17 +63,20 @@ KVP_VNNI void tiled_rows(const uint8_t* tq, const uint16_t* td, const uint16_t* 
       const int8_t* x = xq + i * K;
       const float* xdi = xd + i * KB;
       const float* xsi = xs + i * KB;
-      float* dst = out + i * ldo + t * 16;
+      float* dst = out_bf16 != nullptr ? tile_out : out + i * ldo + t * 16;
+      const int64_t ld = out_bf16 != nullptr ? 16 : ldo;
       switch (mr) {
-        case 8: tiled_tile<8>(q, d, o, KB, x, xdi, xsi, K, dst, ldo); break;
-        case 7: tiled_tile<7>(q, d, o, KB, x, xdi, xsi, K, dst, ldo); break;
-        case 6: tiled_tile<6>(q, d, o, KB, x, xdi, xsi, K, dst, ldo); break;
-        case 5: tiled_tile<5>(q, d, o, KB, x, xdi, xsi, K, dst, ldo); break;
-        case 4: tiled_tile<4>(q, d, o, KB, x, xdi, xsi, K, dst, ldo); break;
-        case 3: tiled_tile<3>(q, d, o, KB, x, xdi, xsi, K, dst, ldo); break;
-        case 2: tiled_tile<2>(q, d, o, KB, x, xdi, xsi, K, dst, ldo); break;
-        default: tiled_tile<1>(q, d, o, KB, x, xdi, xsi, K, dst, ldo);
+        case 8: tiled_tile<8>(q, d, o, KB, x, xdi, xsi, K, dst, ld); break;
+        case 7: tiled_tile<7>(q, d, o, KB, x, xdi, xsi, K, dst, ld); break;
+        case 6: tiled_tile<6>(q, d, o, KB, x, xdi, xsi, K, dst, ld); break;
+        case 5: tiled_tile<5>(q, d, o, KB, x, xdi, xsi, K, dst, ld); break;
+        case 4: tiled_tile<4>(q, d, o, KB, x, xdi, xsi, K, dst, ld); break;
+        case 3: tiled_tile<3>(q, d, o, KB, x, xdi, xsi, K, dst, ld); break;
+        case 2: tiled_tile<2>(q, d, o, KB, x, xdi, xsi, K, dst, ld); break;
+        default: tiled_tile<1>(q, d, o, KB, x, xdi, xsi, K, dst, ld);
       }
+      if (out_bf16 != nullptr)
+        for (int64_t r = 0; r < mr; ++r) to_bf16_512(tile_out + r * 16, out_bf16 + (i + r) * ldo + t * 16, 16);
     }
   }
 }
