@@ -44,12 +44,12 @@ def test_fused_steps_equal_the_layer_by_layer_forward(quantization):
     assert isinstance(fused, FusedDecode)
     counting = CountingKernel(fused.kernel)
     fused.kernel = counting
-    # 40 prompts: prefill steps, decode steps of 40 rows down to the fused path's limit (the modules), then
-    # fused steps down to 1 row as requests finish
+    # 40 prompts: prefill steps, then decode steps of 40 rows down to 1 as requests finish: above the fused
+    # path's limit they run the modules (int4: 4 rows, the float32 kernel), below it fused (auto on a VNNI CPU:
+    # every decode step, the tiled int8 copies' limit being 256)
     prompts = [[100 + (7 * i + 3 * j) % 4000 for j in range(3 + 5 * i)] for i in range(40)]
-    assert fused.max_rows < len(prompts)
     with_fused = _generate(llm, prompts)
-    assert counting.calls >= fused.max_rows
+    assert counting.calls >= min(fused.max_rows, len(prompts))
     model.fused_decode = None
     assert _generate(llm, prompts) == with_fused
 

@@ -34,7 +34,7 @@ _CSRC = Path(__file__).resolve().parent / "layers" / "csrc"
 # one translation unit: the kernels it calls, then the layer loop (the headers are not on an include path)
 SOURCE_PATHS = tuple(_CSRC / name for name in (
     "quant_common.h", "quant_avx512.h", "quant_avx2.h", "quant_vnni.h", "quant_vnni_gemm.h", "quant_linear_cpu.cpp",
-    "decode_common.h", "decode_avx512.h", "paged_decode_cpu.cpp", "bf16_ops_cpu.cpp", "decode_layers_cpu.cpp"))
+    "decode_common.h", "simd_exp.h", "decode_avx512.h", "paged_decode_cpu.cpp", "bf16_ops_cpu.cpp", "decode_layers_cpu.cpp"))
 
 # The flags of the modules whose code it includes, so each function computes exactly what it computes there:
 # -ffast-math as the quantized-linear and decode-attention kernels (the int8 path's scales round differently
@@ -52,6 +52,10 @@ ATTENTION_BACKEND = "cpu"
 # 9: 37.14 vs 33.71 and 16: 59.58 vs 52.23: the float32 kernel's many-row tiles ran slower in this translation
 # unit (-march=native) than in their own; up to 4 rows that kernel takes its fused few-row path.
 FLOAT32_KERNEL_MAX_ROWS = 4
+# Rows up to which it runs when every projection takes the int8 path on its tiled copy (vnni_gemm.py), which the
+# layer loop also takes at every row count: the same kernels either way, less Python per step (the scheduler's
+# default max_num_seqs)
+TILED_FUSED_MAX_ROWS = 256
 
 
 @lru_cache(maxsize=1)
@@ -75,7 +79,9 @@ class FusedDecode:
         self.scale = float(config.head_dim ** -0.5)
         linears = [lin for layer in model.layers for lin in _projections(layer)]
         self.int8_activations = all(lin.int8_activations for lin in linears)
+        tiled = all(isinstance(lin.int8_weight, TiledWeight) for lin in linears)
         self.max_rows = min(min(lin.max_kernel_rows.get(torch.bfloat16, 0) for lin in linears),
+                            TILED_FUSED_MAX_ROWS if tiled else
                             INT8_MAX_ROWS if self.int8_activations else FLOAT32_KERNEL_MAX_ROWS)
         self.isa = linears[0].isa
         # per layer, in the kernel's order: in_norm, qkv (qs, d, m, or vq, vd, vo), o, post_norm, gate_up, down
@@ -118,7 +124,7 @@ class FusedDecode:
                  attn: StepAttention) -> torch.Tensor:
         meta = attn.meta
         batch = meta.decodes[0]
-        int8 = self.int8_activations  # then max_rows is INT8_MAX_ROWS
+        int8 = self.int8_activations
         return self.kernel.decode_layers_bf16(
             x.contiguous(), cos.contiguous(), sin.contiguous(), self.weights, self.formats, kv_caches,
             meta.slot_mapping, batch.block_tables, batch.context_lens, self.num_heads, self.num_kv_heads,

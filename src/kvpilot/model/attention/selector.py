@@ -12,6 +12,7 @@ from kvpilot.model.attention.torch_backend import TorchAttentionBackend
 from kvpilot.model.attention.triton_support import triton_unusable_reason
 from kvpilot.model.choices import ATTENTION_BACKENDS
 from kvpilot.model.errors import ModelLoadError
+from kvpilot.model.layers.cpu_prefill_kernel import get_prefill_kernel
 
 
 def _triton_backend() -> AttentionBackend:
@@ -37,5 +38,7 @@ def select_attention_backend(name: str, device: torch.device, dtype: torch.dtype
         raise ModelLoadError(f"the cpu attention backend needs float32, bfloat16 or float16 on a CPU and a C++ "
                              f"compiler (here: {dtype} on {device.type}): use --attention-backend auto or torch")
     if name == "cpu" or (name == "auto" and kernel):
+        if dtype == kv_dtype == torch.bfloat16:
+            get_prefill_kernel()  # built at load (a minute the first time), not in the first request
         return CpuKernelAttentionBackend()
     return TorchAttentionBackend()

@@ -79,6 +79,11 @@ class TorchAttentionBackend:
         return [make_decode_batch(tables[g], context_lens[g], rows[g], layout.block_size, device)
                 for g in group_by_context(num_blocks)]
 
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, seq: PrefillSeq,
+                scale: float) -> torch.Tensor:
+        """The sequence's rows of the output ([query_len, heads, D]); its K/V are already in kv_cache."""
+        return prefill_attention(q, k, v, kv_cache, seq, scale)
+
     def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, batch: DecodeBatch, scale: float,
                out: torch.Tensor) -> None:
         """Writes the batch's rows of `out`."""
@@ -93,7 +98,7 @@ class TorchAttentionBackend:
         write_kv(kv_cache, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
         for seq in meta.prefills:
-            out[seq.query_start: seq.query_start + seq.query_len] = prefill_attention(q, k, v, kv_cache, seq, scale)
+            out[seq.query_start: seq.query_start + seq.query_len] = self.prefill(q, k, v, kv_cache, seq, scale)
         for batch in meta.decodes:
             self.decode(q, kv_cache, batch, scale, out)
         return out

@@ -20,7 +20,7 @@ from kvpilot.model.layers.cpp_build import CppKernel, build_cpp_kernel
 
 # concatenated in this order into one translation unit (the headers are not on an include path)
 SOURCE_PATHS = tuple(Path(__file__).parent / "csrc" / name
-                     for name in ("decode_common.h", "decode_avx512.h", "paged_decode_cpu.cpp"))
+                     for name in ("decode_common.h", "simd_exp.h", "decode_avx512.h", "paged_decode_cpu.cpp"))
 
 
 _KERNEL = CppKernel(label="CPU decode kernel", name_prefix="kvpilot_cpu_decode_", sources=SOURCE_PATHS,
