@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvpilot.model.quant.kernel import best_isa, get_quant_kernel, has_vnni
-from kvpilot.model.quant.linear import INT8_MAX_ROWS, TILED_MAX_ROWS, DenseScratch, PackedLinear
+from kvpilot.model.quant.linear import INT8_MAX_ROWS, TILED_MAX_ROWS, DenseScratch, Int8Gate, PackedLinear
 from kvpilot.model.quant.vnni_gemm import TiledWeight, can_tile, dequantize_tiled, tile
 from kvpilot.model.quant.vnni_layout import InterleavedWeight
 from tests.model.test_quant_kernels import _random_packed
@@ -60,22 +60,30 @@ def test_tiled_gemm_is_within_the_int8_rounding_of_the_activations(name):
 
 
 @pytest.mark.skipif(not has_vnni(), reason="no AVX-512 VNNI on this CPU")
-def test_packed_linear_takes_the_tiled_copy_at_every_row_count():
-    """Q4 in whole tiles (hybrid layout): the tiled copy at every row count, no dense copy kept (a float32 call
-    widens the int8 copy's values); Q8_0 and odd widths keep the interleaved copy up to INT8_MAX_ROWS."""
+def test_packed_linear_takes_the_tiled_copy_in_decode_steps_at_every_row_count():
+    """Q4 in whole tiles (hybrid layout): the tiled copy at every row count while the model's Int8Gate is open
+    (decode steps), the resident dense bf16 copy while it is closed (steps with prompt tokens); Q8_0 and odd
+    widths keep the interleaved copy up to INT8_MAX_ROWS."""
     packed, w = _random_packed("Q4_1", N, K, seed=5)
+    gate = Int8Gate()
     layer = PackedLinear([packed], bias=False, scratch=DenseScratch(), isa=best_isa(), keep_dense=True,
-                         int8_activations=True)
+                         int8_activations=True, int8_gate=gate)
     assert isinstance(layer.int8_weight, TiledWeight) and layer.int8_max_rows == TILED_MAX_ROWS
     assert layer.max_kernel_rows[torch.bfloat16] == TILED_MAX_ROWS
     layer.release_quants()
-    assert layer.quants_released and not layer._resident
+    assert layer.quants_released
+    dense = layer._dense(torch.bfloat16)
+    assert torch.equal(dense.float(), torch.from_numpy(w).to(torch.bfloat16).float())
     for rows in (1, 8, 40, 600):
         x = torch.randn(rows, K).to(torch.bfloat16)
         expected = torch.empty(rows, N, dtype=torch.bfloat16)
         layer.int8_weight.matmul_into(expected, x)
         assert torch.equal(layer(x), expected), rows
-    assert torch.equal(layer._dense(torch.float32), torch.from_numpy(w))  # the same values, widened on demand
+        gate.open = False
+        assert torch.equal(layer(x), x @ dense.T), rows
+        gate.open = True
+    logits = layer.forward_float32(x)  # the kernel's float32 sums, not rounded to bf16
+    assert logits.dtype == torch.float32 and torch.equal(logits.to(torch.bfloat16), layer(x))
     q8 = PackedLinear([_random_packed("Q8_0", N, K, seed=6)[0]], bias=False, scratch=DenseScratch(), isa=best_isa(),
                       keep_dense=True, int8_activations=True)
     assert isinstance(q8.int8_weight, InterleavedWeight) and q8.int8_max_rows == INT8_MAX_ROWS

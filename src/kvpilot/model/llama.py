@@ -20,6 +20,7 @@ from kvpilot.model.layers.rope import RotaryEmbedding, apply_rotary
 
 if TYPE_CHECKING:
     from kvpilot.model.fused_decode import FusedDecode
+    from kvpilot.model.quant.linear import Int8Gate
 
 
 class Attention(nn.Module):
@@ -94,9 +95,13 @@ class LlamaForCausalLM(nn.Module):
         # set by the loader where it qualifies (kvpilot.model.fused_decode): the layers of a small decode step
         # in one C++ call, bit for bit the loop below
         self.fused_decode: FusedDecode | None = None
+        # set by the packed-weight loader with the int8 path (quant.linear.Int8Gate): open for decode steps only
+        self.int8_gate: Int8Gate | None = None
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn: StepAttention) -> torch.Tensor:
+        if self.int8_gate is not None:  # a step with prompt tokens keeps them off the int8 path
+            self.int8_gate.open = not getattr(attn.meta, "prefills", ())
         x = self.embed_tokens(token_ids)
         cos, sin = self.rotary.tables(positions, x.dtype)
         if self.fused_decode is not None and self.fused_decode.applies(x, kv_caches, attn):
@@ -113,8 +118,8 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.weight if isinstance(self.lm_head, nn.Linear) else None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.output_head is not None:
-            return self.output_head(hidden).float()
+        if self.output_head is not None:  # packed: float32 logits straight from the kernel's float32 sums
+            return self.output_head.forward_float32(hidden)
         return F.linear(hidden, self.output_weight()).float()
 
     @torch.no_grad()

@@ -9,8 +9,8 @@ Two paths, picked per call by the number of rows (tokens) in x:
   With `keep_dense` (the hybrid layout) the dequantized matrix is built once, on the first many-row call, and
   kept: native bf16 GEMMs on resident weights beat both the kernel and dequantize-per-call from a few rows up.
 On CPUs with AVX-512 VNNI the hybrid layout's bf16 activations take a third path, int8 activations times the
-packed blocks (`int8_activations`): Q4_0 / Q4_1 layers at every row count through a column-tiled copy, which beats
-the resident bf16 GEMM everywhere (so they keep no dense copy); other layers up to INT8_MAX_ROWS rows.
+packed blocks (`int8_activations`): Q4_0 / Q4_1 layers through a column-tiled copy at every row count of a step
+without prompt tokens (Int8Gate), beating the resident bf16 GEMM everywhere; other layers up to INT8_MAX_ROWS rows.
 """
 
 from __future__ import annotations
@@ -45,10 +45,21 @@ INT8_MAX_ROWS = HYBRID_INT8_MAX_KERNEL_ROWS[torch.bfloat16]
 # Q4_0 / Q4_1 layers of 16-row tiles take the int8 path through the column-tiled copy (vnni_gemm.py) at every row
 # count: it beats resident dense bf16 GEMMs from 1 row to prefill sizes (benchmarks/quant_linear.py --part vnni,
 # 2-vCPU Zen 4 EPYC, 2026-11-26, the embedded model's 120 Q4_1 layers, ms tiled vs dense bf16: 8 rows 7.0 vs
-# 25.1, 32: 18.8 vs 37.6, 128: 60.7 vs 95.5, 256: 103 vs 144, 512: 201 vs 283, 1024: 456 vs 591), so such layers
-# keep no dense copy at all.
+# 25.1, 32: 18.8 vs 37.6, 128: 60.7 vs 95.5, 256: 103 vs 144, 512: 201 vs 283, 1024: 456 vs 591) -- in steps
+# without prompt tokens (Int8Gate): int8 activations on a prompt moved the embedded model's first-token logits by
+# ~0.12 (its README answer flipped), so prompt steps keep the dense bf16 GEMM.
 TILED_MAX_ROWS = 1 << 30
 KERNEL_IO_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@dataclass
+class Int8Gate:
+    """Whether the tiled int8 path may take this step's rows, shared by a model's PackedLinear layers: the model
+    opens it for steps without prompt tokens (decodes) and closes it for steps with them, whose rows then take
+    the dense bf16 GEMM. Rounding a prompt's activations to int8 moves its logits by up to ~0.1 on the embedded
+    model (enough to change its README answer), while decode rows stay within what its tests accept."""
+
+    open: bool = True
 
 
 @dataclass
@@ -84,7 +95,7 @@ class PackedLinear(nn.Module):
     def __init__(self, parts: list[PackedWeight], bias: bool, scratch: DenseScratch, isa: int,
                  max_kernel_rows: dict[torch.dtype, int] | None = None,
                  dense_weight: Callable[[], torch.Tensor] | None = None, keep_dense: bool = False,
-                 int8_activations: bool = False) -> None:
+                 int8_activations: bool = False, int8_gate: Int8Gate | None = None) -> None:
         super().__init__()
         if len({p.format for p in parts}) == 1 and len(parts) > 1:
             parts = [PackedWeight.concat(parts)]
@@ -110,6 +121,7 @@ class PackedLinear(nn.Module):
         self.max_kernel_rows = dict(max_kernel_rows or default_rows)
         self.dense_weight = dense_weight
         self.keep_dense = keep_dense
+        self.int8_gate = int8_gate
         self._resident: dict[torch.dtype, torch.Tensor] = {}
 
     @property
@@ -134,35 +146,47 @@ class PackedLinear(nn.Module):
 
     def release_quants(self) -> None:
         """Hybrid layout with the int8 path, bf16 activations: drop the packed quants only the float32 kernel
-        reads. The int8 copy serves every call of up to int8_max_rows rows: a tiled copy every call (no dense
-        copy is built); an interleaved one up to INT8_MAX_ROWS, the dense copy (built now) or, for a tied head,
-        the embedding table every larger one. So the int8 path costs no memory beside them but its scales.
-        Scales stay (they size the module)."""
+        reads. The int8 copy serves every call of up to int8_max_rows rows (a tiled copy: every call while the
+        Int8Gate is open), the dense copy (built now) or, for a tied head, the embedding table every other one.
+        So the int8 path costs no memory beside them but its scales. Scales stay (they size the module)."""
         if self.int8_weight is None or not self.keep_dense or self.quants_released:
             return
-        if self.dense_weight is None and self.int8_max_rows < TILED_MAX_ROWS:  # the tiled copy takes every call
+        if self.dense_weight is None:
             self._dense(torch.bfloat16)
         self.parts = [replace(p, qs=p.qs.new_empty(0)) for p in self.parts]
         for dtype in self.max_kernel_rows:  # every dtype's few rows through the int8 path, more through dense
             self.max_kernel_rows[dtype] = min(self.max_kernel_rows[dtype], self.int8_max_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._forward(x, x.dtype)
+
+    def forward_float32(self, x: torch.Tensor) -> torch.Tensor:
+        """forward with float32 results (an output head's logits): the kernel paths accumulate in float32 and
+        keep it, where rounding logits to bf16 (steps of 1/8 at 16) turns near ties into exact ties that the
+        argmax then breaks by token id; the dense path rounds to x's dtype as before."""
+        return self._forward(x, torch.float32)
+
+    def _forward(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] <= self.max_kernel_rows.get(x.dtype, 0):
-            out = self._kernel_rows(rows)
-            if out.dtype != x.dtype:
-                out = out.to(x.dtype)
+        if rows.shape[0] <= self.max_kernel_rows.get(x.dtype, 0) and not self._gated():
+            out = self._kernel_rows(rows, out_dtype if out_dtype in KERNEL_IO_DTYPES else torch.float32)
         else:
             out = F.linear(rows, self._dense(x.dtype))
+        if out.dtype != out_dtype:
+            out = out.to(out_dtype)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out.view(*x.shape[:-1], self.out_features)
 
-    def _kernel_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """float32 or bfloat16 rows go to the kernel as they are (it converts, computing in float32) and the
-        result comes back in their dtype; other dtypes through float32."""
+    def _gated(self) -> bool:
+        """A step with prompt tokens on a tiled layer: the dense path, not the int8 one (Int8Gate)."""
+        return self.int8_gate is not None and not self.int8_gate.open and isinstance(self.int8_weight, TiledWeight)
+
+    def _kernel_rows(self, rows: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """float32 or bfloat16 rows go to the kernel as they are (it converts, computing in float32), other
+        dtypes through float32; the result comes back as out_dtype (float32 or bfloat16)."""
         x = (rows if rows.dtype in KERNEL_IO_DTYPES else rows.to(torch.float32)).contiguous()
-        out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
+        out = torch.empty(x.shape[0], self.out_features, dtype=out_dtype)
         if self.int8_weight is not None and x.shape[0] <= self.int8_max_rows:
             self.int8_weight.matmul_into(out, x)
             return out

@@ -26,7 +26,7 @@ from kvpilot.model.config import ModelConfig
 from kvpilot.model.errors import ModelLoadError
 from kvpilot.model.quant.formats import SUPPORTED_NAMES, packed_format
 from kvpilot.model.quant.kernel import best_isa, has_vnni
-from kvpilot.model.quant.linear import DenseScratch, PackedLinear
+from kvpilot.model.quant.linear import DenseScratch, Int8Gate, PackedLinear
 from kvpilot.model.quant.packed import PackedWeight
 
 logger = logging.getLogger("kvpilot")
@@ -108,10 +108,12 @@ def pack_linear_layers(model: nn.Module, packed: dict[str, PackedWeight], config
     scratch = DenseScratch()
     isa = best_isa()
     int8_activations = keep_dense and has_vnni()  # bf16 activations: int8 blocks round about as coarsely (2^-8)
+    gate = Int8Gate()  # the model opens it for decode steps (llama.py)
+    model.int8_gate = gate if int8_activations else None
 
     def make(names: list[str], bias: bool = False, dense: Callable[[], torch.Tensor] | None = None) -> PackedLinear:
         return PackedLinear([packed[name] for name in names], bias, scratch, isa, dense_weight=dense,
-                            keep_dense=keep_dense, int8_activations=int8_activations)
+                            keep_dense=keep_dense, int8_activations=int8_activations, int8_gate=gate)
 
     for i, layer in enumerate(model.layers):
         prefix = f"model.layers.{i}."
