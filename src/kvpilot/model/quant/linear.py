@@ -197,9 +197,8 @@ class PackedLinear(nn.Module):
     def _dense(self, dtype: torch.dtype) -> torch.Tensor:
         if self.dense_weight is not None:
             return self.dense_weight().to(dtype)
-        if self.quants_released and dtype not in self._resident:  # the bf16 copy, or the int8 copy, to widen
-            source = self._resident.get(torch.bfloat16)
-            return source.to(dtype) if source is not None else self.weight.to(dtype)
+        if self.quants_released and dtype not in self._resident:  # only the bf16 copy is left to widen
+            return self._resident[torch.bfloat16].to(dtype)
         if dtype not in (torch.float32, torch.bfloat16):
             return self._dense(torch.float32).to(dtype)
         resident = self._resident.get(dtype)

@@ -83,16 +83,20 @@ struct Float32Rows {
   int64_t ld;
 };
 
+// bfloat16 is float32's upper half: n values widened exactly
+void widen_bf16(const uint16_t* src, float* dst, int64_t n) {
+  for (int64_t k = 0; k < n; ++k) {
+    const uint32_t bits = static_cast<uint32_t>(src[k]) << 16;
+    std::memcpy(&dst[k], &bits, 4);
+  }
+}
+
 Float32Rows float32_rows(const torch::Tensor& x) {
   if (x.scalar_type() == torch::kFloat32) return {{}, x.data_ptr<float>(), x.stride(0)};
   const int64_t M = x.size(0), K = x.size(1);
   Float32Rows rows{std::vector<float>(M * K), nullptr, K};
   const uint16_t* src = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  for (int64_t i = 0; i < M; ++i)
-    for (int64_t k = 0; k < K; ++k) {
-      const uint32_t bits = static_cast<uint32_t>(src[i * x.stride(0) + k]) << 16;
-      std::memcpy(&rows.buf[i * K + k], &bits, 4);
-    }
+  for (int64_t i = 0; i < M; ++i) widen_bf16(src + i * x.stride(0), rows.buf.data() + i * K, K);
   rows.ptr = rows.buf.data();
   return rows;
 }
@@ -225,13 +229,7 @@ void quant_matmul_tiled(torch::Tensor out, torch::Tensor x, torch::Tensor tq, to
     std::vector<float> row(bf16_in ? K : 0);
     for (int64_t i = i0; i < i1; ++i) {
       const float* xi = bf16_in ? row.data() : x.data_ptr<float>() + i * K;
-      if (bf16_in) {
-        const uint16_t* src = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) + i * K;
-        for (int64_t k = 0; k < K; ++k) {
-          const uint32_t bits = static_cast<uint32_t>(src[k]) << 16;
-          std::memcpy(&row[k], &bits, 4);
-        }
-      }
+      if (bf16_in) widen_bf16(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) + i * K, row.data(), K);
       quantize_row_q8(xi, KB, xq.data() + i * K, xd.data() + i * KB, xs.data() + i * KB);
     }
   });
