@@ -1,5 +1,6 @@
 """The C++ bf16 ops compute what the torch ops compute: RMSNorm equal, or one bf16 step apart where the float32
-sums (summed in another order) straddle a rounding boundary; the rotary embedding bit for bit."""
+sums (summed in another order) straddle a rounding boundary; the rotary embedding bit for bit; SiLU-and-mul
+within one bf16 step. Widths that are not a multiple of 16 (32 for rotations) take the scalar rows."""
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from kvpilot.model.layers.rope import apply_rotary, rotary_reference
 pytestmark = pytest.mark.skipif(get_bf16_ops() is None, reason="no C++ compiler for the CPU kernels")
 
 
-@pytest.mark.parametrize("shape", [(1, 576), (7, 576), (3, 9, 64), (300, 960)])
+@pytest.mark.parametrize("shape", [(1, 576), (7, 576), (3, 9, 64), (300, 960), (5, 40)])
 def test_kernel_matches_the_torch_ops(shape: tuple[int, ...]) -> None:
     gen = torch.Generator().manual_seed(sum(shape))
     norm = RMSNorm(shape[-1], 1e-5).to(torch.bfloat16)
@@ -37,7 +38,7 @@ def test_float32_and_strided_inputs_keep_the_exact_torch_path() -> None:
         assert torch.equal(bf16(wide), bf16(wide.contiguous()))
 
 
-@pytest.mark.parametrize("tokens, heads, head_dim", [(1, 12, 64), (5, 9, 64), (33, 3, 128)])
+@pytest.mark.parametrize("tokens, heads, head_dim", [(1, 12, 64), (5, 9, 64), (33, 3, 128), (4, 2, 48)])
 def test_rotary_is_bit_for_bit_the_torch_ops(tokens: int, heads: int, head_dim: int) -> None:
     gen = torch.Generator().manual_seed(tokens * heads)
     fused = torch.randn(tokens, heads + 2, head_dim, generator=gen).to(torch.bfloat16)
@@ -46,3 +47,19 @@ def test_rotary_is_bit_for_bit_the_torch_ops(tokens: int, heads: int, head_dim: 
     cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
     out = apply_rotary(x, cos, sin)
     assert out.is_contiguous() and torch.equal(out, rotary_reference(x, cos, sin))
+
+
+@pytest.mark.parametrize("tokens, intermediate", [(1, 1536), (9, 1536), (40, 24)])
+def test_silu_mul_matches_the_torch_ops(tokens: int, intermediate: int) -> None:
+    """MLP's silu(gate) * up on the fused gate/up output (a strided slice: rows of 2I). The polynomial exp differs
+    from torch's in the last float32 bits, so at most one bf16 step apart, and almost always equal. 24 is not a
+    multiple of 16: the scalar rows."""
+    gen = torch.Generator().manual_seed(tokens + intermediate)
+    gate_up = (torch.randn(tokens, 2 * intermediate, generator=gen) * 4.0).to(torch.bfloat16)
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # exp's clamp, and both zeros
+    fused = get_bf16_ops().silu_mul_bf16(gate_up)
+    reference = torch.nn.functional.silu(gate_up[:, :intermediate]).mul_(gate_up[:, intermediate:])
+    assert fused.shape == reference.shape and fused.is_contiguous()
+    assert float((fused != reference).float().mean()) < 0.01
+    step = reference.float().abs() * 2.0 ** -7
+    assert bool(((fused.float() - reference.float()).abs() <= step + 1e-30).all())

@@ -3,8 +3,8 @@
 A decode step of few sequences is memory-bound in the packed matmuls, and everything between them is dispatch:
 at batch 1 the embedded model spent ~4 of its ~10 ms per step in Python and torch calls (about 15 ops and 8
 module calls per layer). The kernel (layers/csrc/decode_layers_cpu.cpp) runs the same functions back to back:
-the packed matmuls (int8-activation or float32 path, as PackedLinear picks), RMSNorm and RoPE (the bf16 ops),
-the K/V write, the paged decode-attention kernel, and torch's add / silu / mul, so the hidden states are bit for
+the packed matmuls (int8-activation or float32 path, as PackedLinear picks), RMSNorm, RoPE and SiLU-and-mul (the
+bf16 ops), the K/V write, the paged decode-attention kernel, and torch's add, so the hidden states are bit for
 bit the layer-by-layer forward's.
 
 It applies to a model whose every layer has single-part packed projections without bias or q/k norms, bf16
@@ -34,8 +34,8 @@ _CSRC = Path(__file__).resolve().parent / "layers" / "csrc"
 # one translation unit: the kernels it calls, then the layer loop (the headers are not on an include path)
 SOURCE_PATHS = tuple(_CSRC / name for name in (
     "quant_common.h", "quant_avx512.h", "quant_avx2.h", "quant_vnni.h", "quant_vnni_gemm.h", "quant_linear_cpu.cpp",
-    "decode_common.h", "simd_exp.h", "decode_avx512.h", "paged_decode_cpu.cpp", "bf16_ops_cpu.cpp",
-    "decode_layers_cpu.cpp"))
+    "decode_common.h", "simd_exp.h", "decode_avx512.h", "paged_decode_cpu.cpp", "bf16_ops_avx512.h",
+    "bf16_ops_cpu.cpp", "decode_layers_cpu.cpp"))
 
 # The flags of the modules whose code it includes, so each function computes exactly what it computes there:
 # -ffast-math as the quantized-linear and decode-attention kernels (the int8 path's scales round differently

@@ -15,6 +15,7 @@ from torch import nn
 from kvpilot.model.config import ModelConfig
 from kvpilot.model.errors import ModelLoadError
 from kvpilot.model.attention.base import StepAttention
+from kvpilot.model.layers.cpu_bf16_ops import bf16_ops_for
 from kvpilot.model.layers.norm import RMSNorm
 from kvpilot.model.layers.rope import RotaryEmbedding, apply_rotary
 
@@ -60,7 +61,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        ops = bf16_ops_for(gate_up) if gate_up.dim() == 2 else None
+        if ops is not None:  # bf16 on CPU: one C++ pass (and the fused decode's own op)
+            return self.down_proj(ops.silu_mul_bf16(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))  # in place: one temporary fewer
 
 

@@ -51,6 +51,32 @@ void norm_row(const uint16_t* x, const uint16_t* w, uint16_t* out, int64_t K, fl
   }
 }
 
+// exp(x) for x <= 0: the polynomial of exp_nonpos_bf16ops (bf16_ops_avx512.h), one value at a time
+inline float exp_nonpos_scalar(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  float r = x - n * 0.693145751953125f;
+  r = r - n * 1.42860682030941723e-6f;
+  float p = 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  return std::ldexp(p, static_cast<int>(n));
+}
+
+// out = bf16(bf16(silu(gate)) * up), silu(g) = g / (1 + exp(-g)) (g * e / (1 + e), e = exp(g), for g < 0)
+void silu_mul_row(const uint16_t* gate, const uint16_t* up, uint16_t* out, int64_t I) {
+  for (int64_t i = 0; i < I; ++i) {
+    const float g = bf16_to_float(gate[i]);
+    const float e = exp_nonpos_scalar(g < 0.0f ? g : -g);
+    const float act = bf16_to_float(float_to_bf16((g < 0.0f ? g * e : g) / (1.0f + e)));
+    out[i] = float_to_bf16(act * bf16_to_float(up[i]));
+  }
+}
+
 }  // namespace
 
 // out [..., K] bfloat16 = RMSNorm(x [..., K] bfloat16, contiguous) with weight [K] bfloat16.
@@ -67,7 +93,12 @@ torch::Tensor rms_norm_bf16(torch::Tensor x, torch::Tensor weight, double eps) {
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const float e = static_cast<float>(eps);
   // a few hundred ns a row: threads only for prefill-sized batches
+  const bool vector = K % 16 == 0 && bf16_avx512();
   at::parallel_for(0, rows, std::max<int64_t>(1, 65536 / std::max<int64_t>(K, 1)), [&](int64_t r0, int64_t r1) {
+    if (vector) {
+      for (int64_t r = r0; r < r1; ++r) norm_row512(xp + r * K, wp, op + r * K, K, e);
+      return;
+    }
     std::vector<float> widened(K);
     for (int64_t r = r0; r < r1; ++r) norm_row(xp + r * K, wp, op + r * K, K, e, widened.data());
   });
@@ -91,6 +122,7 @@ torch::Tensor rope_bf16(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   const auto* sp = reinterpret_cast<const uint16_t*>(sin.data_ptr<at::BFloat16>());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const int64_t s0 = x.stride(0), s1 = x.stride(1);
+  const bool vector = D % 32 == 0 && bf16_avx512();
   at::parallel_for(0, T * H, std::max<int64_t>(1, 65536 / D), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t t = r / H, h = r % H;
@@ -98,12 +130,41 @@ torch::Tensor rope_bf16(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
       const uint16_t* c = cp + t * D;
       const uint16_t* s = sp + t * D;
       uint16_t* o = op + r * D;
+      if (vector) {
+        rope_row512(xr, c, s, o, D);
+        continue;
+      }
       for (int64_t j = 0; j < D; ++j) {
         const float xj = bf16_to_float(xr[j]);
         const float rot = j < half ? -bf16_to_float(xr[j + half]) : bf16_to_float(xr[j - half]);
         const float a = bf16_to_float(float_to_bf16(xj * bf16_to_float(c[j])));
         const float b = bf16_to_float(float_to_bf16(rot * bf16_to_float(s[j])));
         o[j] = float_to_bf16(a + b);
+      }
+    }
+  });
+  return out;
+}
+
+// out [T, I] bfloat16 = silu(gate) * up for gate_up [T, 2I] bfloat16 (the fused gate/up projection, rows may be
+// strided, unit stride within a row): MLP's `F.silu(gate).mul_(up)` in one pass. silu is computed in float32 and
+// rounded to bfloat16, then the product rounded, as torch rounds; its exp is this file's polynomial (torch's
+// differs in the last float32 bits, so a value can land one bf16 step apart from torch's).
+torch::Tensor silu_mul_bf16(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.scalar_type() == torch::kBFloat16 && gate_up.dim() == 2 && gate_up.stride(1) == 1 &&
+              gate_up.size(1) % 2 == 0, "silu_mul_bf16: gate_up [T, 2I] bfloat16, unit stride in a row");
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2, ld = gate_up.stride(0);
+  torch::Tensor out = torch::empty({T, I}, gate_up.options().memory_format(torch::MemoryFormat::Contiguous));
+  const auto* gp = reinterpret_cast<const uint16_t*>(gate_up.data_ptr<at::BFloat16>());
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const bool vector = I % 16 == 0 && bf16_avx512();
+  at::parallel_for(0, T, std::max<int64_t>(1, 32768 / std::max<int64_t>(I, 1)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint16_t* g = gp + r * ld;
+      if (vector) {
+        silu_mul_row512(g, g + I, op + r * I, I);
+      } else {
+        silu_mul_row(g, g + I, op + r * I, I);
       }
     }
   });

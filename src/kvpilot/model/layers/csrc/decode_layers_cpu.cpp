@@ -84,10 +84,7 @@ torch::Tensor layer_bf16(const torch::Tensor& x, const LayerWeights& lw, const t
   const torch::Tensor h = at::add(x, linear_bf16(attended, w + 4, lw.formats[1], int8, isa));
   // MLP
   const torch::Tensor gate_up = linear_bf16(rms_norm_bf16(h, w[7], eps), w + 8, lw.formats[2], int8, isa);
-  const int64_t I = gate_up.size(1) / 2;
-  torch::Tensor act = at::silu(gate_up.narrow(1, 0, I));
-  act.mul_(gate_up.narrow(1, I, I));
-  return at::add(h, linear_bf16(act, w + 11, lw.formats[3], int8, isa));
+  return at::add(h, linear_bf16(silu_mul_bf16(gate_up), w + 11, lw.formats[3], int8, isa));
 }
 
 }  // namespace
