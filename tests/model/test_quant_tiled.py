@@ -1,4 +1,4 @@
-"""The int8 path's column-tiled copy (quant/vnni_gemm.py, csrc/quant_vnni_gemm.h) for Q4_0 / Q4_1: it holds the
+"""The int8 path's column-tiled copy (quant/vnni_gemm.py, csrc/quant_vnni_gemm.h) for Q4_0 / Q4_1 / Q8_0: it holds the
 gguf package's values exactly, and its GEMM stays within the int8 rounding of the activations for every row
 count (8-row tiles and their remainders), on its own and through PackedLinear and the hybrid layout."""
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(get_quant_kernel() is None, reason="no C++ compi
 N, K = 48, 32 * 7  # three 16-row tiles, an odd number of blocks
 
 
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0"])
 def test_the_tiled_copy_holds_the_same_values(name):
     packed, expected = _random_packed(name, N, K, seed=3)
     copy = tile(packed)
@@ -27,8 +27,8 @@ def test_the_tiled_copy_holds_the_same_values(name):
     assert np.array_equal(dequantize_tiled(copy).numpy(), expected)
 
 
-def test_only_q4_weights_of_whole_tiles_are_tiled():
-    assert not can_tile(_random_packed("Q8_0", N, K, seed=1)[0])
+def test_only_weights_of_whole_tiles_are_tiled():
+    assert can_tile(_random_packed("Q8_0", N, K, seed=1)[0])
     odd = _random_packed("Q4_1", N + 4, K, seed=1)[0]
     assert not can_tile(odd)
     with pytest.raises(ValueError, match="multiple of 16"):
@@ -36,7 +36,7 @@ def test_only_q4_weights_of_whole_tiles_are_tiled():
 
 
 @pytest.mark.skipif(not has_vnni(), reason="no AVX-512 VNNI on this CPU")
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0"])
 def test_tiled_gemm_is_within_the_int8_rounding_of_the_activations(name):
     """Each 32-value block of x is rounded to int8 with its own scale: a dot product moves by at most
     sum_b max|x_b| / 254 * sum |w_b| from the exact float32 one (the bound asserted), for 1-9 rows (a tile of 8
@@ -62,8 +62,8 @@ def test_tiled_gemm_is_within_the_int8_rounding_of_the_activations(name):
 @pytest.mark.skipif(not has_vnni(), reason="no AVX-512 VNNI on this CPU")
 def test_packed_linear_takes_the_tiled_copy_in_decode_steps_at_every_row_count():
     """Q4 in whole tiles (hybrid layout): the tiled copy at every row count while the model's Int8Gate is open
-    (decode steps), the resident dense bf16 copy while it is closed (steps with prompt tokens); Q8_0 and odd
-    widths keep the interleaved copy up to INT8_MAX_ROWS."""
+    (decode steps), the resident dense bf16 copy while it is closed (steps with prompt tokens); without a gate
+    (an output layer, Q8_0 here) the tiled copy always; odd widths keep the interleaved copy up to INT8_MAX_ROWS."""
     packed, w = _random_packed("Q4_1", N, K, seed=5)
     gate = Int8Gate()
     layer = PackedLinear([packed], bias=False, scratch=DenseScratch(), isa=best_isa(), keep_dense=True,
@@ -86,4 +86,12 @@ def test_packed_linear_takes_the_tiled_copy_in_decode_steps_at_every_row_count()
     assert logits.dtype == torch.float32 and torch.equal(logits.to(torch.bfloat16), layer(x))
     q8 = PackedLinear([_random_packed("Q8_0", N, K, seed=6)[0]], bias=False, scratch=DenseScratch(), isa=best_isa(),
                       keep_dense=True, int8_activations=True)
-    assert isinstance(q8.int8_weight, InterleavedWeight) and q8.int8_max_rows == INT8_MAX_ROWS
+    assert isinstance(q8.int8_weight, TiledWeight) and q8.int8_max_rows == TILED_MAX_ROWS
+    q8.release_quants()
+    x = torch.randn(300, K).to(torch.bfloat16)
+    expected = torch.empty(300, N)
+    q8.int8_weight.matmul_into(expected, x)
+    assert torch.equal(q8.forward_float32(x), expected)  # ungated: the tiled copy even for 300 rows
+    odd = PackedLinear([_random_packed("Q8_0", N + 4, K, seed=7)[0]], bias=False, scratch=DenseScratch(),
+                       isa=best_isa(), keep_dense=True, int8_activations=True)
+    assert isinstance(odd.int8_weight, InterleavedWeight) and odd.int8_max_rows == INT8_MAX_ROWS

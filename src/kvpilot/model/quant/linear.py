@@ -47,7 +47,10 @@ INT8_MAX_ROWS = HYBRID_INT8_MAX_KERNEL_ROWS[torch.bfloat16]
 # 2-vCPU Zen 4 EPYC, 2026-11-26, the embedded model's 120 Q4_1 layers, ms tiled vs dense bf16: 8 rows 7.0 vs
 # 25.1, 32: 18.8 vs 37.6, 128: 60.7 vs 95.5, 256: 103 vs 144, 512: 201 vs 283, 1024: 456 vs 591) -- in steps
 # without prompt tokens (Int8Gate): int8 activations on a prompt moved the embedded model's first-token logits by
-# ~0.12 (its README answer flipped), so prompt steps keep the dense bf16 GEMM.
+# ~0.12 (its README answer flipped), so prompt steps keep the dense bf16 GEMM. Q8_0 output layers are tiled too,
+# ungated (model_pack.py): the embedded model's [49152, 576] head, ms tiled vs interleaved vs dense bf16 (same box,
+# 2026-11-26): 1 row 0.49 vs 0.63 vs 3.27, 16: 2.03 vs 3.56 vs 5.26, 64: 7.29 vs 19.45 vs 11.49, 128: 13.8 vs - vs
+# 19.4; float32 logits at every row count.
 TILED_MAX_ROWS = 1 << 30
 KERNEL_IO_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -88,8 +91,8 @@ class PackedLinear(nn.Module):
     `int8_activations`: up to `int8_max_rows` rows are quantized to int8 blocks and multiplied with the packed
     weights by VNNI dot products (llama.cpp's scheme; within ~1/254 of a block's largest value of the float32
     path), for a lone part (Q8_0, Q4_0 or Q4_1) on a CPU with VNNI; several parts and more rows keep the
-    float32 kernel. Q4_0 / Q4_1 parts of 16-row tiles use the column-tiled copy up to TILED_MAX_ROWS rows,
-    others the interleaved one up to INT8_MAX_ROWS.
+    float32 kernel. Parts of 16-row tiles use the column-tiled copy up to TILED_MAX_ROWS rows, others the
+    interleaved one up to INT8_MAX_ROWS.
     """
 
     def __init__(self, parts: list[PackedWeight], bias: bool, scratch: DenseScratch, isa: int,

@@ -111,9 +111,11 @@ def pack_linear_layers(model: nn.Module, packed: dict[str, PackedWeight], config
     gate = Int8Gate()  # the model opens it for decode steps (llama.py)
     model.int8_gate = gate if int8_activations else None
 
-    def make(names: list[str], bias: bool = False, dense: Callable[[], torch.Tensor] | None = None) -> PackedLinear:
+    def make(names: list[str], bias: bool = False, dense: Callable[[], torch.Tensor] | None = None,
+             gated: bool = True) -> PackedLinear:
         return PackedLinear([packed[name] for name in names], bias, scratch, isa, dense_weight=dense,
-                            keep_dense=keep_dense, int8_activations=int8_activations, int8_gate=gate)
+                            keep_dense=keep_dense, int8_activations=int8_activations,
+                            int8_gate=gate if gated else None)
 
     for i, layer in enumerate(model.layers):
         prefix = f"model.layers.{i}."
@@ -122,10 +124,12 @@ def pack_linear_layers(model: nn.Module, packed: dict[str, PackedWeight], config
         attn.o_proj = make([f"{prefix}self_attn.o_proj.weight"])
         mlp.gate_up_proj = make([f"{prefix}mlp.gate_proj.weight", f"{prefix}mlp.up_proj.weight"])
         mlp.down_proj = make([f"{prefix}mlp.down_proj.weight"])
+    # The output layer is not gated: its int8 rows are the sampled positions' final hidden states, each rounded
+    # once (not carried through 30 layers as a prompt's are), and its float32 logits keep near ties apart.
     if config.tie_word_embeddings:  # many rows (prefill logits) use the dense lookup table, same values
-        model.output_head = make([EMBED], dense=lambda: model.embed_tokens.weight)
+        model.output_head = make([EMBED], dense=lambda: model.embed_tokens.weight, gated=False)
     else:
-        model.lm_head = make(["lm_head.weight"])
+        model.lm_head = make(["lm_head.weight"], gated=False)
         model.output_head = model.lm_head
 
 

@@ -1,9 +1,11 @@
-"""The column-tiled copy of a Q4_0 / Q4_1 PackedWeight for the int8 GEMM of many rows (layers/csrc/quant_vnni_gemm.h).
+"""The column-tiled copy of a Q4_0 / Q4_1 / Q8_0 PackedWeight for the int8 GEMM of many rows
+(layers/csrc/quant_vnni_gemm.h).
 
-Weight rows go in tiles of 16; for each tile and block, pair p (0..3) holds each row's GGUF nibble bytes
-4p..4p+3 side by side (64 bytes), so one 512-bit vpdpbusd advances 16 outputs of an x row by 4 values, and a tile
-of 8 x rows reuses each weight register 8 times. Scales and offsets ("d * q + o": Q4_1's m, Q4_0's -8 d) are laid
-out the same way, 16 per tile and block. The copy takes as many bytes as the GGUF blocks.
+Weight rows go in tiles of 16; for each tile and block, Q4: pair p (0..3) holds each row's GGUF nibble bytes
+4p..4p+3 side by side (64 bytes); Q8_0: group g (0..7) holds each row's values 4g..4g+3 as q + 128 (unsigned, as
+vpdpbusd takes them). So one 512-bit vpdpbusd advances 16 outputs of an x row by 4 values, and a tile of 8 x rows
+reuses each weight register 8 times. Scales and offsets ("d * q + o": Q4_1's m, Q4_0's -8 d, Q8_0's -128 d, exact
+in float16) are laid out the same way, 16 per tile and block. The copy takes as many bytes as the GGUF blocks.
 
 Invariant: dequantize_tiled(tile(w)) equals w.dequantize().
 """
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvpilot.model.quant.formats import Q4_0, Q4_1
+from kvpilot.model.quant.formats import BLOCK_VALUES, Q4_0, Q4_1, Q8_0
 from kvpilot.model.quant.kernel import require_quant_kernel
 from kvpilot.model.quant.packed import PackedWeight
 
@@ -24,7 +26,7 @@ TILE_ROWS = 16
 
 @dataclass(frozen=True)
 class TiledWeight:
-    """tq: uint8 [N / 16, KB, 256]; td, to: float16 [N / 16, KB, 16]."""
+    """tq: uint8 [N / 16, KB, 256] (Q4) or [N / 16, KB, 512] (Q8_0); td, to: float16 [N / 16, KB, 16]."""
 
     tq: torch.Tensor
     td: torch.Tensor
@@ -44,18 +46,24 @@ class TiledWeight:
 
 
 def can_tile(w: PackedWeight) -> bool:
-    """Q4_0 / Q4_1 with a whole number of 16-row tiles (every projection of the models kvpilot ships)."""
-    return w.format in (Q4_0, Q4_1) and w.out_features % TILE_ROWS == 0 and w.qs.numel() > 0
+    """A whole number of 16-row tiles (every projection and output layer of the models kvpilot ships)."""
+    return w.format in (Q4_0, Q4_1, Q8_0) and w.out_features % TILE_ROWS == 0 and w.qs.numel() > 0
 
 
 def tile(w: PackedWeight) -> TiledWeight:
     """The tiled copy of `w` (built once, at load); ValueError unless can_tile(w)."""
     if not can_tile(w):
-        raise ValueError(f"the tiled int8 layout takes Q4_0 / Q4_1 weights of a multiple of {TILE_ROWS} rows, "
-                         f"not {w.format.name} with {w.out_features}")
+        raise ValueError(f"the tiled int8 layout takes Q4_0 / Q4_1 / Q8_0 weights of a multiple of {TILE_ROWS} "
+                         f"rows, not {w.format.name} with {w.out_features}")
     n, kb = w.d.shape
     t = n // TILE_ROWS
     d = w.d.numpy()
+    if w.format == Q8_0:
+        offset = (d.astype(np.float32) * -128.0).astype(np.float16)
+        q = (w.qs.numpy().view(np.int8).reshape(n, kb, BLOCK_VALUES).astype(np.int16) + 128).astype(np.uint8)
+        groups = q.reshape(t, TILE_ROWS, kb, 8, 4).transpose(0, 2, 3, 1, 4)  # [T, KB, group, row, byte]
+        return TiledWeight(torch.from_numpy(np.ascontiguousarray(groups).reshape(t, kb, 512)), _tiles(d, t, kb),
+                           _tiles(offset, t, kb))
     offset = w.m.numpy() if w.format == Q4_1 else (d.astype(np.float32) * -8.0).astype(np.float16)
     qs = w.qs.numpy().reshape(t, TILE_ROWS, kb, 4, 4).transpose(0, 2, 3, 1, 4)  # [T, KB, pair, row, byte]
     return TiledWeight(torch.from_numpy(np.ascontiguousarray(qs).reshape(t, kb, 256)), _tiles(d, t, kb),
@@ -69,8 +77,12 @@ def _tiles(values: np.ndarray, t: int, kb: int) -> torch.Tensor:
 
 def dequantize_tiled(v: TiledWeight) -> torch.Tensor:
     """float32 [N, K]: the values the layout holds (for tests)."""
-    t, kb, _ = v.tq.shape
-    raw = v.tq.numpy().reshape(t, kb, 4, TILE_ROWS, 4).transpose(0, 3, 1, 2, 4).reshape(t * TILE_ROWS, kb, 16)
-    q = np.concatenate([raw & 0x0F, raw >> 4], axis=-1).astype(np.float32)  # values 0..15, then 16..31
+    t, kb, width = v.tq.shape
+    if width == 512:  # Q8_0: q + 128 in groups of 4 values
+        q = v.tq.numpy().reshape(t, kb, 8, TILE_ROWS, 4).transpose(0, 3, 1, 2, 4).reshape(t * TILE_ROWS, kb, 32)
+        q = q.astype(np.float32)
+    else:
+        raw = v.tq.numpy().reshape(t, kb, 4, TILE_ROWS, 4).transpose(0, 3, 1, 2, 4).reshape(t * TILE_ROWS, kb, 16)
+        q = np.concatenate([raw & 0x0F, raw >> 4], axis=-1).astype(np.float32)  # values 0..15, then 16..31
     scales = [a.numpy().transpose(0, 2, 1).reshape(t * TILE_ROWS, kb, 1).astype(np.float32) for a in (v.td, v.to)]
     return torch.from_numpy((q * scales[0] + scales[1]).reshape(t * TILE_ROWS, -1))

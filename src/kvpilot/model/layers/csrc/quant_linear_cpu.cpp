@@ -210,7 +210,8 @@ void quant_matmul_interleaved(torch::Tensor out, torch::Tensor x, torch::Tensor 
 }
 
 // The column-tiled layout (quant_vnni_gemm.h), for many rows: out [M, N] = int8-quantized x [M, K] @ W^T; tq uint8
-// [N / 16, KB, 256] (Q4_0, Q4_1), td / to float16 [N / 16, KB, 16]; x and out contiguous, float32 or bfloat16.
+// [N / 16, KB, 256] (Q4_0, Q4_1) or [N / 16, KB, 512] (Q8_0), td / to float16 [N / 16, KB, 16]; x and out
+// contiguous, float32 or bfloat16.
 void quant_matmul_tiled(torch::Tensor out, torch::Tensor x, torch::Tensor tq, torch::Tensor td, torch::Tensor to) {
   TORCH_CHECK(has_vnni(), "needs AVX-512 VNNI");
   TORCH_CHECK(float_or_bf16(x) && float_or_bf16(out), "x/out must be float32 or bfloat16");
@@ -219,7 +220,9 @@ void quant_matmul_tiled(torch::Tensor out, torch::Tensor x, torch::Tensor tq, to
               td.dim() == 3 && td.size(2) == 16,
               "tiled weights: tq uint8, td / to float16 [N / 16, KB, 16], contiguous");
   const int64_t T = td.size(0), KB = td.size(1), N = T * 16, M = x.size(0), K = x.size(1);
-  TORCH_CHECK(tq.numel() == T * KB * 256 && K == KB * kBlock, "tiled weights do not match x [M, ", K, "]");
+  const bool q8 = tq.dim() == 3 && tq.size(2) == 512;
+  TORCH_CHECK(tq.numel() == T * KB * (q8 ? 512 : 256) && K == KB * kBlock, "tiled weights do not match x [M, ", K,
+              "]");
   TORCH_CHECK(x.is_contiguous() && out.is_contiguous() && out.size(0) == M && out.size(1) == N, "shapes");
   // rows quantized in parallel, bf16 ones widened row by row on the way (no float32 copy of x)
   std::vector<int8_t> xq(M * K);
@@ -239,6 +242,7 @@ void quant_matmul_tiled(torch::Tensor out, torch::Tensor x, torch::Tensor tq, to
   const auto* d = reinterpret_cast<const uint16_t*>(td.data_ptr<at::Half>());
   const auto* o = reinterpret_cast<const uint16_t*>(to.data_ptr<at::Half>());
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
-    tiled_rows(tq.data_ptr<uint8_t>(), d, o, KB, t0, t1, xq.data(), xd.data(), xs.data(), M, op, ob, N);
+    (q8 ? tiled_rows<true> : tiled_rows<false>)(tq.data_ptr<uint8_t>(), d, o, KB, t0, t1, xq.data(), xd.data(),
+                                                 xs.data(), M, op, ob, N);
   });
 }

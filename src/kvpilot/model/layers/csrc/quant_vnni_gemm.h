@@ -1,4 +1,4 @@
-// The int8 GEMM for many rows (prefill, big batches): Q4_0 / Q4_1 weights in a column-tiled copy times
+// The int8 GEMM for many rows (prefill, big batches): Q4_0 / Q4_1 / Q8_0 weights in a column-tiled copy times
 // int8-quantized activations (quantize_row_q8, llama.cpp's q8 scheme), by AVX-512 VNNI dot products.
 //
 // Why a second layout: the interleaved one (quant_vnni.h) puts 8 blocks of one weight row in a register, which
@@ -8,24 +8,33 @@
 // per 16 outputs and block.
 //
 // The tiled layout (kvpilot/model/quant/vnni_gemm.py builds it at load): for each tile of 16 weight rows and each
-// block b, 256 bytes: pair p (0..3) holds, for weight row j of the tile, 4 bytes: the GGUF nibble bytes
-// 4p..4p+3 of that row's block (low nibble: values 4p.., high nibble: values 16 + 4p..). td / to: float16
-// [N / 16, KB, 16], the block scales and offsets (Q4_1 m, Q4_0 -8 d), so a value is d * q + o.
+// block b, Q4: 256 bytes: pair p (0..3) holds, for weight row j of the tile, 4 bytes: the GGUF nibble bytes
+// 4p..4p+3 of that row's block (low nibble: values 4p.., high nibble: values 16 + 4p..); Q8_0: 512 bytes: group g
+// (0..7) holds values 4g..4g+3 of each row as q + 128 (vpdpbusd's unsigned operand). td / to: float16
+// [N / 16, KB, 16], the block scales and offsets (Q4_1 m, Q4_0 -8 d, Q8_0 -128 d), so a value is d * q + o.
 namespace {
 
 constexpr int kTiledMR = 8;  // x rows per tile: 8 int32 and 8 float accumulators, 16 of the 32 registers
 
-template <int MR>
+template <int MR, bool Q8>
 KVP_VNNI void tiled_tile(const uint8_t* tq, const uint16_t* td, const uint16_t* to, int64_t KB, const int8_t* xq,
                          const float* xd, const float* xs, int64_t K, float* out, int64_t ldo) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   __m512 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < KB; ++b) {
-    const uint8_t* wb = tq + b * 256;
+    const uint8_t* wb = tq + b * (Q8 ? 512 : 256);
     __m512i dot[MR];
     for (int r = 0; r < MR; ++r) dot[r] = _mm512_setzero_si512();
-    for (int p = 0; p < 4; ++p) {
+    for (int g = 0; Q8 && g < 8; ++g) {
+      const __m512i w = _mm512_loadu_si512(wb + g * 64);
+      for (int r = 0; r < MR; ++r) {
+        int32_t x4;
+        std::memcpy(&x4, xq + r * K + b * kBlock + 4 * g, 4);
+        dot[r] = _mm512_dpbusd_epi32(dot[r], w, _mm512_set1_epi32(x4));
+      }
+    }
+    for (int p = 0; !Q8 && p < 4; ++p) {
       const __m512i raw = _mm512_loadu_si512(wb + p * 64);
       const __m512i lo = _mm512_and_si512(raw, low4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
       for (int r = 0; r < MR; ++r) {
@@ -49,13 +58,14 @@ KVP_VNNI void tiled_tile(const uint8_t* tq, const uint16_t* td, const uint16_t* 
 
 // out[i * ldo + n] for x rows i < M and the weight-row tiles [t0, t1) (16 weight rows each); float32, or bfloat16
 // (rounded to nearest even, as torch) when out_bf16 is given instead
+template <bool Q8>
 KVP_VNNI void tiled_rows(const uint8_t* tq, const uint16_t* td, const uint16_t* to, int64_t KB, int64_t t0,
                          int64_t t1, const int8_t* xq, const float* xd, const float* xs, int64_t M, float* out,
                          uint16_t* out_bf16, int64_t ldo) {
   const int64_t K = KB * kBlock;
   float tile_out[kTiledMR * 16];
   for (int64_t t = t0; t < t1; ++t) {  // one tile's weights (KB * 256 bytes) stay in L1 across all x rows
-    const uint8_t* q = tq + t * KB * 256;
+    const uint8_t* q = tq + t * KB * (Q8 ? 512 : 256);
     const uint16_t* d = td + t * KB * 16;
     const uint16_t* o = to + t * KB * 16;
     for (int64_t i = 0; i < M; i += kTiledMR) {
@@ -66,14 +76,14 @@ KVP_VNNI void tiled_rows(const uint8_t* tq, const uint16_t* td, const uint16_t* 
       float* dst = out_bf16 != nullptr ? tile_out : out + i * ldo + t * 16;
       const int64_t ld = out_bf16 != nullptr ? 16 : ldo;
       switch (mr) {
-        case 8: tiled_tile<8>(q, d, o, KB, x, xdi, xsi, K, dst, ld); break;
-        case 7: tiled_tile<7>(q, d, o, KB, x, xdi, xsi, K, dst, ld); break;
-        case 6: tiled_tile<6>(q, d, o, KB, x, xdi, xsi, K, dst, ld); break;
-        case 5: tiled_tile<5>(q, d, o, KB, x, xdi, xsi, K, dst, ld); break;
-        case 4: tiled_tile<4>(q, d, o, KB, x, xdi, xsi, K, dst, ld); break;
-        case 3: tiled_tile<3>(q, d, o, KB, x, xdi, xsi, K, dst, ld); break;
-        case 2: tiled_tile<2>(q, d, o, KB, x, xdi, xsi, K, dst, ld); break;
-        default: tiled_tile<1>(q, d, o, KB, x, xdi, xsi, K, dst, ld);
+        case 8: tiled_tile<8, Q8>(q, d, o, KB, x, xdi, xsi, K, dst, ld); break;
+        case 7: tiled_tile<7, Q8>(q, d, o, KB, x, xdi, xsi, K, dst, ld); break;
+        case 6: tiled_tile<6, Q8>(q, d, o, KB, x, xdi, xsi, K, dst, ld); break;
+        case 5: tiled_tile<5, Q8>(q, d, o, KB, x, xdi, xsi, K, dst, ld); break;
+        case 4: tiled_tile<4, Q8>(q, d, o, KB, x, xdi, xsi, K, dst, ld); break;
+        case 3: tiled_tile<3, Q8>(q, d, o, KB, x, xdi, xsi, K, dst, ld); break;
+        case 2: tiled_tile<2, Q8>(q, d, o, KB, x, xdi, xsi, K, dst, ld); break;
+        default: tiled_tile<1, Q8>(q, d, o, KB, x, xdi, xsi, K, dst, ld);
       }
       if (out_bf16 != nullptr)
         for (int64_t r = 0; r < mr; ++r) to_bf16_512(tile_out + r * 16, out_bf16 + (i + r) * ldo + t * 16, 16);
