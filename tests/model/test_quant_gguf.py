@@ -56,7 +56,8 @@ def test_quantization_setting_is_checked():
 def test_auto_with_bfloat16_is_hybrid_packed_plus_resident_dense(tmp_path):
     """bf16 activations under auto: the kernel for few rows, and for many rows a dense bf16 copy built once
     and kept (the same values as the dequantized model's weights, in its [in, out] memory layout); with VNNI, a
-    Q4 layer's tiled int8 copy takes every row count of decode steps, the dense copy those of prompt steps."""
+    Q4 layer's tiled int8 copy takes every row count of decode steps, the dense copy those of prompt steps; gguf
+    (packed only) takes the same tiled path and fills the shared scratch matrix from it for prompt steps."""
     path = tmp_path / "tiny-Q4_1.gguf"
     _write_gguf(path, T.Q4_1)
     hybrid = load_model(str(path), dtype="bfloat16", max_model_len=64)
@@ -79,9 +80,14 @@ def test_auto_with_bfloat16_is_hybrid_packed_plus_resident_dense(tmp_path):
             assert layer.nbytes == packed_bytes + resident.numel() * 2
         else:  # the int8 path: dense copy built at load, the packed quants dropped (its int8 copy has them)
             assert layer.quants_released and layer.nbytes == packed_bytes
-            int8_extra = layer.int8_weight.nbytes_beside(layer.parts[0]) - packed_only.parts[0].qs.numel()
-            assert layer.nbytes == packed_only.nbytes + int8_extra + resident.numel() * 2
+            # packed only (gguf) holds the same int8 copy, quants dropped too, and no dense copy: prompt steps
+            # dequantize the tiled copy into the shared scratch matrix, the same values
+            assert packed_only.quants_released and packed_only.int8_gate is not None
+            assert layer.nbytes == packed_only.nbytes + resident.numel() * 2
             assert torch.equal(layer.weight, packed_only.weight)  # same values
+            packed_only.int8_gate.open = False
+            assert torch.equal(packed_only._dense(torch.bfloat16), resident)
+            torch.testing.assert_close(packed_only(x), many)  # the same values; the GEMM may sum in another order
             torch.testing.assert_close(layer(x.float()), dense_layer(x).float(), rtol=2e-2, atol=2e-2)
         torch.testing.assert_close(many, dense_layer(x))
         few = layer(x[:1])  # the kernel (float32 accumulation of the same values)

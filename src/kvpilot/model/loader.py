@@ -65,10 +65,11 @@ def _load_gguf(path: Path, max_model_len: int | None, dtype: torch.dtype, device
     names = packed_names(quantization, device, linear_tensor_types(reader), config, path)
     dense, packed = load_gguf_tensors(reader, path, config, names)
     hybrid = keeps_dense(quantization, dtype, packed, psutil.virtual_memory().available)
-    prepare = (lambda m: pack_linear_layers(m, packed, config, keep_dense=hybrid)) if names else None
+    prepare = (lambda m: pack_linear_layers(m, packed, config, keep_dense=hybrid, compute_dtype=dtype)) \
+        if names else None
     model = _build_model(config, max_model_len or config.max_position_embeddings, dtype, device, prepare)
     model.load_weights(dense, str(path))
-    if hybrid:
+    if names:
         release_packed_quants(model, dtype)
     # A GGUF without vocabulary metadata still runs on token ids.
     has_vocab = field_value(reader, "tokenizer.ggml.tokens") is not None
@@ -144,7 +145,7 @@ def _quantize_at_load(loaded: LoadedModel, quantization: str) -> None:
 
     if loaded.device.type != "cpu":
         raise ModelLoadError(f"--quantization {quantization} runs on CPU only (device {loaded.device.type})")
-    quantize_linear_layers(loaded.model, quantization)
+    quantize_linear_layers(loaded.model, quantization, loaded.dtype)
     loaded.quantization = quantization
 
 

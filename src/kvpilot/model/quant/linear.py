@@ -118,9 +118,12 @@ class PackedLinear(nn.Module):
             tiled = can_tile(parts[0])
             self.int8_weight = tile(parts[0]) if tiled else interleave(parts[0])
             self.int8_max_rows = TILED_MAX_ROWS if tiled else INT8_MAX_ROWS
-        default_rows = DEFAULT_MAX_KERNEL_ROWS if not keep_dense else \
-            {**HYBRID_INT8_MAX_KERNEL_ROWS, torch.bfloat16: self.int8_max_rows} if self.int8_activations \
-            else HYBRID_MAX_KERNEL_ROWS
+        if keep_dense:
+            default_rows = {**HYBRID_INT8_MAX_KERNEL_ROWS, torch.bfloat16: self.int8_max_rows} \
+                if self.int8_activations else HYBRID_MAX_KERNEL_ROWS
+        else:  # packed only: bf16 rows the int8 path takes go there, more through the scratch matrix
+            default_rows = {**DEFAULT_MAX_KERNEL_ROWS, torch.bfloat16: self.int8_max_rows} \
+                if self.int8_activations else DEFAULT_MAX_KERNEL_ROWS
         self.max_kernel_rows = dict(max_kernel_rows or default_rows)
         self.dense_weight = dense_weight
         self.keep_dense = keep_dense
@@ -148,13 +151,17 @@ class PackedLinear(nn.Module):
         return self.parts[0].qs.numel() == 0
 
     def release_quants(self) -> None:
-        """Hybrid layout with the int8 path, bf16 activations: drop the packed quants only the float32 kernel
-        reads. The int8 copy serves every call of up to int8_max_rows rows (a tiled copy: every call while the
-        Int8Gate is open), the dense copy (built now) or, for a tied head, the embedding table every other one.
-        So the int8 path costs no memory beside them but its scales. Scales stay (they size the module)."""
-        if self.int8_weight is None or not self.keep_dense or self.quants_released:
+        """With the int8 path and bf16 activations: drop the packed quants only the float32 kernel reads. The
+        int8 copy serves every call of up to int8_max_rows rows (a tiled copy: every call while the Int8Gate is
+        open); every other call the dense copy (hybrid layout: built now), for a tied head the embedding table,
+        or (packed only, a tiled copy) the scratch matrix, filled from the tiled copy per call. So the int8 path
+        costs no memory beside them but its scales. Scales stay (they size the module). Packed-only layers
+        with an interleaved copy keep their quants: their many-row calls dequantize those."""
+        if self.int8_weight is None or self.quants_released:
             return
-        if self.dense_weight is None:
+        if not self.keep_dense and not isinstance(self.int8_weight, TiledWeight):
+            return
+        if self.keep_dense and self.dense_weight is None:
             self._dense(torch.bfloat16)
         self.parts = [replace(p, qs=p.qs.new_empty(0)) for p in self.parts]
         for dtype in self.max_kernel_rows:  # every dtype's few rows through the int8 path, more through dense
@@ -200,7 +207,7 @@ class PackedLinear(nn.Module):
     def _dense(self, dtype: torch.dtype) -> torch.Tensor:
         if self.dense_weight is not None:
             return self.dense_weight().to(dtype)
-        if self.quants_released and dtype not in self._resident:  # only the bf16 copy is left to widen
+        if self.quants_released and self.keep_dense and dtype not in self._resident:  # only bf16 is left to widen
             return self._resident[torch.bfloat16].to(dtype)
         if dtype not in (torch.float32, torch.bfloat16):
             return self._dense(torch.float32).to(dtype)
@@ -208,6 +215,9 @@ class PackedLinear(nn.Module):
         if resident is not None:
             return resident
         weight = self.scratch.matrix(self.out_features, self.in_features, dtype)
+        if self.quants_released and not self.keep_dense:  # packed only: the tiled copy holds the blocks
+            self.int8_weight.dequantize_into(weight)
+            return weight
         for part, offset in zip(self.parts, self.offsets):
             part.dequantize_into(weight[offset:offset + part.out_features], self.isa)
         if self.keep_dense:  # kept as an [out, in] view of [in, out] memory, like dense weights (weight_layout.py)

@@ -7,7 +7,10 @@
   25 tok/s dense bf16) and resident dense bf16 weights for more rows (native bf16 GEMMs beat the kernel from
   16 rows up, 196 vs 163 tok/s at batch 16; measured 2026-11-23 on an AVX512_BF16 EPYC), at the price of
   holding both copies. Float32 activations stay packed only (packed beats dense float32 at every batch);
-- gguf: packed only, or a ModelLoadError naming the tensor types the kernels lack;
+- gguf: packed only, or a ModelLoadError naming the tensor types the kernels lack. With bf16 activations on a
+  VNNI CPU the int8 path's tiled copy is then the only copy of the blocks: decode steps run on it, steps with
+  prompt tokens dequantize it per layer into one shared scratch matrix (~10 ms a step for the embedded model's
+  120 layers) instead of keeping a dense copy (~190 MiB less resident memory than auto);
 - none: dequantized to --dtype at load (dense matmuls);
 - int8 / int4: any model's dense weights quantized at load (quant/at_load.py; a GGUF is dequantized first).
 --dtype still sets the activations' dtype either way.
@@ -97,17 +100,24 @@ def keeps_dense(quantization: str, compute_dtype: torch.dtype, packed: dict[str,
     return True
 
 
+def int8_path_applies(compute_dtype: torch.dtype) -> bool:
+    """Whether packed layers take the int8-activation path: bf16 activations (int8 blocks round about as
+    coarsely, 2^-8) on a CPU with AVX-512 VNNI."""
+    return compute_dtype == torch.bfloat16 and has_vnni()
+
+
 def pack_linear_layers(model: nn.Module, packed: dict[str, PackedWeight], config: ModelConfig,
-                       keep_dense: bool = False) -> None:
+                       keep_dense: bool = False, compute_dtype: torch.dtype = torch.float32) -> None:
     """Replaces the model's projections (and output layer) with PackedLinear modules over `packed`;
-    `keep_dense`: each also keeps the dense copy its many-row path builds (the hybrid layout).
+    `keep_dense`: each also keeps the dense copy its many-row path builds (the hybrid layout). With
+    bf16 `compute_dtype` on a VNNI CPU, decode steps take the int8 path, hybrid or packed only.
 
     Call on the model before its parameters are materialized (the dense weights are never allocated);
     the remaining parameters (norms, embeddings, biases) load as usual afterwards.
     """
     scratch = DenseScratch()
     isa = best_isa()
-    int8_activations = keep_dense and has_vnni()  # bf16 activations: int8 blocks round about as coarsely (2^-8)
+    int8_activations = int8_path_applies(compute_dtype)
     gate = Int8Gate()  # the model opens it for decode steps (llama.py)
     model.int8_gate = gate if int8_activations else None
 
@@ -134,9 +144,9 @@ def pack_linear_layers(model: nn.Module, packed: dict[str, PackedWeight], config
 
 
 def release_packed_quants(model: nn.Module, compute_dtype: torch.dtype) -> None:
-    """With bf16 activations, the hybrid layout's int8 path needs neither the packed quants (its interleaved
-    copy holds them) nor the float32 kernel: each PackedLinear builds its dense copy now and drops them
-    (PackedLinear.release_quants), ~the packed bytes less resident memory."""
+    """With bf16 activations, the int8 path needs neither the packed quants (its copy holds them) nor the float32
+    kernel: each PackedLinear drops them (PackedLinear.release_quants; the hybrid layout builds its dense copy
+    first), ~the packed bytes less resident memory."""
     if compute_dtype != torch.bfloat16:
         return
     for module in model.modules():

@@ -44,6 +44,11 @@ class TiledWeight:
         """out [M, N] contiguous = int8-quantized x [M, K] contiguous @ W^T; each float32 or bfloat16."""
         require_quant_kernel().quant_matmul_tiled(out, x, self.tq, self.td, self.to)
 
+    def dequantize_into(self, out: torch.Tensor) -> None:
+        """out [N, K] contiguous, float32 or bfloat16 = the values (as PackedWeight.dequantize_into computes
+        them from the blocks), for a layer whose only copy of its blocks this is."""
+        require_quant_kernel().quant_dequantize_tiled(out, self.tq, self.td, self.to)
+
 
 def can_tile(w: PackedWeight) -> bool:
     """A whole number of 16-row tiles (every projection and output layer of the models kvpilot ships)."""

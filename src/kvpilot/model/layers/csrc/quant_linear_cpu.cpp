@@ -246,3 +246,28 @@ void quant_matmul_tiled(torch::Tensor out, torch::Tensor x, torch::Tensor tq, to
                                                  xs.data(), M, op, ob, N);
   });
 }
+
+// The values of a column-tiled copy (quant_vnni_gemm.h) as a dense matrix: out [N, K] contiguous, float32 (d * q + o
+// by one fused multiply-add, as quant_dequantize computes the packed blocks) or bfloat16 (those rounded to nearest
+// even). For the rows the int8 path does not take (steps with prompt tokens) in a layer whose tiled copy is its
+// only copy of the blocks (no resident dense copy).
+void quant_dequantize_tiled(torch::Tensor out, torch::Tensor tq, torch::Tensor td, torch::Tensor to) {
+  TORCH_CHECK(has_vnni(), "needs AVX-512 VNNI");
+  TORCH_CHECK(float_or_bf16(out) && out.is_contiguous() && out.dim() == 2, "out: contiguous [N, K] float32 / bf16");
+  TORCH_CHECK(tq.is_contiguous() && td.is_contiguous() && to.is_contiguous() && tq.scalar_type() == torch::kUInt8 &&
+              td.scalar_type() == torch::kFloat16 && to.scalar_type() == torch::kFloat16 && td.sizes() == to.sizes() &&
+              td.dim() == 3 && td.size(2) == 16 && tq.dim() == 3,
+              "tiled weights: tq uint8, td / to float16 [N / 16, KB, 16], contiguous");
+  const int64_t T = td.size(0), KB = td.size(1), K = KB * kBlock;
+  const bool q8 = tq.size(2) == 512;
+  TORCH_CHECK((q8 || tq.size(2) == 256) && tq.size(0) == T && tq.size(1) == KB && out.size(0) == T * 16 &&
+              out.size(1) == K, "tiled weights do not match out [", out.size(0), ", ", out.size(1), "]");
+  const bool bf16 = out.scalar_type() == torch::kBFloat16;
+  const auto* d = reinterpret_cast<const uint16_t*>(td.data_ptr<at::Half>());
+  const auto* o = reinterpret_cast<const uint16_t*>(to.data_ptr<at::Half>());
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    float* of = bf16 ? nullptr : out.data_ptr<float>() + t0 * 16 * K;
+    uint16_t* ob = bf16 ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) + t0 * 16 * K : nullptr;
+    (q8 ? tiled_dequant_rows<true> : tiled_dequant_rows<false>)(tq.data_ptr<uint8_t>(), d, o, KB, t0, t1, of, ob);
+  });
+}

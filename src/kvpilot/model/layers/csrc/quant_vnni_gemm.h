@@ -91,4 +91,48 @@ KVP_VNNI void tiled_rows(const uint8_t* tq, const uint16_t* td, const uint16_t* 
   }
 }
 
+// The dense [16 * (t1 - t0), K] rows of tiles [t0, t1): d * q + o per block (one fused multiply-add, as the packed
+// blocks' own dequantization), float32 into out or rounded to bfloat16 (nearest even) into out_bf16; row n of
+// the result at (n - 16 t0) * K. A row's block gathers its 4-byte groups back into GGUF order: Q4 16 nibble bytes
+// (low nibbles values 0..15, high 16..31), Q8_0 32 bytes of q + 128.
+template <bool Q8>
+KVP_VNNI void tiled_dequant_rows(const uint8_t* tq, const uint16_t* td, const uint16_t* to, int64_t KB, int64_t t0,
+                                 int64_t t1, float* out, uint16_t* out_bf16) {
+  const int64_t K = KB * kBlock, width = Q8 ? 512 : 256;
+  const __m512i low4 = _mm512_set1_epi32(0x0F);
+  alignas(64) float block[kBlock];
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t b = 0; b < KB; ++b) {
+      const uint8_t* w = tq + (t * KB + b) * width;
+      const __m512 d16 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(td + (t * KB + b) * 16)));
+      const __m512 o16 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(to + (t * KB + b) * 16)));
+      alignas(64) float ds[16], os[16];
+      _mm512_store_ps(ds, d16);
+      _mm512_store_ps(os, o16);
+      for (int64_t r = 0; r < 16; ++r) {
+        int32_t g[8];
+        for (int p = 0; p < (Q8 ? 8 : 4); ++p) std::memcpy(g + p, w + p * 64 + r * 4, 4);
+        const __m512 d = _mm512_set1_ps(ds[r]), o = _mm512_set1_ps(os[r]);
+        __m512 lo, hi;
+        if (Q8) {
+          lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g))));
+          hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g + 4))));
+        } else {
+          const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g)));
+          lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, low4));
+          hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+        }
+        const int64_t row = (t - t0) * 16 + r;
+        if (out_bf16 != nullptr) {
+          _mm512_store_ps(block, _mm512_fmadd_ps(lo, d, o));
+          _mm512_store_ps(block + 16, _mm512_fmadd_ps(hi, d, o));
+          to_bf16_512(block, out_bf16 + row * K + b * kBlock, kBlock);
+        } else {
+          _mm512_storeu_ps(out + row * K + b * kBlock, _mm512_fmadd_ps(lo, d, o));
+          _mm512_storeu_ps(out + row * K + b * kBlock + 16, _mm512_fmadd_ps(hi, d, o));
+        }
+      }
+    }
+}
+
 }  // namespace
