@@ -63,6 +63,11 @@ class InputBatch:
         self.request_ids: list[str | None] = [None] * n
         self.rows: dict[str, int] = {}
         self._free_rows = list(range(n - 1, -1, -1))
+        # held rows that sample (temperature > 0), have min_tokens, want logprobs: a step whose rows have none of
+        # these skips gathering those columns (host work per step independent of the batch)
+        self.num_sampling = 0
+        self.num_min_tokens = 0
+        self.num_with_logprobs = 0
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -96,6 +101,12 @@ class InputBatch:
         self.min_p[row] = params.min_p
         self.min_tokens[row] = params.min_tokens
         self.num_logprobs[row] = params.logprobs if params.logprobs is not None else -1
+        self._count(row, 1)
+
+    def _count(self, row: int, sign: int) -> None:
+        self.num_sampling += sign * bool(self.temperature[row] > 0)
+        self.num_min_tokens += sign * bool(self.min_tokens[row] > 0)
+        self.num_with_logprobs += sign * bool(self.num_logprobs[row] >= 0)
 
     def update(self, running: Sequence[RunningRequestData]) -> None:
         """Applies the running requests' diffs (new blocks, computed tokens), vectorized over the batch."""
@@ -121,6 +132,8 @@ class InputBatch:
         """Frees the request's row (finished, aborted or preempted); unknown ids are ignored."""
         row = self.rows.pop(request_id, None)
         if row is not None:
+            self._count(row, -1)
+            self.temperature[row], self.min_tokens[row], self.num_logprobs[row] = 0.0, 0, -1
             self.request_ids[row] = None
             self.params[row] = None
             self._free_rows.append(row)

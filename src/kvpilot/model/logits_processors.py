@@ -28,6 +28,7 @@ class PenaltyState:
     def __init__(self, max_rows: int, vocab_size: int, device: torch.device) -> None:
         self.max_rows, self.vocab_size, self.device = max_rows, vocab_size, device
         self.active = np.zeros(max_rows, dtype=bool)
+        self.num_active = 0  # rows with active set: none (the usual case) skips every per-step gather
         self.repetition = np.ones(max_rows, dtype=np.float32)
         self.frequency = np.zeros(max_rows, dtype=np.float32)
         self.presence = np.zeros(max_rows, dtype=np.float32)
@@ -35,6 +36,7 @@ class PenaltyState:
         self._output_counts: torch.Tensor | None = None
 
     def add(self, row: int, params: SamplingParams, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
+        self.num_active += uses_penalties(params) - bool(self.active[row])
         self.active[row] = uses_penalties(params)
         if not self.active[row]:
             return
@@ -52,10 +54,13 @@ class PenaltyState:
             self._output_counts[row].index_add_(0, ids, torch.ones(len(ids), device=self.device))
 
     def remove(self, row: int) -> None:
+        self.num_active -= bool(self.active[row])
         self.active[row] = False
 
     def apply(self, logits: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
         """logits [N, vocab] of the requests in `rows` (persistent rows) -> penalized logits."""
+        if not self.num_active:
+            return logits
         mask = self.active[rows]
         if not mask.any():
             return logits
@@ -78,6 +83,8 @@ class PenaltyState:
 
     def record(self, rows: np.ndarray, token_ids: torch.Tensor) -> None:
         """Counts each row's just-sampled token (on the device: no host sync)."""
+        if not self.num_active:
+            return
         mask = self.active[rows]
         if not mask.any():
             return

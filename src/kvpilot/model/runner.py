@@ -160,21 +160,29 @@ class ModelRunner:
         logits = self.grammars.apply(logits, rows)  # last: a disallowed token stays -inf whatever the bias
         generators = {i: self._generators[r] for i, r in enumerate(inputs.sample_request_ids)
                       if r in self._generators} if self._generators else {}
-        sampling = SamplingBatch.from_columns(batch.temperature[rows], batch.top_k[rows], batch.top_p[rows],
-                                              batch.min_p[rows], generators, self.vocab_size, self.device)
+        if batch.num_sampling:
+            sampling = SamplingBatch.from_columns(batch.temperature[rows], batch.top_k[rows], batch.top_p[rows],
+                                                  batch.min_p[rows], generators, self.vocab_size, self.device)
+        else:  # every held row is greedy: no columns to gather
+            sampling = SamplingBatch.greedy(generators, self.device)
         token_ids = sample(logits, sampling)
         self.penalties.record(rows, token_ids)
         self.grammars.record(rows, token_ids)
-        num_top = batch.num_logprobs[rows]
-        logprobs = compute_logprobs(logits, token_ids, int(num_top.max())) if (num_top >= 0).any() else None
+        if batch.num_with_logprobs:
+            num_top = batch.num_logprobs[rows].tolist()
+            logprobs = compute_logprobs(logits, token_ids, max(num_top)) if max(num_top) >= 0 else None
+        else:
+            num_top, logprobs = [-1] * len(rows), None
         index_of_row = np.full(batch.limits.max_num_seqs, -1, dtype=np.int64)
         index_of_row[rows] = np.arange(len(rows))
         self._previous = PreviousSample(token_ids, index_of_row)
         positions = batch.append_placeholders(rows)
-        return StepResult(self, inputs.sample_request_ids, rows, positions, token_ids, num_top.tolist(), logprobs)
+        return StepResult(self, inputs.sample_request_ids, rows, positions, token_ids, num_top, logprobs)
 
     def _banned(self, rows: np.ndarray) -> list[list[int]]:
         """Per sampled row, the tokens min_tokens forbids now (EOS unless ignore_eos, and stop tokens)."""
+        if not self.batch.num_min_tokens:
+            return []
         short = self.batch.num_output[rows] < self.batch.min_tokens[rows]
         if not short.any():
             return []

@@ -44,14 +44,18 @@ class SamplingBatch:
             {i: g for i, g in enumerate(generators) if g is not None}, vocab_size, device)
 
     @staticmethod
+    def greedy(generators: dict[int, torch.Generator], device: torch.device) -> "SamplingBatch":
+        """Every row greedy: the filter columns are never read."""
+        empty = torch.empty(0, device=device)
+        return SamplingBatch(empty, empty, empty, empty, True, generators)
+
+    @staticmethod
     def from_columns(temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, min_p: np.ndarray,
                      generators: dict[int, torch.Generator], vocab_size: int,
                      device: torch.device) -> "SamplingBatch":
         """From host columns (top_k 0 = off); all_greedy is decided on the host, with no device sync."""
-        all_greedy = not bool((temperature > 0).any())
-        if all_greedy:  # the filters are never read: skip four host-to-device copies
-            empty = torch.empty(0, device=device)
-            return SamplingBatch(empty, empty, empty, empty, True, generators)
+        if not bool((temperature > 0).any()):  # the filters are never read: skip four host-to-device copies
+            return SamplingBatch.greedy(generators, device)
 
         def col(values: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(values)).to(device)

@@ -60,13 +60,18 @@ def build_step_inputs(batch: InputBatch, chunks: Sequence[ScheduledChunk], rows:
                       previous: PreviousSample | None, device: torch.device) -> StepInputs:
     """Flattens the chunks in their given order; `rows` are their persistent rows (same order)."""
     block_size = batch.limits.block_size
-    query_lens = np.fromiter((c.num_tokens for c in chunks), dtype=np.int64, count=len(chunks))
-    needs_sample = np.fromiter((c.needs_sample for c in chunks), dtype=bool, count=len(chunks))
+    num_chunks = len(chunks)
+    query_lens = np.fromiter((c.num_tokens for c in chunks), dtype=np.int64, count=num_chunks)
+    needs_sample = np.fromiter((c.needs_sample for c in chunks), dtype=bool, count=num_chunks)
     starts = batch.num_computed[rows]
-    ends = np.cumsum(query_lens)
-    query_start = ends - query_lens
-    token_rows = np.repeat(rows, query_lens)
-    positions = np.arange(int(ends[-1]), dtype=np.int64) + np.repeat(starts - query_start, query_lens)
+    if int(query_lens.sum()) == num_chunks:  # one token per chunk (a decode step): nothing to repeat
+        query_start = np.arange(num_chunks, dtype=np.int64)
+        ends, token_rows, positions = query_start + 1, rows, starts
+    else:
+        ends = np.cumsum(query_lens)
+        query_start = ends - query_lens
+        token_rows = np.repeat(rows, query_lens)
+        positions = np.arange(int(ends[-1]), dtype=np.int64) + np.repeat(starts - query_start, query_lens)
     slots = batch.block_table[token_rows, positions // block_size] * block_size + positions % block_size
     unknown = np.flatnonzero(positions >= batch.num_known[token_rows])
     token_ids = _device_token_ids(batch.token_ids[token_rows, positions].astype(np.int64), unknown, token_rows,

@@ -68,15 +68,18 @@ def make_key_bias(context_lens: torch.Tensor, num_keys: int) -> torch.Tensor:
 
 
 def make_decode_batch(block_tables: np.ndarray, context_lens: np.ndarray, token_rows: np.ndarray,
-                      block_size: int, device: torch.device, with_bias: bool = True) -> DecodeBatch:
+                      block_size: int, device: torch.device, with_bias: bool = True,
+                      consecutive: bool | None = None) -> DecodeBatch:
     """From host arrays: block_tables [B, >= max blocks needed] (padding beyond a sequence's blocks is never
-    read), context_lens [B] (keys including the new token), token_rows [B]."""
+    read), context_lens [B] (keys including the new token), token_rows [B]; `consecutive`: whether token_rows
+    are first, first + 1, ... (None: checked here)."""
     max_blocks = int(-(-context_lens.max() // block_size))
     tables = torch.from_numpy(np.ascontiguousarray(block_tables[:, :max_blocks])).to(device)
     lens = torch.from_numpy(np.ascontiguousarray(context_lens, dtype=np.int64)).to(device)
     bias = make_key_bias(lens, max_blocks * block_size) if with_bias else None
     first = int(token_rows[0])
-    consecutive = bool(np.array_equal(token_rows, np.arange(first, first + len(token_rows))))
+    if consecutive is None:
+        consecutive = bool(np.array_equal(token_rows, np.arange(first, first + len(token_rows))))
     return DecodeBatch(token_rows=torch.from_numpy(np.ascontiguousarray(token_rows, dtype=np.int64)).to(device),
                        row_range=(first, first + len(token_rows)) if consecutive else None,
                        block_tables=tables, context_lens=lens, key_bias=bias)

@@ -25,11 +25,15 @@ def _prefill_mask(start: int, query_len: int, device: torch.device) -> torch.Ten
     return key_pos <= query_pos
 
 
-def build_prefills(layout: StepLayout, device: torch.device) -> list[PrefillSeq]:
-    """One PrefillSeq per non-decode sequence (a handful per step: a Python loop is fine here)."""
+def build_prefills(layout: StepLayout, device: torch.device, is_decode: np.ndarray | None = None) -> list[PrefillSeq]:
+    """One PrefillSeq per non-decode sequence (a handful per step: a Python loop is fine here); `is_decode`:
+    layout.is_decode, when the caller has it."""
+    is_decode = layout.is_decode if is_decode is None else is_decode
+    if is_decode.all():
+        return []
     prefills = []
     context_lens = layout.context_lens
-    for i in np.flatnonzero(~layout.is_decode):
+    for i in np.flatnonzero(~is_decode):
         start, query_len, context_len = int(layout.start_positions[i]), int(layout.query_lens[i]), int(context_lens[i])
         num_blocks = -(-context_len // layout.block_size)
         block_ids = torch.from_numpy(layout.block_tables[i, :num_blocks].copy()).to(device)
@@ -63,18 +67,25 @@ class TorchAttentionBackend:
         return (2, num_kv_heads, num_blocks, block_size, head_dim)
 
     def build(self, layout: StepLayout, device: torch.device) -> AttentionMetadata:
+        is_decode = layout.is_decode
         return AttentionMetadata(slot_mapping=torch.from_numpy(layout.slot_mapping).to(device),
-                                 prefills=build_prefills(layout, device),
-                                 decodes=self._decode_batches(layout, device), num_tokens=layout.num_tokens)
+                                 prefills=build_prefills(layout, device, is_decode),
+                                 decodes=self._decode_batches(layout, device, is_decode), num_tokens=layout.num_tokens)
 
-    def _decode_batches(self, layout: StepLayout, device: torch.device) -> list[DecodeBatch]:
-        decodes = np.flatnonzero(layout.is_decode)
-        if len(decodes) == 0:
-            return []
-        context_lens = layout.context_lens[decodes]
-        tables, rows = layout.block_tables[decodes], layout.query_start[decodes]
+    def _decode_batches(self, layout: StepLayout, device: torch.device, is_decode: np.ndarray) -> list[DecodeBatch]:
+        if is_decode.all():  # a decode step: every sequence, rows 0..n-1 in order
+            context_lens, tables, rows = layout.context_lens, layout.block_tables, layout.query_start
+            consecutive: bool | None = True
+        else:
+            decodes = np.flatnonzero(is_decode)
+            if len(decodes) == 0:
+                return []
+            context_lens = layout.context_lens[decodes]
+            tables, rows = layout.block_tables[decodes], layout.query_start[decodes]
+            consecutive = None
         if self.batch_all_decodes:
-            return [make_decode_batch(tables, context_lens, rows, layout.block_size, device, with_bias=False)]
+            return [make_decode_batch(tables, context_lens, rows, layout.block_size, device, with_bias=False,
+                                      consecutive=consecutive)]
         num_blocks = -(-context_lens // layout.block_size)
         return [make_decode_batch(tables[g], context_lens[g], rows[g], layout.block_size, device)
                 for g in group_by_context(num_blocks)]
