@@ -16,9 +16,9 @@ import torch
 from kvpilot.model.layers.cpp_build import CppKernel, build_cpp_kernel
 
 _CSRC = Path(__file__).parent / "csrc"
-# the AVX-512 rows first: the scalar ops' file calls them (one translation unit, no include path)
+# the AVX-512 rows (and their exp) first: the scalar ops' file calls them (one translation unit, no include path)
 _KERNEL = CppKernel(label="CPU bf16 ops kernel", name_prefix="kvpilot_cpu_bf16_ops_",
-                    sources=tuple(_CSRC / name for name in ("bf16_ops_avx512.h", "bf16_ops_cpu.cpp")),
+                    sources=tuple(_CSRC / name for name in ("simd_exp.h", "bf16_ops_avx512.h", "bf16_ops_cpu.cpp")),
                     functions=("rms_norm_bf16", "rope_bf16", "silu_mul_bf16"), cflags=("-O3",),
                     serial="norms and rotations of long prompts run on one thread", fallback="using torch ops")
 

@@ -1,11 +1,15 @@
-// AVX-512 rows of the bf16 small ops (bf16_ops_cpu.cpp includes this first): RMSNorm, the rotary embedding and
-// SiLU-and-mul, 16 float32 lanes at a time. Why: the scalar loops took ~0.5 us a row; a 1,536-token prefill step
-// of the embedded model spent ~110 ms of ~1,080 in them, a batch-64 decode step ~7 ms of ~67.
+// AVX-512 rows of the bf16 small ops (concatenated after simd_exp.h, before bf16_ops_cpu.cpp, which calls them):
+// RMSNorm, the rotary embedding and SiLU-and-mul, 16 float32 lanes at a time. Why: the scalar loops took ~0.5 us a
+// row; a 1,536-token prefill step of the embedded model spent ~110 ms of ~1,080 in them.
 //
-// Each function computes what its scalar twin in bf16_ops_cpu.cpp computes, rounding for rounding (products
-// rounded to bfloat16 where torch rounds them), except the sum of squares of RMSNorm, which is summed in 16
-// lanes (an order torch does not use either). Built with target attributes, not -march, so one module serves any
-// x86-64 CPU and these run only where the CPU has AVX-512 (bf16_avx512() checks at run time).
+// RMSNorm and RoPE compute what their scalar twins in bf16_ops_cpu.cpp compute, rounding for rounding (products
+// rounded to bfloat16 where torch rounds them), except RMSNorm's sum of squares, summed in 16 lanes (an order
+// torch does not use either). SiLU uses simd_exp.h's polynomial exp, the scalar twin std::exp. Built with target
+// attributes, not -march, so one module serves any CPU and these run only where it has AVX-512 (bf16_avx512()
+// checks at run time); elsewhere (not x86) they are never-called stubs.
+#include <cmath>
+#include <cstdint>
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #include <cmath>
 #include <cstdint>
@@ -18,12 +22,8 @@
 namespace {
 
 inline bool bf16_avx512() {
-#if defined(__x86_64__) || defined(__i386__)
   static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
   return has;
-#else
-  return false;
-#endif
 }
 
 // 16 bfloat16 values widened to float32
@@ -82,28 +82,10 @@ KVP_BF16_AVX512 void rope_row512(const uint16_t* x, const uint16_t* c, const uin
   }
 }
 
-// exp(x) for x <= 0 (relative error ~2e-7; below -87 it gives ~1.6e-38, not 0): simd_exp.h's reduction and
-// polynomial, here under target attributes since this module is built without -march
-KVP_BF16_AVX512 inline __m512 exp_nonpos_bf16ops(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723e-6f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
 // silu(g) = g / (1 + exp(-g)), as g * e / (1 + e) with e = exp(g) for g < 0 so that exp never overflows
 KVP_BF16_AVX512 inline __m512 silu16(__m512 g) {
   const __mmask16 negative = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
-  const __m512 e = exp_nonpos_bf16ops(_mm512_mask_blend_ps(negative, _mm512_sub_ps(_mm512_setzero_ps(), g), g));
+  const __m512 e = exp_nonpos16(_mm512_mask_blend_ps(negative, _mm512_sub_ps(_mm512_setzero_ps(), g), g));
   const __m512 denominator = _mm512_add_ps(_mm512_set1_ps(1.0f), e);
   const __m512 numerator = _mm512_mask_mul_ps(g, negative, g, e);
   return _mm512_div_ps(numerator, denominator);
@@ -120,3 +102,11 @@ KVP_BF16_AVX512 void silu_mul_row512(const uint16_t* gate, const uint16_t* up, u
 }  // namespace
 
 #pragma GCC pop_options
+#else
+namespace {
+inline bool bf16_avx512() { return false; }
+inline void norm_row512(const uint16_t*, const uint16_t*, uint16_t*, int64_t, float) {}
+inline void rope_row512(const uint16_t*, const uint16_t*, const uint16_t*, uint16_t*, int64_t) {}
+inline void silu_mul_row512(const uint16_t*, const uint16_t*, uint16_t*, int64_t) {}
+}  // namespace
+#endif

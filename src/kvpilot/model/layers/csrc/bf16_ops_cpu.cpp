@@ -51,28 +51,11 @@ void norm_row(const uint16_t* x, const uint16_t* w, uint16_t* out, int64_t K, fl
   }
 }
 
-// exp(x) for x <= 0: the polynomial of exp_nonpos_bf16ops (bf16_ops_avx512.h), one value at a time
-inline float exp_nonpos_scalar(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  float r = x - n * 0.693145751953125f;
-  r = r - n * 1.42860682030941723e-6f;
-  float p = 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  return std::ldexp(p, static_cast<int>(n));
-}
-
-// out = bf16(bf16(silu(gate)) * up), silu(g) = g / (1 + exp(-g)) (g * e / (1 + e), e = exp(g), for g < 0)
+// out = bf16(bf16(silu(gate)) * up), silu(g) = g / (1 + exp(-g)) as torch writes it
 void silu_mul_row(const uint16_t* gate, const uint16_t* up, uint16_t* out, int64_t I) {
   for (int64_t i = 0; i < I; ++i) {
     const float g = bf16_to_float(gate[i]);
-    const float e = exp_nonpos_scalar(g < 0.0f ? g : -g);
-    const float act = bf16_to_float(float_to_bf16((g < 0.0f ? g * e : g) / (1.0f + e)));
+    const float act = bf16_to_float(float_to_bf16(g / (1.0f + std::exp(-g))));
     out[i] = float_to_bf16(act * bf16_to_float(up[i]));
   }
 }
@@ -148,8 +131,8 @@ torch::Tensor rope_bf16(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
 
 // out [T, I] bfloat16 = silu(gate) * up for gate_up [T, 2I] bfloat16 (the fused gate/up projection, rows may be
 // strided, unit stride within a row): MLP's `F.silu(gate).mul_(up)` in one pass. silu is computed in float32 and
-// rounded to bfloat16, then the product rounded, as torch rounds; its exp is this file's polynomial (torch's
-// differs in the last float32 bits, so a value can land one bf16 step apart from torch's).
+// rounded to bfloat16, then the product rounded, as torch rounds; the AVX-512 rows' exp is simd_exp.h's polynomial
+// (torch's differs in the last float32 bits, so a value can land one bf16 step apart from torch's).
 torch::Tensor silu_mul_bf16(torch::Tensor gate_up) {
   TORCH_CHECK(gate_up.scalar_type() == torch::kBFloat16 && gate_up.dim() == 2 && gate_up.stride(1) == 1 &&
               gate_up.size(1) % 2 == 0, "silu_mul_bf16: gate_up [T, 2I] bfloat16, unit stride in a row");
