@@ -38,6 +38,11 @@ from tests.doctor.openai_gateway import openai_gateway
 pytestmark = pytest.mark.slow
 SHORT = DatasetConfig(kind="random", input_len=32, output_len=8, seed=7)
 TINY = DatasetConfig(kind="random", input_len=24, output_len=4, seed=8)
+# Served one at a time, a request of 4 tokens (~120 ms) made the throughput gain of 8 queued clients over one
+# 1.1-1.3x: the lone client's HTTP round trip between requests is not overlapped, and on a noisy 2-core box that
+# crossed the 1.3x "flat" bar (a CI failure; 2 in 4 runs of the unchanged code). 16 tokens (~360 ms) each keep
+# that round trip a small share.
+ONE_AT_A_TIME = DatasetConfig(kind="random", input_len=24, output_len=16, seed=8)
 LONG_LEN = 1024
 
 
@@ -187,8 +192,9 @@ def test_one_sequence_at_a_time_is_queueing_then_static_batching(one_seq_server:
                                                                  worker: BenchWorker) -> None:
     """`--max-num-seqs 1` under 8 clients. Throughput stays flat too (static-batching), but that rule
     defers to queueing by design: the queue is the cause it sees, and kvpilot reports it per request."""
-    low = bench(worker, one_seq_server.url, TINY, LoadShape(concurrency=1, num_requests=3), "concurrency=1")
-    high = bench(worker, one_seq_server.url, TINY, LoadShape(concurrency=8, num_requests=8), "concurrency=8")
+    low = bench(worker, one_seq_server.url, ONE_AT_A_TIME, LoadShape(concurrency=1, num_requests=5), "concurrency=1")
+    high = bench(worker, one_seq_server.url, ONE_AT_A_TIME, LoadShape(concurrency=8, num_requests=8),
+                 "concurrency=8")
     report = doctor(low, high)
     assert_first(report, "queueing", low, high)
     static = next(f for f in report.findings if f.rule_id == "static-batching")
@@ -202,11 +208,12 @@ def test_one_sequence_at_a_time_behind_an_openai_only_gateway_is_static_batching
     """The same server behind a gateway that exposes only the OpenAI API (openai_gateway.py: no
     "kvpilot" timings, no Server-Timing, /metrics 404). The queue is now invisible: the client sees
     only that throughput stays flat while 8 requests are in flight, which is static batching."""
-    # 5 requests alone (the fewest a load comparison uses), then 12 at concurrency 8: served one after
-    # another, they average 5.7 in flight (8 would average 4.5), well clear of the 4x load-ratio bar.
+    # 8 requests alone (one slow request among 5 could move the lone client's throughput by 1.3x), then 12 at
+    # concurrency 8: served one after another, they average 5.7 in flight (8 would average 4.5), well clear of
+    # the 4x load-ratio bar.
     with openai_gateway(one_seq_server.url) as gateway:
-        low = bench(worker, gateway.url, TINY, LoadShape(concurrency=1, num_requests=5), "concurrency=1")
-        high = bench(worker, gateway.url, TINY, LoadShape(concurrency=8, num_requests=12), "concurrency=8")
+        low = bench(worker, gateway.url, ONE_AT_A_TIME, LoadShape(concurrency=1, num_requests=8), "concurrency=1")
+        high = bench(worker, gateway.url, ONE_AT_A_TIME, LoadShape(concurrency=8, num_requests=12), "concurrency=8")
     runs = [run for m in (low, high) for run in m.result["runs"]]
     assert all(r["ok"] and not r["server"] for run in runs for r in run["requests"])  # the timings were hidden
     assert all(run["server_metrics"]["summary"] is None for run in runs)  # and /metrics too
