@@ -25,10 +25,9 @@ def _prefill_mask(start: int, query_len: int, device: torch.device) -> torch.Ten
     return key_pos <= query_pos
 
 
-def build_prefills(layout: StepLayout, device: torch.device, is_decode: np.ndarray | None = None) -> list[PrefillSeq]:
-    """One PrefillSeq per non-decode sequence (a handful per step: a Python loop is fine here); `is_decode`:
-    layout.is_decode, when the caller has it."""
-    is_decode = layout.is_decode if is_decode is None else is_decode
+def build_prefills(layout: StepLayout, device: torch.device, is_decode: np.ndarray) -> list[PrefillSeq]:
+    """One PrefillSeq per non-decode sequence (a handful per step: a Python loop is fine here); `is_decode`
+    is layout.is_decode (the caller's, computed once a step)."""
     if is_decode.all():
         return []
     prefills = []

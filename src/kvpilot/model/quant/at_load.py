@@ -17,8 +17,8 @@ from torch import nn
 from kvpilot.model.errors import ModelLoadError
 from kvpilot.model.quant.formats import BLOCK_VALUES, FORMATS, QuantFormat
 from kvpilot.model.quant.kernel import best_isa
-from kvpilot.model.quant.linear import DenseScratch, Int8Gate, PackedLinear
-from kvpilot.model.quant.model_pack import int8_path_applies, release_packed_quants
+from kvpilot.model.quant.linear import DenseScratch, PackedLinear
+from kvpilot.model.quant.model_pack import install_int8_gate, release_packed_quants
 from kvpilot.model.quant.packed import PackedWeight
 
 AT_LOAD_FORMATS = {"int8": FORMATS["Q8_0"], "int4": FORMATS["Q4_1"]}
@@ -41,21 +41,19 @@ def quantize_linear_layers(model: nn.Module, quantization: str, compute_dtype: t
     """Replaces the model's projections and output layer by PackedLinear modules holding their weights
     quantized to `quantization` (int8 or int4). Biases, norms and the embedding table stay dense. With bf16
     `compute_dtype` on a VNNI CPU, decode steps take the int8 path (the tiled copy, then the layers' only copy
-    of their blocks) and steps with prompt tokens dense GEMMs on those values (model_pack.int8_path_applies)."""
+    of their blocks) and steps with prompt tokens dense GEMMs on those values (model_pack.install_int8_gate)."""
     if quantization not in AT_LOAD_FORMATS:
         raise ModelLoadError(f"quantization {quantization!r} is not one of {', '.join(AT_LOAD_FORMATS)}")
     if best_isa() < 0:
         raise ModelLoadError(f"--quantization {quantization} needs the CPU quantized-linear kernel, which could "
                              "not be built (see the warning above); use --quantization none")
     fmt, scratch, isa = AT_LOAD_FORMATS[quantization], DenseScratch(), best_isa()
-    int8 = int8_path_applies(compute_dtype)
-    gate = Int8Gate()  # the model opens it for decode steps (llama.py)
-    model.int8_gate = gate if int8 else None
+    gate = install_int8_gate(model, compute_dtype)
 
     def packed(weight: torch.Tensor, bias: torch.Tensor | None = None, fmt: QuantFormat = fmt,
                gated: bool = True) -> PackedLinear:
-        module = PackedLinear([quantize_weight(weight, fmt)], bias is not None, scratch, isa, int8_activations=int8,
-                              int8_gate=gate if gated else None)
+        module = PackedLinear([quantize_weight(weight, fmt)], bias is not None, scratch, isa,
+                              int8_activations=gate is not None, int8_gate=gate if gated else None)
         if bias is not None:
             module.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
         return module

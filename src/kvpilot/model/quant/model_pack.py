@@ -100,10 +100,12 @@ def keeps_dense(quantization: str, compute_dtype: torch.dtype, packed: dict[str,
     return True
 
 
-def int8_path_applies(compute_dtype: torch.dtype) -> bool:
-    """Whether packed layers take the int8-activation path: bf16 activations (int8 blocks round about as
-    coarsely, 2^-8) on a CPU with AVX-512 VNNI."""
-    return compute_dtype == torch.bfloat16 and has_vnni()
+def install_int8_gate(model: nn.Module, compute_dtype: torch.dtype) -> Int8Gate | None:
+    """The model's Int8Gate (the model opens it for decode steps, llama.py) when packed layers take the
+    int8-activation path: bf16 activations (int8 blocks round about as coarsely, 2^-8) on a CPU with AVX-512
+    VNNI; else None. Sets model.int8_gate either way."""
+    model.int8_gate = Int8Gate() if compute_dtype == torch.bfloat16 and has_vnni() else None
+    return model.int8_gate
 
 
 def pack_linear_layers(model: nn.Module, packed: dict[str, PackedWeight], config: ModelConfig,
@@ -117,14 +119,12 @@ def pack_linear_layers(model: nn.Module, packed: dict[str, PackedWeight], config
     """
     scratch = DenseScratch()
     isa = best_isa()
-    int8_activations = int8_path_applies(compute_dtype)
-    gate = Int8Gate()  # the model opens it for decode steps (llama.py)
-    model.int8_gate = gate if int8_activations else None
+    gate = install_int8_gate(model, compute_dtype)
 
     def make(names: list[str], bias: bool = False, dense: Callable[[], torch.Tensor] | None = None,
              gated: bool = True) -> PackedLinear:
         return PackedLinear([packed[name] for name in names], bias, scratch, isa, dense_weight=dense,
-                            keep_dense=keep_dense, int8_activations=int8_activations,
+                            keep_dense=keep_dense, int8_activations=gate is not None,
                             int8_gate=gate if gated else None)
 
     for i, layer in enumerate(model.layers):

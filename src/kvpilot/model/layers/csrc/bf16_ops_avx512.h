@@ -11,8 +11,6 @@
 #include <cstdint>
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
-#include <cmath>
-#include <cstdint>
 
 #pragma GCC push_options
 #pragma GCC optimize("no-fast-math")
