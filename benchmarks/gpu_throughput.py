@@ -20,6 +20,7 @@ import json
 import random
 import tempfile
 import time
+import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -152,17 +153,27 @@ def run_row(loaded: LoadedModel, hf_config: dict, row: Row, args: argparse.Names
     check = llm.generate([requests[0][0]], SamplingParams(temperature=0, max_tokens=CHECK_TOKENS, ignore_eos=True))
     del llm
     _free()
+    print(f"{row.title}: kvpilot {kvpilot:.3f} ({tokens} tokens in {seconds:.2f} s)", flush=True)
     hf = agree = None
-    if row.hf_requests and not args.skip_hf:
-        model = hf_mirror(loaded, hf_config)
-        agree = _leading_agreement(model, requests[0][0], list(check[0].outputs[0].token_ids))
-        subset = requests[:row.hf_requests]
-        run_hf(model, [(subset[0][0], 2)], 1)  # warm-up
-        hf_tokens, hf_seconds = run_hf(model, subset, row.hf_batch_size)
-        hf = hf_tokens / hf_seconds
-        del model
+    if row.hf_requests and not args.skip_hf and (args.hf_rows is None or row.key in args.hf_rows):
+        try:
+            hf, agree = _run_hf_side(loaded, hf_config, row, requests, list(check[0].outputs[0].token_ids))
+        except Exception:  # noqa: BLE001  (keep kvpilot's figure when the reference side breaks)
+            traceback.print_exc()
         _free()
     return Result(row.key, row.title, kvpilot, hf, row.target, row.ttft, time.perf_counter() - began, agree)
+
+
+def _run_hf_side(loaded: LoadedModel, hf_config: dict, row: Row, requests: list[tuple[list[int], int]],
+                 check_ids: list[int]) -> tuple[float, int]:
+    """(HF output tok/s on the row's first hf_requests, leading greedy tokens where HF agrees with kvpilot)."""
+    model = hf_mirror(loaded, hf_config)
+    agree = _leading_agreement(model, requests[0][0], check_ids)
+    subset = requests[:row.hf_requests]
+    run_hf(model, [(subset[0][0], 2)], 1)  # warm-up
+    hf_tokens, hf_seconds = run_hf(model, subset, row.hf_batch_size)
+    del model
+    return hf_tokens / hf_seconds, agree
 
 
 @torch.inference_mode()
@@ -224,6 +235,7 @@ def main() -> None:
     parser.add_argument("--dtype", default=None, help="Default: bfloat16 on CUDA, float32 otherwise.")
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--hf-rows", nargs="*", help="Run HF transformers only on these rows (default: all that have it).")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, help="Also write the results and environment as JSON.")
     args = parser.parse_args()
@@ -239,7 +251,13 @@ def main() -> None:
             loaded = load_model(source, load_format="dummy", dtype=args.dtype, max_model_len=longest, seed=args.seed)
             print(f"{name}: dummy weights in {time.perf_counter() - began:.1f} s", flush=True)
             for row in (r for r in rows if r.model == name):
-                results.append(run_row(loaded, hf_config, row, args))
+                try:
+                    results.append(run_row(loaded, hf_config, row, args))
+                except Exception:  # noqa: BLE001  (one failing row must not cost the others' figures)
+                    traceback.print_exc()
+                    print(f"{row.title}: FAILED (traceback above)", flush=True)
+                    _free()
+                    continue
                 print(format_table(results[-1:]).splitlines()[1], flush=True)
             del loaded
             _free()

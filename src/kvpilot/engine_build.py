@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from kvpilot.engine.config import CacheConfig, EngineConfigError, SchedulerConfig, check_model_len_fits
+from kvpilot.engine.config import CacheConfig, EngineConfigError, SchedulerConfig, cdiv, check_model_len_fits
 from kvpilot.engine.engine import LLMEngine
 from kvpilot.engine.scheduler import Scheduler
 from kvpilot.engine.scheduler_output import NewRequestData, ScheduledChunk, SchedulerOutput
@@ -45,22 +46,37 @@ class BuiltEngine:
     kv: KVCachePlan
 
 
+def profile_forward(loaded: LoadedModel, num_tokens: int, block_size: int, kv_dtype: torch.dtype,
+                    measure_cache: Callable[[], int] = lambda: 0) -> int:
+    """Runs one step of `num_tokens` prompt tokens (a full token budget) through a throwaway runner with a cache
+    just big enough, so the device's peak memory shows the activations of the largest step; returns what
+    `measure_cache` says once the runner (and its cache) exist. The budget is split into prompts no longer
+    than the model's position table (a budget may exceed max_model_len; a step never holds a longer prompt)."""
+    max_len = loaded.model.rotary.max_positions
+    lengths = [min(max_len, num_tokens - start) for start in range(0, num_tokens, max_len)]
+    blocks_per_seq = cdiv(max(lengths), block_size)
+    runner = ModelRunner(loaded, blocks_per_seq * len(lengths), block_size, kv_dtype,
+                         limits=RunnerLimits(max_num_seqs=len(lengths), max_model_len=blocks_per_seq * block_size))
+    cache_bytes = measure_cache()
+    news = [NewRequestData(f"profile-{i}", [0] * n, [], SamplingParams(),
+                           list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)), 0)
+            for i, n in enumerate(lengths)]
+    chunks = [ScheduledChunk(new.request_id, 0, n, True) for new, n in zip(news, lengths)]
+    runner.forward_logits(SchedulerOutput(chunks, new_requests=news))
+    return cache_bytes
+
+
 def _cuda_kv_budget(loaded: LoadedModel, utilization: float, num_tokens: int, block_size: int,
                     kv_dtype: torch.dtype) -> int:
     """vLLM-style: GPU memory * utilization, minus what is in use, minus a full-budget forward's activations."""
     device = loaded.device
-    num_blocks = num_tokens // block_size + 1
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     baseline = torch.cuda.memory_allocated(device)
-    profiler = ModelRunner(loaded, num_blocks, block_size, kv_dtype,
-                           limits=RunnerLimits(max_num_seqs=1, max_model_len=num_tokens))
-    cache_bytes = torch.cuda.memory_allocated(device) - baseline
-    new = NewRequestData("profile", [0] * num_tokens, [], SamplingParams(), list(range(num_blocks)), 0)
-    profiler.forward_logits(SchedulerOutput([ScheduledChunk("profile", 0, num_tokens, True)], new_requests=[new]))
+    cache_bytes = profile_forward(loaded, num_tokens, block_size, kv_dtype,
+                                  lambda: torch.cuda.memory_allocated(device) - baseline)
     torch.cuda.synchronize(device)
     activations = torch.cuda.max_memory_allocated(device) - baseline - cache_bytes
-    del profiler
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     return int(total * utilization - (total - free) - activations)

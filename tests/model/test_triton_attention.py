@@ -31,8 +31,8 @@ def _backend(**kwargs):
 def _run(backend, step, cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, object]:
     kv_heads, num_blocks = cache.shape[1], cache.shape[2]
     backend.kv_cache_shape(num_blocks, BLOCK_SIZE, kv_heads, head_dim)
-    meta = backend.build(step.layout, DEVICE)
-    q, k, v = (t.to(DEVICE) for t in (step.q, step.k, step.v))
+    meta = backend.build(step.layout, cache.device)  # the reference runs where its cache is (the CPU)
+    q, k, v = (t.to(cache.device) for t in (step.q, step.k, step.v))
     return backend.forward(q, k, v, cache, meta, head_dim ** -0.5).cpu(), meta
 
 

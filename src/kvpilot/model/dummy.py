@@ -42,12 +42,14 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 @torch.no_grad()
 def init_dummy_weights(module: torch.nn.Module, seed: int = 0) -> None:
-    """Fills every parameter in place: norms with 1, everything else N(0, DUMMY_INIT_STD), reproducibly."""
-    generator = torch.Generator(device="cpu").manual_seed(seed)
+    """Fills every parameter in place: norms with 1, everything else N(0, DUMMY_INIT_STD), reproducibly for a
+    given seed and device (each device draws from its own generator: an 8B model drawn on the CPU and
+    copied would take about a minute)."""
+    generators: dict[torch.device, torch.Generator] = {}
     for name, param in module.named_parameters():
         if name.endswith("norm.weight"):
             param.fill_(1.0)
-        elif param.device.type == "cpu":
-            param.normal_(0.0, DUMMY_INIT_STD, generator=generator)
-        else:
-            param.copy_(torch.randn(param.shape, generator=generator).mul_(DUMMY_INIT_STD))
+            continue
+        if param.device not in generators:
+            generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
+        param.normal_(0.0, DUMMY_INIT_STD, generator=generators[param.device])

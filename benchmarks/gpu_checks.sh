@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine: the Triton kernels compiled and checked on the GPU, fp32 greedy against HF,
+# then every figure of the GPU issue, a decode step's profile and the attention kernels alone. Each stage has
+# its own time limit, so a hang or a crash costs only that stage; logs go to $OUT (one file a stage).
+#
+#     bash benchmarks/gpu_checks.sh [stage ...]     # stages: env tests fp32 throughput profile kernels
+#                                                   # (default), profile1 ttft-torch
+#
+# The machine needs torch (CUDA), triton and transformers; kvpilot runs from src/ without being installed.
+set -u
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src:$PWD:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}"
+OUT=${OUT:-/tmp/kvpilot-gpu}
+mkdir -p "$OUT"
+PY=${PY:-python3}
+
+stage() {  # stage NAME SECONDS command...
+    local name=$1 limit=$2
+    shift 2
+    echo "=== $name: start $(date -u +%T), limit ${limit}s"
+    timeout -k 5 "$limit" "$@" >"$OUT/$name.log" 2>&1
+    echo "=== $name: rc=$? end $(date -u +%T)"
+    tail -n "${TAIL:-30}" "$OUT/$name.log"
+}
+
+run_env() {
+    nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,driver_version --format=csv
+    $PY -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__,
+torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).multi_processor_count, 'SMs')"
+}
+
+run_tests() {
+    $PY -m pytest -q -p no:cacheprovider --timeout 120 tests/model/test_triton_attention.py \
+        tests/model/test_triton_runner.py tests/model/test_triton_split.py
+}
+
+export -f run_env run_tests
+export PY
+selected=("$@")
+[ ${#selected[@]} -eq 0 ] && selected=(env tests fp32 throughput profile kernels)
+for s in "${selected[@]}"; do
+    case $s in
+        env) stage env 60 bash -c run_env ;;
+        tests) stage tests 150 bash -c run_tests ;;
+        fp32) stage fp32 90 $PY benchmarks/gpu_throughput.py --smoke --dtype float32 ;;
+        throughput) stage throughput "${THROUGHPUT_LIMIT:-260}" $PY benchmarks/gpu_throughput.py --hf-rows qwen3-b1 \
+            --output "$OUT/throughput.json" ;;
+        profile) stage profile 90 $PY benchmarks/gpu_step_profile.py --model qwen3-0.6b --batch 256 --context 512 ;;
+        profile1) stage profile1 60 $PY benchmarks/gpu_step_profile.py --model qwen3-0.6b --batch 1 --context 512 ;;
+        ttft-torch) stage ttft-torch 90 $PY benchmarks/gpu_throughput.py --rows llama-ttft --attention-backend torch ;;
+        kernels) stage kernels 90 $PY benchmarks/attention_kernels.py ;;
+        *) echo "unknown stage $s" ;;
+    esac
+done

@@ -1,0 +1,97 @@
+"""Where a GPU decode step's time goes: B requests of ~L context decoding together on a dummy-weight model;
+wall time per step (synchronous and async scheduling), then one profiled pass: device time per step (sum of
+kernel times), kernel launches per step, and the top kernels. Wall well above device time means the host
+loop or launch overhead, not the GPU, sets the pace (what CUDA graphs and async scheduling are for).
+
+    python benchmarks/gpu_step_profile.py --model qwen3-0.6b --batch 256 --context 512
+    python benchmarks/gpu_step_profile.py --batch 8 --context 64 --model qwen3-0.6b   # any device
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import statistics
+import time
+
+import torch
+
+from kvpilot import LLM, SamplingParams
+from kvpilot.model.loader import load_model
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def fill_to_decode(llm: LLM, batch: int, context: int, max_tokens: int) -> None:
+    """Adds `batch` requests and steps until all of them decode (each has produced a token)."""
+    rng = random.Random(0)
+    high = min(llm.loaded.config.vocab_size, 10_000) - 1
+    for _ in range(batch):
+        llm.engine.add_request([rng.randint(0, high) for _ in range(context)],
+                               SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    produced: set[str] = set()
+    while len(produced) < batch:
+        produced.update(o.request_id for o in llm.engine.step())
+
+
+def timed_steps(llm: LLM, steps: int) -> list[float]:
+    _sync()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        llm.engine.step()
+        _sync()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def profile_steps(llm: LLM, steps: int, top: int) -> None:
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        timed_steps(llm, steps)
+    events = prof.key_averages()
+    device_us = sum(e.self_device_time_total for e in events) / steps
+    launches = sum(e.count for e in events if e.self_device_time_total > 0) / steps
+    print(f"profiled: device time {device_us / 1e3:.2f} ms a step, ~{launches:.0f} kernels a step")
+    print(events.table(sort_by="self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total",
+                       row_limit=top, max_name_column_width=60))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen3-0.6b", help="catalog name (dummy weights)")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--top", type=int, default=15)
+    args = parser.parse_args()
+    loaded = load_model(args.model, load_format="dummy", dtype=args.dtype, max_model_len=args.context + 512)
+    for async_scheduling in (False, True):
+        llm = LLM(loaded=loaded, max_model_len=args.context + 512, max_num_seqs=args.batch,
+                  attention_backend=args.attention_backend, async_scheduling=async_scheduling,
+                  kv_cache_memory=None if loaded.device.type == "cuda" else "2GiB")
+        fill_to_decode(llm, args.batch, args.context, max_tokens=4 * args.steps + 64)
+        timed_steps(llm, 3)  # warm-up
+        times = timed_steps(llm, args.steps)
+        step = statistics.median(times)
+        print(f"{args.model} decode, batch {args.batch}, context ~{args.context}, async {async_scheduling}: "
+              f"{step * 1e3:.2f} ms a step (median of {args.steps}, min {min(times) * 1e3:.2f}) "
+              f"= {args.batch / step:,.0f} tok/s", flush=True)
+        if async_scheduling:
+            profile_steps(llm, 5, args.top)
+        del llm
+        gc.collect()  # the engine holds reference cycles: free its KV cache before the next one is sized
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
