@@ -51,7 +51,7 @@ def _attention_case(name: str, seqs: list[tuple[int, int]], kv_dtype: torch.dtyp
     flops = sum(4 * HEADS * HEAD_DIM * n * (s + (n + 1) / 2) for s, n in seqs)
     t = timings["triton"]
     print(f"{name:<34} torch {timings['torch'] * 1e3:9.1f} us  triton {t * 1e3:9.1f} us  "
-          f"x{timings['torch'] / t:5.2f}  {kv_bytes / t / 1e9:7.0f} GB/s KV  {flops / t / 1e9:7.1f} TFLOP/s  "
+          f"x{timings['torch'] / t:5.2f}  {kv_bytes / t / 1e6:7.0f} GB/s KV  {flops / t / 1e9:7.1f} TFLOP/s  "
           f"rel err {err:.1e}", flush=True)
 
 
@@ -71,7 +71,7 @@ def _write_case(num_tokens: int, kv_dtype: torch.dtype) -> None:
     triton_ms = _bench(lambda: write_kv_triton(cache, k, v, slots32))
     moved = 2 * num_tokens * KV_HEADS * HEAD_DIM * (2 + cache.element_size())  # read bf16, write cache dtype
     print(f"{f'KV write, {num_tokens} tokens':<34} torch {torch_ms * 1e3:9.1f} us  triton {triton_ms * 1e3:9.1f} us  "
-          f"x{torch_ms / triton_ms:5.2f}  {moved / triton_ms / 1e9:7.0f} GB/s", flush=True)
+          f"x{torch_ms / triton_ms:5.2f}  {moved / triton_ms / 1e6:7.0f} GB/s", flush=True)
 
 
 def main() -> None:

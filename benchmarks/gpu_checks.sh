@@ -31,7 +31,7 @@ torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).multi_processo
 
 run_tests() {
     $PY -m pytest -q -p no:cacheprovider --timeout 120 tests/model/test_triton_attention.py \
-        tests/model/test_triton_runner.py tests/model/test_triton_split.py
+        tests/model/test_triton_runner.py tests/model/test_triton_split.py tests/model/test_cuda_graphs.py
 }
 
 export -f run_env run_tests
@@ -41,12 +41,12 @@ selected=("$@")
 for s in "${selected[@]}"; do
     case $s in
         env) stage env 60 bash -c run_env ;;
-        tests) stage tests 150 bash -c run_tests ;;
+        tests) stage tests "${TESTS_LIMIT:-150}" bash -c run_tests ;;
         fp32) stage fp32 90 $PY benchmarks/gpu_throughput.py --smoke --dtype float32 ;;
         throughput) stage throughput "${THROUGHPUT_LIMIT:-260}" $PY benchmarks/gpu_throughput.py --hf-rows qwen3-b1 \
             --output "$OUT/throughput.json" ;;
-        profile) stage profile 90 $PY benchmarks/gpu_step_profile.py --model qwen3-0.6b --batch 256 --context 512 ;;
-        profile1) stage profile1 60 $PY benchmarks/gpu_step_profile.py --model qwen3-0.6b --batch 1 --context 512 ;;
+        profile) stage profile "${PROFILE_LIMIT:-120}" $PY benchmarks/gpu_step_profile.py --model qwen3-0.6b --batch 256 --context 512 --profile --modes "${MODES:-sync-eager,async-eager,async-graphs}" ;;
+        profile1) stage profile1 "${PROFILE_LIMIT:-60}" $PY benchmarks/gpu_step_profile.py --model qwen3-0.6b --batch 1 --context 512 --profile --modes "${MODES:-sync-eager,async-eager,async-graphs}" ;;
         ttft-torch) stage ttft-torch 90 $PY benchmarks/gpu_throughput.py --rows llama-ttft --attention-backend torch ;;
         kernels) stage kernels 90 $PY benchmarks/attention_kernels.py ;;
         *) echo "unknown stage $s" ;;

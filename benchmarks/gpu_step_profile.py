@@ -1,9 +1,9 @@
 """Where a GPU decode step's time goes: B requests of ~L context decoding together on a dummy-weight model;
-wall time per step (synchronous and async scheduling), then one profiled pass: device time per step (sum of
-kernel times), kernel launches per step, and the top kernels. Wall well above device time means the host
+wall time per step in each mode (synchronous or async scheduling, eager or CUDA graphs), then with --profile
+one profiled pass of the last mode: kernel time per step, kernels per step, and the top kernels. Wall well above device time means the host
 loop or launch overhead, not the GPU, sets the pace (what CUDA graphs and async scheduling are for).
 
-    python benchmarks/gpu_step_profile.py --model qwen3-0.6b --batch 256 --context 512
+    python benchmarks/gpu_step_profile.py --model qwen3-0.6b --batch 256 --context 512 --profile
     python benchmarks/gpu_step_profile.py --batch 8 --context 64 --model qwen3-0.6b   # any device
 """
 
@@ -50,14 +50,16 @@ def timed_steps(llm: LLM, steps: int) -> list[float]:
 
 
 def profile_steps(llm: LLM, steps: int, top: int) -> None:
+    """Kernel time per step: the sum of device-side kernel events (not the aten ops around them)."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities) as prof:
         timed_steps(llm, steps)
     events = prof.key_averages()
-    device_us = sum(e.self_device_time_total for e in events) / steps
-    launches = sum(e.count for e in events if e.self_device_time_total > 0) / steps
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    device_us = sum(e.self_device_time_total for e in kernels) / steps
+    launches = sum(e.count for e in kernels) / steps
     print(f"profiled: device time {device_us / 1e3:.2f} ms a step, ~{launches:.0f} kernels a step")
     print(events.table(sort_by="self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total",
                        row_limit=top, max_name_column_width=60))
@@ -72,20 +74,26 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--modes", default="sync-eager,async-eager,async-graphs",
+                        help="comma-separated {sync,async}-{eager,graphs}: scheduling and CUDA graphs")
+    parser.add_argument("--profile", action="store_true", help="Profile the last mode's steps (kernels, time).")
     args = parser.parse_args()
     loaded = load_model(args.model, load_format="dummy", dtype=args.dtype, max_model_len=args.context + 512)
-    for async_scheduling in (False, True):
+    modes = [m.strip() for m in args.modes.split(",")]
+    for mode in modes:
+        scheduling, graphs = mode.split("-")
         llm = LLM(loaded=loaded, max_model_len=args.context + 512, max_num_seqs=args.batch,
-                  attention_backend=args.attention_backend, async_scheduling=async_scheduling,
+                  attention_backend=args.attention_backend, async_scheduling=scheduling == "async",
+                  enforce_eager=graphs == "eager",
                   kv_cache_memory=None if loaded.device.type == "cuda" else "2GiB")
         fill_to_decode(llm, args.batch, args.context, max_tokens=4 * args.steps + 64)
         timed_steps(llm, 3)  # warm-up
         times = timed_steps(llm, args.steps)
         step = statistics.median(times)
-        print(f"{args.model} decode, batch {args.batch}, context ~{args.context}, async {async_scheduling}: "
+        print(f"{args.model} decode, batch {args.batch}, context ~{args.context}, {mode}: "
               f"{step * 1e3:.2f} ms a step (median of {args.steps}, min {min(times) * 1e3:.2f}) "
               f"= {args.batch / step:,.0f} tok/s", flush=True)
-        if async_scheduling:
+        if mode == modes[-1] and args.profile:
             profile_steps(llm, 5, args.top)
         del llm
         gc.collect()  # the engine holds reference cycles: free its KV cache before the next one is sized

@@ -146,7 +146,7 @@ def run_row(loaded: LoadedModel, hf_config: dict, row: Row, args: argparse.Names
     max_len = max(len(p) + n for p, n in requests) + 16
     llm = LLM(loaded=loaded, max_model_len=max_len, max_num_seqs=max(row.num_requests, 1),
               max_num_batched_tokens=row.max_num_batched_tokens, attention_backend=args.attention_backend,
-              kv_cache_dtype=args.kv_cache_dtype)
+              kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager)
     warm_up(llm, requests, row.ttft)
     tokens, seconds = run_kvpilot(llm, requests)
     kvpilot = seconds if row.ttft else tokens / seconds
@@ -224,7 +224,7 @@ def environment(args: argparse.Namespace) -> dict:
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "gpu": gpu, "torch": torch.__version__,
             "triton": triton_version, "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype,
-            "attention_backend": args.attention_backend, "smoke": args.smoke}
+            "attention_backend": args.attention_backend, "enforce_eager": args.enforce_eager, "smoke": args.smoke}
 
 
 def main() -> None:
@@ -235,6 +235,7 @@ def main() -> None:
     parser.add_argument("--dtype", default=None, help="Default: bfloat16 on CUDA, float32 otherwise.")
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--enforce-eager", action="store_true", help="No CUDA graphs (decode steps run eagerly).")
     parser.add_argument("--hf-rows", nargs="*", help="Run HF transformers only on these rows (default: all that have it).")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, help="Also write the results and environment as JSON.")

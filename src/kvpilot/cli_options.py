@@ -46,6 +46,26 @@ SeedOpt = Annotated[int, typer.Option("--seed", help="Seed for dummy weights.")]
 AttentionBackendOpt = Annotated[str, typer.Option(
     "--attention-backend", help="auto (Triton kernels on CUDA when triton imports; the C++ decode kernel for "
     "float32 on CPU; else torch), torch (the reference, any device and dtype), cpu or triton.")]
+EnforceEagerOpt = Annotated[bool, typer.Option(
+    "--enforce-eager", help="CUDA: run decode steps eagerly, without CUDA graphs (slower at small batches; "
+    "for debugging).")]
+CudaGraphSizesOpt = Annotated[Optional[str], typer.Option(
+    "--cuda-graph-sizes", help="CUDA: decode batch sizes to capture graphs at, comma or space separated "
+    "(e.g. '1,2,4,8,16'); larger decode batches run eagerly. Default: 1, 2, 4, 8, then every 16 up to "
+    "--max-num-seqs.")]
+
+
+def parse_cuda_graph_sizes(text: str | None) -> tuple[int, ...] | None:
+    """'1,2, 4 8' -> (1, 2, 4, 8); typer.BadParameter for anything but integers."""
+    if text is None:
+        return None
+    parts = text.replace(",", " ").split()
+    if not parts or not all(p.isdigit() for p in parts):
+        raise typer.BadParameter(f"expected positive integers separated by commas, got {text!r}",
+                                 param_hint="--cuda-graph-sizes")
+    return tuple(int(p) for p in parts)
+
+
 AsyncSchedulingOpt = Annotated[Optional[bool], typer.Option(
     "--async-scheduling/--no-async-scheduling", help="Schedule step N+1 while step N runs on the device "
     "(outputs are identical). Default: on for CUDA, off on CPU (where a step runs synchronously anyway).")]

@@ -12,7 +12,7 @@ from kvpilot.engine.config import CacheConfig, EngineConfigError, SchedulerConfi
 from kvpilot.engine.kv_events_config import KVEventsConfig
 from kvpilot.fit.memory import CPU_DEFAULT_KV_CACHE_BYTES
 from kvpilot.memory_size import parse_memory_size
-from kvpilot.model.choices import ATTENTION_BACKENDS, check_kv_cache_dtype
+from kvpilot.model.choices import ATTENTION_BACKENDS, check_kv_cache_dtype, cuda_graph_sizes
 
 # Like vLLM's VLLM_CPU_KVCACHE_SPACE (4 GiB there), 2 GiB here: RSS matters on small boxes. Defined in `fit`
 # so the planner and the engine use one number.
@@ -40,6 +40,8 @@ class EngineArgs:
     seed: int = 0
     attention_backend: str = "auto"
     async_scheduling: bool | None = None  # None: on where the device computes asynchronously (CUDA)
+    enforce_eager: bool = False  # CUDA: no CUDA graphs (decode steps launch their kernels one by one)
+    cuda_graph_sizes: tuple[int, ...] | None = None  # decode batch sizes to capture; None: 1, 2, 4, 8, 16k..
     kv_events_config: KVEventsConfig | None = None  # publish KV-cache events (the engine core process does)
 
     def check(self) -> None:
@@ -60,6 +62,11 @@ class EngineArgs:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise EngineConfigError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got "
                                     f"{self.attention_backend!r}")
+        if self.cuda_graph_sizes is not None:
+            try:
+                cuda_graph_sizes(self.max_num_seqs, self.cuda_graph_sizes)
+            except ValueError as exc:
+                raise EngineConfigError(str(exc)) from exc
         CacheConfig(num_blocks=1, block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching)
         SchedulerConfig(max_model_len=1, max_num_seqs=self.max_num_seqs,
                         max_num_batched_tokens=self.max_num_batched_tokens or max(2048, self.max_num_seqs),

@@ -19,6 +19,7 @@ from kvpilot.engine.scheduler_output import NewRequestData, ScheduledChunk, Sche
 from kvpilot.engine_args import DEFAULT_CPU_KV_CACHE_BYTES, EngineArgs
 from kvpilot.fit.kv_cache import KvCapacity, format_capacity_line, kv_capacity_for_memory
 from kvpilot.memory_size import format_bytes, parse_memory_size
+from kvpilot.model.choices import cuda_graph_sizes
 from kvpilot.model.kv_dtype import kv_dtype_name, resolve_kv_cache_dtype
 from kvpilot.model.loader import LoadedModel, load_model
 from kvpilot.model.onednn_caches import bound_onednn_caches
@@ -26,6 +27,9 @@ from kvpilot.model.runner import ModelRunner, RunnerLimits
 from kvpilot.sampling_params import SamplingParams
 
 logger = logging.getLogger("kvpilot")
+# set aside from the KV budget for the decode graphs' memory pool and outputs (captured after the cache is
+# allocated): their activations are a decode batch's, far below the profiled prompt step's
+CUDA_GRAPH_MEMORY_BYTES = 256 * 2**20
 
 
 @dataclass(frozen=True)
@@ -88,8 +92,9 @@ def kv_cache_budget_bytes(args: EngineArgs, loaded: LoadedModel, max_num_batched
     if args.kv_cache_memory is not None:
         return parse_memory_size(args.kv_cache_memory, "kv_cache_memory")
     if loaded.device.type == "cuda":
+        graphs = 0 if args.enforce_eager else CUDA_GRAPH_MEMORY_BYTES  # captured after the cache is allocated
         return _cuda_kv_budget(loaded, args.gpu_memory_utilization, max_num_batched_tokens, args.block_size,
-                               kv_dtype)
+                               kv_dtype) - graphs
     return DEFAULT_CPU_KV_CACHE_BYTES
 
 
@@ -126,11 +131,27 @@ def build_engine(args: EngineArgs, loaded: LoadedModel | None = None) -> BuiltEn
     runner = ModelRunner(loaded, capacity.num_blocks, args.block_size, kv_dtype,
                          limits=RunnerLimits(args.max_num_seqs, max_model_len),
                          attention_backend=args.attention_backend, eos_token_ids=eos_token_ids)
+    if loaded.device.type == "cuda" and not args.enforce_eager:
+        _capture_decode_graphs(runner, args, max_num_batched_tokens)
     scheduler = Scheduler(scheduler_config, cache_config, eos_token_ids)
     async_scheduling = args.async_scheduling if args.async_scheduling is not None else loaded.device.type == "cuda"
     engine = LLMEngine(scheduler, runner, loaded.tokenizer, loaded.config.vocab_size,
                        async_scheduling=async_scheduling)
     return BuiltEngine(engine, loaded, KVCachePlan(kv_dtype, element_size, budget, capacity))
+
+
+def _capture_decode_graphs(runner: ModelRunner, args: EngineArgs, max_num_batched_tokens: int) -> None:
+    if runner.attention.name != "triton":
+        logger.info("CUDA graphs off: the %s attention backend builds per-step metadata a graph cannot "
+                    "replay (use --attention-backend triton or auto)", runner.attention.name)
+        return
+    try:
+        runner.capture_decode_graphs(cuda_graph_sizes(args.max_num_seqs, args.cuda_graph_sizes),
+                                     max_num_batched_tokens)
+    except RuntimeError as exc:  # serve eagerly rather than not at all; the log says why
+        runner.graphs = None
+        logger.warning("CUDA graph capture failed, decode steps run eagerly (--enforce-eager skips the "
+                       "capture): %s", exc)
 
 
 def default_max_model_len(requested: int | None, model_context: int, capacity: KvCapacity) -> int:

@@ -20,3 +20,17 @@ def check_kv_cache_dtype(name: str) -> None:
     if name.strip().lower() not in KV_CACHE_DTYPE_NAMES:
         raise ValueError(f"kv_cache_dtype must be one of auto, float32, bfloat16, float16, fp8 (e4m3); got "
                          f"{name!r}")
+
+
+def cuda_graph_sizes(max_num_seqs: int, requested: tuple[int, ...] | list[int] | None = None) -> list[int]:
+    """Decode batch sizes to capture CUDA graphs at, ascending: `requested` (--cuda-graph-sizes) clipped to
+    max_num_seqs (as vLLM: larger decode batches run eagerly), or by default 1, 2, 4, 8, then every 16 up to
+    max_num_seqs, and max_num_seqs itself, so every decode batch fits a graph (padded up to the next size: at
+    most 15 idle rows). ValueError for a size below 1."""
+    if requested:
+        bad = [s for s in requested if not isinstance(s, int) or s < 1]
+        if bad:
+            raise ValueError(f"cuda_graph_sizes must be positive integers, got {bad}")
+        return sorted({min(s, max_num_seqs) for s in requested})
+    sizes = {s for s in (1, 2, 4, 8) if s <= max_num_seqs} | set(range(16, max_num_seqs + 1, 16))
+    return sorted(sizes | {max_num_seqs})

@@ -16,6 +16,8 @@ import torch
 
 from kvpilot.engine.scheduler_output import NewRequestData, RunnerOutput, SchedulerOutput
 from kvpilot.model.attention import StepAttention, select_attention_backend
+from kvpilot.model.cuda_graphs import DecodeGraphs
+from kvpilot.model.errors import ModelLoadError
 from kvpilot.model.grammar_state import GrammarCompiler, GrammarState
 from kvpilot.model.input_batch import BatchLimits, InputBatch
 from kvpilot.model.kv_cache import allocate_kv_cache
@@ -90,6 +92,7 @@ class ModelRunner:
                                      loaded.device)
         self._generators: dict[str, torch.Generator] = {}  # per-request seeded streams
         self._previous: PreviousSample | None = None
+        self.graphs: DecodeGraphs | None = None  # set by capture_decode_graphs (CUDA)
 
     # ---- the diff -----------------------------------------------------------------------------------
 
@@ -145,9 +148,27 @@ class ModelRunner:
         inputs = build_step_inputs(self.batch, output.chunks, rows, self._previous, self.device)
         return inputs.sample_request_ids, self._forward_logits(inputs)
 
+    def capture_decode_graphs(self, sizes: Sequence[int], max_num_batched_tokens: int) -> None:
+        """Captures CUDA graphs of decode steps at these batch sizes (kvpilot.model.cuda_graphs); later decode
+        steps of at most max(sizes) rows replay them. Needs a backend that packs its metadata at fixed
+        addresses (triton); ModelLoadError otherwise."""
+        if not hasattr(self.attention, "freeze"):
+            raise ModelLoadError(f"CUDA graphs need the triton attention backend, not {self.attention.name}: "
+                                 "use --attention-backend triton (or auto), or --enforce-eager")
+        limits = self.batch.limits
+        self.attention.reserve(limits.max_num_seqs, max_num_batched_tokens, limits.max_blocks_per_seq, self.device)
+        graphs = DecodeGraphs(self.model, self.attention, self.kv_caches, sizes, self.block_size,
+                              limits.max_blocks_per_seq, limits.max_model_len, self.device)
+        graphs.capture()
+        self.graphs = graphs
+
     def _forward_logits(self, inputs: StepInputs) -> torch.Tensor:
-        attn = StepAttention(self.attention, self.attention.build(inputs.layout, self.device))
-        hidden = self.model(inputs.token_ids, inputs.positions, self.kv_caches, attn)
+        size = self.graphs.size_for(inputs.layout) if self.graphs is not None else None
+        if size is not None:
+            hidden = self.graphs.forward(inputs.token_ids, inputs.positions, inputs.layout, size)
+        else:
+            attn = StepAttention(self.attention, self.attention.build(inputs.layout, self.device))
+            hidden = self.model(inputs.token_ids, inputs.positions, self.kv_caches, attn)
         if not inputs.sample_request_ids:
             return hidden.new_empty((0, self.vocab_size), dtype=torch.float32)
         return self.model.logits(hidden[inputs.sample_rows])

@@ -11,9 +11,10 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvpilot.cli_options import (AsyncSchedulingOpt, AttentionBackendOpt, BlockSizeOpt, DeviceOpt, DtypeOpt, GpuUtilOpt, KvCacheDtypeOpt, KvCacheMemoryOpt,
+from kvpilot.cli_options import (AsyncSchedulingOpt, AttentionBackendOpt, BlockSizeOpt, CudaGraphSizesOpt,
+                                 DeviceOpt, DtypeOpt, EnforceEagerOpt, GpuUtilOpt, KvCacheDtypeOpt, KvCacheMemoryOpt,
                                  LoadFormatOpt, MaxBatchedTokensOpt, MaxModelLenOpt, MaxNumSeqsOpt, ModelOpt,
-                                 PolicyOpt, PrefixCachingOpt, QuantizationOpt, SeedOpt)
+                                 PolicyOpt, PrefixCachingOpt, QuantizationOpt, SeedOpt, parse_cuda_graph_sizes)
 
 logger = logging.getLogger("kvpilot.server")
 QUEUE_CAP_BATCHES = 2
@@ -49,6 +50,7 @@ def serve_command(
     block_size: BlockSizeOpt = 16,
     enable_prefix_caching: PrefixCachingOpt = True, scheduling_policy: PolicyOpt = "fcfs", seed: SeedOpt = 0,
     attention_backend: AttentionBackendOpt = "auto", async_scheduling: AsyncSchedulingOpt = None,
+    enforce_eager: EnforceEagerOpt = False, cuda_graph_sizes: CudaGraphSizesOpt = None,
     host: Annotated[str, typer.Option("--host", help="Address to bind (0.0.0.0 for all interfaces).")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="Port to listen on.")] = 8000,
     served_model_name: Annotated[Optional[list[str]], typer.Option(
@@ -125,7 +127,8 @@ def serve_command(
                                  block_size=block_size,
                                  enable_prefix_caching=enable_prefix_caching, scheduling_policy=scheduling_policy,
                                  seed=seed, attention_backend=attention_backend,
-                                 async_scheduling=async_scheduling,
+                                 async_scheduling=async_scheduling, enforce_eager=enforce_eager,
+                                 cuda_graph_sizes=parse_cuda_graph_sizes(cuda_graph_sizes),
                                  kv_events_config=KVEventsConfig.parse(kv_events_config) if kv_events_config else None)
         engine_args.check()
         if otlp_traces_endpoint:  # fail here, before binding the port or loading the model

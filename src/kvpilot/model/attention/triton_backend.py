@@ -18,7 +18,7 @@ from kvpilot.model.attention.triton_decode import decode_attention
 from kvpilot.model.attention.triton_kv_write import write_kv_triton
 from kvpilot.model.attention.triton_metadata import PackedInts, TritonAttentionMetadata, pack_layout
 from kvpilot.model.attention.triton_prefill import prefill_attention
-from kvpilot.model.attention.triton_split import choose_decode_split
+from kvpilot.model.attention.triton_split import DecodeSplit, choose_decode_split
 from kvpilot.model.errors import ModelLoadError
 
 MAX_SLOTS = 2 ** 31  # slots travel as int32
@@ -62,15 +62,26 @@ class TritonAttentionBackend:
             self._packed = PackedInts(device)
         return self._packed
 
-    def build(self, layout: StepLayout, device: torch.device,
-              table_width: int | None = None) -> TritonAttentionMetadata:
+    def freeze(self) -> None:
+        """The metadata buffer stays where it is from now on (CUDA graphs read it): a step that would need
+        more than was reserved raises instead of moving it."""
+        if self._packed is not None:
+            self._packed.freeze()
+
+    def decode_split_for(self, num_decodes: int, max_context: int, device: torch.device) -> DecodeSplit:
+        return choose_decode_split(num_decodes, self.num_kv_heads, max_context, _num_sms(device),
+                                   self.decode_partition)
+
+    def build(self, layout: StepLayout, device: torch.device, table_width: int | None = None,
+              decode_split: DecodeSplit | None = None) -> TritonAttentionMetadata:
         """table_width: block-table columns to send (None: the step's widest need; a CUDA graph passes its
-        fixed width, so the metadata lands at the same addresses every replay)."""
-        decodes = layout.is_decode
-        max_decode_context = int(layout.context_lens[decodes].max()) if decodes.any() else 1
-        split = choose_decode_split(int(np.count_nonzero(decodes)), self.num_kv_heads, max_decode_context,
-                                    _num_sms(device), self.decode_partition)
-        return pack_layout(layout, self._buffers(device), split, table_width)
+        fixed width, so the metadata lands at the same addresses every replay). decode_split: None chooses
+        one for the step's decodes; a CUDA graph fixes one per batch size."""
+        if decode_split is None:
+            decodes = layout.is_decode
+            max_decode_context = int(layout.context_lens[decodes].max()) if decodes.any() else 1
+            decode_split = self.decode_split_for(int(np.count_nonzero(decodes)), max_decode_context, device)
+        return pack_layout(layout, self._buffers(device), decode_split, table_width)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: TritonAttentionMetadata, scale: float) -> torch.Tensor:

@@ -38,6 +38,10 @@ class TritonAttentionMetadata:
     decode_split: DecodeSplit
 
 
+class MetadataOverflowError(RuntimeError):
+    """A step outgrew the metadata buffer that captured CUDA graphs read."""
+
+
 class PackedInts:
     """One growable int32 device buffer filled from pinned host staging by a single copy a step."""
 
@@ -47,13 +51,24 @@ class PackedInts:
         self._staging: list[torch.Tensor] = []
         self._events: list[torch.cuda.Event | None] = []
         self._turn = 0
+        self._frozen = False
         self.buffer = torch.empty(0, dtype=torch.int32, device=device)
         self.reserve(capacity)
 
+    def freeze(self) -> None:
+        """From now on the device buffer never moves (captured CUDA graphs hold its address)."""
+        self._frozen = True
+
     def reserve(self, num_ints: int) -> None:
-        """Makes room for num_ints (rounded up to a power of two); no-op when it fits already."""
+        """Makes room for num_ints (rounded up to a power of two); no-op when it fits already.
+        MetadataOverflowError once frozen: the graphs would read a freed buffer."""
         if num_ints <= self.buffer.numel():
             return
+        if self._frozen:
+            raise MetadataOverflowError(
+                f"a step needs {num_ints} metadata ints but {self.buffer.numel()} were reserved before the "
+                "CUDA graphs were captured: a runner bug (reserve for max_num_seqs, the token budget and "
+                "max_model_len); --enforce-eager avoids it")
         size = 1 << max(num_ints - 1, 1).bit_length()
         self.buffer = torch.empty(size, dtype=torch.int32, device=self.device)
         copies = 2 if self._pinned else 1
