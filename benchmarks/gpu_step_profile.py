@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import logging
 import random
 import statistics
 import time
@@ -78,6 +79,8 @@ def main() -> None:
                         help="comma-separated {sync,async}-{eager,graphs}: scheduling and CUDA graphs")
     parser.add_argument("--profile", action="store_true", help="Profile the last mode's steps (kernels, time).")
     args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    logging.getLogger("kvpilot.model.cuda_graphs").setLevel(logging.INFO)  # capture time and memory
     loaded = load_model(args.model, load_format="dummy", dtype=args.dtype, max_model_len=args.context + 512)
     modes = [m.strip() for m in args.modes.split(",")]
     for mode in modes:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import logging
 import json
 import random
 import tempfile
@@ -240,6 +241,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, help="Also write the results and environment as JSON.")
     args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    logging.getLogger("kvpilot.model.cuda_graphs").setLevel(logging.INFO)  # capture time and memory
     args.dtype = args.dtype or ("bfloat16" if torch.cuda.is_available() else "float32")
     rows = [r for r in (SMOKE_ROWS if args.smoke else FULL_ROWS) if not args.rows or r.key in args.rows]
     print(json.dumps(environment(args)), flush=True)
