@@ -55,6 +55,36 @@ def _attention_case(name: str, seqs: list[tuple[int, int]], kv_dtype: torch.dtyp
           f"rel err {err:.1e}", flush=True)
 
 
+def _prefill_sweep(name: str, seqs: list[tuple[int, int]], kv_dtype: torch.dtype, scale: float,
+                   tiles: list[tuple[int, int, int, int]]) -> None:
+    """The Triton prefill at each (BLOCK_M, BLOCK_N, warps, stages), each checked against the default's output."""
+    from kvpilot.model.attention.triton_backend import TritonAttentionBackend
+    from kvpilot.model.attention.triton_prefill import prefill_attention
+    step = make_step(seqs, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, torch.bfloat16, kv_dtype, seed=1)
+    q, k, v, cache = (t.cuda() for t in (step.q, step.k, step.v, step.cache))
+    backend = TritonAttentionBackend()
+    backend.kv_cache_shape(cache.shape[2], BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    meta = backend.build(step.layout, q.device)
+    flops = sum(4 * HEADS * HEAD_DIM * n * (s + (n + 1) / 2) for s, n in seqs)
+
+    def run(config):
+        out = torch.empty_like(q)
+        prefill_attention(q, k, v, cache, out, meta.prefill_seqs, meta.query_start, meta.seq_lens,
+                          meta.block_tables, meta.max_prefill_len, scale, tiles=config)
+        return out
+
+    reference = run(None).float()
+    for config in tiles:
+        try:
+            out = run(config).float()
+            err = ((out - reference).norm() / reference.norm()).item()
+            t = _bench(lambda: run(config))
+            print(f"{name:<34} tiles {'x'.join(map(str, config)):<12} {t * 1e3:9.1f} us  "
+                  f"{flops / t / 1e9:7.1f} TFLOP/s  rel err vs default {err:.1e}", flush=True)
+        except Exception as exc:  # noqa: BLE001  (a config that does not compile: say so, try the next)
+            print(f"{name:<34} tiles {'x'.join(map(str, config)):<12} failed: {type(exc).__name__}: {exc}"[:200])
+
+
 def _write_case(num_tokens: int, kv_dtype: torch.dtype) -> None:
     from kvpilot.model.attention.triton_kv_write import write_kv_triton
     num_blocks = 4 * num_tokens // BLOCK_SIZE
@@ -77,6 +107,8 @@ def _write_case(num_tokens: int, kv_dtype: torch.dtype) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kv-cache-dtype", choices=["bf16", "fp8"], default="bf16")
+    parser.add_argument("--prefill-tiles", nargs="*", default=[],
+                        help="Also time the prefill at these BLOCK_MxBLOCK_NxWARPSxSTAGES, e.g. 128x64x8x3")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU (the kernels' correctness on CPU: pytest tests/model/test_triton_attention.py)")
@@ -92,6 +124,10 @@ def main() -> None:
     _attention_case("decode 8 x 8k context", [(8191, 1)] * 8, kv_dtype, scale)
     _attention_case("prefill 8k prompt", [(0, 8192)], kv_dtype, scale)
     _attention_case("prefill 2k chunk after 30k prefix", [(30720, 2048)], kv_dtype, scale)
+    tiles = [tuple(int(n) for n in t.split("x")) for t in args.prefill_tiles]
+    if tiles:
+        _prefill_sweep("prefill 8k prompt", [(0, 8192)], kv_dtype, scale, tiles)
+        _prefill_sweep("prefill 2k chunk after 30k prefix", [(30720, 2048)], kv_dtype, scale, tiles)
 
 
 if __name__ == "__main__":

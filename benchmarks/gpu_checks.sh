@@ -4,7 +4,7 @@
 # its own time limit, so a hang or a crash costs only that stage; logs go to $OUT (one file a stage).
 #
 #     bash benchmarks/gpu_checks.sh [stage ...]     # stages: env tests fp32 throughput profile kernels
-#                                                   # (default), profile1 ttft-torch
+#                                                   # (default), profile1 profile1-torch-ops ttft-torch
 #
 # The machine needs torch (CUDA), triton and transformers; kvpilot runs from src/ without being installed.
 set -u
@@ -31,7 +31,8 @@ torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).multi_processo
 
 run_tests() {
     $PY -m pytest -q -p no:cacheprovider --timeout 120 tests/model/test_triton_attention.py \
-        tests/model/test_triton_runner.py tests/model/test_triton_split.py tests/model/test_cuda_graphs.py
+        tests/model/test_triton_runner.py tests/model/test_triton_split.py tests/model/test_cuda_graphs.py \
+        tests/model/test_triton_small_ops.py
 }
 
 export -f run_env run_tests
@@ -48,7 +49,10 @@ for s in "${selected[@]}"; do
         profile) stage profile "${PROFILE_LIMIT:-120}" $PY benchmarks/gpu_step_profile.py --model qwen3-0.6b --batch 256 --context 512 --profile --modes "${MODES:-sync-eager,async-eager,async-graphs}" ;;
         profile1) stage profile1 "${PROFILE_LIMIT:-60}" $PY benchmarks/gpu_step_profile.py --model qwen3-0.6b --batch 1 --context 512 --profile --modes "${MODES:-sync-eager,async-eager,async-graphs}" ;;
         ttft-torch) stage ttft-torch 90 $PY benchmarks/gpu_throughput.py --rows llama-ttft --attention-backend torch ;;
-        kernels) stage kernels 90 $PY benchmarks/attention_kernels.py ;;
+        kernels) stage kernels 120 $PY benchmarks/attention_kernels.py --prefill-tiles 128x32x8x3 128x64x8x3 \
+            64x64x4x3 128x128x8x3 64x128x8x3 128x64x4x4 ;;
+        profile1-torch-ops) KVPILOT_TRITON_OPS=0 stage profile1-torch-ops 60 $PY benchmarks/gpu_step_profile.py \
+            --model qwen3-0.6b --batch 1 --context 512 --modes async-graphs ;;
         *) echo "unknown stage $s" ;;
     esac
 done

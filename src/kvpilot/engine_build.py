@@ -27,9 +27,10 @@ from kvpilot.model.runner import ModelRunner, RunnerLimits
 from kvpilot.sampling_params import SamplingParams
 
 logger = logging.getLogger("kvpilot")
-# set aside from the KV budget for the decode graphs' memory pool and outputs (captured after the cache is
-# allocated): their activations are a decode batch's, far below the profiled prompt step's
-CUDA_GRAPH_MEMORY_BYTES = 256 * 2**20
+# set aside from the KV budget per captured decode graph (they are captured after the cache is allocated):
+# measured 35 MiB a size on an H200 (2026-11-26: Qwen3-0.6B 20 sizes 704 MiB, Llama-3.1-8B 8 sizes 284 MiB),
+# with a new warm-up stream per size (now one stream for all: expected lower, not yet measured)
+CUDA_GRAPH_BYTES_PER_SIZE = 40 * 2**20
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,8 @@ def kv_cache_budget_bytes(args: EngineArgs, loaded: LoadedModel, max_num_batched
     if args.kv_cache_memory is not None:
         return parse_memory_size(args.kv_cache_memory, "kv_cache_memory")
     if loaded.device.type == "cuda":
-        graphs = 0 if args.enforce_eager else CUDA_GRAPH_MEMORY_BYTES  # captured after the cache is allocated
+        graphs = 0 if args.enforce_eager else \
+            CUDA_GRAPH_BYTES_PER_SIZE * len(cuda_graph_sizes(args.max_num_seqs, args.cuda_graph_sizes))
         return _cuda_kv_budget(loaded, args.gpu_memory_utilization, max_num_batched_tokens, args.block_size,
                                kv_dtype) - graphs
     return DEFAULT_CPU_KV_CACHE_BYTES

@@ -53,14 +53,14 @@ def test_padding_rows_decode_nothing_real():
 
 
 def test_metadata_buffer_never_moves_once_frozen():
-    from kvpilot.model.attention.triton_metadata import MetadataOverflowError, PackedInts
+    from kvpilot.model.device_staging import FrozenBufferError, PackedArrays
 
-    packed = PackedInts(torch.device("cpu"), 64)
+    packed = PackedArrays(torch.device("cpu"), 64)
     buffer = packed.buffer
     packed.freeze()
     packed.pack([np.arange(40, dtype=np.int32)])
     assert packed.buffer is buffer
-    with pytest.raises(MetadataOverflowError, match="enforce-eager"):
+    with pytest.raises(FrozenBufferError, match="enforce-eager"):
         packed.pack([np.arange(100, dtype=np.int32)])
 
 
@@ -148,3 +148,16 @@ def test_cuda_graph_flags_are_checked_before_loading():
         parse_cuda_graph_sizes("1,two")
     with pytest.raises(EngineConfigError, match="positive"):
         EngineArgs(cuda_graph_sizes=(0, 8)).check()
+
+
+def test_staged_inputs_give_the_same_tokens(tmp_path):
+    """The CUDA input path (token ids, positions and sample rows as int32 views of one staged copy, the
+    previous step's samples patched in on the device) decodes the same tokens as the CPU path."""
+    from kvpilot.model.device_staging import PackedArrays
+
+    loaded = _loaded(tmp_path)
+    plain = ModelRunner(loaded, num_blocks=17, block_size=BLOCK_SIZE, attention_backend="torch")
+    staged = ModelRunner(loaded, num_blocks=17, block_size=BLOCK_SIZE, attention_backend="torch")
+    staged._staging = PackedArrays(loaded.device)  # what a CUDA runner holds
+    assert _decode_run(staged, 5) == _decode_run(plain, 5)
+    assert staged._staging.buffer.dtype == torch.int32 and staged._staging.buffer.numel() >= 4 * 5

@@ -98,3 +98,21 @@ def test_top_p_beyond_its_candidates_sorts_the_row_and_keeps_the_right_prefix():
     kept = (peaked >= sampler._top_p_cutoff(peaked, batch.top_p)).sum().item()
     probs = peaked.softmax(-1)[0]
     assert probs[:kept - 1].sum() <= 0.9 < probs[:kept].sum() + 1e-6 and kept > 256
+
+
+def test_staged_columns_sample_the_same_tokens():
+    """The CUDA path sends the four columns as float32 views of one asynchronous copy (top_k widened back on
+    the device) and sizes top-k from the host: the same seeded draws as plain copies."""
+    import numpy as np
+
+    from kvpilot.model.device_staging import PackedArrays
+
+    columns = (np.array([0.0, 0.7, 1.3, 1.0], dtype=np.float32), np.array([0, 5, 0, 12]),
+               np.array([1.0, 0.9, 0.5, 1.0], dtype=np.float32), np.array([0.0, 0.0, 0.05, 0.1], dtype=np.float32))
+    draws = []
+    for staging in (None, PackedArrays(torch.device("cpu"), dtype=torch.float32)):
+        gens = {i: torch.Generator().manual_seed(11 + i) for i in range(4)}
+        batch = SamplingBatch.from_columns(*columns, gens, VOCAB, torch.device("cpu"), staging)
+        assert batch.max_top_k == VOCAB and batch.top_k.dtype == torch.int64  # rows without top-k keep all
+        draws.append(sample(_logits(4, seed=3), batch).tolist())
+    assert draws[0] == draws[1]

@@ -1,4 +1,4 @@
-"""Every Triton attention kernel compiles for Hopper (sm_90) with no GPU: what the interpreter cannot
+"""Every Triton kernel (attention, and the fused small ops) compiles for Hopper (sm_90) with no GPU: what the interpreter cannot
 check (the compiler's typing, fp8 conversions, dot shapes, shared memory). Bfloat16 queries over a bf16
 and an fp8 cache at head dim 128, in a separate process (the interpreter must be off there);
 `python tests/model/triton_sm90_compile.py --fp8-kv` compiles every dtype and head dim (minutes)."""
@@ -37,7 +37,7 @@ def test_kernels_compile_for_hopper():
     records = [json.loads(line) for line in done.stdout.splitlines()]
     assert {(r["kernel"], r["kv_dtype"]) for r in records} == {
         (k, kv) for k in ("decode_split", "decode_single", "decode_reduce", "prefill", "kv_write")
-        for kv in ("bf16", "fp8e4nv")}
+        for kv in ("bf16", "fp8e4nv")} | {(k, "bf16") for k in ("rms_norm", "rotary", "silu_mul")}
     failed = [(r["kernel"], r["kv_dtype"], r.get("error")) for r in records if not r["compiled"]]
     assert not failed
     assert all(r["shared"] <= H100_MAX_SHARED for r in records)

@@ -21,10 +21,11 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from kvpilot.model.attention import triton_decode, triton_kv_write, triton_prefill
+from kvpilot.model.layers import triton_small_ops
 
 HOPPER = GPUTarget("cuda", 90, 32)
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-FLOAT_SCALARS = {"qk_scale", "cached_qk_scale", "v_scale", "inv_k_scale", "inv_v_scale"}
+FLOAT_SCALARS = {"qk_scale", "cached_qk_scale", "v_scale", "inv_k_scale", "inv_v_scale", "eps"}
 INDEX_POINTERS = {"decode_seqs_ptr", "prefill_seqs_ptr", "query_start_ptr", "seq_lens_ptr", "block_tables_ptr",
                   "slot_ptr"}
 
@@ -89,6 +90,13 @@ def variants(head_dim: int, dtype: str, kv_dtype: str) -> list[tuple]:
     ]
 
 
+def small_op_variants(dtype: str) -> list[tuple]:
+    """The fused small ops (RMSNorm at a 4,096-wide hidden state, rotary at head dim 128, SiLU-and-mul)."""
+    return [("rms_norm", triton_small_ops._rms_norm_kernel, {"BLOCK": 4096}, {"num_warps": 8}),
+            ("rotary", triton_small_ops._rope_kernel, {"BLOCK": 64}, {}),
+            ("silu_mul", triton_small_ops._silu_mul_kernel, {"BLOCK": 1024}, {})]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--head-dims", type=int, nargs="*", default=[64, 128, 256])
@@ -98,6 +106,8 @@ def main() -> None:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit("unset TRITON_INTERPRET: the interpreter replaces the kernels that are compiled here")
     for dtype in args.dtypes:
+        for label, fn, constexprs, options in small_op_variants(dtype):
+            print(json.dumps(compile_variant(label, fn, dtype, dtype, constexprs, options)), flush=True)
         kv_dtypes = [dtype] + (["fp8e4nv"] if args.fp8_kv and dtype != "fp32" else [])
         for kv_dtype in kv_dtypes:
             for head_dim in args.head_dims:

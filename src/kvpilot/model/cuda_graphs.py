@@ -12,7 +12,7 @@ smallest captured size >= n; the padding rows have slot -1 (their K/V are not wr
 read from block 0, and outputs nobody reads.
 
 Invariants: graphs are captured after the KV cache is allocated and are dropped with it; the metadata buffer
-never moves after capture (PackedInts.freeze); a graph runs the decode split chosen for its batch size at
+never moves after capture (PackedArrays.freeze); a graph runs the decode split chosen for its batch size at
 max_model_len (splits past a sequence's context exit at once). On a CPU (tests) `capture` keeps the same
 closure over the same static buffers and `forward` calls it, so everything but the capture itself is
 checked in CI (Triton's interpreter).
@@ -86,15 +86,16 @@ class DecodeGraphs:
         cuda = self.device.type == "cuda"
         before = torch.cuda.memory_reserved(self.device) if cuda else 0
         pool = torch.cuda.graph_pool_handle() if cuda else None
+        stream = torch.cuda.Stream(self.device) if cuda else None  # one warm-up stream: its cached blocks reused
         for size in reversed(self.sizes):
-            self._graphs[size] = self._capture_one(size, pool)
+            self._graphs[size] = self._capture_one(size, pool, stream)
         self.backend.freeze()
         if cuda:
             grown = torch.cuda.memory_reserved(self.device) - before
             logger.info("CUDA graphs: %d decode batch sizes (%d-%d) captured in %.1f s, %.0f MiB",
                         len(self.sizes), self.sizes[0], self.sizes[-1], time.perf_counter() - began, grown / 2**20)
 
-    def _capture_one(self, size: int, pool) -> _Graph:
+    def _capture_one(self, size: int, pool, stream: "torch.cuda.Stream | None") -> _Graph:
         split = self.backend.decode_split_for(size, self.max_model_len, self.device)
         meta = self.backend.build(_padding_layout(size, self.block_size), self.device, table_width=self.width,
                                   decode_split=split)
@@ -104,9 +105,8 @@ class DecodeGraphs:
         def run() -> torch.Tensor:
             return self.model(token_ids, positions, self.kv_caches, attn)
 
-        if self.device.type != "cuda":
+        if stream is None:
             return _Graph(size, run)
-        stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):  # compiles the kernels and settles the allocator before capture
             for _ in range(2):

@@ -16,6 +16,7 @@ from kvpilot.model.config import ModelConfig
 from kvpilot.model.errors import ModelLoadError
 from kvpilot.model.attention.base import StepAttention
 from kvpilot.model.layers.cpu_bf16_ops import bf16_ops_for
+from kvpilot.model.layers.gpu_small_ops import small_ops_for
 from kvpilot.model.layers.norm import RMSNorm
 from kvpilot.model.layers.rope import RotaryEmbedding, apply_rotary
 
@@ -65,6 +66,9 @@ class MLP(nn.Module):
         ops = bf16_ops_for(gate_up) if gate_up.dim() == 2 else None
         if ops is not None:  # bf16 on CPU: one C++ pass (and the fused decode's own op)
             return self.down_proj(ops.silu_mul_bf16(gate_up))
+        gpu = small_ops_for(gate_up) if gate_up.dim() == 2 and gate_up.stride(-1) == 1 else None
+        if gpu is not None:  # CUDA: one Triton kernel
+            return self.down_proj(gpu.silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))  # in place: one temporary fewer
 

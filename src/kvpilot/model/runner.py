@@ -17,6 +17,7 @@ import torch
 from kvpilot.engine.scheduler_output import NewRequestData, RunnerOutput, SchedulerOutput
 from kvpilot.model.attention import StepAttention, select_attention_backend
 from kvpilot.model.cuda_graphs import DecodeGraphs
+from kvpilot.model.device_staging import PackedArrays
 from kvpilot.model.errors import ModelLoadError
 from kvpilot.model.grammar_state import GrammarCompiler, GrammarState
 from kvpilot.model.input_batch import BatchLimits, InputBatch
@@ -93,6 +94,9 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}  # per-request seeded streams
         self._previous: PreviousSample | None = None
         self.graphs: DecodeGraphs | None = None  # set by capture_decode_graphs (CUDA)
+        # CUDA: a step's integer inputs travel in one asynchronous copy (no wait for the step before)
+        self._staging = PackedArrays(loaded.device) if loaded.device.type == "cuda" else None
+        self._sampling_staging = PackedArrays(loaded.device, dtype=torch.float32) if self._staging else None
 
     # ---- the diff -----------------------------------------------------------------------------------
 
@@ -134,7 +138,7 @@ class ModelRunner:
         rows = self.apply_diff(output)
         if not output.chunks:
             return StepResult()
-        inputs = build_step_inputs(self.batch, output.chunks, rows, self._previous, self.device)
+        inputs = build_step_inputs(self.batch, output.chunks, rows, self._previous, self.device, self._staging)
         logits = self._forward_logits(inputs)
         if not inputs.sample_request_ids:
             return StepResult()
@@ -145,7 +149,7 @@ class ModelRunner:
         """Applies the diff and runs the forward only: (request ids needing a sample, float32 logits [N, V]).
         For tests and memory profiling; the sampled tokens are not recorded."""
         rows = self.apply_diff(output)
-        inputs = build_step_inputs(self.batch, output.chunks, rows, self._previous, self.device)
+        inputs = build_step_inputs(self.batch, output.chunks, rows, self._previous, self.device, self._staging)
         return inputs.sample_request_ids, self._forward_logits(inputs)
 
     def capture_decode_graphs(self, sizes: Sequence[int], max_num_batched_tokens: int) -> None:
@@ -183,7 +187,8 @@ class ModelRunner:
                       if r in self._generators} if self._generators else {}
         if batch.num_sampling:
             sampling = SamplingBatch.from_columns(batch.temperature[rows], batch.top_k[rows], batch.top_p[rows],
-                                                  batch.min_p[rows], generators, self.vocab_size, self.device)
+                                                  batch.min_p[rows], generators, self.vocab_size, self.device,
+                                                  self._sampling_staging)
         else:  # every held row is greedy: no columns to gather
             sampling = SamplingBatch.greedy(generators, self.device)
         token_ids = sample(logits, sampling)

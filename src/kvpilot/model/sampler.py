@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from kvpilot.engine.scheduler_output import SampledToken
+from kvpilot.model.device_staging import PackedArrays
 from kvpilot.sampling_params import SamplingParams
 
 
@@ -33,6 +34,7 @@ class SamplingBatch:
     needs_top_k: bool = False  # some row keeps fewer than the whole vocabulary by rank
     needs_top_p: bool = False
     needs_min_p: bool = False
+    max_top_k: int = 0  # the largest row top_k (vocab size for rows without one): sizes topk with no sync
 
     @staticmethod
     def build(params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None], vocab_size: int,
@@ -51,19 +53,25 @@ class SamplingBatch:
 
     @staticmethod
     def from_columns(temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray, min_p: np.ndarray,
-                     generators: dict[int, torch.Generator], vocab_size: int,
-                     device: torch.device) -> "SamplingBatch":
-        """From host columns (top_k 0 = off); all_greedy is decided on the host, with no device sync."""
+                     generators: dict[int, torch.Generator], vocab_size: int, device: torch.device,
+                     staging: PackedArrays | None = None) -> "SamplingBatch":
+        """From host columns (top_k 0 = off); all_greedy and which filters run are decided on the host.
+        staging (float32; CUDA): the four columns travel in one asynchronous copy, with no device sync."""
         if not bool((temperature > 0).any()):  # the filters are never read: skip four host-to-device copies
             return SamplingBatch.greedy(generators, device)
-
-        def col(values: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(values)).to(device)
-
         top_k = np.where(top_k > 0, np.minimum(top_k, vocab_size), vocab_size)
-        return SamplingBatch(temperature=col(temperature), top_k=col(top_k), top_p=col(top_p), min_p=col(min_p),
-                             all_greedy=False, generators=generators, needs_top_k=bool((top_k < vocab_size).any()),
-                             needs_top_p=bool((top_p < 1).any()), needs_min_p=bool((min_p > 0).any()))
+        columns = [temperature, top_k, top_p, min_p]
+        if staging is None:
+            temperature_t, top_k_t, top_p_t, min_p_t = (torch.from_numpy(np.ascontiguousarray(c)).to(device)
+                                                        for c in columns)
+        else:  # float32 holds every top_k exactly (vocabularies are far below 2**24)
+            temperature_t, top_k_t, top_p_t, min_p_t = staging.pack(columns)
+            top_k_t = top_k_t.long()
+        needs_top_k = bool((top_k < vocab_size).any())
+        return SamplingBatch(temperature=temperature_t, top_k=top_k_t, top_p=top_p_t, min_p=min_p_t,
+                             all_greedy=False, generators=generators, needs_top_k=needs_top_k,
+                             needs_top_p=bool((top_p < 1).any()), needs_min_p=bool((min_p > 0).any()),
+                             max_top_k=int(top_k.max()) if needs_top_k else 0)
 
 
 TOP_P_CANDIDATES = 256  # top-p looks at this many most likely tokens first; sorts the row only if they fall short
@@ -74,7 +82,7 @@ def _filter(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     -inf. Each cut is a per-row threshold on the logits, so ties with the last kept value are kept and a row's
     result never depends on the other rows; the most likely token always survives."""
     if batch.needs_top_k:
-        top = logits.topk(int(batch.top_k.max()), dim=-1).values
+        top = logits.topk(batch.max_top_k or int(batch.top_k.max()), dim=-1).values
         kth = top.gather(1, (batch.top_k - 1).clamp(max=top.shape[1] - 1)[:, None])
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if batch.needs_top_p:

@@ -16,6 +16,7 @@ import torch
 
 from kvpilot.engine.scheduler_output import ScheduledChunk
 from kvpilot.model.attention.layout import StepLayout
+from kvpilot.model.device_staging import PackedArrays
 from kvpilot.model.input_batch import InputBatch
 
 
@@ -32,8 +33,8 @@ class StepInputs:
     """Invariant: sample_rows[i] is the last flattened row of the i-th chunk with needs_sample, whose request
     is sample_request_ids[i] at persistent row sample_batch_rows[i]."""
 
-    token_ids: torch.Tensor  # [T] long, on the device
-    positions: torch.Tensor  # [T] long
+    token_ids: torch.Tensor  # [T] int64 (CPU) or int32 (CUDA: staged), on the device
+    positions: torch.Tensor  # [T], the same dtype
     layout: StepLayout
     sample_rows: torch.Tensor  # [N] long
     sample_request_ids: list[str]
@@ -44,21 +45,29 @@ class MissingTokenError(RuntimeError):
     """A step reads a token that neither the host nor the previous step has: a scheduler/runner bug."""
 
 
-def _device_token_ids(token_ids: np.ndarray, unknown: np.ndarray, token_rows: np.ndarray,
-                      previous: PreviousSample | None, device: torch.device) -> torch.Tensor:
-    ids = torch.from_numpy(token_ids).to(device)
+def _previous_sources(unknown: np.ndarray, token_rows: np.ndarray, previous: PreviousSample | None) -> np.ndarray:
+    """For each unknown input token, its index into the previous step's sampled ids."""
     if len(unknown) == 0:
-        return ids
+        return unknown
     source = previous.index_of_row[token_rows[unknown]] if previous is not None else np.full(len(unknown), -1)
     if (source < 0).any():
         raise MissingTokenError(f"{int((source < 0).sum())} input tokens were not sampled by the previous step")
-    ids[torch.from_numpy(unknown).to(device)] = previous.token_ids[torch.from_numpy(source).to(device)]
-    return ids
+    return source
+
+
+def _to_device(arrays: list[np.ndarray], staging: PackedArrays | None, device: torch.device) -> list[torch.Tensor]:
+    """int64 tensors sharing the arrays' memory (staging None: a CPU step), or int32 views of one
+    asynchronous copy (a CUDA step: no wait for the kernels queued before it)."""
+    if staging is None:
+        return [torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device) for a in arrays]
+    return staging.pack(arrays)
 
 
 def build_step_inputs(batch: InputBatch, chunks: Sequence[ScheduledChunk], rows: np.ndarray,
-                      previous: PreviousSample | None, device: torch.device) -> StepInputs:
-    """Flattens the chunks in their given order; `rows` are their persistent rows (same order)."""
+                      previous: PreviousSample | None, device: torch.device,
+                      staging: PackedArrays | None = None) -> StepInputs:
+    """Flattens the chunks in their given order; `rows` are their persistent rows (same order). `staging`:
+    how the integer inputs travel to a CUDA device without a sync (None: plain copies)."""
     block_size = batch.limits.block_size
     num_chunks = len(chunks)
     query_lens = np.fromiter((c.num_tokens for c in chunks), dtype=np.int64, count=num_chunks)
@@ -74,13 +83,15 @@ def build_step_inputs(batch: InputBatch, chunks: Sequence[ScheduledChunk], rows:
         positions = np.arange(int(ends[-1]), dtype=np.int64) + np.repeat(starts - query_start, query_lens)
     slots = batch.block_table[token_rows, positions // block_size] * block_size + positions % block_size
     unknown = np.flatnonzero(positions >= batch.num_known[token_rows])
-    token_ids = _device_token_ids(batch.token_ids[token_rows, positions].astype(np.int64), unknown, token_rows,
-                                  previous, device)
+    source = _previous_sources(unknown, token_rows, previous)
+    sampled = np.flatnonzero(needs_sample)
+    token_ids, positions_t, sample_rows, unknown_t, source_t = _to_device(
+        [batch.token_ids[token_rows, positions], positions, ends[sampled] - 1, unknown, source], staging, device)
+    if len(unknown) and previous is not None:  # (no previous: _previous_sources raised)
+        token_ids[unknown_t] = previous.token_ids[source_t].to(token_ids.dtype)
     max_blocks = int(-(-(starts + query_lens).max() // block_size))
     layout = StepLayout(query_start=query_start, query_lens=query_lens, start_positions=starts,
                         block_tables=batch.block_table[rows, :max_blocks], slot_mapping=slots, block_size=block_size)
-    sampled = np.flatnonzero(needs_sample)
-    return StepInputs(token_ids=token_ids, positions=torch.from_numpy(positions).to(device), layout=layout,
-                      sample_rows=torch.from_numpy(ends[sampled] - 1).to(device),
+    return StepInputs(token_ids=token_ids, positions=positions_t, layout=layout, sample_rows=sample_rows,
                       sample_request_ids=[chunks[i].request_id for i in sampled.tolist()],
                       sample_batch_rows=rows[sampled])

@@ -16,9 +16,10 @@ import torch
 from kvpilot.model.attention.layout import StepLayout
 from kvpilot.model.attention.triton_decode import decode_attention
 from kvpilot.model.attention.triton_kv_write import write_kv_triton
-from kvpilot.model.attention.triton_metadata import PackedInts, TritonAttentionMetadata, pack_layout
+from kvpilot.model.attention.triton_metadata import TritonAttentionMetadata, pack_layout
 from kvpilot.model.attention.triton_prefill import prefill_attention
 from kvpilot.model.attention.triton_split import DecodeSplit, choose_decode_split
+from kvpilot.model.device_staging import PackedArrays
 from kvpilot.model.errors import ModelLoadError
 
 MAX_SLOTS = 2 ** 31  # slots travel as int32
@@ -44,7 +45,7 @@ class TritonAttentionBackend:
         self.k_scale, self.v_scale = float(k_scale), float(v_scale)
         self.decode_partition = decode_partition
         self.num_kv_heads = DEFAULT_KV_HEADS
-        self._packed: PackedInts | None = None
+        self._packed: PackedArrays | None = None
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         if num_blocks * block_size >= MAX_SLOTS:
@@ -57,9 +58,9 @@ class TritonAttentionBackend:
         """Allocates the metadata buffer for the largest step up front (before a CUDA graph capture)."""
         self._buffers(device).reserve(4 * max_num_seqs + 1 + max_num_tokens + max_num_seqs * max_blocks_per_seq)
 
-    def _buffers(self, device: torch.device) -> PackedInts:
+    def _buffers(self, device: torch.device) -> PackedArrays:
         if self._packed is None or self._packed.device != device:
-            self._packed = PackedInts(device)
+            self._packed = PackedArrays(device)
         return self._packed
 
     def freeze(self) -> None:

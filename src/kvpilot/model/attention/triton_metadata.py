@@ -1,12 +1,10 @@
 """The Triton backend's per-step metadata, packed into one persistent int32 buffer on the device.
 
 Every step's integer inputs (query starts, context lengths, which sequences decode and which prefill, the
-slot mapping, the block tables) are written into one host staging array and sent with one copy into one
-device buffer, of which the metadata tensors are views. The buffers grow (to the next power of two) when a
-step needs more, and can be reserved up front for max_num_seqs x max blocks: then a decode step of a fixed
-batch size and table width always lands at the same device addresses, which is what a captured CUDA graph
-needs. Host staging is pinned and double-buffered on CUDA, so a step's copy is asynchronous and the next
-step cannot overwrite bytes still in flight.
+slot mapping, the block tables) go to the device in one asynchronous copy (kvpilot.model.device_staging), of
+which the metadata tensors are views. Reserved up front for max_num_seqs x max blocks, a decode step of a
+fixed batch size and table width always lands at the same device addresses, which is what a captured CUDA
+graph needs.
 """
 
 from __future__ import annotations
@@ -18,6 +16,7 @@ import torch
 
 from kvpilot.model.attention.layout import StepLayout
 from kvpilot.model.attention.triton_split import DecodeSplit
+from kvpilot.model.device_staging import PackedArrays
 
 
 @dataclass(frozen=True)
@@ -38,67 +37,7 @@ class TritonAttentionMetadata:
     decode_split: DecodeSplit
 
 
-class MetadataOverflowError(RuntimeError):
-    """A step outgrew the metadata buffer that captured CUDA graphs read."""
-
-
-class PackedInts:
-    """One growable int32 device buffer filled from pinned host staging by a single copy a step."""
-
-    def __init__(self, device: torch.device, capacity: int = 0) -> None:
-        self.device = device
-        self._pinned = device.type == "cuda"
-        self._staging: list[torch.Tensor] = []
-        self._events: list[torch.cuda.Event | None] = []
-        self._turn = 0
-        self._frozen = False
-        self.buffer = torch.empty(0, dtype=torch.int32, device=device)
-        self.reserve(capacity)
-
-    def freeze(self) -> None:
-        """From now on the device buffer never moves (captured CUDA graphs hold its address)."""
-        self._frozen = True
-
-    def reserve(self, num_ints: int) -> None:
-        """Makes room for num_ints (rounded up to a power of two); no-op when it fits already.
-        MetadataOverflowError once frozen: the graphs would read a freed buffer."""
-        if num_ints <= self.buffer.numel():
-            return
-        if self._frozen:
-            raise MetadataOverflowError(
-                f"a step needs {num_ints} metadata ints but {self.buffer.numel()} were reserved before the "
-                "CUDA graphs were captured: a runner bug (reserve for max_num_seqs, the token budget and "
-                "max_model_len); --enforce-eager avoids it")
-        size = 1 << max(num_ints - 1, 1).bit_length()
-        self.buffer = torch.empty(size, dtype=torch.int32, device=self.device)
-        copies = 2 if self._pinned else 1
-        self._staging = [torch.empty(size, dtype=torch.int32, pin_memory=self._pinned) for _ in range(copies)]
-        self._events = [None] * copies
-
-    def pack(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
-        """Device int32 views holding `arrays`, back to back in order (equal sizes -> equal addresses)."""
-        total = sum(int(a.size) for a in arrays)
-        self.reserve(total)
-        turn = self._turn
-        self._turn = (turn + 1) % len(self._staging)
-        event = self._events[turn]
-        if event is not None:
-            event.synchronize()  # the copy that last read this staging buffer (normally long finished)
-        host = self._staging[turn].numpy()
-        offset, spans = 0, []
-        for array in arrays:
-            host[offset: offset + array.size] = array.ravel()
-            spans.append((offset, array.size))
-            offset += array.size
-        self.buffer[:total].copy_(self._staging[turn][:total], non_blocking=self._pinned)
-        if self._pinned:
-            event = torch.cuda.Event()
-            event.record()
-            self._events[turn] = event
-        return [self.buffer[o: o + n] for o, n in spans]
-
-
-def pack_layout(layout: StepLayout, packed: PackedInts, decode_split: DecodeSplit,
+def pack_layout(layout: StepLayout, packed: PackedArrays, decode_split: DecodeSplit,
                 table_width: int | None = None) -> TritonAttentionMetadata:
     """The step's metadata from its StepLayout. table_width: columns of block table to send (None: the
     step's widest need; a CUDA graph passes its fixed width)."""

@@ -116,18 +116,20 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                       out: torch.Tensor, prefill_seqs: torch.Tensor, query_start: torch.Tensor,
                       seq_lens: torch.Tensor, block_tables: torch.Tensor, max_query_len: int, scale: float,
-                      k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+                      k_scale: float = 1.0, v_scale: float = 1.0,
+                      tiles: tuple[int, int, int, int] | None = None) -> None:
     """Writes out's rows of every sequence s in prefill_seqs: query rows query_start[s]..query_start[s+1]-1
     at positions seq_lens[s] - query_len .. seq_lens[s] - 1. q/out: [T, heads, D]; k/v: [T, kv_heads, D]
     (this step's, unit stride in D); kv_cache: [2, kv_heads, num_blocks, block_size, D] holding each
-    sequence's earlier tokens; max_query_len >= every prefill's query length (the grid)."""
+    sequence's earlier tokens; max_query_len >= every prefill's query length (the grid). tiles: (BLOCK_M,
+    BLOCK_N, num_warps, num_stages) instead of prefill_tiles' choice (benchmarks/attention_kernels.py sweeps)."""
     num_prefills = prefill_seqs.shape[0]
     if num_prefills == 0:
         return
     num_heads, head_dim = q.shape[1], q.shape[2]
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     num_kv_heads, block_size = k_cache.shape[0], k_cache.shape[2]
-    block_m, block_n, num_warps, num_stages = prefill_tiles(head_dim, q.dtype)
+    block_m, block_n, num_warps, num_stages = tiles or prefill_tiles(head_dim, q.dtype)
     grid = (num_prefills, triton.cdiv(max_query_len, block_m), num_heads)
     _prefill_kernel[grid](
         q, k, v, k_cache, v_cache, out, prefill_seqs, query_start, seq_lens, block_tables,

@@ -1,5 +1,6 @@
 """RMSNorm, computed in float32 like the HF reference so fp32 outputs match token for token. bfloat16
-activations on CPU take the C++ kernel (cpu_bf16_ops.py): the same arithmetic in one call."""
+activations on CPU take the C++ kernel (cpu_bf16_ops.py), CUDA tensors a Triton kernel (gpu_small_ops.py):
+the same arithmetic in one call."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch
 from torch import nn
 
 from kvpilot.model.layers.cpu_bf16_ops import bf16_ops_for
+from kvpilot.model.layers.gpu_small_ops import small_ops_for
 
 
 class RMSNorm(nn.Module):
@@ -19,6 +21,9 @@ class RMSNorm(nn.Module):
         ops = bf16_ops_for(x) if self.weight.dtype == torch.bfloat16 else None
         if ops is not None:
             return ops.rms_norm_bf16(x.contiguous(), self.weight, self.eps)
+        gpu = small_ops_for(x)
+        if gpu is not None and x.stride(-1) == 1 and x.dim() <= 3:  # CUDA: one Triton kernel
+            return gpu.rms_norm(x, self.weight, self.eps)
         return self.reference(x)
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ from torch import nn
 
 from kvpilot.model.config import ModelConfig, RopeScaling
 from kvpilot.model.layers.cpu_bf16_ops import bf16_ops_for
+from kvpilot.model.layers.gpu_small_ops import small_ops_for
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
@@ -54,10 +55,14 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]. bfloat16 on CPU: one C++ call, bit for bit the torch ops below."""
+    """x: [T, heads, head_dim]. bfloat16 on CPU: one C++ call, bit for bit the torch ops below; CUDA: one
+    Triton kernel rounding where they do."""
     ops = bf16_ops_for(x)
     if ops is not None and x.stride(-1) == 1 and cos.dtype == sin.dtype == torch.bfloat16:
         return ops.rope_bf16(x, cos.contiguous(), sin.contiguous())
+    gpu = small_ops_for(x)
+    if gpu is not None and x.stride(-1) == 1 and cos.dtype == sin.dtype == x.dtype:  # CUDA: one Triton kernel
+        return gpu.rotary(x, cos, sin)
     return rotary_reference(x, cos, sin)
 
 

@@ -1,0 +1,104 @@
+"""Fused small ops for CUDA, in Triton: RMSNorm, rotary embedding and SiLU-and-mul, one kernel each where
+torch launches six, six and two (a decode step of a 28-layer model ran ~1,500 kernels of 1-2 us on an H200,
+2026-11-26: at batch 1 they, not the weights, set the step time).
+
+Each kernel rounds to the activation dtype at the points the torch ops do (kvpilot.model.layers.norm,
+rope.rotary_reference, llama.MLP), so 16-bit results equal torch's up to the order of RMSNorm's sum.
+Imports triton at module level: reach it through gpu_small_ops.small_ops_for.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_xt, stride_xh, num_heads, n_cols, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # token * num_heads + head
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + (row // num_heads) * stride_xt + (row % num_heads) * stride_xh + cols, mask=mask,
+                other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / n_cols + eps)
+    normed = (x * rstd).to(out_ptr.dtype.element_ty)  # torch: (x32 * rsqrt).to(dtype), then weight * it
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    out = w.to(tl.float32) * normed.to(tl.float32)
+    tl.store(out_ptr + row * n_cols + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension of x: [T, D] or [T, heads, D] (unit stride in D, any other strides,
+    so q/k views of the fused projection need no copy). Returns a contiguous tensor of x's shape."""
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    n_cols = x.shape[-1]
+    num_heads = x.shape[1] if x.dim() == 3 else 1
+    stride_h = x.stride(1) if x.dim() == 3 else 0
+    if out.numel():
+        block = triton.next_power_of_2(n_cols)
+        _rms_norm_kernel[(x.shape[0] * num_heads,)](x, weight, out, x.stride(0), stride_h, num_heads, n_cols, eps,
+                                                    BLOCK=block, num_warps=min(max(block // 256, 1), 8))
+    return out
+
+
+@triton.jit
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride_xh, stride_ct, stride_ot, stride_oh, half,
+                 BLOCK: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    d = tl.arange(0, BLOCK)
+    mask = d < half
+    base = x_ptr + token * stride_xt + head * stride_xh
+    x1 = tl.load(base + d, mask=mask, other=0.0)
+    x2 = tl.load(base + half + d, mask=mask, other=0.0)
+    cos1 = tl.load(cos_ptr + token * stride_ct + d, mask=mask, other=0.0)
+    cos2 = tl.load(cos_ptr + token * stride_ct + half + d, mask=mask, other=0.0)
+    sin1 = tl.load(sin_ptr + token * stride_ct + d, mask=mask, other=0.0)
+    sin2 = tl.load(sin_ptr + token * stride_ct + half + d, mask=mask, other=0.0)
+    dtype = out_ptr.dtype.element_ty
+    # torch: x * cos + cat(-x2, x1) * sin, each product and the sum rounded to the dtype
+    a1 = (x1.to(tl.float32) * cos1.to(tl.float32)).to(dtype)
+    b1 = (-(x2.to(tl.float32) * sin1.to(tl.float32))).to(dtype)
+    a2 = (x2.to(tl.float32) * cos2.to(tl.float32)).to(dtype)
+    b2 = (x1.to(tl.float32) * sin2.to(tl.float32)).to(dtype)
+    out = out_ptr + token * stride_ot + head * stride_oh
+    tl.store(out + d, (a1.to(tl.float32) + b1.to(tl.float32)).to(dtype), mask=mask)
+    tl.store(out + half + d, (a2.to(tl.float32) + b2.to(tl.float32)).to(dtype), mask=mask)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, D] (unit stride in D, any token/head strides); cos, sin: [T, 1, D] in x's dtype."""
+    num_tokens, num_heads, head_dim = x.shape
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=x.dtype, device=x.device)
+    cos, sin = cos.reshape(num_tokens, head_dim), sin.reshape(num_tokens, head_dim)
+    if num_tokens:
+        if cos.stride(1) != 1 or sin.stride() != cos.stride():
+            cos, sin = cos.contiguous(), sin.contiguous()
+        half = head_dim // 2
+        _rope_kernel[(num_tokens, num_heads)](x, cos, sin, out, x.stride(0), x.stride(1), cos.stride(0),
+                                             out.stride(0), out.stride(1), half, BLOCK=triton.next_power_of_2(half))
+    return out
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, width, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < width
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + width + cols, mask=mask, other=0.0).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype)  # torch: silu(gate) in the dtype, then * up
+    tl.store(out_ptr + row * stride_o + cols, (silu.to(tl.float32) * up).to(dtype), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] (gate then up, unit stride in the last dimension) -> silu(gate) * up, [T, I]."""
+    num_rows, width = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((num_rows, width), dtype=gate_up.dtype, device=gate_up.device)
+    if num_rows:
+        block = min(1024, triton.next_power_of_2(width))
+        _silu_mul_kernel[(num_rows, triton.cdiv(width, block))](gate_up, out, gate_up.stride(0), out.stride(0),
+                                                                width, BLOCK=block)
+    return out

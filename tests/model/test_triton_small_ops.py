@@ -1,0 +1,74 @@
+"""The fused Triton small ops (CUDA's RMSNorm, rotary, SiLU-and-mul) against the torch ops they replace, on
+strided views like the model's (q/k heads inside the fused projection), in Triton's interpreter on CPU and
+compiled on a GPU. 16-bit results round where torch rounds: equal but for RMSNorm's order of summation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvpilot.model.layers.norm import RMSNorm
+from kvpilot.model.layers.rope import rotary_reference
+from tests.model.triton_cases import ON_GPU, TRITON_SKIP_REASON
+
+pytestmark = pytest.mark.skipif(TRITON_SKIP_REASON is not None, reason=TRITON_SKIP_REASON or "")
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
+
+
+def _ops():
+    from kvpilot.model.layers import triton_small_ops
+    return triton_small_ops
+
+
+def _fused_projection(num_tokens: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """[T, q 4 heads + k 2 heads + v 2 heads] x head dim 64, as the fused qkv projection lays them out."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(num_tokens, 8 * 64, generator=g).mul(3).to(dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_on_rows_and_on_head_views(dtype):
+    norm = RMSNorm(64, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(0.5, 1.5, 64))
+    norm = norm.to(DEVICE, dtype)
+    qkv = _fused_projection(5, dtype, seed=1)
+    q = qkv[:, :256].view(5, 4, 64)  # token stride 512: not contiguous
+    hidden = torch.randn(7, 300, generator=torch.Generator().manual_seed(2)).to(dtype).to(DEVICE)  # not a power of 2
+    wide = RMSNorm(300, 1e-5).to(DEVICE, dtype)
+    tol = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 1e-2}[dtype]
+    for module, x in ((norm, q), (wide, hidden)):
+        out = _ops().rms_norm(x, module.weight, module.eps)
+        assert out.shape == x.shape and out.is_contiguous()
+        torch.testing.assert_close(out, module.reference(x), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_matches_the_torch_ops(dtype):
+    qkv = _fused_projection(6, dtype, seed=3)
+    qk = qkv[:, :384].view(6, 6, 64)  # q and k heads rotated together, as the model does without q/k norm
+    angles = torch.rand(6, 1, 64, generator=torch.Generator().manual_seed(4)) * 6
+    cos, sin = angles.cos().to(dtype).to(DEVICE), angles.sin().to(dtype).to(DEVICE)
+    expected = rotary_reference(qk, cos, sin)
+    out = _ops().rotary(qk, cos, sin)
+    if dtype == torch.float32:  # a fused multiply-add may round once where torch rounds twice
+        torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+    else:
+        assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_matches_the_torch_ops(dtype):
+    gate_up = torch.randn(5, 2 * 1500, generator=torch.Generator().manual_seed(5)).mul(4).to(dtype).to(DEVICE)
+    gate, up = gate_up.split(1500, dim=-1)
+    expected = F.silu(gate) * up
+    tol = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 1e-2}[dtype]
+    torch.testing.assert_close(_ops().silu_mul(gate_up), expected, rtol=tol, atol=tol)
+
+
+def test_cuda_tensors_only():
+    from kvpilot.model.layers.gpu_small_ops import small_ops_for
+
+    assert small_ops_for(torch.zeros(2, 4)) is None  # CPU tensors keep the C++ or torch ops
