@@ -4,7 +4,7 @@
 # its own time limit, so a hang or a crash costs only that stage; logs go to $OUT (one file a stage).
 #
 #     bash benchmarks/gpu_checks.sh [stage ...]     # stages: env tests fp32 throughput profile kernels
-#                                                   # (default), profile1 profile1-torch-ops ttft-torch
+#                                                   # (default), profile1 profile1-torch-ops fp8 ttft-torch
 #
 # The machine needs torch (CUDA), triton and transformers; kvpilot runs from src/ without being installed.
 set -u
@@ -48,6 +48,8 @@ for s in "${selected[@]}"; do
             --output "$OUT/throughput.json" ;;
         profile) stage profile "${PROFILE_LIMIT:-120}" $PY benchmarks/gpu_step_profile.py --model qwen3-0.6b --batch 256 --context 512 --profile --modes "${MODES:-sync-eager,async-eager,async-graphs}" ;;
         profile1) stage profile1 "${PROFILE_LIMIT:-60}" $PY benchmarks/gpu_step_profile.py --model qwen3-0.6b --batch 1 --context 512 --profile --modes "${MODES:-sync-eager,async-eager,async-graphs}" ;;
+        fp8) stage fp8 150 $PY benchmarks/gpu_throughput.py --rows llama-64 llama-b1 qwen3-b1 --skip-hf \
+            --quantization fp8 ;;
         ttft-torch) stage ttft-torch 90 $PY benchmarks/gpu_throughput.py --rows llama-ttft --attention-backend torch ;;
         kernels) stage kernels 120 $PY benchmarks/attention_kernels.py --prefill-tiles 128x32x8x3 128x64x8x3 \
             64x64x4x3 128x128x8x3 64x128x8x3 128x64x4x4 ;;

@@ -225,7 +225,8 @@ def environment(args: argparse.Namespace) -> dict:
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "gpu": gpu, "torch": torch.__version__,
             "triton": triton_version, "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype,
-            "attention_backend": args.attention_backend, "enforce_eager": args.enforce_eager, "smoke": args.smoke}
+            "attention_backend": args.attention_backend, "enforce_eager": args.enforce_eager,
+            "quantization": args.quantization, "smoke": args.smoke}
 
 
 def main() -> None:
@@ -237,6 +238,7 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--enforce-eager", action="store_true", help="No CUDA graphs (decode steps run eagerly).")
+    parser.add_argument("--quantization", default="none", help="none, or fp8 (weights e4m3 per channel).")
     parser.add_argument("--hf-rows", nargs="*", help="Run HF transformers only on these rows (default: all that have it).")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, help="Also write the results and environment as JSON.")
@@ -252,7 +254,8 @@ def main() -> None:
             source, hf_config = model_source(name, args.smoke, Path(workdir))
             began = time.perf_counter()
             longest = max(r.input_range[1] + r.output_range[1] for r in rows if r.model == name) + 16
-            loaded = load_model(source, load_format="dummy", dtype=args.dtype, max_model_len=longest, seed=args.seed)
+            loaded = load_model(source, load_format="dummy", dtype=args.dtype, max_model_len=longest, seed=args.seed,
+                                quantization=args.quantization)
             print(f"{name}: dummy weights in {time.perf_counter() - began:.1f} s", flush=True)
             for row in (r for r in rows if r.model == name):
                 try:

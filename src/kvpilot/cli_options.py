@@ -19,7 +19,8 @@ QuantizationOpt = Annotated[str, typer.Option(
     "kernels, when every linear weight has one of those types; with bfloat16 also a dense bf16 copy for "
     "many-row GEMMs: more memory, the fastest of both), gguf (packed only, or an error naming the types "
     "that are not), none (dequantize to --dtype at load); int8 / int4: quantize any model's linear weights "
-    "at load (per-32 scales, Q8_0 / Q4_1 blocks; CPU).")]
+    "at load (per-32 scales, Q8_0 / Q4_1 blocks; CPU); fp8: float8 e4m3 weights with per-channel scales and "
+    "per-token activations, for Hopper and Ada GPUs (as vLLM's).")]
 DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="cpu or cuda[:N]. Default: cuda if available.")]
 MaxModelLenOpt = Annotated[Optional[int], typer.Option(
     "--max-model-len", help="Longest prompt + output of one request, in tokens. Default: the model's context, "

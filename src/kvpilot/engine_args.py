@@ -26,7 +26,8 @@ class EngineArgs:
     model: str | None = None
     load_format: str = "auto"
     dtype: str = "auto"
-    quantization: str = "auto"  # CPU: auto (bf16: + dense copy) / gguf keep a GGUF's Q8_0/Q4_0/Q4_1 packed; none; int8/int4
+    quantization: str = "auto"  # CPU: auto (bf16: + dense copy) / gguf keep a GGUF's Q8_0/Q4_0/Q4_1 packed; none;
+    # int8/int4 (CPU, at load); fp8 (Hopper/Ada GPUs: e4m3 weights per channel, activations per token)
     device: str | None = None
     max_model_len: int | None = None
     max_num_seqs: int = 256

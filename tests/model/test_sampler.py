@@ -116,3 +116,27 @@ def test_staged_columns_sample_the_same_tokens():
         assert batch.max_top_k == VOCAB and batch.top_k.dtype == torch.int64  # rows without top-k keep all
         draws.append(sample(_logits(4, seed=3), batch).tolist())
     assert draws[0] == draws[1]
+
+
+def test_staged_penalties_match_plain_copies():
+    """Penalty rows and columns sent as views of one staged copy (the CUDA path) penalize exactly as plain
+    copies: repetition on prompt and output tokens, frequency and presence on output tokens."""
+    import numpy as np
+
+    from kvpilot.model.device_staging import PackedArrays
+    from kvpilot.model.logits_processors import PenaltyState
+
+    results = []
+    for staged in (False, True):
+        state = PenaltyState(4, VOCAB, torch.device("cpu"))
+        if staged:
+            state._index_staging = PackedArrays(torch.device("cpu"))
+            state._column_staging = PackedArrays(torch.device("cpu"), dtype=torch.float32)
+        state.add(1, SamplingParams(repetition_penalty=1.3, frequency_penalty=0.5), [3, 7, 7], [9])
+        state.add(3, SamplingParams(presence_penalty=0.8), [1], [])
+        state.add(2, SamplingParams(), [4], [])
+        rows = np.array([2, 1, 3])
+        state.record(rows, torch.tensor([5, 9, 11]))
+        results.append(state.apply(_logits(3, seed=6), rows))
+    torch.testing.assert_close(results[1], results[0], rtol=0, atol=0)
+    assert not torch.equal(results[0], _logits(3, seed=6))  # the penalties did change the logits

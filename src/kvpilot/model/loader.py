@@ -37,7 +37,7 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     # how the linear weights are held: "none" (dense, in dtype), "gguf" (the GGUF's packed blocks) or
-    # "int8" / "int4" (quantized at load); packed ones run in the CPU kernels of kvpilot.model.quant
+    # "int8" / "int4" (quantized at load; packed ones run in the CPU kernels of kvpilot.model.quant), "fp8"
     quantization: str = "none"
 
 
@@ -132,6 +132,12 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
         loaded = _load(model, load_format, max_model_len, torch_dtype, torch_device, seed, quantization)
     if quantization in ("int8", "int4"):
         _quantize_at_load(loaded, quantization)
+    elif quantization == "fp8":
+        from kvpilot.model.quant.fp8 import check_fp8_device, quantize_fp8_layers
+
+        check_fp8_device(loaded.device)
+        quantize_fp8_layers(loaded.model)
+        loaded.quantization = "fp8"
     if torch_device.type == "cpu":
         relayout_linear_weights(loaded.model)
         if torch_dtype == torch.bfloat16:

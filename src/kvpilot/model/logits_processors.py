@@ -13,6 +13,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from kvpilot.model.device_staging import PackedArrays
 from kvpilot.sampling_params import SamplingParams
 
 
@@ -34,6 +35,25 @@ class PenaltyState:
         self.presence = np.zeros(max_rows, dtype=np.float32)
         self._prompt_seen: torch.Tensor | None = None
         self._output_counts: torch.Tensor | None = None
+        # CUDA: per-step row indices and columns go in one asynchronous copy each (no wait for queued kernels)
+        cuda = device.type == "cuda"
+        self._index_staging = PackedArrays(device) if cuda else None
+        self._column_staging = PackedArrays(device, dtype=torch.float32) if cuda else None
+
+    def _indices(self, mask: np.ndarray, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions in the step of the penalized rows, their persistent rows) on the device."""
+        which, penalized = np.flatnonzero(mask), rows[mask]
+        if self._index_staging is None:
+            return torch.from_numpy(which).to(self.device), torch.from_numpy(penalized).to(self.device)
+        which_t, penalized_t = self._index_staging.pack([which, penalized])
+        return which_t.long(), penalized_t.long()
+
+    def _columns(self, penalized: np.ndarray) -> list[torch.Tensor]:
+        """repetition, frequency, presence of the penalized rows, [n, 1] each, on the device."""
+        columns = [self.repetition[penalized], self.frequency[penalized], self.presence[penalized]]
+        if self._column_staging is None:
+            return [torch.from_numpy(c).to(self.device)[:, None] for c in columns]
+        return [c[:, None] for c in self._column_staging.pack(columns)]
 
     def add(self, row: int, params: SamplingParams, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
         self.num_active += uses_penalties(params) - bool(self.active[row])
@@ -65,18 +85,13 @@ class PenaltyState:
         if not mask.any():
             return logits
         assert self._prompt_seen is not None and self._output_counts is not None
-        which = torch.from_numpy(np.flatnonzero(mask)).to(logits.device)
-        penalized_rows = torch.from_numpy(rows[mask]).to(logits.device)
+        which, penalized_rows = self._indices(mask, rows)
         counts = self._output_counts[penalized_rows]
         seen = self._prompt_seen[penalized_rows] | (counts > 0)
         sub = logits[which]
-
-        def col(values: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(values[rows[mask]]).to(logits.device)[:, None]
-
-        repetition = col(self.repetition)
+        repetition, frequency, presence = self._columns(rows[mask])
         sub = torch.where(seen, torch.where(sub > 0, sub / repetition, sub * repetition), sub)
-        sub = sub - col(self.frequency) * counts - col(self.presence) * (counts > 0)
+        sub = sub - frequency * counts - presence * (counts > 0)
         logits = logits.clone()
         logits[which] = sub
         return logits
@@ -89,8 +104,7 @@ class PenaltyState:
         if not mask.any():
             return
         assert self._output_counts is not None
-        which = torch.from_numpy(np.flatnonzero(mask)).to(token_ids.device)
-        penalized_rows = torch.from_numpy(rows[mask]).to(token_ids.device)
+        which, penalized_rows = self._indices(mask, rows)
         self._output_counts.index_put_((penalized_rows, token_ids[which]),
                                        torch.ones(len(which), device=token_ids.device), accumulate=True)
 

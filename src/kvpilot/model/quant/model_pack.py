@@ -12,7 +12,9 @@
   prompt tokens dequantize it per layer into one shared scratch matrix (~10 ms a step for the embedded model's
   120 layers) instead of keeping a dense copy (~190 MiB less resident memory than auto);
 - none: dequantized to --dtype at load (dense matmuls);
-- int8 / int4: any model's dense weights quantized at load (quant/at_load.py; a GGUF is dequantized first).
+- int8 / int4: any model's dense weights quantized at load (quant/at_load.py; a GGUF is dequantized first);
+- fp8: the decoder layers' weights as float8 e4m3 with per-channel scales, activations per token (quant/fp8.py:
+  for Hopper and Ada GPUs; CPU torch runs it slowly).
 --dtype still sets the activations' dtype either way.
 """
 
@@ -34,7 +36,7 @@ from kvpilot.model.quant.packed import PackedWeight
 
 logger = logging.getLogger("kvpilot")
 
-QUANTIZATIONS = ("auto", "gguf", "none", "int8", "int4")
+QUANTIZATIONS = ("auto", "gguf", "none", "int8", "int4", "fp8")
 EMBED = "model.embed_tokens.weight"
 
 
@@ -51,7 +53,7 @@ def packed_names(quantization: str, device: torch.device, tensor_types: dict[str
     when quantization="gguf" cannot be honoured, naming what is unsupported and what is supported.
     """
     check_quantization(quantization)
-    if quantization in ("none", "int8", "int4"):
+    if quantization in ("none", "int8", "int4", "fp8"):
         return frozenset()
     wanted = {name for name in tensor_types if name != EMBED or config.tie_word_embeddings}
     if config.tie_word_embeddings:
