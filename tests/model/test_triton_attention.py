@@ -55,13 +55,22 @@ def test_64_bit_cache_offsets(monkeypatch):
     _check_against_torch(2, 64, torch.float32, 16)
 
 
-def _check_against_torch(group: int, head_dim: int, dtype: torch.dtype, partition: int | None) -> None:
+def test_prefill_tiles_before_and_on_the_diagonal():
+    """Chunks longer than a query tile (the float32 tile is 32 x 32): key tiles wholly before the diagonal and
+    whole prefix tiles skip the masks, the diagonal tile and the prefix's partial tile keep them."""
+    seqs = [(0, 70), (64, 40), (70, 33), (5, 1)]  # fresh prompt; whole-tile prefix; partial-tile prefix
+    _check_against_torch(2, 64, torch.float32, None, seqs)
+
+
+def _check_against_torch(group: int, head_dim: int, dtype: torch.dtype, partition: int | None,
+                         seqs: list[tuple[int, int]] = SEQS) -> None:
     kv_heads = 2
-    step = make_step(SEQS, group * kv_heads, kv_heads, head_dim, BLOCK_SIZE, dtype, dtype, seed=group)
+    step = make_step(seqs, group * kv_heads, kv_heads, head_dim, BLOCK_SIZE, dtype, dtype, seed=group)
     ref_cache, cache = step.cache.clone(), step.cache.clone().to(DEVICE)
     ref, _ = _run(TorchAttentionBackend(), step, ref_cache, head_dim)
     out, meta = _run(_backend(decode_partition=partition), step, cache, head_dim)
-    assert meta.decode_split.num_splits == (1 if partition is None else -(-40 // max(partition, 16)))
+    longest_decode = max(start + n for start, n in seqs if n == 1 and start > 0)
+    assert meta.decode_split.num_splits == (1 if partition is None else -(-longest_decode // max(partition, 16)))
     tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
     torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
     assert torch.equal(cache.cpu(), ref_cache)  # the step's K/V written exactly where the reference writes

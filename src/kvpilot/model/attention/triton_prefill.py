@@ -32,16 +32,52 @@ def prefill_tiles(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int
 
 
 @triton.jit
-def _online_softmax_step(q, k, v, m_i, l_i, acc, valid, qk_scale, PRECISION: tl.constexpr):
-    """One key tile into the running (max, sum, accumulator): scores in the log2 domain."""
+def _online_softmax_step(q, k, v, m_i, l_i, acc, valid, qk_scale, PRECISION: tl.constexpr,
+                         MASKED: tl.constexpr = True):
+    """One key tile into the running (max, sum, accumulator): scores in the log2 domain. MASKED=False for a
+    tile every query sees whole (below the diagonal, inside the prefix): no select on the scores."""
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-    scores = tl.where(valid, scores, float("-inf"))
+    if MASKED:
+        scores = tl.where(valid, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(scores - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _cached_tile(k_cache_ptr, v_cache_ptr, table, head_base, pos, start, d, d_mask, dtype: tl.constexpr, v_scale,
+                 stride_cb, stride_ct, block_size, BLOCK_N: tl.constexpr, V_SCALED: tl.constexpr,
+                 WIDE: tl.constexpr):
+    """Keys pos..pos+BLOCK_N-1 of the cached prefix (those < start), read through the block table."""
+    keys = pos + tl.arange(0, BLOCK_N)
+    k_mask = keys < start
+    block = tl.load(table + keys // block_size, mask=k_mask, other=0)
+    if WIDE:
+        block = block.to(tl.int64)
+    offs = head_base + block * stride_cb + (keys % block_size) * stride_ct
+    kv_mask = k_mask[:, None] & d_mask[None, :]
+    k = tl.load(k_cache_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0).to(dtype)
+    v = tl.load(v_cache_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0).to(dtype)
+    if V_SCALED:  # fp8 V scale on the prefix's values, so both parts of the sum share one scale
+        v = (v.to(tl.float32) * v_scale).to(dtype)
+    return k, v, k_mask
+
+
+@triton.jit
+def _new_tile(k_ptr, v_ptr, first_row, kv_head, pos, end, d, d_mask, dtype: tl.constexpr,
+              stride_kt, stride_kh, stride_vt, stride_vh, BLOCK_N: tl.constexpr):
+    """Keys pos..pos+BLOCK_N-1 (those < end) of the step's own K/V."""
+    keys = pos + tl.arange(0, BLOCK_N)
+    key_rows = (first_row + keys).to(tl.int64)
+    kv_mask = (keys < end)[:, None] & d_mask[None, :]
+    k = tl.load(k_ptr + key_rows[:, None] * stride_kt + kv_head * stride_kh + d[None, :], mask=kv_mask,
+                other=0.0).to(dtype)
+    v = tl.load(v_ptr + key_rows[:, None] * stride_vt + kv_head * stride_vh + d[None, :], mask=kv_mask,
+                other=0.0).to(dtype)
+    return k, v, keys
 
 
 @triton.jit
@@ -80,32 +116,31 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     head_base = kv_head * stride_ch
     if WIDE:
         head_base = head_base.to(tl.int64)
-    for pos in range(0, start, BLOCK_N):
-        keys = pos + tl.arange(0, BLOCK_N)
-        k_mask = keys < start
-        block = tl.load(table + keys // block_size, mask=k_mask, other=0)
-        if WIDE:
-            block = block.to(tl.int64)
-        offs = head_base + block * stride_cb + (keys % block_size) * stride_ct
-        kv_mask = k_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        v = tl.load(v_cache_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        if V_SCALED:  # fp8 V scale on the prefix's values, so both parts of the sum share one scale
-            v = (v.to(tl.float32) * v_scale).to(q.dtype)
+    # whole tiles first (no masks on the scores), then the partial last tile
+    full_prefix = start - start % BLOCK_N
+    for pos in range(0, full_prefix, BLOCK_N):
+        k, v, k_mask = _cached_tile(k_cache_ptr, v_cache_ptr, table, head_base, pos, start, d, d_mask, q.dtype,
+                                    v_scale, stride_cb, stride_ct, block_size, BLOCK_N, V_SCALED, WIDE)
+        m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, k_mask[None, :], cached_qk_scale, PRECISION,
+                                             MASKED=False)
+    for pos in range(full_prefix, start, BLOCK_N):
+        k, v, k_mask = _cached_tile(k_cache_ptr, v_cache_ptr, table, head_base, pos, start, d, d_mask, q.dtype,
+                                    v_scale, stride_cb, stride_ct, block_size, BLOCK_N, V_SCALED, WIDE)
         m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, k_mask[None, :], cached_qk_scale, PRECISION)
 
-    # 2. the chunk's own tokens, causal: query r sees new keys 0..r
+    # 2. the chunk's own tokens, causal: query r sees new keys 0..r. Key tiles wholly before the tile's first
+    # query need no mask (BLOCK_M is a multiple of BLOCK_N: the diagonal starts on a key-tile boundary)
     end = tl.minimum(query_len, (tile + 1) * BLOCK_M)
-    for pos in range(0, end, BLOCK_N):
-        keys = pos + tl.arange(0, BLOCK_N)
-        k_mask = keys < end
-        key_rows = (first_row + keys).to(tl.int64)
-        kv_mask = k_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + key_rows[:, None] * stride_kt + kv_head * stride_kh + d[None, :], mask=kv_mask,
-                    other=0.0).to(q.dtype)
-        v = tl.load(v_ptr + key_rows[:, None] * stride_vt + kv_head * stride_vh + d[None, :], mask=kv_mask,
-                    other=0.0).to(q.dtype)
-        valid = k_mask[None, :] & (keys[None, :] <= rows[:, None])
+    diagonal = tile * BLOCK_M
+    for pos in range(0, diagonal, BLOCK_N):
+        k, v, keys = _new_tile(k_ptr, v_ptr, first_row, kv_head, pos, end, d, d_mask, q.dtype,
+                               stride_kt, stride_kh, stride_vt, stride_vh, BLOCK_N)
+        m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, keys[None, :] < end, qk_scale, PRECISION,
+                                             MASKED=False)
+    for pos in range(diagonal, end, BLOCK_N):
+        k, v, keys = _new_tile(k_ptr, v_ptr, first_row, kv_head, pos, end, d, d_mask, q.dtype,
+                               stride_kt, stride_kh, stride_vt, stride_vh, BLOCK_N)
+        valid = (keys[None, :] < end) & (keys[None, :] <= rows[:, None])
         m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, valid, qk_scale, PRECISION)
 
     out = acc / l_i[:, None]
@@ -130,6 +165,9 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cach
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     num_kv_heads, block_size = k_cache.shape[0], k_cache.shape[2]
     block_m, block_n, num_warps, num_stages = tiles or prefill_tiles(head_dim, q.dtype)
+    if block_m % block_n:
+        raise ValueError(f"BLOCK_M ({block_m}) must be a multiple of BLOCK_N ({block_n}): the causal part "
+                         "skips masks on whole key tiles before the diagonal")
     grid = (num_prefills, triton.cdiv(max_query_len, block_m), num_heads)
     _prefill_kernel[grid](
         q, k, v, k_cache, v_cache, out, prefill_seqs, query_start, seq_lens, block_tables,
