@@ -4,7 +4,7 @@
 # its own time limit, so a hang or a crash costs only that stage; logs go to $OUT (one file a stage).
 #
 #     bash benchmarks/gpu_checks.sh [stage ...]     # stages: env tests fp32 throughput profile kernels
-#                                                   # (default), profile1 profile1-torch-ops fp8 ttft-torch
+#                                                   # (default), profile1 profile1-torch-ops fp8 server (carry .whl) ttft-torch
 #
 # The machine needs torch (CUDA), triton and transformers; kvpilot runs from src/ without being installed.
 set -u
@@ -29,13 +29,21 @@ run_env() {
 torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).multi_processor_count, 'SMs')"
 }
 
+run_server() {  # kvpilot serve vs LLM.generate on one workload (needs .whl: benchmarks/gpu_wheels.sh, carried)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl || return 1
+    PYTHONPATH="/tmp/site:$PYTHONPATH" $PY benchmarks/server_overhead.py --model qwen3-0.6b --load-format dummy \
+        --kv-cache-memory '' --num-requests 512 --concurrency 256 --input-len 512 --output-len 256 \
+        --max-model-len 1024
+}
+
 run_tests() {
     $PY -m pytest -q -p no:cacheprovider --timeout 120 tests/model/test_triton_attention.py \
         tests/model/test_triton_runner.py tests/model/test_triton_split.py tests/model/test_cuda_graphs.py \
         tests/model/test_triton_small_ops.py
 }
 
-export -f run_env run_tests
+export -f run_env run_tests run_server
 export PY
 selected=("$@")
 [ ${#selected[@]} -eq 0 ] && selected=(env tests fp32 throughput profile kernels)
@@ -50,6 +58,7 @@ for s in "${selected[@]}"; do
         profile1) stage profile1 "${PROFILE_LIMIT:-60}" $PY benchmarks/gpu_step_profile.py --model qwen3-0.6b --batch 1 --context 512 --profile --modes "${MODES:-sync-eager,async-eager,async-graphs}" ;;
         fp8) stage fp8 150 $PY benchmarks/gpu_throughput.py --rows llama-64 llama-b1 qwen3-b1 --skip-hf \
             --quantization fp8 ;;
+        server) stage server 300 bash -c run_server ;;
         ttft-torch) stage ttft-torch 90 $PY benchmarks/gpu_throughput.py --rows llama-ttft --attention-backend torch ;;
         kernels) stage kernels 120 $PY benchmarks/attention_kernels.py --prefill-tiles 128x32x8x3 128x64x8x3 \
             64x64x4x3 128x128x8x3 64x128x8x3 128x64x4x4 ;;
