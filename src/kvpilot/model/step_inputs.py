@@ -36,7 +36,7 @@ class StepInputs:
     token_ids: torch.Tensor  # [T] int64 (CPU) or int32 (CUDA: staged), on the device
     positions: torch.Tensor  # [T], the same dtype
     layout: StepLayout
-    sample_rows: torch.Tensor  # [N] long
+    sample_rows: torch.Tensor  # [N], the same dtype
     sample_request_ids: list[str]
     sample_batch_rows: np.ndarray  # [N] int64
 
