@@ -4,7 +4,7 @@
 # its own time limit, so a hang or a crash costs only that stage; logs go to $OUT (one file a stage).
 #
 #     bash benchmarks/gpu_checks.sh [stage ...]     # stages: env tests fp32 throughput profile kernels
-#                                                   # (default), profile1 profile1-torch-ops fp8 server (carry .whl) ttft-torch
+#                                                   # (default), profile1 profile1-torch-ops fp8 numerics server (carry .whl) ttft-torch
 #
 # The machine needs torch (CUDA), triton and transformers; kvpilot runs from src/ without being installed.
 set -u
@@ -59,6 +59,7 @@ for s in "${selected[@]}"; do
         fp8) stage fp8 150 $PY benchmarks/gpu_throughput.py --rows llama-64 llama-b1 qwen3-b1 --skip-hf \
             --quantization fp8 ;;
         server) stage server 300 bash -c run_server ;;
+        numerics) stage numerics 120 $PY benchmarks/gpu_numerics.py ;;
         ttft-torch) stage ttft-torch 90 $PY benchmarks/gpu_throughput.py --rows llama-ttft --attention-backend torch ;;
         kernels) stage kernels 120 $PY benchmarks/attention_kernels.py --prefill-tiles 128x32x8x3 128x64x8x3 \
             64x64x4x3 128x128x8x3 64x128x8x3 128x64x4x4 ;;
