@@ -26,7 +26,8 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "model": frozenset({"engine", "fit"}),
     # wiring and the Python API
     "engine_args": frozenset({"engine", "fit", "model"}),
-    "engine_build": frozenset({"engine", "engine_args", "fit", "model"}),
+    "engine_build": frozenset({"engine", "engine_args", "engine_tp", "fit", "model"}),
+    "engine_tp": frozenset({"engine", "engine_args", "model"}),
     "llm": frozenset({"engine", "engine_args", "engine_build", "model"}),
     "kvpilot": frozenset({"llm"}),
     "chat_session": frozenset({"llm"}),

@@ -47,6 +47,9 @@ SeedOpt = Annotated[int, typer.Option("--seed", help="Seed for dummy weights.")]
 AttentionBackendOpt = Annotated[str, typer.Option(
     "--attention-backend", help="auto (Triton kernels on CUDA when triton imports; the C++ decode kernel for "
     "float32 on CPU; else torch), torch (the reference, any device and dtype), cpu or triton.")]
+TensorParallelOpt = Annotated[int, typer.Option(
+    "--tensor-parallel-size", "-tp", help="Ranks that share every layer (Megatron-style sharding, one process "
+    "each). CPU (gloo) so far; the model's heads and MLP width must divide (the error names sizes that do).")]
 EnforceEagerOpt = Annotated[bool, typer.Option(
     "--enforce-eager", help="CUDA: run decode steps eagerly, without CUDA graphs (slower at small batches; "
     "for debugging).")]

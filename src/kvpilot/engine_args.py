@@ -41,6 +41,7 @@ class EngineArgs:
     seed: int = 0
     attention_backend: str = "auto"
     async_scheduling: bool | None = None  # None: on where the device computes asynchronously (CUDA)
+    tensor_parallel_size: int = 1  # ranks sharing each layer (CPU: gloo, one process per rank)
     enforce_eager: bool = False  # CUDA: no CUDA graphs (decode steps launch their kernels one by one)
     cuda_graph_sizes: tuple[int, ...] | None = None  # decode batch sizes to capture; None: 1, 2, 4, 8, 16k..
     kv_events_config: KVEventsConfig | None = None  # publish KV-cache events (the engine core process does)
@@ -63,6 +64,11 @@ class EngineArgs:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise EngineConfigError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got "
                                     f"{self.attention_backend!r}")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise EngineConfigError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
+        if self.tensor_parallel_size > 1 and self.quantization not in ("auto", "none"):
+            raise EngineConfigError(f"tensor parallelism shards dense weights: --quantization {self.quantization} "
+                                    "keeps packed ones; use --quantization none (or auto)")
         if self.cuda_graph_sizes is not None:
             try:
                 cuda_graph_sizes(self.max_num_seqs, self.cuda_graph_sizes)

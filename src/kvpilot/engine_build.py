@@ -17,6 +17,7 @@ from kvpilot.engine.engine import LLMEngine
 from kvpilot.engine.scheduler import Scheduler
 from kvpilot.engine.scheduler_output import NewRequestData, ScheduledChunk, SchedulerOutput
 from kvpilot.engine_args import DEFAULT_CPU_KV_CACHE_BYTES, EngineArgs
+from kvpilot.engine_tp import load_for_tp, rank_config, start_tp_executor
 from kvpilot.fit.kv_cache import KvCapacity, format_capacity_line, kv_capacity_for_memory
 from kvpilot.memory_size import format_bytes, parse_memory_size
 from kvpilot.model.choices import cuda_graph_sizes
@@ -105,7 +106,9 @@ def build_engine(args: EngineArgs, loaded: LoadedModel | None = None) -> BuiltEn
     the engine; EngineConfigError / ModelLoadError say what to change."""
     args.check()
     bound_onednn_caches()  # before the first GEMM: the engine's memory stays flat over hours of mixed steps
-    if loaded is None:
+    if args.tensor_parallel_size > 1:
+        loaded = load_for_tp(args, loaded)
+    elif loaded is None:
         loaded = load_model(args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
                             max_model_len=args.max_model_len, seed=args.seed, quantization=args.quantization)
     max_num_batched_tokens = args.max_num_batched_tokens or max(2048, args.max_num_seqs)
@@ -113,7 +116,7 @@ def build_engine(args: EngineArgs, loaded: LoadedModel | None = None) -> BuiltEn
     budget = kv_cache_budget_bytes(args, loaded, max_num_batched_tokens, kv_dtype)
     element_size = torch.tensor([], dtype=kv_dtype).element_size()
     # The same function `kvpilot fit` predicts with: plan and engine agree by construction.
-    capacity = kv_capacity_for_memory(loaded.config, budget, args.block_size, element_size,
+    capacity = kv_capacity_for_memory(rank_config(loaded.config, args), budget, args.block_size, element_size,
                                       args.max_model_len or loaded.config.max_position_embeddings)
     if capacity.num_blocks < 1:
         raise EngineConfigError(f"the KV cache budget of {format_bytes(budget)} holds no block of "
@@ -130,9 +133,13 @@ def build_engine(args: EngineArgs, loaded: LoadedModel | None = None) -> BuiltEn
     check_model_len_fits(scheduler_config, cache_config)
     logger.info("%s; KV stored as %s", format_capacity_line(capacity), kv_dtype_name(kv_dtype))
     eos_token_ids = eos_token_ids_of(loaded)
-    runner = ModelRunner(loaded, capacity.num_blocks, args.block_size, kv_dtype,
-                         limits=RunnerLimits(args.max_num_seqs, max_model_len),
-                         attention_backend=args.attention_backend, eos_token_ids=eos_token_ids)
+    if args.tensor_parallel_size > 1:
+        runner = start_tp_executor(args, loaded, args.kv_cache_dtype, capacity.num_blocks, max_model_len,
+                                   tuple(eos_token_ids))
+    else:
+        runner = ModelRunner(loaded, capacity.num_blocks, args.block_size, kv_dtype,
+                             limits=RunnerLimits(args.max_num_seqs, max_model_len),
+                             attention_backend=args.attention_backend, eos_token_ids=eos_token_ids)
     if loaded.device.type == "cuda" and not args.enforce_eager:
         _capture_decode_graphs(runner, args, max_num_batched_tokens)
     scheduler = Scheduler(scheduler_config, cache_config, eos_token_ids)

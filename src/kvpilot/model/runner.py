@@ -9,7 +9,7 @@ next step (async scheduling): the next step takes those ids on the device.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 import torch
@@ -27,6 +27,9 @@ from kvpilot.model.logit_bias import LogitBiasState
 from kvpilot.model.logits_processors import PenaltyState, apply_min_tokens
 from kvpilot.model.sampler import Logprobs, SamplingBatch, compute_logprobs, sample, sampled_tokens
 from kvpilot.model.step_inputs import PreviousSample, StepInputs, build_step_inputs
+
+if TYPE_CHECKING:
+    from kvpilot.model.parallel.group import TPGroup
 
 
 @dataclass(frozen=True)
@@ -70,8 +73,10 @@ class ModelRunner:
 
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int,
                  kv_dtype: torch.dtype | None = None, *, limits: RunnerLimits = RunnerLimits(),
-                 attention_backend: str = "auto", eos_token_ids: Sequence[int] = ()) -> None:
-        """kv_dtype: how K/V are stored (None: the model's dtype). eos_token_ids: masked until min_tokens."""
+                 attention_backend: str = "auto", eos_token_ids: Sequence[int] = (),
+                 tp: "TPGroup | None" = None) -> None:
+        """kv_dtype: how K/V are stored (None: the model's dtype). eos_token_ids: masked until min_tokens.
+        tp: the tensor-parallel group of a sharded model: every rank takes rank 0's sampled ids."""
         self.loaded = loaded
         self.model = loaded.model
         self.device = loaded.device
@@ -94,6 +99,7 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}  # per-request seeded streams
         self._previous: PreviousSample | None = None
         self.graphs: DecodeGraphs | None = None  # set by capture_decode_graphs (CUDA)
+        self.tp = tp
         # CUDA: a step's integer inputs travel in one asynchronous copy (no wait for the step before)
         self._staging = PackedArrays(loaded.device) if loaded.device.type == "cuda" else None
         self._sampling_staging = PackedArrays(loaded.device, dtype=torch.float32) if self._staging else None
@@ -192,6 +198,8 @@ class ModelRunner:
         else:  # every held row is greedy: no columns to gather
             sampling = SamplingBatch.greedy(generators, self.device)
         token_ids = sample(logits, sampling)
+        if self.tp is not None:  # the ranks' persistent batches must see the same tokens
+            self.tp.broadcast(token_ids)
         self.penalties.record(rows, token_ids)
         self.grammars.record(rows, token_ids)
         if batch.num_with_logprobs:

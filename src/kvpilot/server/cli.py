@@ -14,7 +14,8 @@ import typer
 from kvpilot.cli_options import (AsyncSchedulingOpt, AttentionBackendOpt, BlockSizeOpt, CudaGraphSizesOpt,
                                  DeviceOpt, DtypeOpt, EnforceEagerOpt, GpuUtilOpt, KvCacheDtypeOpt, KvCacheMemoryOpt,
                                  LoadFormatOpt, MaxBatchedTokensOpt, MaxModelLenOpt, MaxNumSeqsOpt, ModelOpt,
-                                 PolicyOpt, PrefixCachingOpt, QuantizationOpt, SeedOpt, parse_cuda_graph_sizes)
+                                 PolicyOpt, PrefixCachingOpt, QuantizationOpt, SeedOpt, TensorParallelOpt,
+                                 parse_cuda_graph_sizes)
 
 logger = logging.getLogger("kvpilot.server")
 QUEUE_CAP_BATCHES = 2
@@ -51,6 +52,7 @@ def serve_command(
     enable_prefix_caching: PrefixCachingOpt = True, scheduling_policy: PolicyOpt = "fcfs", seed: SeedOpt = 0,
     attention_backend: AttentionBackendOpt = "auto", async_scheduling: AsyncSchedulingOpt = None,
     enforce_eager: EnforceEagerOpt = False, cuda_graph_sizes: CudaGraphSizesOpt = None,
+    tensor_parallel_size: TensorParallelOpt = 1,
     host: Annotated[str, typer.Option("--host", help="Address to bind (0.0.0.0 for all interfaces).")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="Port to listen on.")] = 8000,
     served_model_name: Annotated[Optional[list[str]], typer.Option(
@@ -128,6 +130,7 @@ def serve_command(
                                  enable_prefix_caching=enable_prefix_caching, scheduling_policy=scheduling_policy,
                                  seed=seed, attention_backend=attention_backend,
                                  async_scheduling=async_scheduling, enforce_eager=enforce_eager,
+                                 tensor_parallel_size=tensor_parallel_size,
                                  cuda_graph_sizes=parse_cuda_graph_sizes(cuda_graph_sizes),
                                  kv_events_config=KVEventsConfig.parse(kv_events_config) if kv_events_config else None)
         engine_args.check()

@@ -76,7 +76,10 @@ class CoreProcess:
         ctx = multiprocessing.get_context("spawn")
         to_core_r, to_core_w = ctx.Pipe(duplex=False)
         from_core_r, from_core_w = ctx.Pipe(duplex=False)
-        self._process = ctx.Process(target=core_main, name="kvpilot-engine-core", daemon=True,
+        # a daemon may not start processes: a tensor-parallel core starts its ranks (it still exits with the
+        # server: core_main watches the server's pid)
+        daemon = spec.args.tensor_parallel_size == 1
+        self._process = ctx.Process(target=core_main, name="kvpilot-engine-core", daemon=daemon,
                                     args=(spec, to_core_r, from_core_w, LogSetup.of_this_process(), os.getpid()))
         self._process.start()
         # The child holds its own copies now; without ours, EOF on either side means the other is gone.

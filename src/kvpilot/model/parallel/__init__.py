@@ -1,0 +1,1 @@
+"""Tensor parallelism (--tensor-parallel-size): sharded layers, the process group, worker processes."""

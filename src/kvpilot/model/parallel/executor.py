@@ -1,0 +1,83 @@
+"""The engine's executor for tensor_parallel_size > 1: rank 0's runner in the engine process, the other ranks
+in worker processes (kvpilot.model.parallel.worker). A step's diff goes to every worker, then rank 0 runs
+it; the layers' all-reduces keep the ranks in lockstep, and rank 0's handle is the step's result.
+
+A worker that fails reports its traceback; rank 0's next collective then fails after the group's timeout,
+and the engine's step-failure handling takes over. Workers are daemons: they end with the engine process.
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing
+import socket
+from typing import Any
+
+from kvpilot.engine.scheduler_output import SchedulerOutput
+from kvpilot.model.errors import ModelLoadError
+from kvpilot.model.parallel.worker import WorkerSpec, worker_main
+
+START_TIMEOUT_S = 600.0
+
+
+def free_tcp_address() -> str:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+
+
+class TensorParallelExecutor:
+    """execute_model like a ModelRunner's; `runner` is rank 0's (its model and persistent batch)."""
+
+    def __init__(self, runner: Any, connections: list, processes: list, group: Any) -> None:
+        self.runner = runner
+        self._connections, self._processes, self._group = connections, processes, group
+        atexit.register(self.shutdown)
+
+    @staticmethod
+    def start_workers(spec: WorkerSpec) -> tuple[list, list]:
+        """Spawns ranks 1..world_size-1 (they join the group as rank 0 joins it next)."""
+        context = multiprocessing.get_context("spawn")
+        connections, processes = [], []
+        for rank in range(1, spec.world_size):
+            parent, child = context.Pipe()
+            process = context.Process(target=worker_main, args=(child, _for_rank(spec, rank)), daemon=True,
+                                      name=f"kvpilot-tp-rank{rank}")
+            process.start()
+            connections.append(parent)
+            processes.append(process)
+        return connections, processes
+
+    def wait_ready(self) -> None:
+        """Blocks until every worker has built its shard; ModelLoadError with a worker's traceback."""
+        for rank, connection in enumerate(self._connections, start=1):
+            if not connection.poll(START_TIMEOUT_S):
+                raise ModelLoadError(f"tensor-parallel rank {rank} did not start in {START_TIMEOUT_S:.0f} s")
+            kind, payload = connection.recv()
+            if kind != "ready":
+                raise ModelLoadError(f"tensor-parallel rank {rank} failed to start:\n{payload}")
+
+    def execute_model(self, output: SchedulerOutput):
+        for connection in self._connections:
+            connection.send(("step", output))
+        return self.runner.execute_model(output)
+
+    def shutdown(self) -> None:
+        for connection in self._connections:
+            try:
+                connection.send(("shutdown", None))
+            except (OSError, ValueError):
+                pass
+        for process in self._processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+        self._connections, self._processes = [], []
+        if self._group is not None:
+            self._group.leave()  # the process-wide default group: the next tensor-parallel engine makes its own
+            self._group = None
+
+
+def _for_rank(spec: WorkerSpec, rank: int) -> WorkerSpec:
+    import dataclasses
+    return dataclasses.replace(spec, rank=rank)

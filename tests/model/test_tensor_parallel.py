@@ -1,0 +1,59 @@
+"""Tensor parallelism on CPU (gloo, one worker process per extra rank): greedy outputs equal one rank's, on
+random-weight Llama and Qwen3 configs whose KV heads split over the ranks and whose single KV head is
+replicated; an impossible split fails before anything starts, naming the sizes that work."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvpilot import LLM, SamplingParams
+from kvpilot.fit.model_catalog import get_hf_config
+from kvpilot.model.errors import ModelLoadError
+from kvpilot.model.loader import load_model
+from kvpilot.model.parallel.shard import check_tp_split, local_config
+
+SMALL = {"num_hidden_layers": 2, "hidden_size": 128, "intermediate_size": 256, "head_dim": 32, "vocab_size": 512,
+         "torch_dtype": "float32"}
+PROMPTS = [[5, 17, 3, 99, 250, 7], [400, 2, 2, 31], list(range(40, 80))]
+
+
+def _config(tmp_path, name: str, heads: int, kv_heads: int) -> str:
+    config = {**get_hf_config(name), **SMALL, "num_attention_heads": heads, "num_key_value_heads": kv_heads}
+    config.pop("dtype", None)
+    path = tmp_path / f"{name}-{heads}-{kv_heads}.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+def _greedy(path: str, tp: int) -> list[list[int]]:
+    llm = LLM(path, load_format="dummy", dtype="float32", tensor_parallel_size=tp, kv_cache_memory="64MiB",
+              max_model_len=128, max_num_seqs=4)
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    if tp > 1:
+        llm.engine.runner.shutdown()
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+@pytest.mark.parametrize("name, heads, kv_heads", [("llama-3.1-8b", 4, 2), ("qwen3-0.6b", 4, 1)])
+def test_two_ranks_decode_what_one_does(tmp_path, name, heads, kv_heads):
+    path = _config(tmp_path, name, heads, kv_heads)
+    assert _greedy(path, 2) == _greedy(path, 1)
+
+
+def test_a_rank_holds_its_share_of_the_kv_heads(tmp_path):
+    config = load_model(_config(tmp_path, "qwen3-0.6b", 4, 1), load_format="dummy", device="cpu").config
+    assert (local_config(config, 2).num_key_value_heads, local_config(config, 2).num_attention_heads) == (1, 2)
+    split = load_model(_config(tmp_path, "llama-3.1-8b", 8, 4), load_format="dummy", device="cpu").config
+    assert local_config(split, 4).num_key_value_heads == 1 and local_config(split, 4).intermediate_size == 64
+
+
+def test_an_impossible_split_fails_at_start_naming_the_sizes_that_work(tmp_path):
+    """SmolLM2-135M (the embedded model) has 9 query and 3 KV heads: 2 ranks cannot split it, 3 can."""
+    path = tmp_path / "smollm2.json"
+    path.write_text(json.dumps({**get_hf_config("smollm2-135m"), **SMALL, "intermediate_size": 192}))
+    with pytest.raises(ModelLoadError, match="9 attention heads, 3 KV heads.*sizes that work: 1, 3$"):
+        LLM(str(path), load_format="dummy", tensor_parallel_size=2)
+    config = load_model(str(path), load_format="dummy", device="cpu").config
+    check_tp_split(config, 3)  # no error
