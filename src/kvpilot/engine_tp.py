@@ -58,6 +58,7 @@ def start_tp_executor(args: EngineArgs, loaded: LoadedModel, kv_dtype_name: str,
                       max_num_seqs=args.max_num_seqs, max_model_len=max_model_len,
                       attention_backend=args.attention_backend, eos_token_ids=eos_token_ids, num_threads=threads)
     connections, processes = TensorParallelExecutor.start_workers(spec)
+    TensorParallelExecutor.wait_alive(connections, processes)
     torch.set_num_threads(threads)
     group = TPGroup.join(0, world, spec.init_method)
     _, runner = build_rank(dataclasses.replace(loaded), group, spec)

@@ -57,3 +57,18 @@ def test_an_impossible_split_fails_at_start_naming_the_sizes_that_work(tmp_path)
         LLM(str(path), load_format="dummy", tensor_parallel_size=2)
     config = load_model(str(path), load_format="dummy", device="cpu").config
     check_tp_split(config, 3)  # no error
+
+
+def test_a_script_without_a_main_guard_gets_told(tmp_path):
+    """Workers are spawned: they re-import the main module, so an unguarded script would start engines
+    recursively. The worker's early exit is reported at once (not after the group's join timeout)."""
+    import subprocess
+    import sys
+
+    path = _config(tmp_path, "llama-3.1-8b", 4, 2)
+    script = tmp_path / "unguarded.py"
+    script.write_text(f"from kvpilot import LLM\nLLM({path!r}, load_format='dummy', dtype='float32', "
+                      f"tensor_parallel_size=2, kv_cache_memory='64MiB', max_model_len=128)\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert 'guard its entry point with `if __name__ == "__main__":`' in done.stderr

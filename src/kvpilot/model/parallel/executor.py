@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import multiprocessing
 import socket
+import time
 from typing import Any
 
 from kvpilot.engine.scheduler_output import SchedulerOutput
@@ -47,6 +48,29 @@ class TensorParallelExecutor:
             connections.append(parent)
             processes.append(process)
         return connections, processes
+
+    @staticmethod
+    def wait_alive(connections: list, processes: list) -> None:
+        """Blocks until every worker runs worker_main; ModelLoadError if one died first (typically a script
+        without an `if __name__ == "__main__":` guard: spawned workers re-import the main module)."""
+        for rank, (connection, process) in enumerate(zip(connections, processes), start=1):
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while process.is_alive() and time.monotonic() < deadline:
+                if connection.poll(0.1):
+                    try:
+                        connection.recv()
+                        break
+                    except EOFError:  # its end of the pipe closed: it is exiting
+                        process.join(5)
+                        break
+            if process.is_alive() and process.exitcode is None and time.monotonic() < deadline:
+                continue
+            for other in processes:
+                other.kill()
+            raise ModelLoadError(
+                f"tensor-parallel rank {rank} exited before starting (exit code {process.exitcode}): a script "
+                "that builds a tensor-parallel engine must guard its entry point with "
+                "`if __name__ == \"__main__\":` (worker processes re-import the main module)")
 
     def wait_ready(self) -> None:
         """Blocks until every worker has built its shard; ModelLoadError with a worker's traceback."""

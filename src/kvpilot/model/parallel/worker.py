@@ -62,6 +62,7 @@ def worker_main(conn, spec: WorkerSpec) -> None:
 
     group = None
     try:
+        conn.send(("alive", None))  # rank 0 joins the group only once every worker got this far
         torch.set_num_threads(spec.num_threads)
         group = TPGroup.join(spec.rank, spec.world_size, spec.init_method)
         _, runner = build_rank(load_model(**spec.load_kwargs), group, spec)
