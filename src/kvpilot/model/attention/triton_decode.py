@@ -35,6 +35,16 @@ def key_tile(head_dim: int, dtype: torch.dtype) -> int:
 
 
 @triton.jit
+def paged_offsets(table, head_base, keys, k_mask, stride_cb, stride_ct, block_size, WIDE: tl.constexpr):
+    """Element offsets of `keys` (token positions) in one layer's K or V cache, read through the block table
+    row `table`; masked keys get block 0 (never read unmasked)."""
+    block = tl.load(table + keys // block_size, mask=k_mask, other=0)
+    if WIDE:
+        block = block.to(tl.int64)
+    return head_base + block * stride_cb + (keys % block_size) * stride_ct
+
+
+@triton.jit
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
                          decode_seqs_ptr, query_start_ptr, seq_lens_ptr, block_tables_ptr,
                          stride_qt, stride_qh, stride_ot, stride_oh,
@@ -73,10 +83,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr,
     for pos in range(start, end, BLOCK_N):
         keys = pos + tl.arange(0, BLOCK_N)
         k_mask = keys < end
-        block = tl.load(table + keys // block_size, mask=k_mask, other=0)
-        if WIDE:
-            block = block.to(tl.int64)
-        offs = head_base + block * stride_cb + (keys % block_size) * stride_ct
+        offs = paged_offsets(table, head_base, keys, k_mask, stride_cb, stride_ct, block_size, WIDE)
         kv_mask = k_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # log2 domain

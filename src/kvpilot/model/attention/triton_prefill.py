@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvpilot.model.attention.triton_decode import LOG2E, dot_precision, wide_offsets
+from kvpilot.model.attention.triton_decode import LOG2E, dot_precision, paged_offsets, wide_offsets
 
 
 def prefill_tiles(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
@@ -54,10 +54,7 @@ def _cached_tile(k_cache_ptr, v_cache_ptr, table, head_base, pos, start, d, d_ma
     """Keys pos..pos+BLOCK_N-1 of the cached prefix (those < start), read through the block table."""
     keys = pos + tl.arange(0, BLOCK_N)
     k_mask = keys < start
-    block = tl.load(table + keys // block_size, mask=k_mask, other=0)
-    if WIDE:
-        block = block.to(tl.int64)
-    offs = head_base + block * stride_cb + (keys % block_size) * stride_ct
+    offs = paged_offsets(table, head_base, keys, k_mask, stride_cb, stride_ct, block_size, WIDE)
     kv_mask = k_mask[:, None] & d_mask[None, :]
     k = tl.load(k_cache_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0).to(dtype)
     v = tl.load(v_cache_ptr + offs[:, None] + d[None, :], mask=kv_mask, other=0.0).to(dtype)
