@@ -134,8 +134,7 @@ def build_engine(args: EngineArgs, loaded: LoadedModel | None = None) -> BuiltEn
     logger.info("%s; KV stored as %s", format_capacity_line(capacity), kv_dtype_name(kv_dtype))
     eos_token_ids = eos_token_ids_of(loaded)
     if args.tensor_parallel_size > 1:
-        runner = start_tp_executor(args, loaded, args.kv_cache_dtype, capacity.num_blocks, max_model_len,
-                                   tuple(eos_token_ids))
+        runner = start_tp_executor(args, loaded, capacity.num_blocks, max_model_len, tuple(eos_token_ids))
     else:
         runner = ModelRunner(loaded, capacity.num_blocks, args.block_size, kv_dtype,
                              limits=RunnerLimits(args.max_num_seqs, max_model_len),

@@ -4,7 +4,6 @@ on CUDA the KV-budget profile would need every rank in the forward."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import torch
@@ -47,21 +46,21 @@ def rank_config(config: ModelConfig, args: EngineArgs) -> ModelConfig:
     return local_config(config, args.tensor_parallel_size) if args.tensor_parallel_size > 1 else config
 
 
-def start_tp_executor(args: EngineArgs, loaded: LoadedModel, kv_dtype_name: str, num_blocks: int,
-                      max_model_len: int, eos_token_ids: tuple[int, ...]) -> TensorParallelExecutor:
+def start_tp_executor(args: EngineArgs, loaded: LoadedModel, num_blocks: int, max_model_len: int,
+                      eos_token_ids: tuple[int, ...]) -> TensorParallelExecutor:
     """Spawns ranks 1.., joins the group as rank 0, shards rank 0's model in place; returns the executor
     once every rank is ready. Each rank gets an equal share of this process's threads."""
     world = args.tensor_parallel_size
     threads = max(1, (os.cpu_count() or world) // world)
     spec = WorkerSpec(rank=0, world_size=world, init_method=free_tcp_address(), load_kwargs=tp_load_kwargs(args),
-                      kv_cache_dtype=kv_dtype_name, num_blocks=num_blocks, block_size=args.block_size,
+                      kv_cache_dtype=args.kv_cache_dtype, num_blocks=num_blocks, block_size=args.block_size,
                       max_num_seqs=args.max_num_seqs, max_model_len=max_model_len,
                       attention_backend=args.attention_backend, eos_token_ids=eos_token_ids, num_threads=threads)
     connections, processes = TensorParallelExecutor.start_workers(spec)
     TensorParallelExecutor.wait_alive(connections, processes)
     torch.set_num_threads(threads)
     group = TPGroup.join(0, world, spec.init_method)
-    _, runner = build_rank(dataclasses.replace(loaded), group, spec)
+    runner = build_rank(loaded, group, spec)
     executor = TensorParallelExecutor(runner, connections, processes, group)
     executor.wait_ready()
     return executor

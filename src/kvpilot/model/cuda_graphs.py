@@ -31,6 +31,7 @@ import torch
 
 from kvpilot.model.attention.base import StepAttention
 from kvpilot.model.attention.layout import StepLayout
+from kvpilot.model.attention.triton_split import DecodeSplit
 
 logger = logging.getLogger(__name__)
 PAD_CONTEXT = 2  # padding rows: a decode (one query after one earlier token) that reads block 0, writes nothing
@@ -40,6 +41,7 @@ PAD_CONTEXT = 2  # padding rows: a decode (one query after one earlier token) th
 class _Graph:
     size: int
     run: Callable[[], torch.Tensor]  # the eager forward over the static buffers
+    split: DecodeSplit  # fixed at capture: each replay packs its metadata for this split
     graph: "torch.cuda.CUDAGraph | None" = None
     hidden: torch.Tensor | None = None  # the graph's output [size, hidden], overwritten by each replay
 
@@ -106,7 +108,7 @@ class DecodeGraphs:
             return self.model(token_ids, positions, self.kv_caches, attn)
 
         if stream is None:
-            return _Graph(size, run)
+            return _Graph(size, run, split)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):  # compiles the kernels and settles the allocator before capture
             for _ in range(2):
@@ -115,7 +117,7 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
             hidden = run()
-        return _Graph(size, run, graph, hidden)
+        return _Graph(size, run, split, graph, hidden)
 
     def size_for(self, layout: StepLayout) -> int | None:
         """The captured size a step replays, or None when it runs eagerly (prompt tokens, or too many rows)."""
@@ -130,10 +132,11 @@ class DecodeGraphs:
                 size: int) -> torch.Tensor:
         """Hidden states [n, hidden] of the step's n decodes, by replaying the graph of `size` (>= n)."""
         n = len(layout.query_lens)
-        self.backend.build(padded_decode_layout(layout, size), self.device, table_width=self.width)
+        entry = self._graphs[size]
+        self.backend.build(padded_decode_layout(layout, size), self.device, table_width=self.width,
+                           decode_split=entry.split)
         self.token_ids[:n].copy_(token_ids)  # padding rows keep earlier ids/positions: valid, unread
         self.positions[:n].copy_(positions)
-        entry = self._graphs[size]
         if entry.graph is None or entry.hidden is None:  # CPU: the same closure, run eagerly
             return entry.run()[:n]
         entry.graph.replay()

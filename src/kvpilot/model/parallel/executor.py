@@ -9,6 +9,7 @@ and the engine's step-failure handling takes over. Workers are daemons: they end
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import multiprocessing
 import socket
 import time
@@ -54,16 +55,7 @@ class TensorParallelExecutor:
         """Blocks until every worker runs worker_main; ModelLoadError if one died first (typically a script
         without an `if __name__ == "__main__":` guard: spawned workers re-import the main module)."""
         for rank, (connection, process) in enumerate(zip(connections, processes), start=1):
-            deadline = time.monotonic() + START_TIMEOUT_S
-            while process.is_alive() and time.monotonic() < deadline:
-                if connection.poll(0.1):
-                    try:
-                        connection.recv()
-                        break
-                    except EOFError:  # its end of the pipe closed: it is exiting
-                        process.join(5)
-                        break
-            if process.is_alive() and process.exitcode is None and time.monotonic() < deadline:
+            if _receive(connection, process, START_TIMEOUT_S) is not None:
                 continue
             for other in processes:
                 other.kill()
@@ -74,10 +66,12 @@ class TensorParallelExecutor:
 
     def wait_ready(self) -> None:
         """Blocks until every worker has built its shard; ModelLoadError with a worker's traceback."""
-        for rank, connection in enumerate(self._connections, start=1):
-            if not connection.poll(START_TIMEOUT_S):
-                raise ModelLoadError(f"tensor-parallel rank {rank} did not start in {START_TIMEOUT_S:.0f} s")
-            kind, payload = connection.recv()
+        for rank, (connection, process) in enumerate(zip(self._connections, self._processes), start=1):
+            message = _receive(connection, process, START_TIMEOUT_S)
+            if message is None:
+                raise ModelLoadError(f"tensor-parallel rank {rank} exited or stayed silent for "
+                                     f"{START_TIMEOUT_S:.0f} s while loading (exit code {process.exitcode})")
+            kind, payload = message
             if kind != "ready":
                 raise ModelLoadError(f"tensor-parallel rank {rank} failed to start:\n{payload}")
 
@@ -103,5 +97,19 @@ class TensorParallelExecutor:
 
 
 def _for_rank(spec: WorkerSpec, rank: int) -> WorkerSpec:
-    import dataclasses
     return dataclasses.replace(spec, rank=rank)
+
+
+def _receive(connection, process, timeout_s: float) -> tuple[str, Any] | None:
+    """The worker's next message; None when it exits (or closes its pipe) or stays silent past the timeout."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if connection.poll(0.1):
+            try:
+                return connection.recv()
+            except EOFError:  # its end of the pipe closed: it is exiting
+                process.join(5)
+                return None
+        if not process.is_alive():
+            return None
+    return None

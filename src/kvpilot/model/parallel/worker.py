@@ -7,13 +7,18 @@ rank 0 broadcasts, so its persistent batch always equals rank 0's.
 
 from __future__ import annotations
 
+import dataclasses
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from kvpilot.model.kv_dtype import resolve_kv_cache_dtype
+from kvpilot.model.parallel.group import TPGroup
+from kvpilot.model.parallel.shard import shard_model
+from kvpilot.model.runner import ModelRunner, RunnerLimits
+from kvpilot.model.weight_layout import relayout_linear_weights
 
 
 @dataclass(frozen=True)
@@ -32,17 +37,10 @@ class WorkerSpec:
     attention_backend: str
     eos_token_ids: tuple[int, ...] = ()
     num_threads: int = 1
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
-def build_rank(loaded, group, spec: WorkerSpec):
-    """(the rank's loaded model, its runner): the model sharded in place, the runner over its shard."""
-    import dataclasses
-
-    from kvpilot.model.parallel.shard import shard_model
-    from kvpilot.model.runner import ModelRunner, RunnerLimits
-    from kvpilot.model.weight_layout import relayout_linear_weights
-
+def build_rank(loaded, group: TPGroup, spec: WorkerSpec) -> ModelRunner:
+    """The rank's runner over its shard of `loaded`'s model (sharded in place)."""
     loaded.model.fused_decode = None  # the C++ layer loop knows nothing of the all-reduces
     local = shard_model(loaded.model, loaded.config, group)
     if loaded.device.type == "cpu":
@@ -52,20 +50,19 @@ def build_rank(loaded, group, spec: WorkerSpec):
     runner = ModelRunner(shard, spec.num_blocks, spec.block_size, kv_dtype,
                          limits=RunnerLimits(spec.max_num_seqs, spec.max_model_len),
                          attention_backend=spec.attention_backend, eos_token_ids=spec.eos_token_ids, tp=group)
-    return shard, runner
+    return runner
 
 
 def worker_main(conn, spec: WorkerSpec) -> None:
     """The rank's process: join the group, load and shard, then run steps until told to stop."""
     from kvpilot.model.loader import load_model
-    from kvpilot.model.parallel.group import TPGroup
 
     group = None
     try:
         conn.send(("alive", None))  # rank 0 joins the group only once every worker got this far
         torch.set_num_threads(spec.num_threads)
         group = TPGroup.join(spec.rank, spec.world_size, spec.init_method)
-        _, runner = build_rank(load_model(**spec.load_kwargs), group, spec)
+        runner = build_rank(load_model(**spec.load_kwargs), group, spec)
         conn.send(("ready", None))
         while True:
             kind, payload = conn.recv()
