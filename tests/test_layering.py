@@ -32,6 +32,8 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "kvpilot": frozenset({"llm"}),
     "chat_session": frozenset({"llm"}),
     "server": frozenset({"cli_options", "engine", "engine_args", "engine_build", "fit", "kvpilot", "llm", "model"}),
+    # `serve run kvpilot.ray:app`: the short import path of the server's Ray Serve application (server/ray_app)
+    "ray": frozenset({"server"}),
     # client tools: talk to any server over HTTP; bench borrows the model's tokenizer, doctor reads bench results
     "bench": frozenset({"fit", "model"}),
     "doctor": frozenset({"bench", "fit"}),

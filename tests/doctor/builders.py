@@ -12,6 +12,7 @@ from typing import Any
 from kvpilot.bench.datasets import DatasetConfig
 from kvpilot.bench.load import LoadShape
 from kvpilot.bench.records import RequestRecord, ServerTimings
+from kvpilot.bench.replicas import ReplicaPlan, ReplicaSample
 from kvpilot.bench.result import RunResult, build_result, write_json
 from kvpilot.bench.runner import RunOutput
 from kvpilot.bench.scrape import MetricsSample
@@ -20,7 +21,7 @@ from kvpilot.bench.scrape import MetricsSample
 def req(i: int, sent_s: float, *, queue: float = 0.5, tokenize: float = 1.0, prefill: float = 40.0,
         itl: float | list[float] = 12.0, num_out: int = 32, net: float = 2.0, prompt: int = 256,
         group: str | None = None, cached: int = 0, preempt: int = 0, server: bool = True,
-        sched_lag: float = 0.0) -> RequestRecord:
+        sched_lag: float = 0.0, replica: str | None = None) -> RequestRecord:
     """One successful streamed request whose client and server timings agree (client = server + net)."""
     gaps = tuple(itl) if isinstance(itl, list) else tuple([itl] * max(0, num_out - 1))
     server_ttft = queue + tokenize + prefill
@@ -33,7 +34,7 @@ def req(i: int, sent_s: float, *, queue: float = 0.5, tokenize: float = 1.0, pre
         error=None, scheduled_s=sent_s, sent_s=sent_s, queue_wait_ms=0.0, sched_lag_ms=sched_lag,
         ttft_ms=server_ttft + net, e2e_ms=server_e2e + net, itl_ms=gaps, num_prompt_tokens=prompt,
         num_output_tokens=len(gaps) + 1, output_tokens_source="usage", num_chunks=len(gaps) + 1,
-        server=timings)
+        server=timings, replica=replica)
 
 
 def jitter(rng: random.Random, x: float, r: float = 0.1) -> float:
@@ -53,12 +54,13 @@ def samples(duration_s: float, *, running: float, waiting: float, kv: float, pre
 
 def run(label: str, records: list[RequestRecord], *, concurrency: int | None = 4,
         metrics: list[MetricsSample] | None = None, loop_lag: list[tuple[float, float]] | None = None,
-        request_rate: float = float("inf")) -> RunResult:
+        request_rate: float = float("inf"), replica_plan: ReplicaPlan | None = None,
+        replica_samples: list[ReplicaSample] | None = None, prefix_share: float | None = None) -> RunResult:
     shape = LoadShape(concurrency=concurrency, request_rate=request_rate, num_requests=len(records))
     end = max(r.sent_s + (r.e2e_ms or 0) / 1000 for r in records)
     lag = loop_lag if loop_lag is not None else [(t / 10, 0.3) for t in range(int(end * 10) + 1)]
-    out = RunOutput(shape, records, end, 1.7e9, lag, metrics or [])
-    return RunResult.analyse(label, out, {}, 10.0)
+    out = RunOutput(shape, records, end, 1.7e9, lag, metrics or [], None, replica_plan, replica_samples or [])
+    return RunResult.analyse(label, out, {}, 10.0, prefix_share)
 
 
 def write(path: Path, runs: list[RunResult], dataset: DatasetConfig | None = None,

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from kvpilot.bench.datasets import DatasetConfig
 from kvpilot.bench.records import RequestRecord
+from kvpilot.bench.replicas import ReplicaPlan, ReplicaSample, ReplicaValues
 from tests.doctor.builders import closed_loop, jitter, req, run, samples, write
 
 Scenario = tuple[list[str], list[str], str | None, str | None]
@@ -184,10 +185,51 @@ def slo_floor(tmp: Path) -> Scenario:
                   slos={"ttft": 300.0})], [], None, None
 
 
+GATEWAY = ReplicaPlan(labelled_url="http://gw:8000/metrics/replicas")
+
+
+def replica_samples(t_end: float, counters: dict[str, dict[str, float]],
+                    gauges: dict[str, dict[str, float]]) -> list[ReplicaSample]:
+    """Per-replica scrapes (lane "default"): counters 0 before and at ``counters`` after, ``gauges`` during."""
+    def at(t: float, phase: str, values: dict[str, dict[str, float]]) -> ReplicaSample:
+        return ReplicaSample(t, phase, {rid: ReplicaValues("default", v) for rid, v in values.items()})
+    zeros = {rid: dict.fromkeys(c, 0.0) for rid, c in counters.items()}
+    return [at(0.0, "before", zeros), at(t_end / 2, "during", gauges), at(t_end, "after", counters)]
+
+
+def prefix_blind_routing(tmp: Path) -> Scenario:
+    """Two replicas behind a round-robin balancer; 8 prefixes of 512 of 640 tokens, 4 requests each: every
+    group reaches both replicas, each recomputes every prefix and, holding all of them twice over, evicts some
+    (hit rate 25% where 60% is offered)."""
+    rng = random.Random(15)
+    recs = closed_loop(32, 4, lambda i, t: req(i, t, prompt=640, prefill=jitter(rng, 60), group=f"prefix-{i % 8}",
+                                                replica=f"r{(i // 8) % 2}"))
+    dataset = DatasetConfig(kind="shared-prefix", input_len=640, prefix_len=512, num_prefixes=8, num_suffixes=4)
+    per_replica = {"prefix_queries": 16 * 640.0, "prefix_hits": 2560.0, "requests_ok": 16.0}
+    reps = replica_samples(6, {"r0": per_replica, "r1": per_replica},
+                           {"r0": {"running": 2, "waiting": 0}, "r1": {"running": 2, "waiting": 0}})
+    metrics = samples(6, running=4, waiting=0, kv=0.3, prefix_queries=32 * 640, prefix_hits=2 * 2560)
+    return [write(tmp / "r.json", [run("concurrency=4", recs, metrics=metrics, replica_plan=GATEWAY,
+                                       replica_samples=reps, prefix_share=0.8)], dataset=dataset)], [], None, None
+
+
+def replica_imbalance(tmp: Path) -> Scenario:
+    """Two replicas of one lane; sticky sessions put 32 of 40 requests on r0, where requests wait."""
+    rng = random.Random(16)
+    recs = closed_loop(40, 4, lambda i, t: req(i, t, queue=jitter(rng, 8), prefill=jitter(rng, 40),
+                                                replica="r1" if i % 5 == 4 else "r0"))
+    reps = replica_samples(6, {"r0": {"requests_ok": 32.0}, "r1": {"requests_ok": 8.0}},
+                           {"r0": {"running": 3, "waiting": 2}, "r1": {"running": 1, "waiting": 0}})
+    metrics = samples(6, running=4, waiting=0.5, kv=0.3)
+    return [write(tmp / "r.json", [run("concurrency=4", recs, metrics=metrics, replica_plan=GATEWAY,
+                                       replica_samples=reps)])], [], None, None
+
+
 SCENARIOS: dict[str, Callable[[Path], Scenario]] = {
     "queueing": queueing, "tokenization": tokenization, "kv-cache-pressure": kv_pressure,
     "prefill-bound": prefill_bound, "decode-bound": decode_bound, "static-batching": static_batching,
     "prefill-interrupts-decode": prefill_interrupts_decode, "long-short-mixing": long_short,
     "prefix-cache-miss": prefix_cache_miss, "network-overhead": network_overhead,
     "client-overload": client_overload, "memory-spillover": memory_spillover, "slo-floor": slo_floor,
+    "prefix-blind-routing": prefix_blind_routing, "replica-imbalance": replica_imbalance,
 }

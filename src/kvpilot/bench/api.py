@@ -22,6 +22,7 @@ from kvpilot.bench.console import make_progress, print_summary
 from kvpilot.bench.datasets import GENERATED_KINDS, DatasetConfig, build_dataset
 from kvpilot.bench.load import LoadShape
 from kvpilot.bench.records import RequestRecord, WorkItem
+from kvpilot.bench.replicas import ReplicaPlan, detect_labelled, replica_id
 from kvpilot.bench.report_html import write_html
 from kvpilot.bench.result import Knee, RunResult, build_result, write_csv, write_json
 from kvpilot.bench.runner import run_load
@@ -41,7 +42,14 @@ fragment placed after the summary table, or '' to add nothing (a section may say
 @dataclass(frozen=True)
 class BenchConfig:
     """Everything one ``kvpilot bench`` invocation needs. ``model`` None: first of ``/v1/models``.
-    ``metrics_url`` None: ``<base_url>/metrics``; empty string: do not scrape."""
+    ``metrics_url`` None: ``<base_url>/metrics``; empty string: do not scrape (replicas neither).
+
+    Replicas: ``replica_urls`` are scraped one by one (``<url>/metrics``) as the deployment's replicas; with
+    ``route_replicas`` bench also sends the load to them round-robin (``target.base_url`` then only names
+    the model server to ask for the model, and the deployment-wide metrics are the replicas' sum unless
+    ``metrics_url`` is given). Without ``replica_urls`` and with ``detect_replicas``,
+    ``<base_url>/metrics/replicas`` is tried once: when it answers (kvpilot's Ray Serve app) it is scraped.
+    """
 
     target: Target
     dataset: DatasetConfig = DatasetConfig()
@@ -59,6 +67,9 @@ class BenchConfig:
     html_path: str | None = None
     progress: bool = True
     report_sections: tuple[ReportSection, ...] = ()
+    replica_urls: tuple[str, ...] = ()
+    route_replicas: bool = False
+    detect_replicas: bool = True
 
 
 @dataclass(frozen=True)
@@ -84,13 +95,35 @@ def resolve_model(base_url: str, api_key: str | None, timeout_s: float = 10.0) -
                          f"Check --base-url, or pass --model NAME") from exc
 
 
-def _config_json(cfg: BenchConfig, tok: Tokenizer) -> dict[str, Any]:
+def _config_json(cfg: BenchConfig, tok: Tokenizer, plan: ReplicaPlan | None) -> dict[str, Any]:
     target = dataclasses.asdict(cfg.target)
     target["api_key"] = "***" if cfg.target.api_key else None  # never write secrets to results
     return {"target": target, "dataset": dataclasses.asdict(cfg.dataset),
             "load": dataclasses.asdict(cfg.load), "slos_ms": dict(cfg.slos), "tokenizer": tok.name,
             "sweep": cfg.sweep, "sweep_num_points": cfg.sweep_num_points,
-            "goodput_target": cfg.goodput_target, "max_lag_ms": cfg.max_lag_ms}
+            "goodput_target": cfg.goodput_target, "max_lag_ms": cfg.max_lag_ms,
+            "replicas": plan.to_json() if plan is not None else None}
+
+
+def replica_plan(cfg: BenchConfig, target: Target) -> ReplicaPlan | None:
+    """The run's replicas: the given URLs, else ``<base_url>/metrics/replicas`` when it answers; None for a
+    single server (or when scraping is off and bench does not route)."""
+    if cfg.replica_urls:
+        return ReplicaPlan(urls=tuple(replica_id(u) for u in cfg.replica_urls), route=cfg.route_replicas)
+    if cfg.route_replicas:
+        raise BenchError("route_replicas needs replica_urls (--replica-url URL, repeated)")
+    if not cfg.detect_replicas or cfg.metrics_url == "":
+        return None
+    url = detect_labelled(target.base_url, target.headers())
+    return ReplicaPlan(labelled_url=url) if url is not None else None
+
+
+def prefix_share(dataset: DatasetConfig) -> float | None:
+    """Share of each shared-prefix prompt that is its group's prefix (prefix + suffix of
+    max(1, input_len - prefix_len) tokens, as the dataset builds them); None for other datasets."""
+    if dataset.kind != "shared-prefix" or dataset.prefix_len <= 0:
+        return None
+    return dataset.prefix_len / (dataset.prefix_len + max(1, dataset.input_len - dataset.prefix_len))
 
 
 def sweep_point_items(cfg: BenchConfig, tok: Tokenizer, items: list[WorkItem], point: int) -> list[WorkItem]:
@@ -103,8 +136,10 @@ def sweep_point_items(cfg: BenchConfig, tok: Tokenizer, items: list[WorkItem], p
 
 
 async def _run_all(cfg: BenchConfig, target: Target, items: list[WorkItem], tok: Tokenizer,
-                   console: Console) -> list[RunResult]:
+                   console: Console, plan: ReplicaPlan | None) -> list[RunResult]:
     metrics_url = (target.base_url.rstrip("/") + "/metrics") if cfg.metrics_url is None else cfg.metrics_url
+    if cfg.metrics_url is None and plan is not None and plan.route:
+        metrics_url = ""  # no server sees the whole deployment: its samples are the replicas' sum
     num_runs = 0
 
     async def one(label: str, shape: LoadShape) -> RunResult:
@@ -123,8 +158,8 @@ async def _run_all(cfg: BenchConfig, target: Target, items: list[WorkItem], tok:
 
             out = await run_load(target, run_items, shape, tok, metrics_url=metrics_url or None,
                                  scrape_interval_s=cfg.scrape_interval_s,
-                                 on_record=on_record)
-        return RunResult.analyse(label, out, cfg.slos, cfg.max_lag_ms)
+                                 on_record=on_record, replicas=plan, scrape_replicas=cfg.metrics_url != "")
+        return RunResult.analyse(label, out, cfg.slos, cfg.max_lag_ms, prefix_share(cfg.dataset))
 
     if cfg.sweep:
         return await run_sweep(cfg.load, one, cfg.sweep_num_points)
@@ -142,9 +177,10 @@ def run_bench(cfg: BenchConfig, console: Console | None = None) -> BenchOutcome:
     tok = load_tokenizer(cfg.tokenizer)
     num_requests = cfg.load.num_requests or 1000
     items = build_dataset(cfg.dataset, tok, num_requests)
-    runs = asyncio.run(_run_all(cfg, target, items, tok, console))
+    plan = replica_plan(cfg, target)
+    runs = asyncio.run(_run_all(cfg, target, items, tok, console, plan))
     knee = find_knee(runs, cfg.slos, cfg.goodput_target) if cfg.sweep else None
-    result = build_result(_config_json(dataclasses.replace(cfg, target=target), tok), runs, knee)
+    result = build_result(_config_json(dataclasses.replace(cfg, target=target), tok, plan), runs, knee)
     print_summary(console, runs, knee)
     if cfg.json_path:
         write_json(cfg.json_path, result)

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
 # Kept here, not imported: `kvpilot --help` should not pay for numpy/httpx/plotly imports.
 DATASETS_HELP = "random, shared-prefix, long-short, multi-turn, jsonl, trace"
+DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 UNAUTHORIZED_HINT = ("the server answered 401 (API key missing or wrong): pass its key with --api-key, or set "
                      "OPENAI_API_KEY")
 
@@ -30,7 +31,18 @@ def make_bench_command(report_sections: tuple[ReportSection, ...] = ()) -> Calla
     """The ``kvpilot bench`` command; its ``--html`` report also carries ``report_sections``, in order."""
 
     def bench_command(
-        base_url: Annotated[str, typer.Option(help="Server base URL (without /v1).")] = "http://127.0.0.1:8000",
+        base_url: Annotated[
+            str | None,
+            typer.Option(help=f"Server base URL (without /v1). Default {DEFAULT_BASE_URL}, unless --replica-url "
+                              "is given: then bench sends the load to the replicas itself."),
+        ] = None,
+        replica_url: Annotated[
+            list[str] | None,
+            typer.Option(help="A replica of the deployment (a kvpilot/vLLM server's base URL; repeat for each): "
+                              "its /metrics is scraped as that replica's, for per-replica load, prefix-cache hit "
+                              "rate and imbalance. Without --base-url bench spreads the requests round-robin "
+                              "over these URLs (what a prefix-blind load balancer does)."),
+        ] = None,
         endpoint: Annotated[
             str,
             typer.Option(help="API to call: 'completions' (/v1/completions) or 'chat' (/v1/chat/completions)."),
@@ -191,10 +203,12 @@ def make_bench_command(report_sections: tuple[ReportSection, ...] = ()) -> Calla
         logging.getLogger("httpx").setLevel(logging.WARNING)
         console = Console()  # results on stdout (`> file` keeps them); errors and hints on stderr
         errors = Console(stderr=True)
+        replicas = tuple(replica_url or ())
+        route = bool(replicas) and base_url is None
         try:
             cfg = BenchConfig(
                 target=Target(
-                    base_url,
+                    base_url or (replicas[0] if route else DEFAULT_BASE_URL),
                     model or "",
                     _choice(endpoint, ("completions", "chat"), "--endpoint"),
                     api_key,
@@ -242,6 +256,8 @@ def make_bench_command(report_sections: tuple[ReportSection, ...] = ()) -> Calla
                 html_path=html,
                 progress=progress,
                 report_sections=report_sections,
+                replica_urls=replicas,
+                route_replicas=route,
             )
             outcome = run_bench(cfg, console)
         except user_errors as exc:

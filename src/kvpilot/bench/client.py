@@ -21,6 +21,7 @@ from kvpilot.bench.sse import SseParser
 
 Endpoint = Literal["completions", "chat"]
 MAX_ERROR_BODY = 300
+REPLICA_HEADER = "x-kvpilot-replica"  # names the replica that served a response (kvpilot's Ray Serve app)
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ class Outcome:
     usage: dict[str, Any] | None = None
     server: ServerTimings | None = None
     retry_after_s: float | None = None
+    replica: str | None = None  # the REPLICA_HEADER of the response, when it has one
 
     @property
     def ok(self) -> bool:
@@ -166,6 +168,7 @@ async def execute(http: httpx.AsyncClient, target: Target, payload: dict[str, An
         async with http.stream("POST", target.url, json=payload, headers=target.headers(),
                                timeout=target.timeout_s) as resp:
             out.status = resp.status_code
+            out.replica = resp.headers.get(REPLICA_HEADER)
             if resp.status_code != 200:
                 body = (await resp.aread())[:MAX_ERROR_BODY].decode("utf-8", errors="replace")
                 out.error_kind, out.error = "http_status", f"HTTP {resp.status_code}: {body}"

@@ -71,6 +71,34 @@ def throughput_table(run: RunResult) -> Table:
     return table
 
 
+def replica_table(run: RunResult) -> Table | None:
+    """Per-replica load and prefix-cache reuse, with the imbalance and prefix spread in the caption."""
+    rep = run.replicas
+    if rep is None:
+        return None
+    table = Table(title=f"Replicas ({rep.source})")
+    table.add_column("replica", no_wrap=True, min_width=max((len(r.replica) for r in rep.replicas), default=7))
+    for col in ("lane", "requests", "prompt tok", "prefix hits / queries", "hit rate", "running mean / max",
+                "waiting mean / max"):
+        table.add_column(col, justify="left" if col == "lane" else "right")
+    for r in rep.replicas:
+        table.add_row(r.replica, r.lane or "-", "-" if r.num_requests is None else str(r.num_requests),
+                      _fmt(r.prompt_tokens, 0), f"{_fmt(r.prefix_hits, 0)} / {_fmt(r.prefix_queries, 0)}",
+                      _fmt(r.prefix_hit_rate, 3), f"{_fmt(r.running_mean)} / {_fmt(r.running_max, 0)}",
+                      f"{_fmt(r.waiting_mean)} / {_fmt(r.waiting_max, 0)}")
+    parts = [f"imbalance (max/mean requests) {_fmt(rep.imbalance, 2)}"]
+    if rep.prefix_spread is not None:
+        parts.append(f"prefix spread {rep.prefix_spread:.2f} replicas per group ({rep.num_prefix_groups} groups)")
+    parts.append(f"hit rate {_fmt(rep.hit_rate, 3)}" + (f" of {rep.offered_reuse:.3f} offered"
+                                                        if rep.offered_reuse is not None else ""))
+    if rep.routed:
+        parts.append("bench routed round-robin")
+    if rep.error:
+        parts.append(f"scrape error: {rep.error}")
+    table.caption = "; ".join(parts)
+    return table
+
+
 def sweep_table(runs: list[RunResult], knee: Knee) -> Table:
     table = Table(title="Sweep (increasing load)")
     for col in ("run", "req/s", "out tok/s", "good %", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99",
@@ -96,6 +124,9 @@ def print_summary(console: Console, runs: list[RunResult], knee: Knee | None) ->
     if groups is not None:
         console.print(groups)
     console.print(throughput_table(last))
+    replicas = replica_table(last)
+    if replicas is not None:
+        console.print(replicas)
     for r in runs:
         style = "bold red" if r.client_lag.overloaded else "green"
         console.print(f"{r.label}: {r.client_lag.message}", style=style, markup=False)

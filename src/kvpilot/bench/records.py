@@ -87,6 +87,9 @@ class RequestRecord:
     retry_after_s: float | None = None
     server: ServerTimings | None = None
     output_text: str = field(default="", repr=False)
+    replica: str | None = None
+    """The replica that served it: the ``x-kvpilot-replica`` response header, else the replica URL bench sent
+    it to when it spreads the load itself (``--replica-url`` without ``--base-url``); None otherwise."""
 
     @property
     def tpot_ms(self) -> float | None:

@@ -112,6 +112,26 @@ def _summary_html(runs: list[RunResult]) -> str:
     return f"<table><tr>{head}</tr>{''.join(body)}</table>"
 
 
+def _replicas_html(run: RunResult) -> str:
+    """The shown run's per-replica table ('' for a single server)."""
+    rep = run.replicas
+    if rep is None:
+        return ""
+
+    def fmt(v: float | None, spec: str) -> str:
+        return "-" if v is None else format(v, spec)
+
+    head = "".join(f"<th>{h}</th>" for h in ("replica", "lane", "requests", "prompt tokens", "prefix hits",
+                                              "prefix queries", "hit rate", "waiting max"))
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in (
+        r.replica, r.lane or "-", fmt(r.num_requests, "d"), fmt(r.prompt_tokens, ".0f"), fmt(r.prefix_hits, ".0f"),
+        fmt(r.prefix_queries, ".0f"), fmt(r.prefix_hit_rate, ".1%"), fmt(r.waiting_max, ".0f"))) + "</tr>"
+        for r in rep.replicas)
+    note = (f"imbalance {fmt(rep.imbalance, '.2f')}, prefix spread {fmt(rep.prefix_spread, '.2f')}, hit rate "
+            f"{fmt(rep.hit_rate, '.1%')} of {fmt(rep.offered_reuse, '.1%')} offered ({rep.source})")
+    return f"<h2>Replicas: {html.escape(run.label)}</h2><p>{html.escape(note)}</p><table><tr>{head}</tr>{body}</table>"
+
+
 def render_html(runs: list[RunResult], knee: Knee | None, title: str = "kvpilot bench report",
                 extra_html: str = "") -> str:
     """The report as one HTML string; the first figure inlines plotly.js, the rest reuse it.
@@ -129,7 +149,7 @@ def render_html(runs: list[RunResult], knee: Knee | None, title: str = "kvpilot 
              "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}")
     return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
             f"<style>{style}</style></head><body><h1>{html.escape(title)}</h1>"
-            f"{_summary_html(runs)}{extra_html}{''.join(divs)}</body></html>")
+            f"{_summary_html(runs)}{_replicas_html(shown)}{extra_html}{''.join(divs)}</body></html>")
 
 
 def write_html(path: str | Path, runs: list[RunResult], knee: Knee | None, extra_html: str = "") -> None:

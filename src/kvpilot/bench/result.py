@@ -12,6 +12,7 @@ from typing import Any
 
 from kvpilot.bench.breakdown import STAGES, stage_breakdown
 from kvpilot.bench.clientlag import ClientLag, judge_client_lag
+from kvpilot.bench.replica_report import ReplicaReport, build_report
 from kvpilot.bench.runner import RunOutput
 from kvpilot.bench.scrape import MetricsSummary, summarize
 from kvpilot.bench.stats import Aggregates, aggregate
@@ -21,22 +22,28 @@ SCHEMA_VERSION = 1
 
 @dataclass(frozen=True)
 class RunResult:
-    """One analysed run (a single bench, or one point of a sweep)."""
+    """One analysed run (a single bench, or one point of a sweep). ``replicas``: the run across replicas
+    (None for a single server: no replica plan, and no response named its replica)."""
 
     label: str
     output: RunOutput
     aggregates: Aggregates
     client_lag: ClientLag
     metrics_summary: MetricsSummary | None
+    replicas: ReplicaReport | None = None
 
     @staticmethod
     def analyse(label: str, output: RunOutput, slos: dict[str, float],
-                max_lag_ms: float) -> RunResult:
+                max_lag_ms: float, prefix_share: float | None = None) -> RunResult:
+        """``prefix_share``: the share of each prompt that is its group's shared prefix (the shared-prefix
+        dataset's prefix_len / input_len), for the reuse the traffic offers a prefix cache."""
         summary = summarize(output.metrics) if output.metrics else None
         shape = output.shape
         scheduled = not shape.closed_loop and not math.isinf(shape.request_rate)
         lag = judge_client_lag(output.records, output.loop_lag_ms, max_lag_ms, has_schedule=scheduled)
-        return RunResult(label, output, aggregate(output.records, slos), lag, summary)
+        replicas = build_report(output.records, output.replica_samples, output.replica_plan, prefix_share,
+                                output.replica_error)
+        return RunResult(label, output, aggregate(output.records, slos), lag, summary, replicas)
 
     def to_json(self) -> dict[str, Any]:
         shape = asdict(self.output.shape)
@@ -52,6 +59,7 @@ class RunResult:
                 "summary": self.metrics_summary.to_json() if self.metrics_summary else None,
                 "error": self.output.metrics_error,
             },
+            "replicas": self.replicas.to_json() if self.replicas is not None else None,
             "requests": [r.to_json() for r in self.output.records],
         }
 
@@ -118,7 +126,7 @@ CSV_FIELDS: tuple[str, ...] = (
     "run", "request_index", "item_id", "turn_index", "group_id", "ok", "status", "error_kind",
     "scheduled_s", "sent_s", "queue_wait_ms", "sched_lag_ms", "ttft_ms", "tpot_ms", "e2e_ms",
     "itl_mean_ms", "itl_max_ms", "num_prompt_tokens", "num_output_tokens", "output_tokens_source",
-    "num_cached_tokens", "num_preemptions", *(f"{s}_ms" for s in STAGES), "error")
+    "num_cached_tokens", "num_preemptions", *(f"{s}_ms" for s in STAGES), "error", "replica")
 
 
 def write_csv(path: str | Path, runs: list[RunResult]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import itertools
 import math
@@ -17,6 +18,7 @@ from kvpilot.bench.arrivals import arrival_times
 from kvpilot.bench.client import Outcome, Target, build_payload, execute
 from kvpilot.bench.load import LoadShape
 from kvpilot.bench.records import RequestRecord, WorkItem
+from kvpilot.bench.replicas import ReplicaPlan, ReplicaSample, ReplicaScraper, replica_id
 from kvpilot.bench.scrape import MetricsSample, Scraper
 from kvpilot.bench.tokens import Tokenizer, count_tokens
 
@@ -29,7 +31,8 @@ class RunOutput:
     """Measured records (warmup excluded) plus the client's own health and server metrics.
 
     ``loop_lag_ms`` samples how late a 10 ms event-loop tick fired, as (t_s, lag_ms): high values
-    mean the client itself was the bottleneck.
+    mean the client itself was the bottleneck. ``replica_samples`` are the per-replica scrapes when the run
+    had a :class:`ReplicaPlan` (``replica_plan``), with ``replica_error`` saying why there are none.
     """
 
     shape: LoadShape
@@ -39,10 +42,14 @@ class RunOutput:
     loop_lag_ms: list[tuple[float, float]]
     metrics: list[MetricsSample] = field(default_factory=list)
     metrics_error: str | None = None
+    replica_plan: ReplicaPlan | None = None
+    replica_samples: list[ReplicaSample] = field(default_factory=list)
+    replica_error: str | None = None
 
 
 def _record(idx: int, item: WorkItem, turn_idx: int, out: Outcome, t0: float, scheduled: float,
-            started: float, acquired: float, prompt_text: str, tok: Tokenizer) -> RequestRecord:
+            started: float, acquired: float, prompt_text: str, tok: Tokenizer,
+            routed_to: str | None = None) -> RequestRecord:
     usage = out.usage or {}
     if isinstance(usage.get("completion_tokens"), int):
         num_out, source = usage["completion_tokens"], "usage"
@@ -61,16 +68,18 @@ def _record(idx: int, item: WorkItem, turn_idx: int, out: Outcome, t0: float, sc
         num_prompt_tokens=usage.get("prompt_tokens") or count_tokens(tok, prompt_text),
         num_output_tokens=num_out if out.ok else 0, output_tokens_source=source,
         num_chunks=len(chunks), retry_after_s=out.retry_after_s, server=out.server,
-        output_text=out.text,
+        output_text=out.text, replica=out.replica or routed_to,
     )
 
 
 class _Run:
-    """State of one run; every request loop is bounded by the request budget or the deadline."""
+    """State of one run; every request loop is bounded by the request budget or the deadline. With
+    ``routes`` (one target per replica URL), requests go to them round-robin in the order they are sent."""
 
     def __init__(self, http: httpx.AsyncClient, target: Target, shape: LoadShape, tok: Tokenizer,
-                 on_record: OnRecord | None) -> None:
+                 on_record: OnRecord | None, routes: tuple[Target, ...] = ()) -> None:
         self.http, self.target, self.shape, self.tok, self.on_record = http, target, shape, tok, on_record
+        self.routes = itertools.cycle(routes) if routes else None
         self.t0, self.start_unix = time.perf_counter(), time.time()
         self.next_index = 0
         self.records: list[RequestRecord] = []
@@ -101,12 +110,15 @@ class _Run:
             if self.slots is not None:
                 await self.slots.acquire()
             acquired = time.perf_counter()
+            target = next(self.routes) if self.routes is not None else self.target
             try:
-                out = await execute(self.http, self.target, payload)
+                out = await execute(self.http, target, payload)
             finally:
                 if self.slots is not None:
                     self.slots.release()
-            rec = _record(idx, item, turn_idx, out, self.t0, scheduled, started, acquired, prompt, self.tok)
+            routed_to = replica_id(target.base_url) if self.routes is not None else None
+            rec = _record(idx, item, turn_idx, out, self.t0, scheduled, started, acquired, prompt, self.tok,
+                          routed_to)
             if measured:
                 self.records.append(rec)
                 if self.on_record:
@@ -157,8 +169,13 @@ async def _loop_lag(stop: asyncio.Event, t0: float, out: list[tuple[float, float
 
 async def run_load(target: Target, items: list[WorkItem], shape: LoadShape, tok: Tokenizer, *,
                    metrics_url: str | None = None, scrape_interval_s: float = 1.0,
-                   on_record: OnRecord | None = None) -> RunOutput:
+                   on_record: OnRecord | None = None, replicas: ReplicaPlan | None = None,
+                   scrape_replicas: bool = True) -> RunOutput:
     """Run warmup then the measured load; never raises for server faults (they become records).
+
+    ``replicas``: scrape each replica too (unless ``scrape_replicas`` is False); when the plan routes, send
+    the requests round-robin over its URLs instead of to ``target.base_url``, and (without ``metrics_url``)
+    take the deployment-wide samples as the sum of the replicas'.
 
     Objects alive before the run (a tokenizer, torch) are frozen out of the garbage collector for
     its duration: full collections over a large heap pause the event loop and would inflate TTFT.
@@ -166,28 +183,38 @@ async def run_load(target: Target, items: list[WorkItem], shape: LoadShape, tok:
     gc.collect()
     gc.freeze()
     try:
-        return await _run_load(target, items, shape, tok, metrics_url, scrape_interval_s, on_record)
+        return await _run_load(target, items, shape, tok, metrics_url, scrape_interval_s, on_record, replicas,
+                               scrape_replicas)
     finally:
         gc.unfreeze()
 
 
 async def _run_load(target: Target, items: list[WorkItem], shape: LoadShape, tok: Tokenizer,
-                    metrics_url: str | None, scrape_interval_s: float, on_record: OnRecord | None) -> RunOutput:
+                    metrics_url: str | None, scrape_interval_s: float, on_record: OnRecord | None,
+                    replicas: ReplicaPlan | None, scrape_replicas: bool) -> RunOutput:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    routes = tuple(dataclasses.replace(target, base_url=replica_id(u)) for u in replicas.urls) \
+        if replicas is not None and replicas.route else ()
     # The target's headers on every call, /metrics scrapes included (a server with --api-key guards them).
     async with httpx.AsyncClient(limits=limits, timeout=target.timeout_s, headers=target.headers()) as http:
         if shape.num_warmup:
-            warm = _Run(http, target, shape, tok, None)
+            warm = _Run(http, target, shape, tok, None, routes)
             for item in itertools.islice(itertools.cycle(items), shape.num_warmup):
                 await warm.run_item(item, time.perf_counter(), shape.num_warmup, None, measured=False)
-        run = _Run(http, target, shape, tok, on_record)
+        run = _Run(http, target, shape, tok, on_record, routes)
         stop, lag = asyncio.Event(), list[tuple[float, float]]()
         scraper = Scraper(http, metrics_url, run.t0, scrape_interval_s) if metrics_url else None
+        per_replica = ReplicaScraper(http, replicas, run.t0, scrape_interval_s) \
+            if replicas is not None and scrape_replicas else None
         if scraper:
             await scraper.scrape("before")
+        if per_replica:
+            await per_replica.scrape("before")
         background = [asyncio.create_task(_loop_lag(stop, run.t0, lag))]
         if scraper:
             background.append(asyncio.create_task(scraper.poll(stop)))
+        if per_replica:
+            background.append(asyncio.create_task(per_replica.poll(stop)))
         t_start = time.perf_counter()
         deadline = t_start + shape.duration_s if shape.duration_s else None
         if shape.closed_loop:
@@ -199,7 +226,14 @@ async def _run_load(target: Target, items: list[WorkItem], shape: LoadShape, tok
         await asyncio.gather(*background)
         if scraper:
             await scraper.scrape("after")
+        if per_replica:
+            await per_replica.scrape("after")
     records = sorted(run.records, key=lambda r: r.request_index)
-    return RunOutput(shape, records, wall, run.start_unix, lag,
-                     scraper.samples if scraper else [],
-                     scraper.last_error if scraper and not scraper.samples else None)
+    metrics, metrics_error = (scraper.samples, scraper.last_error if not scraper.samples else None) \
+        if scraper else ([], None)
+    if scraper is None and per_replica is not None and routes:  # no server sees the whole deployment
+        metrics = per_replica.aggregate_samples()
+        metrics_error = None if metrics else per_replica.last_error or "no round where every replica answered"
+    return RunOutput(shape, records, wall, run.start_unix, lag, metrics, metrics_error, replicas,
+                     per_replica.samples if per_replica else [],
+                     per_replica.last_error if per_replica and not per_replica.samples else None)

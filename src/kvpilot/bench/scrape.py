@@ -43,11 +43,23 @@ RATIO_KEYS = frozenset({"kv_usage", "prefix_hit_rate"})
 _KNOWN_PREFIXES: tuple[str, ...] = tuple(name for names in METRIC_NAMES.values() for name in names)
 
 
-def known_samples(text: str) -> str:
-    """Only the sample lines of :data:`METRIC_NAMES` series. The full exposition (~30 KB of histogram
-    buckets on kvpilot, more on vLLM) takes ~15 ms to parse: a stall of the load generator's event
+def known_samples(text: str, prefixes: tuple[str, ...] = _KNOWN_PREFIXES) -> str:
+    """Only the sample lines of :data:`METRIC_NAMES` series (or of ``prefixes``). The full exposition (~30 KB
+    of histogram buckets on kvpilot, more on vLLM) takes ~15 ms to parse: a stall of the load generator's event
     loop on every scrape, which inflated its measured latencies and its own loop-lag verdict."""
-    return "\n".join(line for line in text.splitlines() if line.startswith(_KNOWN_PREFIXES))
+    return "\n".join(line for line in text.splitlines() if line.startswith(prefixes))
+
+
+def normalise(sums: dict[str, float], counts: dict[str, int],
+              names: dict[str, tuple[str, ...]] = METRIC_NAMES) -> dict[str, float]:
+    """Per-sample-name sums and label-set counts -> normalised values (keys of ``names`` that are present,
+    the newest name winning): sums, except ratios (:data:`RATIO_KEYS`), which are averaged."""
+    out: dict[str, float] = {}
+    for key, candidates in names.items():
+        name = next((n for n in candidates if n in sums), None)
+        if name is not None:
+            out[key] = sums[name] / counts[name] if key in RATIO_KEYS else sums[name]
+    return out
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -63,12 +75,7 @@ def parse_metrics(text: str) -> dict[str, float]:
                 continue
             sums[sample.name] = sums.get(sample.name, 0.0) + float(sample.value)
             counts[sample.name] = counts.get(sample.name, 0) + 1
-    out: dict[str, float] = {}
-    for key, names in METRIC_NAMES.items():
-        name = next((n for n in names if n in sums), None)
-        if name is not None:
-            out[key] = sums[name] / counts[name] if key in RATIO_KEYS else sums[name]
-    return out
+    return normalise(sums, counts)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from kvpilot.doctor.inputs import DoctorInputs, RunData
 from kvpilot.doctor.probe_plan import RampPoint, knee_reason, ramp_level
 from kvpilot.doctor.rules import RULES, Rule, RuleContext
 from kvpilot.doctor.rules.prefill import mixing_note, stall_note
+from kvpilot.doctor.rules.routing import replica_lines
 from kvpilot.doctor.signals import median
 from kvpilot.doctor.slo import slo_lines
 from kvpilot.doctor.split import LatencySplit
@@ -121,6 +122,7 @@ def _headroom(ctx: RuleContext) -> list[str]:
                          f"({roof.aggregate_tokens_per_s:,.0f} tok/s at batch {roof.batch_size} on {roof.gpu})")
     lines.extend(slo_lines(ctx.inputs.runs, ctx.slos))
     lines.extend(note for note in (mixing_note(ctx), stall_note(ctx)) if note is not None)
+    lines.extend(replica_lines(ctx))
     lines.extend(_resource_lines(ctx))
     return lines
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpilot.bench.records import RequestRecord, record_from_json
+from kvpilot.bench.replica_report import ReplicaReport
 from kvpilot.bench.result import ResultFileError, read_result
 from kvpilot.doctor.errors import DoctorInputError
 from kvpilot.doctor.prometheus import MetricsSnapshot, metrics_delta, parse_prometheus_text
@@ -27,7 +28,8 @@ class RunData:
 
     ``in_flight`` is the mean number of requests in flight over the run (Little's law: sum of E2E /
     duration), comparable across closed-loop, open-loop and sweep runs. ``server_metrics`` is the
-    bench's scraped summary (keys of docs/bench.md ``server_metrics.summary``) or None.
+    bench's scraped summary (keys of docs/bench.md ``server_metrics.summary``) or None. ``replicas``: the
+    run across the deployment's replicas (bench's ``replicas`` section), None for a single server.
     """
 
     source: str
@@ -42,6 +44,7 @@ class RunData:
     slos_ms: dict[str, float] = field(default_factory=dict)
     burst: bool = False  # all requests sent at once (rate inf, no concurrency cap): a capacity probe
     closed_loop: bool = False  # a fixed number of clients (--concurrency): no request rate to lower
+    replicas: ReplicaReport | None = None
 
     @property
     def ok(self) -> list[RequestRecord]:
@@ -120,8 +123,19 @@ def runs_from_result(doc: dict[str, Any], source: str) -> list[RunData]:
             errors_by_kind=dict(agg.get("errors_by_kind") or {}),
             client_lag=run.get("client_lag"), server_metrics=metrics.get("summary"),
             dataset=dict(config.get("dataset") or {}), slos_ms=dict(config.get("slos_ms") or {}),
-            burst=burst, closed_loop=bool(load.get("concurrency"))))
+            burst=burst, closed_loop=bool(load.get("concurrency")),
+            replicas=_replicas(run.get("replicas"), source, i)))
     return runs
+
+
+def _replicas(section: Any, source: str, index: int) -> ReplicaReport | None:
+    if not section:
+        return None
+    try:
+        return ReplicaReport.from_json(section)
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise DoctorInputError(f"{source}: run {index} has a malformed replicas section ({exc}); re-run "
+                               "`kvpilot bench --output`") from exc
 
 
 def load_metrics(paths: list[str]) -> MetricsSnapshot | None:

@@ -180,3 +180,20 @@ class Thresholds:
     """Long/short mixing: a short request's extra TTFT during a long prefill of at most this many
     long-prefill steps is the step the long prompt was computed in: inherent to the hardware when the
     chunking fix cannot split that prompt (a headroom note, not a finding)."""
+
+    prefix_spread_high: float = 1.5
+    """Prefix-blind routing: mean number of distinct replicas that served each prefix group (bench's
+    ``prefix_spread``) above which routing ignores prefixes. 1.0 is perfect affinity; round-robin over R
+    replicas gives about min(R, requests per group), so with two replicas a blind router lands near 2."""
+
+    routing_hit_share_of_offered: float = 0.7
+    """Prefix-blind routing: the replicas' combined prefix-cache hit rate below this share of the reuse the
+    traffic offers (bench's ``offered_reuse``) is worth routing by prefix: more than 30% of the reusable
+    prefill is recomputed. Blind routing with a cache large enough for every prefix on every replica only
+    repeats each group's first miss once per replica (4 groups of 8 on 2 replicas: 86% of offered), which
+    stays quiet."""
+
+    replica_imbalance_high: float = 1.5
+    """Replica imbalance: max / mean requests served per replica of one lane at or above which one replica
+    carries half again its share (round-robin gives 1.0; random placement of 20+ requests per replica rarely
+    passes 1.3)."""

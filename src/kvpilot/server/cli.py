@@ -24,7 +24,7 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024  # config.DEFAULT_MAX_REQUEST_
 DEFAULT_MAX_TOKENS_DEFAULT = 1024  # config.DEFAULT_MAX_TOKENS_DEFAULT
 
 
-def _served_names(names: list[str] | None, model: str | None) -> tuple[str, ...]:
+def served_names(names: list[str] | None, model: str | None) -> tuple[str, ...]:
     """vLLM's default: the --model argument as given; for the embedded model, its name."""
     if names:
         return tuple(names)
@@ -113,6 +113,21 @@ def serve_command(
         "the server process.")] = True,
     uvicorn_log_level: Annotated[str, typer.Option("--uvicorn-log-level", help="uvicorn's own log level.")]
     = "warning",
+    ray: Annotated[bool, typer.Option(
+        "--ray", help="Serve on Ray Serve: replicas of this engine behind one OpenAI endpoint on --host/--port, "
+        "with prefix-cache-aware routing (docs/ray.md). Needs `pip install 'kvpilot[ray]'`.")] = False,
+    num_replicas: Annotated[Optional[int], typer.Option(
+        "--num-replicas", help="With --ray: engine replicas (each its own process and KV cache). Default: 1, "
+        "or the --ray-config file's.")] = None,
+    ray_config: Annotated[Optional[str], typer.Option(
+        "--ray-config", help="With --ray: a YAML file with lanes (replica pools with their own engine settings, "
+        "chosen by prompt length, X-Lane header or priority) and autoscaling (docs/ray.md).")] = None,
+    routing: Annotated[Optional[str], typer.Option(
+        "--routing", help="With --ray: prefix (requests sharing a prompt prefix go to the replica that cached "
+        "it, within a load bound), round_robin, or power_of_two (Ray's default). Default: prefix.")] = None,
+    ray_address: Annotated[Optional[str], typer.Option(
+        "--ray-address", help="With --ray: join this Ray cluster (e.g. auto) instead of starting a local "
+        "one.")] = None,
 ) -> None:
     """Start the OpenAI-compatible server (/v1/completions, /v1/chat/completions, /metrics, /health)."""
     from kvpilot.engine.config import EngineConfigError
@@ -139,7 +154,7 @@ def serve_command(
 
             otlp_traces_url(otlp_traces_endpoint)
             check_tracing_available()
-        server_args = ServerArgs(host=host, port=port, served_model_names=_served_names(served_model_name, model),
+        server_args = ServerArgs(host=host, port=port, served_model_names=served_names(served_model_name, model),
                                  api_key=api_key, metrics_public=metrics_public,
                                  max_num_queued_reqs=_queue_cap(max_num_queued_reqs, max_num_seqs),
                                  max_num_queued_tokens=max_num_queued_tokens or None,
@@ -152,7 +167,23 @@ def serve_command(
     except (EngineConfigError, ServerConfigError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
+    if ray:
+        raise typer.Exit(_run_on_ray(engine_args, server_args, num_replicas, ray_config, routing, ray_address))
+    if num_replicas is not None or ray_config is not None or routing is not None or ray_address is not None:
+        typer.echo("error: --num-replicas, --ray-config, --routing and --ray-address need --ray", err=True)
+        raise typer.Exit(2)
     raise typer.Exit(run_server(engine_args, server_args, uvicorn_log_level))
+
+
+def _run_on_ray(engine_args, server_args, num_replicas, ray_config, routing, ray_address) -> int:  # type: ignore[no-untyped-def]
+    from kvpilot.server.ray_app.config import RayConfigError
+    from kvpilot.server.ray_app.launch import RayLaunch, run_ray_server
+
+    try:
+        return run_ray_server(engine_args, server_args, RayLaunch(num_replicas, ray_config, routing, ray_address))
+    except RayConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        return 2
 
 
 def run_server(engine_args, server_args, uvicorn_log_level: str = "warning") -> int:  # type: ignore[no-untyped-def]

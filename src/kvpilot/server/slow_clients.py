@@ -69,5 +69,8 @@ def header_timeout_protocol(header_timeout_s: float) -> type[H11Protocol]:
 
 
 def uvicorn_options(args: ServerArgs) -> dict[str, Any]:
-    """The uvicorn.Config settings that bound slow clients (used by `kvpilot serve` and BackgroundServer)."""
-    return {"http": header_timeout_protocol(args.header_timeout_s), "timeout_keep_alive": args.keep_alive_timeout_s}
+    """The uvicorn.Config settings that bound slow clients (used by `kvpilot serve` and BackgroundServer).
+    The loop is pinned to asyncio: uvicorn would pick uvloop where installed (Ray Serve brings it), and the
+    protocol above is written against asyncio's transports."""
+    return {"http": header_timeout_protocol(args.header_timeout_s), "timeout_keep_alive": args.keep_alive_timeout_s,
+            "loop": "asyncio"}

@@ -1,5 +1,6 @@
 """The diagnosis rules, in the order a careful engineer checks them: the host and the configuration,
-the measurement, then the request's path (queue, tokenize, prefill, decode, memory).
+the measurement, then the request's path (queue, tokenize, prefill, decode, memory) and, across replicas,
+its routing.
 Each is ``RuleContext -> Finding | None``."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from kvpilot.doctor.rules.kv_cache import kv_pressure, prefix_cache_miss
 from kvpilot.doctor.rules.spillover import memory_spillover
 from kvpilot.doctor.rules.prefill import long_short_mixing, prefill_bound, prefill_interrupts_decode
 from kvpilot.doctor.rules.queueing import queueing, tokenization
+from kvpilot.doctor.rules.routing import prefix_blind_routing, replica_imbalance
 from kvpilot.doctor.rules.slo_floor import slo_floor
 from kvpilot.doctor.rules.starvation import cpu_starvation
 from kvpilot.doctor.rules.workload import workload_tuning
@@ -23,8 +25,8 @@ RECOMMENDATIONS: tuple[Rule, ...] = (workload_tuning,)
 RULES: tuple[Rule, ...] = (
     cpu_starvation, kv_pool_too_small, seqs_over_kv, token_budget_below_seqs, prefix_caching_off,
     client_overload, network_overhead, queueing, tokenization, kv_pressure, prefill_bound, slo_floor,
-    decode_bound, static_batching, prefill_interrupts_decode, prefix_cache_miss, long_short_mixing,
-    memory_spillover, *RECOMMENDATIONS,
+    decode_bound, static_batching, prefill_interrupts_decode, prefix_cache_miss, prefix_blind_routing,
+    replica_imbalance, long_short_mixing, memory_spillover, *RECOMMENDATIONS,
 )
 
 __all__ = ["RECOMMENDATIONS", "RULES", "Rule", "RuleContext"]

@@ -7,6 +7,7 @@ import math
 from kvpilot.doctor.findings import Evidence, Finding, Fix, Severity, clamp01
 from kvpilot.doctor.inputs import RunData
 from kvpilot.doctor.rules.context import RuleContext
+from kvpilot.doctor.rules.routing import measure_routing
 from kvpilot.doctor.signals import first_token_s, ratio
 
 
@@ -117,7 +118,9 @@ def shared_prefix_traffic(ctx: RuleContext) -> bool:
 
 
 def prefix_cache_miss(ctx: RuleContext) -> Finding | None:
-    """Traffic shares prefixes but the server's prefix-cache hit rate is low (or caching is off)."""
+    """Traffic shares prefixes but the server's prefix-cache hit rate is low (or caching is off). When the
+    requests of a prefix group went to several replicas (``prefix-blind-routing``), that is the cause: this
+    finding then says so, with confidence 0.4, and ranks below it."""
     th, view = ctx.th, ctx.view
     expected = max((e for run in ctx.inputs.runs
                     if (e := _expected_hit_rate(run)) is not None), default=None)
@@ -138,15 +141,19 @@ def prefix_cache_miss(ctx: RuleContext) -> Finding | None:
     if disabled:
         evidence.append(Evidence("enable_prefix_caching", 0.0, "", view.config_source))
     lost = (expected or bar) - (hit or 0.0)
+    routing = None if disabled else measure_routing(ctx)
+    blind = routing is not None and routing.blind
     return Finding(
         rule_id="prefix-cache-miss", title="Shared prompt prefixes are recomputed instead of reused",
         severity=Severity.HIGH if disabled or (hit or 0.0) < 0.2 * bar else Severity.MEDIUM,
-        confidence=0.9 if disabled or expected is not None else 0.6, impact=clamp01(lost),
+        confidence=0.4 if blind else 0.9 if disabled or expected is not None else 0.6, impact=clamp01(lost),
         summary=("The traffic repeats prompt prefixes ("
                  + (f"up to {expected:.0%} of prompt tokens reusable" if expected is not None
                     else f"{shared} groups of requests share one") + ") but "
                  + ("prefix caching is disabled." if disabled or hit is None else
-                    f"only {hit:.0%} hit the cache: their prefill is recomputed every time.")),
+                    f"only {hit:.0%} hit the cache: their prefill is recomputed every time.")
+                 + (" Requests of one prefix group went to several replicas: see prefix-blind-routing."
+                    if blind else "")),
         evidence=tuple(evidence),
         fixes=(Fix("turn prefix caching on", kvpilot="--enable-prefix-caching", vllm="--enable-prefix-caching"),
                Fix("keep the shared part first and byte-identical (no timestamps or ids before it)"),

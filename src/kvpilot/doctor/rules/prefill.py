@@ -26,8 +26,12 @@ CHUNK_TOKENS = 512
 CHUNK_FIX = Fix("bound the prefill work per step so other requests are scheduled between chunks",
                 kvpilot=f"--max-num-batched-tokens {CHUNK_TOKENS}",
                 vllm="--max-num-batched-tokens 512 --long-prefill-token-threshold 256 --max-num-partial-prefills 2")
-LANES_FIX = Fix("serve long and short prompts in separate lanes (replicas), or give interactive "
-                "requests priority", kvpilot="--scheduling-policy priority", vllm="--scheduling-policy priority")
+LANES_FIX = Fix("serve long and short prompts in separate lanes (replica pools with their own token budgets, "
+                "routed by prompt length or an X-Lane header), or give interactive requests priority in one engine",
+                kvpilot="kvpilot serve --ray --ray-config lanes.yaml (docs/ray.md: an interactive lane with "
+                        "max_prompt_chars and a small --max-num-batched-tokens, a long lane with a large one); "
+                        "or --scheduling-policy priority",
+                vllm="--scheduling-policy priority")
 
 
 def _prefill_ms(r: RequestRecord) -> float | None:
