@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvpilot.bench.scrape import METRIC_NAMES, RATIO_KEYS, MetricsSample, known_samples, normalise
+from kvpilot.bench.scrape import METRIC_NAMES, RATIO_KEYS, MetricsSample, known_samples, normalise, poll_until
 
 REPLICA_LABEL = "replica"
 LANE_LABEL = "lane"
@@ -190,12 +190,7 @@ class ReplicaScraper:
             self.samples.append(ReplicaSample(time.perf_counter() - self.t0, phase, replicas))
 
     async def poll(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            await self.scrape("during")
-            try:
-                await asyncio.wait_for(stop.wait(), timeout=self.interval_s)
-            except TimeoutError:
-                pass
+        await poll_until(self.scrape, stop, self.interval_s)
 
     def aggregate_samples(self) -> list[MetricsSample]:
         """The deployment-wide samples of a client-routed run (no aggregate endpoint to scrape): only rounds

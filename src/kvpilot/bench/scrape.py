@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -172,9 +172,14 @@ class Scraper:
         self.samples.append(MetricsSample(time.perf_counter() - self.t0, phase, values))
 
     async def poll(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            await self.scrape("during")
-            try:
-                await asyncio.wait_for(stop.wait(), timeout=self.interval_s)
-            except TimeoutError:
-                pass
+        await poll_until(self.scrape, stop, self.interval_s)
+
+
+async def poll_until(scrape: Callable[[str], Awaitable[None]], stop: asyncio.Event, interval_s: float) -> None:
+    """Calls ``scrape("during")`` every ``interval_s`` until ``stop`` is set (checked while waiting)."""
+    while not stop.is_set():
+        await scrape("during")
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=interval_s)
+        except TimeoutError:
+            pass
