@@ -6,7 +6,8 @@
    2 replicas, on bench's long/short dataset.
 
 Random weights of SmolLM2's shape (the embedded tokenizer), so it needs no download; prints the ratios.
-    python benchmarks/ray_replicas.py [--routing-layers 2] [--lanes-layers 8] [--num-requests 48]
+    python benchmarks/ray_replicas.py [--routing-layers 2] [--lanes-layers 8] [--num-requests 96]
+        [--routing-kv-cache-memory 3MiB]
 """
 
 from __future__ import annotations
@@ -59,13 +60,13 @@ def bench(url: str, dataset: DatasetConfig, num_requests: int, concurrency: int,
     return outcome.runs[0]
 
 
-def routing(url: str, model: str, num_requests: int, tmp: Path) -> None:
+def routing(url: str, model: str, num_requests: int, kv_cache_memory: str, tmp: Path) -> None:
     dataset = DatasetConfig(kind="shared-prefix", num_prefixes=7, num_suffixes=8, prefix_len=256, input_len=272,
                             output_len=1, seed=1)
     rates = {}
     for policy in ("prefix", "round_robin"):
         deploy(url, f"routing-{policy.replace('_', '-')}",
-               {**engine(model, kv_cache_memory="5MiB"), "num_replicas": 2, "routing": policy})
+               {**engine(model, kv_cache_memory=kv_cache_memory), "num_replicas": 2, "routing": policy})
         run = bench(url, dataset, num_requests, 2, tmp / f"{policy}.json")
         time.sleep(2.5)  # replicas report their counters about once a second
         table = httpx.get(f"{url}/v1/kvpilot/replicas", timeout=30).json()
@@ -99,7 +100,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--routing-layers", type=int, default=2)
     parser.add_argument("--lanes-layers", type=int, default=8)
-    parser.add_argument("--num-requests", type=int, default=48)
+    parser.add_argument("--num-requests", type=int, default=96)
+    # ~1,000 tokens a replica at 2 layers: under half the 7 groups' prefixes, so where a group goes matters
+    parser.add_argument("--routing-kv-cache-memory", default="3MiB")
     args = parser.parse_args()
     ray.init(num_cpus=4, include_dashboard=False, object_store_memory=100 * 1024 * 1024, log_to_driver=False)
     port = free_port()
@@ -107,7 +110,8 @@ def main() -> None:
     url = f"http://127.0.0.1:{port}"
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            routing(url, model_config(Path(tmp), args.routing_layers), args.num_requests, Path(tmp))
+            routing(url, model_config(Path(tmp), args.routing_layers), args.num_requests,
+                    args.routing_kv_cache_memory, Path(tmp))
             lanes(url, model_config(Path(tmp), args.lanes_layers), args.num_requests, Path(tmp))
     finally:
         serve.shutdown()
