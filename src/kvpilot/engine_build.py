@@ -116,7 +116,7 @@ def build_engine(args: EngineArgs, loaded: LoadedModel | None = None) -> BuiltEn
     budget = kv_cache_budget_bytes(args, loaded, max_num_batched_tokens, kv_dtype)
     element_size = torch.tensor([], dtype=kv_dtype).element_size()
     # The same function `kvpilot fit` predicts with: plan and engine agree by construction.
-    capacity = kv_capacity_for_memory(rank_config(loaded.config, args), budget, args.block_size, element_size,
+    capacity = kv_capacity_for_memory(rank_config(loaded), budget, args.block_size, element_size,
                                       args.max_model_len or loaded.config.max_position_embeddings)
     if capacity.num_blocks < 1:
         raise EngineConfigError(f"the KV cache budget of {format_bytes(budget)} holds no block of "

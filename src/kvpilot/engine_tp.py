@@ -15,40 +15,41 @@ from kvpilot.model.config import ModelConfig
 from kvpilot.model.loader import LoadedModel, load_model
 from kvpilot.model.parallel.executor import TensorParallelExecutor, free_tcp_address
 from kvpilot.model.parallel.group import TPGroup
-from kvpilot.model.parallel.shard import check_tp_split, local_config
 from kvpilot.model.parallel.worker import WorkerSpec, build_rank
 
 
 def tp_load_kwargs(args: EngineArgs) -> dict:
-    """load_model's arguments for every rank: the same weights (dummy draws are seeded), always dense."""
+    """load_model's arguments for every rank but its tp_rank: the same weights (dummy draws are seeded),
+    always dense, each rank reading only its shard."""
     return dict(model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
-                max_model_len=args.max_model_len, seed=args.seed, quantization="none")
+                max_model_len=args.max_model_len, seed=args.seed, quantization="none",
+                tp_size=args.tensor_parallel_size)
 
 
 def load_for_tp(args: EngineArgs, loaded: LoadedModel | None) -> LoadedModel:
-    """Rank 0's whole model (sharded later), after checking the split; EngineConfigError says what to change."""
+    """Rank 0's shard; a model that does not split fails here, naming the sizes that work (ModelLoadError),
+    and anything else with EngineConfigError saying what to change."""
     if torch.distributed.is_initialized():
         raise EngineConfigError("another tensor-parallel engine is running in this process: shut it down first "
                                 "(engine.runner.shutdown()); torch.distributed has one default group per process")
     if loaded is not None:
         raise EngineConfigError("tensor parallelism loads its own shards on every rank: pass the model, not "
                                 "an already loaded one")
-    loaded = load_model(**tp_load_kwargs(args))
+    loaded = load_model(**tp_load_kwargs(args), tp_rank=0)
     if loaded.device.type != "cpu":
         raise EngineConfigError("tensor_parallel_size > 1 runs on CPU (gloo) so far; on a GPU use "
                                 "--tensor-parallel-size 1")
-    check_tp_split(loaded.config, args.tensor_parallel_size)
     return loaded
 
 
-def rank_config(config: ModelConfig, args: EngineArgs) -> ModelConfig:
+def rank_config(loaded: LoadedModel) -> ModelConfig:
     """The config one rank's KV cache is sized by (its KV heads)."""
-    return local_config(config, args.tensor_parallel_size) if args.tensor_parallel_size > 1 else config
+    return loaded.config if loaded.shard is None else loaded.shard.local_config
 
 
 def start_tp_executor(args: EngineArgs, loaded: LoadedModel, num_blocks: int, max_model_len: int,
                       eos_token_ids: tuple[int, ...]) -> TensorParallelExecutor:
-    """Spawns ranks 1.., joins the group as rank 0, shards rank 0's model in place; returns the executor
+    """Spawns ranks 1.., joins the group as rank 0, makes rank 0's shard row-parallel; returns the executor
     once every rank is ready. Each rank gets an equal share of this process's threads."""
     world = args.tensor_parallel_size
     threads = max(1, (os.cpu_count() or world) // world)

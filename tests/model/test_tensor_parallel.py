@@ -12,7 +12,7 @@ from kvpilot import LLM, SamplingParams
 from kvpilot.fit.model_catalog import get_hf_config
 from kvpilot.model.errors import ModelLoadError
 from kvpilot.model.loader import load_model
-from kvpilot.model.parallel.shard import check_tp_split, local_config
+from kvpilot.model.parallel.shard_plan import check_tp_split, local_config
 
 SMALL = {"num_hidden_layers": 2, "hidden_size": 128, "intermediate_size": 256, "head_dim": 32, "vocab_size": 512,
          "torch_dtype": "float32"}

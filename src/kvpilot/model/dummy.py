@@ -14,6 +14,7 @@ import torch
 from kvpilot.fit.model_catalog import UnknownModelError, get_hf_config
 from kvpilot.model.errors import ModelLoadError
 from kvpilot.model.hf_dir import read_hf_config
+from kvpilot.model.parallel.shard_plan import ShardPlan
 
 DUMMY_INIT_STD = 0.02  # small weights keep activations finite through many layers
 
@@ -41,10 +42,12 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 @torch.no_grad()
-def init_dummy_weights(module: torch.nn.Module, seed: int = 0) -> None:
+def init_dummy_weights(module: torch.nn.Module, seed: int = 0, shard: ShardPlan | None = None) -> None:
     """Fills every parameter in place: norms with 1, everything else N(0, DUMMY_INIT_STD), reproducibly for a
     given seed and device (each device draws from its own generator: an 8B model drawn on the CPU and
-    copied would take about a minute)."""
+    copied would take about a minute). With `shard` (a tensor-parallel rank's plan, `module` built from its
+    local config) each parameter is drawn whole, as one rank would, and the rank's part kept: the ranks
+    hold exactly the one-rank model's weights, one whole tensor at a time."""
     generators: dict[torch.device, torch.Generator] = {}
     for name, param in module.named_parameters():
         if name.endswith("norm.weight"):
@@ -52,4 +55,9 @@ def init_dummy_weights(module: torch.nn.Module, seed: int = 0) -> None:
             continue
         if param.device not in generators:
             generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
-        param.normal_(0.0, DUMMY_INIT_STD, generator=generators[param.device])
+        if shard is None:
+            param.normal_(0.0, DUMMY_INIT_STD, generator=generators[param.device])
+            continue
+        whole = torch.empty(shard.full_shape(name, param.shape), dtype=param.dtype, device=param.device)
+        whole.normal_(0.0, DUMMY_INIT_STD, generator=generators[param.device])
+        param.copy_(shard.take_fused(name, whole))

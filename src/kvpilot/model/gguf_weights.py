@@ -8,6 +8,7 @@ files store Q/K projections permuted for llama.cpp's interleaved rotary layout, 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -100,10 +101,12 @@ def linear_tensor_types(reader: Any) -> dict[str, str]:
 
 
 def load_gguf_tensors(reader: Any, path: str | Path, config: ModelConfig, packed_names: frozenset[str],
+                      take: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
                       ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(dense, packed): tensors named in `packed_names` come back as PackedWeight (their GGUF blocks, Q/K
     rows unpermuted), every other tensor kvpilot uses dequantized to float32. The embedding table is
-    always dense as well (token lookup), and packed too when asked (a tied output layer)."""
+    always dense as well (token lookup), and packed too when asked (a tied output layer). `take` (a
+    tensor-parallel rank's ShardPlan.take) keeps the rank's part of each dense tensor as it is read."""
     from kvpilot.model.quant.formats import packed_format
     from kvpilot.model.quant.packed import PackedWeight
 
@@ -124,5 +127,7 @@ def load_gguf_tensors(reader: Any, path: str | Path, config: ModelConfig, packed
             if name != "model.embed_tokens.weight":
                 continue
         array = _unpermute_qk(_dequantize(tensor, path), name, config)
-        dense[name] = torch.from_numpy(np.array(array, copy=True))  # own, writable memory
+        tensor = torch.from_numpy(np.array(array, copy=True))  # own, writable memory
+        # a rank's part is taken after unpermuting: its heads are whole heads of the HF layout
+        dense[name] = tensor if take is None else take(name, tensor)
     return dense, packed

@@ -17,6 +17,7 @@ from kvpilot.model.errors import ModelLoadError, config_errors_as_load_errors
 from kvpilot.model.fused_decode import FusedDecode
 from kvpilot.model.layers.cpu_bf16_ops import get_bf16_ops
 from kvpilot.model.llama import LlamaForCausalLM
+from kvpilot.model.parallel.shard_plan import ShardPlan
 from kvpilot.model.quant.model_pack import check_quantization
 from kvpilot.model.tokenizer import Tokenizer
 from kvpilot.model.weight_layout import relayout_linear_weights
@@ -39,6 +40,9 @@ class LoadedModel:
     # how the linear weights are held: "none" (dense, in dtype), "gguf" (the GGUF's packed blocks) or
     # "int8" / "int4" (quantized at load; packed ones run in the CPU kernels of kvpilot.model.quant), "fp8"
     quantization: str = "none"
+    # tensor parallelism: the rank whose shard `model` holds (built from shard.local_config; `config` is the
+    # whole model's); None: the whole model
+    shard: ShardPlan | None = None
 
 
 def _build_model(config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device,
@@ -53,8 +57,23 @@ def _build_model(config: ModelConfig, max_positions: int, dtype: torch.dtype, de
     return model.eval()
 
 
+@dataclass(frozen=True)
+class TPRank:
+    """Which shard to load: rank `rank` of `size` (size 1: the whole model)."""
+
+    rank: int = 0
+    size: int = 1
+
+    def plan(self, config: ModelConfig) -> ShardPlan | None:
+        return ShardPlan.for_rank(config, self.rank, self.size) if self.size > 1 else None
+
+
+def _model_config(config: ModelConfig, plan: ShardPlan | None) -> ModelConfig:
+    return config if plan is None else plan.local_config
+
+
 def _load_gguf(path: Path, max_model_len: int | None, dtype: torch.dtype, device: torch.device,
-               quantization: str) -> LoadedModel:
+               quantization: str, tp: TPRank) -> LoadedModel:
     from kvpilot.fit.gguf_metadata import field_value, hf_config_from_reader, open_gguf
     from kvpilot.model.gguf_weights import linear_tensor_types, load_gguf_tensors
     from kvpilot.model.quant.model_pack import keeps_dense, pack_linear_layers, packed_names, release_packed_quants
@@ -62,12 +81,15 @@ def _load_gguf(path: Path, max_model_len: int | None, dtype: torch.dtype, device
 
     reader = open_gguf(path)
     config = from_hf_config(hf_config_from_reader(reader, path), str(path))
-    names = packed_names(quantization, device, linear_tensor_types(reader), config, path)
-    dense, packed = load_gguf_tensors(reader, path, config, names)
+    plan = tp.plan(config)
+    names = packed_names(quantization, device, linear_tensor_types(reader), config, path) if plan is None \
+        else frozenset()  # a rank's shards are dense (the engine refuses packed quantization with TP)
+    dense, packed = load_gguf_tensors(reader, path, config, names, take=plan.take if plan else None)
     hybrid = keeps_dense(quantization, dtype, packed, psutil.virtual_memory().available)
     prepare = (lambda m: pack_linear_layers(m, packed, config, keep_dense=hybrid, compute_dtype=dtype)) \
         if names else None
-    model = _build_model(config, max_model_len or config.max_position_embeddings, dtype, device, prepare)
+    model = _build_model(_model_config(config, plan), max_model_len or config.max_position_embeddings, dtype,
+                         device, prepare)
     model.load_weights(dense, str(path))
     if names:
         release_packed_quants(model, dtype)
@@ -75,28 +97,34 @@ def _load_gguf(path: Path, max_model_len: int | None, dtype: torch.dtype, device
     has_vocab = field_value(reader, "tokenizer.ggml.tokens") is not None
     tokenizer = tokenizer_from_gguf(reader, path) if has_vocab else None
     return LoadedModel(config, model, tokenizer, config.name or path.stem, str(path), "gguf", dtype, device,
-                       "gguf" if names else "none")
+                       "gguf" if names else "none", plan)
 
 
-def _load_hf_dir(path: Path, max_model_len: int | None, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+def _load_hf_dir(path: Path, max_model_len: int | None, dtype: torch.dtype, device: torch.device,
+                 tp: TPRank) -> LoadedModel:
     from kvpilot.model.hf_dir import load_safetensors_state_dict, read_hf_config
     from kvpilot.model.tokenizer import tokenizer_from_hf_dir
 
     config = from_hf_config(read_hf_config(path), str(path / "config.json"))
-    model = _build_model(config, max_model_len or config.max_position_embeddings, dtype, device)
-    model.load_weights(load_safetensors_state_dict(path), str(path))
+    plan = tp.plan(config)
+    model = _build_model(_model_config(config, plan), max_model_len or config.max_position_embeddings, dtype,
+                         device)
+    model.load_weights(load_safetensors_state_dict(path, index=plan.index if plan else None), str(path))
     tokenizer = tokenizer_from_hf_dir(path, config.eos_token_ids) if (path / "tokenizer.json").is_file() else None
-    return LoadedModel(config, model, tokenizer, path.name, str(path), "safetensors", dtype, device)
+    return LoadedModel(config, model, tokenizer, path.name, str(path), "safetensors", dtype, device, shard=plan)
 
 
 def _load_dummy(name: str, max_model_len: int | None, dtype: torch.dtype, device: torch.device,
-                seed: int) -> LoadedModel:
+                seed: int, tp: TPRank) -> LoadedModel:
     from kvpilot.model.dummy import dummy_hf_config, init_dummy_weights
 
     config = from_hf_config(dummy_hf_config(name), f"dummy:{name}")
-    model = _build_model(config, max_model_len or config.max_position_embeddings, dtype, device)
-    init_dummy_weights(model, seed)
-    return LoadedModel(config, model, _fallback_tokenizer(config), name, f"dummy:{name}", "dummy", dtype, device)
+    plan = tp.plan(config)
+    model = _build_model(_model_config(config, plan), max_model_len or config.max_position_embeddings, dtype,
+                         device)
+    init_dummy_weights(model, seed, plan)
+    return LoadedModel(config, model, _fallback_tokenizer(config), name, f"dummy:{name}", "dummy", dtype, device,
+                       shard=plan)
 
 
 def _fallback_tokenizer(config: ModelConfig) -> Tokenizer | None:
@@ -114,12 +142,13 @@ def _fallback_tokenizer(config: ModelConfig) -> Tokenizer | None:
 
 def load_model(model: str | None = None, *, load_format: str = "auto", dtype: str = "auto",
                device: str | None = None, max_model_len: int | None = None, seed: int = 0,
-               quantization: str = "auto") -> LoadedModel:
+               quantization: str = "auto", tp_rank: int = 0, tp_size: int = 1) -> LoadedModel:
     """Loads `model`: None = the embedded SmolLM2-135M-Instruct GGUF; a .gguf file; an HF directory;
     or, with load_format="dummy" (or a "dummy:" prefix), a catalog name / config.json with random weights.
     `quantization` (auto, gguf, none) says whether a GGUF's quantized linear weights stay packed on CPU
     (kvpilot.model.quant.model_pack); int8 / int4 quantize any model's linear weights at load (CPU);
-    `dtype` is the activations' (and dense weights') dtype.
+    `dtype` is the activations' (and dense weights') dtype. With tp_size > 1 the model holds only rank
+    `tp_rank`'s shard (kvpilot.model.parallel.shard_plan), read as such: the whole weights are never held.
 
     Raises ModelLoadError with the file and the problem for anything it cannot load.
     """
@@ -129,7 +158,8 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
     torch_dtype = resolve_dtype(dtype, torch_device)
     check_quantization(quantization)
     with config_errors_as_load_errors():  # a bad GGUF header, read by kvpilot.fit.gguf_metadata
-        loaded = _load(model, load_format, max_model_len, torch_dtype, torch_device, seed, quantization)
+        loaded = _load(model, load_format, max_model_len, torch_dtype, torch_device, seed, quantization,
+                       TPRank(tp_rank, tp_size))
     if quantization in ("int8", "int4"):
         _quantize_at_load(loaded, quantization)
     elif quantization == "fp8":
@@ -142,7 +172,8 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
         relayout_linear_weights(loaded.model)
         if torch_dtype == torch.bfloat16:
             get_bf16_ops()  # built (or found in the cache) now, not in the first request's forward
-            loaded.model.fused_decode = FusedDecode.for_model(loaded.model)
+            if loaded.shard is None:  # the C++ layer loop knows nothing of a rank's all-reduces
+                loaded.model.fused_decode = FusedDecode.for_model(loaded.model)
     return loaded
 
 
@@ -156,23 +187,23 @@ def _quantize_at_load(loaded: LoadedModel, quantization: str) -> None:
 
 
 def _load(model: str | None, load_format: str, max_model_len: int | None, dtype: torch.dtype,
-          device: torch.device, seed: int, quantization: str) -> LoadedModel:
+          device: torch.device, seed: int, quantization: str, tp: TPRank) -> LoadedModel:
     if model and model.startswith("dummy:"):
         model, load_format = model[len("dummy:"):], "dummy"
     if quantization == "gguf" and (load_format == "dummy" or (model is not None and Path(model).is_dir())):
         raise ModelLoadError("quantization 'gguf' keeps a GGUF file's quantized weights packed: "
                              f"{model or 'this model'} is not a GGUF file; use auto or none")
     if load_format == "dummy":
-        return _load_dummy(model or "smollm2-135m", max_model_len, dtype, device, seed)
+        return _load_dummy(model or "smollm2-135m", max_model_len, dtype, device, seed, tp)
     if model is None:
-        loaded = _load_gguf(default_model_path(), max_model_len, dtype, device, quantization)
+        loaded = _load_gguf(default_model_path(), max_model_len, dtype, device, quantization, tp)
         loaded.name = DEFAULT_MODEL_NAME
         return loaded
     path = Path(model).expanduser()
     if path.is_dir():
-        return _load_hf_dir(path, max_model_len, dtype, device)
+        return _load_hf_dir(path, max_model_len, dtype, device, tp)
     if path.is_file() or path.suffix == ".gguf":
-        return _load_gguf(path, max_model_len, dtype, device, quantization)
+        return _load_gguf(path, max_model_len, dtype, device, quantization, tp)
     raise ModelLoadError(f"{model}: no such file or directory. Pass a .gguf file or an HF model directory with "
                          "config.json and *.safetensors (kvpilot never downloads at run time), or "
                          f"--load-format dummy to run the {model!r} architecture with random weights")

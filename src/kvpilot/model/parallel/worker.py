@@ -16,9 +16,8 @@ import torch
 
 from kvpilot.model.kv_dtype import resolve_kv_cache_dtype
 from kvpilot.model.parallel.group import TPGroup
-from kvpilot.model.parallel.shard import shard_model
+from kvpilot.model.parallel.shard import parallelize
 from kvpilot.model.runner import ModelRunner, RunnerLimits
-from kvpilot.model.weight_layout import relayout_linear_weights
 
 
 @dataclass(frozen=True)
@@ -28,7 +27,7 @@ class WorkerSpec:
     rank: int
     world_size: int
     init_method: str
-    load_kwargs: dict[str, Any]  # kvpilot.model.loader.load_model's arguments, as rank 0 used them
+    load_kwargs: dict[str, Any]  # kvpilot.model.loader.load_model's arguments but tp_rank, as rank 0 used them
     kv_cache_dtype: str
     num_blocks: int
     block_size: int
@@ -40,21 +39,20 @@ class WorkerSpec:
 
 
 def build_rank(loaded, group: TPGroup, spec: WorkerSpec) -> ModelRunner:
-    """The rank's runner over its shard of `loaded`'s model (sharded in place)."""
-    loaded.model.fused_decode = None  # the C++ layer loop knows nothing of the all-reduces
-    local = shard_model(loaded.model, loaded.config, group)
-    if loaded.device.type == "cpu":
-        relayout_linear_weights(loaded.model)
-    shard = dataclasses.replace(loaded, config=local)
+    """The rank's runner over `loaded`, which holds this rank's shard (load_model's tp_rank / tp_size)."""
+    if loaded.shard is None or (loaded.shard.rank, loaded.shard.world_size) != (group.rank, group.world_size):
+        raise RuntimeError(f"rank {group.rank} of {group.world_size} was handed a model loaded for "
+                           f"{'no rank' if loaded.shard is None else f'rank {loaded.shard.rank}'}")
+    parallelize(loaded.model, group)
+    shard = dataclasses.replace(loaded, config=loaded.shard.local_config)
     kv_dtype = resolve_kv_cache_dtype(spec.kv_cache_dtype, loaded.dtype)
-    runner = ModelRunner(shard, spec.num_blocks, spec.block_size, kv_dtype,
-                         limits=RunnerLimits(spec.max_num_seqs, spec.max_model_len),
-                         attention_backend=spec.attention_backend, eos_token_ids=spec.eos_token_ids, tp=group)
-    return runner
+    return ModelRunner(shard, spec.num_blocks, spec.block_size, kv_dtype,
+                       limits=RunnerLimits(spec.max_num_seqs, spec.max_model_len),
+                       attention_backend=spec.attention_backend, eos_token_ids=spec.eos_token_ids, tp=group)
 
 
 def worker_main(conn, spec: WorkerSpec) -> None:
-    """The rank's process: join the group, load and shard, then run steps until told to stop."""
+    """The rank's process: join the group, load its shard, then run steps until told to stop."""
     from kvpilot.model.loader import load_model
 
     group = None
@@ -62,7 +60,7 @@ def worker_main(conn, spec: WorkerSpec) -> None:
         conn.send(("alive", None))  # rank 0 joins the group only once every worker got this far
         torch.set_num_threads(spec.num_threads)
         group = TPGroup.join(spec.rank, spec.world_size, spec.init_method)
-        runner = build_rank(load_model(**spec.load_kwargs), group, spec)
+        runner = build_rank(load_model(**spec.load_kwargs, tp_rank=spec.rank), group, spec)
         conn.send(("ready", None))
         while True:
             kind, payload = conn.recv()
