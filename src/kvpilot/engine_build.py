@@ -20,6 +20,7 @@ from kvpilot.engine_args import DEFAULT_CPU_KV_CACHE_BYTES, EngineArgs
 from kvpilot.engine_tp import load_for_tp, rank_config, start_tp_executor
 from kvpilot.fit.kv_cache import KvCapacity, format_capacity_line, kv_capacity_for_memory
 from kvpilot.memory_size import format_bytes, parse_memory_size
+from kvpilot.model.attention.triton_support import triton_unusable_reason
 from kvpilot.model.choices import cuda_graph_sizes
 from kvpilot.model.kv_dtype import kv_dtype_name, resolve_kv_cache_dtype
 from kvpilot.model.loader import LoadedModel, load_model
@@ -94,8 +95,8 @@ def kv_cache_budget_bytes(args: EngineArgs, loaded: LoadedModel, max_num_batched
     if args.kv_cache_memory is not None:
         return parse_memory_size(args.kv_cache_memory, "kv_cache_memory")
     if loaded.device.type == "cuda":
-        graphs = 0 if args.enforce_eager else \
-            CUDA_GRAPH_BYTES_PER_SIZE * len(cuda_graph_sizes(args.max_num_seqs, args.cuda_graph_sizes))
+        graphs = CUDA_GRAPH_BYTES_PER_SIZE * len(cuda_graph_sizes(args.max_num_seqs, args.cuda_graph_sizes)) \
+            if _captures_graphs(args, loaded, kv_dtype) else 0
         return _cuda_kv_budget(loaded, args.gpu_memory_utilization, max_num_batched_tokens, args.block_size,
                                kv_dtype) - graphs
     return DEFAULT_CPU_KV_CACHE_BYTES
@@ -146,6 +147,13 @@ def build_engine(args: EngineArgs, loaded: LoadedModel | None = None) -> BuiltEn
     engine = LLMEngine(scheduler, runner, loaded.tokenizer, loaded.config.vocab_size,
                        async_scheduling=async_scheduling)
     return BuiltEngine(engine, loaded, KVCachePlan(kv_dtype, element_size, budget, capacity))
+
+
+def _captures_graphs(args: EngineArgs, loaded: LoadedModel, kv_dtype: torch.dtype) -> bool:
+    """Whether the engine will capture decode graphs (so their memory comes out of the KV budget): on CUDA,
+    not --enforce-eager, with the triton backend (auto picks it where it runs), as _capture_decode_graphs."""
+    return (loaded.device.type == "cuda" and not args.enforce_eager and args.attention_backend in ("auto", "triton")
+            and triton_unusable_reason(loaded.device, loaded.dtype, kv_dtype) is None)
 
 
 def _capture_decode_graphs(runner: ModelRunner, args: EngineArgs, max_num_batched_tokens: int) -> None:
