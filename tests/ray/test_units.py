@@ -13,7 +13,7 @@ from kvpilot.server.ray_app.config import LaneConfig, RayConfigError, parse_app_
 from kvpilot.server.ray_app.lanes import UnknownLaneError, choose_lane, lane_by_length
 from kvpilot.server.ray_app.metrics_merge import ReplicaMetrics, aggregate_text, per_replica_text
 from kvpilot.server.ray_app.prefix_key import CHUNK_CHARS, prompt_chars, prompt_text, route_key
-from kvpilot.server.ray_app.replica_table import replica_table
+from kvpilot.server.ray_app.replica_table import lanes_scaled_to_zero, replica_table
 
 
 def test_flat_serve_run_args_are_coerced_to_field_types() -> None:
@@ -209,6 +209,17 @@ def test_replica_table_rates_and_imbalance() -> None:
     assert [r["prefix_cache_hit_rate"] for r in table["replicas"]] == [0.75, 0.0]
     assert table["prefix_cache_hit_rate"] == 0.3 and table["load_imbalance"] == 2.0
     assert json.loads(json.dumps(table))["num_replicas"] == 2
+
+
+def test_health_leaves_only_lanes_scaled_to_zero_asleep() -> None:
+    config = parse_app_config({"lanes": [
+        {"name": "chat", "max_prompt_chars": 2000, "autoscaling_config": {"min_replicas": 0, "max_replicas": 2}},
+        {"name": "batch", "autoscaling_config": {"min_replicas": 0, "max_replicas": 2}},
+        {"name": "long", "max_prompt_chars": 90000, "autoscaling_config": {"max_replicas": 2}},  # Ray's min: 1
+        {"name": "fixed", "max_prompt_chars": 9, "num_replicas": 1}]})
+    reports = [{"replica_id": "r1", "lane": "batch", "time": 0.0, "load": {}}]
+    assert lanes_scaled_to_zero(reports, config) == ["chat"]  # batch has a replica: it is asked
+    assert lanes_scaled_to_zero([], config) == ["chat", "batch"]
 
 
 def test_the_shipped_lanes_example_parses() -> None:

@@ -26,7 +26,7 @@ from kvpilot.server.ray_app.forward import ForwardedRequest, ResponseStart, end_
 from kvpilot.server.ray_app.lanes import UnknownLaneError, choose_lane
 from kvpilot.server.ray_app.metrics_merge import ReplicaMetrics, aggregate_text, per_replica_text
 from kvpilot.server.ray_app.prefix_key import prompt_chars, prompt_text, route_key
-from kvpilot.server.ray_app.replica_table import replica_table
+from kvpilot.server.ray_app.replica_table import lanes_scaled_to_zero, replica_table
 from kvpilot.server.ray_app.stats_hub import get_hub
 
 logger = logging.getLogger("kvpilot.ray")
@@ -79,8 +79,12 @@ class KvpilotIngress:
 
     @api.get("/health")
     async def health(self) -> Response:
-        """200 when one replica of every lane answers its own /health with 200; else 503 naming the lane."""
+        """200 when one replica of every lane answers its own /health with 200 (a lane scaled to zero counts
+        as ready without being woken); else 503 naming the lane."""
+        asleep = lanes_scaled_to_zero(await self.hub.snapshot.remote(), self.config)
         for name in self.lanes:
+            if name in asleep:
+                continue
             try:
                 start, _ = await self._call(name, ForwardedRequest("GET", "/health"))
             except APIError as exc:
@@ -88,7 +92,7 @@ class KvpilotIngress:
             if start.status != 200:
                 return APIError(503, f"lane {name!r} is not ready (its replica answered {start.status})",
                                 code="lane_unavailable").response()
-        return JSONResponse({"status": "ok", "lanes": list(self.lanes)})
+        return JSONResponse({"status": "ok", "lanes": list(self.lanes), "scaled_to_zero": asleep})
 
     @api.get("/metrics")
     async def metrics(self, request: Request) -> Response:

@@ -25,3 +25,11 @@ def replica_table(reports: Iterable[dict[str, Any]], config: RayAppConfig) -> di
     return {"routing": config.routing, "lanes": [lane.name for lane in config.lanes], "replicas": rows,
             "num_replicas": len(rows), "prefix_cache_hit_rate": hits / queries if queries else None,
             "load_imbalance": max(loads) / mean if mean else None}
+
+
+def lanes_scaled_to_zero(reports: Iterable[dict[str, Any]], config: RayAppConfig) -> list[str]:
+    """Lanes whose autoscaling_config allows no replica (min_replicas 0) and that have none reporting. /health
+    leaves them asleep: asking one would start a replica (tens of seconds) and time the probe out."""
+    live = {report["lane"] for report in reports}
+    return [lane.name for lane in config.lanes if lane.name not in live and lane.autoscaling_config
+            and lane.autoscaling_config.get("min_replicas", 1) == 0]
