@@ -7,17 +7,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from kvpilot.engine.config import CacheConfig, EngineConfigError, SchedulerConfig, cdiv, check_model_len_fits
+from kvpilot.engine.config import CacheConfig, EngineConfigError, SchedulerConfig, check_model_len_fits
 from kvpilot.engine.engine import LLMEngine
 from kvpilot.engine.scheduler import Scheduler
-from kvpilot.engine.scheduler_output import NewRequestData, ScheduledChunk, SchedulerOutput
 from kvpilot.engine_args import DEFAULT_CPU_KV_CACHE_BYTES, EngineArgs
-from kvpilot.engine_tp import load_for_tp, rank_config, start_tp_executor
+from kvpilot.engine_tp import TPLaunch, rank_config
 from kvpilot.fit.kv_cache import KvCapacity, format_capacity_line, kv_capacity_for_memory
 from kvpilot.memory_size import format_bytes, parse_memory_size
 from kvpilot.model.attention.triton_support import triton_unusable_reason
@@ -25,8 +23,8 @@ from kvpilot.model.choices import cuda_graph_sizes
 from kvpilot.model.kv_dtype import kv_dtype_name, resolve_kv_cache_dtype
 from kvpilot.model.loader import LoadedModel, load_model
 from kvpilot.model.onednn_caches import bound_onednn_caches
-from kvpilot.model.runner import ModelRunner, RunnerLimits
-from kvpilot.sampling_params import SamplingParams
+from kvpilot.model.parallel.worker import KVBudgetRequest, RunnerSpec, make_runner, rank_kv_budget
+from kvpilot.model.runner import ModelRunner
 
 logger = logging.getLogger("kvpilot")
 # set aside from the KV budget per captured decode graph (they are captured after the cache is allocated):
@@ -53,68 +51,41 @@ class BuiltEngine:
     kv: KVCachePlan
 
 
-def profile_forward(loaded: LoadedModel, num_tokens: int, block_size: int, kv_dtype: torch.dtype,
-                    measure_cache: Callable[[], int] = lambda: 0) -> int:
-    """Runs one step of `num_tokens` prompt tokens (a full token budget) through a throwaway runner with a cache
-    just big enough, so the device's peak memory shows the activations of the largest step; returns what
-    `measure_cache` says once the runner (and its cache) exist. The budget is split into prompts no longer
-    than the model's position table (a budget may exceed max_model_len; a step never holds a longer prompt)."""
-    max_len = loaded.model.rotary.max_positions
-    lengths = [min(max_len, num_tokens - start) for start in range(0, num_tokens, max_len)]
-    blocks_per_seq = cdiv(max(lengths), block_size)
-    runner = ModelRunner(loaded, blocks_per_seq * len(lengths), block_size, kv_dtype,
-                         limits=RunnerLimits(max_num_seqs=len(lengths), max_model_len=blocks_per_seq * block_size))
-    cache_bytes = measure_cache()
-    news = [NewRequestData(f"profile-{i}", [0] * n, [], SamplingParams(),
-                           list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)), 0)
-            for i, n in enumerate(lengths)]
-    chunks = [ScheduledChunk(new.request_id, 0, n, True) for new, n in zip(news, lengths)]
-    runner.forward_logits(SchedulerOutput(chunks, new_requests=news))
-    return cache_bytes
-
-
-def _cuda_kv_budget(loaded: LoadedModel, utilization: float, num_tokens: int, block_size: int,
-                    kv_dtype: torch.dtype) -> int:
-    """vLLM-style: GPU memory * utilization, minus what is in use, minus a full-budget forward's activations."""
-    device = loaded.device
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    baseline = torch.cuda.memory_allocated(device)
-    cache_bytes = profile_forward(loaded, num_tokens, block_size, kv_dtype,
-                                  lambda: torch.cuda.memory_allocated(device) - baseline)
-    torch.cuda.synchronize(device)
-    activations = torch.cuda.max_memory_allocated(device) - baseline - cache_bytes
-    torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info(device)
-    return int(total * utilization - (total - free) - activations)
-
-
 def kv_cache_budget_bytes(args: EngineArgs, loaded: LoadedModel, max_num_batched_tokens: int,
-                          kv_dtype: torch.dtype) -> int:
-    """Bytes for the KV cache: kv_cache_memory if given; on CUDA from gpu_memory_utilization; else the CPU default."""
+                          kv_dtype: torch.dtype, tp: TPLaunch | None = None) -> int:
+    """Bytes for the KV cache: kv_cache_memory if given; on CUDA from gpu_memory_utilization (with tensor
+    parallelism: the smallest of the ranks' GPUs); else the CPU default."""
     if args.kv_cache_memory is not None:
         return parse_memory_size(args.kv_cache_memory, "kv_cache_memory")
     if loaded.device.type == "cuda":
         graphs = CUDA_GRAPH_BYTES_PER_SIZE * len(cuda_graph_sizes(args.max_num_seqs, args.cuda_graph_sizes)) \
             if _captures_graphs(args, loaded, kv_dtype) else 0
-        return _cuda_kv_budget(loaded, args.gpu_memory_utilization, max_num_batched_tokens, args.block_size,
-                               kv_dtype) - graphs
+        request = KVBudgetRequest(args.gpu_memory_utilization, max_num_batched_tokens, args.block_size, kv_dtype)
+        return (tp.kv_budget(request) if tp is not None else rank_kv_budget(loaded, request)) - graphs
     return DEFAULT_CPU_KV_CACHE_BYTES
 
 
 def build_engine(args: EngineArgs, loaded: LoadedModel | None = None) -> BuiltEngine:
     """Loads the model (or reuses `loaded`: its weights are read-only, so engines may share them) and builds
-    the engine; EngineConfigError / ModelLoadError say what to change."""
+    the engine; EngineConfigError / ModelLoadError say what to change. With tensor_parallel_size > 1 every
+    rank loads its shard (engine_tp.TPLaunch); a failure before the engine exists stops the ranks again."""
     args.check()
     bound_onednn_caches()  # before the first GEMM: the engine's memory stays flat over hours of mixed steps
-    if args.tensor_parallel_size > 1:
-        loaded = load_for_tp(args, loaded)
-    elif loaded is None:
-        loaded = load_model(args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
-                            max_model_len=args.max_model_len, seed=args.seed, quantization=args.quantization)
+    tp = TPLaunch.start(args, loaded) if args.tensor_parallel_size > 1 else None
+    try:
+        return _build(args, tp.loaded if tp is not None else loaded or load_model(
+            args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
+            max_model_len=args.max_model_len, seed=args.seed, quantization=args.quantization), tp)
+    except BaseException:
+        if tp is not None:
+            tp.abort()
+        raise
+
+
+def _build(args: EngineArgs, loaded: LoadedModel, tp: TPLaunch | None) -> BuiltEngine:
     max_num_batched_tokens = args.max_num_batched_tokens or max(2048, args.max_num_seqs)
     kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, loaded.dtype)
-    budget = kv_cache_budget_bytes(args, loaded, max_num_batched_tokens, kv_dtype)
+    budget = kv_cache_budget_bytes(args, loaded, max_num_batched_tokens, kv_dtype, tp)
     element_size = torch.tensor([], dtype=kv_dtype).element_size()
     # The same function `kvpilot fit` predicts with: plan and engine agree by construction.
     capacity = kv_capacity_for_memory(rank_config(loaded), budget, args.block_size, element_size,
@@ -134,12 +105,9 @@ def build_engine(args: EngineArgs, loaded: LoadedModel | None = None) -> BuiltEn
     check_model_len_fits(scheduler_config, cache_config)
     logger.info("%s; KV stored as %s", format_capacity_line(capacity), kv_dtype_name(kv_dtype))
     eos_token_ids = eos_token_ids_of(loaded)
-    if args.tensor_parallel_size > 1:
-        runner = start_tp_executor(args, loaded, capacity.num_blocks, max_model_len, tuple(eos_token_ids))
-    else:
-        runner = ModelRunner(loaded, capacity.num_blocks, args.block_size, kv_dtype,
-                             limits=RunnerLimits(args.max_num_seqs, max_model_len),
-                             attention_backend=args.attention_backend, eos_token_ids=eos_token_ids)
+    spec = RunnerSpec(kv_dtype, capacity.num_blocks, args.block_size, args.max_num_seqs, max_model_len,
+                      args.attention_backend, tuple(eos_token_ids))
+    runner = tp.executor(spec) if tp is not None else make_runner(loaded, spec)
     if loaded.device.type == "cuda" and not args.enforce_eager:
         _capture_decode_graphs(runner, args, max_num_batched_tokens)
     scheduler = Scheduler(scheduler_config, cache_config, eos_token_ids)
@@ -152,11 +120,16 @@ def build_engine(args: EngineArgs, loaded: LoadedModel | None = None) -> BuiltEn
 def _captures_graphs(args: EngineArgs, loaded: LoadedModel, kv_dtype: torch.dtype) -> bool:
     """Whether the engine will capture decode graphs (so their memory comes out of the KV budget): on CUDA,
     not --enforce-eager, with the triton backend (auto picks it where it runs), as _capture_decode_graphs."""
-    return (loaded.device.type == "cuda" and not args.enforce_eager and args.attention_backend in ("auto", "triton")
+    return (loaded.device.type == "cuda" and not args.enforce_eager and args.tensor_parallel_size == 1
+            and args.attention_backend in ("auto", "triton")
             and triton_unusable_reason(loaded.device, loaded.dtype, kv_dtype) is None)
 
 
 def _capture_decode_graphs(runner: ModelRunner, args: EngineArgs, max_num_batched_tokens: int) -> None:
+    if args.tensor_parallel_size > 1:
+        logger.info("CUDA graphs off with tensor parallelism: decode steps run eagerly (the ranks' NCCL "
+                    "all-reduces are not captured yet)")
+        return
     if runner.attention.name != "triton":
         logger.info("CUDA graphs off: the %s attention backend builds per-step metadata a graph cannot "
                     "replay (use --attention-backend triton or auto)", runner.attention.name)

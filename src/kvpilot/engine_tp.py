@@ -1,10 +1,12 @@
-"""Building the tensor-parallel side of an engine (tensor_parallel_size > 1): the load arguments every rank
-repeats, the worker processes, rank 0's shard, and the executor the engine drives. CPU only for now (gloo):
-on CUDA the KV-budget profile would need every rank in the forward."""
+"""Building the tensor-parallel side of an engine (tensor_parallel_size > 1), in three phases around the KV
+sizing: `TPLaunch.start` spawns ranks 1.. and loads every rank's shard at once (on CUDA one GPU a rank,
+NCCL; on CPU gloo), `kv_budget` profiles every GPU at once (the layers' all-reduces pair the forwards up) and
+takes the smallest, `executor` builds every rank's runner over the same number of blocks."""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.distributed
@@ -12,34 +14,19 @@ import torch.distributed
 from kvpilot.engine.config import EngineConfigError
 from kvpilot.engine_args import EngineArgs
 from kvpilot.model.config import ModelConfig
-from kvpilot.model.loader import LoadedModel, load_model
-from kvpilot.model.parallel.executor import TensorParallelExecutor, free_tcp_address
-from kvpilot.model.parallel.group import TPGroup
-from kvpilot.model.parallel.worker import WorkerSpec, build_rank
+from kvpilot.model.loader import LoadedModel
+from kvpilot.model.parallel.executor import TensorParallelExecutor, WorkerPool, free_tcp_address
+from kvpilot.model.parallel.group import PlacementError, TPGroup, rank_device
+from kvpilot.model.parallel.worker import KVBudgetRequest, RunnerSpec, WorkerSpec, build_rank, load_rank, \
+    rank_kv_budget
 
 
 def tp_load_kwargs(args: EngineArgs) -> dict:
-    """load_model's arguments for every rank but its tp_rank: the same weights (dummy draws are seeded),
-    always dense, each rank reading only its shard."""
-    return dict(model=args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
+    """load_model's arguments for every rank but its tp_rank and device: the same weights (dummy draws are
+    seeded), always dense, each rank reading only its shard."""
+    return dict(model=args.model, load_format=args.load_format, dtype=args.dtype,
                 max_model_len=args.max_model_len, seed=args.seed, quantization="none",
                 tp_size=args.tensor_parallel_size)
-
-
-def load_for_tp(args: EngineArgs, loaded: LoadedModel | None) -> LoadedModel:
-    """Rank 0's shard; a model that does not split fails here, naming the sizes that work (ModelLoadError),
-    and anything else with EngineConfigError saying what to change."""
-    if torch.distributed.is_initialized():
-        raise EngineConfigError("another tensor-parallel engine is running in this process: shut it down first "
-                                "(engine.runner.shutdown()); torch.distributed has one default group per process")
-    if loaded is not None:
-        raise EngineConfigError("tensor parallelism loads its own shards on every rank: pass the model, not "
-                                "an already loaded one")
-    loaded = load_model(**tp_load_kwargs(args), tp_rank=0)
-    if loaded.device.type != "cpu":
-        raise EngineConfigError("tensor_parallel_size > 1 runs on CPU (gloo) so far; on a GPU use "
-                                "--tensor-parallel-size 1")
-    return loaded
 
 
 def rank_config(loaded: LoadedModel) -> ModelConfig:
@@ -47,21 +34,63 @@ def rank_config(loaded: LoadedModel) -> ModelConfig:
     return loaded.config if loaded.shard is None else loaded.shard.local_config
 
 
-def start_tp_executor(args: EngineArgs, loaded: LoadedModel, num_blocks: int, max_model_len: int,
-                      eos_token_ids: tuple[int, ...]) -> TensorParallelExecutor:
-    """Spawns ranks 1.., joins the group as rank 0, makes rank 0's shard row-parallel; returns the executor
-    once every rank is ready. Each rank gets an equal share of this process's threads."""
-    world = args.tensor_parallel_size
-    threads = max(1, (os.cpu_count() or world) // world)
-    spec = WorkerSpec(rank=0, world_size=world, init_method=free_tcp_address(), load_kwargs=tp_load_kwargs(args),
-                      kv_cache_dtype=args.kv_cache_dtype, num_blocks=num_blocks, block_size=args.block_size,
-                      max_num_seqs=args.max_num_seqs, max_model_len=max_model_len,
-                      attention_backend=args.attention_backend, eos_token_ids=eos_token_ids, num_threads=threads)
-    connections, processes = TensorParallelExecutor.start_workers(spec)
-    TensorParallelExecutor.wait_alive(connections, processes)
-    torch.set_num_threads(threads)
-    group = TPGroup.join(0, world, spec.init_method)
-    runner = build_rank(loaded, group, spec)
-    executor = TensorParallelExecutor(runner, connections, processes, group)
-    executor.wait_ready()
-    return executor
+@dataclass
+class TPLaunch:
+    """Rank 0's side of a start: the workers (loaded), the group, rank 0's shard. `abort` undoes it all."""
+
+    workers: WorkerPool
+    group: TPGroup
+    loaded: LoadedModel
+
+    @classmethod
+    def start(cls, args: EngineArgs, loaded: LoadedModel | None) -> TPLaunch:
+        """Every rank joined and loaded; a model that does not split fails here naming the sizes that work
+        (ModelLoadError), a placement that cannot work with EngineConfigError saying what to change."""
+        world = args.tensor_parallel_size
+        if torch.distributed.is_initialized():
+            raise EngineConfigError("another tensor-parallel engine is running in this process: shut it down "
+                                    "first (engine.runner.shutdown()); torch.distributed has one default group "
+                                    "per process")
+        if loaded is not None:
+            raise EngineConfigError("tensor parallelism loads its own shards on every rank: pass the model, not "
+                                    "an already loaded one")
+        try:
+            rank_device(args.device, world - 1, world)
+        except PlacementError as exc:
+            raise EngineConfigError(str(exc)) from exc
+        threads = max(1, (os.cpu_count() or world) // world)  # each rank an equal share of the CPU's threads
+        spec = WorkerSpec(rank=0, world_size=world, init_method=free_tcp_address(), load_kwargs=tp_load_kwargs(args),
+                          device=args.device, num_threads=threads)
+        workers = WorkerPool(spec)
+        group = None
+        try:
+            workers.wait_alive()
+            torch.set_num_threads(threads)
+            group, loaded = load_rank(spec)
+            workers.gather("loaded", "loading its shard")
+        except BaseException:
+            _abort(workers, group)
+            raise
+        return cls(workers, group, loaded)
+
+    def kv_budget(self, request: KVBudgetRequest) -> int:
+        """CUDA: every rank's budget from its own GPU, measured at once; the smallest (every rank's cache holds
+        the same blocks)."""
+        self.workers.send_all("kv_budget", request)
+        own = rank_kv_budget(self.loaded, request)
+        return min([own, *self.workers.gather("kv_budget", "profiling its KV budget")])
+
+    def executor(self, spec: RunnerSpec) -> TensorParallelExecutor:
+        self.workers.send_all("build", spec)
+        runner = build_rank(self.loaded, self.group, spec)
+        self.workers.gather("ready", "building its runner")
+        return TensorParallelExecutor(runner, self.workers, self.group)
+
+    def abort(self) -> None:
+        _abort(self.workers, self.group)
+
+
+def _abort(workers: WorkerPool, group: TPGroup | None) -> None:
+    workers.kill()
+    if group is not None:
+        group.leave()

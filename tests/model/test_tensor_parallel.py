@@ -10,6 +10,7 @@ import pytest
 
 from kvpilot import LLM, SamplingParams
 from kvpilot.fit.model_catalog import get_hf_config
+from kvpilot.engine.config import EngineConfigError
 from kvpilot.model.errors import ModelLoadError
 from kvpilot.model.loader import load_model
 from kvpilot.model.parallel.shard_plan import check_tp_split, local_config
@@ -72,3 +73,25 @@ def test_a_script_without_a_main_guard_gets_told(tmp_path):
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert 'guard its entry point with `if __name__ == "__main__":`' in done.stderr
+
+
+def test_ranks_on_gpus_the_machine_lacks_fail_before_anything_starts(tmp_path):
+    """One GPU a rank (NCCL): asking for more GPUs than there are names the count, before spawning."""
+    import torch
+
+    path = _config(tmp_path, "llama-3.1-8b", 4, 2)
+    with pytest.raises(EngineConfigError, match=rf"needs GPUs 0..1, one a rank; this machine has "
+                                                rf"{torch.cuda.device_count()}"):
+        LLM(path, load_format="dummy", device="cuda", tensor_parallel_size=2)
+
+
+def test_a_start_that_fails_after_loading_stops_the_ranks(tmp_path):
+    """The KV budget is sized after every rank loaded: a budget too small for one block fails the start, and
+    the workers and the process group are gone, so the next tensor-parallel engine starts."""
+    import torch.distributed
+
+    path = _config(tmp_path, "llama-3.1-8b", 4, 2)
+    with pytest.raises(EngineConfigError, match="holds no block"):
+        LLM(path, load_format="dummy", dtype="float32", tensor_parallel_size=2, kv_cache_memory="1KiB")
+    assert not torch.distributed.is_initialized()
+    assert _greedy(path, 2) == _greedy(path, 1)

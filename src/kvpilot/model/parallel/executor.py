@@ -1,6 +1,7 @@
 """The engine's executor for tensor_parallel_size > 1: rank 0's runner in the engine process, the other ranks
-in worker processes (kvpilot.model.parallel.worker). A step's diff goes to every worker, then rank 0 runs
-it; the layers' all-reduces keep the ranks in lockstep, and rank 0's handle is the step's result.
+in worker processes (kvpilot.model.parallel.worker), reached through a WorkerPool. A step's diff goes to every
+worker, then rank 0 runs it; the layers' all-reduces keep the ranks in lockstep, and rank 0's handle is the
+step's result.
 
 A worker that fails reports its traceback; rank 0's next collective then fails after the group's timeout,
 and the engine's step-failure handling takes over. Workers are daemons: they end with the engine process.
@@ -28,76 +29,85 @@ def free_tcp_address() -> str:
         return f"tcp://127.0.0.1:{probe.getsockname()[1]}"
 
 
-class TensorParallelExecutor:
-    """execute_model like a ModelRunner's; `runner` is rank 0's (its model and persistent batch)."""
+class WorkerPool:
+    """Ranks 1..world_size-1 as spawned processes, one pipe each. Start-up waits name the rank that failed."""
 
-    def __init__(self, runner: Any, connections: list, processes: list, group: Any) -> None:
-        self.runner = runner
-        self._connections, self._processes, self._group = connections, processes, group
-        atexit.register(self.shutdown)
-
-    @staticmethod
-    def start_workers(spec: WorkerSpec) -> tuple[list, list]:
-        """Spawns ranks 1..world_size-1 (they join the group as rank 0 joins it next)."""
+    def __init__(self, spec: WorkerSpec) -> None:
         context = multiprocessing.get_context("spawn")
-        connections, processes = [], []
+        self.connections: list[Any] = []
+        self.processes: list[Any] = []
         for rank in range(1, spec.world_size):
             parent, child = context.Pipe()
-            process = context.Process(target=worker_main, args=(child, _for_rank(spec, rank)), daemon=True,
-                                      name=f"kvpilot-tp-rank{rank}")
+            process = context.Process(target=worker_main, args=(child, dataclasses.replace(spec, rank=rank)),
+                                      daemon=True, name=f"kvpilot-tp-rank{rank}")
             process.start()
-            connections.append(parent)
-            processes.append(process)
-        return connections, processes
+            self.connections.append(parent)
+            self.processes.append(process)
 
-    @staticmethod
-    def wait_alive(connections: list, processes: list) -> None:
+    def wait_alive(self) -> None:
         """Blocks until every worker runs worker_main; ModelLoadError if one died first (typically a script
         without an `if __name__ == "__main__":` guard: spawned workers re-import the main module)."""
-        for rank, (connection, process) in enumerate(zip(connections, processes), start=1):
+        for rank, (connection, process) in enumerate(zip(self.connections, self.processes), start=1):
             if _receive(connection, process, START_TIMEOUT_S) is not None:
                 continue
-            for other in processes:
-                other.kill()
+            self.kill()
             raise ModelLoadError(
                 f"tensor-parallel rank {rank} exited before starting (exit code {process.exitcode}): a script "
                 "that builds a tensor-parallel engine must guard its entry point with "
                 "`if __name__ == \"__main__\":` (worker processes re-import the main module)")
 
-    def wait_ready(self) -> None:
-        """Blocks until every worker has built its shard; ModelLoadError with a worker's traceback."""
-        for rank, (connection, process) in enumerate(zip(self._connections, self._processes), start=1):
+    def send_all(self, kind: str, payload: Any = None) -> None:
+        for connection in self.connections:
+            connection.send((kind, payload))
+
+    def gather(self, kind: str, doing: str) -> list[Any]:
+        """Every worker's next message, which must be `kind`; their payloads in rank order. ModelLoadError
+        with the worker's traceback (or its exit) otherwise."""
+        payloads = []
+        for rank, (connection, process) in enumerate(zip(self.connections, self.processes), start=1):
             message = _receive(connection, process, START_TIMEOUT_S)
             if message is None:
                 raise ModelLoadError(f"tensor-parallel rank {rank} exited or stayed silent for "
-                                     f"{START_TIMEOUT_S:.0f} s while loading (exit code {process.exitcode})")
-            kind, payload = message
-            if kind != "ready":
-                raise ModelLoadError(f"tensor-parallel rank {rank} failed to start:\n{payload}")
+                                     f"{START_TIMEOUT_S:.0f} s while {doing} (exit code {process.exitcode})")
+            got, payload = message
+            if got != kind:
+                raise ModelLoadError(f"tensor-parallel rank {rank} failed while {doing}:\n{payload}")
+            payloads.append(payload)
+        return payloads
+
+    def stop(self) -> None:
+        try:
+            self.send_all("shutdown")
+        except (OSError, ValueError):
+            pass
+        for process in self.processes:
+            process.join(timeout=10)
+        self.kill()
+
+    def kill(self) -> None:
+        for process in self.processes:
+            if process.is_alive():
+                process.kill()
+        self.connections, self.processes = [], []
+
+
+class TensorParallelExecutor:
+    """execute_model like a ModelRunner's; `runner` is rank 0's (its model and persistent batch)."""
+
+    def __init__(self, runner: Any, workers: WorkerPool, group: Any) -> None:
+        self.runner = runner
+        self._workers, self._group = workers, group
+        atexit.register(self.shutdown)
 
     def execute_model(self, output: SchedulerOutput):
-        for connection in self._connections:
-            connection.send(("step", output))
+        self._workers.send_all("step", output)
         return self.runner.execute_model(output)
 
     def shutdown(self) -> None:
-        for connection in self._connections:
-            try:
-                connection.send(("shutdown", None))
-            except (OSError, ValueError):
-                pass
-        for process in self._processes:
-            process.join(timeout=10)
-            if process.is_alive():
-                process.kill()
-        self._connections, self._processes = [], []
+        self._workers.stop()
         if self._group is not None:
             self._group.leave()  # the process-wide default group: the next tensor-parallel engine makes its own
             self._group = None
-
-
-def _for_rank(spec: WorkerSpec, rank: int) -> WorkerSpec:
-    return dataclasses.replace(spec, rank=rank)
 
 
 def _receive(connection, process, timeout_s: float) -> tuple[str, Any] | None:
