@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvpilot.server.ray_app.affinity import PrefixAffinity, RoundRobin
+from kvpilot.server.ray_app.affinity import LoadTracker, PrefixAffinity, RoundRobin
 from kvpilot.server.ray_app.config import LaneConfig, RayConfigError, parse_app_config
 from kvpilot.server.ray_app.lanes import UnknownLaneError, choose_lane, lane_by_length
 from kvpilot.server.ray_app.metrics_merge import ReplicaMetrics, aggregate_text, per_replica_text
@@ -142,6 +142,26 @@ def test_rank_lists_every_candidate_once_and_forget_drops_a_dead_replica() -> No
     policy.forget(holder)
     assert policy.holder(key, {"a", "b", "c"}) is None and holder not in policy.owned
     assert policy.tracker.load(holder) == 0
+
+
+def test_a_burst_of_keyless_requests_spreads_before_any_is_routed() -> None:
+    """Ray reports a request routed after later ones may have been chosen: reservations count at once, and
+    prompts with no prefix key go to the least loaded replica."""
+    now = [0.0]
+    policy = PrefixAffinity()
+    policy.tracker = LoadTracker(clock=lambda: now[0])
+    chosen = []
+    for token in range(6):
+        replica = policy.rank((), ["a", "b"])[0]
+        policy.tracker.reserve(token, replica)
+        chosen.append(replica)
+    assert sorted(chosen.count(r) for r in "ab") == [3, 3]
+    policy.tracker.settle(0)  # routed: the reservation becomes the routed request
+    policy.routed((), chosen[0])
+    assert policy.tracker.load(chosen[0]) == 3
+    now[0] = 60.0  # requests cancelled before routing stop counting after RESERVATION_TTL_S
+    policy.tracker.reserve("late", "a")
+    assert (policy.tracker.load("a"), policy.tracker.load("b")) == (1 + (chosen[0] == "a"), chosen[0] == "b")
 
 
 def test_round_robin_ignores_the_prompt() -> None:

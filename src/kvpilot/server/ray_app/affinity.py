@@ -10,9 +10,9 @@ move few prefixes. Two bounds (Mirrokni et al., "consistent hashing with bounded
 - cached prefixes: a new prefix skips, on the ring, replicas that own more than ceil(c * mean) of the
   remembered chunks with it, so prefixes (and the KV cache they fill) spread evenly, not by hash luck.
 
-Invariants: `rank` returns every candidate exactly once, the chosen one first; loads count requests routed
-and not yet completed, per replica, never below zero; the table holds at most max_entries hashes (LRU) and
-`owned` counts its entries per replica.
+Invariants: `rank` returns every candidate exactly once, the chosen one first; loads count requests
+routed (or reserved: chosen, not yet routed) and not yet completed, per replica, never below zero; the
+table holds at most max_entries hashes (LRU) and `owned` counts its entries per replica.
 Plain Python: the Ray RequestRouter (router.py) drives it from its hooks.
 """
 
@@ -21,7 +21,9 @@ from __future__ import annotations
 import bisect
 import hashlib
 import math
+import time
 from collections import OrderedDict
+from collections.abc import Callable, Hashable
 from typing import Sequence
 
 VIRTUAL_NODES = 64
@@ -33,11 +35,33 @@ def _point(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
 
 
-class LoadTracker:
-    """In-flight requests per replica, as this router sent them."""
+RESERVATION_TTL_S = 10.0  # a reservation whose request was never routed (cancelled first) stops counting
 
-    def __init__(self) -> None:
+
+class LoadTracker:
+    """In-flight requests per replica, as this router sent them, plus reservations: a replica chosen for a
+    request not yet routed counts at once, so requests chosen in a burst, before Ray reports the first one
+    routed, spread instead of all taking the replica that looked idle."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.loads: dict[str, int] = {}
+        self.reserved: dict[Hashable, tuple[str, float]] = {}
+        self.clock = clock
+
+    def reserve(self, token: Hashable, replica_id: str) -> None:
+        """Counts `replica_id` as chosen for the request `token` until `settle(token)` (a new choice for
+        the same token replaces the old one)."""
+        self.settle(token)
+        now = self.clock()
+        for stale in [t for t, (_, since) in self.reserved.items() if now - since > RESERVATION_TTL_S]:
+            self.settle(stale)
+        self.reserved[token] = (replica_id, now)
+        self.routed(replica_id)
+
+    def settle(self, token: Hashable) -> None:
+        entry = self.reserved.pop(token, None)
+        if entry is not None:
+            self.completed(entry[0])
 
     def routed(self, replica_id: str) -> None:
         self.loads[replica_id] = self.loads.get(replica_id, 0) + 1
@@ -82,7 +106,8 @@ class PrefixAffinity:
         if holder in fits_load:
             chosen = holder
         else:  # a new prefix (or its holder is overloaded): around the ring, to a replica with room
-            ring = _ring_order(key[0], self._ring_of(sorted(candidate_ids))) if key else fits_load
+            # no key (a prompt shorter than a chunk): nothing to reuse, so the least loaded
+            ring = _ring_order(key[0], self._ring_of(sorted(candidate_ids))) if key else self.tracker.by_load(fits_load)
             size_bound = math.ceil(self.load_factor * (sum(self.owned.get(r, 0) for r in candidate_ids)
                                                        + len(key)) / n)
             roomy = [r for r in ring if r in fits_load and self.owned.get(r, 0) + len(key) <= size_bound]

@@ -40,11 +40,14 @@ class KvpilotRouter(RequestRouter):
         ranked = self.policy.rank(_route_key(pending_request), list(by_id))
         if not ranked:
             return []
+        if pending_request is not None:  # counts at once: the next request of a burst sees it
+            self.policy.tracker.reserve(id(pending_request), ranked[0])
         return [[by_id[ranked[0]]]] + ([[by_id[r] for r in ranked[1:]]] if len(ranked) > 1 else [])
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: ReplicaResult) -> None:
         if self.policy is not None:
+            self.policy.tracker.settle(id(pending_request))
             self.policy.routed(_route_key(pending_request), replica_id.unique_id)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
