@@ -12,7 +12,7 @@ from kvpilot import LLM, SamplingParams
 from kvpilot.fit.model_catalog import get_hf_config
 from kvpilot.engine.config import EngineConfigError
 from kvpilot.model.errors import ModelLoadError
-from kvpilot.model.loader import load_model
+from kvpilot.model.config import ModelConfig, from_hf_config
 from kvpilot.model.parallel.shard_plan import check_tp_split, local_config
 
 SMALL = {"num_hidden_layers": 2, "hidden_size": 128, "intermediate_size": 256, "head_dim": 32, "vocab_size": 512,
@@ -26,6 +26,11 @@ def _config(tmp_path, name: str, heads: int, kv_heads: int) -> str:
     path = tmp_path / f"{name}-{heads}-{kv_heads}.json"
     path.write_text(json.dumps(config))
     return str(path)
+
+
+def _model_config(tmp_path, name: str, heads: int, kv_heads: int) -> ModelConfig:
+    path = _config(tmp_path, name, heads, kv_heads)
+    return from_hf_config(json.loads(open(path).read()), path)
 
 
 def _greedy(path: str, tp: int) -> list[list[int]]:
@@ -44,9 +49,9 @@ def test_two_ranks_decode_what_one_does(tmp_path, name, heads, kv_heads):
 
 
 def test_a_rank_holds_its_share_of_the_kv_heads(tmp_path):
-    config = load_model(_config(tmp_path, "qwen3-0.6b", 4, 1), load_format="dummy", device="cpu").config
+    config = _model_config(tmp_path, "qwen3-0.6b", 4, 1)
     assert (local_config(config, 2).num_key_value_heads, local_config(config, 2).num_attention_heads) == (1, 2)
-    split = load_model(_config(tmp_path, "llama-3.1-8b", 8, 4), load_format="dummy", device="cpu").config
+    split = _model_config(tmp_path, "llama-3.1-8b", 8, 4)
     assert local_config(split, 4).num_key_value_heads == 1 and local_config(split, 4).intermediate_size == 64
 
 
@@ -56,8 +61,7 @@ def test_an_impossible_split_fails_at_start_naming_the_sizes_that_work(tmp_path)
     path.write_text(json.dumps({**get_hf_config("smollm2-135m"), **SMALL, "intermediate_size": 192}))
     with pytest.raises(ModelLoadError, match="9 attention heads, 3 KV heads.*sizes that work: 1, 3$"):
         LLM(str(path), load_format="dummy", tensor_parallel_size=2)
-    config = load_model(str(path), load_format="dummy", device="cpu").config
-    check_tp_split(config, 3)  # no error
+    check_tp_split(from_hf_config(json.loads(path.read_text()), str(path)), 3)  # no error
 
 
 def test_a_script_without_a_main_guard_gets_told(tmp_path):

@@ -13,6 +13,7 @@ from gguf import GGMLQuantizationType as T
 
 from kvpilot import LLM, SamplingParams
 from kvpilot.fit.model_catalog import get_hf_config
+from kvpilot.model.config import from_hf_config
 from kvpilot.model.loader import load_model
 from kvpilot.model.parallel.shard_plan import ShardPlan
 from tests.model.test_architectures import _save_random_hf_model
@@ -67,9 +68,7 @@ def test_each_rank_loads_exactly_its_slice_of_the_whole_model(kind, tmp_path):
 
 def test_the_plan_names_each_ranks_heads_and_mlp_rows():
     """4 query heads of 16 over 2 ranks: rows 0-31 and 32-63; 1 KV head: both ranks keep rows 0-15."""
-    config = load_model("qwen3-0.6b", load_format="dummy", device="cpu").config
-    config = type(config)(**{**config.__dict__, "num_attention_heads": 4, "num_key_value_heads": 1,
-                             "head_dim": 16, "intermediate_size": 128})
+    config = from_hf_config(_hf_config("qwen3-0.6b", 4, 1), "qwen3-0.6b")
     plans = [ShardPlan.for_rank(config, rank, 2) for rank in range(2)]
     assert [(p.q_rows.start, p.q_rows.stop) for p in plans] == [(0, 32), (32, 64)]
     assert [(p.kv_rows.start, p.kv_rows.stop) for p in plans] == [(0, 16), (0, 16)]

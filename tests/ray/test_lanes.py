@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
 import pytest
 
 from kvpilot.bench.api import BenchConfig, run_bench
@@ -19,11 +20,21 @@ pytest.importorskip("ray")
 SHORT_LANE_CHARS = 2000  # ~400 tokens of bench's random text: every short prompt, no long one
 
 
+def _warm_up(url: str) -> None:
+    """A short and a long prompt, one at a time: each replica (round-robin, or its lane) pays its first
+    steps' costs (new GEMM shapes, allocator growth) before the timed run, as a server up for a while has."""
+    for words in (20, 700):
+        r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "warm " * words, "max_tokens": 2},
+                       timeout=120)
+        assert r.status_code == 200, r.text
+
+
 def _short_ttft_p50(url: str, tmp_path: Path, name: str) -> tuple[float, float]:
+    _warm_up(url)
     dataset = DatasetConfig(kind="long-short", input_len=32, output_len=8, long_fraction=0.3, long_input_len=900,
                             seed=3)
     target = Target(base_url=url, model="tiny", ignore_eos=True, endpoint="completions")
-    outcome = run_bench(BenchConfig(target=target, dataset=dataset, load=LoadShape(concurrency=8, num_requests=24),
+    outcome = run_bench(BenchConfig(target=target, dataset=dataset, load=LoadShape(concurrency=8, num_requests=32),
                                     tokenizer="embedded", progress=False, json_path=str(tmp_path / f"{name}.json")))
     run = outcome.runs[0]
     assert all(r.ok for r in run.output.records), [r.error for r in run.output.records if not r.ok]
