@@ -5,18 +5,25 @@
 #
 #     bash benchmarks/gpu_checks.sh [stage ...]     # stages: env tests fp32 throughput profile kernels
 #                                                   # (default), profile1 profile1-torch-ops fp8 numerics server (carry .whl) ttft-torch
+#                                                   # breakdown breakdown-sync (steps with prompts vs decode-only)
+#     DEADLINE=$(( $(date +%s) + 570 )) bash benchmarks/gpu_checks.sh ...   # fit one device call's limit
 #
 # The machine needs torch (CUDA), triton and transformers; kvpilot runs from src/ without being installed.
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src:$PWD:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}"
-OUT=${OUT:-/tmp/kvpilot-gpu}
+export OUT=${OUT:-/tmp/kvpilot-gpu}
 mkdir -p "$OUT"
 PY=${PY:-python3}
 
-stage() {  # stage NAME SECONDS command...
+stage() {  # stage NAME SECONDS command... (DEADLINE=epoch seconds: cut the limit to what is left, skip under 20 s)
     local name=$1 limit=$2
     shift 2
+    if [ -n "${DEADLINE:-}" ]; then
+        local left=$((DEADLINE - $(date +%s)))
+        if [ "$left" -lt 20 ]; then echo "=== $name: skipped, ${left}s left before DEADLINE"; return; fi
+        [ "$left" -lt "$limit" ] && limit=$left
+    fi
     echo "=== $name: start $(date -u +%T), limit ${limit}s"
     timeout -k 5 "$limit" "$@" >"$OUT/$name.log" 2>&1
     echo "=== $name: rc=$? end $(date -u +%T)"
@@ -34,13 +41,13 @@ run_server() {  # kvpilot serve vs LLM.generate on one workload (needs .whl: ben
         .whl/*.whl || return 1
     PYTHONPATH="/tmp/site:$PYTHONPATH" $PY benchmarks/server_overhead.py --model qwen3-0.6b --load-format dummy \
         --kv-cache-memory '' --num-requests 512 --concurrency 256 --input-len 512 --output-len 256 \
-        --max-model-len 1024
+        --max-model-len 1024 --server-log "$OUT/server-process.log"
 }
 
-run_tests() {
-    $PY -m pytest -q -p no:cacheprovider --timeout 120 tests/model/test_triton_attention.py \
+run_tests() {  # TESTS="file ..." runs only those
+    $PY -m pytest -q -p no:cacheprovider --timeout 120 ${TESTS:-tests/model/test_triton_attention.py \
         tests/model/test_triton_runner.py tests/model/test_triton_split.py tests/model/test_cuda_graphs.py \
-        tests/model/test_triton_small_ops.py
+        tests/model/test_triton_small_ops.py}
 }
 
 export -f run_env run_tests run_server
@@ -56,6 +63,10 @@ for s in "${selected[@]}"; do
             --output "$OUT/throughput.json" ;;
         profile) stage profile "${PROFILE_LIMIT:-120}" $PY benchmarks/gpu_step_profile.py --model qwen3-0.6b --batch 256 --context 512 --profile --modes "${MODES:-sync-eager,async-eager,async-graphs}" ;;
         profile1) stage profile1 "${PROFILE_LIMIT:-60}" $PY benchmarks/gpu_step_profile.py --model qwen3-0.6b --batch 1 --context 512 --profile --modes "${MODES:-sync-eager,async-eager,async-graphs}" ;;
+        breakdown) stage breakdown 150 $PY benchmarks/gpu_throughput.py --rows nano-vllm llama-ttft llama-ttft-16k \
+            --skip-hf --step-breakdown ;;
+        breakdown-sync) stage breakdown-sync 90 $PY benchmarks/gpu_throughput.py --rows nano-vllm --skip-hf \
+            --step-breakdown --async-scheduling off ;;
         fp8) stage fp8 150 $PY benchmarks/gpu_throughput.py --rows llama-64 llama-b1 qwen3-b1 --skip-hf \
             --quantization fp8 ;;
         server) stage server 300 bash -c run_server ;;

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from hf_mirror import hf_mirror
+from step_breakdown import StepBreakdown
 from kvpilot import LLM, SamplingParams
 from kvpilot.fit.model_catalog import get_hf_config
 from kvpilot.model.loader import LoadedModel, load_model
@@ -147,9 +148,15 @@ def run_row(loaded: LoadedModel, hf_config: dict, row: Row, args: argparse.Names
     max_len = max(len(p) + n for p, n in requests) + 16
     llm = LLM(loaded=loaded, max_model_len=max_len, max_num_seqs=max(row.num_requests, 1),
               max_num_batched_tokens=row.max_num_batched_tokens, attention_backend=args.attention_backend,
-              kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager)
+              kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager,
+              async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling])
     warm_up(llm, requests, row.ttft)
+    breakdown = StepBreakdown() if args.step_breakdown else None
+    if breakdown is not None:
+        breakdown.watch(llm.engine)
     tokens, seconds = run_kvpilot(llm, requests)
+    if breakdown is not None:
+        print(breakdown.report(), flush=True)
     kvpilot = seconds if row.ttft else tokens / seconds
     check = llm.generate([requests[0][0]], SamplingParams(temperature=0, max_tokens=CHECK_TOKENS, ignore_eos=True))
     del llm
@@ -226,7 +233,7 @@ def environment(args: argparse.Namespace) -> dict:
     return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "gpu": gpu, "torch": torch.__version__,
             "triton": triton_version, "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype,
             "attention_backend": args.attention_backend, "enforce_eager": args.enforce_eager,
-            "quantization": args.quantization, "smoke": args.smoke}
+            "quantization": args.quantization, "async_scheduling": args.async_scheduling, "smoke": args.smoke}
 
 
 def main() -> None:
@@ -240,6 +247,9 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true", help="No CUDA graphs (decode steps run eagerly).")
     parser.add_argument("--quantization", default="none", help="none, or fp8 (weights e4m3 per channel).")
     parser.add_argument("--hf-rows", nargs="*", help="Run HF transformers only on these rows (default: all that have it).")
+    parser.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto")
+    parser.add_argument("--step-breakdown", action="store_true",
+                        help="Print each row's wall time split into steps with prompt tokens and decode-only steps.")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, help="Also write the results and environment as JSON.")
     args = parser.parse_args()

@@ -81,7 +81,8 @@ def run_server(args: argparse.Namespace, prompts: list[list[int]]) -> float:
     model = ["--model", args.model, "--load-format", args.load_format] if args.model else []
     memory = ["--kv-cache-memory", args.kv_cache_memory] if args.kv_cache_memory else []
     process, url = start_server([*model, *memory, "--dtype", args.dtype, "--max-num-seqs", str(args.concurrency),
-                                 "--max-model-len", str(args.max_model_len), "--served-model-name", "bench"])
+                                 "--max-model-len", str(args.max_model_len), "--served-model-name", "bench"],
+                                log_path=args.server_log)
     try:
         elapsed, tokens = asyncio.run(_client_run(url, prompts, args.output_len, args.concurrency))
         assert tokens == len(prompts) * args.output_len, f"{tokens} tokens streamed"
@@ -115,6 +116,7 @@ def main() -> None:
     parser.add_argument("--load-format", default="auto")
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--server-log", default=None, help="Write the server's own output here (default: discarded).")
     args = parser.parse_args()
     args.kv_cache_memory = args.kv_cache_memory or None
     prompts = make_prompts(args.num_requests, args.input_len, args.seed, vocab=min(_vocab_size(args), 49152))

@@ -12,12 +12,15 @@ import httpx
 from kvpilot.server.background import free_port
 
 
-def start_server(flags: list[str], timeout_s: float = 300) -> tuple[subprocess.Popen, str]:
+def start_server(flags: list[str], timeout_s: float = 300,
+                 log_path: str | None = None) -> tuple[subprocess.Popen, str]:
     """Starts `python -m kvpilot.server --port <free> *flags` and waits for /health 200; (process, url).
-    RuntimeError (the process killed) if it exits or is not ready in time."""
+    RuntimeError (the process killed) if it exits or is not ready in time. log_path: the server's stdout and
+    stderr go there (default: discarded)."""
     port = free_port()
     command = [sys.executable, "-m", "kvpilot.server", "--port", str(port), *flags]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    log = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115 (the child holds it)
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT if log_path else subprocess.DEVNULL,
                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s

@@ -61,7 +61,7 @@ def test_metadata_buffer_never_moves_once_frozen():
     packed.pack([np.arange(40, dtype=np.int32)])
     assert packed.buffer is buffer
     with pytest.raises(FrozenBufferError, match="enforce-eager"):
-        packed.pack([np.arange(100, dtype=np.int32)])
+        packed.pack([np.arange(buffer.numel() + 1, dtype=np.int32)])
 
 
 def _loaded(tmp_path):

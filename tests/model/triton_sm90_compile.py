@@ -63,7 +63,8 @@ def _resources(cubin: bytes) -> dict[str, int]:
 
 def compile_variant(label: str, fn, dtype: str, kv_dtype: str, constexprs: dict, options: dict) -> dict:
     record = {"kernel": label, "dtype": dtype, "kv_dtype": kv_dtype,
-              **{k: v for k, v in constexprs.items() if k.isupper()}, **options}
+              **{k: v for k, v in constexprs.items() if k.isupper()}, **options,
+              "unspecialized": [p.name for p in fn.params if p.do_not_specialize]}
     try:
         kernel = triton.compile(ASTSource(fn, _signature(fn, dtype, kv_dtype, constexprs), constexprs=constexprs),
                                 target=HOPPER, options=options)

@@ -20,6 +20,7 @@ from kvpilot.model.cuda_graphs import DecodeGraphs
 from kvpilot.model.device_staging import PackedArrays
 from kvpilot.model.errors import ModelLoadError
 from kvpilot.model.grammar_state import GrammarCompiler, GrammarState
+from kvpilot.model.host_copy import HostCopy
 from kvpilot.model.input_batch import BatchLimits, InputBatch
 from kvpilot.model.kv_cache import allocate_kv_cache
 from kvpilot.model.loader import LoadedModel
@@ -41,24 +42,31 @@ class RunnerLimits:
 
 
 class StepResult:
-    """A launched step. result() copies its sampled ids (and logprobs) to the host once, commits them to the
-    persistent batch and returns the RunnerOutput; later calls return the same object."""
+    """A launched step. Its sampled ids (and logprobs) start for the host when it launches (HostCopy);
+    result() waits for them, commits them to the persistent batch and returns the RunnerOutput; later calls
+    return the same object."""
 
     def __init__(self, runner: "ModelRunner | None" = None, request_ids: Sequence[str] = (),
                  rows: np.ndarray | None = None, positions: np.ndarray | None = None,
                  token_ids: torch.Tensor | None = None, num_top: Sequence[int] = (),
                  logprobs: Logprobs | None = None) -> None:
         self._runner, self._request_ids, self._rows, self._positions = runner, list(request_ids), rows, positions
-        self._token_ids, self._num_top, self._logprobs = token_ids, list(num_top), logprobs
+        self._num_top, self._has_logprobs = list(num_top), logprobs is not None
+        tensors = [] if token_ids is None else [token_ids]
+        if logprobs is not None:
+            tensors += [logprobs.chosen, logprobs.top_values, logprobs.top_ids]
+        self._copy = HostCopy(tensors) if tensors else None
         self._output: RunnerOutput | None = None if request_ids else RunnerOutput()
 
     def result(self) -> RunnerOutput:
         if self._output is None:
-            assert self._token_ids is not None and self._positions is not None and self._rows is not None \
+            assert self._copy is not None and self._positions is not None and self._rows is not None \
                 and self._runner is not None
-            ids = self._token_ids.tolist()  # the one device-to-host sync of the step
+            host = self._copy.wait()  # the step's one wait for the device
+            ids = host[0].tolist()
             self._runner.batch.commit(self._request_ids, self._rows, self._positions, ids)
-            tokens = sampled_tokens(ids, self._num_top, self._logprobs)
+            logprobs = Logprobs(*host[1:]) if self._has_logprobs else None
+            tokens = sampled_tokens(ids, self._num_top, logprobs)
             self._output = RunnerOutput(dict(zip(self._request_ids, tokens)))
         return self._output
 

@@ -16,7 +16,7 @@ import torch
 from kvpilot.model.attention.layout import StepLayout
 from kvpilot.model.attention.triton_decode import decode_attention
 from kvpilot.model.attention.triton_kv_write import write_kv_triton
-from kvpilot.model.attention.triton_metadata import TritonAttentionMetadata, pack_layout
+from kvpilot.model.attention.triton_metadata import PACKED_ARRAYS, TritonAttentionMetadata, pack_layout
 from kvpilot.model.attention.triton_prefill import prefill_attention
 from kvpilot.model.attention.triton_split import DecodeSplit, choose_decode_split
 from kvpilot.model.device_staging import PackedArrays
@@ -56,7 +56,8 @@ class TritonAttentionBackend:
 
     def reserve(self, max_num_seqs: int, max_num_tokens: int, max_blocks_per_seq: int, device: torch.device) -> None:
         """Allocates the metadata buffer for the largest step up front (before a CUDA graph capture)."""
-        self._buffers(device).reserve(4 * max_num_seqs + 1 + max_num_tokens + max_num_seqs * max_blocks_per_seq)
+        self._buffers(device).reserve(4 * max_num_seqs + 1 + max_num_tokens + max_num_seqs * max_blocks_per_seq,
+                                      num_arrays=PACKED_ARRAYS)
 
     def _buffers(self, device: torch.device) -> PackedArrays:
         if self._packed is None or self._packed.device != device:

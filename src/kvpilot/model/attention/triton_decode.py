@@ -44,7 +44,8 @@ def paged_offsets(table, head_base, keys, k_mask, stride_cb, stride_ct, block_si
     return head_base + block * stride_cb + (keys % block_size) * stride_ct
 
 
-@triton.jit
+# the block-table width changes from step to step: Triton would compile a variant per its value class
+@triton.jit(do_not_specialize=["stride_bt"])
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
                          decode_seqs_ptr, query_start_ptr, seq_lens_ptr, block_tables_ptr,
                          stride_qt, stride_qh, stride_ot, stride_oh,

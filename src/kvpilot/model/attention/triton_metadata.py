@@ -19,6 +19,9 @@ from kvpilot.model.attention.triton_split import DecodeSplit
 from kvpilot.model.device_staging import PackedArrays
 
 
+PACKED_ARRAYS = 6  # arrays pack_layout sends (each starts 16-byte aligned in the buffer)
+
+
 @dataclass(frozen=True)
 class TritonAttentionMetadata:
     """Invariants: S sequences in step order, T tokens. query_start[S] == T; sequence s owns token rows

@@ -18,16 +18,18 @@ from kvpilot.model.attention.triton_decode import LOG2E, dot_precision, paged_of
 
 
 def prefill_tiles(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """(BLOCK_M queries, BLOCK_N keys, num_warps, num_stages). Chosen from sm_90 compiles (cuobjdump
-    resource usage, triton 3.7): the largest tiles without register spills, 16-bit: 128 x 64 at head dim
-    64 (8 warps, 224 registers), 128 x 32 at 128 (128 x 64 spilled); head dim 256 and float32 (IEEE dots)
-    spill at every size tried, least at 32 x 32 (and 32 x 16 for float32 at 256). Not yet timed on a GPU."""
+    """(BLOCK_M queries, BLOCK_N keys, num_warps, num_stages). From sm_90 compiles (cuobjdump resource
+    usage, triton 3.7) and, at head dim 128 in bf16, timings on an H100 (2026-11-27, attention_kernels.py:
+    128 x 128 took an 8k prompt from 1,669 to 1,349 us and a 2k chunk after a 30k prefix from 5,064 to
+    2,925 us against 128 x 32, though its compile spills a little). Head dim 64: 128 x 64 (8 warps, 224
+    registers, untimed); head dim 256 and float32 (IEEE dots) spill at every size tried, least at 32 x 32
+    (and 32 x 16 for float32 at 256)."""
     if dtype == torch.float32:
         return (32, 32, 4, 2) if head_dim <= 128 else (32, 16, 4, 2)
     if head_dim <= 64:
         return 128, 64, 8, 3
     if head_dim <= 128:
-        return 128, 32, 8, 3
+        return 128, 128, 8, 3
     return 32, 32, 4, 2
 
 
@@ -77,7 +79,8 @@ def _new_tile(k_ptr, v_ptr, first_row, kv_head, pos, end, d, d_mask, dtype: tl.c
     return k, v, keys
 
 
-@triton.jit
+# the block-table width changes from step to step: Triton would compile a variant per its value class
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
                     prefill_seqs_ptr, query_start_ptr, seq_lens_ptr, block_tables_ptr,
                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
