@@ -37,7 +37,7 @@ def test_kernels_compile_for_hopper():
     records = [json.loads(line) for line in done.stdout.splitlines()]
     assert {(r["kernel"], r["kv_dtype"]) for r in records} == {
         (k, kv) for k in ("decode_split", "decode_single", "decode_reduce", "prefill", "kv_write")
-        for kv in ("bf16", "fp8e4nv")} | {(k, "bf16") for k in ("rms_norm", "rotary", "silu_mul")}
+        for kv in ("bf16", "fp8e4nv")} | {(k, "bf16") for k in ("rms_norm", "rotary", "silu_mul", "quantize_fp8")}
     failed = [(r["kernel"], r["kv_dtype"], r.get("error")) for r in records if not r["compiled"]]
     assert not failed
     assert all(r["shared"] <= H100_MAX_SHARED for r in records)

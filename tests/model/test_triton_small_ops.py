@@ -80,3 +80,24 @@ def test_cuda_tensors_only():
     from kvpilot.model.layers.gpu_small_ops import small_ops_for
 
     assert small_ops_for(torch.zeros(2, 4)) is None  # CPU tensors keep the C++ or torch ops
+
+
+@pytest.mark.parametrize("width", [300, 5000])  # one tile; several (the kernel's two passes loop)
+def test_fp8_row_quantization_matches_the_torch_ops(width):
+    from kvpilot.model.quant.fp8 import FP8_MAX, MIN_SCALE, quantize_rows
+
+    dtype = torch.bfloat16 if ON_GPU else torch.float16
+    g = torch.Generator().manual_seed(6)
+    rows = (torch.randn(5, width, generator=g) * torch.tensor([[0.01], [1.0], [30.0], [0.0], [500.0]]))
+    rows = rows.to(dtype).to(DEVICE)
+    q, scale = _ops().quantize_rows_fp8(rows, FP8_MAX, MIN_SCALE)
+    expected_q, expected_scale = quantize_rows(rows)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == rows.shape and scale.shape == (5, 1)
+    torch.testing.assert_close(scale, expected_scale, rtol=1e-6, atol=0)
+    assert not q[3].float().any() and 0 < scale[3].item() < 1e-11  # an all-zero row: a finite scale
+    got, want = q.float(), expected_q.float()
+    if ON_GPU:  # the same rounding of the same quotients: equal but where a division lands on a boundary
+        assert (got == want).float().mean() > 0.999
+    else:  # the interpreter's e4m3 cast rounds ties away from zero and loses the carry into the exponent
+        got = torch.where(want == 2 * got, want, got)
+    torch.testing.assert_close(got, want, rtol=0.125, atol=2.0 ** -9)

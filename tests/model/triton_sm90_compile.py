@@ -25,7 +25,8 @@ from kvpilot.model.layers import triton_small_ops
 
 HOPPER = GPUTarget("cuda", 90, 32)
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-FLOAT_SCALARS = {"qk_scale", "cached_qk_scale", "v_scale", "inv_k_scale", "inv_v_scale", "eps"}
+FLOAT_SCALARS = {"qk_scale", "cached_qk_scale", "v_scale", "inv_k_scale", "inv_v_scale", "eps", "fp8_max",
+                 "min_scale"}
 INDEX_POINTERS = {"decode_seqs_ptr", "prefill_seqs_ptr", "query_start_ptr", "seq_lens_ptr", "block_tables_ptr",
                   "slot_ptr"}
 
@@ -40,7 +41,9 @@ def _signature(fn, dtype: str, kv_dtype: str, constexprs: dict) -> dict[str, str
             types[name] = "fp32"
         elif name in INDEX_POINTERS:
             types[name] = "*i32"
-        elif name.startswith("part_"):
+        elif name.startswith("fp8_"):
+            types[name] = "*fp8e4nv"
+        elif name.startswith("part_") or name == "scales_ptr":
             types[name] = "*fp32"
         elif "cache" in name:
             types[name] = f"*{kv_dtype}"
@@ -92,10 +95,12 @@ def variants(head_dim: int, dtype: str, kv_dtype: str) -> list[tuple]:
 
 
 def small_op_variants(dtype: str) -> list[tuple]:
-    """The fused small ops (RMSNorm at a 4,096-wide hidden state, rotary at head dim 128, SiLU-and-mul)."""
+    """The fused small ops (RMSNorm at a 4,096-wide hidden state, rotary at head dim 128, SiLU-and-mul, fp8
+    row quantization)."""
     return [("rms_norm", triton_small_ops._rms_norm_kernel, {"BLOCK": 4096}, {"num_warps": 8}),
             ("rotary", triton_small_ops._rope_kernel, {"BLOCK": 64}, {}),
-            ("silu_mul", triton_small_ops._silu_mul_kernel, {"BLOCK": 1024}, {})]
+            ("silu_mul", triton_small_ops._silu_mul_kernel, {"BLOCK": 1024}, {}),
+            ("quantize_fp8", triton_small_ops._quantize_rows_fp8_kernel, {"BLOCK": 4096}, {"num_warps": 8})]
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
 """Which small ops a CUDA tensor takes: the fused Triton kernels (triton_small_ops: RMSNorm, rotary,
-SiLU-and-mul) when triton imports, unless KVPILOT_TRITON_OPS=0; None means the torch ops. CPU tensors take
+SiLU-and-mul, fp8 row quantization) when triton imports, unless KVPILOT_TRITON_OPS=0; None means the torch ops. CPU tensors take
 cpu_bf16_ops or torch, never these."""
 
 from __future__ import annotations

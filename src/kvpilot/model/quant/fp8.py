@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from kvpilot.model.errors import ModelLoadError
+from kvpilot.model.layers.gpu_small_ops import small_ops_for
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3 value
@@ -43,7 +44,8 @@ class Fp8Linear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         if rows.shape[0] == 0:
             return x.new_empty((*shape[:-1], self.out_features))
-        x_q, x_scale = quantize_rows(rows)
+        gpu = small_ops_for(rows) if rows.stride(-1) == 1 else None  # CUDA: one Triton kernel
+        x_q, x_scale = gpu.quantize_rows_fp8(rows, FP8_MAX, MIN_SCALE) if gpu is not None else quantize_rows(rows)
         # CUDA's row-wise scaled matmul writes bfloat16 only
         out_dtype = x.dtype if x.device.type == "cpu" else torch.bfloat16
         out = torch._scaled_mm(x_q, self.weight_fp8.t(), scale_a=x_scale, scale_b=self.weight_scale,
