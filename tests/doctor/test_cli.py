@@ -116,3 +116,16 @@ def test_slo_turns_a_healthy_run_into_a_finding_and_bad_goals_exit_2(tmp_path: P
                           (("--slo", "latency=fast"), "--slo: bad SLO")):
         result = _invoke("--from", path, *args)
         assert result.exit_code == 2 and message in result.output
+
+
+def test_phase_seconds_outside_its_range_is_refused() -> None:
+    _assert_unusable(_invoke("--url", "http://127.0.0.1:9", "--phase-seconds", "0.5"), "--phase-seconds")
+    _assert_unusable(_invoke("--from", "x.json", "--phase-seconds", "4"), "go with --url")
+
+
+def test_phase_seconds_sets_every_phase_of_the_chosen_probe() -> None:
+    from kvpilot.doctor.cli import _limits
+    from kvpilot.doctor.probe_plan import QUICK
+
+    limits = _limits(True, 4, 4.0)
+    assert limits.phase_s == 4.0 and limits.ramp == (1, 4) and limits.max_requests == QUICK.max_requests

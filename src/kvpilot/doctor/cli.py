@@ -27,10 +27,16 @@ def _fail(message: str) -> typer.Exit:
     return typer.Exit(EXIT_UNUSABLE)
 
 
-def _limits(quick: bool, max_concurrency: int | None) -> ProbeLimits:
+def _limits(quick: bool, max_concurrency: int | None, phase_s: float | None = None) -> ProbeLimits:
+    from dataclasses import replace  # noqa: PLC0415
+
     from kvpilot.doctor.probe_plan import FULL, QUICK  # noqa: PLC0415
 
     limits = QUICK if quick else FULL
+    if phase_s is not None:
+        if not 1.0 <= phase_s <= 600.0:
+            raise DoctorInputError(f"--phase-seconds must be between 1 and 600, got {phase_s:g}")
+        limits = replace(limits, phase_s=phase_s)
     if max_concurrency is None:
         return limits
     if max_concurrency < 1:
@@ -114,6 +120,11 @@ def doctor_command(
                      "(the full probe doubles concurrency from 1 up to 64 until throughput stops rising: "
                      "the saturation knee)."),
     ] = None,
+    phase_seconds: Annotated[
+        float | None,
+        typer.Option("--phase-seconds", help="With --url/--serve: how long each probe phase sends requests "
+                     "(default 24 s, 8 s with --quick); shorter probes finish sooner and measure more noise."),
+    ] = None,
     api_key: Annotated[
         str | None,
         typer.Option("--api-key", envvar=["OPENAI_API_KEY", "KVPILOT_API_KEY"],
@@ -181,7 +192,7 @@ def doctor_command(
     probe = None
     try:
         goal = resolve_goal(workload, slo)
-        limits = _limits(quick, max_concurrency)
+        limits = _limits(quick, max_concurrency, phase_seconds)
         if serve is not None or verify:
             _serve_mode(serve, verify, limits, bool(url or from_ or metrics_file), model, gpu, as_json,
                         verify_budget, serve_timeout, goal)
@@ -189,8 +200,9 @@ def doctor_command(
             probe = _probe(url, limits, api_key, model_name, tokenizer, bool(from_ or metrics_file))
             inputs = probe.inputs(model, gpu)
         else:
-            if quick or model_name or tokenizer or max_concurrency is not None:
-                raise DoctorInputError("--quick, --max-concurrency, --model-name and --tokenizer go with --url")
+            if quick or model_name or tokenizer or max_concurrency is not None or phase_seconds is not None:
+                raise DoctorInputError("--quick, --max-concurrency, --phase-seconds, --model-name and --tokenizer "
+                                       "go with --url")
             inputs = load_inputs(from_ or [], metrics_file or [], model, gpu)
     except DoctorInputError as exc:
         raise _fail(str(exc)) from None
