@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tests.server.conftest import MODEL
-from tests.server.metrics_text import samples, value
+from tests.server.metrics_text import samples, value, wait_idle
 
 PROMPT = "The capital of France is"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -57,6 +57,7 @@ def test_greedy_n3_gives_three_copies_of_the_n1_answer(http) -> None:
 
 def test_sub_requests_share_the_prompt_through_the_prefix_cache(http) -> None:
     prompt = _unique_prompt()
+    wait_idle(http)  # nothing left running by a test before
     before = samples(http)
     reply = _complete(http, prompt=prompt, n=3, max_tokens=2)
     after = samples(http)
@@ -185,6 +186,7 @@ def test_chat_n2_whole_and_streamed(http) -> None:
 
 def test_client_gone_aborts_every_sub_request(http, live_server) -> None:
     body = {**GREEDY, "prompt": _unique_prompt(), "n": 3, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    wait_idle(http)  # nothing left running by a test before
     before = samples(http)
     with httpx.Client(base_url=live_server.url, headers=http.headers, timeout=120) as client:
         with client.stream("POST", "/v1/completions", json=body) as response:

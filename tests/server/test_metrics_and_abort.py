@@ -7,7 +7,7 @@ import time
 import httpx
 
 from tests.server.conftest import MODEL
-from tests.server.metrics_text import samples, value
+from tests.server.metrics_text import samples, value, wait_idle
 
 REQUEST_SERIES = ("vllm:e2e_request_latency_seconds_count", "vllm:time_to_first_token_seconds_count",
                   "vllm:request_queue_time_seconds_count", "vllm:request_prefill_time_seconds_count",
@@ -26,6 +26,7 @@ def _still_settling(state: dict, before: dict, after: dict) -> bool:
 
 
 def test_metric_values_match_the_requests(http) -> None:
+    wait_idle(http)  # nothing left running by a test before
     before = samples(http)
     prompts = [[1, 2, 3, 4, 5], list(range(200, 220))]  # token ids: exact prompt lengths, no cache hits
     for prompt in prompts:

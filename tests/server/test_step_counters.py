@@ -16,7 +16,7 @@ from kvpilot.server.background import BackgroundServer
 from kvpilot.server.metrics import ServerMetrics
 from kvpilot.server.stats_logger import TokenTotals, status_line
 from tests.server.conftest import MODEL, server_engine_args
-from tests.server.metrics_text import samples, value
+from tests.server.metrics_text import samples, value, wait_idle
 
 PROMPT = list(range(300, 312))  # token ids: an exact prompt length
 
@@ -39,6 +39,7 @@ def _throughputs(line: str) -> tuple[float, float]:
 
 def test_generation_counter_moves_while_a_long_request_runs(http, live_server) -> None:
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "temperature": 0, "stream": True}
+    wait_idle(http)
     before = samples(http)
     with httpx.Client(base_url=live_server.url, headers=http.headers, timeout=120) as client:
         with client.stream("POST", "/v1/completions", json=body) as response:
