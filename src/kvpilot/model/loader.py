@@ -15,6 +15,7 @@ from kvpilot.model.default_model import DEFAULT_MODEL_NAME, default_model_path
 from kvpilot.model.dtypes import resolve_dtype
 from kvpilot.model.errors import ModelLoadError, config_errors_as_load_errors
 from kvpilot.model.fused_decode import FusedDecode
+from kvpilot.model.cpu_kernels import build_cpu_kernels, kernels_for
 from kvpilot.model.layers.cpu_bf16_ops import get_bf16_ops
 from kvpilot.model.llama import LlamaForCausalLM
 from kvpilot.model.parallel.shard_plan import ShardPlan
@@ -157,6 +158,8 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
     torch_device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch_dtype = resolve_dtype(dtype, torch_device)
     check_quantization(quantization)
+    if torch_device.type == "cpu":
+        build_cpu_kernels(kernels_for(torch_dtype))  # all at once, in parallel, rather than one by one as loading reaches them
     with config_errors_as_load_errors():  # a bad GGUF header, read by kvpilot.fit.gguf_metadata
         loaded = _load(model, load_format, max_model_len, torch_dtype, torch_device, seed, quantization,
                        TPRank(tp_rank, tp_size))

@@ -19,6 +19,8 @@ from typing import Any
 logger = logging.getLogger("kvpilot")
 
 _BUILDS = (("-fopenmp",), ())
+# first in every module, instead of the <torch/extension.h> torch would add (a third of the parse time)
+PRELUDE = Path(__file__).parent / "csrc" / "torch_prelude.h"
 # torch serializes builds with a lock file in the build directory and waits, without limit, while it exists; a
 # process killed while holding it (Ctrl-C during start-up, a killed test) left every later start hanging at
 # "loading". Holding it with the module built is a no-op check (well under a second); a real build took up to
@@ -45,7 +47,7 @@ def build_cpp_kernel(kernel: CppKernel) -> Any | None:
     """The compiled module, or None when it cannot be built or KVPILOT_CPU_KERNELS=0."""
     if os.environ.get("KVPILOT_CPU_KERNELS", "1") == "0":
         return None
-    source = "\n".join(path.read_text(encoding="utf-8") for path in kernel.sources)
+    source = "\n".join(path.read_text(encoding="utf-8") for path in (PRELUDE, *kernel.sources))
     name = module_name(kernel, source, cpu_identity())
     error: Exception | None = None
     for openmp in _BUILDS:
@@ -54,7 +56,7 @@ def build_cpp_kernel(kernel: CppKernel) -> Any | None:
 
             built = name if openmp else name + "_serial"
             remove_stale_lock(Path(_get_build_directory(built, verbose=False)), built)
-            module = load_inline(name=built, cpp_sources=[source],
+            module = load_inline(name=built, cpp_sources=[source], no_implicit_headers=True,
                                  functions=list(kernel.functions), extra_cflags=[*kernel.cflags, *openmp],
                                  extra_ldflags=list(openmp), verbose=False)
         except Exception as exc:  # no compiler / ninja / headers / OpenMP: try the next build, then give up

@@ -8,7 +8,6 @@
 // that costs more than the row's arithmetic: a decode step of a bf16 model runs 61 norms. Built without
 // -ffast-math: the sum is divided by K as torch's mean does, not multiplied by 1/K. The sum's order differs
 // from torch's vectorised reduction, so a value can land one float32 ulp apart before the bf16 rounding.
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>

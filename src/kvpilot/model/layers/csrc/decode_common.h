@@ -1,7 +1,6 @@
 // Shared by the CPU decode-attention sources (concatenated in this order by cpu_decode_kernel.py:
 // decode_common.h, decode_avx512.h, paged_decode_cpu.cpp): stored K/V element types and their widening to
 // float32, a branch-free exp, the task shape, per-thread scratch and the block walk.
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <atomic>

@@ -7,7 +7,6 @@
 // Q4_1: byte j of a block holds value j in its low nibble and value j + 16 in its high nibble, as in
 // GGUF), `d` [N, KB] float16 scales and, for Q4_1, `m` [N, KB] float16 minimums.
 // Values: Q8_0 d * q; Q4_0 d * (q - 8); Q4_1 d * q + m.
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 #include <immintrin.h>

@@ -1,0 +1,55 @@
+"""The C++ CPU kernels build together before a CPU model loads (kvpilot.model.cpu_kernels), each with the light
+torch prelude (csrc/torch_prelude.h) in place of <torch/extension.h>."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from kvpilot.model.cpu_kernels import build_cpu_kernels, kernels_for
+from kvpilot.model.layers.cpp_build import PRELUDE
+
+
+def test_every_kernel_builds_with_the_prelude_and_has_its_functions() -> None:
+    getters = kernels_for(torch.bfloat16)
+    build_cpu_kernels(getters)
+    modules = [getter() for getter in getters]
+    assert all(m is not None for m in modules), [g.__name__ for g, m in zip(getters, modules) if m is None]
+    names = [set(dir(m)) for m in modules]
+    for wanted in ({"paged_decode"}, {"prefill_attention_bf16"}, {"rms_norm_bf16", "rope_bf16", "silu_mul_bf16"},
+                   {"decode_layers_bf16"}):
+        assert any(wanted <= n for n in names), wanted
+    assert "torch/extension.h" not in "".join(
+        line for line in PRELUDE.read_text().splitlines() if line.startswith("#include"))
+
+
+def test_float32_models_skip_the_bf16_kernels() -> None:
+    assert set(kernels_for(torch.float32)) < set(kernels_for(torch.bfloat16))
+    assert len(kernels_for(torch.float32)) == 2
+
+
+def test_builds_run_side_by_side_and_all_finish() -> None:
+    """Each build waits at a barrier for a second one: one after another, the first would wait forever."""
+    meet = threading.Barrier(2, timeout=30)
+    threads: set[str] = set()
+    done: list[int] = []
+
+    def build(i: int):
+        def run() -> int:
+            threads.add(threading.current_thread().name)
+            meet.wait()
+            done.append(i)
+            return i
+        return run
+
+    build_cpu_kernels([build(i) for i in range(4)], max_workers=2)
+    assert sorted(done) == [0, 1, 2, 3] and len(threads) == 2
+
+
+def test_switched_off_builds_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    called: list[bool] = []
+    monkeypatch.setenv("KVPILOT_CPU_KERNELS", "0")
+    build_cpu_kernels([lambda: called.append(True)])
+    assert called == []
