@@ -164,3 +164,14 @@ def test_native_builds_are_named_per_cpu_and_portable_ones_are_not() -> None:
     assert module_name(native, "src", "cpu A") != module_name(native, "src", "cpu B")
     assert module_name(native, "src", "cpu A") != module_name(native, "src2", "cpu A")
     assert cpu_identity()  # something names this CPU
+
+
+def test_each_virtual_environment_builds_its_own_module() -> None:
+    """Two environments sharing torch's extension cache alternated one build file and rebuilt at every switch."""
+    from kvpilot.model.layers.cpp_build import CppKernel, build_identity, module_name
+
+    kernel = CppKernel(label="k", name_prefix="k_", sources=(), functions=(), cflags=("-O3",), serial="", fallback="")
+    assert module_name(kernel, "src", "cpu", "/venv-a/torch/include") != module_name(kernel, "src", "cpu",
+                                                                                      "/venv-b/torch/include")
+    here = build_identity()
+    assert "torch" in here and module_name(kernel, "src", "cpu", here) == module_name(kernel, "src", "cpu", here)

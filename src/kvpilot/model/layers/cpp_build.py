@@ -11,6 +11,7 @@ import hashlib
 import logging
 import os
 import platform
+import sysconfig
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,7 +49,7 @@ def build_cpp_kernel(kernel: CppKernel) -> Any | None:
     if os.environ.get("KVPILOT_CPU_KERNELS", "1") == "0":
         return None
     source = "\n".join(path.read_text(encoding="utf-8") for path in (PRELUDE, *kernel.sources))
-    name = module_name(kernel, source, cpu_identity())
+    name = module_name(kernel, source, cpu_identity(), build_identity())
     error: Exception | None = None
     for openmp in _BUILDS:
         try:
@@ -70,12 +71,21 @@ def build_cpp_kernel(kernel: CppKernel) -> Any | None:
     return None
 
 
-def module_name(kernel: CppKernel, source: str, cpu: str) -> str:
-    """The prefix and a hash of the source; for -march=native builds also of `cpu`: such a binary runs only
-    where it was built, and a cache shared across machines (a home directory, an image) must not hand it to
-    another CPU."""
+def module_name(kernel: CppKernel, source: str, cpu: str, build: str = "") -> str:
+    """The prefix and a hash of the source and `build` (build_identity()); for -march=native builds also of
+    `cpu`: such a binary runs only where it was built, and a cache shared across machines (a home directory, an
+    image) must not hand it to another CPU."""
     native = cpu if "-march=native" in kernel.cflags else ""
-    return kernel.name_prefix + hashlib.sha256((source + native).encode()).hexdigest()[:12]
+    return kernel.name_prefix + hashlib.sha256((source + native + build).encode()).hexdigest()[:12]
+
+
+def build_identity() -> str:
+    """What torch's build file holds besides the source: the include paths of torch's headers and of Python.
+    Two virtual environments sharing ~/.cache/torch_extensions would otherwise rewrite one build file in turn,
+    and ninja rebuilt every kernel (a minute or more) at each switch between them."""
+    from torch.utils.cpp_extension import include_paths
+
+    return "\n".join([*include_paths(), sysconfig.get_paths()["include"]])
 
 
 def cpu_identity() -> str:
