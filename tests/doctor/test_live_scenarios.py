@@ -128,10 +128,11 @@ def test_healthy_server_has_no_finding_above_low(healthy_runs: tuple[Measured, M
 
 def test_tpot_growth_under_load_is_decode_bound(healthy_server: BackgroundServer, worker: BenchWorker,
                                                 healthy_runs: tuple[Measured, Measured]) -> None:
-    """16 streams on a 2-core CPU: each decode step computes 16 tokens, TPOT grows several-fold. That is a
+    """24 streams on a 2-core CPU: each decode step computes 24 tokens, TPOT grows several-fold. That is a
     trade (a low note) until a TPOT SLO that one stream meets says it is too slow: then decode-bound leads
-    and names the batch cap where the SLO held."""
-    high = bench(worker, healthy_server.url, SHORT, LoadShape(concurrency=16, num_requests=16), "concurrency=16")
+    and names the batch cap where the SLO held. (16 streams grew float32 TPOT only 2.2-3.5x on this box, and
+    under 2x, the rule's bar, in one CI run.)"""
+    high = bench(worker, healthy_server.url, SHORT, LoadShape(concurrency=24, num_requests=24), "concurrency=24")
     alone = inputs_from_documents([(healthy_runs[0].result, healthy_runs[0].label)]).runs[0]
     tpot_alone = statistics.median(r.tpot_ms for r in alone.ok if r.tpot_ms is not None)
     note = finding(doctor(healthy_runs[0], high), "decode-bound")
@@ -139,6 +140,7 @@ def test_tpot_growth_under_load_is_decode_bound(healthy_server: BackgroundServer
     report = doctor(healthy_runs[0], high, slos_ms={"tpot": 1.5 * tpot_alone})
     assert_first(report, "decode-bound", healthy_runs[0], high)
     growth = next(e.value for e in finding(report, "decode-bound").evidence if e.name.startswith("TPOT growth"))
+    print(f"TPOT growth from 1 to 24 in flight: {growth:.2f}x")
     assert growth >= 2.0 and finding(report, "decode-bound").fixes[0].kvpilot == "--max-num-seqs 1"
 
 
