@@ -11,12 +11,11 @@ import psutil
 import torch
 
 from kvpilot.model.config import ModelConfig, from_hf_config
+from kvpilot.model.cpu_kernels import build_cpu_kernels, kernels_for
 from kvpilot.model.default_model import DEFAULT_MODEL_NAME, default_model_path
 from kvpilot.model.dtypes import resolve_dtype
 from kvpilot.model.errors import ModelLoadError, config_errors_as_load_errors
 from kvpilot.model.fused_decode import FusedDecode
-from kvpilot.model.cpu_kernels import build_cpu_kernels, kernels_for
-from kvpilot.model.layers.cpu_bf16_ops import get_bf16_ops
 from kvpilot.model.llama import LlamaForCausalLM
 from kvpilot.model.parallel.shard_plan import ShardPlan
 from kvpilot.model.quant.model_pack import check_quantization
@@ -159,7 +158,7 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
     torch_dtype = resolve_dtype(dtype, torch_device)
     check_quantization(quantization)
     if torch_device.type == "cpu":
-        build_cpu_kernels(kernels_for(torch_dtype))  # all at once, in parallel, rather than one by one as loading reaches them
+        build_cpu_kernels(kernels_for(torch_dtype))  # side by side now, not one by one as loading reaches them
     with config_errors_as_load_errors():  # a bad GGUF header, read by kvpilot.fit.gguf_metadata
         loaded = _load(model, load_format, max_model_len, torch_dtype, torch_device, seed, quantization,
                        TPRank(tp_rank, tp_size))
@@ -173,10 +172,9 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
         loaded.quantization = "fp8"
     if torch_device.type == "cpu":
         relayout_linear_weights(loaded.model)
-        if torch_dtype == torch.bfloat16:
-            get_bf16_ops()  # built (or found in the cache) now, not in the first request's forward
-            if loaded.shard is None:  # the C++ layer loop knows nothing of a rank's all-reduces
-                loaded.model.fused_decode = FusedDecode.for_model(loaded.model)
+        # no fused decode for a TP rank: the C++ layer loop knows nothing of a rank's all-reduces
+        if torch_dtype == torch.bfloat16 and loaded.shard is None:
+            loaded.model.fused_decode = FusedDecode.for_model(loaded.model)
     return loaded
 
 

@@ -20,7 +20,7 @@ from typing import Any
 logger = logging.getLogger("kvpilot")
 
 _BUILDS = (("-fopenmp",), ())
-# first in every module, instead of the <torch/extension.h> torch would add (a third of the parse time)
+# first in every module, instead of the <torch/extension.h> torch would add (about a quarter of its parse time)
 PRELUDE = Path(__file__).parent / "csrc" / "torch_prelude.h"
 # torch serializes builds with a lock file in the build directory and waits, without limit, while it exists; a
 # process killed while holding it (Ctrl-C during start-up, a killed test) left every later start hanging at
