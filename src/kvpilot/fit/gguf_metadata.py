@@ -21,12 +21,34 @@ GGUF_ARCHITECTURES: dict[str, str] = {
 }
 
 
+def _reader_class() -> type:
+    """`gguf.GGUFReader` over a plain ndarray view of its memory map.
+
+    The reader slices its map once per metadata item (two slices per vocabulary string), and every slice of a
+    `numpy.memmap` runs Python hooks: 3.0 s of the embedded model's 49k-token vocabulary, 0.7 s on a plain
+    view of the same read-only mapping (which it keeps alive as its base).
+    """
+    import numpy as np
+    from gguf import GGUFReader
+
+    class PlainViewReader(GGUFReader):
+        @property
+        def data(self) -> Any:
+            return self._plain_data
+
+        @data.setter
+        def data(self, mapped: Any) -> None:
+            self._plain_data = mapped.view(np.ndarray)
+
+    return PlainViewReader
+
+
 def open_gguf(path: str | Path) -> Any:
     """Opens a GGUF file with the `gguf` package; a missing, truncated or corrupt file is a GgufError."""
     path = Path(path)
     if not path.is_file():
         raise GgufError(f"{path}: no such GGUF file")
-    from gguf import GGUFReader
+    GGUFReader = _reader_class()
 
     try:
         with path.open("rb") as f:

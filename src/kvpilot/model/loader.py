@@ -9,6 +9,7 @@ from pathlib import Path
 
 import psutil
 import torch
+from torch import nn
 
 from kvpilot.model.config import ModelConfig, from_hf_config
 from kvpilot.model.cpu_kernels import build_cpu_kernels, kernels_for
@@ -45,6 +46,11 @@ class LoadedModel:
     shard: ShardPlan | None = None
 
 
+def _materialize(model: nn.Module, device: torch.device) -> nn.Module:
+    """`Module.to_empty` without its `empty_like`, which on meta tensors imports sympy (0.6 s a load)."""
+    return model._apply(lambda t: torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device))
+
+
 def _build_model(config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device,
                  prepare: Callable[[LlamaForCausalLM], object] | None = None) -> LlamaForCausalLM:
     """`prepare` runs on the model while it is still on the meta device (before any memory is allocated)."""
@@ -52,7 +58,7 @@ def _build_model(config: ModelConfig, max_positions: int, dtype: torch.dtype, de
         model = LlamaForCausalLM(config, max_positions)
     if prepare is not None:
         prepare(model)
-    model = model.to_empty(device=device).to(dtype)
+    model = _materialize(model, device).to(dtype)
     model.rotary.reset_tables(device)  # built on meta (no memory): compute the float32 tables for real
     return model.eval()
 
