@@ -113,6 +113,7 @@ def _vnni_rows(kernel, layers: list[PackedLinear], rows_list: list[int], reps: i
     interleaved = [interleave(layer.parts[0]) for layer in layers]
     tiled = [tile(layer.parts[0]) if can_tile(layer.parts[0]) else None for layer in layers]
     dense = [layer.parts[0].dequantize(torch.bfloat16, layer.isa) for layer in layers]
+    prepacked = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in dense]  # oneDNN's blocked layout
     for rows in rows_list:
         x = torch.randn(rows, 576)
         outs = [torch.empty(rows, layer.out_features) for layer in layers]
@@ -135,10 +136,16 @@ def _vnni_rows(kernel, layers: list[PackedLinear], rows_list: list[int], reps: i
             for layer, w, out in zip(layers, dense, bf16_outs):
                 torch.mm(_input(layer, x.to(torch.bfloat16)), w.t(), out=out)
 
-        fp32_s, vnni_s, tiled_s, dense_s = time_interleaved([fp32_run, interleaved_run, tiled_run, dense_run], reps)
+        def prepacked_run() -> None:
+            for layer, w in zip(layers, prepacked):
+                torch.ops.mkldnn._linear_pointwise(_input(layer, x.to(torch.bfloat16)), w, None, "none", [], "")
+
+        fp32_s, vnni_s, tiled_s, dense_s, prepacked_s = time_interleaved(
+            [fp32_run, interleaved_run, tiled_run, dense_run, prepacked_run], reps)
         tiled_note = f", tiled {tiled_s * 1e3:.2f} ms" if any(v is not None for v in tiled) else ""
         print(f"rows {rows:>3}: float32 dequantize + FMA {fp32_s * 1e3:.2f} ms, int8 activations + VNNI: interleaved "
-              f"{vnni_s * 1e3:.2f} ms ({fp32_s / vnni_s:.2f}x){tiled_note}; dense bf16 GEMM {dense_s * 1e3:.2f} ms")
+              f"{vnni_s * 1e3:.2f} ms ({fp32_s / vnni_s:.2f}x){tiled_note}; dense bf16 GEMM {dense_s * 1e3:.2f} ms, "
+              f"prepacked {prepacked_s * 1e3:.2f} ms")
 
 
 _INPUTS: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}

@@ -55,7 +55,8 @@ def test_quantization_setting_is_checked():
 @needs_kernel
 def test_auto_with_bfloat16_is_hybrid_packed_plus_resident_dense(tmp_path):
     """bf16 activations under auto: the kernel for few rows, and for many rows a dense bf16 copy built once
-    and kept (the same values as the dequantized model's weights, in its [in, out] memory layout); with VNNI, a
+    and kept (the same values as the dequantized model's weights, in oneDNN's blocked layout where bf16 GEMMs
+    take it, else in the dense model's [in, out] memory layout); with VNNI, a
     Q4 layer's tiled int8 copy takes every row count of decode steps, the dense copy those of prompt steps; gguf
     (packed only) takes the same tiled path and fills the shared scratch matrix from it for prompt steps."""
     path = tmp_path / "tiny-Q4_1.gguf"
@@ -73,9 +74,14 @@ def test_auto_with_bfloat16_is_hybrid_packed_plus_resident_dense(tmp_path):
         layer.int8_gate.open = False  # as in a step with prompt tokens: the dense copy, not the tiled int8 path
     with torch.no_grad():
         many = layer(x)
-        resident = layer._dense(torch.bfloat16)
-        assert resident is layer._dense(torch.bfloat16)  # built once, then kept
-        assert torch.equal(resident, dense_layer.weight) and resident.stride() == dense_layer.weight.stride()
+        if layer._onednn is not None:  # kept in oneDNN's blocked layout (layers/onednn_linear.py): the same values
+            resident = layer._onednn.dense()
+            assert torch.equal(many, dense_layer(x))  # and the same products, bit for bit
+        else:
+            resident = layer._dense(torch.bfloat16)
+            assert resident is layer._dense(torch.bfloat16)  # built once, then kept
+            assert resident.stride() == dense_layer.weight.stride()
+        assert torch.equal(resident, dense_layer.weight)
         if layer.int8_weight is None:  # no VNNI: the dense copy is built on the first many-row call
             assert layer.nbytes == packed_bytes + resident.numel() * 2
         else:  # the int8 path: dense copy built at load, the packed quants dropped (its int8 copy has them)

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvpilot.model.layers.onednn_linear import OneDnnWeight, onednn_bf16_applies
 from kvpilot.model.quant.packed import PackedWeight
 from kvpilot.model.quant.vnni_gemm import TiledWeight, can_tile, dequantize_tiled, tile
 from kvpilot.model.quant.vnni_layout import InterleavedWeight, dequantize_interleaved, interleave
@@ -129,13 +130,16 @@ class PackedLinear(nn.Module):
         self.keep_dense = keep_dense
         self.int8_gate = int8_gate
         self._resident: dict[torch.dtype, torch.Tensor] = {}
+        # the resident bf16 copy in oneDNN's layout, where bf16 GEMMs take one (instead of _resident[bf16])
+        self._onednn: OneDnnWeight | None = None
 
     @property
     def nbytes(self) -> int:
         """Packed bytes (with the int8 path's copy) plus any resident dense copies."""
         int8 = self.int8_weight.nbytes_beside(self.parts[0]) if self.int8_weight is not None else 0
-        return sum(p.nbytes for p in self.parts) + int8 + sum(w.numel() * w.element_size()
-                                                              for w in self._resident.values())
+        onednn = self._onednn.nbytes if self._onednn is not None else 0
+        return sum(p.nbytes for p in self.parts) + int8 + onednn + sum(w.numel() * w.element_size()
+                                                                       for w in self._resident.values())
 
     @property
     def weight(self) -> torch.Tensor:
@@ -180,6 +184,8 @@ class PackedLinear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         if rows.shape[0] <= self.max_kernel_rows.get(x.dtype, 0) and not self._gated():
             out = self._kernel_rows(rows, out_dtype if out_dtype in KERNEL_IO_DTYPES else torch.float32)
+        elif self._onednn is not None and x.dtype == torch.bfloat16:
+            out = self._onednn.linear(rows)
         else:
             out = F.linear(rows, self._dense(x.dtype))
         if out.dtype != out_dtype:
@@ -208,9 +214,11 @@ class PackedLinear(nn.Module):
         if self.dense_weight is not None:
             return self.dense_weight().to(dtype)
         if self.quants_released and self.keep_dense and dtype not in self._resident:  # only bf16 is left to widen
-            return self._resident[torch.bfloat16].to(dtype)
+            return self._resident_bf16().to(dtype)
         if dtype not in (torch.float32, torch.bfloat16):
             return self._dense(torch.float32).to(dtype)
+        if dtype == torch.bfloat16 and self._onednn is not None:
+            return self._onednn.dense()
         resident = self._resident.get(dtype)
         if resident is not None:
             return resident
@@ -220,9 +228,14 @@ class PackedLinear(nn.Module):
             return weight
         for part, offset in zip(self.parts, self.offsets):
             part.dequantize_into(weight[offset:offset + part.out_features], self.isa)
-        if self.keep_dense:  # kept as an [out, in] view of [in, out] memory, like dense weights (weight_layout.py)
+        if self.keep_dense and onednn_bf16_applies(dtype, weight.device):
+            self._onednn = OneDnnWeight(weight)  # the scratch matrix returned stays valid for this call
+        elif self.keep_dense:  # kept as an [out, in] view of [in, out] memory, like dense weights (weight_layout.py)
             weight = self._resident[dtype] = weight.t().contiguous().t()
         return weight
+
+    def _resident_bf16(self) -> torch.Tensor:
+        return self._onednn.dense() if self._onednn is not None else self._resident[torch.bfloat16]
 
     def extra_repr(self) -> str:
         formats = "+".join(p.format.name for p in self.parts)
