@@ -127,7 +127,9 @@ def test_serve_verify_restarts_with_the_fix_and_prints_before_after() -> None:
     """`--max-num-seqs 1`: the doctor starts `kvpilot serve`, probes, restarts it with the queueing fix
     and probes again; the trial's before/after numbers are printed and in the JSON."""
     serve = "kvpilot serve --max-num-seqs 1 --dtype float32 --kv-cache-memory 256MiB --max-model-len 1024"
-    proc = _doctor_cli("--serve", serve, "--verify", "--quick", "--json", "--verify-budget", "400", timeout_s=590)
+    # 4-second phases: one sequence at a time queues every request but the first, a finding in any phase length
+    proc = _doctor_cli("--serve", serve, "--verify", "--quick", "--json", "--verify-budget", "400", "--phase-seconds",
+                       "4", timeout_s=590)
     assert proc.returncode == 1, proc.stderr[-2000:]
     doc = json.loads(proc.stdout)
     trials = doc["verify"]["trials"]
