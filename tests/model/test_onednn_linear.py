@@ -41,24 +41,36 @@ def test_only_bf16_on_cpu_applies() -> None:
     assert not onednn_bf16_applies(torch.bfloat16, torch.device("meta"))
 
 
-def test_a_dense_bf16_models_projections_are_prepacked_and_compute_the_same(tmp_path) -> None:
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_dense_bf16_models_projections_are_prepacked_and_compute_the_same(tmp_path, tied: bool) -> None:
     """A dummy Qwen2-shaped model (qkv bias) in bf16: every decoder projection becomes a OneDnnLinear whose
-    forward is F.linear's bit for bit, bias included; the output projection keeps its nn.Linear."""
+    forward is F.linear's bit for bit, bias included; an untied output layer too (the model's output head,
+    float32 logits), while a tied one stays the embedding table, row-major."""
     from torch import nn
 
-    from kvpilot.model.layers.onednn_linear import OneDnnLinear, prepack_decoder_linears
+    from kvpilot.model.layers.onednn_linear import OneDnnLinear, prepack_bf16_linears
     from kvpilot.model.loader import load_model
     from tests.model.test_tp_loading import _hf_config
 
     config = tmp_path / "qwen2.json"
-    config.write_text(json.dumps(_hf_config("qwen2.5-72b", 4, 2)))
+    config.write_text(json.dumps({**_hf_config("qwen2.5-72b", 4, 2), "tie_word_embeddings": tied}))
     loaded = load_model(str(config), load_format="dummy", dtype="bfloat16", max_model_len=64)
     model = loaded.model
     attn = model.layers[0].self_attn
     assert isinstance(attn.qkv_proj, OneDnnLinear) and attn.qkv_proj.bias is not None
-    assert sum(isinstance(m, OneDnnLinear) for m in model.modules()) == 4 * len(model.layers)
+    assert sum(isinstance(m, OneDnnLinear) for m in model.layers.modules()) == 4 * len(model.layers)
     assert not any(isinstance(m, nn.Linear) for m in model.layers.modules())
-    assert prepack_decoder_linears(model) == 0  # nothing left to prepack
-    x = torch.randn(5, 2, attn.qkv_proj.in_features, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    assert prepack_bf16_linears(model) == 0  # nothing left to prepack
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 2, attn.qkv_proj.in_features, generator=gen).to(torch.bfloat16)
     expected = F.linear(x, attn.qkv_proj.weight, attn.qkv_proj.bias)
     assert torch.equal(attn.qkv_proj(x), expected) and expected.shape[:2] == (5, 2)
+    hidden = torch.randn(3, attn.qkv_proj.in_features, generator=gen).to(torch.bfloat16)
+    if tied:
+        table = model.embed_tokens.weight
+        assert model.output_head is None and table.is_contiguous()  # row-major: faster for oneDNN, and lookups
+        assert torch.equal(model.logits(hidden), F.linear(hidden, table).float())
+    else:
+        assert isinstance(model.lm_head, OneDnnLinear) and model.output_head is model.lm_head
+        logits = model.logits(hidden)
+        assert logits.dtype == torch.float32 and torch.equal(logits, F.linear(hidden, model.lm_head.weight).float())

@@ -17,7 +17,7 @@ from kvpilot.model.default_model import DEFAULT_MODEL_NAME, default_model_path
 from kvpilot.model.dtypes import resolve_dtype
 from kvpilot.model.errors import ModelLoadError, config_errors_as_load_errors
 from kvpilot.model.fused_decode import FusedDecode
-from kvpilot.model.layers.onednn_linear import prepack_decoder_linears
+from kvpilot.model.layers.onednn_linear import prepack_bf16_linears
 from kvpilot.model.llama import LlamaForCausalLM
 from kvpilot.model.parallel.shard_plan import ShardPlan
 from kvpilot.model.quant.model_pack import check_quantization
@@ -178,7 +178,7 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
         quantize_fp8_layers(loaded.model)
         loaded.quantization = "fp8"
     if torch_device.type == "cpu":
-        prepack_decoder_linears(loaded.model)  # bf16: oneDNN's layout, once
+        prepack_bf16_linears(loaded.model)  # bf16: oneDNN's layout, once
         relayout_linear_weights(loaded.model)
         # no fused decode for a TP rank: the C++ layer loop knows nothing of a rank's all-reduces
         if torch_dtype == torch.bfloat16 and loaded.shard is None:

@@ -14,7 +14,8 @@ from torch import nn
 
 @torch.no_grad()
 def relayout_linear_weights(model: nn.Module) -> int:
-    """Makes every nn.Linear weight a [out, in] view of a contiguous [in, out] tensor; returns how many.
+    """Makes every float32 (or other non-bf16) nn.Linear weight a [out, in] view of a contiguous [in, out] tensor;
+    returns how many.
 
     Invariant: values, shapes, dtypes and parameter names are unchanged (state_dict and load_weights still
     work); only strides differ. Meant for CPU; GPUs' BLAS handles either layout at full speed.
@@ -29,7 +30,9 @@ def relayout_linear_weights(model: nn.Module) -> int:
         weights.append(table)
     count = 0
     for weight in weights:
-        if weight.dim() == 2 and weight.is_contiguous():
+        # bf16 GEMMs run in oneDNN, which reads either layout and computes the same sums; [in, out] made a
+        # vocabulary-wide output layer slower there (49,152 x 576, 1 row: 7.11 vs 4.99 ms, 2026-11-27)
+        if weight.dim() == 2 and weight.is_contiguous() and weight.dtype != torch.bfloat16:
             weight.data = weight.data.t().contiguous().t()
             count += 1
     return count

@@ -63,12 +63,22 @@ class OneDnnLinear(nn.Module):
         out = self.onednn.linear(x.reshape(-1, self.in_features), self.bias)
         return out.view(*x.shape[:-1], self.out_features)
 
+    def forward_float32(self, x: torch.Tensor) -> torch.Tensor:
+        """As an output head (llama.py's logits): F.linear(x, W).float(), bit for bit."""
+        return self(x).float()
+
 
 @torch.no_grad()
-def prepack_decoder_linears(model: nn.Module) -> int:
-    """Replaces the bf16 nn.Linear layers of every decoder layer (`model.layers`) by OneDnnLinear where oneDNN
-    takes them (a CPU model); returns how many. The output projection stays: logits() reads its weight."""
+def prepack_bf16_linears(model: nn.Module) -> int:
+    """Replaces the bf16 nn.Linear layers of every decoder layer (`model.layers`) and an untied output layer
+    (`lm_head`, then also the model's `output_head`) by OneDnnLinear where oneDNN takes them (a CPU model);
+    returns how many. A tied output layer stays the embedding table (a prepacked copy would double it)."""
     count = 0
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, nn.Linear) and getattr(model, "output_head", None) is None \
+            and onednn_bf16_applies(head.weight.dtype, head.weight.device):
+        model.lm_head = model.output_head = OneDnnLinear(head)
+        count += 1
     for layer in getattr(model, "layers", ()):
         for parent in list(layer.modules()):
             for name, child in list(parent.named_children()):
