@@ -1,5 +1,6 @@
 """OneDnnWeight: a bf16 linear weight held in oneDNN's blocked layout on CPU, reordered once at load (the
-packed GGUF layers' dense copy, and OneDnnLinear: a dense bf16 model's decoder projections).
+packed GGUF layers' dense copy, and OneDnnLinear: a dense bf16 model's decoder projections and untied output
+layer).
 
 `F.linear` on a plain bf16 weight runs oneDNN too, but reorders the weight into its blocked layout on every
 call: an extra pass over every weight byte per GEMM, which dominates at few rows. SmolLM2-135M's four projection
