@@ -7,6 +7,7 @@ the file (the loader reports it as a ModelLoadError).
 
 from __future__ import annotations
 
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
 }
 
 
+@cache
 def _reader_class() -> type:
     """`gguf.GGUFReader` over a plain ndarray view of its memory map.
 
