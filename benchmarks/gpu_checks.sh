@@ -6,6 +6,7 @@
 #     bash benchmarks/gpu_checks.sh [stage ...]     # stages: env tests fp32 throughput profile kernels
 #                                                   # (default), profile1 profile1-torch-ops fp8 numerics server (carry .whl) ttft-torch
 #                                                   # breakdown breakdown-sync (steps with prompts vs decode-only)
+#                                                   # server-mp (the client in 4 processes), profile-mixed
 #     DEADLINE=$(( $(date +%s) + 570 )) bash benchmarks/gpu_checks.sh ...   # fit one device call's limit
 #
 # The machine needs torch (CUDA), triton and transformers; kvpilot runs from src/ without being installed.
@@ -41,7 +42,8 @@ run_server() {  # kvpilot serve vs LLM.generate on one workload (needs .whl: ben
         .whl/*.whl || return 1
     PYTHONPATH="/tmp/site:$PYTHONPATH" $PY benchmarks/server_overhead.py --model qwen3-0.6b --load-format dummy \
         --kv-cache-memory '' --num-requests 512 --concurrency 256 --input-len 512 --output-len 256 \
-        --max-model-len 1024 --server-log "$OUT/server-process.log"
+        --max-model-len 1024 --server-log "$OUT/server-process${CLIENT_PROCESSES:+-$CLIENT_PROCESSES}.log" \
+        --client-processes "${CLIENT_PROCESSES:-1}"
 }
 
 run_tests() {  # TESTS="file ..." runs only those
@@ -70,6 +72,9 @@ for s in "${selected[@]}"; do
         fp8) stage fp8 150 $PY benchmarks/gpu_throughput.py --rows llama-64 llama-b1 qwen3-b1 --skip-hf \
             --quantization fp8 ;;
         server) stage server 300 bash -c run_server ;;
+        server-mp) CLIENT_PROCESSES=4 stage server-mp 300 bash -c run_server ;;
+        profile-mixed) stage profile-mixed "${PROFILE_LIMIT:-120}" $PY benchmarks/gpu_step_profile.py --model qwen3-0.6b \
+            --batch 128 --context 512 --prefill-tokens 1900 --profile --modes "${MODES:-sync-eager,async-graphs}" ;;
         numerics) stage numerics 120 $PY benchmarks/gpu_numerics.py ;;
         ttft-torch) stage ttft-torch 90 $PY benchmarks/gpu_throughput.py --rows llama-ttft --attention-backend torch ;;
         kernels) stage kernels 120 $PY benchmarks/attention_kernels.py --prefill-tiles 128x32x8x3 128x64x8x3 \

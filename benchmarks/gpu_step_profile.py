@@ -5,6 +5,10 @@ loop or launch overhead, not the GPU, sets the pace (what CUDA graphs and async 
 
     python benchmarks/gpu_step_profile.py --model qwen3-0.6b --batch 256 --context 512 --profile
     python benchmarks/gpu_step_profile.py --batch 8 --context 64 --model qwen3-0.6b   # any device
+    python benchmarks/gpu_step_profile.py --batch 128 --prefill-tokens 1900 --profile   # mixed steps
+
+--prefill-tokens N makes every timed step a mixed one, as under a steady stream of arrivals: a new N-token
+prompt (max_tokens 1) is added before each step, and the step runs its prefill beside the B decodes.
 """
 
 from __future__ import annotations
@@ -39,10 +43,15 @@ def fill_to_decode(llm: LLM, batch: int, context: int, max_tokens: int) -> None:
         produced.update(o.request_id for o in llm.engine.step())
 
 
-def timed_steps(llm: LLM, steps: int) -> list[float]:
+def timed_steps(llm: LLM, steps: int, prefill_tokens: int = 0) -> list[float]:
     _sync()
     times = []
+    rng = random.Random(1)
+    high = min(llm.loaded.config.vocab_size, 10_000) - 1
     for _ in range(steps):
+        if prefill_tokens:  # a fresh prompt (no prefix-cache hit) to prefill beside the decodes
+            llm.engine.add_request([rng.randint(0, high) for _ in range(prefill_tokens)],
+                                   SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
         start = time.perf_counter()
         llm.engine.step()
         _sync()
@@ -50,13 +59,13 @@ def timed_steps(llm: LLM, steps: int) -> list[float]:
     return times
 
 
-def profile_steps(llm: LLM, steps: int, top: int) -> None:
+def profile_steps(llm: LLM, steps: int, top: int, prefill_tokens: int) -> None:
     """Kernel time per step: the sum of device-side kernel events (not the aten ops around them)."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities) as prof:
-        timed_steps(llm, steps)
+        timed_steps(llm, steps, prefill_tokens)
     events = prof.key_averages()
     kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
     device_us = sum(e.self_device_time_total for e in kernels) / steps
@@ -78,26 +87,30 @@ def main() -> None:
     parser.add_argument("--modes", default="sync-eager,async-eager,async-graphs",
                         help="comma-separated {sync,async}-{eager,graphs}: scheduling and CUDA graphs")
     parser.add_argument("--profile", action="store_true", help="Profile the last mode's steps (kernels, time).")
+    parser.add_argument("--prefill-tokens", type=int, default=0, help="Mixed steps: an N-token prompt prefilled "
+                        "in each step beside the decodes (fits the token budget: N + batch <= 2,048 by default).")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     logging.getLogger("kvpilot.model.cuda_graphs").setLevel(logging.INFO)  # capture time and memory
-    loaded = load_model(args.model, load_format="dummy", dtype=args.dtype, max_model_len=args.context + 512)
+    max_model_len = max(args.context, args.prefill_tokens) + 512
+    loaded = load_model(args.model, load_format="dummy", dtype=args.dtype, max_model_len=max_model_len)
     modes = [m.strip() for m in args.modes.split(",")]
     for mode in modes:
         scheduling, graphs = mode.split("-")
-        llm = LLM(loaded=loaded, max_model_len=args.context + 512, max_num_seqs=args.batch,
+        llm = LLM(loaded=loaded, max_model_len=max_model_len, max_num_seqs=args.batch + 1,
                   attention_backend=args.attention_backend, async_scheduling=scheduling == "async",
                   enforce_eager=graphs == "eager",
                   kv_cache_memory=None if loaded.device.type == "cuda" else "2GiB")
         fill_to_decode(llm, args.batch, args.context, max_tokens=4 * args.steps + 64)
-        timed_steps(llm, 3)  # warm-up
-        times = timed_steps(llm, args.steps)
+        timed_steps(llm, 3, args.prefill_tokens)  # warm-up
+        times = timed_steps(llm, args.steps, args.prefill_tokens)
         step = statistics.median(times)
-        print(f"{args.model} decode, batch {args.batch}, context ~{args.context}, {mode}: "
+        mixed = f" + a {args.prefill_tokens}-token prefill" if args.prefill_tokens else ""
+        print(f"{args.model} decode, batch {args.batch}{mixed}, context ~{args.context}, {mode}: "
               f"{step * 1e3:.2f} ms a step (median of {args.steps}, min {min(times) * 1e3:.2f}) "
               f"= {args.batch / step:,.0f} tok/s", flush=True)
         if mode == modes[-1] and args.profile:
-            profile_steps(llm, 5, args.top)
+            profile_steps(llm, 5, args.top, args.prefill_tokens)
         del llm
         gc.collect()  # the engine holds reference cycles: free its KV cache before the next one is sized
         if torch.cuda.is_available():

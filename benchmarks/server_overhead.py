@@ -18,9 +18,12 @@ import argparse
 import asyncio
 import gc
 import json
+import multiprocessing
 import random
 import signal
 import time
+from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import torch
@@ -47,49 +50,94 @@ def run_offline(args: argparse.Namespace, prompts: list[list[int]]) -> float:
     return elapsed
 
 
-async def _one(client: httpx.AsyncClient, prompt: list[int], output_len: int) -> int:
+async def _one(client: httpx.AsyncClient, prompt: list[int], output_len: int) -> tuple[int, int]:
+    """(completion tokens, content chunks) of one streamed request."""
     body = {"model": "bench", "prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
-    tokens = 0
+    tokens = chunks = 0
     async with client.stream("POST", "/v1/completions", json=body) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
             if line.startswith("data: {"):
-                usage = json.loads(line[6:]).get("usage")
+                event = json.loads(line[6:])
+                usage = event.get("usage")
                 tokens = usage["completion_tokens"] if usage else tokens
-    return tokens
+                chunks += bool(event["choices"])
+    return tokens, chunks
 
 
-async def _client_run(url: str, prompts: list[list[int]], output_len: int, concurrency: int) -> tuple[float, int]:
+@dataclass
+class ClientRun:
+    """What the client saw: wall seconds, tokens, content chunks (fewer than tokens when the server merged
+    steps into one chunk: it fell behind), and the client's own CPU seconds (near the wall time: the client
+    itself may be what limits the rate)."""
+
+    seconds: float
+    num_tokens: int
+    num_chunks: int
+    cpu_seconds: float
+
+
+async def _client_run(url: str, prompts: list[list[int]], output_len: int, concurrency: int) -> ClientRun:
     queue: asyncio.Queue[list[int]] = asyncio.Queue()
     for prompt in prompts:
         queue.put_nowait(prompt)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as client:
-        async def worker() -> int:
-            total = 0
+        async def worker() -> tuple[int, int]:
+            tokens = chunks = 0
             while not queue.empty():
-                total += await _one(client, queue.get_nowait(), output_len)
-            return total
+                one = await _one(client, queue.get_nowait(), output_len)
+                tokens, chunks = tokens + one[0], chunks + one[1]
+            return tokens, chunks
 
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         totals = await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return time.perf_counter() - start, sum(totals)
+        return ClientRun(time.perf_counter() - start, sum(t for t, _ in totals), sum(c for _, c in totals),
+                         time.process_time() - cpu_start)
 
 
-def run_server(args: argparse.Namespace, prompts: list[list[int]]) -> float:
+def run_server(args: argparse.Namespace, prompts: list[list[int]]) -> ClientRun:
     model = ["--model", args.model, "--load-format", args.load_format] if args.model else []
     memory = ["--kv-cache-memory", args.kv_cache_memory] if args.kv_cache_memory else []
     process, url = start_server([*model, *memory, "--dtype", args.dtype, "--max-num-seqs", str(args.concurrency),
                                  "--max-model-len", str(args.max_model_len), "--served-model-name", "bench"],
                                 log_path=args.server_log)
     try:
-        elapsed, tokens = asyncio.run(_client_run(url, prompts, args.output_len, args.concurrency))
-        assert tokens == len(prompts) * args.output_len, f"{tokens} tokens streamed"
-        return elapsed
+        run = asyncio.run(_client_run(url, prompts, args.output_len, args.concurrency)) \
+            if args.client_processes == 1 else _multi_process_client(url, prompts, args)
+        assert run.num_tokens == len(prompts) * args.output_len, f"{run.num_tokens} tokens streamed"
+        return run
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=60)
+
+
+def _client_process(url: str, prompts: list[list[int]], output_len: int, concurrency: int, barrier: Any,
+                    results: Any) -> None:
+    barrier.wait()  # every process has imported and connected nothing yet: start together
+    start = time.time()
+    run = asyncio.run(_client_run(url, prompts, output_len, concurrency))
+    results.put((start, time.time(), run))
+
+
+def _multi_process_client(url: str, prompts: list[list[int]], args: argparse.Namespace) -> ClientRun:
+    """The same closed loop split over --client-processes processes (requests and streams dealt round-robin),
+    so that one Python client's CPU does not cap the rate. Wall time: the first start to the last end."""
+    n = args.client_processes
+    ctx = multiprocessing.get_context("spawn")  # this process holds CUDA state from the offline run
+    barrier, results = ctx.Barrier(n), ctx.Queue()
+    procs = [ctx.Process(target=_client_process, args=(url, prompts[i::n], args.output_len,
+                                                      len(range(i, args.concurrency, n)), barrier, results))
+             for i in range(n)]
+    for proc in procs:
+        proc.start()
+    runs = [results.get() for _ in procs]
+    for proc in procs:
+        proc.join()
+    return ClientRun(max(end for _, end, _ in runs) - min(start for start, _, _ in runs),
+                     sum(r.num_tokens for _, _, r in runs), sum(r.num_chunks for _, _, r in runs),
+                     sum(r.cpu_seconds for _, _, r in runs))
 
 
 def _vocab_size(args: argparse.Namespace) -> int:
@@ -116,6 +164,8 @@ def main() -> None:
     parser.add_argument("--load-format", default="auto")
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--client-processes", type=int, default=1, help="Split the client over this many "
+                        "processes (a lone Python client may not keep up with hundreds of fast streams).")
     parser.add_argument("--server-log", default=None, help="Write the server's own output here (default: discarded).")
     args = parser.parse_args()
     args.kv_cache_memory = args.kv_cache_memory or None
@@ -125,13 +175,17 @@ def main() -> None:
     gc.collect()  # the engine holds reference cycles: free its (GPU) memory before the server sizes its own
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    server_s = run_server(args, prompts)
+    client = run_server(args, prompts)
+    server_s = client.seconds
     offline_tps, server_tps = num_tokens / offline_s, num_tokens / server_s
     print(f"workload: {args.num_requests} requests, {args.concurrency} concurrent, {args.input_len} in / "
           f"{args.output_len} out (ignore_eos), dtype {args.dtype}")
     print(f"offline LLM.generate : {offline_tps:8.1f} output tokens/s ({offline_s:.1f} s)")
     print(f"HTTP server streaming: {server_tps:8.1f} output tokens/s ({server_s:.1f} s)")
     print(f"server / offline     : {server_tps / offline_tps:8.1%}  (target >= 90%)")
+    print(f"client               : {client.num_chunks} chunks for {client.num_tokens} tokens "
+          f"({client.num_tokens / client.num_chunks:.2f} a chunk), client CPU {client.cpu_seconds:.1f} s of "
+          f"{client.seconds:.1f} s wall")
 
 
 if __name__ == "__main__":

@@ -129,13 +129,15 @@ def _prompt_params(state: ServerState, body: CompletionRequest | ChatCompletionR
         raise from_value_error(exc) from exc
 
 
-def _logprobs(state: ServerState, prepared: Prepared, output: RequestOutput, num_new: int | None,
+def _logprobs(state: ServerState, prepared: Prepared, output: RequestOutput, new: slice | None,
               text_offset: int = 0) -> dict | None:
+    """`new`: the chunk's tokens by position (None: all). By position, not "the last n": a running output's
+    logprobs list is live and may already hold later steps' entries that the stream has not reached."""
     entries = output.outputs[0].logprobs
     if entries is None or not prepared.show_logprobs:
         return None
-    if num_new is not None:
-        entries = entries[len(entries) - num_new:] if num_new else []
+    if new is not None:
+        entries = entries[new]
     return chat_logprobs(entries, state.tokenizer) if prepared.shape.chat else \
         completion_logprobs(entries, state.tokenizer, text_offset)
 
@@ -191,6 +193,7 @@ async def _events(state: ServerState, prepared: Prepared, subs: SubRequests) -> 
     shape, fanout = prepared.shape, prepared.fanout
     collector = Collector(state, prepared)
     text_offsets = [0] * fanout.size
+    num_tokens_sent = [0] * fanout.size
     num_streamed = [0] * fanout.size  # tool_choice "auto": characters sent as content before any call marker
     echo_pending = [bool(prepared.echo[fanout.prompt_of(k)]) for k in range(fanout.size)]
     try:
@@ -207,7 +210,9 @@ async def _events(state: ServerState, prepared: Prepared, subs: SubRequests) -> 
                 break
             collector.saw(k, item)
             out = item.outputs[0]
-            logprobs = _logprobs(state, prepared, item, len(item.delta_token_ids), text_offsets[k])
+            new = slice(num_tokens_sent[k], num_tokens_sent[k] + len(item.delta_token_ids))
+            num_tokens_sent[k] = new.stop
+            logprobs = _logprobs(state, prepared, item, new, text_offsets[k])
             text_offsets[k] += len(item.delta_text)
             text = item.delta_text
             if echo_pending[k] and (item.finished or item.delta_text or item.delta_token_ids):

@@ -7,11 +7,18 @@ followers (candidates 1..m-1) are therefore added once its leader (candidate 0) 
 its prompt blocks are cached then, and the followers' prefill hits them (all but the last partial block). With
 prefix caching off there is nothing to share, and all are added at once. The cost is the followers' wait of
 one prefill.
+
+Coalescing. When the event loop falls behind the engine's steps (hundreds of streams at thousands of tokens
+a second), one sub-request's running outputs queue up; `get()` hands them over merged into one, whose
+`delta_*` fields cover them all, so the response writes one chunk for several steps instead of falling
+further behind (vLLM's front end merges the same way). Under light load nothing queues and every step is
+its own chunk.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Sequence
 
 from kvpilot.outputs import CompletionOutput, RequestOutput
@@ -31,6 +38,9 @@ class SubRequests:
         self._client, self._shape, self._messages = client, shape, list(messages)
         self._stage = stage_followers and shape.candidates > 1
         self._merged: asyncio.Queue[tuple[int, Item]] = asyncio.Queue()
+        # A lone sub-request is read straight from its stream: no pump task, one task switch less per step.
+        self._direct: asyncio.Queue[Item] | None = None
+        self._held: tuple[int, Item] | None = None  # read while coalescing, another sub-request's: next get()
         self._pumps: list[asyncio.Future[None]] = []
         self._added: set[int] = set()
         self._released: set[int] = set()  # leaders whose followers were added (or given up)
@@ -44,8 +54,40 @@ class SubRequests:
                 self._add(k)
 
     async def get(self) -> tuple[int, Item]:
-        """The next item of any sub-request, with its k."""
-        return await self._merged.get()
+        """The next item of any sub-request, with its k; a running output merged with the running (or final)
+        outputs of the same sub-request queued right behind it (see Coalescing). Items keep their order, and
+        every final item or exception is returned (never merged into a later one)."""
+        if self._held is not None:
+            (k, item), self._held = self._held, None
+        else:
+            k, item = await self._next()
+        while isinstance(item, RequestOutput) and not item.finished:
+            following = self._next_nowait()
+            if following is None:
+                break
+            if following[0] != k or not isinstance(following[1], RequestOutput):
+                self._held = following
+                break
+            item = _merge(item, following[1])
+        return k, item
+
+    async def _next(self) -> tuple[int, Item]:
+        if self._direct is None or not self._merged.empty():
+            return await self._merged.get()
+        return self._note(await self._direct.get())
+
+    def _next_nowait(self) -> tuple[int, Item] | None:
+        if not self._merged.empty():
+            return self._merged.get_nowait()
+        if self._direct is not None and not self._direct.empty():
+            return self._note(self._direct.get_nowait())
+        return None
+
+    def _note(self, item: Item) -> tuple[int, Item]:
+        """The lone sub-request's item, read from its stream (what _pump does for the others)."""
+        if not isinstance(item, RequestOutput) or item.finished:
+            self._finished.add(0)
+        return 0, item
 
     def close(self) -> None:
         """Aborts the sub-requests still running (the client went away, or another one failed) and stops
@@ -81,7 +123,10 @@ class SubRequests:
             self._finished.add(k)
             self._merged.put_nowait((k, exc))
             return
-        self._pumps.append(asyncio.ensure_future(self._pump(k, stream)))
+        if self._shape.size == 1:
+            self._direct = stream
+        else:
+            self._pumps.append(asyncio.ensure_future(self._pump(k, stream)))
 
     async def _pump(self, k: int, stream: asyncio.Queue[Item]) -> None:
         """Moves sub-request k's items to the merged queue as they arrive (not as the consumer reads them: a
@@ -96,6 +141,12 @@ class SubRequests:
                 self._after_leader(k, item)
             if ended:
                 return
+
+
+def _merge(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """`later` (the sub-request's newer state) with the new tokens and text of both steps as its delta."""
+    return dataclasses.replace(later, delta_text=earlier.delta_text + later.delta_text,
+                               delta_token_ids=earlier.delta_token_ids + later.delta_token_ids)
 
 
 def _never_started(message: AddRequest) -> RequestOutput:
