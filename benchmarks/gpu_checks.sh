@@ -6,7 +6,9 @@
 #     bash benchmarks/gpu_checks.sh [stage ...]     # stages: env tests fp32 throughput profile kernels
 #                                                   # (default), profile1 profile1-torch-ops fp8 numerics server (carry .whl) ttft-torch
 #                                                   # breakdown breakdown-sync (steps with prompts vs decode-only)
-#                                                   # server-mp (the client in 4 processes), profile-mixed
+#                                                   # server-mp (the client in 4 processes), profile-mixed,
+#                                                   # server-bench (kvpilot bench as the client: carry .whl and
+#                                                   # .tok, see tokenizer_only_gguf.py), budget (token budgets)
 #     DEADLINE=$(( $(date +%s) + 570 )) bash benchmarks/gpu_checks.sh ...   # fit one device call's limit
 #
 # The machine needs torch (CUDA), triton and transformers; kvpilot runs from src/ without being installed.
@@ -40,10 +42,10 @@ torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).multi_processo
 run_server() {  # kvpilot serve vs LLM.generate on one workload (needs .whl: benchmarks/gpu_wheels.sh, carried)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .whl/*.whl || return 1
-    PYTHONPATH="/tmp/site:$PYTHONPATH" $PY benchmarks/server_overhead.py --model qwen3-0.6b --load-format dummy \
+    PYTHONPATH="/tmp/site:$PWD/.tok:$PYTHONPATH" $PY benchmarks/server_overhead.py --model qwen3-0.6b --load-format dummy \
         --kv-cache-memory '' --num-requests 512 --concurrency 256 --input-len 512 --output-len 256 \
-        --max-model-len 1024 --server-log "$OUT/server-process${CLIENT_PROCESSES:+-$CLIENT_PROCESSES}.log" \
-        --client-processes "${CLIENT_PROCESSES:-1}"
+        --max-model-len 1024 --server-log "$OUT/server-process-${CLIENT:-python}-${CLIENT_PROCESSES:-1}.log" \
+        --client-processes "${CLIENT_PROCESSES:-1}" --client "${CLIENT:-python}"
 }
 
 run_tests() {  # TESTS="file ..." runs only those
@@ -73,6 +75,9 @@ for s in "${selected[@]}"; do
             --quantization fp8 ;;
         server) stage server 300 bash -c run_server ;;
         server-mp) CLIENT_PROCESSES=4 stage server-mp 300 bash -c run_server ;;
+        server-bench) CLIENT=bench CLIENT_PROCESSES=${CLIENT_PROCESSES:-4} stage server-bench 300 bash -c run_server ;;
+        budget) for b in ${BUDGETS:-8192 16384}; do stage budget-$b 90 $PY benchmarks/gpu_throughput.py \
+            --rows nano-vllm llama-ttft --skip-hf --step-breakdown --max-num-batched-tokens "$b"; done ;;
         profile-mixed) stage profile-mixed "${PROFILE_LIMIT:-120}" $PY benchmarks/gpu_step_profile.py --model qwen3-0.6b \
             --batch 128 --context 512 --prefill-tokens 1900 --profile --modes "${MODES:-sync-eager,async-graphs}" ;;
         numerics) stage numerics 120 $PY benchmarks/gpu_numerics.py ;;

@@ -149,7 +149,8 @@ def run_row(loaded: LoadedModel, hf_config: dict, row: Row, args: argparse.Names
     requests = make_requests(row, loaded.config.vocab_size, args.seed)
     max_len = max(len(p) + n for p, n in requests) + 16
     llm = LLM(loaded=loaded, max_model_len=max_len, max_num_seqs=max(row.num_requests, 1),
-              max_num_batched_tokens=row.max_num_batched_tokens, attention_backend=args.attention_backend,
+              max_num_batched_tokens=row.max_num_batched_tokens or args.max_num_batched_tokens,
+              attention_backend=args.attention_backend,
               kv_cache_dtype=args.kv_cache_dtype, enforce_eager=args.enforce_eager,
               async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling])
     warm_up(llm, requests, row.ttft)
@@ -253,6 +254,8 @@ def main() -> None:
     parser.add_argument("--step-breakdown", action="store_true",
                         help="Print each row's wall time split into steps with prompt tokens and decode-only steps.")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="The token budget of rows that do not set their own (default: the engine's).")
     parser.add_argument("--output", type=Path, help="Also write the results and environment as JSON.")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")

@@ -21,8 +21,12 @@ import json
 import multiprocessing
 import random
 import signal
+import subprocess
+import sys
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -104,6 +108,8 @@ def run_server(args: argparse.Namespace, prompts: list[list[int]]) -> ClientRun:
                                  "--max-model-len", str(args.max_model_len), "--served-model-name", "bench"],
                                 log_path=args.server_log)
     try:
+        if args.client == "bench":
+            return _kvpilot_bench(url, args)
         run = asyncio.run(_client_run(url, prompts, args.output_len, args.concurrency)) \
             if args.client_processes == 1 else _multi_process_client(url, prompts, args)
         assert run.num_tokens == len(prompts) * args.output_len, f"{run.num_tokens} tokens streamed"
@@ -111,6 +117,28 @@ def run_server(args: argparse.Namespace, prompts: list[list[int]]) -> ClientRun:
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=60)
+
+
+def _kvpilot_bench(url: str, args: argparse.Namespace) -> ClientRun:
+    """`kvpilot bench` as the client: text prompts of --input-len tokens of the embedded tokenizer (a dummy
+    model borrows it; see tokenizer_only_gguf.py where the model package is missing), greedy, ignore_eos.
+    Chunks and client CPU are not reported by bench: 0 and -1."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "bench.json"
+        command = [sys.executable, "-c", "from kvpilot.cli import main; main()", "bench", "--base-url", url,
+                   "--model", "bench", "--concurrency", str(args.concurrency), "--num-requests",
+                   str(args.num_requests), "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+                   "--ignore-eos", "--temperature", "0", "--tokenizer", "embedded", "--no-progress",
+                   "--no-scrape-metrics", "--client-processes", str(args.client_processes), "--output", str(result)]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"kvpilot bench failed ({done.returncode}): {done.stderr[-2000:]}")
+        print("\n".join(line for line in done.stdout.splitlines() if "CLIENT" in line or "client kept up" in line))
+        run = json.loads(result.read_text())["runs"][0]
+    aggregates = run["aggregates"]
+    assert aggregates["num_errors"] == 0, f"{aggregates['num_errors']} requests failed"
+    num_tokens = round(aggregates["output_token_throughput"] * aggregates["duration_s"])
+    return ClientRun(aggregates["duration_s"], num_tokens, 0, -1.0)
 
 
 def _client_process(url: str, prompts: list[list[int]], output_len: int, concurrency: int, barrier: Any,
@@ -164,6 +192,9 @@ def main() -> None:
     parser.add_argument("--load-format", default="auto")
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--client", choices=("python", "bench"), default="python", help="python: this script's "
+                        "own streaming client (token-id prompts); bench: `kvpilot bench` (text prompts, needs the "
+                        "embedded tokenizer).")
     parser.add_argument("--client-processes", type=int, default=1, help="Split the client over this many "
                         "processes (a lone Python client may not keep up with hundreds of fast streams).")
     parser.add_argument("--server-log", default=None, help="Write the server's own output here (default: discarded).")
@@ -183,6 +214,9 @@ def main() -> None:
     print(f"offline LLM.generate : {offline_tps:8.1f} output tokens/s ({offline_s:.1f} s)")
     print(f"HTTP server streaming: {server_tps:8.1f} output tokens/s ({server_s:.1f} s)")
     print(f"server / offline     : {server_tps / offline_tps:8.1%}  (target >= 90%)")
+    if args.client == "bench":
+        print(f"client               : kvpilot bench, {args.client_processes} process(es)")
+        return
     print(f"client               : {client.num_chunks} chunks for {client.num_tokens} tokens "
           f"({client.num_tokens / client.num_chunks:.2f} a chunk), client CPU {client.cpu_seconds:.1f} s of "
           f"{client.seconds:.1f} s wall")

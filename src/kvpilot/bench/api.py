@@ -25,6 +25,7 @@ from kvpilot.bench.records import RequestRecord, WorkItem
 from kvpilot.bench.replicas import ReplicaPlan, detect_labelled, replica_id
 from kvpilot.bench.report_html import write_html
 from kvpilot.bench.result import Knee, RunResult, build_result, write_csv, write_json
+from kvpilot.bench.client_processes import ProcessPlan, num_processes_for
 from kvpilot.bench.runner import run_load
 from kvpilot.bench.sweep import find_knee, run_sweep
 from kvpilot.bench.tokens import Tokenizer, load_tokenizer
@@ -70,6 +71,7 @@ class BenchConfig:
     replica_urls: tuple[str, ...] = ()
     route_replicas: bool = False
     detect_replicas: bool = True
+    client_processes: int = 1
 
 
 @dataclass(frozen=True)
@@ -156,9 +158,11 @@ async def _run_all(cfg: BenchConfig, target: Target, items: list[WorkItem], tok:
                 counts["errors"] += 0 if rec.ok else 1
                 progress.update(task, advance=1, errors=counts["errors"])
 
+            processes = ProcessPlan(num_processes_for(shape, cfg.client_processes), cfg.tokenizer)
             out = await run_load(target, run_items, shape, tok, metrics_url=metrics_url or None,
                                  scrape_interval_s=cfg.scrape_interval_s,
-                                 on_record=on_record, replicas=plan, scrape_replicas=cfg.metrics_url != "")
+                                 on_record=on_record, replicas=plan, scrape_replicas=cfg.metrics_url != "",
+                                 processes=processes)
         return RunResult.analyse(label, out, cfg.slos, cfg.max_lag_ms, prefix_share(cfg.dataset))
 
     if cfg.sweep:
@@ -169,6 +173,8 @@ async def _run_all(cfg: BenchConfig, target: Target, items: list[WorkItem], tok:
 def run_bench(cfg: BenchConfig, console: Console | None = None) -> BenchOutcome:
     """Build the dataset, run, print the summary and write the requested files."""
     console = console or Console(stderr=True)
+    if cfg.client_processes < 1:
+        raise BenchError("--client-processes must be >= 1")
     if cfg.sweep and cfg.load.num_requests is None:
         raise BenchError("--sweep needs --num-requests: its max-throughput run sends them all at once")
     target = cfg.target

@@ -177,6 +177,12 @@ def make_bench_command(report_sections: tuple[ReportSection, ...] = ()) -> Calla
                 help="Warn that the client is overloaded when its p99 dispatch or event-loop lag exceeds this."
             ),
         ] = 10.0,
+        client_processes: Annotated[
+            int,
+            typer.Option(help="Run the measured load in N client processes (concurrency, requests and rate dealt "
+                              "among them), so that the client keeps up with hundreds of fast streams: one "
+                              "Python process reads a few thousand chunks a second."),
+        ] = 1,
         output: Annotated[
             str | None,
             typer.Option(help="Write the full result JSON (schema_version 1, see docs/bench.md) here."),
@@ -258,6 +264,7 @@ def make_bench_command(report_sections: tuple[ReportSection, ...] = ()) -> Calla
                 report_sections=report_sections,
                 replica_urls=replicas,
                 route_replicas=route,
+                client_processes=client_processes,
             )
             outcome = run_bench(cfg, console)
         except user_errors as exc:

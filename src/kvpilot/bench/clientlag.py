@@ -41,7 +41,7 @@ def judge_client_lag(records: list[RequestRecord], loop_lag: list[tuple[float, f
     overloaded = worst > max_lag_ms
     lags = f"p99 dispatch lag {dispatch.p99 or 0:.1f} ms, p99 event-loop lag {loop.p99 or 0:.1f} ms"
     message = (f"CLIENT OVERLOADED: {lags} (limit {max_lag_ms:g} ms). Latencies include client delay, "
-               f"not only the server's: lower the rate per client, or run several bench processes."
+               f"not only the server's: lower the rate per client, or split it with --client-processes N."
                if overloaded else f"client kept up ({lags}; limit {max_lag_ms:g} ms)")
     step = max(1, len(loop_lag) // MAX_LAG_SAMPLES)  # keep the result file small on long runs
     return ClientLag(dispatch, loop, loop_lag[::step], max_lag_ms, overloaded, message)

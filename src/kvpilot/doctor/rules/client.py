@@ -45,10 +45,10 @@ def _client_fixes(closed_loop: bool) -> tuple[Fix, ...]:
                  vllm="vllm bench serve --base-url http://<server-host>:8000 (from another host)")
     if closed_loop:
         return (Fix("split the clients over several bench processes (each runs its share of the loop)",
-                    kvpilot="kvpilot bench --concurrency <half> (x2 processes)",
+                    kvpilot="kvpilot bench --concurrency <current> --client-processes 4",
                     vllm="vllm bench serve --max-concurrency <half> (x2 processes)"), spread)
     return (Fix("lower the request rate per bench process and run several processes (or machines)",
-                kvpilot="kvpilot bench --request-rate <half> (x2 processes)",
+                kvpilot="kvpilot bench --request-rate <current> --client-processes 4",
                 vllm="vllm bench serve --request-rate <half> (x2 processes)"),
             Fix("cap requests in flight per client", kvpilot="kvpilot bench --max-concurrency <current in flight>",
                 vllm="vllm bench serve --max-concurrency <current in flight>"), spread)
