@@ -33,6 +33,7 @@ import httpx
 import torch
 
 from kvpilot import LLM, SamplingParams
+from kvpilot.model.step_budget import default_max_num_batched_tokens
 from server_process import start_server
 
 
@@ -44,7 +45,8 @@ def make_prompts(num_requests: int, input_len: int, seed: int, vocab: int) -> li
 
 def run_offline(args: argparse.Namespace, prompts: list[list[int]]) -> float:
     llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, max_num_seqs=args.concurrency,
-              kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len)
+              kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
+              max_num_batched_tokens=args.max_num_batched_tokens)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate([prompts[0][:8]], SamplingParams(temperature=0, max_tokens=2))  # warm-up, as the server does
     start = time.perf_counter()
@@ -105,7 +107,8 @@ def run_server(args: argparse.Namespace, prompts: list[list[int]]) -> ClientRun:
     model = ["--model", args.model, "--load-format", args.load_format] if args.model else []
     memory = ["--kv-cache-memory", args.kv_cache_memory] if args.kv_cache_memory else []
     process, url = start_server([*model, *memory, "--dtype", args.dtype, "--max-num-seqs", str(args.concurrency),
-                                 "--max-model-len", str(args.max_model_len), "--served-model-name", "bench"],
+                                 "--max-model-len", str(args.max_model_len), "--served-model-name", "bench",
+                                 "--max-num-batched-tokens", str(args.max_num_batched_tokens)],
                                 log_path=args.server_log)
     try:
         if args.client == "bench":
@@ -192,6 +195,8 @@ def main() -> None:
     parser.add_argument("--load-format", default="auto")
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="Both engines' step budget "
+                        "(default: the server's default on this device; offline LLM's own default is larger on a GPU)")
     parser.add_argument("--client", choices=("python", "bench"), default="python", help="python: this script's "
                         "own streaming client (token-id prompts); bench: `kvpilot bench` (text prompts, needs the "
                         "embedded tokenizer).")
@@ -200,6 +205,9 @@ def main() -> None:
     parser.add_argument("--server-log", default=None, help="Write the server's own output here (default: discarded).")
     args = parser.parse_args()
     args.kv_cache_memory = args.kv_cache_memory or None
+    if args.max_num_batched_tokens is None:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        args.max_num_batched_tokens = default_max_num_batched_tokens(device, args.concurrency, "server")
     prompts = make_prompts(args.num_requests, args.input_len, args.seed, vocab=min(_vocab_size(args), 49152))
     num_tokens = args.num_requests * args.output_len
     offline_s = run_offline(args, prompts)
@@ -210,7 +218,7 @@ def main() -> None:
     server_s = client.seconds
     offline_tps, server_tps = num_tokens / offline_s, num_tokens / server_s
     print(f"workload: {args.num_requests} requests, {args.concurrency} concurrent, {args.input_len} in / "
-          f"{args.output_len} out (ignore_eos), dtype {args.dtype}")
+          f"{args.output_len} out (ignore_eos), dtype {args.dtype}, step budget {args.max_num_batched_tokens}")
     print(f"offline LLM.generate : {offline_tps:8.1f} output tokens/s ({offline_s:.1f} s)")
     print(f"HTTP server streaming: {server_tps:8.1f} output tokens/s ({server_s:.1f} s)")
     print(f"server / offline     : {server_tps / offline_tps:8.1%}  (target >= 90%)")

@@ -28,7 +28,8 @@ MaxModelLenOpt = Annotated[Optional[int], typer.Option(
 MaxNumSeqsOpt = Annotated[int, typer.Option("--max-num-seqs", help="Most requests in one batch (step).")]
 MaxBatchedTokensOpt = Annotated[Optional[int], typer.Option(
     "--max-num-batched-tokens", help="Token budget of one step; longer prompts are chunked across steps. "
-    "Default: max(2048, max-num-seqs).")]
+    "Default (as vLLM's, never below --max-num-seqs): 2048 on CPU; on CUDA 8192 (serve) or 16384 (offline) on "
+    "GPUs of 70 GiB or more other than A100, else 2048 (serve) or 8192 (offline).")]
 KvCacheMemoryOpt = Annotated[Optional[str], typer.Option(
     "--kv-cache-memory", help="KV cache size, bytes or with a unit (512MiB, 4GiB). Default on CPU: 2GiB; "
     "on CUDA from --gpu-memory-utilization.")]

@@ -45,9 +45,12 @@ class EngineArgs:
     enforce_eager: bool = False  # CUDA: no CUDA graphs (decode steps launch their kernels one by one)
     cuda_graph_sizes: tuple[int, ...] | None = None  # decode batch sizes to capture; None: 1, 2, 4, 8, 16k..
     kv_events_config: KVEventsConfig | None = None  # publish KV-cache events (the engine core process does)
+    usage_context: str = "llm"  # "llm" (offline) or "server": picks defaults that differ (step_budget.py)
 
     def check(self) -> None:
         """Validates what can be checked before loading the model; EngineConfigError names the setting."""
+        if self.usage_context not in ("llm", "server"):
+            raise EngineConfigError(f"usage_context must be 'llm' or 'server', got {self.usage_context!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise EngineConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_memory is not None:

@@ -25,6 +25,7 @@ from kvpilot.model.loader import LoadedModel, load_model
 from kvpilot.model.onednn_caches import bound_onednn_caches
 from kvpilot.model.parallel.worker import KVBudgetRequest, RunnerSpec, make_runner, rank_kv_budget
 from kvpilot.model.runner import ModelRunner
+from kvpilot.model.step_budget import default_max_num_batched_tokens
 
 logger = logging.getLogger("kvpilot")
 # set aside from the KV budget per captured decode graph (they are captured after the cache is allocated):
@@ -83,7 +84,8 @@ def build_engine(args: EngineArgs, loaded: LoadedModel | None = None) -> BuiltEn
 
 
 def _build(args: EngineArgs, loaded: LoadedModel, tp: TPLaunch | None) -> BuiltEngine:
-    max_num_batched_tokens = args.max_num_batched_tokens or max(2048, args.max_num_seqs)
+    max_num_batched_tokens = args.max_num_batched_tokens or default_max_num_batched_tokens(
+        loaded.device, args.max_num_seqs, args.usage_context)
     kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, loaded.dtype)
     budget = kv_cache_budget_bytes(args, loaded, max_num_batched_tokens, kv_dtype, tp)
     element_size = torch.tensor([], dtype=kv_dtype).element_size()

@@ -23,7 +23,6 @@ from kvpilot.bench.datasets import GENERATED_KINDS, DatasetConfig, build_dataset
 from kvpilot.bench.load import LoadShape
 from kvpilot.bench.records import RequestRecord, WorkItem
 from kvpilot.bench.replicas import ReplicaPlan, detect_labelled, replica_id
-from kvpilot.bench.report_html import write_html
 from kvpilot.bench.result import Knee, RunResult, build_result, write_csv, write_json
 from kvpilot.bench.client_processes import ProcessPlan, num_processes_for
 from kvpilot.bench.runner import run_load
@@ -194,6 +193,8 @@ def run_bench(cfg: BenchConfig, console: Console | None = None) -> BenchOutcome:
         write_csv(cfg.csv_path, runs)
     if cfg.html_path:
         extra_html = "".join(section(result, console) for section in cfg.report_sections)
+        from kvpilot.bench.report_html import write_html  # noqa: PLC0415 - plotly is needed for --html only
+
         write_html(cfg.html_path, runs, knee, extra_html=extra_html)
     return BenchOutcome(runs, knee, result)
 

@@ -147,7 +147,8 @@ def serve_command(
                                  async_scheduling=async_scheduling, enforce_eager=enforce_eager,
                                  tensor_parallel_size=tensor_parallel_size,
                                  cuda_graph_sizes=parse_cuda_graph_sizes(cuda_graph_sizes),
-                                 kv_events_config=KVEventsConfig.parse(kv_events_config) if kv_events_config else None)
+                                 kv_events_config=KVEventsConfig.parse(kv_events_config) if kv_events_config else None,
+                                 usage_context="server")
         engine_args.check()
         if otlp_traces_endpoint:  # fail here, before binding the port or loading the model
             from kvpilot.server.tracing import check_tracing_available, otlp_traces_url

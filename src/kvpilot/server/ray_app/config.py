@@ -49,7 +49,7 @@ class LaneConfig:
     engine_process: bool = True
 
     def engine_args(self) -> EngineArgs:
-        return EngineArgs(**dict(self.engine))
+        return EngineArgs(**{"usage_context": "server", **dict(self.engine)})
 
 
 @dataclass(frozen=True)

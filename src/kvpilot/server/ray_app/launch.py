@@ -36,7 +36,7 @@ def ray_app_args(engine_args: EngineArgs, server_args: ServerArgs, launch: RayLa
     values = load_config_file(launch.config_path) if launch.config_path else {}
     defaults = EngineArgs()
     explicit = {f.name: getattr(engine_args, f.name) for f in dataclasses.fields(EngineArgs)
-                if getattr(engine_args, f.name) != getattr(defaults, f.name)}
+                if getattr(engine_args, f.name) != getattr(defaults, f.name) and f.name != "usage_context"}
     values["engine"] = {**dict(values.get("engine") or {}), **explicit}
     values.setdefault("served_model_name", list(server_args.served_model_names))
     values.setdefault("max_request_body_bytes", server_args.max_request_body_bytes)
