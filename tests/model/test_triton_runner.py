@@ -54,3 +54,24 @@ def test_runner_logits_match_torch_backend(tmp_path):
     loaded = load_model(str(tmp_path), load_format="dummy", dtype="float32", max_model_len=64,
                         device="cuda" if ON_GPU else "cpu")  # the runners only read the weights: share them
     torch.testing.assert_close(_logits(loaded, "triton"), _logits(loaded, "torch"), rtol=1e-4, atol=1e-4)
+
+
+def test_qwen3_attention_takes_the_fused_qk_kernel(tmp_path, monkeypatch):
+    """Routed through the Triton small ops (as CUDA tensors are), Qwen3's q/k norms and rotary run as one
+    kernel per layer and the logits stay the reference's."""
+    import kvpilot.model.llama as llama
+    from kvpilot.model.layers import triton_small_ops
+
+    config = {**get_hf_config("qwen3-0.6b"), **SMALL}
+    config.pop("dtype", None)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    loaded = load_model(str(tmp_path), load_format="dummy", dtype="float32", max_model_len=64,
+                        device="cuda" if ON_GPU else "cpu")
+    reference = _logits(loaded, "torch")
+    fused_calls = []
+    fused = triton_small_ops.qk_norm_rotary
+    monkeypatch.setattr(triton_small_ops, "qk_norm_rotary", lambda *a: fused_calls.append(1) or fused(*a))
+    monkeypatch.setattr(llama, "small_ops_for", lambda x: triton_small_ops)
+    logits = _logits(loaded, "triton")
+    assert len(fused_calls) == 3 * SMALL["num_hidden_layers"]  # every layer of the three forwards
+    torch.testing.assert_close(logits, reference, rtol=1e-4, atol=1e-4)

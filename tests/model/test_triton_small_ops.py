@@ -101,3 +101,21 @@ def test_fp8_row_quantization_matches_the_torch_ops(width):
     else:  # the interpreter's e4m3 cast rounds ties away from zero and loses the carry into the exponent
         got = torch.where(want == 2 * got, want, got)
     torch.testing.assert_close(got, want, rtol=0.125, atol=2.0 ** -9)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qk_norm_and_rotary_in_one_kernel_equal_the_two_kernels(dtype):
+    """Qwen3's q/k RMSNorm then rotary, fused: the same roundings as rms_norm then rotary, one launch."""
+    qkv = _fused_projection(5, dtype, seed=7)
+    qk = qkv[:, :384].view(5, 6, 64)  # 4 q heads + 2 k heads, token stride 512
+    g = torch.Generator().manual_seed(8)
+    q_weight = torch.rand(64, generator=g).add(0.5).to(dtype).to(DEVICE)
+    k_weight = torch.rand(64, generator=g).add(0.5).to(dtype).to(DEVICE)
+    angles = torch.rand(5, 1, 64, generator=g) * 6
+    cos, sin = angles.cos().to(dtype).to(DEVICE), angles.sin().to(dtype).to(DEVICE)
+    out = _ops().qk_norm_rotary(qk, q_weight, k_weight, 1e-6, 4, cos, sin)
+    q = _ops().rotary(_ops().rms_norm(qk[:, :4], q_weight, 1e-6), cos, sin)
+    k = _ops().rotary(_ops().rms_norm(qk[:, 4:], k_weight, 1e-6), cos, sin)
+    assert out.shape == (5, 6, 64) and out.is_contiguous()
+    assert torch.equal(out, torch.cat([q, k], dim=1))
+    assert not torch.equal(out[:, :4], _ops().rotary(_ops().rms_norm(qk[:, :4], k_weight, 1e-6), cos, sin))

@@ -6,7 +6,7 @@ an HF-named state dict and fuses it, checking every shape against the config.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -46,12 +46,24 @@ class Attention(nn.Module):
         if self.q_norm is None:  # q and k heads are adjacent: rotate them in one pass (half the small ops)
             qk = apply_rotary(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        elif (gpu := _fused_qk_ops(qk, cos, self.q_norm.weight)) is not None:  # CUDA: norms and rotary in one kernel
+            qk = gpu.qk_norm_rotary(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim),
+                                    self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.num_heads, cos, sin)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         else:
             q, k = qk.split([self.q_size, self.kv_size], dim=-1)
             q = apply_rotary(self.q_norm(q.view(-1, self.num_heads, self.head_dim)), cos, sin)
             k = apply_rotary(self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim)), cos, sin)
         out = attn(q, k, v, kv_cache, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
+
+
+def _fused_qk_ops(qk: torch.Tensor, cos: torch.Tensor, weight: torch.Tensor) -> Any | None:
+    """The Triton ops when q/k norms and rotary can run as one kernel (CUDA, unit stride, matching dtypes)."""
+    gpu = small_ops_for(qk)
+    if gpu is None or qk.stride(-1) != 1 or not (cos.dtype == qk.dtype == weight.dtype):
+        return None
+    return gpu
 
 
 class MLP(nn.Module):
