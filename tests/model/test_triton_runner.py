@@ -56,9 +56,9 @@ def test_runner_logits_match_torch_backend(tmp_path):
     torch.testing.assert_close(_logits(loaded, "triton"), _logits(loaded, "torch"), rtol=1e-4, atol=1e-4)
 
 
-def test_qwen3_attention_takes_the_fused_qk_kernel(tmp_path, monkeypatch):
+def test_qwen3_takes_the_fused_small_kernels(tmp_path, monkeypatch):
     """Routed through the Triton small ops (as CUDA tensors are), Qwen3's q/k norms and rotary run as one
-    kernel per layer and the logits stay the reference's."""
+    kernel per layer, each residual add runs inside the norm after it, and the logits stay the reference's."""
     import kvpilot.model.llama as llama
     from kvpilot.model.layers import triton_small_ops
 
@@ -68,10 +68,13 @@ def test_qwen3_attention_takes_the_fused_qk_kernel(tmp_path, monkeypatch):
     loaded = load_model(str(tmp_path), load_format="dummy", dtype="float32", max_model_len=64,
                         device="cuda" if ON_GPU else "cpu")
     reference = _logits(loaded, "torch")
-    fused_calls = []
-    fused = triton_small_ops.qk_norm_rotary
-    monkeypatch.setattr(triton_small_ops, "qk_norm_rotary", lambda *a: fused_calls.append(1) or fused(*a))
+    calls: list[str] = []
+    for name in ("qk_norm_rotary", "add_rms_norm"):
+        fn = getattr(triton_small_ops, name)
+        monkeypatch.setattr(triton_small_ops, name, lambda *a, fn=fn, name=name: calls.append(name) or fn(*a))
     monkeypatch.setattr(llama, "small_ops_for", lambda x: triton_small_ops)
     logits = _logits(loaded, "triton")
-    assert len(fused_calls) == 3 * SMALL["num_hidden_layers"]  # every layer of the three forwards
+    layers, forwards = SMALL["num_hidden_layers"], 3
+    assert calls.count("qk_norm_rotary") == forwards * layers  # every layer of the three forwards
+    assert calls.count("add_rms_norm") == forwards * 2 * layers  # every residual add (the final norm's too)
     torch.testing.assert_close(logits, reference, rtol=1e-4, atol=1e-4)

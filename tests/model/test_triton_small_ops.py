@@ -119,3 +119,15 @@ def test_qk_norm_and_rotary_in_one_kernel_equal_the_two_kernels(dtype):
     assert out.shape == (5, 6, 64) and out.is_contiguous()
     assert torch.equal(out, torch.cat([q, k], dim=1))
     assert not torch.equal(out[:, :4], _ops().rotary(_ops().rms_norm(qk[:, :4], k_weight, 1e-6), cos, sin))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_residual_add_and_norm_in_one_kernel_equal_the_two_steps(dtype):
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(7, 300, generator=g).mul(2).to(dtype).to(DEVICE)
+    residual = torch.randn(7, 300, generator=g).mul(3).to(dtype).to(DEVICE)
+    weight = torch.rand(300, generator=g).add(0.5).to(dtype).to(DEVICE)
+    total, normed = _ops().add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(total, x + residual)  # the residual stream: torch's add, rounded to the dtype
+    assert torch.equal(normed, _ops().rms_norm(x + residual, weight, 1e-5))
+    assert total.is_contiguous() and normed.is_contiguous()

@@ -98,6 +98,21 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def forward_deferred_add(self, delta: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                             sin: torch.Tensor, kv_cache: torch.Tensor, attn: StepAttention,
+                             gpu: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward() with each residual add done by the Triton kernel of the norm after it: takes and returns
+        (delta, residual) whose sum is the hidden state (residual None: delta is the whole state, the first
+        layer's input); bit for bit forward()'s sums and norms."""
+        if residual is None:
+            residual, normed = delta, self.input_layernorm(delta)
+        else:
+            residual, normed = gpu.add_rms_norm(delta, residual, self.input_layernorm.weight, self.input_layernorm.eps)
+        attn_out = self.self_attn(normed, cos, sin, kv_cache, attn)
+        norm = self.post_attention_layernorm
+        residual, normed = gpu.add_rms_norm(attn_out, residual, norm.weight, norm.eps)
+        return self.mlp(normed), residual
+
 
 class LlamaForCausalLM(nn.Module):
     """forward(token_ids [T], positions [T], kv_caches, attn) -> hidden [T, hidden]; logits(hidden) -> [N, V]."""
@@ -130,6 +145,13 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary.tables(positions, x.dtype)
         if self.fused_decode is not None and self.fused_decode.applies(x, kv_caches, attn):
             return self.norm(self.fused_decode(x, cos, sin, kv_caches, attn))
+        gpu = small_ops_for(x) if x.dim() == 2 and x.stride(-1) == 1 else None
+        if gpu is not None:  # CUDA: each residual add fused into the norm after it
+            residual = None
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                x, residual = layer.forward_deferred_add(x, residual, cos, sin, kv_cache, attn, gpu)
+            return gpu.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[1] if residual is not None \
+                else self.norm(x)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, kv_cache, attn)
         return self.norm(x)
