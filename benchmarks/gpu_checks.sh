@@ -8,7 +8,8 @@
 #                                                   # breakdown breakdown-sync (steps with prompts vs decode-only)
 #                                                   # server-mp (the client in 4 processes), profile-mixed,
 #                                                   # server-bench (kvpilot bench as the client: carry .whl and
-#                                                   # .tok, see tokenizer_only_gguf.py), budget (token budgets)
+#                                                   # .tok, see tokenizer_only_gguf.py), budget (token budgets);
+#                                                   # PYSPY=1: the server stages sample the server with py-spy
 #     DEADLINE=$(( $(date +%s) + 570 )) bash benchmarks/gpu_checks.sh ...   # fit one device call's limit
 #
 # The machine needs torch (CUDA), triton and transformers; kvpilot runs from src/ without being installed.
@@ -45,7 +46,9 @@ run_server() {  # kvpilot serve vs LLM.generate on one workload (needs .whl: ben
     PYTHONPATH="/tmp/site:$PWD/.tok:$PYTHONPATH" $PY benchmarks/server_overhead.py --model qwen3-0.6b --load-format dummy \
         --kv-cache-memory '' --num-requests 512 --concurrency 256 --input-len 512 --output-len 256 \
         --max-model-len 1024 --server-log "$OUT/server-process-${CLIENT:-python}-${CLIENT_PROCESSES:-1}.log" \
-        --client-processes "${CLIENT_PROCESSES:-1}" --client "${CLIENT:-python}"
+        --client-processes "${CLIENT_PROCESSES:-1}" --client "${CLIENT:-python}" \
+        ${PYSPY:+--py-spy "$OUT/spy-${CLIENT:-python}-${CLIENT_PROCESSES:-1}.txt"} || return 1
+    [ -z "${PYSPY:-}" ] || $PY benchmarks/pyspy_summary.py "$OUT/spy-${CLIENT:-python}-${CLIENT_PROCESSES:-1}.txt" --top 12
 }
 
 run_tests() {  # TESTS="file ..." runs only those

@@ -20,6 +20,7 @@ import gc
 import json
 import multiprocessing
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -110,6 +111,7 @@ def run_server(args: argparse.Namespace, prompts: list[list[int]]) -> ClientRun:
                                  "--max-model-len", str(args.max_model_len), "--served-model-name", "bench",
                                  "--max-num-batched-tokens", str(args.max_num_batched_tokens)],
                                 log_path=args.server_log)
+    spy = _start_py_spy(process.pid, args.py_spy) if args.py_spy else None
     try:
         if args.client == "bench":
             return _kvpilot_bench(url, args)
@@ -118,8 +120,29 @@ def run_server(args: argparse.Namespace, prompts: list[list[int]]) -> ClientRun:
         assert run.num_tokens == len(prompts) * args.output_len, f"{run.num_tokens} tokens streamed"
         return run
     finally:
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+            spy.wait(timeout=60)
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=60)
+
+
+PY_SPY_RATE = 200  # samples a second
+
+
+def _start_py_spy(pid: int, path: str) -> subprocess.Popen:
+    """py-spy sampling the server and its engine core process (and threads) while the client runs; its raw
+    folded stacks go to `path` (summarize them with pyspy_summary.py)."""
+    # on PATH, beside this Python (a venv), or in a --target install's bin/ on sys.path (the GPU machine's /tmp/site)
+    places = [Path(sys.executable).parent / "py-spy", *(Path(p) / "bin" / "py-spy" for p in sys.path if p)]
+    binary = shutil.which("py-spy") or next((str(p) for p in places if p.is_file()), None)
+    if binary is None:
+        raise RuntimeError("--py-spy: no py-spy here (pip install py-spy; on the GPU machine it comes from .whl)")
+    spy = subprocess.Popen([binary, "record", "-p", str(pid), "--subprocesses", "--threads", "--nonblocking",
+                            "--rate", str(PY_SPY_RATE),
+                            "--format", "raw", "-o", path], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(1.0)  # attached before the load starts
+    return spy
 
 
 def _kvpilot_bench(url: str, args: argparse.Namespace) -> ClientRun:
@@ -202,6 +225,8 @@ def main() -> None:
                         "embedded tokenizer).")
     parser.add_argument("--client-processes", type=int, default=1, help="Split the client over this many "
                         "processes (a lone Python client may not keep up with hundreds of fast streams).")
+    parser.add_argument("--py-spy", default=None, metavar="PATH", help="Sample the server's processes with "
+                        "py-spy during the client run into PATH (raw folded stacks; see pyspy_summary.py).")
     parser.add_argument("--server-log", default=None, help="Write the server's own output here (default: discarded).")
     args = parser.parse_args()
     args.kv_cache_memory = args.kv_cache_memory or None
