@@ -85,6 +85,28 @@ def _prefill_sweep(name: str, seqs: list[tuple[int, int]], kv_dtype: torch.dtype
             print(f"{name:<34} tiles {'x'.join(map(str, config)):<12} failed: {type(exc).__name__}: {exc}"[:200])
 
 
+def _decode_sweep(name: str, seqs: list[tuple[int, int]], kv_dtype: torch.dtype, scale: float,
+                  partitions: list[int]) -> None:
+    """The Triton decode (KV write included) with each forced split partition next to the chosen one (0), each
+    checked against the chosen one's output: whether the split rule fits small batches."""
+    from kvpilot.model.attention.triton_backend import TritonAttentionBackend
+    step = make_step(seqs, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, torch.bfloat16, kv_dtype, seed=1)
+    q, k, v, cache = (t.cuda() for t in (step.q, step.k, step.v, step.cache))
+    reference = None
+    for partition in [0, *partitions]:
+        backend = TritonAttentionBackend(decode_partition=partition or None)
+        backend.kv_cache_shape(cache.shape[2], BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+        meta = backend.build(step.layout, q.device)
+        run_cache = cache.clone()
+        out = backend.forward(q, k, v, run_cache, meta, scale).float()
+        reference = out if reference is None else reference
+        err = ((out - reference).norm() / reference.norm()).item()
+        t = _bench(lambda: backend.forward(q, k, v, run_cache, meta, scale))
+        split = meta.decode_split
+        print(f"{name:<34} partition {split.partition_size:>5} x {split.num_splits:>3} splits"
+              f"{' (chosen)' if not partition else '':<9} {t * 1e3:8.1f} us  rel err {err:.1e}", flush=True)
+
+
 def _write_case(num_tokens: int, kv_dtype: torch.dtype) -> None:
     from kvpilot.model.attention.triton_kv_write import write_kv_triton
     num_blocks = 4 * num_tokens // BLOCK_SIZE
@@ -109,6 +131,8 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", choices=["bf16", "fp8"], default="bf16")
     parser.add_argument("--prefill-tiles", nargs="*", default=[],
                         help="Also time the prefill at these BLOCK_MxBLOCK_NxWARPSxSTAGES, e.g. 128x64x8x3")
+    parser.add_argument("--decode-partitions", nargs="*", type=int, default=[],
+                        help="Also time small-batch decodes with these split partitions (keys), e.g. 64 128 512")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU (the kernels' correctness on CPU: pytest tests/model/test_triton_attention.py)")
@@ -128,6 +152,9 @@ def main() -> None:
     if tiles:
         _prefill_sweep("prefill 8k prompt", [(0, 8192)], kv_dtype, scale, tiles)
         _prefill_sweep("prefill 2k chunk after 30k prefix", [(30720, 2048)], kv_dtype, scale, tiles)
+    for name, seqs in (("decode 1 x 512", [(511, 1)]), ("decode 1 x 4k", [(4095, 1)]), ("decode 8 x 512", [(511, 1)] * 8)):
+        if args.decode_partitions:
+            _decode_sweep(name, seqs, kv_dtype, scale, args.decode_partitions)
 
 
 if __name__ == "__main__":
