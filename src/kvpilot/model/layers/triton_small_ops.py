@@ -105,14 +105,21 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride_xh, stride_
     tl.store(out + half + d, (x2 * cos2.to(tl.float32) + x1 * sin2.to(tl.float32)).to(dtype), mask=mask)
 
 
+def _token_tables(cos: torch.Tensor, sin: torch.Tensor, num_tokens: int,
+                  head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin as [T, D] rows of unit stride sharing one token stride (the kernels take one)."""
+    cos, sin = cos.reshape(num_tokens, head_dim), sin.reshape(num_tokens, head_dim)
+    if num_tokens and (cos.stride(1) != 1 or sin.stride() != cos.stride()):
+        cos, sin = cos.contiguous(), sin.contiguous()
+    return cos, sin
+
+
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [T, heads, D] (unit stride in D, any token/head strides); cos, sin: [T, 1, D] in x's dtype."""
     num_tokens, num_heads, head_dim = x.shape
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=x.dtype, device=x.device)
-    cos, sin = cos.reshape(num_tokens, head_dim), sin.reshape(num_tokens, head_dim)
+    cos, sin = _token_tables(cos, sin, num_tokens, head_dim)
     if num_tokens:
-        if cos.stride(1) != 1 or sin.stride() != cos.stride():
-            cos, sin = cos.contiguous(), sin.contiguous()
         half = head_dim // 2
         _rope_kernel[(num_tokens, num_heads)](x, cos, sin, out, x.stride(0), x.stride(1), cos.stride(0),
                                              out.stride(0), out.stride(1), half, BLOCK=triton.next_power_of_2(half))
@@ -162,10 +169,8 @@ def qk_norm_rotary(qk: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Ten
     sin ([T, 1, D], qk's dtype). Returns a contiguous [T, heads, D]: rotary(rms_norm(...)) in one launch."""
     num_tokens, num_heads, head_dim = qk.shape
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=qk.dtype, device=qk.device)
-    cos, sin = cos.reshape(num_tokens, head_dim), sin.reshape(num_tokens, head_dim)
+    cos, sin = _token_tables(cos, sin, num_tokens, head_dim)
     if num_tokens:
-        if cos.stride(1) != 1 or sin.stride() != cos.stride():
-            cos, sin = cos.contiguous(), sin.contiguous()
         half = head_dim // 2
         _qk_norm_rope_kernel[(num_tokens, num_heads)](qk, q_weight, k_weight, cos, sin, out, qk.stride(0),
                                                      qk.stride(1), cos.stride(0), num_q_heads, head_dim, half, eps,
