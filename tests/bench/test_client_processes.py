@@ -65,3 +65,26 @@ def test_a_split_closed_loop_measures_every_request(scripted: ScriptedProcess) -
     most = max(sum(1 for a, b in spans if a <= t < b) for t, _ in spans)
     assert most == 4
     assert out.loop_lag_ms and out.wall_s > 0  # the client processes' own event-loop lag
+
+
+def test_bench_sweeps_with_client_processes(scripted: ScriptedProcess, tmp_path) -> None:
+    """Through run_bench (what `kvpilot bench --client-processes 2 --sweep` runs): the synchronous run stays in
+    one process, the others split; every run's requests are all measured and written."""
+    import json
+
+    from rich.console import Console
+
+    from kvpilot.bench.api import BenchConfig, run_bench
+
+    scripted.set_script(Behavior(ttft_s=0.02, itl_s=0.004, num_output_tokens=5))
+    cfg = BenchConfig(target=Target(scripted.base_url, "", timeout_s=20.0),
+                      dataset=DatasetConfig(input_len=12, output_len=5), load=LoadShape(num_requests=10),
+                      sweep=True, sweep_num_points=2, metrics_url="", json_path=str(tmp_path / "r.json"),
+                      progress=False, client_processes=2)
+    outcome = run_bench(cfg, Console(record=True, width=140))
+    assert [r.label for r in outcome.runs][0] == "synchronous"
+    assert all(r.aggregates.num_ok == 10 and r.aggregates.num_errors == 0 for r in outcome.runs)
+    written = json.loads((tmp_path / "r.json").read_text())
+    assert [run["client_processes"] for run in written["runs"]] == [1, 2]  # synchronous: one stream, one process
+    for run in written["runs"]:
+        assert sorted(rec["request_index"] for rec in run["requests"]) == list(range(10))

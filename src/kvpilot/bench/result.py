@@ -52,6 +52,7 @@ class RunResult:
             "load": {k: _finite(v) for k, v in shape.items()},
             "start_unix": self.output.start_unix,
             "wall_s": self.output.wall_s,
+            "client_processes": self.output.num_client_processes,
             "aggregates": self.aggregates.to_json(),
             "client_lag": self.client_lag.to_json(),
             "server_metrics": {

@@ -40,6 +40,7 @@ class RunOutput:
     replica_plan: ReplicaPlan | None = None
     replica_samples: list[ReplicaSample] = field(default_factory=list)
     replica_error: str | None = None
+    num_client_processes: int = 1  # the processes that sent the measured load (--client-processes)
 
 
 async def run_load(target: Target, items: list[WorkItem], shape: LoadShape, tok: Tokenizer, *,
@@ -112,7 +113,8 @@ async def _run_load(target: Target, items: list[WorkItem], shape: LoadShape, tok
         metrics_error = None if metrics else per_replica.last_error or "no round where every replica answered"
     return RunOutput(shape, records, wall, run.start_unix, lag, metrics, metrics_error, replicas,
                      per_replica.samples if per_replica else [],
-                     per_replica.last_error if per_replica and not per_replica.samples else None)
+                     per_replica.last_error if per_replica and not per_replica.samples else None,
+                     processes.num_processes if processes else 1)
 
 
 async def _run_here(run: RequestLoop, items: list[WorkItem], shape: LoadShape) -> tuple[list[RequestRecord], float]:
