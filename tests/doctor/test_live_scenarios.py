@@ -13,6 +13,7 @@ own under a memory cgroup with a swap file (root), not a server in this process.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -134,10 +135,13 @@ def test_tpot_growth_under_load_is_decode_bound(healthy_server: BackgroundServer
     under 2x, the rule's bar, in one CI run.)"""
     high = bench(worker, healthy_server.url, SHORT, LoadShape(concurrency=24, num_requests=24), "concurrency=24")
     alone = inputs_from_documents([(healthy_runs[0].result, healthy_runs[0].label)]).runs[0]
-    tpot_alone = statistics.median(r.tpot_ms for r in alone.ok if r.tpot_ms is not None)
+    tpots = sorted(r.tpot_ms for r in alone.ok if r.tpot_ms is not None)
+    # An SLO the lone stream meets: 1.5x its median, or above the TPOT 90% of its requests kept (the rule's
+    # bar) where a descheduled moment stretched the tail (a CI run: the cap then read "<lower>")
+    slo = max(1.5 * statistics.median(tpots), 1.05 * tpots[math.ceil(0.9 * len(tpots)) - 1])
     note = finding(doctor(healthy_runs[0], high), "decode-bound")
     assert note.severity is Severity.LOW and "a trade rather than a fault" in note.summary
-    report = doctor(healthy_runs[0], high, slos_ms={"tpot": 1.5 * tpot_alone})
+    report = doctor(healthy_runs[0], high, slos_ms={"tpot": slo})
     assert_first(report, "decode-bound", healthy_runs[0], high)
     growth = next(e.value for e in finding(report, "decode-bound").evidence if e.name.startswith("TPOT growth"))
     assert growth >= 2.0 and finding(report, "decode-bound").fixes[0].kvpilot == "--max-num-seqs 1", \

@@ -161,7 +161,9 @@ async def respond_whole(state: ServerState, prepared: Prepared,
         while collector.remaining:
             getter = asyncio.ensure_future(subs.get())
             await asyncio.wait((getter, watcher), return_when=asyncio.FIRST_COMPLETED)
-            if not getter.done():
+            # The watcher first: when outputs are always waiting, the getter finishes in the same round every
+            # time, and a client that left would otherwise be noticed only when its request ends.
+            if watcher.done():
                 getter.cancel()
                 raise ClientDisconnected(rid)
             k, item = getter.result()
