@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import math
 import multiprocessing
 import queue
@@ -66,10 +65,10 @@ def _deal(total: int | None, n: int, i: int) -> int | None:
 def split_shape(shape: LoadShape, n: int, i: int) -> LoadShape:
     """Process i's share of ``shape`` (no warmup: the parent ran it). Raises ValueError when a share would be
     empty (more processes than concurrency or requests)."""
-    limits = [v for v in (shape.concurrency, shape.num_requests) if v is not None]
-    if any(v < n for v in limits):
-        raise ValueError(f"--client-processes {n} is more than the load's {min(limits)} concurrent streams or "
-                         f"requests: use at most {min(limits)} processes")
+    most = num_processes_for(shape, n)
+    if most < n:
+        raise ValueError(f"--client-processes {n} is more than the load's {most} concurrent streams or "
+                         f"requests: use at most {most} processes")
     rate = shape.request_rate / n if math.isfinite(shape.request_rate) else shape.request_rate
     max_concurrency = None if shape.max_concurrency is None else max(1, _deal(shape.max_concurrency, n, i) or 0)
     return dataclasses.replace(shape, concurrency=_deal(shape.concurrency, n, i), request_rate=rate,
@@ -88,11 +87,7 @@ async def _process_load(target: Target, items: list[WorkItem], shape: LoadShape,
         run = RequestLoop(http, target, shape, tok, lambda rec: out.put(("record", rec)), routes, t0=t0)
         stop, lag = asyncio.Event(), list[tuple[float, float]]()
         probe = asyncio.create_task(probe_loop_lag(stop, t0, lag))
-        deadline = time.perf_counter() + shape.duration_s if shape.duration_s else None
-        if shape.closed_loop:
-            await run.closed_loop(itertools.cycle(items), shape.num_requests, deadline)
-        else:
-            await run.open_loop(items, shape.num_requests, deadline)
+        await run.run_measured(items)
         stop.set()
         await probe
     return lag

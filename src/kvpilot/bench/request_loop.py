@@ -108,6 +108,17 @@ class RequestLoop:
             history.append({"role": "assistant", "content": out.text})
             scheduled = time.perf_counter()
 
+    async def run_measured(self, items: list[WorkItem]) -> float:
+        """The shape's measured load (closed or open loop, bounded by its requests and duration) on this event
+        loop; returns its wall seconds."""
+        t_start = time.perf_counter()
+        deadline = t_start + self.shape.duration_s if self.shape.duration_s else None
+        if self.shape.closed_loop:
+            await self.closed_loop(itertools.cycle(items), self.shape.num_requests, deadline)
+        else:
+            await self.open_loop(items, self.shape.num_requests, deadline)
+        return time.perf_counter() - t_start
+
     async def closed_loop(self, items: Iterator[WorkItem], limit: int | None, deadline: float | None) -> None:
         async def worker() -> None:
             while self.next_index < (limit if limit is not None else math.inf):

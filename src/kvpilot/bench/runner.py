@@ -99,7 +99,7 @@ async def _run_load(target: Target, items: list[WorkItem], shape: LoadShape, tok
                                                                 on_record)
             lag.extend(process_lag)
         else:
-            records, wall = await _run_here(run, items, shape)
+            records, wall = await _run_here(run, items)
         stop.set()
         await asyncio.gather(*background)
         if scraper:
@@ -117,13 +117,7 @@ async def _run_load(target: Target, items: list[WorkItem], shape: LoadShape, tok
                      processes.num_processes if processes else 1)
 
 
-async def _run_here(run: RequestLoop, items: list[WorkItem], shape: LoadShape) -> tuple[list[RequestRecord], float]:
+async def _run_here(run: RequestLoop, items: list[WorkItem]) -> tuple[list[RequestRecord], float]:
     """The measured load on this process's event loop: (records in request order, wall seconds)."""
-    t_start = time.perf_counter()
-    deadline = t_start + shape.duration_s if shape.duration_s else None
-    if shape.closed_loop:
-        await run.closed_loop(itertools.cycle(items), shape.num_requests, deadline)
-    else:
-        await run.open_loop(items, shape.num_requests, deadline)
-    wall = time.perf_counter() - t_start
+    wall = await run.run_measured(items)
     return sorted(run.records, key=lambda r: r.request_index), wall
