@@ -17,6 +17,7 @@ from kvpilot.model.choices import ATTENTION_BACKENDS, check_kv_cache_dtype, cuda
 # Like vLLM's VLLM_CPU_KVCACHE_SPACE (4 GiB there), 2 GiB here: RSS matters on small boxes. Defined in `fit`
 # so the planner and the engine use one number.
 DEFAULT_CPU_KV_CACHE_BYTES = CPU_DEFAULT_KV_CACHE_BYTES
+USAGE_CONTEXTS = ("llm", "server")  # offline LLM(), or a server (kvpilot serve, Ray lanes): model/step_budget.py
 
 
 @dataclass(kw_only=True)
@@ -49,7 +50,7 @@ class EngineArgs:
 
     def check(self) -> None:
         """Validates what can be checked before loading the model; EngineConfigError names the setting."""
-        if self.usage_context not in ("llm", "server"):
+        if self.usage_context not in USAGE_CONTEXTS:
             raise EngineConfigError(f"usage_context must be 'llm' or 'server', got {self.usage_context!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise EngineConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")

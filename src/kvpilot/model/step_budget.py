@@ -20,7 +20,6 @@ from __future__ import annotations
 import torch
 
 LARGE_GPU_BYTES = 70 * 2**30
-USAGE_CONTEXTS = ("llm", "server")
 _BUDGETS = {"large-gpu": {"llm": 16384, "server": 8192}, "gpu": {"llm": 8192, "server": 2048},
             "cpu": {"llm": 2048, "server": 2048}}
 
