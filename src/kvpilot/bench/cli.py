@@ -198,13 +198,15 @@ def make_bench_command(report_sections: tuple[ReportSection, ...] = ()) -> Calla
 
         from kvpilot.bench.api import BenchConfig, BenchError, run_bench  # noqa: PLC0415
         from kvpilot.bench.arrivals import LoadShapeError  # noqa: PLC0415
+        from kvpilot.bench.client_processes import ClientProcessError  # noqa: PLC0415
         from kvpilot.bench.client import Target  # noqa: PLC0415
         from kvpilot.bench.datasets import DATASET_KINDS, DatasetConfig, DatasetError  # noqa: PLC0415
         from kvpilot.bench.load import LoadShape  # noqa: PLC0415
         from kvpilot.bench.stats import SloError, parse_slo  # noqa: PLC0415
         from kvpilot.bench.tokens import TokenizerError  # noqa: PLC0415
 
-        user_errors = (BenchError, DatasetError, LoadShapeError, SloError, TokenizerError)
+        # a client process that failed (e.g. its tokenizer would not load there): one line, exit 2
+        user_errors = (BenchError, ClientProcessError, DatasetError, LoadShapeError, SloError, TokenizerError)
         # httpx logs every request at INFO; a bench sends thousands.
         logging.getLogger("httpx").setLevel(logging.WARNING)
         console = Console()  # results on stdout (`> file` keeps them); errors and hints on stderr
