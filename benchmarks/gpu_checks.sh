@@ -10,7 +10,8 @@
 #                                                   # server-bench (kvpilot bench as the client: carry .whl and
 #                                                   # .tok, see tokenizer_only_gguf.py), budget (token budgets);
 #                                                   # PYSPY=1: the server stages sample the server with py-spy;
-#                                                   # decode-splits (small-batch decode per split partition)
+#                                                   # decode-splits (small-batch decode per split partition);
+#                                                   # sync-debug (where eager async steps wait for the device)
 #     DEADLINE=$(( $(date +%s) + 570 )) bash benchmarks/gpu_checks.sh ...   # fit one device call's limit
 #
 # The machine needs torch (CUDA), triton and transformers; kvpilot runs from src/ without being installed.
@@ -90,6 +91,8 @@ for s in "${selected[@]}"; do
             64x64x4x3 128x128x8x3 64x128x8x3 128x64x4x4 ;;
         decode-splits) stage decode-splits 90 $PY benchmarks/attention_kernels.py --decode-partitions 16 32 64 128 \
             256 512 ;;
+        sync-debug) stage sync-debug 90 $PY benchmarks/gpu_step_profile.py --model qwen3-0.6b --batch 256 --context 512 \
+            --steps 10 --modes sync-eager,async-eager --sync-debug ;;
         profile1-torch-ops) KVPILOT_TRITON_OPS=0 stage profile1-torch-ops 60 $PY benchmarks/gpu_step_profile.py \
             --model qwen3-0.6b --batch 1 --context 512 --modes async-graphs ;;
         *) echo "unknown stage $s" ;;

@@ -9,16 +9,25 @@ loop or launch overhead, not the GPU, sets the pace (what CUDA graphs and async 
 
 --prefill-tokens N makes every timed step a mixed one, as under a steady stream of arrivals: a new N-token
 prompt (max_tokens 1) is added before each step, and the step runs its prefill beside the B decodes.
+
+Each mode is timed twice: step by step with the device synchronized after each (the median: one step's own
+cost, nothing overlapped across steps) and back to back with one synchronize at the end (the mean: what the
+engine loop sees; async scheduling overlaps a step's host work with the previous step's kernels only here).
+--sync-debug runs the last mode's back-to-back steps under torch.cuda.set_sync_debug_mode("warn") and prints
+where the host waited for the device (a hidden synchronization serializes host and device).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import logging
 import random
 import statistics
 import time
+import traceback
+import warnings
 
 import torch
 
@@ -43,20 +52,53 @@ def fill_to_decode(llm: LLM, batch: int, context: int, max_tokens: int) -> None:
         produced.update(o.request_id for o in llm.engine.step())
 
 
-def timed_steps(llm: LLM, steps: int, prefill_tokens: int = 0) -> list[float]:
+def timed_steps(llm: LLM, steps: int, prefill_tokens: int = 0, sync_each: bool = True) -> list[float]:
+    """Seconds per step: each step's own (synchronized after it), or with sync_each False the back-to-back
+    loop's mean, one value per step."""
     _sync()
     times = []
     rng = random.Random(1)
     high = min(llm.loaded.config.vocab_size, 10_000) - 1
-    for _ in range(steps):
+    prompts = [[rng.randint(0, high) for _ in range(prefill_tokens)] for _ in range(steps if prefill_tokens else 0)]
+    loop_start = time.perf_counter()
+    for i in range(steps):
         if prefill_tokens:  # a fresh prompt (no prefix-cache hit) to prefill beside the decodes
-            llm.engine.add_request([rng.randint(0, high) for _ in range(prefill_tokens)],
-                                   SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+            llm.engine.add_request(prompts[i], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
         start = time.perf_counter()
         llm.engine.step()
+        if sync_each:
+            _sync()
+            times.append(time.perf_counter() - start)
+    if not sync_each:
         _sync()
-        times.append(time.perf_counter() - start)
+        times = [(time.perf_counter() - loop_start) / steps] * steps
     return times
+
+
+def sync_sites(llm: LLM, steps: int, prefill_tokens: int, top: int) -> None:
+    """Back-to-back steps with CUDA's sync debug mode on: each place the host waited for the device, by count."""
+    if not torch.cuda.is_available():
+        print("sync debug: no CUDA device")
+        return
+    sites: collections.Counter[str] = collections.Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ANN001
+        frames = [f for f in traceback.extract_stack()[:-1] if "/kvpilot/" in f.filename]
+        where = " <- ".join(f"{f.filename.rsplit('/kvpilot/', 1)[-1]}:{f.lineno}" for f in reversed(frames[-3:]))
+        sites[f"{str(message)[:60]} at {where or filename + ':' + str(lineno)}"] += 1
+
+    previous = warnings.showwarning
+    warnings.showwarning = record
+    warnings.simplefilter("always")
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        timed_steps(llm, steps, prefill_tokens, sync_each=False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        warnings.showwarning = previous
+    print(f"sync debug: {sum(sites.values())} synchronizations in {steps} back-to-back steps")
+    for site, count in sites.most_common(top):
+        print(f"  {count:5d}  {site}")
 
 
 def profile_steps(llm: LLM, steps: int, top: int, prefill_tokens: int) -> None:
@@ -87,6 +129,8 @@ def main() -> None:
     parser.add_argument("--modes", default="sync-eager,async-eager,async-graphs",
                         help="comma-separated {sync,async}-{eager,graphs}: scheduling and CUDA graphs")
     parser.add_argument("--profile", action="store_true", help="Profile the last mode's steps (kernels, time).")
+    parser.add_argument("--sync-debug", action="store_true", help="Report where the last mode's back-to-back steps "
+                        "waited for the device (torch.cuda.set_sync_debug_mode).")
     parser.add_argument("--prefill-tokens", type=int, default=0, help="Mixed steps: an N-token prompt prefilled "
                         "in each step beside the decodes (fits the token budget: N + batch <= 2,048 by default).")
     args = parser.parse_args()
@@ -105,10 +149,13 @@ def main() -> None:
         timed_steps(llm, 3, args.prefill_tokens)  # warm-up
         times = timed_steps(llm, args.steps, args.prefill_tokens)
         step = statistics.median(times)
+        loop = timed_steps(llm, args.steps, args.prefill_tokens, sync_each=False)[0]
         mixed = f" + a {args.prefill_tokens}-token prefill" if args.prefill_tokens else ""
         print(f"{args.model} decode, batch {args.batch}{mixed}, context ~{args.context}, {mode}: "
-              f"{step * 1e3:.2f} ms a step (median of {args.steps}, min {min(times) * 1e3:.2f}) "
-              f"= {args.batch / step:,.0f} tok/s", flush=True)
+              f"{step * 1e3:.2f} ms a step (median of {args.steps} synchronized, min {min(times) * 1e3:.2f}); "
+              f"back to back {loop * 1e3:.2f} ms = {args.batch / loop:,.0f} tok/s", flush=True)
+        if mode == modes[-1] and args.sync_debug:
+            sync_sites(llm, args.steps, args.prefill_tokens, args.top)
         if mode == modes[-1] and args.profile:
             profile_steps(llm, 5, args.top, args.prefill_tokens)
         del llm

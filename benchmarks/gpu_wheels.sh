@@ -8,4 +8,4 @@ python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --im
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl \
     fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 \
-    typing-inspection==0.4.5 uvicorn==0.54.0 sniffio==1.3.1 opentelemetry-api==1.45.2 gguf==0.19.0 py-spy==0.4.3
+    typing-inspection==0.4.5 uvicorn==0.54.0 httptools==0.9.0 sniffio==1.3.1 opentelemetry-api==1.45.2 gguf==0.19.0 py-spy==0.4.3

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import torch
 
 from kvpilot import LLM, SamplingParams
@@ -77,12 +78,15 @@ async def _one(client: httpx.AsyncClient, prompt: list[int], output_len: int) ->
 class ClientRun:
     """What the client saw: wall seconds, tokens, content chunks (fewer than tokens when the server merged
     steps into one chunk: it fell behind), and the client's own CPU seconds (near the wall time: the client
-    itself may be what limits the rate)."""
+    itself may be what limits the rate). The server's CPU seconds meanwhile, HTTP process and engine core, are
+    filled in after the run."""
 
     seconds: float
     num_tokens: int
     num_chunks: int
     cpu_seconds: float
+    http_cpu_seconds: float = 0.0
+    core_cpu_seconds: float = 0.0
 
 
 async def _client_run(url: str, prompts: list[list[int]], output_len: int, concurrency: int) -> ClientRun:
@@ -112,12 +116,15 @@ def run_server(args: argparse.Namespace, prompts: list[list[int]]) -> ClientRun:
                                  "--max-num-batched-tokens", str(args.max_num_batched_tokens)],
                                 log_path=args.server_log)
     spy = _start_py_spy(process.pid, args.py_spy) if args.py_spy else None
+    cpu = ServerCpu(process.pid)
     try:
         if args.client == "bench":
-            return _kvpilot_bench(url, args)
-        run = asyncio.run(_client_run(url, prompts, args.output_len, args.concurrency)) \
-            if args.client_processes == 1 else _multi_process_client(url, prompts, args)
-        assert run.num_tokens == len(prompts) * args.output_len, f"{run.num_tokens} tokens streamed"
+            run = _kvpilot_bench(url, args)
+        else:
+            run = asyncio.run(_client_run(url, prompts, args.output_len, args.concurrency)) \
+                if args.client_processes == 1 else _multi_process_client(url, prompts, args)
+            assert run.num_tokens == len(prompts) * args.output_len, f"{run.num_tokens} tokens streamed"
+        run.http_cpu_seconds, run.core_cpu_seconds = cpu.since_start()
         return run
     finally:
         if spy is not None:
@@ -125,6 +132,29 @@ def run_server(args: argparse.Namespace, prompts: list[list[int]]) -> ClientRun:
             spy.wait(timeout=60)
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=60)
+
+
+class ServerCpu:
+    """CPU seconds the server's HTTP process and its children (the engine core) spent since this was made:
+    the front end's cost per streamed chunk is the HTTP process's share divided by the chunks."""
+
+    def __init__(self, pid: int) -> None:
+        self._http = psutil.Process(pid)
+        self._start = self._read()
+
+    def _read(self) -> tuple[float, float]:
+        def busy(proc: psutil.Process) -> float:
+            try:
+                times = proc.cpu_times()
+            except psutil.NoSuchProcess:
+                return 0.0
+            return times.user + times.system
+
+        return busy(self._http), sum(busy(child) for child in self._http.children(recursive=True))
+
+    def since_start(self) -> tuple[float, float]:
+        (http0, core0), (http1, core1) = self._start, self._read()
+        return http1 - http0, core1 - core0
 
 
 PY_SPY_RATE = 200  # samples a second
@@ -164,7 +194,7 @@ def _kvpilot_bench(url: str, args: argparse.Namespace) -> ClientRun:
     aggregates = run["aggregates"]
     assert aggregates["num_errors"] == 0, f"{aggregates['num_errors']} requests failed"
     num_tokens = round(aggregates["output_token_throughput"] * aggregates["duration_s"])
-    return ClientRun(aggregates["duration_s"], num_tokens, 0, -1.0)
+    return ClientRun(aggregates["duration_s"], num_tokens, 0, -1.0)  # bench counts no chunks
 
 
 def _client_process(url: str, prompts: list[list[int]], output_len: int, concurrency: int, barrier: Any,
@@ -247,12 +277,16 @@ def main() -> None:
     print(f"offline LLM.generate : {offline_tps:8.1f} output tokens/s ({offline_s:.1f} s)")
     print(f"HTTP server streaming: {server_tps:8.1f} output tokens/s ({server_s:.1f} s)")
     print(f"server / offline     : {server_tps / offline_tps:8.1%}  (target >= 90%)")
+    print(f"server CPU           : HTTP process {client.http_cpu_seconds:.1f} s "
+          f"({client.http_cpu_seconds / num_tokens * 1e6:.0f} us a token), engine core {client.core_cpu_seconds:.1f} s, "
+          f"of {server_s:.1f} s wall")
     if args.client == "bench":
         print(f"client               : kvpilot bench, {args.client_processes} process(es)")
         return
     print(f"client               : {client.num_chunks} chunks for {client.num_tokens} tokens "
           f"({client.num_tokens / client.num_chunks:.2f} a chunk), client CPU {client.cpu_seconds:.1f} s of "
-          f"{client.seconds:.1f} s wall")
+          f"{client.seconds:.1f} s wall; HTTP process {client.http_cpu_seconds / client.num_chunks * 1e6:.0f} us "
+          f"a chunk")
 
 
 if __name__ == "__main__":

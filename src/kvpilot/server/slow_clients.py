@@ -1,9 +1,15 @@
 """Timeouts for clients that send their request line and headers slowly (or not at all).
 
-uvicorn's h11 protocol bounds only the idle time between requests (`timeout_keep_alive`, armed after a
+uvicorn's HTTP protocols bound only the idle time between requests (`timeout_keep_alive`, armed after a
 response): a connection that opens and then sends nothing, or a few header bytes now and then, is held
-forever. `header_timeout_protocol` returns an H11Protocol that closes such a connection after
-`header_timeout_s` (408 if part of a request had arrived). The body's own deadline is BodyGuard's.
+forever. `header_timeout_protocol` returns uvicorn's protocol class with a header deadline added: such a
+connection is closed after `header_timeout_s` (408 if part of a request had arrived). The body's own deadline
+is BodyGuard's.
+
+The protocol is httptools' (its C parser) where the package is installed, else h11's: on a CPU box streaming
+64 requests, the HTTP process spent ~64 us a streamed chunk with httptools and ~79 with h11 (2-vCPU EPYC,
+2026-11-27, benchmarks/server_overhead.py), CPU the engine's threads share on a small machine and the one
+core the front end has at hundreds of GPU streams.
 """
 
 from __future__ import annotations
@@ -15,10 +21,17 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from kvpilot.server.config import ServerArgs
 
+try:
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+except ImportError:  # httptools not installed: h11 alone
+    HttpToolsProtocol = None
 
-class _HeaderTimeoutH11(H11Protocol):
-    """Invariant: from the moment a connection opens or finishes a response, the next request's headers must
-    arrive within `header_timeout_s`, or the connection is closed."""
+
+class _HeaderTimeout(asyncio.Protocol):
+    """Mixed into a uvicorn HTTP protocol (both keep `loop`, `transport` and `cycle`, the request being served,
+    and call on_response_complete after each response). Invariant: from the moment a connection opens or
+    finishes a response, the next request's headers must arrive within `header_timeout_s`, or the connection
+    is closed."""
 
     header_timeout_s: float = 10.0
 
@@ -64,13 +77,20 @@ def _timeout_response(timeout_s: float) -> bytes:
             b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
 
 
-def header_timeout_protocol(header_timeout_s: float) -> type[H11Protocol]:
-    return type("HeaderTimeoutH11", (_HeaderTimeoutH11,), {"header_timeout_s": header_timeout_s})
+def header_timeout_protocol(header_timeout_s: float, parser: str = "auto") -> type[asyncio.Protocol]:
+    """uvicorn's protocol for `parser` ("httptools", "h11", or "auto": httptools where installed) with the
+    header deadline. ValueError for httptools when it is not installed."""
+    if parser == "auto":
+        parser = "h11" if HttpToolsProtocol is None else "httptools"
+    if parser == "httptools" and HttpToolsProtocol is None:
+        raise ValueError("the httptools parser needs the httptools package: pip install httptools")
+    base = {"h11": H11Protocol, "httptools": HttpToolsProtocol}[parser]
+    return type(f"HeaderTimeout{base.__name__}", (_HeaderTimeout, base), {"header_timeout_s": header_timeout_s})
 
 
 def uvicorn_options(args: ServerArgs) -> dict[str, Any]:
     """The uvicorn.Config settings that bound slow clients (used by `kvpilot serve` and BackgroundServer).
     The loop is pinned to asyncio: uvicorn would pick uvloop where installed (Ray Serve brings it), and the
-    protocol above is written against asyncio's transports."""
+    protocols above are written against asyncio's transports (uvloop saved no CPU a chunk here either)."""
     return {"http": header_timeout_protocol(args.header_timeout_s), "timeout_keep_alive": args.keep_alive_timeout_s,
             "loop": "asyncio"}
