@@ -1,7 +1,8 @@
 """The header deadline (slow_clients.header_timeout_protocol) holds on both of uvicorn's HTTP parsers: `kvpilot
 serve` takes httptools where it is installed and h11 otherwise. A real uvicorn server with a two-line ASGI app
 per parser: a silent connection is closed, half-sent headers get a 408, a whole request is answered and its
-connection kept alive, and a malformed Content-Length is refused with a 400 before the app runs."""
+connection kept alive, a malformed Content-Length is refused with a 400 and a request head past MAX_HEADER_BYTES
+with a 4xx, both before the app runs."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 import uvicorn
 
 from kvpilot.server.background import free_port
-from kvpilot.server.slow_clients import HttpToolsProtocol, header_timeout_protocol
+from kvpilot.server.slow_clients import MAX_HEADER_BYTES, HttpToolsProtocol, header_timeout_protocol
 
 TIMEOUT_S = 0.5
 PARSERS = ["h11", pytest.param("httptools", marks=pytest.mark.skipif(HttpToolsProtocol is None,
@@ -103,3 +104,26 @@ def test_a_malformed_content_length_gets_400_before_the_app(port: int) -> None:
     reply, _ = _exchange(port, b"POST /bad HTTP/1.1\r\nHost: t\r\nContent-Length: abc\r\nConnection: close\r\n\r\n")
     assert reply.startswith(b"HTTP/1.1 400 ")
     assert len(calls) == before
+
+
+def _headers(num_bytes: int) -> bytes:
+    """Header lines of about num_bytes (100-byte values)."""
+    return b"".join(b"x-pad-%d: %s\r\n" % (i, b"v" * 100) for i in range(num_bytes // 112))
+
+
+def test_an_endless_request_head_is_refused_past_the_bound(port: int) -> None:
+    """Header lines that keep coming (no blank line): refused once over the bound, well before the deadline,
+    instead of buffered for as long as they come."""
+    before = len(calls)
+    reply, seconds = _exchange(port, b"GET /endless HTTP/1.1\r\nHost: t\r\n" + _headers(4 * MAX_HEADER_BYTES))
+    assert reply.startswith((b"HTTP/1.1 431 ", b"HTTP/1.1 400 "))  # httptools: ours; h11: its own 16 KiB bound
+    assert seconds < TIMEOUT_S and len(calls) == before
+
+
+def test_headers_under_the_bound_and_a_body_sent_with_them_are_served(port: int) -> None:
+    body = b"b" * (4 * MAX_HEADER_BYTES)  # in the same send as the headers: not counted as header bytes
+    head = b"POST /big-body HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n" % len(body)
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(head + _headers(MAX_HEADER_BYTES // 2) + b"\r\n" + body)
+        assert _response(sock).startswith(b"HTTP/1.1 200 ")
+    assert calls[-1] == "/big-body"
