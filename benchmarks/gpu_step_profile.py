@@ -53,8 +53,8 @@ def fill_to_decode(llm: LLM, batch: int, context: int, max_tokens: int) -> None:
 
 
 def timed_steps(llm: LLM, steps: int, prefill_tokens: int = 0, sync_each: bool = True) -> list[float]:
-    """Seconds per step: each step's own (synchronized after it), or with sync_each False the back-to-back
-    loop's mean, one value per step."""
+    """Seconds per step: each step's own (synchronized after it), or with sync_each False one value, the
+    back-to-back loop's mean."""
     _sync()
     times = []
     rng = random.Random(1)
@@ -71,7 +71,7 @@ def timed_steps(llm: LLM, steps: int, prefill_tokens: int = 0, sync_each: bool =
             times.append(time.perf_counter() - start)
     if not sync_each:
         _sync()
-        times = [(time.perf_counter() - loop_start) / steps] * steps
+        times = [(time.perf_counter() - loop_start) / steps]
     return times
 
 

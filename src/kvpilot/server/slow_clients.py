@@ -38,6 +38,8 @@ class _HeaderTimeout(asyncio.Protocol):
     is closed."""
 
     header_timeout_s: float = 10.0
+    _armed_cycle: Any = None  # the request cycle when the deadline was last armed (None: none yet)
+    _header_bytes = 0  # bytes received since then while no request head was complete
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -54,7 +56,8 @@ class _HeaderTimeout(asyncio.Protocol):
         super().data_received(data)
         # after the parser saw them: bytes past the end of the headers (a body's start) do not count
         if self._header_bytes > MAX_HEADER_BYTES and self._waiting_for_headers() and not self.transport.is_closing():
-            self.transport.write(_too_large_response())
+            self.transport.write(_closing_response(b"431 Request Header Fields Too Large",
+                                                   f"the request line and headers exceed {MAX_HEADER_BYTES} bytes"))
             self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -66,12 +69,13 @@ class _HeaderTimeout(asyncio.Protocol):
         self._bytes_since_armed = False
         self._header_bytes = 0
         self._armed_cycle = self.cycle
-        self._header_timer = self.loop.call_later(self.header_timeout_s, self._header_timeout, self.cycle)
+        # a re-arm cancels this timer first: when it fires, it belongs to the arm in _armed_cycle
+        self._header_timer = self.loop.call_later(self.header_timeout_s, self._header_timeout)
 
     def _waiting_for_headers(self) -> bool:
         """No request has arrived whole since the timer was armed (the protocols set `cycle` once a request's
         headers are parsed; the armed one, if any, has been answered)."""
-        armed = getattr(self, "_armed_cycle", None)
+        armed = self._armed_cycle
         return self.cycle is armed and (armed is None or armed.response_complete)
 
     def _cancel_header_timer(self) -> None:
@@ -80,25 +84,20 @@ class _HeaderTimeout(asyncio.Protocol):
             timer.cancel()
             self._header_timer = None
 
-    def _header_timeout(self, armed_cycle: Any) -> None:
-        if armed_cycle is not getattr(self, "_armed_cycle", None) or not self._waiting_for_headers() \
-                or self.transport.is_closing():
+    def _header_timeout(self) -> None:
+        if not self._waiting_for_headers() or self.transport.is_closing():
             return  # a request arrived in time (its response re-arms the timer)
         if self._bytes_since_armed:
-            self.transport.write(_timeout_response(self.header_timeout_s))
+            late = f"the request line and headers did not arrive within {self.header_timeout_s:g} s"
+            self.transport.write(_closing_response(b"408 Request Timeout", late))
         self.transport.close()
 
 
-def _timeout_response(timeout_s: float) -> bytes:
-    body = f"the request line and headers did not arrive within {timeout_s:g} s\n".encode()
-    return (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset=utf-8\r\nconnection: close\r\n"
+def _closing_response(status: bytes, message: str) -> bytes:
+    """A whole plain-text response that announces the connection's close (written before the app runs)."""
+    body = f"{message}\n".encode()
+    return (b"HTTP/1.1 " + status + b"\r\ncontent-type: text/plain; charset=utf-8\r\nconnection: close\r\n"
             b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-
-
-def _too_large_response() -> bytes:
-    body = f"the request line and headers exceed {MAX_HEADER_BYTES} bytes\n".encode()
-    return (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: text/plain; charset=utf-8\r\n"
-            b"connection: close\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
 
 
 def header_timeout_protocol(header_timeout_s: float, parser: str = "auto") -> type[asyncio.Protocol]:
