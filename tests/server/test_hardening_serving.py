@@ -1,6 +1,7 @@
 """Issue 14, serving hardening, against a live server: the API key guards every route but /health, request
-bodies are bounded in size and time, slow or silent clients are dropped, the contract (/health body, 405
-Allow, OpenAPI 400 not 422) holds, and a non-streaming client that leaves has its request aborted at once."""
+bodies are bounded in size and time, slow or silent clients and endless request heads are dropped, the
+contract (/health body, 405 Allow, OpenAPI 400 not 422) holds, and a non-streaming client that leaves has its
+request aborted at once."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import httpx
 import pytest
 
 from kvpilot.server.background import BackgroundServer
+from kvpilot.server.slow_clients import MAX_HEADER_BYTES
 from tests.server.metrics_text import samples, value
 from tests.server.tiny_server import AUTH, KEY, MODEL, integrity, tiny_server, write_tiny_config
 
@@ -128,6 +130,19 @@ def test_slow_headers_get_dropped(server, sent: bytes) -> None:
     assert reply.startswith(b"HTTP/1.1 408 ") if sent else reply == b""
     print(f"\nheaders {'partly sent' if sent else 'never sent'} (timeout 1 s): closed after "
           f"{time.monotonic() - started:.2f} s")
+
+
+def test_an_endless_request_head_is_refused_and_others_are_served(server, http) -> None:
+    """Header lines that never end: refused past MAX_HEADER_BYTES (431 on httptools, h11's own 400), well before
+    the header deadline, while a completion on another connection is served."""
+    lines = b"".join(b"x-pad-%d: %s\r\n" % (i, b"v" * 100) for i in range(4 * MAX_HEADER_BYTES // 112))
+    started = time.monotonic()
+    with _raw(server, b"POST /v1/completions HTTP/1.1\r\nHost: t\r\n" + lines) as sock:
+        reply = _read_all(sock)
+    assert reply.startswith((b"HTTP/1.1 431 ", b"HTTP/1.1 400 ")) and time.monotonic() - started < 1.0
+    response = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 2
+    assert integrity(http)["ok"]
 
 
 def test_non_streaming_client_that_leaves_is_aborted(server, http) -> None:
