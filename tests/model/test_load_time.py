@@ -12,23 +12,62 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf import GGUFReader
+from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
 from kvpilot.fit.gguf_metadata import open_gguf
 
 pytestmark = pytest.mark.slow
 
 
+def _same_fields(ours: GGUFReader, theirs: GGUFReader) -> None:
+    assert list(ours.fields) == list(theirs.fields)
+    for name, field in theirs.fields.items():
+        assert ours.fields[name].contents() == field.contents(), name
+        assert ours.fields[name].types == field.types, name
+
+
 def test_the_plain_view_reader_reads_what_the_gguf_reader_reads(gguf_path: Path) -> None:
     ours, theirs = open_gguf(gguf_path), GGUFReader(str(gguf_path))
     assert type(ours.data) is np.ndarray and not ours.data.flags.writeable
-    assert list(ours.fields) == list(theirs.fields)
-    for name in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "general.architecture", "llama.block_count"):
-        assert ours.fields[name].contents() == theirs.fields[name].contents(), name
-    assert [(t.name, t.tensor_type, t.n_bytes) for t in ours.tensors] == \
-        [(t.name, t.tensor_type, t.n_bytes) for t in theirs.tensors]
+    _same_fields(ours, theirs)  # the vocabulary and merges (arrays of strings), token types (of int32)
+    assert ours.data_offset == theirs.data_offset
+    assert [(t.name, t.tensor_type, t.n_bytes, t.data_offset) for t in ours.tensors] == \
+        [(t.name, t.tensor_type, t.n_bytes, t.data_offset) for t in theirs.tensors]
     for mine, reference in zip(ours.tensors, theirs.tensors, strict=True):
         assert np.array_equal(mine.data, reference.data), mine.name
+
+
+def _empty_the_array(path: Path, key: str, item_size: int) -> None:
+    """Rewrites a one-element array field as an empty one (its count 0, its element cut out)."""
+    raw = path.read_bytes()
+    count_at = raw.index(key.encode()) + len(key) + 8  # after the key: value type, element type (u32 each)
+    assert int.from_bytes(raw[count_at:count_at + 8], "little") == 1
+    path.write_bytes(raw[:count_at] + (0).to_bytes(8, "little") + raw[count_at + 8 + item_size:])
+
+
+def test_arrays_of_every_kind_read_as_the_gguf_reader_reads_them(tmp_path: Path) -> None:
+    """Arrays read in bulk (numbers as one view, strings as memoryview slices): empty ones, non-ASCII
+    strings, every numeric width, booleans, and nested arrays (left to the stock element-wise walk)."""
+    path = tmp_path / "arrays.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_array("t.strings", ["", "a", "héllo ▁wörld", "x" * 300])
+    writer.add_array("t.empty", [5])  # emptied below: GGUFWriter leaves empty arrays out
+    writer.add_array("t.ints", [1, -2, 3])
+    writer.add_array("t.floats", [0.5, -1.25])
+    writer.add_array("t.bools", [True, False, True])
+    writer.add_array("t.nested", [[1, 2], [3]])
+    writer.add_uint32("t.after", 7)  # read at the offset the arrays before it end at
+    writer.add_string("t.tail", "end")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    _empty_the_array(path, "t.empty", item_size=4)
+    ours, theirs = open_gguf(path), GGUFReader(str(path))
+    _same_fields(ours, theirs)
+    assert ours.fields["t.strings"].contents() == ["", "a", "héllo ▁wörld", "x" * 300]
+    assert ours.fields["t.empty"].contents() == [] and ours.fields["t.empty"].types == [GGUFValueType.ARRAY]
+    assert ours.fields["t.after"].contents() == 7 and ours.fields["t.tail"].contents() == "end"
 
 
 _LOAD_AND_LIST_IMPORTS = """
