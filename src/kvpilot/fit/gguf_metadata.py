@@ -120,8 +120,9 @@ def hf_config_from_reader(reader: Any, path: str | Path) -> dict[str, Any]:
         raise GgufError(f"{path}: unsupported GGUF architecture {arch!r}; kvpilot supports {supported}")
     heads = int(_arch_key(reader, arch, "attention.head_count", path))
     hidden = int(_arch_key(reader, arch, "embedding_length", path))
-    tokens = field_value(reader, "tokenizer.ggml.tokens")
-    vocab = _arch_key(reader, arch, "vocab_size", path, required=False) or (len(tokens) if tokens else None)
+    vocab = _arch_key(reader, arch, "vocab_size", path, required=False)
+    if not vocab:  # the token list's length (decoding 49k strings: only when the size is not stored)
+        vocab = len(field_value(reader, "tokenizer.ggml.tokens") or []) or None
     if vocab is None:
         raise GgufError(f"{path}: GGUF metadata has neither '{arch}.vocab_size' nor a token list")
     tensor_names = {t.name for t in reader.tensors}

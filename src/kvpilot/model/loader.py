@@ -101,7 +101,7 @@ def _load_gguf(path: Path, max_model_len: int | None, dtype: torch.dtype, device
     if names:
         release_packed_quants(model, dtype)
     # A GGUF without vocabulary metadata still runs on token ids.
-    has_vocab = field_value(reader, "tokenizer.ggml.tokens") is not None
+    has_vocab = "tokenizer.ggml.tokens" in reader.fields
     tokenizer = tokenizer_from_gguf(reader, path) if has_vocab else None
     return LoadedModel(config, model, tokenizer, config.name or path.stem, str(path), "gguf", dtype, device,
                        "gguf" if names else "none", plan)

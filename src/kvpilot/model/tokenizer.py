@@ -57,8 +57,7 @@ class Tokenizer:
         return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
 
 
-def _gguf_bpe_backend(reader: Any) -> BackendTokenizer:
-    tokens = field_value(reader, "tokenizer.ggml.tokens")
+def _gguf_bpe_backend(reader: Any, tokens: list[str]) -> BackendTokenizer:
     merges = field_value(reader, "tokenizer.ggml.merges") or []
     token_types = field_value(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
     vocab = {token: i for i, token in enumerate(tokens)}
@@ -92,10 +91,10 @@ def tokenizer_from_gguf(reader: Any, path: str | Path) -> Tokenizer:
     """The tokenizer and chat template stored in a GGUF file's metadata."""
     path = Path(path)
     kind = field_value(reader, "tokenizer.ggml.model")
-    tokens = field_value(reader, "tokenizer.ggml.tokens")
+    tokens = field_value(reader, "tokenizer.ggml.tokens")  # decoded once: 49k strings in the embedded model
     if tokens is None:
         raise ModelLoadError(f"{path}: GGUF metadata has no tokenizer (tokenizer.ggml.tokens)")
-    backend = _gguf_bpe_backend(reader) if kind == "gpt2" else _gguf_converted_backend(path)
+    backend = _gguf_bpe_backend(reader, tokens) if kind == "gpt2" else _gguf_converted_backend(path)
     bos = field_value(reader, "tokenizer.ggml.bos_token_id")
     eos = field_value(reader, "tokenizer.ggml.eos_token_id")
     return Tokenizer(
