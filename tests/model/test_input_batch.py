@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
+import torch
+
 from kvpilot import SamplingParams
 from kvpilot.engine.scheduler_output import NewRequestData
 from kvpilot.model.input_batch import BatchLimits, InputBatch
+from kvpilot.model.step_inputs import PreviousSample
 
 
 def _recounted(batch: InputBatch) -> tuple[int, int, int]:
@@ -36,3 +40,39 @@ def test_counts_follow_adds_and_removes():
     assert (batch.num_sampling, batch.num_min_tokens, batch.num_with_logprobs) == (0, 0, 0)
     assert not (batch.temperature > 0).any() and not (batch.min_tokens > 0).any()
     assert (batch.num_logprobs == -1).all()
+
+
+def _batch_of(*request_ids: str) -> InputBatch:
+    batch = InputBatch(BatchLimits(max_num_seqs=4, max_model_len=64, block_size=16))
+    for request_id in request_ids:
+        batch.add(NewRequestData(request_id, [5, 6, 7], [], SamplingParams(temperature=0), [0], 3))
+    return batch
+
+
+def test_a_commit_with_no_row_freed_since_its_launch_fills_every_row():
+    batch = _batch_of("a", "b")
+    rows = np.array([batch.rows["a"], batch.rows["b"]])
+    positions = batch.append_placeholders(rows)
+    launched = batch.num_removed
+    batch.commit(["a", "b"], rows, positions, [11, 12], launched)
+    assert batch.token_ids[rows, 3].tolist() == [11, 12] and batch.num_known[rows].tolist() == [4, 4]
+
+
+def test_a_row_freed_and_taken_since_the_launch_is_not_overwritten():
+    """'a' finished after its step launched and 'c' took its row: the commit must skip that row, though the
+    caller passes the launch-time count (the fast path applies only while no row was freed)."""
+    batch = _batch_of("a", "b")
+    rows = np.array([batch.rows["a"], batch.rows["b"]])
+    positions = batch.append_placeholders(rows)
+    launched = batch.num_removed
+    batch.remove("a")
+    batch.add(NewRequestData("c", [8, 9, 10, 13, 14], [], SamplingParams(temperature=0), [1], 0))
+    assert batch.rows["c"] == rows[0]  # the freed row, recycled
+    batch.commit(["a", "b"], rows, positions, [11, 12], launched)
+    assert batch.token_ids[rows[0], :5].tolist() == [8, 9, 10, 13, 14]  # c's prompt, untouched
+    assert batch.token_ids[rows[1], 3] == 12 and batch.num_known[rows[0]] == 5
+
+
+def test_previous_sample_finds_each_rows_index_and_minus_one_for_the_rest():
+    previous = PreviousSample(torch.tensor([40, 41, 42]), np.array([5, 0, 2]))
+    assert previous.index_of(np.array([0, 2, 5, 1, 9])).tolist() == [1, 2, 0, -1, -1]

@@ -68,6 +68,8 @@ class InputBatch:
         self.num_sampling = 0
         self.num_min_tokens = 0
         self.num_with_logprobs = 0
+        # rows freed so far: while it stands still, every row still holds the request it held (commit's check)
+        self.num_removed = 0
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -137,6 +139,7 @@ class InputBatch:
             self.request_ids[row] = None
             self.params[row] = None
             self._free_rows.append(row)
+            self.num_removed += 1
         return row
 
     def append_placeholders(self, rows: np.ndarray) -> np.ndarray:
@@ -148,15 +151,17 @@ class InputBatch:
         return positions
 
     def commit(self, request_ids: Sequence[str], rows: np.ndarray, positions: np.ndarray,
-               token_ids: Sequence[int]) -> None:
+               token_ids: Sequence[int], num_removed_at_launch: int | None = None) -> None:
         """The host now knows the ids of the tokens sampled into `positions` of `rows` for `request_ids` (as
-        they were when the step launched; commits come in step order). A request finished, aborted or
-        preempted since (its row gone, or taken by another request) is skipped: nothing to fill."""
-        live = self.rows
-        now = np.fromiter((live.get(rid, -1) for rid in request_ids), dtype=np.int64, count=len(request_ids))
-        keep = (now == rows) & (positions < self.num_tokens[rows])  # a resumed request may hold its old row
-        if not keep.all():
-            rows, positions = rows[keep], positions[keep]
-            token_ids = np.asarray(token_ids, dtype=np.int64)[keep]
+        they were when the step launched, when num_removed was num_removed_at_launch; commits come in step
+        order). A request finished, aborted or preempted since (its row gone, or taken by another request) is
+        skipped: nothing to fill. With no row freed since the launch (the common case) none can be."""
+        if num_removed_at_launch is None or self.num_removed != num_removed_at_launch:
+            live = self.rows
+            now = np.fromiter((live.get(rid, -1) for rid in request_ids), dtype=np.int64, count=len(request_ids))
+            keep = (now == rows) & (positions < self.num_tokens[rows])  # a resumed request may hold its old row
+            if not keep.all():
+                rows, positions = rows[keep], positions[keep]
+                token_ids = np.asarray(token_ids, dtype=np.int64)[keep]
         self.token_ids[rows, positions] = token_ids
         self.num_known[rows] = positions + 1

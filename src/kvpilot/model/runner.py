@@ -49,8 +49,9 @@ class StepResult:
     def __init__(self, runner: "ModelRunner | None" = None, request_ids: Sequence[str] = (),
                  rows: np.ndarray | None = None, positions: np.ndarray | None = None,
                  token_ids: torch.Tensor | None = None, num_top: Sequence[int] = (),
-                 logprobs: Logprobs | None = None) -> None:
+                 logprobs: Logprobs | None = None, num_removed: int | None = None) -> None:
         self._runner, self._request_ids, self._rows, self._positions = runner, list(request_ids), rows, positions
+        self._num_removed = num_removed  # the batch's count of freed rows at launch (InputBatch.commit)
         self._num_top, self._has_logprobs = list(num_top), logprobs is not None
         tensors = [] if token_ids is None else [token_ids]
         if logprobs is not None:
@@ -64,7 +65,7 @@ class StepResult:
                 and self._runner is not None
             host = self._copy.wait()  # the step's one wait for the device
             ids = host[0].tolist()
-            self._runner.batch.commit(self._request_ids, self._rows, self._positions, ids)
+            self._runner.batch.commit(self._request_ids, self._rows, self._positions, ids, self._num_removed)
             logprobs = Logprobs(*host[1:]) if self._has_logprobs else None
             tokens = sampled_tokens(ids, self._num_top, logprobs)
             self._output = RunnerOutput(dict(zip(self._request_ids, tokens)))
@@ -215,11 +216,10 @@ class ModelRunner:
             logprobs = compute_logprobs(logits, token_ids, max(num_top)) if max(num_top) >= 0 else None
         else:
             num_top, logprobs = [-1] * len(rows), None
-        index_of_row = np.full(batch.limits.max_num_seqs, -1, dtype=np.int64)
-        index_of_row[rows] = np.arange(len(rows))
-        self._previous = PreviousSample(token_ids, index_of_row)
+        self._previous = PreviousSample(token_ids, rows)
         positions = batch.append_placeholders(rows)
-        return StepResult(self, inputs.sample_request_ids, rows, positions, token_ids, num_top, logprobs)
+        return StepResult(self, inputs.sample_request_ids, rows, positions, token_ids, num_top, logprobs,
+                          batch.num_removed)
 
     def _banned(self, rows: np.ndarray) -> list[list[int]]:
         """Per sampled row, the tokens min_tokens forbids now (EOS unless ignore_eos, and stop tokens)."""

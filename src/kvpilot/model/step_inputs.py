@@ -22,10 +22,17 @@ from kvpilot.model.input_batch import InputBatch
 
 @dataclass(frozen=True)
 class PreviousSample:
-    """The last step's sampled ids on the device, and each persistent row's index into them (-1: none)."""
+    """The last step's sampled ids on the device; token_ids[i] was sampled for persistent row rows[i]."""
 
     token_ids: torch.Tensor  # [N] long
-    index_of_row: np.ndarray  # [max_num_seqs] int64
+    rows: np.ndarray  # [N] int64, distinct
+
+    def index_of(self, rows: np.ndarray) -> np.ndarray:
+        """Each of `rows`' index into token_ids, -1 where the last step sampled nothing for it. Built only
+        when a step reads tokens still on the device (async scheduling), not on every step."""
+        lookup = np.full(max(int(self.rows.max(initial=-1)), int(rows.max(initial=-1))) + 1, -1, dtype=np.int64)
+        lookup[self.rows] = np.arange(len(self.rows))
+        return lookup[rows]
 
 
 @dataclass(frozen=True)
@@ -49,7 +56,7 @@ def _previous_sources(unknown: np.ndarray, token_rows: np.ndarray, previous: Pre
     """For each unknown input token, its index into the previous step's sampled ids."""
     if len(unknown) == 0:
         return unknown
-    source = previous.index_of_row[token_rows[unknown]] if previous is not None else np.full(len(unknown), -1)
+    source = previous.index_of(token_rows[unknown]) if previous is not None else np.full(len(unknown), -1)
     if (source < 0).any():
         raise MissingTokenError(f"{int((source < 0).sum())} input tokens were not sampled by the previous step")
     return source
@@ -59,7 +66,8 @@ def _to_device(arrays: list[np.ndarray], staging: PackedArrays | None, device: t
     """int64 tensors sharing the arrays' memory (staging None: a CPU step), or int32 views of one
     asynchronous copy (a CUDA step: no wait for the kernels queued before it)."""
     if staging is None:
-        return [torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device) for a in arrays]
+        tensors = [torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)) for a in arrays]
+        return tensors if device.type == "cpu" else [t.to(device) for t in tensors]
     return staging.pack(arrays)
 
 
@@ -71,7 +79,6 @@ def build_step_inputs(batch: InputBatch, chunks: Sequence[ScheduledChunk], rows:
     block_size = batch.limits.block_size
     num_chunks = len(chunks)
     query_lens = np.fromiter((c.num_tokens for c in chunks), dtype=np.int64, count=num_chunks)
-    needs_sample = np.fromiter((c.needs_sample for c in chunks), dtype=bool, count=num_chunks)
     starts = batch.num_computed[rows]
     if int(query_lens.sum()) == num_chunks:  # one token per chunk (a decode step): nothing to repeat
         query_start = np.arange(num_chunks, dtype=np.int64)
@@ -81,17 +88,24 @@ def build_step_inputs(batch: InputBatch, chunks: Sequence[ScheduledChunk], rows:
         query_start = ends - query_lens
         token_rows = np.repeat(rows, query_lens)
         positions = np.arange(int(ends[-1]), dtype=np.int64) + np.repeat(starts - query_start, query_lens)
-    slots = batch.block_table[token_rows, positions // block_size] * block_size + positions % block_size
+    if all(c.needs_sample for c in chunks):  # every chunk samples (decode steps, whole prompts)
+        sampled, sample_request_ids, sample_batch_rows = None, [c.request_id for c in chunks], rows
+    else:
+        sampled = np.flatnonzero(np.fromiter((c.needs_sample for c in chunks), dtype=bool, count=num_chunks))
+        sample_request_ids = [chunks[i].request_id for i in sampled.tolist()]
+        sample_batch_rows = rows[sampled]
+    block_ids = batch.block_table[token_rows, positions // block_size]
+    slots = block_ids * block_size + positions % block_size
     unknown = np.flatnonzero(positions >= batch.num_known[token_rows])
-    source = _previous_sources(unknown, token_rows, previous)
-    sampled = np.flatnonzero(needs_sample)
-    token_ids, positions_t, sample_rows, unknown_t, source_t = _to_device(
-        [batch.token_ids[token_rows, positions], positions, ends[sampled] - 1, unknown, source], staging, device)
-    if len(unknown) and previous is not None:  # (no previous: _previous_sources raised)
+    integers = [batch.token_ids[token_rows, positions], positions, ends - 1 if sampled is None else ends[sampled] - 1]
+    if len(unknown):  # tokens sampled by the previous step, not yet read back (async scheduling)
+        integers += [unknown, _previous_sources(unknown, token_rows, previous)]
+    token_ids, positions_t, sample_rows, *from_previous = _to_device(integers, staging, device)
+    if from_previous and previous is not None:  # (no previous: _previous_sources raised)
+        unknown_t, source_t = from_previous
         token_ids[unknown_t] = previous.token_ids[source_t].to(token_ids.dtype)
     max_blocks = int(-(-(starts + query_lens).max() // block_size))
     layout = StepLayout(query_start=query_start, query_lens=query_lens, start_positions=starts,
                         block_tables=batch.block_table[rows, :max_blocks], slot_mapping=slots, block_size=block_size)
     return StepInputs(token_ids=token_ids, positions=positions_t, layout=layout, sample_rows=sample_rows,
-                      sample_request_ids=[chunks[i].request_id for i in sampled.tolist()],
-                      sample_batch_rows=rows[sampled])
+                      sample_request_ids=sample_request_ids, sample_batch_rows=sample_batch_rows)

@@ -67,6 +67,12 @@ def make_key_bias(context_lens: torch.Tensor, num_keys: int) -> torch.Tensor:
     return bias[:, None, None, :]
 
 
+def host_tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """An int64 tensor of `array` on `device`: on a CPU it shares the array's memory (no copy, no `.to`)."""
+    tensor = torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64))
+    return tensor if device.type == "cpu" else tensor.to(device)
+
+
 def make_decode_batch(block_tables: np.ndarray, context_lens: np.ndarray, token_rows: np.ndarray,
                       block_size: int, device: torch.device, with_bias: bool = True,
                       consecutive: bool | None = None) -> DecodeBatch:
@@ -74,12 +80,12 @@ def make_decode_batch(block_tables: np.ndarray, context_lens: np.ndarray, token_
     read), context_lens [B] (keys including the new token), token_rows [B]; `consecutive`: whether token_rows
     are first, first + 1, ... (None: checked here)."""
     max_blocks = int(-(-context_lens.max() // block_size))
-    tables = torch.from_numpy(np.ascontiguousarray(block_tables[:, :max_blocks])).to(device)
-    lens = torch.from_numpy(np.ascontiguousarray(context_lens, dtype=np.int64)).to(device)
+    tables = host_tensor(block_tables[:, :max_blocks], device)
+    lens = host_tensor(context_lens, device)
     bias = make_key_bias(lens, max_blocks * block_size) if with_bias else None
     first = int(token_rows[0])
     if consecutive is None:
         consecutive = bool(np.array_equal(token_rows, np.arange(first, first + len(token_rows))))
-    return DecodeBatch(token_rows=torch.from_numpy(np.ascontiguousarray(token_rows, dtype=np.int64)).to(device),
+    return DecodeBatch(token_rows=host_tensor(token_rows, device),
                        row_range=(first, first + len(token_rows)) if consecutive else None,
                        block_tables=tables, context_lens=lens, key_bias=bias)

@@ -10,7 +10,8 @@ import numpy as np
 import torch
 
 from kvpilot.model.attention.layout import StepLayout
-from kvpilot.model.attention.metadata import AttentionMetadata, DecodeBatch, PrefillSeq, make_decode_batch
+from kvpilot.model.attention.metadata import (AttentionMetadata, DecodeBatch, PrefillSeq, host_tensor,
+                                               make_decode_batch)
 from kvpilot.model.layers.paged_attention import decode_torch, prefill_attention, write_kv
 
 DECODE_GROUP_SPREAD = 1.5  # a group's longest block table is at most this times its shortest...
@@ -67,12 +68,15 @@ class TorchAttentionBackend:
 
     def build(self, layout: StepLayout, device: torch.device) -> AttentionMetadata:
         is_decode = layout.is_decode
-        return AttentionMetadata(slot_mapping=torch.from_numpy(layout.slot_mapping).to(device),
-                                 prefills=build_prefills(layout, device, is_decode),
-                                 decodes=self._decode_batches(layout, device, is_decode), num_tokens=layout.num_tokens)
+        all_decode = bool(is_decode.all())
+        return AttentionMetadata(slot_mapping=host_tensor(layout.slot_mapping, device),
+                                 prefills=[] if all_decode else build_prefills(layout, device, is_decode),
+                                 decodes=self._decode_batches(layout, device, is_decode, all_decode),
+                                 num_tokens=layout.num_tokens)
 
-    def _decode_batches(self, layout: StepLayout, device: torch.device, is_decode: np.ndarray) -> list[DecodeBatch]:
-        if is_decode.all():  # a decode step: every sequence, rows 0..n-1 in order
+    def _decode_batches(self, layout: StepLayout, device: torch.device, is_decode: np.ndarray,
+                        all_decode: bool) -> list[DecodeBatch]:
+        if all_decode:  # a decode step: every sequence, rows 0..n-1 in order
             context_lens, tables, rows = layout.context_lens, layout.block_tables, layout.query_start
             consecutive: bool | None = True
         else:
