@@ -16,6 +16,7 @@ import torch
 
 from kvpilot.engine.scheduler_output import ScheduledChunk
 from kvpilot.model.attention.layout import StepLayout
+from kvpilot.model.attention.metadata import host_tensor
 from kvpilot.model.device_staging import PackedArrays
 from kvpilot.model.input_batch import InputBatch
 
@@ -66,8 +67,7 @@ def _to_device(arrays: list[np.ndarray], staging: PackedArrays | None, device: t
     """int64 tensors sharing the arrays' memory (staging None: a CPU step), or int32 views of one
     asynchronous copy (a CUDA step: no wait for the kernels queued before it)."""
     if staging is None:
-        tensors = [torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)) for a in arrays]
-        return tensors if device.type == "cpu" else [t.to(device) for t in tensors]
+        return [host_tensor(a, device) for a in arrays]
     return staging.pack(arrays)
 
 

@@ -28,9 +28,7 @@ def _prefill_mask(start: int, query_len: int, device: torch.device) -> torch.Ten
 
 def build_prefills(layout: StepLayout, device: torch.device, is_decode: np.ndarray) -> list[PrefillSeq]:
     """One PrefillSeq per non-decode sequence (a handful per step: a Python loop is fine here); `is_decode`
-    is layout.is_decode (the caller's, computed once a step)."""
-    if is_decode.all():
-        return []
+    is layout.is_decode (the caller's, computed once a step, which skips this call on an all-decode step)."""
     prefills = []
     context_lens = layout.context_lens
     for i in np.flatnonzero(~is_decode):
