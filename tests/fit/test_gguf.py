@@ -49,3 +49,13 @@ def test_a_corrupt_gguf_is_a_config_error(tmp_path: Path) -> None:
     bad.write_bytes(b"GGUF" + b"\x00" * 10)
     with pytest.raises(ConfigError, match=r"bad\.gguf"):
         load_model(str(bad))
+
+
+def test_a_gguf_cut_inside_its_vocabulary_is_a_config_error(tmp_path: Path, gguf_path: Path) -> None:
+    """The bulk reader of string arrays runs past the end of a file cut inside its token list: the same
+    one-line error as any corrupt file, naming it, not a struct error."""
+    cut = tmp_path / "cut.gguf"
+    with gguf_path.open("rb") as f:
+        cut.write_bytes(f.read(600_000))  # the header and part of the 49k-token vocabulary
+    with pytest.raises(ConfigError, match=r"cut\.gguf: GGUF file is truncated or corrupt"):
+        load_model(str(cut))
