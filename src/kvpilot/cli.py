@@ -10,7 +10,8 @@ import typer
 
 from kvpilot.bench.cli import make_bench_command
 from kvpilot.cli_options import (DeviceOpt, DtypeOpt, KvCacheDtypeOpt, KvCacheMemoryOpt, LoadFormatOpt,
-                                 MaxModelLenOpt, ModelOpt, QuantizationOpt, SeedOpt)
+                                 MaxModelLenOpt, ModelOpt, PromptGemmDtypeOpt, QuantizationOpt,
+                                 SeedOpt)
 from kvpilot.doctor.bench_section import doctor_report_section
 from kvpilot.doctor.cli import doctor_command
 from kvpilot.fit.cli import fit_command
@@ -49,13 +50,15 @@ def generate(
     model: ModelOpt = None, load_format: LoadFormatOpt = "auto", dtype: DtypeOpt = "auto", device: DeviceOpt = None,
     max_model_len: MaxModelLenOpt = None, kv_cache_memory: KvCacheMemoryOpt = None,
     kv_cache_dtype: KvCacheDtypeOpt = "auto", seed: SeedOpt = 0, quantization: QuantizationOpt = "auto",
+    prompt_gemm_dtype: PromptGemmDtypeOpt = "auto",
 ) -> None:
     """Generate a completion for one prompt and print it (streamed as it is produced)."""
     from kvpilot.sampling_params import SamplingParams
 
     llm = _build_llm(dict(model=model, load_format=load_format, dtype=dtype, device=device,
                            max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
-                           kv_cache_dtype=kv_cache_dtype, seed=seed, quantization=quantization))
+                           kv_cache_dtype=kv_cache_dtype, seed=seed, quantization=quantization,
+                           prompt_gemm_dtype=prompt_gemm_dtype))
     params = _sampling_params(SamplingParams, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                               top_k=top_k, seed=sample_seed)
     prompt_ids = llm.tokenizer.encode_chat([{"role": "user", "content": prompt}]) if chat_template else prompt
@@ -82,6 +85,7 @@ def chat(
     model: ModelOpt = None, load_format: LoadFormatOpt = "auto", dtype: DtypeOpt = "auto", device: DeviceOpt = None,
     max_model_len: MaxModelLenOpt = None, kv_cache_memory: KvCacheMemoryOpt = None,
     kv_cache_dtype: KvCacheDtypeOpt = "auto", seed: SeedOpt = 0, quantization: QuantizationOpt = "auto",
+    prompt_gemm_dtype: PromptGemmDtypeOpt = "auto",
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show the engine's INFO log lines.")] = False,
 ) -> None:
     """Interactive chat in the terminal with line editing and history; replies stream token by token. Ctrl-C
@@ -93,7 +97,8 @@ def chat(
         logging.getLogger().setLevel(logging.WARNING)
     llm = _build_llm(dict(model=model, load_format=load_format, dtype=dtype, device=device,
                            max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
-                           kv_cache_dtype=kv_cache_dtype, seed=seed, quantization=quantization))
+                           kv_cache_dtype=kv_cache_dtype, seed=seed, quantization=quantization,
+                           prompt_gemm_dtype=prompt_gemm_dtype))
     params = _sampling_params(SamplingParams, max_tokens=max_tokens, temperature=temperature, top_p=top_p)
     run_chat(llm, params, system)
 

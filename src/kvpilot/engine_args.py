@@ -12,7 +12,7 @@ from kvpilot.engine.config import CacheConfig, EngineConfigError, SchedulerConfi
 from kvpilot.engine.kv_events_config import KVEventsConfig
 from kvpilot.fit.memory import CPU_DEFAULT_KV_CACHE_BYTES
 from kvpilot.memory_size import parse_memory_size
-from kvpilot.model.choices import ATTENTION_BACKENDS, check_kv_cache_dtype, cuda_graph_sizes
+from kvpilot.model.choices import ATTENTION_BACKENDS, check_kv_cache_dtype, check_prompt_gemm_dtype, cuda_graph_sizes
 
 # Like vLLM's VLLM_CPU_KVCACHE_SPACE (4 GiB there), 2 GiB here: RSS matters on small boxes. Defined in `fit`
 # so the planner and the engine use one number.
@@ -29,6 +29,7 @@ class EngineArgs:
     dtype: str = "auto"
     quantization: str = "auto"  # CPU: auto (bf16: + dense copy) / gguf keep a GGUF's Q8_0/Q4_0/Q4_1 packed; none;
     # int8/int4 (CPU, at load); fp8 (Hopper/Ada GPUs: e4m3 weights per channel, activations per token)
+    prompt_gemm_dtype: str = "auto"  # CPU, packed weights, bf16: prompt GEMMs in bf16 or float32 (auto: measured)
     device: str | None = None
     max_model_len: int | None = None
     max_num_seqs: int = 256
@@ -61,6 +62,7 @@ class EngineArgs:
                 raise EngineConfigError(str(exc)) from exc
         try:
             check_kv_cache_dtype(self.kv_cache_dtype)
+            check_prompt_gemm_dtype(self.prompt_gemm_dtype)
         except ValueError as exc:
             raise EngineConfigError(str(exc)) from exc
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):

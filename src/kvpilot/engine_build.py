@@ -76,7 +76,8 @@ def build_engine(args: EngineArgs, loaded: LoadedModel | None = None) -> BuiltEn
     try:
         return _build(args, tp.loaded if tp is not None else loaded or load_model(
             args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
-            max_model_len=args.max_model_len, seed=args.seed, quantization=args.quantization), tp)
+            max_model_len=args.max_model_len, seed=args.seed, quantization=args.quantization,
+            prompt_gemm_dtype=args.prompt_gemm_dtype), tp)
     except BaseException:
         if tp is not None:
             tp.abort()

@@ -54,16 +54,17 @@ def test_quantization_setting_is_checked():
 
 @needs_kernel
 def test_auto_with_bfloat16_is_hybrid_packed_plus_resident_dense(tmp_path):
-    """bf16 activations under auto: the kernel for few rows, and for many rows a dense bf16 copy built once
+    """bf16 activations under auto (bf16 prompt GEMMs): the kernel for few rows, and for many rows a dense bf16 copy built once
     and kept (the same values as the dequantized model's weights, in oneDNN's blocked layout where bf16 GEMMs
     take it, else in the dense model's [in, out] memory layout); with VNNI, a
     Q4 layer's tiled int8 copy takes every row count of decode steps, the dense copy those of prompt steps; gguf
     (packed only) takes the same tiled path and fills the shared scratch matrix from it for prompt steps."""
     path = tmp_path / "tiny-Q4_1.gguf"
     _write_gguf(path, T.Q4_1)
-    hybrid = load_model(str(path), dtype="bfloat16", max_model_len=64)
+    hybrid = load_model(str(path), dtype="bfloat16", max_model_len=64, prompt_gemm_dtype="bfloat16")
     dense = load_model(str(path), dtype="bfloat16", max_model_len=64, quantization="none")
-    forced = load_model(str(path), dtype="bfloat16", max_model_len=64, quantization="gguf")
+    forced = load_model(str(path), dtype="bfloat16", max_model_len=64, quantization="gguf",
+                        prompt_gemm_dtype="bfloat16")
     layer, dense_layer = hybrid.model.layers[0].mlp.gate_up_proj, dense.model.layers[0].mlp.gate_up_proj
     assert isinstance(layer, PackedLinear) and layer.keep_dense
     assert not forced.model.layers[0].mlp.gate_up_proj.keep_dense  # gguf: packed only

@@ -20,6 +20,7 @@ def test_capacity_endpoint_matches_the_prediction(http, live_server) -> None:
     assert compare_capacity(capacity).matches
     # the model and device as `kvpilot fit` names them (the doctor's roofline without --model/--gpu)
     assert capacity["fit_device"] == "cpu" and capacity["fit_model"].endswith(".gguf")
+    assert capacity["prompt_gemm_dtype"] == "float32"  # packed layers, float32 activations: float32 prompt GEMMs
 
 
 def test_fit_url_fetches_and_compares(live_server, monkeypatch) -> None:

@@ -4,6 +4,8 @@ with them before the model (and torch) is ever imported in the HTTP process."""
 from __future__ import annotations
 
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch", "cpu", "triton")
+# the dtype of packed CPU layers' many-row GEMMs under bf16 activations (model/layers/prompt_gemm.py)
+PROMPT_GEMM_DTYPES: tuple[str, ...] = ("auto", "bfloat16", "float32")
 
 # kv_cache_dtype spellings -> the canonical name (kv_dtype.py maps canonical names to torch dtypes)
 KV_CACHE_DTYPE_NAMES: dict[str, str] = {
@@ -20,6 +22,12 @@ def check_kv_cache_dtype(name: str) -> None:
     if name.strip().lower() not in KV_CACHE_DTYPE_NAMES:
         raise ValueError(f"kv_cache_dtype must be one of auto, float32, bfloat16, float16, fp8 (e4m3); got "
                          f"{name!r}")
+
+
+def check_prompt_gemm_dtype(name: str) -> None:
+    """ValueError naming the accepted values when `name` is not one."""
+    if name not in PROMPT_GEMM_DTYPES:
+        raise ValueError(f"prompt_gemm_dtype must be one of {', '.join(PROMPT_GEMM_DTYPES)}; got {name!r}")
 
 
 def cuda_graph_sizes(max_num_seqs: int, requested: tuple[int, ...] | list[int] | None = None) -> list[int]:

@@ -18,6 +18,8 @@ from kvpilot.model.dtypes import resolve_dtype
 from kvpilot.model.errors import ModelLoadError, config_errors_as_load_errors
 from kvpilot.model.fused_decode import FusedDecode
 from kvpilot.model.layers.onednn_linear import prepack_bf16_linears
+from kvpilot.model.choices import check_prompt_gemm_dtype
+from kvpilot.model.layers.prompt_gemm import resolve_prompt_gemm_dtype
 from kvpilot.model.llama import LlamaForCausalLM
 from kvpilot.model.parallel.shard_plan import ShardPlan
 from kvpilot.model.quant.model_pack import check_quantization
@@ -42,6 +44,9 @@ class LoadedModel:
     # how the linear weights are held: "none" (dense, in dtype), "gguf" (the GGUF's packed blocks) or
     # "int8" / "int4" (quantized at load; packed ones run in the CPU kernels of kvpilot.model.quant), "fp8"
     quantization: str = "none"
+    # the dtype of packed layers' many-row GEMMs (steps with prompt tokens) under bf16 activations
+    # (layers/prompt_gemm.py); None: no packed layers
+    prompt_gemm_dtype: torch.dtype | None = None
     # tensor parallelism: the rank whose shard `model` holds (built from shard.local_config; `config` is the
     # whole model's); None: the whole model
     shard: ShardPlan | None = None
@@ -80,7 +85,7 @@ def _model_config(config: ModelConfig, plan: ShardPlan | None) -> ModelConfig:
 
 
 def _load_gguf(path: Path, max_model_len: int | None, dtype: torch.dtype, device: torch.device,
-               quantization: str, tp: TPRank) -> LoadedModel:
+               quantization: str, tp: TPRank, prompt_gemm_dtype: str = "auto") -> LoadedModel:
     from kvpilot.fit.gguf_metadata import field_value, hf_config_from_reader, open_gguf
     from kvpilot.model.gguf_weights import linear_tensor_types, load_gguf_tensors
     from kvpilot.model.quant.model_pack import keeps_dense, pack_linear_layers, packed_names, release_packed_quants
@@ -92,9 +97,10 @@ def _load_gguf(path: Path, max_model_len: int | None, dtype: torch.dtype, device
     names = packed_names(quantization, device, linear_tensor_types(reader), config, path) if plan is None \
         else frozenset()  # a rank's shards are dense (the engine refuses packed quantization with TP)
     dense, packed = load_gguf_tensors(reader, path, config, names, take=plan.take if plan else None)
-    hybrid = keeps_dense(quantization, dtype, packed, psutil.virtual_memory().available)
-    prepare = (lambda m: pack_linear_layers(m, packed, config, keep_dense=hybrid, compute_dtype=dtype)) \
-        if names else None
+    gemm_dtype = resolve_prompt_gemm_dtype(prompt_gemm_dtype, dtype, device) if names else None
+    hybrid = keeps_dense(quantization, dtype, packed, psutil.virtual_memory().available, gemm_dtype)
+    prepare = (lambda m: pack_linear_layers(m, packed, config, keep_dense=hybrid, compute_dtype=dtype,
+                                            gemm_dtype=gemm_dtype)) if names else None
     model = _build_model(_model_config(config, plan), max_model_len or config.max_position_embeddings, dtype,
                          device, prepare)
     model.load_weights(dense, str(path))
@@ -104,7 +110,7 @@ def _load_gguf(path: Path, max_model_len: int | None, dtype: torch.dtype, device
     has_vocab = "tokenizer.ggml.tokens" in reader.fields
     tokenizer = tokenizer_from_gguf(reader, path) if has_vocab else None
     return LoadedModel(config, model, tokenizer, config.name or path.stem, str(path), "gguf", dtype, device,
-                       "gguf" if names else "none", plan)
+                       "gguf" if names else "none", gemm_dtype, plan)
 
 
 def _load_hf_dir(path: Path, max_model_len: int | None, dtype: torch.dtype, device: torch.device,
@@ -149,12 +155,14 @@ def _fallback_tokenizer(config: ModelConfig) -> Tokenizer | None:
 
 def load_model(model: str | None = None, *, load_format: str = "auto", dtype: str = "auto",
                device: str | None = None, max_model_len: int | None = None, seed: int = 0,
-               quantization: str = "auto", tp_rank: int = 0, tp_size: int = 1) -> LoadedModel:
+               quantization: str = "auto", tp_rank: int = 0, tp_size: int = 1,
+               prompt_gemm_dtype: str = "auto") -> LoadedModel:
     """Loads `model`: None = the embedded SmolLM2-135M-Instruct GGUF; a .gguf file; an HF directory;
     or, with load_format="dummy" (or a "dummy:" prefix), a catalog name / config.json with random weights.
     `quantization` (auto, gguf, none) says whether a GGUF's quantized linear weights stay packed on CPU
     (kvpilot.model.quant.model_pack); int8 / int4 quantize any model's linear weights at load (CPU);
-    `dtype` is the activations' (and dense weights') dtype. With tp_size > 1 the model holds only rank
+    `dtype` is the activations' (and dense weights') dtype; `prompt_gemm_dtype` (auto, bfloat16, float32) the
+    dtype of packed layers' many-row GEMMs under bf16 activations (auto: measured, layers/prompt_gemm.py). With tp_size > 1 the model holds only rank
     `tp_rank`'s shard (kvpilot.model.parallel.shard_plan), read as such: the whole weights are never held.
 
     Raises ModelLoadError with the file and the problem for anything it cannot load.
@@ -164,13 +172,17 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
     torch_device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     torch_dtype = resolve_dtype(dtype, torch_device)
     check_quantization(quantization)
+    try:
+        check_prompt_gemm_dtype(prompt_gemm_dtype)
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from exc
     if torch_device.type == "cpu":
         build_cpu_kernels(kernels_for(torch_dtype))  # side by side now, not one by one as loading reaches them
     with config_errors_as_load_errors():  # a bad GGUF header, read by kvpilot.fit.gguf_metadata
         loaded = _load(model, load_format, max_model_len, torch_dtype, torch_device, seed, quantization,
-                       TPRank(tp_rank, tp_size))
+                       TPRank(tp_rank, tp_size), prompt_gemm_dtype)
     if quantization in ("int8", "int4"):
-        _quantize_at_load(loaded, quantization)
+        _quantize_at_load(loaded, quantization, prompt_gemm_dtype)
     elif quantization == "fp8":
         from kvpilot.model.quant.fp8 import check_fp8_device, quantize_fp8_layers
 
@@ -186,17 +198,18 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
     return loaded
 
 
-def _quantize_at_load(loaded: LoadedModel, quantization: str) -> None:
+def _quantize_at_load(loaded: LoadedModel, quantization: str, prompt_gemm_dtype: str) -> None:
     from kvpilot.model.quant.at_load import quantize_linear_layers
 
     if loaded.device.type != "cpu":
         raise ModelLoadError(f"--quantization {quantization} runs on CPU only (device {loaded.device.type})")
-    quantize_linear_layers(loaded.model, quantization, loaded.dtype)
+    loaded.prompt_gemm_dtype = resolve_prompt_gemm_dtype(prompt_gemm_dtype, loaded.dtype, loaded.device)
+    quantize_linear_layers(loaded.model, quantization, loaded.dtype, loaded.prompt_gemm_dtype)
     loaded.quantization = quantization
 
 
 def _load(model: str | None, load_format: str, max_model_len: int | None, dtype: torch.dtype,
-          device: torch.device, seed: int, quantization: str, tp: TPRank) -> LoadedModel:
+          device: torch.device, seed: int, quantization: str, tp: TPRank, prompt_gemm_dtype: str) -> LoadedModel:
     if model and model.startswith("dummy:"):
         model, load_format = model[len("dummy:"):], "dummy"
     if quantization == "gguf" and (load_format == "dummy" or (model is not None and Path(model).is_dir())):
@@ -205,14 +218,14 @@ def _load(model: str | None, load_format: str, max_model_len: int | None, dtype:
     if load_format == "dummy":
         return _load_dummy(model or "smollm2-135m", max_model_len, dtype, device, seed, tp)
     if model is None:
-        loaded = _load_gguf(default_model_path(), max_model_len, dtype, device, quantization, tp)
+        loaded = _load_gguf(default_model_path(), max_model_len, dtype, device, quantization, tp, prompt_gemm_dtype)
         loaded.name = DEFAULT_MODEL_NAME
         return loaded
     path = Path(model).expanduser()
     if path.is_dir():
         return _load_hf_dir(path, max_model_len, dtype, device, tp)
     if path.is_file() or path.suffix == ".gguf":
-        return _load_gguf(path, max_model_len, dtype, device, quantization, tp)
+        return _load_gguf(path, max_model_len, dtype, device, quantization, tp, prompt_gemm_dtype)
     raise ModelLoadError(f"{model}: no such file or directory. Pass a .gguf file or an HF model directory with "
                          "config.json and *.safetensors (kvpilot never downloads at run time), or "
                          f"--load-format dummy to run the {model!r} architecture with random weights")

@@ -14,7 +14,8 @@ import typer
 from kvpilot.cli_options import (AsyncSchedulingOpt, AttentionBackendOpt, BlockSizeOpt, CudaGraphSizesOpt,
                                  DeviceOpt, DtypeOpt, EnforceEagerOpt, GpuUtilOpt, KvCacheDtypeOpt, KvCacheMemoryOpt,
                                  LoadFormatOpt, MaxBatchedTokensOpt, MaxModelLenOpt, MaxNumSeqsOpt, ModelOpt,
-                                 PolicyOpt, PrefixCachingOpt, QuantizationOpt, SeedOpt, TensorParallelOpt,
+                                 PolicyOpt, PrefixCachingOpt, PromptGemmDtypeOpt, QuantizationOpt, SeedOpt,
+                                 TensorParallelOpt,
                                  parse_cuda_graph_sizes)
 
 logger = logging.getLogger("kvpilot.server")
@@ -45,7 +46,8 @@ def _queue_cap(flag: int | None, max_num_seqs: int) -> int | None:
 
 def serve_command(
     model: ModelOpt = None, load_format: LoadFormatOpt = "auto", dtype: DtypeOpt = "auto", device: DeviceOpt = None,
-    quantization: QuantizationOpt = "auto", max_model_len: MaxModelLenOpt = None, max_num_seqs: MaxNumSeqsOpt = 256,
+    quantization: QuantizationOpt = "auto", prompt_gemm_dtype: PromptGemmDtypeOpt = "auto",
+    max_model_len: MaxModelLenOpt = None, max_num_seqs: MaxNumSeqsOpt = 256,
     max_num_batched_tokens: MaxBatchedTokensOpt = None, kv_cache_memory: KvCacheMemoryOpt = None,
     kv_cache_dtype: KvCacheDtypeOpt = "auto", gpu_memory_utilization: GpuUtilOpt = 0.9,
     block_size: BlockSizeOpt = 16,
@@ -137,7 +139,7 @@ def serve_command(
 
     try:
         engine_args = EngineArgs(model=model, load_format=load_format, dtype=dtype, device=device,
-                                 quantization=quantization,
+                                 quantization=quantization, prompt_gemm_dtype=prompt_gemm_dtype,
                                  max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                                  max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv_cache_memory,
                                  kv_cache_dtype=kv_cache_dtype, gpu_memory_utilization=gpu_memory_utilization,

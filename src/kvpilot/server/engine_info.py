@@ -35,7 +35,8 @@ class EngineInfo:
     `max_num_seqs`, `enable_prefix_caching` and `dtype` (weights) are reported for tools (`kvpilot doctor`);
     `fit_model` / `fit_device` name the model and device as `kvpilot fit` takes them (a GGUF file or model
     directory, a catalog name; "cpu" or a catalog GPU; "" when unknown), so the doctor can draw the roofline
-    without --model/--gpu."""
+    without --model/--gpu. `prompt_gemm_dtype`: the dtype packed CPU layers run prompt GEMMs in (measured at load
+    for bf16 activations, model/layers/prompt_gemm.py; "" without packed layers)."""
 
     model: str
     max_model_len: int
@@ -47,6 +48,7 @@ class EngineInfo:
     dtype: str = ""
     fit_model: str = ""
     fit_device: str = ""
+    prompt_gemm_dtype: str = ""
 
     @property
     def capacity(self) -> dict[str, Any]:
@@ -60,7 +62,8 @@ class EngineInfo:
                 "max_model_len": self.max_model_len, "max_num_seqs": self.max_num_seqs,
                 "max_num_batched_tokens": self.max_num_batched_tokens,
                 "enable_prefix_caching": self.enable_prefix_caching, "dtype": self.dtype,
-                "fit_model": self.fit_model, "fit_device": self.fit_device}
+                "fit_model": self.fit_model, "fit_device": self.fit_device,
+                "prompt_gemm_dtype": self.prompt_gemm_dtype}
 
 
 @dataclass(frozen=True)

@@ -37,11 +37,13 @@ def quantize_weight(weight: torch.Tensor, fmt: QuantFormat) -> PackedWeight:
 
 
 @torch.no_grad()
-def quantize_linear_layers(model: nn.Module, quantization: str, compute_dtype: torch.dtype = torch.float32) -> None:
+def quantize_linear_layers(model: nn.Module, quantization: str, compute_dtype: torch.dtype = torch.float32,
+                           gemm_dtype: torch.dtype | None = None) -> None:
     """Replaces the model's projections and output layer by PackedLinear modules holding their weights
     quantized to `quantization` (int8 or int4). Biases, norms and the embedding table stay dense. With bf16
     `compute_dtype` on a VNNI CPU, decode steps take the int8 path (the tiled copy, then the layers' only copy
-    of their blocks) and steps with prompt tokens dense GEMMs on those values (model_pack.install_int8_gate)."""
+    of their blocks) and steps with prompt tokens dense GEMMs on those values (model_pack.install_int8_gate), in
+    `gemm_dtype` (layers/prompt_gemm.py; default compute_dtype)."""
     if quantization not in AT_LOAD_FORMATS:
         raise ModelLoadError(f"quantization {quantization!r} is not one of {', '.join(AT_LOAD_FORMATS)}")
     if best_isa() < 0:
@@ -53,7 +55,8 @@ def quantize_linear_layers(model: nn.Module, quantization: str, compute_dtype: t
     def packed(weight: torch.Tensor, bias: torch.Tensor | None = None, fmt: QuantFormat = fmt,
                gated: bool = True) -> PackedLinear:
         module = PackedLinear([quantize_weight(weight, fmt)], bias is not None, scratch, isa,
-                              int8_activations=gate is not None, int8_gate=gate if gated else None)
+                              int8_activations=gate is not None, int8_gate=gate if gated else None,
+                              bf16_gemm_dtype=gemm_dtype or torch.bfloat16)
         if bias is not None:
             module.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
         return module

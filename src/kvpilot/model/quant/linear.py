@@ -8,6 +8,8 @@ Two paths, picked per call by the number of rows (tokens) in x:
   MKL's GEMM is faster than the kernel's dot-product tiles there; the dequantization is a few % of it).
   With `keep_dense` (the hybrid layout) the dequantized matrix is built once, on the first many-row call, and
   kept: native bf16 GEMMs on resident weights beat both the kernel and dequantize-per-call from a few rows up.
+  bf16 rows may run this GEMM in float32 instead (`bf16_gemm_dtype`, on a float32 matrix: CPUs where float32
+  GEMMs beat bf16 ones, layers/prompt_gemm.py), converted at its edges.
 On CPUs with AVX-512 VNNI the hybrid layout's bf16 activations take a third path, int8 activations times the
 packed blocks (`int8_activations`): Q4_0 / Q4_1 layers through a column-tiled copy at every row count of a step
 without prompt tokens (Int8Gate), beating the resident bf16 GEMM everywhere; other layers up to INT8_MAX_ROWS rows.
@@ -89,6 +91,8 @@ class PackedLinear(nn.Module):
     returns the same values densely (a tied embedding table) for the many-row path, with no scratch.
     `keep_dense`: the many-row path's dequantized matrix is kept per dtype after its first use (more memory:
     the dense bytes besides the packed ones) instead of rebuilt in the shared scratch at every call.
+    `bf16_gemm_dtype`: the many-row path's dtype for bf16 rows (float32: rows widened, the float32 dequantized
+    values, one rounding of the result to bf16; float32 logits unrounded).
     `int8_activations`: up to `int8_max_rows` rows are quantized to int8 blocks and multiplied with the packed
     weights by VNNI dot products (llama.cpp's scheme; within ~1/254 of a block's largest value of the float32
     path), for a lone part (Q8_0, Q4_0 or Q4_1) on a CPU with VNNI; several parts and more rows keep the
@@ -99,7 +103,8 @@ class PackedLinear(nn.Module):
     def __init__(self, parts: list[PackedWeight], bias: bool, scratch: DenseScratch, isa: int,
                  max_kernel_rows: dict[torch.dtype, int] | None = None,
                  dense_weight: Callable[[], torch.Tensor] | None = None, keep_dense: bool = False,
-                 int8_activations: bool = False, int8_gate: Int8Gate | None = None) -> None:
+                 int8_activations: bool = False, int8_gate: Int8Gate | None = None,
+                 bf16_gemm_dtype: torch.dtype = torch.bfloat16) -> None:
         super().__init__()
         if len({p.format for p in parts}) == 1 and len(parts) > 1:
             parts = [PackedWeight.concat(parts)]
@@ -129,6 +134,9 @@ class PackedLinear(nn.Module):
         self.dense_weight = dense_weight
         self.keep_dense = keep_dense
         self.int8_gate = int8_gate
+        # bf16 rows' many-row GEMM runs in this dtype (float32: on a float32 copy, layers/prompt_gemm.py); a dense
+        # lookup table (dense_weight) is used as it is
+        self.bf16_gemm_dtype = bf16_gemm_dtype if dense_weight is None else torch.bfloat16
         self._resident: dict[torch.dtype, torch.Tensor] = {}
         # the resident bf16 copy in oneDNN's layout, where bf16 GEMMs take one (instead of _resident[bf16])
         self._onednn: OneDnnWeight | None = None
@@ -166,7 +174,7 @@ class PackedLinear(nn.Module):
         if not self.keep_dense and not isinstance(self.int8_weight, TiledWeight):
             return
         if self.keep_dense and self.dense_weight is None:
-            self._dense(torch.bfloat16)
+            self._dense(self.bf16_gemm_dtype)
         self.parts = [replace(p, qs=p.qs.new_empty(0)) for p in self.parts]
         for dtype in self.max_kernel_rows:  # every dtype's few rows through the int8 path, more through dense
             self.max_kernel_rows[dtype] = min(self.max_kernel_rows[dtype], self.int8_max_rows)
@@ -187,7 +195,8 @@ class PackedLinear(nn.Module):
         elif self._onednn is not None and x.dtype == torch.bfloat16:
             out = self._onednn.linear(rows)
         else:
-            out = F.linear(rows, self._dense(x.dtype))
+            dtype = self.bf16_gemm_dtype if x.dtype == torch.bfloat16 else x.dtype
+            out = F.linear(rows.to(dtype), self._dense(dtype))
         if out.dtype != out_dtype:
             out = out.to(out_dtype)
         if self.bias is not None:
@@ -213,8 +222,8 @@ class PackedLinear(nn.Module):
     def _dense(self, dtype: torch.dtype) -> torch.Tensor:
         if self.dense_weight is not None:
             return self.dense_weight().to(dtype)
-        if self.quants_released and self.keep_dense and dtype not in self._resident:  # only bf16 is left to widen
-            return self._resident_bf16().to(dtype)
+        if self.quants_released and self.keep_dense and dtype not in self._resident:  # convert the kept copy
+            return self._kept_copy().to(dtype)
         if dtype not in (torch.float32, torch.bfloat16):
             return self._dense(torch.float32).to(dtype)
         if dtype == torch.bfloat16 and self._onednn is not None:
@@ -234,8 +243,9 @@ class PackedLinear(nn.Module):
             weight = self._resident[dtype] = weight.t().contiguous().t()
         return weight
 
-    def _resident_bf16(self) -> torch.Tensor:
-        return self._onednn.dense() if self._onednn is not None else self._resident[torch.bfloat16]
+    def _kept_copy(self) -> torch.Tensor:
+        """The one dense copy a layer without its packed quants keeps (bf16 in oneDNN's layout, or plain)."""
+        return self._onednn.dense() if self._onednn is not None else next(iter(self._resident.values()))
 
     def extra_repr(self) -> str:
         formats = "+".join(p.format.name for p in self.parts)

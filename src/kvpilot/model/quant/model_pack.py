@@ -6,7 +6,9 @@
   hybrid: the packed kernel for few rows (decode of few streams reads 4-bit weights: single stream 41 vs
   25 tok/s dense bf16) and resident dense bf16 weights for more rows (native bf16 GEMMs beat the kernel from
   16 rows up, 196 vs 163 tok/s at batch 16; measured 2026-11-23 on an AVX512_BF16 EPYC), at the price of
-  holding both copies. Float32 activations stay packed only (packed beats dense float32 at every batch);
+  holding both copies (the dense one in float32 where float32 GEMMs measure faster than bf16 ones at load,
+  layers/prompt_gemm.py: twice the bytes). Float32 activations stay packed only (packed beats dense float32 at
+  every batch);
 - gguf: packed only, or a ModelLoadError naming the tensor types the kernels lack. With bf16 activations on a
   VNNI CPU the int8 path's tiled copy is then the only copy of the blocks: decode steps run on it, steps with
   prompt tokens dequantize it per layer into one shared scratch matrix (~10 ms a step for the embedded model's
@@ -86,17 +88,19 @@ HYBRID_MAX_MEMORY_SHARE = 0.25
 
 
 def keeps_dense(quantization: str, compute_dtype: torch.dtype, packed: dict[str, PackedWeight],
-                available_bytes: int) -> bool:
+                available_bytes: int, gemm_dtype: torch.dtype | None = None) -> bool:
     """The hybrid layout (see the module docstring): auto, non-float32 activations, and a dense copy of the
-    packed weights that fits in HYBRID_MAX_MEMORY_SHARE of `available_bytes`."""
+    packed weights in `gemm_dtype` (the many-row GEMMs' dtype; default compute_dtype) that fits in
+    HYBRID_MAX_MEMORY_SHARE of `available_bytes`."""
     if quantization != "auto" or compute_dtype == torch.float32 or not packed:
         return False
+    gemm_dtype = gemm_dtype or compute_dtype
     # a tied output head's many-row path reads the embedding table itself: it builds no copy
     dense_bytes = sum(w.out_features * w.in_features for name, w in packed.items() if name != EMBED) * \
-        compute_dtype.itemsize
+        gemm_dtype.itemsize
     if dense_bytes > HYBRID_MAX_MEMORY_SHARE * available_bytes:
         logger.info("packed weights only: their dense %s copy for many-row GEMMs would take %.1f GiB of the "
-                    "%.1f GiB available", str(compute_dtype).removeprefix("torch."), dense_bytes / 2**30,
+                    "%.1f GiB available", str(gemm_dtype).removeprefix("torch."), dense_bytes / 2**30,
                     available_bytes / 2**30)
         return False
     return True
@@ -111,10 +115,12 @@ def install_int8_gate(model: nn.Module, compute_dtype: torch.dtype) -> Int8Gate 
 
 
 def pack_linear_layers(model: nn.Module, packed: dict[str, PackedWeight], config: ModelConfig,
-                       keep_dense: bool = False, compute_dtype: torch.dtype = torch.float32) -> None:
+                       keep_dense: bool = False, compute_dtype: torch.dtype = torch.float32,
+                       gemm_dtype: torch.dtype | None = None) -> None:
     """Replaces the model's projections (and output layer) with PackedLinear modules over `packed`;
-    `keep_dense`: each also keeps the dense copy its many-row path builds (the hybrid layout). With
-    bf16 `compute_dtype` on a VNNI CPU, decode steps take the int8 path, hybrid or packed only.
+    `keep_dense`: each also keeps the dense copy its many-row path builds (the hybrid layout), in `gemm_dtype`
+    for bf16 activations (layers/prompt_gemm.py; default compute_dtype). With bf16 `compute_dtype` on a VNNI
+    CPU, decode steps take the int8 path, hybrid or packed only.
 
     Call on the model before its parameters are materialized (the dense weights are never allocated);
     the remaining parameters (norms, embeddings, biases) load as usual afterwards.
@@ -127,7 +133,7 @@ def pack_linear_layers(model: nn.Module, packed: dict[str, PackedWeight], config
              gated: bool = True) -> PackedLinear:
         return PackedLinear([packed[name] for name in names], bias, scratch, isa, dense_weight=dense,
                             keep_dense=keep_dense, int8_activations=gate is not None,
-                            int8_gate=gate if gated else None)
+                            int8_gate=gate if gated else None, bf16_gemm_dtype=gemm_dtype or torch.bfloat16)
 
     for i, layer in enumerate(model.layers):
         prefix = f"model.layers.{i}."

@@ -1,0 +1,88 @@
+"""Which dtype a CPU model's many-row GEMMs (steps with prompt tokens) run in when its activations are bf16.
+
+bf16 activations halve the bytes decode reads, and on Zen 4 a bf16 dot product (`vdpbf16ps`) also does twice the
+work of a float32 FMA a cycle, so prompt GEMMs run in bf16 (oneDNN, prepacked weights). On an Intel Xeon
+without AMX (family 6 model 207 in a VM, 2026-11-27) `vdpbf16ps` has no such edge: float32 GEMMs there measured
+1.4-1.9x oneDNN's bf16 on every prompt shape of the embedded model (benchmarks/prompt_gemm_dtype.py). The CPU
+flags do not tell the two apart, so "auto" measures: one prompt-sized GEMM each way at load, float32 when it is
+at least FLOAT32_MIN_SPEEDUP x faster. The probe's answer is cached for the process (the CPU does not change).
+
+float32 prompt GEMMs read a float32 copy of the weights (twice the bf16 copy's bytes): the layers' inputs are
+converted at the GEMM (bf16 -> float32 is exact) and the outputs rounded back to bf16 (float32 for logits).
+Decode steps keep the packed int8 path either way.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvpilot.model.choices import check_prompt_gemm_dtype
+from kvpilot.model.layers.onednn_linear import onednn_bf16_applies
+
+logger = logging.getLogger("kvpilot")
+
+# float32 must beat bf16 by this much: twice the weight bytes must buy a clear gain, and a noisy probe near 1.0x
+# must not flip the choice between runs (measured ratios: ~0.5x on Zen 4, 1.4-1.9x on the Xeon above)
+FLOAT32_MIN_SPEEDUP = 1.2
+# the probe's GEMM: a 256-token chunk through a gate/up-sized projection (~0.45 GFLOP, a few ms each way)
+PROBE_ROWS, PROBE_IN, PROBE_OUT, PROBE_ROUNDS = 256, 576, 1536, 5
+
+
+@dataclass(frozen=True)
+class GemmProbe:
+    """GFLOP/s of the probe GEMM in oneDNN's prepacked bf16 and in float32 (best of PROBE_ROUNDS rounds)."""
+
+    bf16_gflops: float
+    float32_gflops: float
+
+    @property
+    def float32_speedup(self) -> float:
+        return self.float32_gflops / self.bf16_gflops
+
+    def faster_dtype(self) -> torch.dtype:
+        return torch.float32 if self.float32_speedup >= FLOAT32_MIN_SPEEDUP else torch.bfloat16
+
+
+@functools.cache
+def probe_prompt_gemms() -> GemmProbe:
+    """Times the probe GEMM each way, alternating rounds (a burst of other load hits both); ~30 ms."""
+    generator = torch.Generator().manual_seed(0)
+    x16 = torch.randn(PROBE_ROWS, PROBE_IN, generator=generator).to(torch.bfloat16)
+    w16 = torch.randn(PROBE_OUT, PROBE_IN, generator=generator).to(torch.bfloat16)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w16, 1)
+    w32 = w16.float().t().contiguous().t()  # the [in, out] layout the float32 copies use (weight_layout.py)
+    runs = {"bf16": lambda: torch.ops.mkldnn._linear_pointwise(x16, packed, None, "none", [], ""),
+            "float32": lambda: torch.nn.functional.linear(x16.float(), w32).to(torch.bfloat16)}
+    best = dict.fromkeys(runs, float("inf"))
+    with torch.inference_mode():
+        for run in runs.values():  # first calls pick kernels and allocate
+            run()
+        for _ in range(PROBE_ROUNDS):
+            for name, run in runs.items():
+                start = time.perf_counter()
+                run()
+                best[name] = min(best[name], time.perf_counter() - start)
+    flop = 2 * PROBE_ROWS * PROBE_IN * PROBE_OUT
+    return GemmProbe(flop / best["bf16"] / 1e9, flop / best["float32"] / 1e9)
+
+
+def resolve_prompt_gemm_dtype(name: str, compute_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype of many-row GEMMs for activations in `compute_dtype` on `device`: compute_dtype itself unless
+    they are bf16 on a CPU where oneDNN runs bf16; there "float32" and "bfloat16" are taken as given and "auto"
+    is the probe's faster dtype (logged with both rates)."""
+    check_prompt_gemm_dtype(name)
+    if not onednn_bf16_applies(compute_dtype, device) or name == "bfloat16":
+        return compute_dtype
+    if name == "float32":
+        return torch.float32
+    probe = probe_prompt_gemms()
+    chosen = probe.faster_dtype()
+    logger.info("prompt GEMMs in %s: float32 %.0f GFLOP/s, bf16 %.0f GFLOP/s on this CPU (%.2fx; float32 from "
+                "%.1fx); --prompt-gemm-dtype sets it", str(chosen).removeprefix("torch."), probe.float32_gflops,
+                probe.bf16_gflops, probe.float32_speedup, FLOAT32_MIN_SPEEDUP)
+    return chosen

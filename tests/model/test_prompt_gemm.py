@@ -1,0 +1,129 @@
+"""Prompt GEMMs in float32 under bf16 activations (model/layers/prompt_gemm.py): the setting is checked, "auto"
+follows a measured probe, and a float32 prompt path computes with the float32 dequantized values (a resident
+float32 copy in the hybrid layout, the shared scratch matrix packed only) while decode steps keep the int8 path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from kvpilot import LLM, SamplingParams
+from kvpilot.engine.config import EngineConfigError
+from kvpilot.engine_args import EngineArgs
+from kvpilot.model.errors import ModelLoadError
+from kvpilot.model.layers.onednn_linear import onednn_bf16_applies
+from kvpilot.model.layers.prompt_gemm import FLOAT32_MIN_SPEEDUP, GemmProbe, resolve_prompt_gemm_dtype
+from kvpilot.model.loader import load_model
+from kvpilot.model.quant.formats import FORMATS
+from kvpilot.model.quant.kernel import get_quant_kernel
+from kvpilot.model.quant.model_pack import keeps_dense
+from kvpilot.model.quant.packed import PackedWeight
+from tests.model.test_gguf_types import HIDDEN, _write_gguf
+
+needs_kernel = pytest.mark.skipif(get_quant_kernel() is None, reason="no C++ compiler for the CPU kernels")
+needs_bf16 = pytest.mark.skipif(not onednn_bf16_applies(torch.bfloat16, torch.device("cpu")),
+                                reason="oneDNN runs no bf16 GEMMs on this CPU: prompt GEMMs follow --dtype")
+CPU = torch.device("cpu")
+
+
+def test_the_setting_is_checked_before_and_at_load():
+    with pytest.raises(EngineConfigError, match="prompt_gemm_dtype must be one of auto, bfloat16, float32"):
+        EngineArgs(prompt_gemm_dtype="fp16").check()
+    with pytest.raises(ModelLoadError, match="prompt_gemm_dtype must be one of auto, bfloat16, float32"):
+        load_model(None, prompt_gemm_dtype="half")
+
+
+def test_the_probe_picks_float32_only_by_a_clear_margin():
+    assert GemmProbe(bf16_gflops=100, float32_gflops=100 * FLOAT32_MIN_SPEEDUP).faster_dtype() == torch.float32
+    assert GemmProbe(bf16_gflops=100, float32_gflops=110).faster_dtype() == torch.bfloat16  # noise, not a gain
+    assert GemmProbe(bf16_gflops=300, float32_gflops=150).faster_dtype() == torch.bfloat16  # Zen 4's bf16
+
+
+def test_float32_activations_and_explicit_choices_need_no_probe():
+    for name in ("auto", "bfloat16", "float32"):
+        assert resolve_prompt_gemm_dtype(name, torch.float32, CPU) == torch.float32  # float32 model: float32
+    assert resolve_prompt_gemm_dtype("bfloat16", torch.bfloat16, CPU) == torch.bfloat16
+    want = torch.float32 if onednn_bf16_applies(torch.bfloat16, CPU) else torch.bfloat16
+    assert resolve_prompt_gemm_dtype("float32", torch.bfloat16, CPU) == want
+    assert resolve_prompt_gemm_dtype("auto", torch.bfloat16, CPU) in (torch.bfloat16, torch.float32)
+
+
+def test_the_hybrid_layout_counts_a_float32_copy_at_four_bytes():
+    weight = PackedWeight(FORMATS["Q8_0"], torch.empty(0, dtype=torch.uint8), torch.empty(1024, 32), None)  # 1M values
+    packed = {"model.layers.0.mlp.down_proj.weight": weight}
+    assert keeps_dense("auto", torch.bfloat16, packed, available_bytes=12 * 2**20, gemm_dtype=torch.bfloat16)
+    assert not keeps_dense("auto", torch.bfloat16, packed, available_bytes=12 * 2**20, gemm_dtype=torch.float32)
+    assert keeps_dense("auto", torch.bfloat16, packed, available_bytes=16 * 2**20, gemm_dtype=torch.float32)
+
+
+@needs_kernel
+@needs_bf16
+@pytest.mark.parametrize("quantization", ["auto", "gguf"])
+def test_float32_prompt_gemms_use_the_float32_dequantized_values(quantization, tmp_path):
+    """Prompt steps (the Int8Gate closed) multiply the bf16 rows, widened exactly, by the float32 dequantized
+    weights: a kept float32 copy in the hybrid layout (counted at 4 bytes a value), the scratch matrix packed
+    only; the result is rounded to bf16 once, logits stay float32. Decode steps keep the tiled int8 path."""
+    path = tmp_path / "tiny-Q4_1.gguf"
+    _write_gguf(path, T.Q4_1)
+    loaded = load_model(str(path), dtype="bfloat16", max_model_len=64, quantization=quantization,
+                        prompt_gemm_dtype="float32")
+    assert loaded.prompt_gemm_dtype == torch.float32
+    layer = loaded.model.layers[0].mlp.gate_up_proj
+    assert layer.bf16_gemm_dtype == torch.float32 and layer._onednn is None
+    values = layer.weight  # float32, dequantized from the blocks
+    x = torch.randn(40, HIDDEN, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    gate = loaded.model.int8_gate
+    with torch.no_grad():
+        if gate is not None:
+            decode = layer(x)  # the gate open: the int8 path
+            gate.open = False
+        prompt = layer(x)
+        want = x.float() @ values.T
+        assert prompt.dtype == torch.bfloat16
+        torch.testing.assert_close(prompt, want.to(torch.bfloat16), rtol=1e-2, atol=1e-3)
+        assert (prompt.float() - want).abs().max() <= (want.abs().max() * 2**-8)  # one bf16 rounding, no more
+        logits = layer.forward_float32(x)
+        assert logits.dtype == torch.float32
+        torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
+        if gate is not None:
+            gate.open = True
+            assert torch.equal(layer(x), decode)
+    kept = layer._resident.get(torch.float32)
+    if quantization == "auto":
+        assert kept is not None and torch.equal(kept, values)
+        assert kept.stride() == (1, kept.shape[0])  # the [in, out] layout float32 GEMMs run fastest on
+        if layer.quants_released:
+            assert layer.nbytes == layer.int8_weight.nbytes_beside(layer.parts[0]) + \
+                sum(p.nbytes for p in layer.parts) + kept.numel() * 4
+    else:
+        assert kept is None and not layer.keep_dense
+
+
+def _agreeing_prefix(got: list[int], want: list[int]) -> int:
+    return next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+
+
+@pytest.mark.slow
+@needs_kernel
+@needs_bf16
+def test_float32_prompt_gemms_follow_the_float32_model_at_least_as_far_as_bf16_ones(llm_fp32):
+    """bf16 activations drift from the float32 model's greedy tokens after a while either way; float32 prompt
+    GEMMs drop one rounding (the weights' to bf16), so on the HF reference test's prompts and the README's chat
+    prompt their greedy tokens agree with the float32 model's as far, summed over the prompts, as bf16 prompt
+    GEMMs' do (on the 2-vCPU Xeon family 6 model 207, 2026-11-27: 302 vs 235 of 432 tokens), every first token
+    (the prompt step's own) agrees, and the README answer stays "Paris"."""
+    from tests.model.test_hf_reference import NUM_NEW_TOKENS, _prompts
+
+    settings = dict(dtype="bfloat16", kv_cache_memory="256MiB", max_model_len=2048)
+    f32, b16 = LLM(prompt_gemm_dtype="float32", **settings), LLM(prompt_gemm_dtype="bfloat16", **settings)
+    assert f32.loaded.prompt_gemm_dtype == torch.float32 and b16.loaded.prompt_gemm_dtype == torch.bfloat16
+    chat = b16.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    prompts = _prompts(b16.tokenizer) + [chat]
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
+    want = [out.outputs[0].token_ids for out in llm_fp32.generate(prompts, params)]
+    agree = {name: [_agreeing_prefix(out.outputs[0].token_ids, ids) for out, ids in
+                    zip(llm.generate(prompts, params), want)] for name, llm in (("float32", f32), ("bf16", b16))}
+    assert min(agree["float32"]) >= 1, agree
+    assert sum(agree["float32"]) >= sum(agree["bf16"]), agree
+    assert "Paris" in f32.generate([chat], params)[0].outputs[0].text
