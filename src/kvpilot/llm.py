@@ -10,8 +10,9 @@ from kvpilot.model.loader import LoadedModel
 from kvpilot.outputs import RequestOutput
 from kvpilot.sampling_params import SamplingParams
 
-Prompt = str | Sequence[int]
+Prompt = str | Sequence[int] | dict[str, Any]  # dict: vLLM's TextPrompt {"prompt"} / TokensPrompt {"prompt_token_ids"}
 Messages = list[dict[str, Any]]
+PROMPT_DICT_KEYS = ("prompt", "prompt_token_ids")
 
 
 class LLM:
@@ -37,7 +38,8 @@ class LLM:
                  | None = None, *, priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Runs all prompts together (continuous batching); returns their final outputs in prompt order.
 
-        A prompt is a string or a list of token ids; a single prompt may be passed without a list.
+        A prompt is a string, a list of token ids, or as vLLM's {"prompt": str} / {"prompt_token_ids": [ids]};
+        a single prompt may be passed without a list.
         """
         prompt_list = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompt_list))
@@ -67,7 +69,7 @@ class LLM:
         """Yields this request's outputs step by step (text deltas in `delta_text`) until it finishes. Closing
         the iterator early (`break`, `.close()`, an exception in the consumer) aborts the request: it stops
         running and its KV blocks are freed before close() returns."""
-        request_id = self.engine.add_request(prompt, sampling_params or SamplingParams())
+        request_id = self.engine.add_request(_plain_prompt(prompt), sampling_params or SamplingParams())
         finished = False
         try:
             while self.engine.has_unfinished_requests():
@@ -89,13 +91,26 @@ class LLM:
             yield from self.engine.step()
 
 
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[str | Sequence[int]]:
+    if isinstance(prompts, (str, dict)):
+        return [_plain_prompt(prompts)]
     items = list(prompts)
     if items and all(isinstance(t, int) for t in items):
         return [items]  # one prompt given as token ids
-    return items
+    return [_plain_prompt(p) for p in items]
+
+
+def _plain_prompt(prompt: Prompt) -> str | Sequence[int]:
+    """A text or token-id prompt; vLLM's prompt dicts give theirs. TypeError for a dict of neither kind."""
+    if not isinstance(prompt, dict):
+        return prompt
+    given = [key for key in PROMPT_DICT_KEYS if key in prompt]
+    others = sorted(set(prompt) - set(PROMPT_DICT_KEYS))
+    if len(given) != 1 or others:
+        raise TypeError(f"a prompt dict takes exactly one of {' or '.join(PROMPT_DICT_KEYS)} (vLLM's TextPrompt / "
+                        f"TokensPrompt); got keys {sorted(prompt)}" + (" (kvpilot serves text models only: no "
+                                                                        "multi-modal data)" if others else ""))
+    return prompt[given[0]]
 
 
 def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:

@@ -117,3 +117,22 @@ def test_out_of_vocabulary_stop_token_with_min_tokens_fails_nothing(llm):
     with pytest.raises(SamplingParamsError, match="outside the vocabulary"):
         llm.generate(["The sky is", "Hi"], [plain, odd])
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_vllm_prompt_dicts_are_the_same_prompts(llm):
+    """vLLM's TextPrompt / TokensPrompt dicts, one or in a list, give what the plain string and ids give; a dict
+    of neither kind is a TypeError naming the keys, and queues nothing."""
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    text = "The capital of France is"
+    ids = llm.tokenizer.encode(text)
+    want = llm.generate(text, greedy)[0].outputs[0].token_ids
+    outs = llm.generate([{"prompt": text}, {"prompt_token_ids": ids}, ids], greedy)
+    assert [o.outputs[0].token_ids for o in outs] == [want, want, want]
+    assert outs[1].prompt_token_ids == ids
+    assert llm.generate({"prompt_token_ids": ids}, greedy)[0].outputs[0].token_ids == want
+    assert [o.outputs[0].token_ids for o in llm.stream({"prompt": text}, greedy)][-1] == want
+    for bad in ({"prompt": text, "prompt_token_ids": ids}, {"prompt": text, "multi_modal_data": {}}, {}):
+        with pytest.raises(TypeError, match="exactly one of prompt or prompt_token_ids"):
+            llm.generate([text, bad], greedy)
+    assert not llm.engine.has_unfinished_requests()
+    assert_no_leak(llm)
