@@ -56,6 +56,33 @@ void pack_head(PackedKV& out, const uint16_t* kc, const uint16_t* vc, const int6
   }
 }
 
+// One row's online-softmax step over the scores s0 / s1 of keys [k0, k0 + 32), `visible` = pos - k0: updates
+// m and l, rescales acc, and gives the probabilities (zero past pos). False when the row sees none of the keys.
+template <int64_t NC>
+inline bool softmax_step(__m512 s0, __m512 s1, int64_t visible, float scale, float& m, float& l,
+                         __m512 (&acc)[NC], __m512& p0, __m512& p1) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i last = _mm512_set1_epi32(static_cast<int>(visible));  // keys k0 + lane <= pos
+  const __mmask16 v0 = _mm512_cmple_epi32_mask(lane, last);
+  const __mmask16 v1 = _mm512_cmple_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16)), last);
+  const __m512 none = _mm512_set1_ps(neg_inf), sc = _mm512_set1_ps(scale);
+  const __m512 x0 = _mm512_mask_blend_ps(v0, none, _mm512_mul_ps(s0, sc));
+  const __m512 x1 = _mm512_mask_blend_ps(v1, none, _mm512_mul_ps(s1, sc));
+  const float block_max = _mm512_reduce_max_ps(_mm512_max_ps(x0, x1));
+  if (block_max == neg_inf) return false;
+  const float m_new = std::max(m, block_max);
+  const float alpha = m == neg_inf ? 0.f : m == m_new ? 1.f : std::exp(m - m_new);
+  const __m512 mv = _mm512_set1_ps(m_new);
+  p0 = _mm512_maskz_mov_ps(v0, exp_nonpos16(_mm512_sub_ps(x0, mv)));
+  p1 = _mm512_maskz_mov_ps(v1, exp_nonpos16(_mm512_sub_ps(x1, mv)));
+  l = l * alpha + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+  m = m_new;
+  if (alpha != 1.f)
+    for (int64_t c = 0; c < NC; ++c) acc[c] = _mm512_mul_ps(acc[c], _mm512_set1_ps(alpha));
+  return true;
+}
+
 // Rows r of one task: query row pointer, position (its last visible key), and the output row.
 template <int64_t D>
 struct Task {
@@ -65,20 +92,33 @@ struct Task {
   int64_t n;  // rows used (<= kRows)
 };
 
+// out rows = acc / l, rounded to bf16 (nearest even).
+template <int64_t D>
+inline void store_rows(const Task<D>& task, const __m512 (&acc)[kRows][D / 16], const float* l) {
+  for (int64_t r = 0; r < task.n; ++r) {
+    const __m512 inv = _mm512_set1_ps(1.f / l[r]);
+    for (int64_t c = 0; c < D / 16; ++c)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(task.out[r] + c * 16),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[r][c], inv)));
+  }
+}
+
 template <int64_t D>
 void attend_rows(const Task<D>& task, const PackedKV& kv, float scale) {
   constexpr int64_t NC = D / 16;  // 16-lane chunks of a head
   const float neg_inf = -std::numeric_limits<float>::infinity();
   __m512 acc[kRows][NC];
   float m[kRows], l[kRows];
+  alignas(64) uint16_t qb[kRows][D];  // the task's query rows, zeros past n: every loop runs all kRows rows
   for (int64_t r = 0; r < kRows; ++r) {
     m[r] = neg_inf;
     l[r] = 0.f;
     for (int64_t c = 0; c < NC; ++c) acc[r][c] = _mm512_setzero_ps();
+    if (r < task.n) std::memcpy(qb[r], task.q[r], D * 2);
+    else std::memset(qb[r], 0, D * 2);
   }
   int64_t last = 0;
   for (int64_t r = 0; r < task.n; ++r) last = std::max(last, task.pos[r]);
-  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   for (int64_t k0 = 0; k0 <= last; k0 += kKeys) {
     // scores of the 32 keys [k0, k0 + 32) for each row
     __m512 s[kRows][2];
@@ -88,35 +128,18 @@ void attend_rows(const Task<D>& task, const PackedKV& kv, float scale) {
     for (int64_t p = 0; p < D / 2; ++p) {
       const __m512bh ka = (__m512bh)_mm512_loadu_si512(kb0 + p * 32);
       const __m512bh kbv = (__m512bh)_mm512_loadu_si512(kb1 + p * 32);
-      for (int64_t r = 0; r < task.n; ++r) {
-        const __m512bh qp = pair_bcast(task.q[r] + 2 * p);
+      for (int64_t r = 0; r < kRows; ++r) {  // a constant count: the scores stay in registers
+        const __m512bh qp = pair_bcast(qb[r] + 2 * p);
         s[r][0] = _mm512_dpbf16_ps(s[r][0], ka, qp);
         s[r][1] = _mm512_dpbf16_ps(s[r][1], kbv, qp);
       }
     }
     // online softmax per row; probabilities rounded to bf16 pairs for the P.V products
-    alignas(64) uint32_t probs[kRows][16];
+    alignas(64) uint32_t probs[kRows][16] = {};
     for (int64_t r = 0; r < task.n; ++r) {
-      const __m512i visible = _mm512_set1_epi32(static_cast<int>(task.pos[r] - k0));  // keys k0 + lane <= pos
-      const __mmask16 v0 = _mm512_cmple_epi32_mask(lane, visible);
-      const __mmask16 v1 = _mm512_cmple_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16)), visible);
-      const __m512 none = _mm512_set1_ps(neg_inf), sc = _mm512_set1_ps(scale);
-      const __m512 x0 = _mm512_mask_blend_ps(v0, none, _mm512_mul_ps(s[r][0], sc));
-      const __m512 x1 = _mm512_mask_blend_ps(v1, none, _mm512_mul_ps(s[r][1], sc));
-      const float block_max = _mm512_reduce_max_ps(_mm512_max_ps(x0, x1));
-      if (block_max == neg_inf) {  // no visible key here for this row
-        std::memset(probs[r], 0, sizeof(probs[r]));
-        continue;
-      }
-      const float m_new = std::max(m[r], block_max);
-      const float alpha = m[r] == neg_inf ? 0.f : std::exp(m[r] - m_new);
-      const __m512 mv = _mm512_set1_ps(m_new);
-      const __m512 p0 = _mm512_maskz_mov_ps(v0, exp_nonpos16(_mm512_sub_ps(x0, mv)));
-      const __m512 p1 = _mm512_maskz_mov_ps(v1, exp_nonpos16(_mm512_sub_ps(x1, mv)));
-      l[r] = l[r] * alpha + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
-      m[r] = m_new;
-      if (alpha != 1.f)
-        for (int64_t c = 0; c < NC; ++c) acc[r][c] = _mm512_mul_ps(acc[r][c], _mm512_set1_ps(alpha));
+      __m512 p0, p1;
+      if (!softmax_step<NC>(s[r][0], s[r][1], task.pos[r] - k0, scale, m[r], l[r], acc[r], p0, p1))
+        continue;  // no visible key here for this row: its probabilities stay zero
       _mm512_store_si512(probs[r], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));  // lane t: keys k0 + 2t, k0 + 2t + 1
     }
     // acc += P . V over the 16 key pairs
@@ -124,18 +147,13 @@ void attend_rows(const Task<D>& task, const PackedKV& kv, float scale) {
     for (int64_t t = 0; t < kKeys / 2; ++t) {
       __m512bh v[NC];
       for (int64_t c = 0; c < NC; ++c) v[c] = (__m512bh)_mm512_loadu_si512(vb + (t * D + c * 16) * 2);
-      for (int64_t r = 0; r < task.n; ++r) {
+      for (int64_t r = 0; r < kRows; ++r) {
         const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(probs[r][t]));
         for (int64_t c = 0; c < NC; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], v[c], pp);
       }
     }
   }
-  for (int64_t r = 0; r < task.n; ++r) {
-    const __m512 inv = _mm512_set1_ps(1.f / l[r]);
-    for (int64_t c = 0; c < NC; ++c)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(task.out[r] + c * 16),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[r][c], inv)));
-  }
+  store_rows<D>(task, acc, l);
 }
 
 template <int64_t D>
