@@ -26,7 +26,7 @@ def tp_load_kwargs(args: EngineArgs) -> dict:
     seeded), always dense, each rank reading only its shard."""
     return dict(model=args.model, load_format=args.load_format, dtype=args.dtype,
                 max_model_len=args.max_model_len, seed=args.seed, quantization="none",
-                tp_size=args.tensor_parallel_size)
+                prompt_gemm_dtype=args.prompt_gemm_dtype, tp_size=args.tensor_parallel_size)
 
 
 def rank_config(loaded: LoadedModel) -> ModelConfig:

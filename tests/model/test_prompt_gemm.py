@@ -1,19 +1,22 @@
 """Prompt GEMMs in float32 under bf16 activations (model/layers/prompt_gemm.py): the setting is checked, "auto"
 follows a measured probe, and a float32 prompt path computes with the float32 dequantized values (a resident
-float32 copy in the hybrid layout, the shared scratch matrix packed only) while decode steps keep the int8 path."""
+float32 copy in the hybrid layout, the shared scratch matrix packed only) while decode steps keep the int8 path;
+dense bf16 layers keep a float32 copy for calls of many rows where it fits."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 
 from kvpilot import LLM, SamplingParams
 from kvpilot.engine.config import EngineConfigError
 from kvpilot.engine_args import EngineArgs
 from kvpilot.model.errors import ModelLoadError
-from kvpilot.model.layers.onednn_linear import onednn_bf16_applies
-from kvpilot.model.layers.prompt_gemm import FLOAT32_MIN_SPEEDUP, GemmProbe, resolve_prompt_gemm_dtype
+from kvpilot.model.layers.onednn_linear import OneDnnLinear, onednn_bf16_applies
+from kvpilot.model.layers.prompt_gemm import (DENSE_FLOAT32_MIN_ROWS, FLOAT32_MIN_SPEEDUP, GemmProbe,
+                                              dense_float32_min_rows, resolve_prompt_gemm_dtype)
 from kvpilot.model.loader import load_model
 from kvpilot.model.quant.formats import FORMATS
 from kvpilot.model.quant.kernel import get_quant_kernel
@@ -98,6 +101,44 @@ def test_float32_prompt_gemms_use_the_float32_dequantized_values(quantization, t
                 sum(p.nbytes for p in layer.parts) + kept.numel() * 4
     else:
         assert kept is None and not layer.keep_dense
+
+
+@needs_bf16
+def test_dense_bf16_layers_run_calls_of_enough_rows_in_float32(tmp_path):
+    """A dense bf16 model (--quantization none): with float32 prompt GEMMs each projection keeps a float32 copy of
+    its bf16 values and runs calls of DENSE_FLOAT32_MIN_ROWS rows or more on it (one bf16 rounding of the
+    float32 products; logits unrounded); fewer rows stay the bf16 GEMM, bit for bit."""
+    path = tmp_path / "tiny-Q4_1.gguf"
+    _write_gguf(path, T.Q4_1)
+    settings = dict(dtype="bfloat16", max_model_len=64, quantization="none")
+    wide, plain = (load_model(str(path), prompt_gemm_dtype=name, **settings) for name in ("float32", "bfloat16"))
+    assert wide.prompt_gemm_dtype == torch.float32 and plain.prompt_gemm_dtype == torch.bfloat16
+    layer, same = wide.model.layers[0].mlp.gate_up_proj, plain.model.layers[0].mlp.gate_up_proj
+    assert isinstance(layer, OneDnnLinear) and layer.float32_min_rows == DENSE_FLOAT32_MIN_ROWS
+    assert same.float32_weight is None and torch.equal(layer.float32_weight, layer.weight.float())
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for rows in (1, DENSE_FLOAT32_MIN_ROWS - 1):
+            x = torch.randn(rows, HIDDEN, generator=generator).to(torch.bfloat16)
+            assert torch.equal(layer(x), same(x)), rows
+        for rows in (DENSE_FLOAT32_MIN_ROWS, 100):
+            x = torch.randn(rows, HIDDEN, generator=generator).to(torch.bfloat16)
+            want = F.linear(x.float(), layer.float32_weight)
+            assert torch.equal(layer(x), want.to(torch.bfloat16)), rows
+            assert torch.equal(layer.forward_float32(x), want), rows
+            torch.testing.assert_close(layer(x), same(x), rtol=2e-2, atol=2e-2)  # the bf16 GEMM's values
+
+
+def test_dense_float32_copies_only_where_they_fit():
+    model = torch.nn.Module()
+    layer = torch.nn.Sequential(torch.nn.Linear(512, 1024, bias=False)).to(torch.bfloat16)  # 2 MiB in float32
+    model.layers = torch.nn.ModuleList([layer])
+    if not onednn_bf16_applies(torch.bfloat16, CPU):
+        assert dense_float32_min_rows(model, torch.float32, available_bytes=2**40) is None  # no bf16 layer to copy
+        return
+    assert dense_float32_min_rows(model, torch.float32, available_bytes=16 * 2**20) == DENSE_FLOAT32_MIN_ROWS
+    assert dense_float32_min_rows(model, torch.float32, available_bytes=4 * 2**20) is None  # over a quarter of it
+    assert dense_float32_min_rows(model, torch.bfloat16, available_bytes=2**40) is None
 
 
 def _agreeing_prefix(got: list[int], want: list[int]) -> int:

@@ -62,7 +62,7 @@ def test_auto_with_bfloat16_is_hybrid_packed_plus_resident_dense(tmp_path):
     path = tmp_path / "tiny-Q4_1.gguf"
     _write_gguf(path, T.Q4_1)
     hybrid = load_model(str(path), dtype="bfloat16", max_model_len=64, prompt_gemm_dtype="bfloat16")
-    dense = load_model(str(path), dtype="bfloat16", max_model_len=64, quantization="none")
+    dense = load_model(str(path), dtype="bfloat16", max_model_len=64, quantization="none", prompt_gemm_dtype="bfloat16")
     forced = load_model(str(path), dtype="bfloat16", max_model_len=64, quantization="gguf",
                         prompt_gemm_dtype="bfloat16")
     layer, dense_layer = hybrid.model.layers[0].mlp.gate_up_proj, dense.model.layers[0].mlp.gate_up_proj

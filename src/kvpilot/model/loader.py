@@ -11,6 +11,7 @@ import psutil
 import torch
 from torch import nn
 
+from kvpilot.model.choices import check_prompt_gemm_dtype
 from kvpilot.model.config import ModelConfig, from_hf_config
 from kvpilot.model.cpu_kernels import build_cpu_kernels, kernels_for
 from kvpilot.model.default_model import DEFAULT_MODEL_NAME, default_model_path
@@ -18,8 +19,7 @@ from kvpilot.model.dtypes import resolve_dtype
 from kvpilot.model.errors import ModelLoadError, config_errors_as_load_errors
 from kvpilot.model.fused_decode import FusedDecode
 from kvpilot.model.layers.onednn_linear import prepack_bf16_linears
-from kvpilot.model.choices import check_prompt_gemm_dtype
-from kvpilot.model.layers.prompt_gemm import resolve_prompt_gemm_dtype
+from kvpilot.model.layers.prompt_gemm import dense_float32_min_rows, resolve_prompt_gemm_dtype
 from kvpilot.model.llama import LlamaForCausalLM
 from kvpilot.model.parallel.shard_plan import ShardPlan
 from kvpilot.model.quant.model_pack import check_quantization
@@ -44,8 +44,8 @@ class LoadedModel:
     # how the linear weights are held: "none" (dense, in dtype), "gguf" (the GGUF's packed blocks) or
     # "int8" / "int4" (quantized at load; packed ones run in the CPU kernels of kvpilot.model.quant), "fp8"
     quantization: str = "none"
-    # the dtype of packed layers' many-row GEMMs (steps with prompt tokens) under bf16 activations
-    # (layers/prompt_gemm.py); None: no packed layers
+    # the dtype of many-row GEMMs (packed layers: steps with prompt tokens; dense bf16 ones: calls of 32+ rows)
+    # under bf16 activations (layers/prompt_gemm.py); CPU only (None elsewhere)
     prompt_gemm_dtype: torch.dtype | None = None
     # tensor parallelism: the rank whose shard `model` holds (built from shard.local_config; `config` is the
     # whole model's); None: the whole model
@@ -162,8 +162,9 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
     `quantization` (auto, gguf, none) says whether a GGUF's quantized linear weights stay packed on CPU
     (kvpilot.model.quant.model_pack); int8 / int4 quantize any model's linear weights at load (CPU);
     `dtype` is the activations' (and dense weights') dtype; `prompt_gemm_dtype` (auto, bfloat16, float32) the
-    dtype of packed layers' many-row GEMMs under bf16 activations (auto: measured, layers/prompt_gemm.py). With tp_size > 1 the model holds only rank
-    `tp_rank`'s shard (kvpilot.model.parallel.shard_plan), read as such: the whole weights are never held.
+    dtype of many-row GEMMs under bf16 activations on CPU (auto: measured, layers/prompt_gemm.py). With
+    tp_size > 1 the model holds only rank `tp_rank`'s shard (kvpilot.model.parallel.shard_plan), read as such:
+    the whole weights are never held.
 
     Raises ModelLoadError with the file and the problem for anything it cannot load.
     """
@@ -190,7 +191,11 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
         quantize_fp8_layers(loaded.model)
         loaded.quantization = "fp8"
     if torch_device.type == "cpu":
-        prepack_bf16_linears(loaded.model)  # bf16: oneDNN's layout, once
+        if loaded.prompt_gemm_dtype is None:  # dense layers: their large GEMMs' dtype
+            loaded.prompt_gemm_dtype = resolve_prompt_gemm_dtype(prompt_gemm_dtype, torch_dtype, torch_device)
+        float32_rows = dense_float32_min_rows(loaded.model, loaded.prompt_gemm_dtype,
+                                              psutil.virtual_memory().available)
+        prepack_bf16_linears(loaded.model, float32_rows)  # bf16: oneDNN's layout, once
         relayout_linear_weights(loaded.model)
         # no fused decode for a TP rank: the C++ layer loop knows nothing of a rank's all-reduces
         if torch_dtype == torch.bfloat16 and loaded.shard is None:

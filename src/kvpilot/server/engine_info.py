@@ -35,8 +35,8 @@ class EngineInfo:
     `max_num_seqs`, `enable_prefix_caching` and `dtype` (weights) are reported for tools (`kvpilot doctor`);
     `fit_model` / `fit_device` name the model and device as `kvpilot fit` takes them (a GGUF file or model
     directory, a catalog name; "cpu" or a catalog GPU; "" when unknown), so the doctor can draw the roofline
-    without --model/--gpu. `prompt_gemm_dtype`: the dtype packed CPU layers run prompt GEMMs in (measured at load
-    for bf16 activations, model/layers/prompt_gemm.py; "" without packed layers)."""
+    without --model/--gpu. `prompt_gemm_dtype`: the dtype CPU prompt GEMMs run in (measured at load for bf16
+    activations, model/layers/prompt_gemm.py; "" on GPUs)."""
 
     model: str
     max_model_len: int

@@ -15,6 +15,7 @@ The blocked tensor is opaque (no strides, no storage): `dense()` gives the plain
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -48,42 +49,69 @@ class OneDnnWeight:
 
 class OneDnnLinear(nn.Module):
     """nn.Linear's forward on a OneDnnWeight, bias added inside the GEMM as F.linear does (bit for bit its
-    result). `weight` gives the plain values back (a copy, for inspection)."""
+    result). `weight` gives the plain values back (a copy, for inspection).
 
-    def __init__(self, linear: nn.Linear) -> None:
+    With `float32_min_rows` (CPUs whose float32 GEMMs beat bf16 ones, layers/prompt_gemm.py) the layer also keeps
+    a float32 copy of the weight ([in, out] layout), and calls of at least that many rows multiply the rows,
+    widened exactly, by it in float32 and round the result to bf16 once: twice the weight bytes read, so only
+    where a GEMM is compute-bound; fewer rows keep the bf16 GEMM, bit for bit F.linear."""
+
+    def __init__(self, linear: nn.Linear, float32_min_rows: int | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.onednn = OneDnnWeight(linear.weight.detach())
         self.bias = linear.bias
+        self.float32_min_rows = float32_min_rows
+        self.float32_weight = linear.weight.detach().float().t().contiguous().t() if float32_min_rows else None
 
     @property
     def weight(self) -> torch.Tensor:
         return self.onednn.dense()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.onednn.linear(x.reshape(-1, self.in_features), self.bias)
+        rows = x.reshape(-1, self.in_features)
+        wide = self._float32(rows)
+        out = self.onednn.linear(rows, self.bias) if wide is None else wide.to(x.dtype)
         return out.view(*x.shape[:-1], self.out_features)
 
     def forward_float32(self, x: torch.Tensor) -> torch.Tensor:
-        """As an output head (llama.py's logits): F.linear(x, W).float(), bit for bit."""
-        return self(x).float()
+        """As an output head (llama.py's logits): F.linear(x, W).float(), bit for bit (the float32 sums, not
+        rounded to bf16, on the float32 copy's rows)."""
+        rows = x.reshape(-1, self.in_features)
+        wide = self._float32(rows)
+        out = self.onednn.linear(rows, self.bias).float() if wide is None else wide
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def _float32(self, rows: torch.Tensor) -> torch.Tensor | None:
+        if self.float32_weight is None or rows.shape[0] < self.float32_min_rows:
+            return None
+        bias = None if self.bias is None else self.bias.float()
+        return F.linear(rows.float(), self.float32_weight, bias)
 
 
-@torch.no_grad()
-def prepack_bf16_linears(model: nn.Module) -> int:
-    """Replaces the bf16 nn.Linear layers of every decoder layer (`model.layers`) and an untied output layer
-    (`lm_head`, then also the model's `output_head`) by OneDnnLinear where oneDNN takes them (a CPU model);
-    returns how many. A tied output layer stays the embedding table (a prepacked copy would double it)."""
-    count = 0
+def bf16_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """(parent, name, layer) of every bf16 nn.Linear oneDNN takes in the decoder layers (`model.layers`), and of
+    an untied output layer (`lm_head`, parent the model) first. A tied output layer is the embedding table."""
+    found = []
     head = getattr(model, "lm_head", None)
     if isinstance(head, nn.Linear) and getattr(model, "output_head", None) is None \
             and onednn_bf16_applies(head.weight.dtype, head.weight.device):
-        model.lm_head = model.output_head = OneDnnLinear(head)
-        count += 1
+        found.append((model, "lm_head", head))
     for layer in getattr(model, "layers", ()):
         for parent in list(layer.modules()):
-            for name, child in list(parent.named_children()):
-                if isinstance(child, nn.Linear) and onednn_bf16_applies(child.weight.dtype, child.weight.device):
-                    setattr(parent, name, OneDnnLinear(child))
-                    count += 1
-    return count
+            found += [(parent, name, child) for name, child in parent.named_children()
+                      if isinstance(child, nn.Linear) and onednn_bf16_applies(child.weight.dtype, child.weight.device)]
+    return found
+
+
+@torch.no_grad()
+def prepack_bf16_linears(model: nn.Module, float32_min_rows: int | None = None) -> int:
+    """Replaces the layers bf16_linears finds by OneDnnLinear (with `float32_min_rows`: and a float32 copy for
+    calls of that many rows); an untied output layer becomes the model's `output_head` too. Returns how many
+    (a CPU model's; none elsewhere)."""
+    found = bf16_linears(model)
+    for parent, name, linear in found:
+        setattr(parent, name, OneDnnLinear(linear, float32_min_rows))
+        if name == "lm_head" and parent is model:
+            model.output_head = model.lm_head
+    return len(found)
