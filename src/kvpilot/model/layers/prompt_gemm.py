@@ -58,7 +58,18 @@ class GemmProbe:
 
 @functools.cache
 def probe_prompt_gemms() -> GemmProbe:
-    """Times the probe GEMM each way, alternating rounds (a burst of other load hits both); ~30 ms."""
+    """Times the probe GEMM each way on one thread, alternating rounds (a burst of other load hits both); ~70 ms.
+    One thread: the ratio is the core's own (1.50-1.70 on the Xeon above, with the other core busy or not),
+    where two threads' rounds wait on whichever core a server start's other process holds (1.22-3.28)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _time_probe()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _time_probe() -> GemmProbe:
     generator = torch.Generator().manual_seed(0)
     x16 = torch.randn(PROBE_ROWS, PROBE_IN, generator=generator).to(torch.bfloat16)
     w16 = torch.randn(PROBE_OUT, PROBE_IN, generator=generator).to(torch.bfloat16)
@@ -90,7 +101,7 @@ def resolve_prompt_gemm_dtype(name: str, compute_dtype: torch.dtype, device: tor
         return torch.float32
     probe = probe_prompt_gemms()
     chosen = probe.faster_dtype()
-    logger.info("prompt GEMMs in %s: float32 %.0f GFLOP/s, bf16 %.0f GFLOP/s on this CPU (%.2fx; float32 from "
+    logger.info("prompt GEMMs in %s: float32 %.0f GFLOP/s, bf16 %.0f GFLOP/s on one core here (%.2fx; float32 from "
                 "%.1fx); --prompt-gemm-dtype sets it", str(chosen).removeprefix("torch."), probe.float32_gflops,
                 probe.bf16_gflops, probe.float32_speedup, FLOAT32_MIN_SPEEDUP)
     return chosen
