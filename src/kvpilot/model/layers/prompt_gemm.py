@@ -38,7 +38,7 @@ DENSE_FLOAT32_MIN_ROWS = 32
 # the float32 copies of a dense model's weights may take at most this share of the memory available at load
 FLOAT32_COPY_MAX_MEMORY_SHARE = 0.25
 # the probe's GEMM: a 256-token chunk through a gate/up-sized projection (~0.45 GFLOP, a few ms each way)
-PROBE_ROWS, PROBE_IN, PROBE_OUT, PROBE_ROUNDS = 256, 576, 1536, 5
+PROBE_ROWS, PROBE_IN, PROBE_OUT, PROBE_ROUNDS = 256, 576, 1536, 9
 
 
 @dataclass(frozen=True)
@@ -58,9 +58,10 @@ class GemmProbe:
 
 @functools.cache
 def probe_prompt_gemms() -> GemmProbe:
-    """Times the probe GEMM each way on one thread, alternating rounds (a burst of other load hits both); ~70 ms.
-    One thread: the ratio is the core's own (1.50-1.70 on the Xeon above, with the other core busy or not),
-    where two threads' rounds wait on whichever core a server start's other process holds (1.22-3.28)."""
+    """Times the probe GEMM each way on one thread, best of PROBE_ROUNDS alternating rounds (a burst of other load
+    hits both, and spares some rounds); 120-180 ms. One thread: the ratio is the core's own (1.42-1.70 on the Xeon
+    above, the other core busy or not), where two threads' rounds wait on whichever core a server start's other
+    process holds (1.22-3.28)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -107,7 +108,8 @@ def resolve_prompt_gemm_dtype(name: str, compute_dtype: torch.dtype, device: tor
     return chosen
 
 
-def dense_float32_min_rows(model: torch.nn.Module, prompt_dtype: torch.dtype | None, available_bytes: int) -> int | None:
+def dense_float32_min_rows(model: torch.nn.Module, prompt_dtype: torch.dtype | None,
+                           available_bytes: int) -> int | None:
     """DENSE_FLOAT32_MIN_ROWS when the model's dense bf16 layers should keep float32 copies (prompt GEMMs in
     float32, and the copies fit FLOAT32_COPY_MAX_MEMORY_SHARE of `available_bytes`; else logged), or None."""
     if prompt_dtype != torch.float32:
