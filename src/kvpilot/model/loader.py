@@ -85,7 +85,7 @@ def _model_config(config: ModelConfig, plan: ShardPlan | None) -> ModelConfig:
 
 
 def _load_gguf(path: Path, max_model_len: int | None, dtype: torch.dtype, device: torch.device,
-               quantization: str, tp: TPRank, prompt_gemm_dtype: str = "auto") -> LoadedModel:
+               quantization: str, tp: TPRank, gemm_dtype: torch.dtype | None = None) -> LoadedModel:
     from kvpilot.fit.gguf_metadata import field_value, hf_config_from_reader, open_gguf
     from kvpilot.model.gguf_weights import linear_tensor_types, load_gguf_tensors
     from kvpilot.model.quant.model_pack import keeps_dense, pack_linear_layers, packed_names, release_packed_quants
@@ -97,7 +97,6 @@ def _load_gguf(path: Path, max_model_len: int | None, dtype: torch.dtype, device
     names = packed_names(quantization, device, linear_tensor_types(reader), config, path) if plan is None \
         else frozenset()  # a rank's shards are dense (the engine refuses packed quantization with TP)
     dense, packed = load_gguf_tensors(reader, path, config, names, take=plan.take if plan else None)
-    gemm_dtype = resolve_prompt_gemm_dtype(prompt_gemm_dtype, dtype, device) if names else None
     hybrid = keeps_dense(quantization, dtype, packed, psutil.virtual_memory().available, gemm_dtype)
     prepare = (lambda m: pack_linear_layers(m, packed, config, keep_dense=hybrid, compute_dtype=dtype,
                                             gemm_dtype=gemm_dtype)) if names else None
@@ -110,7 +109,7 @@ def _load_gguf(path: Path, max_model_len: int | None, dtype: torch.dtype, device
     has_vocab = "tokenizer.ggml.tokens" in reader.fields
     tokenizer = tokenizer_from_gguf(reader, path) if has_vocab else None
     return LoadedModel(config, model, tokenizer, config.name or path.stem, str(path), "gguf", dtype, device,
-                       "gguf" if names else "none", gemm_dtype, plan)
+                       "gguf" if names else "none", shard=plan)
 
 
 def _load_hf_dir(path: Path, max_model_len: int | None, dtype: torch.dtype, device: torch.device,
@@ -179,11 +178,15 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
         raise ModelLoadError(str(exc)) from exc
     if torch_device.type == "cpu":
         build_cpu_kernels(kernels_for(torch_dtype))  # side by side now, not one by one as loading reaches them
+    # resolved once (a CPU measures it, once a process): packed, quantized-at-load and dense layers all follow it
+    gemm_dtype = resolve_prompt_gemm_dtype(prompt_gemm_dtype, torch_dtype, torch_device) \
+        if torch_device.type == "cpu" else None
     with config_errors_as_load_errors():  # a bad GGUF header, read by kvpilot.fit.gguf_metadata
         loaded = _load(model, load_format, max_model_len, torch_dtype, torch_device, seed, quantization,
-                       TPRank(tp_rank, tp_size), prompt_gemm_dtype)
+                       TPRank(tp_rank, tp_size), gemm_dtype)
+    loaded.prompt_gemm_dtype = gemm_dtype
     if quantization in ("int8", "int4"):
-        _quantize_at_load(loaded, quantization, prompt_gemm_dtype)
+        _quantize_at_load(loaded, quantization)
     elif quantization == "fp8":
         from kvpilot.model.quant.fp8 import check_fp8_device, quantize_fp8_layers
 
@@ -191,8 +194,6 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
         quantize_fp8_layers(loaded.model)
         loaded.quantization = "fp8"
     if torch_device.type == "cpu":
-        if loaded.prompt_gemm_dtype is None:  # dense layers: their large GEMMs' dtype
-            loaded.prompt_gemm_dtype = resolve_prompt_gemm_dtype(prompt_gemm_dtype, torch_dtype, torch_device)
         float32_rows = dense_float32_min_rows(loaded.model, loaded.prompt_gemm_dtype,
                                               psutil.virtual_memory().available)
         prepack_bf16_linears(loaded.model, float32_rows)  # bf16: oneDNN's layout, once
@@ -203,18 +204,18 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
     return loaded
 
 
-def _quantize_at_load(loaded: LoadedModel, quantization: str, prompt_gemm_dtype: str) -> None:
+def _quantize_at_load(loaded: LoadedModel, quantization: str) -> None:
     from kvpilot.model.quant.at_load import quantize_linear_layers
 
     if loaded.device.type != "cpu":
         raise ModelLoadError(f"--quantization {quantization} runs on CPU only (device {loaded.device.type})")
-    loaded.prompt_gemm_dtype = resolve_prompt_gemm_dtype(prompt_gemm_dtype, loaded.dtype, loaded.device)
     quantize_linear_layers(loaded.model, quantization, loaded.dtype, loaded.prompt_gemm_dtype)
     loaded.quantization = quantization
 
 
 def _load(model: str | None, load_format: str, max_model_len: int | None, dtype: torch.dtype,
-          device: torch.device, seed: int, quantization: str, tp: TPRank, prompt_gemm_dtype: str) -> LoadedModel:
+          device: torch.device, seed: int, quantization: str, tp: TPRank,
+          gemm_dtype: torch.dtype | None) -> LoadedModel:
     if model and model.startswith("dummy:"):
         model, load_format = model[len("dummy:"):], "dummy"
     if quantization == "gguf" and (load_format == "dummy" or (model is not None and Path(model).is_dir())):
@@ -223,14 +224,14 @@ def _load(model: str | None, load_format: str, max_model_len: int | None, dtype:
     if load_format == "dummy":
         return _load_dummy(model or "smollm2-135m", max_model_len, dtype, device, seed, tp)
     if model is None:
-        loaded = _load_gguf(default_model_path(), max_model_len, dtype, device, quantization, tp, prompt_gemm_dtype)
+        loaded = _load_gguf(default_model_path(), max_model_len, dtype, device, quantization, tp, gemm_dtype)
         loaded.name = DEFAULT_MODEL_NAME
         return loaded
     path = Path(model).expanduser()
     if path.is_dir():
         return _load_hf_dir(path, max_model_len, dtype, device, tp)
     if path.is_file() or path.suffix == ".gguf":
-        return _load_gguf(path, max_model_len, dtype, device, quantization, tp, prompt_gemm_dtype)
+        return _load_gguf(path, max_model_len, dtype, device, quantization, tp, gemm_dtype)
     raise ModelLoadError(f"{model}: no such file or directory. Pass a .gguf file or an HF model directory with "
                          "config.json and *.safetensors (kvpilot never downloads at run time), or "
                          f"--load-format dummy to run the {model!r} architecture with random weights")
