@@ -10,9 +10,9 @@ import numpy as np
 import torch
 
 from kvpilot import SamplingParams
-from kvpilot.engine.scheduler_output import NewRequestData
+from kvpilot.engine.scheduler_output import NewRequestData, ScheduledChunk
 from kvpilot.model.input_batch import BatchLimits, InputBatch
-from kvpilot.model.step_inputs import PreviousSample
+from kvpilot.model.step_inputs import PreviousSample, build_step_inputs
 
 
 def _recounted(batch: InputBatch) -> tuple[int, int, int]:
@@ -76,3 +76,21 @@ def test_a_row_freed_and_taken_since_the_launch_is_not_overwritten():
 def test_previous_sample_finds_each_rows_index_and_minus_one_for_the_rest():
     previous = PreviousSample(torch.tensor([40, 41, 42]), np.array([5, 0, 2]))
     assert previous.index_of(np.array([0, 2, 5, 1, 9])).tolist() == [1, 2, 0, -1, -1]
+
+
+def test_tokens_in_flight_come_from_the_previous_step_until_their_commit():
+    """A step launched before the previous one's ids are committed reads those tokens from the previous
+    step's device tensor; once committed (no step in flight) it reads them from the host rows."""
+    batch = _batch_of("a", "b")
+    rows = np.array([batch.rows["a"], batch.rows["b"]])
+    positions = batch.append_placeholders(rows)
+    assert batch.num_steps_in_flight == 1
+    previous = PreviousSample(torch.tensor([21, 22]), rows)
+    batch.num_computed[rows] = positions  # the placeholders are the next step's inputs
+    chunks = [ScheduledChunk("a", 3, 1, True), ScheduledChunk("b", 3, 1, True)]
+    inputs = build_step_inputs(batch, chunks, rows, previous, torch.device("cpu"))
+    assert inputs.token_ids.tolist() == [21, 22] and inputs.positions.tolist() == [3, 3]
+    batch.commit(["a", "b"], rows, positions, [31, 32], batch.num_removed)
+    assert batch.num_steps_in_flight == 0
+    inputs = build_step_inputs(batch, chunks, rows, None, torch.device("cpu"))  # no previous step needed
+    assert inputs.token_ids.tolist() == [31, 32]

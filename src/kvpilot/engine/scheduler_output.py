@@ -85,7 +85,8 @@ class SchedulerOutput:
 
     @property
     def num_decode_tokens(self) -> int:
-        return sum(1 for c in self.chunks if c.is_decode)
+        # ScheduledChunk.is_decode, inlined: this runs over every chunk of every step the server reports
+        return sum(1 for c in self.chunks if c.num_tokens == 1 and c.start_position > 0)
 
 
 @dataclass(slots=True)

@@ -70,6 +70,9 @@ class InputBatch:
         self.num_with_logprobs = 0
         # rows freed so far: while it stands still, every row still holds the request it held (commit's check)
         self.num_removed = 0
+        # steps whose sampled ids are placeholders here, not committed yet: while 0, every token is known
+        # (a step whose result is never read, after a failure, keeps it above 0: the general path, still right)
+        self.num_steps_in_flight = 0
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -148,6 +151,7 @@ class InputBatch:
         positions = self.num_tokens[rows].copy()
         self.num_tokens[rows] += 1
         self.num_output[rows] += 1
+        self.num_steps_in_flight += 1
         return positions
 
     def commit(self, request_ids: Sequence[str], rows: np.ndarray, positions: np.ndarray,
@@ -156,6 +160,7 @@ class InputBatch:
         they were when the step launched, when num_removed was num_removed_at_launch; commits come in step
         order). A request finished, aborted or preempted since (its row gone, or taken by another request) is
         skipped: nothing to fill. With no row freed since the launch (the common case) none can be."""
+        self.num_steps_in_flight = max(0, self.num_steps_in_flight - 1)
         if num_removed_at_launch is None or self.num_removed != num_removed_at_launch:
             live = self.rows
             now = np.fromiter((live.get(rid, -1) for rid in request_ids), dtype=np.int64, count=len(request_ids))

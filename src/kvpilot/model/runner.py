@@ -26,7 +26,8 @@ from kvpilot.model.kv_cache import allocate_kv_cache
 from kvpilot.model.loader import LoadedModel
 from kvpilot.model.logit_bias import LogitBiasState
 from kvpilot.model.logits_processors import PenaltyState, apply_min_tokens
-from kvpilot.model.sampler import Logprobs, SamplingBatch, compute_logprobs, sample, sampled_tokens
+from kvpilot.model.sampler import (Logprobs, SamplingBatch, compute_logprobs, greedy_ids_of, sample,
+                                   sampled_tokens)
 from kvpilot.model.step_inputs import PreviousSample, StepInputs, build_step_inputs
 
 if TYPE_CHECKING:
@@ -194,6 +195,11 @@ class ModelRunner:
 
     def _sample(self, inputs: StepInputs, logits: torch.Tensor) -> StepResult:
         rows, batch = inputs.sample_batch_rows, self.batch
+        if self._argmax_only():  # the common case: a few checks instead of nine no-op calls a step
+            token_ids = greedy_ids_of(logits)
+            if self.tp is not None:
+                self.tp.broadcast(token_ids)
+            return self._launched(inputs, token_ids, [-1] * len(rows), None)
         logits = self.penalties.apply(logits, rows)
         logits = self.logit_bias.apply(logits, rows)
         logits = apply_min_tokens(logits, self._banned(rows))
@@ -216,6 +222,20 @@ class ModelRunner:
             logprobs = compute_logprobs(logits, token_ids, max(num_top)) if max(num_top) >= 0 else None
         else:
             num_top, logprobs = [-1] * len(rows), None
+        return self._launched(inputs, token_ids, num_top, logprobs)
+
+    def _argmax_only(self) -> bool:
+        """Every held row greedy, with no penalties, logit bias, min_tokens, grammar or logprobs: the sampled
+        tokens are the logits' argmax, whatever the rows."""
+        batch = self.batch
+        return not (batch.num_sampling or batch.num_min_tokens or batch.num_with_logprobs or self.penalties.num_active
+                    or self.logit_bias.num_active or self.grammars.num_active)
+
+    def _launched(self, inputs: StepInputs, token_ids: torch.Tensor, num_top: list[int],
+                  logprobs: Logprobs | None) -> StepResult:
+        """Records the step's sampled tokens as placeholders in the persistent batch; their ids reach the host
+        through the returned StepResult."""
+        rows, batch = inputs.sample_batch_rows, self.batch
         self._previous = PreviousSample(token_ids, rows)
         positions = batch.append_placeholders(rows)
         return StepResult(self, inputs.sample_request_ids, rows, positions, token_ids, num_top, logprobs,

@@ -21,6 +21,9 @@ from kvpilot.model.device_staging import PackedArrays
 from kvpilot.model.input_batch import InputBatch
 
 
+_NONE = np.empty(0, dtype=np.int64)
+
+
 @dataclass(frozen=True)
 class PreviousSample:
     """The last step's sampled ids on the device; token_ids[i] was sampled for persistent row rows[i]."""
@@ -96,7 +99,8 @@ def build_step_inputs(batch: InputBatch, chunks: Sequence[ScheduledChunk], rows:
         sample_batch_rows = rows[sampled]
     block_ids = batch.block_table[token_rows, positions // block_size]
     slots = block_ids * block_size + positions % block_size
-    unknown = np.flatnonzero(positions >= batch.num_known[token_rows])
+    # tokens sampled by a step whose ids are not committed yet (async scheduling); none while no step is in flight
+    unknown = np.flatnonzero(positions >= batch.num_known[token_rows]) if batch.num_steps_in_flight else _NONE
     integers = [batch.token_ids[token_rows, positions], positions, ends - 1 if sampled is None else ends[sampled] - 1]
     if len(unknown):  # tokens sampled by the previous step, not yet read back (async scheduling)
         integers += [unknown, _previous_sources(unknown, token_rows, previous)]
