@@ -124,7 +124,7 @@ class DecodeGraphs:
         n = len(layout.query_lens)
         if not self._graphs or n == 0 or n > self.sizes[-1] or layout.num_tokens != n:
             return None
-        if not bool(layout.is_decode.all()):
+        if not layout.all_decode:
             return None
         return self.sizes[bisect.bisect_left(self.sizes, n)]
 

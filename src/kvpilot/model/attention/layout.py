@@ -7,6 +7,7 @@ its own metadata. Per-sequence arrays are in step order (the order of the schedu
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -24,14 +25,21 @@ class StepLayout:
     slot_mapping: np.ndarray  # [T] int64
     block_size: int
 
-    @property
+    # Derived arrays are computed once per step (the backend, CUDA graphs and the runner each read them);
+    # treat them as read-only like the rest.
+    @cached_property
     def context_lens(self) -> np.ndarray:
         return self.start_positions + self.query_lens
 
-    @property
+    @cached_property
     def is_decode(self) -> np.ndarray:
         """One token after earlier ones (kvpilot.engine.scheduler_output.ScheduledChunk.is_decode)."""
         return (self.query_lens == 1) & (self.start_positions > 0)
+
+    @cached_property
+    def all_decode(self) -> bool:
+        """Every sequence of the step is a decode."""
+        return bool(self.is_decode.all())
 
     @property
     def num_tokens(self) -> int:

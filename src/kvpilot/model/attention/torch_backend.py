@@ -65,8 +65,7 @@ class TorchAttentionBackend:
         return (2, num_kv_heads, num_blocks, block_size, head_dim)
 
     def build(self, layout: StepLayout, device: torch.device) -> AttentionMetadata:
-        is_decode = layout.is_decode
-        all_decode = bool(is_decode.all())
+        is_decode, all_decode = layout.is_decode, layout.all_decode
         return AttentionMetadata(slot_mapping=host_tensor(layout.slot_mapping, device),
                                  prefills=[] if all_decode else build_prefills(layout, device, is_decode),
                                  decodes=self._decode_batches(layout, device, is_decode, all_decode),
