@@ -81,7 +81,7 @@ def served_port(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
                     break
             except httpx.HTTPError:
                 pass
-            time.sleep(1)
+            time.sleep(0.2)
         else:
             pytest.fail(f"kvpilot serve did not become healthy: {Path(log.name).read_text()[-2000:]}")
         yield port

@@ -25,8 +25,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=48)
 
 
 @pytest.fixture(scope="module")
-def llm() -> LLM:
-    return LLM(dtype="float32", kv_cache_memory="256MiB", max_model_len=1024)
+def llm(llm_fp32) -> LLM:
+    """An engine of its own (its KV blocks are checked) on the session's float32 weights: no second load."""
+    return LLM(loaded=llm_fp32.loaded, kv_cache_memory="256MiB", max_model_len=1024)
 
 
 class Script:

@@ -307,11 +307,13 @@ def test_long_prefill_between_decode_steps_is_prefill_interrupts_decode(
 
 def test_cli_probe_of_a_tiny_kv_cache_is_kv_cache_pressure(llm_fp32) -> None:
     """End to end: `kvpilot doctor --url ... --quick --json` in its own process against a server whose
-    KV pool holds 12 blocks (192 tokens): the ramp's 8 clients cannot all fit."""
+    KV pool holds 12 blocks (192 tokens): the ramp's 8 clients cannot all fit. 3-second phases (8 by default;
+    here each phase sent its whole cap of 24 requests in ~4.5 s): 9 to 22 requests a phase still press the pool
+    (kv-cache-pressure came, pointing to kv-pool-too-small, in every run measured)."""
     block = kv_cache_bytes_per_block(llm_fp32.loaded.config, 16, 4)  # float32 K and V, 16 tokens
     with kvpilot_server(llm_fp32.loaded, kv_cache_memory=str(12 * block), max_model_len=128) as server:
         cli = [sys.executable, "-c", "from kvpilot.cli import main; main()"]
-        proc = subprocess.run([*cli, "doctor", "--url", server.url, "--quick", "--json"],
+        proc = subprocess.run([*cli, "doctor", "--url", server.url, "--quick", "--json", "--phase-seconds", "3"],
                               capture_output=True, text=True, timeout=240)
     assert proc.returncode == 1, proc.stderr[-2000:]
     doc = json.loads(proc.stdout)

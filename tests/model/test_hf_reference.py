@@ -23,12 +23,12 @@ def _prompts(tokenizer) -> list[list[int]]:
 
 
 @pytest.mark.slow
-def test_batched_greedy_matches_transformers(llm_fp32, hf_model):
+def test_batched_greedy_matches_transformers(llm_fp32, fp32_greedy, hf_model):
     prompts = _prompts(llm_fp32.tokenizer)
     lengths = sorted(len(p) for p in prompts)
     assert lengths[0] == 1 and lengths[-1] >= 900, lengths  # covers 1 to ~1,000 tokens
-    params = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
-    outputs = llm_fp32.generate(prompts, params)
+    outputs = fp32_greedy  # llm_fp32.generate(prompts) in one batch, greedy (tests/model/conftest.py)
+    assert len(outputs) == len(prompts)
     for prompt, output in zip(prompts, outputs):
         assert output.prompt_token_ids == prompt
         assert output.outputs[0].finish_reason == "length"

@@ -148,7 +148,7 @@ def _agreeing_prefix(got: list[int], want: list[int]) -> int:
 @pytest.mark.slow
 @needs_kernel
 @needs_bf16
-def test_float32_prompt_gemms_follow_the_float32_model_at_least_as_far_as_bf16_ones(llm_fp32):
+def test_float32_prompt_gemms_follow_the_float32_model_at_least_as_far_as_bf16_ones(llm_fp32, fp32_greedy):
     """bf16 activations drift from the float32 model's greedy tokens after a while either way; float32 prompt
     GEMMs drop one rounding (the weights' to bf16), so on the HF reference test's prompts and the README's chat
     prompt their greedy tokens agree with the float32 model's as far, summed over the prompts, as bf16 prompt
@@ -162,7 +162,11 @@ def test_float32_prompt_gemms_follow_the_float32_model_at_least_as_far_as_bf16_o
     chat = b16.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
     prompts = _prompts(b16.tokenizer) + [chat]
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
-    want = [out.outputs[0].token_ids for out in llm_fp32.generate(prompts, params)]
+    # the float32 model's tokens: the HF reference prompts' from the session's batch (tests/model/conftest.py),
+    # the chat prompt's generated here (float32 greedy outputs do not depend on the batch: tests/engine_e2e)
+    want = [out.outputs[0].token_ids for out in fp32_greedy]
+    want.append(llm_fp32.generate([chat], params)[0].outputs[0].token_ids)
+    assert [out.prompt_token_ids for out in fp32_greedy] == prompts[:-1]
     agree = {name: [_agreeing_prefix(out.outputs[0].token_ids, ids) for out, ids in
                     zip(llm.generate(prompts, params), want)] for name, llm in (("float32", f32), ("bf16", b16))}
     assert min(agree["float32"]) >= 1, agree

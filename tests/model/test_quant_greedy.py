@@ -22,14 +22,16 @@ def _near_tie_gap(hf_model, ids: list[int]) -> float:
     return float((top[0] - top[1]) / top[0].abs())
 
 
-def test_packed_greedy_matches_dequantized(request):
-    settings = dict(dtype="float32", kv_cache_memory="1GiB", max_model_len=4096)
-    packed, dense = LLM(quantization="gguf", **settings), LLM(quantization="none", **settings)
-    assert packed.loaded.quantization == "gguf" and dense.loaded.quantization == "none"
+def test_packed_greedy_matches_dequantized(request, llm_fp32, fp32_greedy):
+    # The packed model is the session's llm_fp32 (float32, 1 GiB KV, max_model_len 4096: `auto` keeps the GGUF's
+    # blocks packed, as --quantization gguf does), whose greedy outputs on these prompts fp32_greedy holds.
+    dense = LLM(quantization="none", dtype="float32", kv_cache_memory="1GiB", max_model_len=4096)
+    assert llm_fp32.loaded.quantization == "gguf" and dense.loaded.quantization == "none"
     prompts = _prompts(dense.tokenizer)
+    assert [o.prompt_token_ids for o in fp32_greedy] == prompts
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
     num_flips = 0
-    for prompt, got, want in zip(prompts, packed.generate(prompts, params), dense.generate(prompts, params)):
+    for prompt, got, want in zip(prompts, fp32_greedy, dense.generate(prompts, params)):
         got_ids, want_ids = got.outputs[0].token_ids, want.outputs[0].token_ids
         assert len(got_ids) == len(want_ids) == NUM_NEW_TOKENS
         if got_ids == want_ids:

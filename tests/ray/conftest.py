@@ -74,11 +74,16 @@ def deploy(url: str, name: str, args: dict[str, Any]) -> str:
 
 def replica_stats(url: str, num_replicas: int, timeout_s: float = 30.0,
                   headers: dict[str, str] | None = None) -> dict[str, Any]:
-    """/v1/kvpilot/replicas once every replica has reported after the last request (reports: ~1 s)."""
-    time.sleep(2.5)
-    deadline = time.monotonic() + timeout_s
+    """/v1/kvpilot/replicas once `num_replicas` replicas are listed and every one of them has reported since
+    this call, so after the caller's last request (reports: ~1 s; a replica's engine counters are current
+    once its requests have answered: the core sends them with each step's outputs)."""
+    since = time.monotonic()
+    deadline = since + timeout_s
     while True:
+        asked = time.monotonic()
         table = httpx.get(f"{url}/v1/kvpilot/replicas", headers=headers, timeout=30).json()
-        if table["num_replicas"] == num_replicas or time.monotonic() > deadline:
+        # a row's age_s is its report's age when the ingress built the table, after `asked`
+        fresh = all(row["age_s"] < asked - since for row in table["replicas"])
+        if (table["num_replicas"] == num_replicas and fresh) or time.monotonic() > deadline:
             return table
-        time.sleep(0.5)
+        time.sleep(0.2)

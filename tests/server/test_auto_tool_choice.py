@@ -49,10 +49,12 @@ ASK_SUM = [*_history(), {"role": "user", "content": "What is 2 + 2?"}]
 
 
 @pytest.fixture(scope="module")
-def auto_server() -> Iterator[BackgroundServer]:
+def auto_server(llm_fp32) -> Iterator[BackgroundServer]:
+    """The engine core in a thread on the session's float32 weights (the same GGUF, no second load)."""
     args = ServerArgs(served_model_names=(MODEL,), api_key=API_KEY, engine_process=False,
                       enable_auto_tool_choice=True, tool_call_parser="hermes")
-    with BackgroundServer(create_app(engine_factory(server_engine_args(), warmup=False), args)) as server:
+    factory = engine_factory(server_engine_args(), llm_fp32.loaded, warmup=False)
+    with BackgroundServer(create_app(factory, args)) as server:
         yield server
 
 
