@@ -30,12 +30,15 @@ from tests.doctor.live_staging import bench, doctor, kvpilot_server, ranked
 pytestmark = pytest.mark.slow
 CLI = [sys.executable, "-c", "from kvpilot.cli import main; main()"]
 HOST_CAUSES = ("cpu-starvation", "client-overload")
-# A probe smaller than --quick (the same phases and code, 4 s per phase) for the starvation scenario.
+# A probe smaller than --quick (the same phases and code, 4 s per phase, at most 4 requests in flight as with
+# --max-concurrency 4) for the starvation scenario: the server's threads wait for a CPU about half the time they
+# are runnable whatever the load (0.51-0.52 measured with 8 or 4 in flight), while 8 requests in flight on the
+# starved server took 5-14 s to drain against 3 s for 4.
 SMALL_PROBE = (
     "import json, sys; from dataclasses import replace; from rich.console import Console; "
     "from kvpilot.doctor.diagnose import diagnose; from kvpilot.doctor.probe import check_endpoint, probe_endpoint; "
     "from kvpilot.doctor.probe_plan import QUICK; "
-    "s = probe_endpoint(check_endpoint(sys.argv[1]), replace(QUICK, phase_s=4.0, max_requests=8), "
+    "s = probe_endpoint(check_endpoint(sys.argv[1]), replace(QUICK, phase_s=4.0, max_requests=8).capped(4), "
     "Console(stderr=True)); "
     "print(json.dumps(diagnose(s.inputs()).to_json()))")
 
