@@ -141,6 +141,10 @@ def test_dense_float32_copies_only_where_they_fit():
     assert dense_float32_min_rows(model, torch.bfloat16, available_bytes=2**40) is None
 
 
+# top-two logit gap under which bf16 activations may flip the float32 model's choice (seen: 0.08)
+NEAR_TIE = 0.25
+
+
 def _agreeing_prefix(got: list[int], want: list[int]) -> int:
     return next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
 
@@ -148,27 +152,29 @@ def _agreeing_prefix(got: list[int], want: list[int]) -> int:
 @pytest.mark.slow
 @needs_kernel
 @needs_bf16
-def test_float32_prompt_gemms_follow_the_float32_model_at_least_as_far_as_bf16_ones(llm_fp32, fp32_greedy):
-    """bf16 activations drift from the float32 model's greedy tokens after a while either way; float32 prompt
-    GEMMs drop one rounding (the weights' to bf16), so on the HF reference test's prompts and the README's chat
-    prompt their greedy tokens agree with the float32 model's as far, summed over the prompts, as bf16 prompt
-    GEMMs' do (on the 2-vCPU Xeon family 6 model 207, 2026-11-27: 302 vs 235 of 432 tokens), every first token
-    (the prompt step's own) agrees, and the README answer stays "Paris"."""
+def test_float32_prompt_gemms_take_the_float32_models_first_tokens_but_at_near_ties(llm_fp32, fp32_greedy):
+    """bf16 activations drift from the float32 model's greedy tokens after a while either way, and which of the two
+    prompt-GEMM dtypes follows it further depends on the CPU's bf16 kernels (tokens agreeing, summed over these
+    prompts: 302 for float32 vs 235 for bf16 of 432 on the 2-vCPU Xeon family 6 model 207, 2026-11-27; 193 vs 235
+    on the AMD EPYC family 26 model 2, 2026-11-28). What holds on both: every first token (the prompt step's own)
+    agrees with the float32 model's except at a near-tie of its top two (the chat prompt's are 0.08 apart and flip
+    on the EPYC), and the README answer stays "Paris". (The layers' exactness: the tests above.)"""
     from tests.model.test_hf_reference import NUM_NEW_TOKENS, _prompts
 
     settings = dict(dtype="bfloat16", kv_cache_memory="256MiB", max_model_len=2048)
-    f32, b16 = LLM(prompt_gemm_dtype="float32", **settings), LLM(prompt_gemm_dtype="bfloat16", **settings)
-    assert f32.loaded.prompt_gemm_dtype == torch.float32 and b16.loaded.prompt_gemm_dtype == torch.bfloat16
-    chat = b16.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
-    prompts = _prompts(b16.tokenizer) + [chat]
+    f32 = LLM(prompt_gemm_dtype="float32", **settings)
+    assert f32.loaded.prompt_gemm_dtype == torch.float32
+    chat = f32.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    prompts = _prompts(f32.tokenizer) + [chat]
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
     # the float32 model's tokens: the HF reference prompts' from the session's batch (tests/model/conftest.py),
     # the chat prompt's generated here (float32 greedy outputs do not depend on the batch: tests/engine_e2e)
     want = [out.outputs[0].token_ids for out in fp32_greedy]
     want.append(llm_fp32.generate([chat], params)[0].outputs[0].token_ids)
     assert [out.prompt_token_ids for out in fp32_greedy] == prompts[:-1]
-    agree = {name: [_agreeing_prefix(out.outputs[0].token_ids, ids) for out, ids in
-                    zip(llm.generate(prompts, params), want)] for name, llm in (("float32", f32), ("bf16", b16))}
-    assert min(agree["float32"]) >= 1, agree
-    assert sum(agree["float32"]) >= sum(agree["bf16"]), agree
+    agree = [_agreeing_prefix(out.outputs[0].token_ids, ids) for out, ids in zip(f32.generate(prompts, params), want)]
+    tops = [out.outputs[0].logprobs[0].top_logprobs for out in
+            llm_fp32.generate(prompts, SamplingParams(temperature=0, max_tokens=1, logprobs=2))]
+    flipped = {i: round(tops[i][0][1] - tops[i][1][1], 3) for i, n in enumerate(agree) if n == 0}  # top-2 gaps
+    assert all(gap < NEAR_TIE for gap in flipped.values()), (flipped, agree)
     assert "Paris" in f32.generate([chat], params)[0].outputs[0].text
