@@ -5,6 +5,12 @@ time outside the forward.
 
     .venv/bin/python benchmarks/host_overhead.py                      # batch 16 and 256, context 200 and 1800
     .venv/bin/python benchmarks/host_overhead.py --batch 256 --context 1800 --steps 30
+    .venv/bin/python benchmarks/host_overhead.py --context 200 --evict-mib 64   # caches as cold as at 1800
+
+Host time per request rises with context on a CPU although no host work grows with it: a long-context forward
+streams the KV cache through the CPU caches and evicts the interpreter's objects, so the host code after it
+runs cold. --evict-mib N makes every forward also touch N MiB (counted as forward time): at a short context it
+shows how much of the long-context figure is that eviction alone.
 
 The engine issue's target: host cost per running request per step <= 10 us on a 2-core CPU, flat in context.
 """
@@ -35,14 +41,17 @@ TINY_CONFIG = {
 class ForwardTimer:
     """Wraps the model's forward and the logits head to add up the seconds spent inside them."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, evict_mib: int = 0) -> None:
         self.seconds = 0.0
+        self._evict = torch.zeros(evict_mib * 2**20 // 4) if evict_mib else None
         for name in ("forward", "logits"):
             setattr(model, name, self._timed(getattr(model, name)))
 
     def _timed(self, fn):  # noqa: ANN001, ANN202 - a plain wrapper
         def run(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
             start = time.perf_counter()
+            if self._evict is not None and fn.__name__ == "forward":
+                self._evict.add_(1.0)  # what a long context's KV reads do to the caches, and nothing else
             try:
                 return fn(*args, **kwargs)
             finally:
@@ -50,7 +59,7 @@ class ForwardTimer:
         return run
 
 
-def measure(config_path: Path, batch: int, context: int, steps: int, extra: dict) -> dict:
+def measure(config_path: Path, batch: int, context: int, steps: int, extra: dict, evict_mib: int = 0) -> dict:
     budget = max(2048, batch)
     # requests prefilled early decode while the rest prefill: none may finish before the timed steps end
     max_tokens = batch * context // budget + steps + 64
@@ -65,7 +74,7 @@ def measure(config_path: Path, batch: int, context: int, steps: int, extra: dict
         started.update(o.request_id for o in llm.engine.step())
     for _ in range(3):
         llm.engine.step()
-    timer = ForwardTimer(llm.engine.runner.model)
+    timer = ForwardTimer(llm.engine.runner.model, evict_mib)
     times, hosts = [], []
     for _ in range(steps):
         in_forward = timer.seconds
@@ -90,16 +99,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--engine-arg", action="append", default=[], metavar="KEY=JSON",
                         help="Extra LLM() setting, e.g. async_scheduling=false (repeatable).")
+    parser.add_argument("--evict-mib", type=int, default=0,
+                        help="Also touch this many MiB in every forward, evicting the CPU caches (see above).")
     parser.add_argument("--json", action="store_true", help="One JSON line per measurement.")
     args = parser.parse_args()
     extra = {k: json.loads(v) for k, v in (item.split("=", 1) for item in args.engine_arg)}
     with tempfile.TemporaryDirectory() as tmp:
         config_path = Path(tmp) / "config.json"
         config_path.write_text(json.dumps(TINY_CONFIG))
-        print(f"# {torch.get_num_threads()} threads; 1-layer 64-wide dummy model; {args.steps} decode steps each")
+        evicting = f"; every forward touches {args.evict_mib} MiB" if args.evict_mib else ""
+        print(f"# {torch.get_num_threads()} threads; 1-layer 64-wide dummy model; {args.steps} decode steps each"
+              f"{evicting}")
         for context in args.context:
             for batch in args.batch:
-                row = measure(config_path, batch, context, args.steps, extra)
+                row = measure(config_path, batch, context, args.steps, extra, args.evict_mib)
                 if args.json:
                     print(json.dumps(row))
                     continue
