@@ -35,9 +35,10 @@ def _decode_batch(chunks, rows, block_size, device, with_bias=True):
 
 @pytest.mark.skipif(get_kernel() is None, reason="no C++ toolchain: the torch path is used")
 @pytest.mark.parametrize("heads, kv_heads, block_size, head_dim",
-                         [(9, 3, 16, 64), (8, 8, 4, 64), (16, 2, 8, 128), (4, 2, 16, 80)])
+                         [(9, 3, 16, 64), (8, 8, 4, 64), (16, 2, 8, 128), (8, 2, 32, 128), (4, 2, 16, 80)])
 def test_kernel_matches_torch_path(heads, kv_heads, block_size, head_dim):
-    """Head dims 64 and 128 take the compiled-size paths, 80 the generic one."""
+    """Head dims 64 and 128 take the compiled-size paths, 80 the generic one; on AVX-512, blocks of 16 rows or
+    more take the 16-row dot products (one summing tree), smaller ones and tails the row-by-row sums."""
     gen = torch.Generator().manual_seed(0)
     num_blocks = 40
     cache = torch.randn(2, kv_heads, num_blocks, block_size, head_dim, generator=gen)
@@ -88,12 +89,11 @@ def test_torch_path_builds_the_padding_bias_when_the_batch_has_none():
 
 @pytest.mark.skipif(get_kernel() is None, reason="no C++ toolchain: the torch path is used")
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn])
-@pytest.mark.parametrize("head_dim", [64, 80])
-def test_kernel_widens_16_and_8_bit_kv_like_torch(kv_dtype, head_dim):
+@pytest.mark.parametrize("head_dim, block_size", [(64, 8), (64, 16), (80, 8)])
+def test_kernel_widens_16_and_8_bit_kv_like_torch(kv_dtype, head_dim, block_size):
     """The kernel's own bf16/fp16/fp8 -> float32 conversion equals torch's, subnormals and signs included,
     on the AVX-512 path (head dim 64, where the CPU has it) and the portable one (80)."""
     gen = torch.Generator().manual_seed(2)
-    block_size = 8
     cache = torch.randn(2, 2, 20, block_size, head_dim, generator=gen)
     cache[..., :4] *= 1e-6  # subnormal in fp16 / fp8 (fp8 has them below 2^-6)
     cache[..., 4:8] *= 0.01
