@@ -14,7 +14,7 @@ from typing import Callable
 import pytest
 
 from kvpilot.engine.engine import LLMEngine
-from kvpilot.engine.scheduler_output import RunnerOutput, SampledToken, SchedulerOutput
+from kvpilot.engine.scheduler_output import RunnerOutput, SchedulerOutput
 from kvpilot.outputs import RequestOutput
 from kvpilot.sampling_params import SamplingParams
 from tests.engine.engine_fakes import VOCAB_OFFSET, VOCAB_SIZE, FakePagedModel, generate_alone, make_scheduler
@@ -33,7 +33,7 @@ class _Handle:
         if self.error is not None:
             raise self.error
         assert self.tokens is not None
-        return RunnerOutput({rid: SampledToken(t) for rid, t in self.tokens.items()})
+        return RunnerOutput(dict(self.tokens))
 
 
 class FailingExecutor:

@@ -87,7 +87,7 @@ def _decode_run(runner: ModelRunner, num_steps: int) -> list[dict[str, int]]:
         chunks = [ScheduledChunk(rid, lengths[rid], 1, True) for rid in live]
         output = SchedulerOutput(chunks, running_requests=[RunningRequestData(c.request_id, [], c.start_position)
                                                            for c in chunks], finished_request_ids=finished)
-        tokens.append(runner.execute_model(output).result().token_ids())
+        tokens.append(runner.execute_model(output).result().token_ids)
         for rid in live:
             lengths[rid] += 1
         if finished:

@@ -43,3 +43,25 @@ def test_dummy_by_catalog_name_is_reproducible():
     assert first.tokenizer is not None  # borrows the embedded tokenizer (same vocabulary size)
     second = load_model("smollm2-135m", load_format="dummy", dtype="float32", max_model_len=256, seed=3)
     torch.testing.assert_close(_forward(first), _forward(second), rtol=0, atol=0)
+
+
+def test_runner_output_carries_ids_for_all_and_logprobs_only_for_who_asked(tmp_path):
+    """RunnerOutput: token_ids for every sampled request; logprobs (the same token, its logprob, the top-N) only
+    for the requests that asked for them, so a step of plain requests builds no object per request."""
+    cfg = get_hf_config("llama-3.2-1b")
+    cfg.update(num_hidden_layers=1, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=1,
+               head_dim=16, vocab_size=2048)  # the architecture, tiny
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    loaded = load_model(str(tmp_path / "config.json"), load_format="dummy", dtype="float32", max_model_len=64)
+    runner = ModelRunner(loaded, num_blocks=8, block_size=16)
+    prompts = {"plain": [5, 9, 2, 7], "asks": [3, 8, 1], "greedy": [4, 4, 6]}
+    params = {"plain": SamplingParams(temperature=0), "asks": SamplingParams(temperature=0, logprobs=2),
+              "greedy": SamplingParams(temperature=0)}
+    news = [NewRequestData(rid, ids, [], params[rid], [i], 0) for i, (rid, ids) in enumerate(prompts.items())]
+    chunks = [ScheduledChunk(rid, 0, len(ids), True) for rid, ids in prompts.items()]
+    result = runner.execute_model(SchedulerOutput(chunks, new_requests=news)).result()
+    assert sorted(result.token_ids) == sorted(prompts) and list(result.logprobs) == ["asks"]
+    sampled = result.logprobs["asks"]
+    assert sampled.token_id == result.token_ids["asks"] and len(sampled.top_logprobs) == 2
+    assert sampled.top_logprobs[0][0] == sampled.token_id  # greedy: the chosen token is the most likely
+    assert sampled.logprob == pytest.approx(sampled.top_logprobs[0][1])

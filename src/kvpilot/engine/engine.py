@@ -191,8 +191,10 @@ class LLMEngine:
         except Exception as exc:  # noqa: BLE001 - judged by step_failures
             raise StepFailed([step.scheduled], exc, at_launch=False) from exc
         self._failures.completed(step.scheduled)
-        updates = self.scheduler.update_from_output(step.scheduled, result.token_ids())
-        outputs = [self._process_or_fail(update, result.sampled.get(update.request_id)) for update in updates]
+        updates = self.scheduler.update_from_output(step.scheduled, result.token_ids)
+        logprobs = result.logprobs  # only the requests that asked for logprobs
+        outputs = [self._process_or_fail(update, logprobs.get(update.request_id) if logprobs else None)
+                   for update in updates]
         if self.on_step is not None:
             self.on_step(_step_stats(step.scheduled, len(updates), self.clock() - step.started))
         return outputs

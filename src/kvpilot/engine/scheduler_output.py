@@ -100,13 +100,12 @@ class SampledToken:
 
 @dataclass(frozen=True)
 class RunnerOutput:
-    """What one step produced, in one message: a sampled token for every chunk with needs_sample, by request
-    id (with logprobs when the request asked for them)."""
+    """What one step produced, in one message: token_ids, the sampled token of every chunk with needs_sample,
+    by request id; logprobs, by request id, the SampledToken (with its logprob and top alternatives) of those
+    of them that asked for logprobs, and no others. Plain ids for the rest: no object per request per step."""
 
-    sampled: dict[str, SampledToken] = field(default_factory=dict)
-
-    def token_ids(self) -> dict[str, int]:
-        return {rid: s.token_id for rid, s in self.sampled.items()}
+    token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, SampledToken] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

@@ -148,7 +148,7 @@ class InputBatch:
     def append_placeholders(self, rows: np.ndarray) -> np.ndarray:
         """A token was just sampled for each row (its id still on the device): counts advance now. Returns
         the positions the tokens take."""
-        positions = self.num_tokens[rows].copy()
+        positions = self.num_tokens[rows]  # a fancy index: already a copy
         self.num_tokens[rows] += 1
         self.num_output[rows] += 1
         self.num_steps_in_flight += 1

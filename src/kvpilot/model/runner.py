@@ -27,7 +27,7 @@ from kvpilot.model.loader import LoadedModel
 from kvpilot.model.logit_bias import LogitBiasState
 from kvpilot.model.logits_processors import PenaltyState, apply_min_tokens
 from kvpilot.model.sampler import (Logprobs, SamplingBatch, compute_logprobs, greedy_ids_of, sample,
-                                   sampled_tokens)
+                                   sampled_logprobs)
 from kvpilot.model.step_inputs import PreviousSample, StepInputs, build_step_inputs
 
 if TYPE_CHECKING:
@@ -67,9 +67,9 @@ class StepResult:
             host = self._copy.wait()  # the step's one wait for the device
             ids = host[0].tolist()
             self._runner.batch.commit(self._request_ids, self._rows, self._positions, ids, self._num_removed)
-            logprobs = Logprobs(*host[1:]) if self._has_logprobs else None
-            tokens = sampled_tokens(ids, self._num_top, logprobs)
-            self._output = RunnerOutput(dict(zip(self._request_ids, tokens)))
+            logprobs = sampled_logprobs(self._request_ids, ids, self._num_top, Logprobs(*host[1:])) \
+                if self._has_logprobs else {}
+            self._output = RunnerOutput(dict(zip(self._request_ids, ids)), logprobs)
         return self._output
 
 

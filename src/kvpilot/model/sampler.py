@@ -147,13 +147,12 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, max_top: int
     return Logprobs(chosen, top_values, top_ids)
 
 
-def sampled_tokens(token_ids: list[int], num_top: Sequence[int], logprobs: Logprobs | None) -> list[SampledToken]:
-    """Host-side results; num_top[i] < 0 means row i asked for no logprobs."""
-    if logprobs is None:
-        return [SampledToken(t) for t in token_ids]
+def sampled_logprobs(request_ids: Sequence[str], token_ids: list[int], num_top: Sequence[int],
+                     logprobs: Logprobs) -> dict[str, SampledToken]:
+    """Host-side logprob results of the rows that asked for them (num_top[i] >= 0), by request id."""
     chosen, values, ids = logprobs.chosen.tolist(), logprobs.top_values.tolist(), logprobs.top_ids.tolist()
-    return [SampledToken(t) if n < 0 else SampledToken(t, chosen[i], list(zip(ids[i][:n], values[i][:n])))
-            for i, (t, n) in enumerate(zip(token_ids, num_top))]
+    return {rid: SampledToken(t, chosen[i], list(zip(ids[i][:n], values[i][:n])))
+            for i, (rid, t, n) in enumerate(zip(request_ids, token_ids, num_top)) if n >= 0}
 
 
 def greedy_ids_of(logits: torch.Tensor) -> torch.Tensor:

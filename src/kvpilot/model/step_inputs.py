@@ -81,7 +81,9 @@ def build_step_inputs(batch: InputBatch, chunks: Sequence[ScheduledChunk], rows:
     how the integer inputs travel to a CUDA device without a sync (None: plain copies)."""
     block_size = batch.limits.block_size
     num_chunks = len(chunks)
-    query_lens = np.fromiter((c.num_tokens for c in chunks), dtype=np.int64, count=num_chunks)
+    # one pass over the chunks: each gives 2 * num_tokens + needs_sample (this runs for every request every step)
+    packed = np.fromiter((2 * c.num_tokens + c.needs_sample for c in chunks), dtype=np.int64, count=num_chunks)
+    query_lens, samples = packed >> 1, (packed & 1).astype(bool)
     starts = batch.num_computed[rows]
     if int(query_lens.sum()) == num_chunks:  # one token per chunk (a decode step): nothing to repeat
         query_start = np.arange(num_chunks, dtype=np.int64)
@@ -91,10 +93,10 @@ def build_step_inputs(batch: InputBatch, chunks: Sequence[ScheduledChunk], rows:
         query_start = ends - query_lens
         token_rows = np.repeat(rows, query_lens)
         positions = np.arange(int(ends[-1]), dtype=np.int64) + np.repeat(starts - query_start, query_lens)
-    if all(c.needs_sample for c in chunks):  # every chunk samples (decode steps, whole prompts)
+    if samples.all():  # every chunk samples (decode steps, whole prompts)
         sampled, sample_request_ids, sample_batch_rows = None, [c.request_id for c in chunks], rows
     else:
-        sampled = np.flatnonzero(np.fromiter((c.needs_sample for c in chunks), dtype=bool, count=num_chunks))
+        sampled = np.flatnonzero(samples)
         sample_request_ids = [chunks[i].request_id for i in sampled.tolist()]
         sample_batch_rows = rows[sampled]
     block_ids = batch.block_table[token_rows, positions // block_size]
