@@ -53,6 +53,7 @@ class StepResult:
                  logprobs: Logprobs | None = None, num_removed: int | None = None) -> None:
         self._runner, self._request_ids, self._rows, self._positions = runner, list(request_ids), rows, positions
         self._num_removed = num_removed  # the batch's count of freed rows at launch (InputBatch.commit)
+        # num_top: per sampled row, the top-N logprobs it asked for (-1: none); read only with logprobs
         self._num_top, self._has_logprobs = list(num_top), logprobs is not None
         tensors = [] if token_ids is None else [token_ids]
         if logprobs is not None:
@@ -199,7 +200,7 @@ class ModelRunner:
             token_ids = greedy_ids_of(logits)
             if self.tp is not None:
                 self.tp.broadcast(token_ids)
-            return self._launched(inputs, token_ids, [-1] * len(rows), None)
+            return self._launched(inputs, token_ids)
         logits = self.penalties.apply(logits, rows)
         logits = self.logit_bias.apply(logits, rows)
         logits = apply_min_tokens(logits, self._banned(rows))
@@ -221,7 +222,7 @@ class ModelRunner:
             num_top = batch.num_logprobs[rows].tolist()
             logprobs = compute_logprobs(logits, token_ids, max(num_top)) if max(num_top) >= 0 else None
         else:
-            num_top, logprobs = [-1] * len(rows), None
+            num_top, logprobs = [], None
         return self._launched(inputs, token_ids, num_top, logprobs)
 
     def _argmax_only(self) -> bool:
@@ -231,8 +232,8 @@ class ModelRunner:
         return not (batch.num_sampling or batch.num_min_tokens or batch.num_with_logprobs or self.penalties.num_active
                     or self.logit_bias.num_active or self.grammars.num_active)
 
-    def _launched(self, inputs: StepInputs, token_ids: torch.Tensor, num_top: list[int],
-                  logprobs: Logprobs | None) -> StepResult:
+    def _launched(self, inputs: StepInputs, token_ids: torch.Tensor, num_top: Sequence[int] = (),
+                  logprobs: Logprobs | None = None) -> StepResult:
         """Records the step's sampled tokens as placeholders in the persistent batch; their ids reach the host
         through the returned StepResult."""
         rows, batch = inputs.sample_batch_rows, self.batch
