@@ -1,15 +1,20 @@
 """Server overhead: the same workload offline through `LLM` and through `kvpilot serve` (HTTP, SSE streaming).
 
 Same model, weights, dtype, engine settings (max_num_seqs = the client concurrency) and requests (token-id
-prompts, ignore_eos, fixed output lengths), one after the other in one run: never two engines at once.
-The server runs as its own process (`python -m kvpilot.server`, i.e. `kvpilot serve`), the client in this one.
+prompts, ignore_eos, fixed output lengths). The server runs as its own process (`python -m kvpilot.server`,
+i.e. `kvpilot serve`), the client (stream_client.py) in this one. --rounds N alternates offline and served
+runs N times, each round on fresh prompts (no prefix-cache hits), and prints each round's ratio and their
+median: a small box drifts by +-5% within minutes, more than the overhead measured. Both engines stay loaded
+across rounds, never running at once (the idle one blocks on its queue); on a GPU that needs an explicit
+--kv-cache-memory for each, so without one a GPU run does a single round, offline first and freed before the
+server sizes its cache.
 
-    .venv/bin/python benchmarks/server_overhead.py                        # 64 requests, 32 concurrent
-    .venv/bin/python benchmarks/server_overhead.py --num-requests 16 --concurrency 8 --output-len 32
+    .venv/bin/python benchmarks/server_overhead.py                        # 64 requests, 32 concurrent, 3 rounds
+    .venv/bin/python benchmarks/server_overhead.py --num-requests 128 --concurrency 64 --output-len 64
     python benchmarks/server_overhead.py --model qwen3-0.6b --load-format dummy --kv-cache-memory '' \
         --num-requests 512 --concurrency 256 --input-len 512 --output-len 256 --max-model-len 1024   # a GPU
 
-Target: the server keeps >= 90% of offline throughput (output tokens/s).
+Target: the server keeps >= 95% of offline throughput (output tokens/s) at 64 streams on the 2-core CPU.
 """
 
 from __future__ import annotations
@@ -18,120 +23,82 @@ import argparse
 import asyncio
 import gc
 import json
-import multiprocessing
 import random
+import statistics
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-import httpx
 import psutil
 import torch
 
 from kvpilot import LLM, SamplingParams
 from kvpilot.model.step_budget import default_max_num_batched_tokens
 from server_process import start_server
+from stream_client import ClientRun, client_run, multi_process_client
 
 
 def make_prompts(num_requests: int, input_len: int, seed: int, vocab: int) -> list[list[int]]:
+    """Round `seed`'s prompts: first tokens distinct within and across rounds, so no prefix-cache hits."""
     rng = random.Random(seed)
-    # Distinct first tokens: no prefix-cache hits in either run.
-    return [[100 + i] + [rng.randrange(1000, vocab) for _ in range(input_len - 1)] for i in range(num_requests)]
+    first = 100 + seed * num_requests
+    return [[first + i] + [rng.randrange(1000, vocab) for _ in range(input_len - 1)] for i in range(num_requests)]
 
 
-def run_offline(args: argparse.Namespace, prompts: list[list[int]]) -> float:
+def load_offline(args: argparse.Namespace) -> LLM:
     llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, max_num_seqs=args.concurrency,
               kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
               max_num_batched_tokens=args.max_num_batched_tokens)
-    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    llm.generate([prompts[0][:8]], SamplingParams(temperature=0, max_tokens=2))  # warm-up, as the server does
-    start = time.perf_counter()
+    llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=2))  # warm-up, as the server does
+    return llm
+
+
+def run_offline(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds) of one LLM.generate over every prompt."""
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    start, cpu_start = time.perf_counter(), time.process_time()
     outputs = llm.generate(prompts, params)
-    elapsed = time.perf_counter() - start
-    assert sum(len(o.outputs[0].token_ids) for o in outputs) == len(prompts) * args.output_len
-    return elapsed
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    assert sum(len(o.outputs[0].token_ids) for o in outputs) == len(prompts) * output_len
+    return elapsed, cpu
 
 
-async def _one(client: httpx.AsyncClient, prompt: list[int], output_len: int) -> tuple[int, int]:
-    """(completion tokens, content chunks) of one streamed request."""
-    body = {"model": "bench", "prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
-    tokens = chunks = 0
-    async with client.stream("POST", "/v1/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if line.startswith("data: {"):
-                event = json.loads(line[6:])
-                usage = event.get("usage")
-                tokens = usage["completion_tokens"] if usage else tokens
-                chunks += bool(event["choices"])
-    return tokens, chunks
+class Served:
+    """`kvpilot serve` on the same settings, started once for every round (py-spy, when asked, samples all of
+    them); `run(prompts, seed)` streams one round through it and fills in the server's CPU for that round."""
 
+    def __init__(self, args: argparse.Namespace) -> None:
+        model = ["--model", args.model, "--load-format", args.load_format] if args.model else []
+        memory = ["--kv-cache-memory", args.kv_cache_memory] if args.kv_cache_memory else []
+        self.args = args
+        self.process, self.url = start_server(
+            [*model, *memory, "--dtype", args.dtype, "--max-num-seqs", str(args.concurrency), "--max-model-len",
+             str(args.max_model_len), "--served-model-name", "bench", "--max-num-batched-tokens",
+             str(args.max_num_batched_tokens)], log_path=args.server_log)
+        self.spy = _start_py_spy(self.process.pid, args.py_spy) if args.py_spy else None
 
-@dataclass
-class ClientRun:
-    """What the client saw: wall seconds, tokens, content chunks (fewer than tokens when the server merged
-    steps into one chunk: it fell behind), and the client's own CPU seconds (near the wall time: the client
-    itself may be what limits the rate). The server's CPU seconds meanwhile, HTTP process and engine core, are
-    filled in after the run."""
-
-    seconds: float
-    num_tokens: int
-    num_chunks: int
-    cpu_seconds: float
-    http_cpu_seconds: float = 0.0
-    core_cpu_seconds: float = 0.0
-
-
-async def _client_run(url: str, prompts: list[list[int]], output_len: int, concurrency: int) -> ClientRun:
-    queue: asyncio.Queue[list[int]] = asyncio.Queue()
-    for prompt in prompts:
-        queue.put_nowait(prompt)
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as client:
-        async def worker() -> tuple[int, int]:
-            tokens = chunks = 0
-            while not queue.empty():
-                one = await _one(client, queue.get_nowait(), output_len)
-                tokens, chunks = tokens + one[0], chunks + one[1]
-            return tokens, chunks
-
-        start, cpu_start = time.perf_counter(), time.process_time()
-        totals = await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return ClientRun(time.perf_counter() - start, sum(t for t, _ in totals), sum(c for _, c in totals),
-                         time.process_time() - cpu_start)
-
-
-def run_server(args: argparse.Namespace, prompts: list[list[int]]) -> ClientRun:
-    model = ["--model", args.model, "--load-format", args.load_format] if args.model else []
-    memory = ["--kv-cache-memory", args.kv_cache_memory] if args.kv_cache_memory else []
-    process, url = start_server([*model, *memory, "--dtype", args.dtype, "--max-num-seqs", str(args.concurrency),
-                                 "--max-model-len", str(args.max_model_len), "--served-model-name", "bench",
-                                 "--max-num-batched-tokens", str(args.max_num_batched_tokens)],
-                                log_path=args.server_log)
-    spy = _start_py_spy(process.pid, args.py_spy) if args.py_spy else None
-    cpu = ServerCpu(process.pid)
-    try:
+    def run(self, prompts: list[list[int]], seed: int) -> ClientRun:
+        args, cpu = self.args, ServerCpu(self.process.pid)
         if args.client == "bench":
-            run = _kvpilot_bench(url, args)
+            run = _kvpilot_bench(self.url, args, seed)
         else:
-            run = asyncio.run(_client_run(url, prompts, args.output_len, args.concurrency)) \
-                if args.client_processes == 1 else _multi_process_client(url, prompts, args)
+            run = asyncio.run(client_run(self.url, prompts, args.output_len, args.concurrency)) \
+                if args.client_processes == 1 else \
+                multi_process_client(self.url, prompts, args.output_len, args.concurrency, args.client_processes)
             assert run.num_tokens == len(prompts) * args.output_len, f"{run.num_tokens} tokens streamed"
         run.http_cpu_seconds, run.core_cpu_seconds = cpu.since_start()
         return run
-    finally:
-        if spy is not None:
-            spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
-            spy.wait(timeout=60)
-        process.send_signal(signal.SIGTERM)
-        process.wait(timeout=60)
+
+    def close(self) -> None:
+        if self.spy is not None:
+            self.spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+            self.spy.wait(timeout=60)
+        self.process.send_signal(signal.SIGTERM)
+        self.process.wait(timeout=60)
 
 
 class ServerCpu:
@@ -175,7 +142,7 @@ def _start_py_spy(pid: int, path: str) -> subprocess.Popen:
     return spy
 
 
-def _kvpilot_bench(url: str, args: argparse.Namespace) -> ClientRun:
+def _kvpilot_bench(url: str, args: argparse.Namespace, seed: int) -> ClientRun:
     """`kvpilot bench` as the client: text prompts of --input-len tokens of the embedded tokenizer (a dummy
     model borrows it; see tokenizer_only_gguf.py where the model package is missing), greedy, ignore_eos.
     Chunks and client CPU are not reported by bench: 0 and -1."""
@@ -185,7 +152,8 @@ def _kvpilot_bench(url: str, args: argparse.Namespace) -> ClientRun:
                    "--model", "bench", "--concurrency", str(args.concurrency), "--num-requests",
                    str(args.num_requests), "--input-len", str(args.input_len), "--output-len", str(args.output_len),
                    "--ignore-eos", "--temperature", "0", "--tokenizer", "embedded", "--no-progress",
-                   "--no-scrape-metrics", "--client-processes", str(args.client_processes), "--output", str(result)]
+                   "--no-scrape-metrics", "--client-processes", str(args.client_processes), "--seed", str(seed),
+                   "--output", str(result)]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"kvpilot bench failed ({done.returncode}): {done.stderr[-2000:]}")
@@ -195,33 +163,6 @@ def _kvpilot_bench(url: str, args: argparse.Namespace) -> ClientRun:
     assert aggregates["num_errors"] == 0, f"{aggregates['num_errors']} requests failed"
     num_tokens = round(aggregates["output_token_throughput"] * aggregates["duration_s"])
     return ClientRun(aggregates["duration_s"], num_tokens, 0, -1.0)  # bench counts no chunks
-
-
-def _client_process(url: str, prompts: list[list[int]], output_len: int, concurrency: int, barrier: Any,
-                    results: Any) -> None:
-    barrier.wait()  # every process has imported and connected nothing yet: start together
-    start = time.time()
-    run = asyncio.run(_client_run(url, prompts, output_len, concurrency))
-    results.put((start, time.time(), run))
-
-
-def _multi_process_client(url: str, prompts: list[list[int]], args: argparse.Namespace) -> ClientRun:
-    """The same closed loop split over --client-processes processes (requests and streams dealt round-robin),
-    so that one Python client's CPU does not cap the rate. Wall time: the first start to the last end."""
-    n = args.client_processes
-    ctx = multiprocessing.get_context("spawn")  # this process holds CUDA state from the offline run
-    barrier, results = ctx.Barrier(n), ctx.Queue()
-    procs = [ctx.Process(target=_client_process, args=(url, prompts[i::n], args.output_len,
-                                                      len(range(i, args.concurrency, n)), barrier, results))
-             for i in range(n)]
-    for proc in procs:
-        proc.start()
-    runs = [results.get() for _ in procs]
-    for proc in procs:
-        proc.join()
-    return ClientRun(max(end for _, end, _ in runs) - min(start for start, _, _ in runs),
-                     sum(r.num_tokens for _, _, r in runs), sum(r.num_chunks for _, _, r in runs),
-                     sum(r.cpu_seconds for _, _, r in runs))
 
 
 def _vocab_size(args: argparse.Namespace) -> int:
@@ -258,35 +199,66 @@ def main() -> None:
     parser.add_argument("--py-spy", default=None, metavar="PATH", help="Sample the server's processes with "
                         "py-spy during the client run into PATH (raw folded stacks; see pyspy_summary.py).")
     parser.add_argument("--server-log", default=None, help="Write the server's own output here (default: discarded).")
+    parser.add_argument("--rounds", type=int, default=3, help="Alternate offline and served runs this many "
+                        "times (fresh prompts each); the ratio printed last is their median.")
     args = parser.parse_args()
     args.kv_cache_memory = args.kv_cache_memory or None
     if args.max_num_batched_tokens is None:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         args.max_num_batched_tokens = default_max_num_batched_tokens(device, args.concurrency, "server")
-    prompts = make_prompts(args.num_requests, args.input_len, args.seed, vocab=min(_vocab_size(args), 49152))
-    num_tokens = args.num_requests * args.output_len
-    offline_s = run_offline(args, prompts)
-    gc.collect()  # the engine holds reference cycles: free its (GPU) memory before the server sizes its own
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    client = run_server(args, prompts)
-    server_s = client.seconds
-    offline_tps, server_tps = num_tokens / offline_s, num_tokens / server_s
+    if args.rounds > 1 and args.kv_cache_memory is None and torch.cuda.is_available():
+        print(f"--rounds {args.rounds}: one round, since both engines would size their caches from the free GPU "
+              "memory (give --kv-cache-memory to keep both loaded)")
+        args.rounds = 1
     print(f"workload: {args.num_requests} requests, {args.concurrency} concurrent, {args.input_len} in / "
-          f"{args.output_len} out (ignore_eos), dtype {args.dtype}, step budget {args.max_num_batched_tokens}")
-    print(f"offline LLM.generate : {offline_tps:8.1f} output tokens/s ({offline_s:.1f} s)")
-    print(f"HTTP server streaming: {server_tps:8.1f} output tokens/s ({server_s:.1f} s)")
-    print(f"server / offline     : {server_tps / offline_tps:8.1%}  (target >= 90%)")
-    print(f"server CPU           : HTTP process {client.http_cpu_seconds:.1f} s "
-          f"({client.http_cpu_seconds / num_tokens * 1e6:.0f} us a token), engine core {client.core_cpu_seconds:.1f} s, "
-          f"of {server_s:.1f} s wall")
-    if args.client == "bench":
-        print(f"client               : kvpilot bench, {args.client_processes} process(es)")
-        return
-    print(f"client               : {client.num_chunks} chunks for {client.num_tokens} tokens "
-          f"({client.num_tokens / client.num_chunks:.2f} a chunk), client CPU {client.cpu_seconds:.1f} s of "
-          f"{client.seconds:.1f} s wall; HTTP process {client.http_cpu_seconds / client.num_chunks * 1e6:.0f} us "
-          f"a chunk")
+          f"{args.output_len} out (ignore_eos), dtype {args.dtype}, step budget {args.max_num_batched_tokens}, "
+          f"{args.rounds} round(s)", flush=True)
+    vocab = min(_vocab_size(args), 49152)
+    rounds = [make_prompts(args.num_requests, args.input_len, args.seed + r, vocab) for r in range(args.rounds)]
+    llm, served = load_offline(args), None
+    try:
+        results = []
+        for r, prompts in enumerate(rounds):
+            offline = run_offline(llm, prompts, args.output_len)
+            if args.rounds == 1:
+                llm = None  # free it (and its GPU memory) before the server sizes its cache
+                gc.collect()  # the engine holds reference cycles
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+            served = served or Served(args)
+            results.append((offline, served.run(prompts, args.seed + r)))
+            _print_round(args, r, *results[-1])
+    finally:
+        if served is not None:
+            served.close()
+    _print_summary(args, results)
+
+
+def _print_round(args: argparse.Namespace, r: int, offline: tuple[float, float], client: ClientRun) -> None:
+    num_tokens = args.num_requests * args.output_len
+    (offline_s, offline_cpu), server_s = offline, client.seconds
+    ratio = offline_s / server_s
+    print(f"round {r + 1}: offline {num_tokens / offline_s:7.1f} tok/s ({offline_s:.1f} s, CPU {offline_cpu:.1f} s), "
+          f"served {num_tokens / server_s:7.1f} tok/s ({server_s:.1f} s; CPU: engine core "
+          f"{client.core_cpu_seconds:.1f} s, HTTP process {client.http_cpu_seconds:.1f} s = "
+          f"{client.http_cpu_seconds / num_tokens * 1e6:.0f} us a token, client "
+          f"{'-' if client.cpu_seconds < 0 else f'{client.cpu_seconds:.1f} s'}): {ratio:6.1%}", flush=True)
+    if args.client == "python":
+        print(f"         {client.num_chunks} chunks for {client.num_tokens} tokens "
+              f"({client.num_tokens / client.num_chunks:.2f} a chunk)")
+
+
+def _print_summary(args: argparse.Namespace, results: list[tuple[tuple[float, float], ClientRun]]) -> None:
+    num_tokens = args.num_requests * args.output_len
+    offline_tps = statistics.median(num_tokens / o[0] for o, _ in results)
+    served_tps = statistics.median(num_tokens / c.seconds for _, c in results)
+    ratio = statistics.median(o[0] / c.seconds for o, c in results)
+    client = "kvpilot bench" if args.client == "bench" else "stream_client.py"
+    print(f"offline LLM.generate : {offline_tps:8.1f} output tokens/s (median of {len(results)})")
+    print(f"HTTP server streaming: {served_tps:8.1f} output tokens/s (median; client: {client}, "
+          f"{args.client_processes} process(es))")
+    print(f"server / offline     : {ratio:8.1%}  (median of the rounds' ratios; target >= 95% at 64 streams on the "
+          "2-core CPU)")
 
 
 if __name__ == "__main__":

@@ -27,14 +27,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 
-from kvpilot.bench.client import Target
+from kvpilot.bench.client import Target, open_session
 from kvpilot.bench.load import LoadShape
 from kvpilot.bench.records import RequestRecord, WorkItem
 from kvpilot.bench.request_loop import OnRecord, RequestLoop, probe_loop_lag
 
-START_TIMEOUT_S = 120.0  # a process imports httpx and numpy (and loads its tokenizer) before the barrier
+START_TIMEOUT_S = 120.0  # a process imports aiohttp and numpy (and loads its tokenizer) before the barrier
 POLL_S = 0.5
 
 
@@ -82,9 +81,8 @@ def split_items(items: list[WorkItem], n: int, i: int) -> list[WorkItem]:
 
 async def _process_load(target: Target, items: list[WorkItem], shape: LoadShape, tok: Any,
                         routes: tuple[Target, ...], t0: float, out: Any) -> list[tuple[float, float]]:
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(limits=limits, timeout=target.timeout_s, headers=target.headers()) as http:
-        run = RequestLoop(http, target, shape, tok, lambda rec: out.put(("record", rec)), routes, t0=t0)
+    async with open_session(target) as session:
+        run = RequestLoop(session, target, shape, tok, lambda rec: out.put(("record", rec)), routes, t0=t0)
         stop, lag = asyncio.Event(), list[tuple[float, float]]()
         probe = asyncio.create_task(probe_loop_lag(stop, t0, lag))
         await run.run_measured(items)

@@ -11,7 +11,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 
-import httpx
+import aiohttp
 import numpy as np
 
 from kvpilot.bench.arrivals import arrival_times
@@ -54,11 +54,11 @@ class RequestLoop:
     """State of one run; every request loop is bounded by the request budget or the deadline. With
     ``routes`` (one target per replica URL), requests go to them round-robin in the order they are sent."""
 
-    def __init__(self, http: httpx.AsyncClient, target: Target, shape: LoadShape, tok: Tokenizer,
+    def __init__(self, session: aiohttp.ClientSession, target: Target, shape: LoadShape, tok: Tokenizer,
                  on_record: OnRecord | None, routes: tuple[Target, ...] = (), t0: float | None = None) -> None:
         """``t0``: the perf_counter origin of the records' times (default now); client processes share the
         parent's (perf_counter is the system-wide monotonic clock on Linux and macOS)."""
-        self.http, self.target, self.shape, self.tok, self.on_record = http, target, shape, tok, on_record
+        self.session, self.target, self.shape, self.tok, self.on_record = session, target, shape, tok, on_record
         self.routes = itertools.cycle(routes) if routes else None
         self.t0, self.start_unix = time.perf_counter() if t0 is None else t0, time.time()
         self.next_index = 0
@@ -92,7 +92,7 @@ class RequestLoop:
             acquired = time.perf_counter()
             target = next(self.routes) if self.routes is not None else self.target
             try:
-                out = await execute(self.http, target, payload)
+                out = await execute(self.session, target, payload)
             finally:
                 if self.slots is not None:
                     self.slots.release()

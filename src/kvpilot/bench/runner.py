@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from kvpilot.bench.client import Target
+from kvpilot.bench.client import Target, open_session
 from kvpilot.bench.client_processes import ProcessPlan, run_in_processes
 from kvpilot.bench.load import LoadShape
 from kvpilot.bench.records import RequestRecord, WorkItem
@@ -74,13 +74,15 @@ async def _run_load(target: Target, items: list[WorkItem], shape: LoadShape, tok
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     routes = tuple(dataclasses.replace(target, base_url=replica_id(u)) for u in replicas.urls) \
         if replicas is not None and replicas.route else ()
-    # The target's headers on every call, /metrics scrapes included (a server with --api-key guards them).
-    async with httpx.AsyncClient(limits=limits, timeout=target.timeout_s, headers=target.headers()) as http:
+    # httpx for the /metrics scrapes, with the target's headers (a server with --api-key guards them); the
+    # requests go through aiohttp (client.py).
+    async with httpx.AsyncClient(limits=limits, timeout=target.timeout_s, headers=target.headers()) as http, \
+            open_session(target) as session:
         if shape.num_warmup:
-            warm = RequestLoop(http, target, shape, tok, None, routes)
+            warm = RequestLoop(session, target, shape, tok, None, routes)
             for item in itertools.islice(itertools.cycle(items), shape.num_warmup):
                 await warm.run_item(item, time.perf_counter(), shape.num_warmup, None, measured=False)
-        run = RequestLoop(http, target, shape, tok, on_record, routes)
+        run = RequestLoop(session, target, shape, tok, on_record, routes)
         stop, lag = asyncio.Event(), list[tuple[float, float]]()
         scraper = Scraper(http, metrics_url, run.t0, scrape_interval_s) if metrics_url else None
         per_replica = ReplicaScraper(http, replicas, run.t0, scrape_interval_s) \

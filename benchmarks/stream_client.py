@@ -1,0 +1,97 @@
+"""A lean streaming client for the benchmarks (imported by server_overhead.py): a closed loop of `concurrency`
+streams sending token-id prompts to /v1/completions, counting tokens and content chunks, and its own CPU.
+
+aiohttp, not httpx: ~26 us of client CPU a streamed chunk against ~80 (64 streams of a dummy model on the
+2-core EPYC family 26, 2026-11-28). On a small box the client shares the server's cores, so what it spends
+shows up as server slowdown; a lean one measures the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+
+@dataclass
+class ClientRun:
+    """What the client saw: wall seconds, tokens, content chunks (fewer than tokens when the server merged
+    steps into one chunk: it fell behind), and the client's own CPU seconds (near the wall time: the client
+    itself may be what limits the rate). The server's CPU seconds meanwhile, HTTP process and engine core, are
+    filled in after the run."""
+
+    seconds: float
+    num_tokens: int
+    num_chunks: int
+    cpu_seconds: float
+    http_cpu_seconds: float = 0.0
+    core_cpu_seconds: float = 0.0
+
+
+async def _one(session: aiohttp.ClientSession, prompt: list[int], output_len: int) -> tuple[int, int]:
+    """(completion tokens, content chunks) of one streamed request."""
+    body = {"model": "bench", "prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    tokens = chunks = 0
+    async with session.post("/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.content:  # one SSE line at a time
+            if line.startswith(b"data: {"):
+                event = json.loads(line[6:])
+                usage = event.get("usage")
+                tokens = usage["completion_tokens"] if usage else tokens
+                chunks += bool(event["choices"])
+    return tokens, chunks
+
+
+async def client_run(url: str, prompts: list[list[int]], output_len: int, concurrency: int) -> ClientRun:
+    """Streams every prompt, `concurrency` at a time (each stream takes the next prompt when it ends)."""
+    queue: asyncio.Queue[list[int]] = asyncio.Queue()
+    for prompt in prompts:
+        queue.put_nowait(prompt)
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(url, connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
+        async def worker() -> tuple[int, int]:
+            tokens = chunks = 0
+            while not queue.empty():
+                one = await _one(session, queue.get_nowait(), output_len)
+                tokens, chunks = tokens + one[0], chunks + one[1]
+            return tokens, chunks
+
+        start, cpu_start = time.perf_counter(), time.process_time()
+        totals = await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return ClientRun(time.perf_counter() - start, sum(t for t, _ in totals), sum(c for _, c in totals),
+                         time.process_time() - cpu_start)
+
+
+def _client_process(url: str, prompts: list[list[int]], output_len: int, concurrency: int, barrier: Any,
+                    results: Any) -> None:
+    barrier.wait()  # every process has imported and connected nothing yet: start together
+    start = time.time()
+    run = asyncio.run(client_run(url, prompts, output_len, concurrency))
+    results.put((start, time.time(), run))
+
+
+def multi_process_client(url: str, prompts: list[list[int]], output_len: int, concurrency: int,
+                         num_processes: int) -> ClientRun:
+    """The same closed loop split over `num_processes` processes (requests and streams dealt round-robin), so
+    that one Python client's CPU does not cap the rate. Wall time: the first start to the last end."""
+    n = num_processes
+    ctx = multiprocessing.get_context("spawn")  # the parent may hold CUDA state from the offline run
+    barrier, results = ctx.Barrier(n), ctx.Queue()
+    procs = [ctx.Process(target=_client_process, args=(url, prompts[i::n], output_len,
+                                                      len(range(i, concurrency, n)), barrier, results))
+             for i in range(n)]
+    for proc in procs:
+        proc.start()
+    runs = [results.get() for _ in procs]
+    for proc in procs:
+        proc.join()
+    return ClientRun(max(end for _, end, _ in runs) - min(start for start, _, _ in runs),
+                     sum(r.num_tokens for _, _, r in runs), sum(r.num_chunks for _, _, r in runs),
+                     sum(r.cpu_seconds for _, _, r in runs))
