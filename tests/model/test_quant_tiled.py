@@ -40,12 +40,13 @@ def test_only_weights_of_whole_tiles_are_tiled():
 def test_tiled_gemm_is_within_the_int8_rounding_of_the_activations(name):
     """Each 32-value block of x is rounded to int8 with its own scale: a dot product moves by at most
     sum_b max|x_b| / 254 * sum |w_b| from the exact float32 one (the bound asserted), for 1-9 rows (a tile of 8
-    and remainders), 33 and 300 rows (a prefill's), float32 and bfloat16 in and out."""
+    and remainders), 18, 19 and 33 rows (pairs of tiles on 4 rows and remainders, the third tile alone) and 300
+    (a prefill's), float32 and bfloat16 in and out."""
     packed, w = _random_packed(name, N, K, seed=11)
     copy = tile(packed)
     w_blocks = torch.from_numpy(np.abs(w)).view(N, K // 32, 32).sum(-1).double()
     exact_w = torch.from_numpy(w).double()
-    for rows in (*range(1, 10), 33, 300):
+    for rows in (*range(1, 10), 18, 19, 33, 300):
         x = torch.randn(rows, K, generator=torch.Generator().manual_seed(rows))
         bound = (x.view(rows, K // 32, 32).abs().amax(-1).double() / 254) @ w_blocks.T + 1e-4
         out = torch.empty(rows, N)
