@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
+import re
+from collections.abc import Callable
 
-from kvpilot.bench.client import Target
+from kvpilot.bench.client import Target, build_payload, execute, open_session
 from kvpilot.bench.datasets import DatasetConfig, build_dataset
 from kvpilot.bench.load import LoadShape
 from kvpilot.bench.runner import run_load
@@ -76,3 +79,55 @@ def test_a_silent_server_times_out(scripted: ScriptedProcess) -> None:
     out = asyncio.run(run_load(target, items, LoadShape(concurrency=1, num_requests=2), tok))
     assert [r.error_kind for r in out.records] == ["timeout", None]
     assert out.records[0].e2e_ms is not None and out.records[0].e2e_ms < 1000
+
+
+async def _close_unanswered_server(close_request: Callable[[int, int], bool]) -> tuple[asyncio.Server, list[int]]:
+    """An HTTP/1.1 keep-alive server answering each request with a small JSON completion, except the requests for
+    which close_request(connection number, request number on it) is true: their connection closes unanswered.
+    Returns the server and a one-item list counting the connections it accepted."""
+    connections = [0]
+    body = b'{"choices": [{"text": "hi"}], "usage": {"prompt_tokens": 1, "completion_tokens": 1}}'
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections[0] += 1
+        number = connections[0]
+        try:
+            for n in itertools.count(1):
+                head = await reader.readuntil(b"\r\n\r\n")
+                await reader.readexactly(int(re.search(rb"content-length: (\d+)", head, re.I).group(1)))
+                if close_request(number, n):
+                    return
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                             % (len(body), body))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return  # the client closed it
+        finally:
+            writer.close()
+
+    return await asyncio.start_server(handle, "127.0.0.1", 0), connections
+
+
+def _send_three(close_request: Callable[[int, int], bool]) -> tuple[list, int]:
+    async def scenario() -> tuple[list, int]:
+        server, connections = await _close_unanswered_server(close_request)
+        target = Target(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", "m", stream=False, timeout_s=5.0)
+        async with server, open_session(target) as session:
+            outs = [await execute(session, target, build_payload(target, "x", None, 1)) for _ in range(3)]
+        return outs, connections[0]
+
+    return asyncio.run(scenario())
+
+
+def test_a_kept_alive_connection_closed_unanswered_is_retried_on_a_new_one() -> None:
+    """llama.cpp's server closes kept-alive connections under load: the request sent on one is sent again."""
+    outs, connections = _send_three(lambda conn, n: conn == 1 and n == 2)
+    assert [(o.ok, o.text) for o in outs] == [(True, "hi")] * 3
+    assert connections == 2  # the retry's
+
+
+def test_a_request_is_retried_once_only() -> None:
+    outs, connections = _send_three(lambda conn, n: True)  # every request closed unanswered
+    assert [o.error_kind for o in outs] == ["transport_error"] * 3
+    assert all(o.status is None and "connection broke" in (o.error or "") for o in outs)
+    assert connections == 6  # each request sent twice, each time on a new connection

@@ -176,8 +176,20 @@ async def _read_json(resp: aiohttp.ClientResponse, out: Outcome) -> None:
 
 
 async def execute(session: aiohttp.ClientSession, target: Target, payload: dict[str, Any]) -> Outcome:
-    """POST ``payload`` and measure it. Never raises for server or network faults."""
+    """POST ``payload`` and measure it. Never raises for server or network faults. A request whose connection
+    broke before any answer (a kept-alive connection the server had closed: llama.cpp's server does so under
+    load) is sent once more on another connection, as httpx did; its times still count from the first send."""
     out = Outcome(t_sent=time.perf_counter())
+    if await _exchange(session, target, payload, out):
+        out.error_kind = out.error = None
+        await _exchange(session, target, payload, out)
+    if out.t_end is None:
+        out.t_end = time.perf_counter()
+    return out
+
+
+async def _exchange(session: aiohttp.ClientSession, target: Target, payload: dict[str, Any], out: Outcome) -> bool:
+    """One POST into ``out``; True when the connection broke before the server answered anything."""
     try:
         async with session.post(target.url, json=payload, headers=target.headers()) as resp:
             out.status = resp.status
@@ -197,8 +209,7 @@ async def execute(session: aiohttp.ClientSession, target: Target, payload: dict[
     except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
         out.error_kind = "stream_incomplete" if out.status == 200 else "transport_error"
         out.error = f"connection broke: {exc or type(exc).__name__}"
+        return out.status is None
     except aiohttp.ClientError as exc:
         out.error_kind, out.error = "transport_error", f"{type(exc).__name__}: {exc}"
-    if out.t_end is None:
-        out.t_end = time.perf_counter()
-    return out
+    return False
