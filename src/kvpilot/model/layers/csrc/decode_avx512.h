@@ -29,6 +29,20 @@ constexpr bool kHasVectorPath = (kD == 64 || kD == 128) &&
 
 inline __mmask16 tail_mask(int64_t n) { return static_cast<__mmask16>((1u << n) - 1u); }
 
+// The four horizontal sums of a0..a3, in that order: interleaving adds fold the four vectors into one whose
+// 128-bit lanes each hold a partial sum of every input, then the lanes are added (13 instructions for the four,
+// where four separate reductions took ~32: the reductions were a third of the score work).
+inline __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));  // a0 a1 a0 a1 per lane
+  const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+  const __m512 s = _mm512_add_ps(
+      _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))),
+      _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))));  // a0 a1 a2 a3 per lane
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s), _mm256_castpd_ps(_mm512_extractf64x4_pd(
+      _mm512_castps_pd(s), 1)));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
 // Scores of the n rows of one K block against query head qg (already scaled): four rows at a time so
 // their FMA chains and horizontal sums overlap.
 template <int kD, typename KV>
@@ -49,10 +63,7 @@ inline void block_scores(float* dst, const float* qg, const KV* rows, int64_t n)
       a2 = _mm512_fmadd_ps(qv[c], load16(r + 2 * kD + c * 16), a2);
       a3 = _mm512_fmadd_ps(qv[c], load16(r + 3 * kD + c * 16), a3);
     }
-    dst[t] = _mm512_reduce_add_ps(a0);
-    dst[t + 1] = _mm512_reduce_add_ps(a1);
-    dst[t + 2] = _mm512_reduce_add_ps(a2);
-    dst[t + 3] = _mm512_reduce_add_ps(a3);
+    _mm_storeu_ps(dst + t, sum4(a0, a1, a2, a3));
   }
   for (; t < n; ++t) {
     const KV* r = rows + t * kD;
