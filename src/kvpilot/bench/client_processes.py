@@ -27,7 +27,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-
 from kvpilot.bench.client import Target, open_session
 from kvpilot.bench.load import LoadShape
 from kvpilot.bench.records import RequestRecord, WorkItem
