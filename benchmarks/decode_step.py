@@ -2,6 +2,7 @@
 mean step time (ms), tokens/s, and the top operators by self CPU time (torch.profiler).
 
     .venv/bin/python benchmarks/decode_step.py --batch 64 --context 300 --steps 10
+    .venv/bin/python benchmarks/decode_step.py --dtype auto --batch 64 --steps 80 --compare-greedy-head
 
 This is the micro-benchmark behind engine speed changes: the offline throughput's decode phase is these steps.
 """
@@ -12,6 +13,7 @@ import argparse
 import random
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -40,23 +42,41 @@ def timed_steps(llm: LLM, steps: int) -> list[float]:
     return times
 
 
+def alternate(llm: LLM, steps: int, variants: dict[str, Callable[[], None]]) -> dict[str, float]:
+    """Median step ms of each variant (its callable switches the engine to it), alternating in rounds of steps/4
+    (a shared VM's slow phases hit all alike); the first variant is switched back on at the end."""
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(4):
+        for name, switch in variants.items():
+            switch()
+            times[name] += timed_steps(llm, max(1, steps // 4))
+    next(iter(variants.values()))()
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
+
+
 def compare_fused(llm: LLM, batch: int, steps: int) -> None:
-    """Alternates the two forwards in rounds of steps/4 (a shared VM's slow phases hit both alike)."""
+    """The fused decode kernel against the layer-by-layer forward."""
     model = llm.engine.runner.model
     fused = model.fused_decode
     if fused is None:
         raise SystemExit("the fused decode path does not apply to this model (it needs bf16 activations and "
                          "packed GGUF weights on CPU: --dtype auto or bfloat16, --quantization auto or gguf)")
-    times: dict[str, list[float]] = {"fused": [], "layer by layer": []}
-    for _ in range(4):
-        for name in times:
-            model.fused_decode = fused if name == "fused" else None
-            times[name] += timed_steps(llm, max(1, steps // 4))
-    model.fused_decode = fused
-    fused_ms, layers_ms = (statistics.median(t) * 1e3 for t in times.values())
+    ms = alternate(llm, steps, {"fused": lambda: setattr(model, "fused_decode", fused),
+                                "layer by layer": lambda: setattr(model, "fused_decode", None)})
+    fused_ms, layers_ms = ms.values()
     print(f"decode step, batch {batch}: fused {fused_ms:.2f} ms, layer by layer {layers_ms:.2f} ms "
-          f"({layers_ms / fused_ms:.2f}x; medians of {len(times['fused'])} steps each, {torch.get_num_threads()} "
+          f"({layers_ms / fused_ms:.2f}x; medians of {steps // 4 * 4} steps each, {torch.get_num_threads()} "
           f"threads)")
+
+
+def compare_greedy_head(llm: LLM, batch: int, steps: int) -> None:
+    """Greedy ids folded in the output head (LlamaForCausalLM.greedy_ids) against float32 logits + argmax."""
+    model = llm.engine.runner.model
+    ms = alternate(llm, steps, {"argmax in the head": lambda: model.__dict__.pop("greedy_ids", None),
+                                "logits + argmax": lambda: setattr(model, "greedy_ids", lambda hidden: None)})
+    head_ms, logits_ms = ms.values()
+    print(f"decode step, batch {batch}: argmax in the head {head_ms:.2f} ms, logits + argmax {logits_ms:.2f} ms "
+          f"({logits_ms / head_ms:.3f}x; medians of {steps // 4 * 4} steps each, {torch.get_num_threads()} threads)")
 
 
 def main() -> None:
@@ -72,13 +92,16 @@ def main() -> None:
     parser.add_argument("--compare-fused", action="store_true",
                         help="bf16 packed models: alternate the fused decode kernel (kvpilot.model.fused_decode) "
                              "and the layer-by-layer forward on the same requests; print both and the ratio.")
+    parser.add_argument("--compare-greedy-head", action="store_true",
+                        help="Alternate greedy ids taken in the packed output head (no logits written) and float32 "
+                             "logits + argmax on the same requests; print both and the ratio.")
     args = parser.parse_args()
     llm = LLM(dtype=args.dtype, max_model_len=args.context + 4 * args.steps + 16, max_num_seqs=args.batch,
               kv_cache_memory=args.kv_cache_memory, quantization=args.quantization)
     fill_to_decode(llm, args.batch, args.context, max_tokens=4 * args.steps + 16, seed=0)
     timed_steps(llm, 2)  # warm-up
-    if args.compare_fused:
-        compare_fused(llm, args.batch, args.steps)
+    if args.compare_fused or args.compare_greedy_head:
+        (compare_fused if args.compare_fused else compare_greedy_head)(llm, args.batch, args.steps)
         return
     times = timed_steps(llm, args.steps)
     step_s = statistics.median(times)

@@ -34,6 +34,7 @@ _CSRC = Path(__file__).resolve().parent / "layers" / "csrc"
 # one translation unit: the kernels it calls, then the layer loop (the headers are not on an include path)
 SOURCE_PATHS = tuple(_CSRC / name for name in (
     "quant_common.h", "quant_avx512.h", "quant_avx2.h", "quant_vnni.h", "quant_vnni_gemm.h", "quant_linear_cpu.cpp",
+    "quant_tiled_cpu.cpp",
     "decode_common.h", "simd_exp.h", "decode_avx512.h", "paged_decode_cpu.cpp", "bf16_ops_avx512.h",
     "bf16_ops_cpu.cpp", "decode_layers_cpu.cpp"))
 

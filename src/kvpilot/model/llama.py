@@ -168,6 +168,12 @@ class LlamaForCausalLM(nn.Module):
             return self.output_head.forward_float32(hidden)
         return F.linear(hidden, self.output_weight()).float()
 
+    def greedy_ids(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """logits(hidden).argmax(-1) (the first of equal maxima) where the output head computes it without the
+        logits (packed, tiled: PackedLinear.greedy_ids); None otherwise."""
+        greedy = getattr(self.output_head, "greedy_ids", None)
+        return greedy(hidden) if greedy is not None else None
+
     @torch.no_grad()
     def load_weights(self, state: dict[str, torch.Tensor], source: str) -> None:
         """Copies HF-named weights in (fusing q/k/v and gate/up); every parameter must be present, right-shaped."""

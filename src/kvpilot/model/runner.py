@@ -156,10 +156,13 @@ class ModelRunner:
         if not output.chunks:
             return StepResult()
         inputs = build_step_inputs(self.batch, output.chunks, rows, self._previous, self.device, self._staging)
-        logits = self._forward_logits(inputs)
+        hidden = self._forward_hidden(inputs)
         if not inputs.sample_request_ids:
             return StepResult()
-        return self._sample(inputs, logits)
+        sampled = hidden[inputs.sample_rows]
+        if self._argmax_only():  # the common case: a few checks instead of nine no-op calls a step
+            return self._greedy(inputs, sampled)
+        return self._sample(inputs, self.model.logits(sampled))
 
     @torch.inference_mode()
     def forward_logits(self, output: SchedulerOutput) -> tuple[list[str], torch.Tensor]:
@@ -183,24 +186,32 @@ class ModelRunner:
         graphs.capture()
         self.graphs = graphs
 
-    def _forward_logits(self, inputs: StepInputs) -> torch.Tensor:
+    def _forward_hidden(self, inputs: StepInputs) -> torch.Tensor:
+        """The last layer's normed hidden states [T, hidden] of the step's tokens."""
         size = self.graphs.size_for(inputs.layout) if self.graphs is not None else None
         if size is not None:
-            hidden = self.graphs.forward(inputs.token_ids, inputs.positions, inputs.layout, size)
-        else:
-            attn = StepAttention(self.attention, self.attention.build(inputs.layout, self.device))
-            hidden = self.model(inputs.token_ids, inputs.positions, self.kv_caches, attn)
+            return self.graphs.forward(inputs.token_ids, inputs.positions, inputs.layout, size)
+        attn = StepAttention(self.attention, self.attention.build(inputs.layout, self.device))
+        return self.model(inputs.token_ids, inputs.positions, self.kv_caches, attn)
+
+    def _forward_logits(self, inputs: StepInputs) -> torch.Tensor:
+        hidden = self._forward_hidden(inputs)
         if not inputs.sample_request_ids:
             return hidden.new_empty((0, self.vocab_size), dtype=torch.float32)
         return self.model.logits(hidden[inputs.sample_rows])
 
+    def _greedy(self, inputs: StepInputs, hidden: torch.Tensor) -> StepResult:
+        """_argmax_only steps: the output head's argmax of the sampled rows' hidden states, straight from the head
+        where it can (a packed tiled head: no [rows, vocab] logits written and read back), else of the logits."""
+        token_ids = self.model.greedy_ids(hidden) if self.tp is None else None
+        if token_ids is None:
+            token_ids = greedy_ids_of(self.model.logits(hidden))
+        if self.tp is not None:
+            self.tp.broadcast(token_ids)
+        return self._launched(inputs, token_ids)
+
     def _sample(self, inputs: StepInputs, logits: torch.Tensor) -> StepResult:
         rows, batch = inputs.sample_batch_rows, self.batch
-        if self._argmax_only():  # the common case: a few checks instead of nine no-op calls a step
-            token_ids = greedy_ids_of(logits)
-            if self.tp is not None:
-                self.tp.broadcast(token_ids)
-            return self._launched(inputs, token_ids)
         logits = self.penalties.apply(logits, rows)
         logits = self.logit_bias.apply(logits, rows)
         logits = apply_min_tokens(logits, self._banned(rows))

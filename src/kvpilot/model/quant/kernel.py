@@ -18,9 +18,10 @@ from kvpilot.model.layers.cpp_build import CppKernel, build_cpp_kernel
 _CSRC = Path(__file__).resolve().parent.parent / "layers" / "csrc"
 # concatenated in this order into one translation unit (the headers are not on an include path)
 SOURCE_PATHS = tuple(_CSRC / name for name in ("quant_common.h", "quant_avx512.h", "quant_avx2.h",
-                                               "quant_vnni.h", "quant_vnni_gemm.h", "quant_linear_cpu.cpp"))
+                                               "quant_vnni.h", "quant_vnni_gemm.h", "quant_linear_cpu.cpp",
+                                               "quant_tiled_cpu.cpp"))
 FUNCTIONS = ["quant_matmul", "quant_dequantize", "cpu_isa", "quant_parallel_width", "quant_matmul_interleaved",
-             "quant_matmul_tiled", "quant_dequantize_tiled", "has_vnni"]
+             "quant_matmul_tiled", "quant_dequantize_tiled", "quant_argmax_tiled", "has_vnni"]
 ISA_NAMES = ("portable", "avx2", "avx512")
 
 _KERNEL = CppKernel(label="CPU quantized-linear kernel", name_prefix="kvpilot_cpu_quant_", sources=SOURCE_PATHS,

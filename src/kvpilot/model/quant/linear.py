@@ -203,6 +203,23 @@ class PackedLinear(nn.Module):
             out = out + self.bias.to(out.dtype)
         return out.view(*x.shape[:-1], self.out_features)
 
+    def greedy_ids(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Each row's argmax of forward_float32(x) (the first of equal maxima) without building the [rows, out]
+        logits, where the rows take the tiled int8 path (a Q8_0 / Q4 output head on a VNNI CPU): the same float32
+        values, folded while in cache. None where they would take another path, or where a value is NaN (the
+        caller builds the logits then)."""
+        rows = x.reshape(-1, self.in_features)
+        if not self._tiled_rows(rows) or self.bias is not None:
+            return None
+        ids = self.int8_weight.argmax(rows.contiguous())
+        return None if bool((ids < 0).any()) else ids
+
+    def _tiled_rows(self, rows: torch.Tensor) -> bool:
+        """Whether _forward sends these rows through the tiled int8 copy."""
+        n = rows.shape[0]
+        return (rows.dtype in KERNEL_IO_DTYPES and n <= self.max_kernel_rows.get(rows.dtype, 0) and not self._gated()
+                and isinstance(self.int8_weight, TiledWeight) and n <= self.int8_max_rows)
+
     def _gated(self) -> bool:
         """A step with prompt tokens on a tiled layer: the dense path, not the int8 one (Int8Gate)."""
         return self.int8_gate is not None and not self.int8_gate.open and isinstance(self.int8_weight, TiledWeight)

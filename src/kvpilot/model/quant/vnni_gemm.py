@@ -44,6 +44,11 @@ class TiledWeight:
         """out [M, N] contiguous = int8-quantized x [M, K] contiguous @ W^T; each float32 or bfloat16."""
         require_quant_kernel().quant_matmul_tiled(out, x, self.tq, self.td, self.to)
 
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """int64 [M]: each row's argmax of what matmul_into writes in float32 (the first of equal maxima), without
+        writing [M, N] logits; -1 for a row with a NaN among them."""
+        return require_quant_kernel().quant_argmax_tiled(x, self.tq, self.td, self.to)
+
     def dequantize_into(self, out: torch.Tensor) -> None:
         """out [N, K] contiguous, float32 or bfloat16 = the values (as PackedWeight.dequantize_into computes
         them from the blocks), for a layer whose only copy of its blocks this is."""

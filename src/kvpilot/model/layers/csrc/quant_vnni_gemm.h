@@ -94,9 +94,9 @@ KVP_VNNI void tiled_tile_rows(int64_t mr, const uint8_t* tq, const uint16_t* td,
   tiled_tile<MR, NT, Q8>(tq, td, to, KB, xq, xd, xs, K, out, ldo);
 }
 
-// out[i * ldo + n] for x rows i < M and the weight-row tiles [t0, t1) (16 weight rows each; from kPairMinRows rows
-// in pairs, a last odd one alone); float32, or bfloat16 (rounded to nearest even, as torch) when out_bf16 is given
-// instead
+// out[i * ldo + 16 (t - t0) + c] for x rows i < M and the weight-row tiles t in [t0, t1) (16 weight rows each; from
+// kPairMinRows rows in pairs, a last odd one alone): float32, or bfloat16 (rounded to nearest even, as torch) when
+// out_bf16 is given instead
 template <bool Q8>
 KVP_VNNI void tiled_rows(const uint8_t* tq, const uint16_t* td, const uint16_t* to, int64_t KB, int64_t t0,
                          int64_t t1, const int8_t* xq, const float* xd, const float* xs, int64_t M, float* out,
@@ -113,13 +113,13 @@ KVP_VNNI void tiled_rows(const uint8_t* tq, const uint16_t* td, const uint16_t* 
       const int8_t* x = xq + i * K;
       const float* xdi = xd + i * KB;
       const float* xsi = xs + i * KB;
-      float* dst = out_bf16 != nullptr ? tile_out : out + i * ldo + t * 16;
+      float* dst = out_bf16 != nullptr ? tile_out : out + i * ldo + (t - t0) * 16;
       const int64_t ld = out_bf16 != nullptr ? 16 * nt : ldo;
       if (nt == 2) tiled_tile_rows<kPairMR, 2, Q8>(mr, q, d, o, KB, x, xdi, xsi, K, dst, ld);
       else tiled_tile_rows<kTiledMR, 1, Q8>(mr, q, d, o, KB, x, xdi, xsi, K, dst, ld);
       if (out_bf16 != nullptr)
         for (int64_t r = 0; r < mr; ++r)
-          to_bf16_512(tile_out + r * 16 * nt, out_bf16 + (i + r) * ldo + t * 16, 16 * nt);
+          to_bf16_512(tile_out + r * 16 * nt, out_bf16 + (i + r) * ldo + (t - t0) * 16, 16 * nt);
     }
     t += nt;
   }
