@@ -1,5 +1,6 @@
 """Incremental detokenization: deltas add up to the full text, multi-byte characters split across tokens are
-never emitted half-done, and stop strings never reach the output."""
+never emitted half-done, and stop strings never reach the output; through the tokenizer's stream decoder and
+through the detokenizer's own window, token for token the same."""
 
 from __future__ import annotations
 
@@ -12,9 +13,31 @@ from kvpilot.model.tokenizer import tokenizer_from_gguf
 TEXT = "Grüße aus Köln! 日本語のテキスト 😀🎉 and plain ASCII at the end."
 
 
-@pytest.fixture(scope="module")
-def tokenizer(gguf_path):
-    return tokenizer_from_gguf(open_gguf(gguf_path), gguf_path)
+class WindowDecoder:
+    """Only decode(): the detokenizer's own windowed re-decoding (a tokenizer without decode_stream)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.decode = tokenizer.decode
+
+
+@pytest.fixture(scope="module", params=["stream", "window"])
+def tokenizer(request, gguf_path):
+    """kvpilot's Tokenizer (tokenizers' DecodeStream) and the same one seen as a plain decoder."""
+    tokenizer = tokenizer_from_gguf(open_gguf(gguf_path), gguf_path)
+    if request.param == "stream":
+        return tokenizer
+    window = WindowDecoder(tokenizer)
+    window.encode = tokenizer.encode
+    return window
+
+
+def test_the_stream_and_the_window_give_the_same_deltas(gguf_path):
+    tokenizer = tokenizer_from_gguf(open_gguf(gguf_path), gguf_path)
+    ids = tokenizer.encode(TEXT + " <|im_end|> tail")
+    stream, window = IncrementalDetokenizer(tokenizer), IncrementalDetokenizer(WindowDecoder(tokenizer))
+    assert stream._stream is not None and window._stream is None
+    assert [stream.push([t]) for t in ids] == [window.push([t]) for t in ids]
+    assert stream.text == window.text == tokenizer.decode(ids)
 
 
 def test_deltas_concatenate_to_text_without_broken_characters(tokenizer):

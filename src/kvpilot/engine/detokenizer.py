@@ -1,12 +1,14 @@
 """Incremental detokenization with stop strings: streaming-safe text deltas.
 
-Text is decoded over a small sliding window of tokens (so BPE merges across token boundaries and multi-byte
-UTF-8 characters split over tokens come out right), and a delta is released only once it is complete: never
-a half character (U+FFFD) and never the beginning of a stop string that may still complete.
+Text is decoded by the tokenizer's own stream decoder where it has one (kvpilot's Tokenizer: tokenizers'
+DecodeStream), else over a small sliding window of tokens (so BPE merges across token boundaries and
+multi-byte UTF-8 characters split over tokens come out right), and a delta is released only once it is
+complete: never a half character (U+FFFD) and never the beginning of a stop string that may still complete.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -15,6 +17,10 @@ CONTEXT_TOKENS = 6  # tokens of left context re-decoded with each new token
 
 
 class Decoder(Protocol):
+    """What the detokenizer needs of a tokenizer. One that also has `decode_stream(skip_special_tokens)` (a
+    factory of per-sequence incremental decoders: id in, completed text or None out, e.g. kvpilot's Tokenizer)
+    is decoded through it, one call a token, instead of re-decoding a window."""
+
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 
@@ -35,15 +41,25 @@ class IncrementalDetokenizer:
     _prefix_offset: int = 0
     _read_offset: int = 0
     _emitted: int = 0  # characters of `text` already returned as deltas
+    _stream: Callable[[int], str | None] | None = None  # the decoder's decode_stream, where it has one
+
+    def __post_init__(self) -> None:
+        factory = getattr(self.decoder, "decode_stream", None)
+        if factory is not None:
+            self._stream = factory(self.skip_special_tokens)
 
     def push(self, new_token_ids: list[int]) -> str:
         """Adds tokens; returns the newly safe text delta ('' if it must wait). Sets stop_reason on a match;
         tokens pushed after a stop matched are ignored (the text has ended)."""
         if self.stop_reason is not None:
             return ""
+        stream = self._stream
         for token_id in new_token_ids:
             self.token_ids.append(token_id)
-            self._decode_next()
+            if stream is None:
+                self._decode_next()
+            elif chunk := stream(token_id):
+                self.text += chunk
             if self._check_stop():
                 break
         return self._release(final=self.stop_reason is not None)
