@@ -69,3 +69,36 @@ def test_stop_string_spanning_tokens(tokenizer):
     detok = IncrementalDetokenizer(tokenizer, stop=["ta gam"])
     streamed = "".join(detok.push([t]) for t in ids) + detok.finish()
     assert detok.text == "alpha be" and streamed == "alpha be"
+
+
+class FailingStream:
+    """The real tokenizer, whose stream decoder raises at its twelfth token (as DecodeStream's InvalidPrefix can)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def decode(self, token_ids, skip_special_tokens=True):
+        return self.tokenizer.decode(token_ids, skip_special_tokens)
+
+    def decode_stream(self, skip_special_tokens=True):
+        inner, seen = self.tokenizer.decode_stream(skip_special_tokens), []
+
+        def step(token_id):
+            seen.append(token_id)
+            if len(seen) == 12:
+                raise ValueError("InvalidPrefix")
+            return inner(token_id)
+        return step
+
+
+def test_a_failing_stream_hands_over_to_the_window_without_losing_text(gguf_path):
+    """TEXT's tokens 10-12 (from 0) are the bytes of " 日": the stream holds token 10 back and fails at 11, so
+    the window must start from token 10, the first whose text was not released."""
+    tokenizer = tokenizer_from_gguf(open_gguf(gguf_path), gguf_path)
+    ids = tokenizer.encode(TEXT)
+    assert "\ufffd" in tokenizer.decode(ids[10:12]) and tokenizer.decode(ids[10:13]) == " 日"
+    detok = IncrementalDetokenizer(FailingStream(tokenizer))
+    deltas = [detok.push([t]) for t in ids] + [detok.finish()]
+    assert detok._stream is None  # it did fail
+    assert "".join(deltas) == TEXT == detok.text
+    assert all("\ufffd" not in d for d in deltas)

@@ -18,8 +18,8 @@ CONTEXT_TOKENS = 6  # tokens of left context re-decoded with each new token
 
 class Decoder(Protocol):
     """What the detokenizer needs of a tokenizer. One that also has `decode_stream(skip_special_tokens)` (a
-    factory of per-sequence incremental decoders: id in, completed text or None out, e.g. kvpilot's Tokenizer)
-    is decoded through it, one call a token, instead of re-decoding a window."""
+    factory of per-sequence incremental decoders: id in, completed text or None out, e.g. kvpilot's Tokenizer;
+    the factory may return None) is decoded through it, one call a token, instead of re-decoding a window."""
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
@@ -45,21 +45,17 @@ class IncrementalDetokenizer:
 
     def __post_init__(self) -> None:
         factory = getattr(self.decoder, "decode_stream", None)
-        if factory is not None:
-            self._stream = factory(self.skip_special_tokens)
+        self._stream = factory(self.skip_special_tokens) if factory is not None else None
 
     def push(self, new_token_ids: list[int]) -> str:
         """Adds tokens; returns the newly safe text delta ('' if it must wait). Sets stop_reason on a match;
         tokens pushed after a stop matched are ignored (the text has ended)."""
         if self.stop_reason is not None:
             return ""
-        stream = self._stream
         for token_id in new_token_ids:
             self.token_ids.append(token_id)
-            if stream is None:
+            if self._stream is None or not self._stream_next(token_id):
                 self._decode_next()
-            elif chunk := stream(token_id):
-                self.text += chunk
             if self._check_stop():
                 break
         return self._release(final=self.stop_reason is not None)
@@ -67,6 +63,21 @@ class IncrementalDetokenizer:
     def finish(self) -> str:
         """Returns whatever text was held back (the request has ended)."""
         return self._release(final=True)
+
+    def _stream_next(self, token_id: int) -> bool:
+        """The stream decoder's text for the new token; False when it raised (tokenizers' DecodeStream refuses
+        some vocabularies' byte sequences: InvalidPrefix): the window takes over from the last token the stream
+        released text for, so no text is lost or repeated."""
+        try:
+            chunk = self._stream(token_id)  # type: ignore[misc]
+        except Exception:  # noqa: BLE001 - any failure of the native decoder: the window decodes instead
+            self._stream = None
+            self._prefix_offset = max(self._read_offset - CONTEXT_TOKENS, 0)
+            return False
+        if chunk:
+            self.text += chunk
+            self._read_offset = len(self.token_ids)
+        return True
 
     def _decode_next(self) -> None:
         prefix = self.decoder.decode(self.token_ids[self._prefix_offset:self._read_offset], self.skip_special_tokens)

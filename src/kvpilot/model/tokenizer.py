@@ -49,11 +49,15 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
-    def decode_stream(self, skip_special_tokens: bool = True) -> Callable[[int], str | None]:
+    def decode_stream(self, skip_special_tokens: bool = True) -> Callable[[int], str | None] | None:
         """A new sequence's incremental decoder: each generated id in, the text it completes out (None while it
         ends inside a character or adds no text); the outputs add up to decode(all ids). tokenizers' DecodeStream:
-        one native call a token, where re-decoding a window of ids took two."""
-        stream, backend = decoders.DecodeStream(skip_special_tokens=skip_special_tokens), self.backend
+        one native call a token, where re-decoding a window of ids took two. None with a tokenizers release
+        without it (before 0.21)."""
+        stream_class = getattr(decoders, "DecodeStream", None)
+        if stream_class is None:
+            return None
+        stream, backend = stream_class(skip_special_tokens=skip_special_tokens), self.backend
         return lambda token_id: stream.step(backend, token_id)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
