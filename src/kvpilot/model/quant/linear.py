@@ -190,7 +190,7 @@ class PackedLinear(nn.Module):
 
     def _forward(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] <= self.max_kernel_rows.get(x.dtype, 0) and not self._gated():
+        if self._kernel_takes(rows):
             out = self._kernel_rows(rows, out_dtype if out_dtype in KERNEL_IO_DTYPES else torch.float32)
         elif self._onednn is not None and x.dtype == torch.bfloat16:
             out = self._onednn.linear(rows)
@@ -214,11 +214,14 @@ class PackedLinear(nn.Module):
         ids = self.int8_weight.argmax(rows.contiguous())
         return None if bool((ids < 0).any()) else ids
 
+    def _kernel_takes(self, rows: torch.Tensor) -> bool:
+        """Whether _forward gives these rows to the kernel paths (_kernel_rows) rather than a dense GEMM."""
+        return rows.shape[0] <= self.max_kernel_rows.get(rows.dtype, 0) and not self._gated()
+
     def _tiled_rows(self, rows: torch.Tensor) -> bool:
-        """Whether _forward sends these rows through the tiled int8 copy."""
-        n = rows.shape[0]
-        return (rows.dtype in KERNEL_IO_DTYPES and n <= self.max_kernel_rows.get(rows.dtype, 0) and not self._gated()
-                and isinstance(self.int8_weight, TiledWeight) and n <= self.int8_max_rows)
+        """Whether _forward sends these rows through the tiled int8 copy (as they are: float32 or bf16)."""
+        return (rows.dtype in KERNEL_IO_DTYPES and self._kernel_takes(rows)
+                and isinstance(self.int8_weight, TiledWeight) and rows.shape[0] <= self.int8_max_rows)
 
     def _gated(self) -> bool:
         """A step with prompt tokens on a tiled layer: the dense path, not the int8 one (Int8Gate)."""

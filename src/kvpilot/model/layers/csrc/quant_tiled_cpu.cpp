@@ -30,25 +30,33 @@ Q8Rows quantize_rows_q8(const torch::Tensor& x, int64_t KB) {
   return rows;
 }
 
-// The tiled weights' tile count T and blocks per row KB, checked against x [M, K] (float32 or bfloat16, contiguous)
+// The tiled weights' tile count T, blocks per row KB and format (Q8_0: 512 quant bytes a tile and block, Q4: 256),
+// checked (on a CPU with VNNI)
 struct TiledShape {
   int64_t T, KB;
   bool q8;
 };
 
-TiledShape tiled_shape(const torch::Tensor& x, const torch::Tensor& tq, const torch::Tensor& td,
-                       const torch::Tensor& to) {
+TiledShape tiled_shape(const torch::Tensor& tq, const torch::Tensor& td, const torch::Tensor& to) {
   TORCH_CHECK(has_vnni(), "needs AVX-512 VNNI");
-  TORCH_CHECK(float_or_bf16(x) && x.is_contiguous() && x.dim() == 2, "x must be contiguous [M, K] float32 or bfloat16");
   TORCH_CHECK(tq.is_contiguous() && td.is_contiguous() && to.is_contiguous() && tq.scalar_type() == torch::kUInt8 &&
               td.scalar_type() == torch::kFloat16 && to.scalar_type() == torch::kFloat16 && td.sizes() == to.sizes() &&
-              td.dim() == 3 && td.size(2) == 16,
+              td.dim() == 3 && td.size(2) == 16 && tq.dim() == 3,
               "tiled weights: tq uint8, td / to float16 [N / 16, KB, 16], contiguous");
   const int64_t T = td.size(0), KB = td.size(1);
-  const bool q8 = tq.dim() == 3 && tq.size(2) == 512;
-  TORCH_CHECK(tq.numel() == T * KB * (q8 ? 512 : 256) && x.size(1) == KB * kBlock, "tiled weights do not match x [M, ",
-              x.size(1), "]");
+  const bool q8 = tq.size(2) == 512;
+  TORCH_CHECK((q8 || tq.size(2) == 256) && tq.size(0) == T && tq.size(1) == KB,
+              "tiled weights: tq [N / 16, KB, 256] (Q4) or [N / 16, KB, 512] (Q8_0)");
   return {T, KB, q8};
+}
+
+// tiled_shape, with x [M, K] checked against it (float32 or bfloat16, contiguous)
+TiledShape tiled_shape(const torch::Tensor& x, const torch::Tensor& tq, const torch::Tensor& td,
+                       const torch::Tensor& to) {
+  const TiledShape shape = tiled_shape(tq, td, to);
+  TORCH_CHECK(float_or_bf16(x) && x.is_contiguous() && x.dim() == 2, "x must be contiguous [M, K] float32 or bfloat16");
+  TORCH_CHECK(x.size(1) == shape.KB * kBlock, "tiled weights do not match x [M, ", x.size(1), "]");
+  return shape;
 }
 
 // Tiles an argmax chunk multiplies at a time: their float32 outputs for every x row ([M, 16 * kArgmaxTiles], 32 KiB
@@ -135,16 +143,12 @@ void quant_matmul_tiled(torch::Tensor out, torch::Tensor x, torch::Tensor tq, to
 // even). For the rows the int8 path does not take (steps with prompt tokens) in a layer whose tiled copy is its
 // only copy of the blocks (no resident dense copy).
 void quant_dequantize_tiled(torch::Tensor out, torch::Tensor tq, torch::Tensor td, torch::Tensor to) {
-  TORCH_CHECK(has_vnni(), "needs AVX-512 VNNI");
+  const TiledShape shape = tiled_shape(tq, td, to);
+  const int64_t T = shape.T, KB = shape.KB, K = KB * kBlock;
+  const bool q8 = shape.q8;
   TORCH_CHECK(float_or_bf16(out) && out.is_contiguous() && out.dim() == 2, "out: contiguous [N, K] float32 / bf16");
-  TORCH_CHECK(tq.is_contiguous() && td.is_contiguous() && to.is_contiguous() && tq.scalar_type() == torch::kUInt8 &&
-              td.scalar_type() == torch::kFloat16 && to.scalar_type() == torch::kFloat16 && td.sizes() == to.sizes() &&
-              td.dim() == 3 && td.size(2) == 16 && tq.dim() == 3,
-              "tiled weights: tq uint8, td / to float16 [N / 16, KB, 16], contiguous");
-  const int64_t T = td.size(0), KB = td.size(1), K = KB * kBlock;
-  const bool q8 = tq.size(2) == 512;
-  TORCH_CHECK((q8 || tq.size(2) == 256) && tq.size(0) == T && tq.size(1) == KB && out.size(0) == T * 16 &&
-              out.size(1) == K, "tiled weights do not match out [", out.size(0), ", ", out.size(1), "]");
+  TORCH_CHECK(out.size(0) == T * 16 && out.size(1) == K, "tiled weights do not match out [", out.size(0), ", ",
+              out.size(1), "]");
   const bool bf16 = out.scalar_type() == torch::kBFloat16;
   const auto* d = reinterpret_cast<const uint16_t*>(td.data_ptr<at::Half>());
   const auto* o = reinterpret_cast<const uint16_t*>(to.data_ptr<at::Half>());
