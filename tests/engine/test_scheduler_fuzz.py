@@ -63,6 +63,9 @@ def _run(seed: int, policy: str, num_blocks: int, block_size: int, budget: int, 
             sched.abort_requests([victim.request_id])
         output = driver.step()
         assert output.num_batched_tokens <= budget and len(output.chunks) <= sched.config.max_num_seqs
+        # the scheduler's counts (a decode step is known by them alone) against the chunks they count
+        assert output.num_batched_tokens == sum(c.num_tokens for c in output.chunks)
+        assert output.num_sampled == sum(c.needs_sample for c in output.chunks)
         if not pending and not driver.busy:
             break
     assert not driver.busy, "the workload did not finish"

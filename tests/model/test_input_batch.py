@@ -94,3 +94,40 @@ def test_tokens_in_flight_come_from_the_previous_step_until_their_commit():
     assert batch.num_steps_in_flight == 0
     inputs = build_step_inputs(batch, chunks, rows, None, torch.device("cpu"))  # no previous step needed
     assert inputs.token_ids.tolist() == [31, 32]
+
+
+def _assert_same_inputs(fast, general) -> None:
+    for name in ("token_ids", "positions", "sample_rows"):
+        assert getattr(fast, name).tolist() == getattr(general, name).tolist(), name
+    assert fast.sample_request_ids == general.sample_request_ids
+    assert fast.sample_batch_rows.tolist() == general.sample_batch_rows.tolist()
+    for name in ("query_start", "query_lens", "start_positions", "block_tables", "slot_mapping", "context_lens",
+                 "is_decode"):
+        assert getattr(fast.layout, name).tolist() == getattr(general.layout, name).tolist(), name
+    assert fast.layout.all_decode and general.layout.all_decode
+
+
+def test_the_decode_path_builds_what_the_general_path_builds():
+    """build_step_inputs(decodes=True), the runner's path for a step the scheduler's counts show is all
+    decodes, against the general path: rows out of order, positions on both sides of block boundaries, random
+    block placement, with and without tokens still in flight."""
+    rng = random.Random(3)
+    batch = InputBatch(BatchLimits(max_num_seqs=8, max_model_len=64, block_size=4))
+    lengths = {"a": 4, "b": 5, "c": 8, "d": 13, "e": 2, "f": 16}  # next positions 3, 4, 7, 12, 1, 15
+    for request_id, length in lengths.items():
+        blocks = rng.sample(range(40), 5)
+        batch.add(NewRequestData(request_id, [rng.randrange(100) for _ in range(length)], [],
+                                 SamplingParams(temperature=0), blocks, length - 1))
+    order = ["d", "a", "f", "c", "e", "b"]
+    chunks = [ScheduledChunk(r, lengths[r] - 1, 1, True) for r in order]
+    rows = np.array([batch.rows[r] for r in order])
+    cpu = torch.device("cpu")
+    _assert_same_inputs(build_step_inputs(batch, chunks, rows, None, cpu, decodes=True),
+                        build_step_inputs(batch, chunks, rows, None, cpu))
+    positions = batch.append_placeholders(rows)  # one step in flight: its tokens are the next inputs
+    previous = PreviousSample(torch.tensor([50 + i for i in range(len(rows))]), rows)
+    batch.num_computed[rows] = positions
+    chunks = [ScheduledChunk(r, lengths[r], 1, True) for r in order]
+    fast = build_step_inputs(batch, chunks, rows, previous, cpu, decodes=True)
+    _assert_same_inputs(fast, build_step_inputs(batch, chunks, rows, previous, cpu))
+    assert fast.token_ids.tolist() == [50 + i for i in range(len(rows))]

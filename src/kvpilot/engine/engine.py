@@ -288,7 +288,7 @@ class LLMEngine:
 
 
 def _step_stats(scheduled: SchedulerOutput, num_generated: int, duration: float) -> StepStats:
-    decode, batched = scheduled.num_decode_tokens, scheduled.num_batched_tokens  # each a loop over the chunks
+    decode, batched = scheduled.num_decode_tokens, scheduled.num_batched_tokens  # a loop over the chunks, a count
     return StepStats(num_batched_tokens=batched, num_prefill_tokens=batched - decode, num_decode_tokens=decode,
                      num_scheduled_seqs=len(scheduled.chunks), num_preempted=len(scheduled.preempted_request_ids),
                      num_generated_tokens=num_generated, duration=duration)

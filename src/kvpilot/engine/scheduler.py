@@ -124,6 +124,7 @@ class Scheduler(SchedulerRecovery):
         # loop runs for every running request every step: it reads plain attributes, not properties.
         pending = [only] if only is not None else _decodes_first(self._running)
         kv = self.kv
+        block_size = kv.block_size
         for request in pending:
             if step.budget == 0:
                 break  # a budget only grows back by preempting, which needs an allocation: none comes now
@@ -136,7 +137,9 @@ class Scheduler(SchedulerRecovery):
             if num_new <= 0:
                 continue  # nothing to compute until the tokens in flight are known
             num_blocks_before = len(request.block_ids)
-            if kv.allocate_slots(request, num_new) is not None or \
+            # first, what KVCacheManager.allocate_slots would find without the call: the last block has room
+            if request.num_computed_tokens + num_new <= num_blocks_before * block_size or \
+                    kv.allocate_slots(request, num_new) is not None or \
                     self._preempt_until_allocated(request, num_new, step, preempted):
                 step.add(request, self._chunk(request, num_new), num_blocks_before)
         return preempted
@@ -178,6 +181,7 @@ class Scheduler(SchedulerRecovery):
         new: list[NewRequestData] = []
         running: list[RunningRequestData] = []
         chunks: list[ScheduledChunk] = []
+        num_sampled = 0
         for request, chunk, num_blocks_before, admitted in step.entries.values():
             if admitted:
                 new.append(NewRequestData(request.request_id, request.prompt_token_ids,
@@ -190,9 +194,11 @@ class Scheduler(SchedulerRecovery):
                                                   else [], request.num_computed_tokens))
             request.num_computed_tokens += chunk.num_tokens
             request.num_output_placeholders += chunk.needs_sample
+            num_sampled += chunk.needs_sample
             chunks.append(chunk)
         return SchedulerOutput(chunks=chunks, new_requests=new, running_requests=running,
-                               preempted_request_ids=preempted_ids, finished_request_ids=finished_ids)
+                               preempted_request_ids=preempted_ids, finished_request_ids=finished_ids,
+                               num_batched_tokens=step.num_tokens, num_sampled=num_sampled)
 
     # ---- after the model ran -------------------------------------------------------------------------
 

@@ -61,12 +61,13 @@ class ScheduledChunk:
 
 @dataclass(frozen=True)
 class SchedulerOutput:
-    """One step, as a diff. chunks: running requests' chunks first, then newly admitted / resumed ones; every
-    chunk's request is in exactly one of new_requests and running_requests.
+    """One step, as a diff. chunks: running requests' chunks first, in the order of running_requests, then
+    newly admitted / resumed ones; every chunk's request is in exactly one of new_requests and running_requests.
 
-    Invariants: num_batched_tokens == sum of chunk.num_tokens <= max_num_batched_tokens; len(chunks) <=
-    max_num_seqs. finished_request_ids lists requests finished or aborted since the last step and
-    preempted_request_ids those preempted in this one: the runner drops their state before running the step.
+    Invariants: num_batched_tokens == sum of chunk.num_tokens <= max_num_batched_tokens; num_sampled == the
+    number of chunks with needs_sample; len(chunks) <= max_num_seqs. finished_request_ids lists requests
+    finished or aborted since the last step and preempted_request_ids those preempted in this one: the runner
+    drops their state before running the step.
     """
 
     chunks: list[ScheduledChunk]
@@ -74,10 +75,16 @@ class SchedulerOutput:
     running_requests: list[RunningRequestData] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)
+    # The scheduler counts these while it builds the step, so a decode step is known without a pass over
+    # its chunks; -1 (a diff built by hand): counted here.
+    num_batched_tokens: int = -1
+    num_sampled: int = -1
 
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
+    def __post_init__(self) -> None:
+        if self.num_batched_tokens < 0:
+            object.__setattr__(self, "num_batched_tokens", sum(c.num_tokens for c in self.chunks))
+        if self.num_sampled < 0:
+            object.__setattr__(self, "num_sampled", sum(1 for c in self.chunks if c.needs_sample))
 
     @property
     def is_empty(self) -> bool:

@@ -24,7 +24,13 @@ class StepBuilder:
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
+        self._max_budget = budget
         self.entries: dict[str, StepEntry] = {}
+
+    @property
+    def num_tokens(self) -> int:
+        """The tokens of the chunks added and not dropped."""
+        return self._max_budget - self.budget
 
     def add(self, request: Request, chunk: ScheduledChunk, num_blocks_before: int, admitted: bool = False) -> None:
         self.entries[chunk.request_id] = StepEntry(request, chunk, num_blocks_before, admitted)

@@ -67,7 +67,8 @@ class StepResult:
                 and self._runner is not None
             host = self._copy.wait()  # the step's one wait for the device
             ids = host[0].tolist()
-            self._runner.batch.commit(self._request_ids, self._rows, self._positions, ids, self._num_removed)
+            self._runner.batch.commit(self._request_ids, self._rows, self._positions, host[0].numpy(),
+                                      self._num_removed)
             logprobs = sampled_logprobs(self._request_ids, ids, self._num_top, Logprobs(*host[1:])) \
                 if self._has_logprobs else {}
             self._output = RunnerOutput(dict(zip(self._request_ids, ids)), logprobs)
@@ -143,7 +144,9 @@ class ModelRunner:
         self._drop(output.preempted_request_ids, finished=False)
         for new in output.new_requests:
             self._add(new)
-        self.batch.update(output.running_requests)
+        running_rows = self.batch.update(output.running_requests)
+        if len(running_rows) == len(output.chunks):  # the running requests' chunks, in order (SchedulerOutput)
+            return running_rows
         rows = self.batch.rows
         return np.fromiter((rows[c.request_id] for c in output.chunks), dtype=np.int64, count=len(output.chunks))
 
@@ -155,7 +158,10 @@ class ModelRunner:
         rows = self.apply_diff(output)
         if not output.chunks:
             return StepResult()
-        inputs = build_step_inputs(self.batch, output.chunks, rows, self._previous, self.device, self._staging)
+        num_chunks = len(output.chunks)  # all decodes: one sampled token each, none a new request's
+        decodes = output.num_batched_tokens == output.num_sampled == num_chunks and not output.new_requests
+        inputs = build_step_inputs(self.batch, output.chunks, rows, self._previous, self.device, self._staging,
+                                   decodes=decodes)
         hidden = self._forward_hidden(inputs)
         if not inputs.sample_request_ids:
             return StepResult()

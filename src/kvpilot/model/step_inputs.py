@@ -76,9 +76,13 @@ def _to_device(arrays: list[np.ndarray], staging: PackedArrays | None, device: t
 
 def build_step_inputs(batch: InputBatch, chunks: Sequence[ScheduledChunk], rows: np.ndarray,
                       previous: PreviousSample | None, device: torch.device,
-                      staging: PackedArrays | None = None) -> StepInputs:
+                      staging: PackedArrays | None = None, *, decodes: bool = False) -> StepInputs:
     """Flattens the chunks in their given order; `rows` are their persistent rows (same order). `staging`:
-    how the integer inputs travel to a CUDA device without a sync (None: plain copies)."""
+    how the integer inputs travel to a CUDA device without a sync (None: plain copies). decodes: the caller
+    knows every chunk is a decode (one sampled token after earlier ones: the scheduler's counts say so), so
+    the step takes the shortest path, with no pass over the chunks to find out."""
+    if decodes:
+        return _decode_inputs(batch, chunks, rows, previous, device, staging)
     block_size = batch.limits.block_size
     num_chunks = len(chunks)
     # one pass over the chunks: each gives 2 * num_tokens + needs_sample (this runs for every request every step)
@@ -104,14 +108,47 @@ def build_step_inputs(batch: InputBatch, chunks: Sequence[ScheduledChunk], rows:
     # tokens sampled by a step whose ids are not committed yet (async scheduling); none while no step is in flight
     unknown = np.flatnonzero(positions >= batch.num_known[token_rows]) if batch.num_steps_in_flight else _NONE
     integers = [batch.token_ids[token_rows, positions], positions, ends - 1 if sampled is None else ends[sampled] - 1]
-    if len(unknown):  # tokens sampled by the previous step, not yet read back (async scheduling)
-        integers += [unknown, _previous_sources(unknown, token_rows, previous)]
-    token_ids, positions_t, sample_rows, *from_previous = _to_device(integers, staging, device)
-    if from_previous and previous is not None:  # (no previous: _previous_sources raised)
-        unknown_t, source_t = from_previous
-        token_ids[unknown_t] = previous.token_ids[source_t].to(token_ids.dtype)
+    token_ids, positions_t, sample_rows = _integer_inputs(integers, unknown, token_rows, previous, staging, device)
     max_blocks = int(-(-(starts + query_lens).max() // block_size))
     layout = StepLayout(query_start=query_start, query_lens=query_lens, start_positions=starts,
                         block_tables=batch.block_table[rows, :max_blocks], slot_mapping=slots, block_size=block_size)
     return StepInputs(token_ids=token_ids, positions=positions_t, layout=layout, sample_rows=sample_rows,
                       sample_request_ids=sample_request_ids, sample_batch_rows=sample_batch_rows)
+
+
+def _decode_inputs(batch: InputBatch, chunks: Sequence[ScheduledChunk], rows: np.ndarray,
+                   previous: PreviousSample | None, device: torch.device,
+                   staging: PackedArrays | None) -> StepInputs:
+    """A decode step's inputs (build_step_inputs' general path gives the same): token i is chunk i's, at its
+    request's next position, and is sampled row i. The fewest numpy calls: each costs ~1 us, and more when
+    the forward before has pushed numpy's code and data out of the CPU caches."""
+    block_size = batch.limits.block_size
+    num_seqs = len(rows)
+    positions = batch.num_computed[rows]
+    query_start = batch.arange[:num_seqs]  # shared by every step, never written
+    block_index, offset = np.divmod(positions, block_size)
+    slots = batch.block_table[rows, block_index] * block_size + offset
+    tables = batch.block_table[rows, :int(block_index.max()) + 1]
+    integers = [batch.token_ids[rows, positions], positions, query_start]
+    if batch.num_steps_in_flight:  # async scheduling: tokens whose ids are still on the device
+        unknown = np.flatnonzero(positions >= batch.num_known[rows])
+        token_ids, positions_t, sample_rows = _integer_inputs(integers, unknown, rows, previous, staging, device)
+    else:
+        token_ids, positions_t, sample_rows = _to_device(integers, staging, device)
+    layout = StepLayout.of_decodes(query_start, batch.ones[:num_seqs], positions, tables, slots, block_size)
+    return StepInputs(token_ids=token_ids, positions=positions_t, layout=layout, sample_rows=sample_rows,
+                      sample_request_ids=[c.request_id for c in chunks], sample_batch_rows=rows)
+
+
+def _integer_inputs(integers: list[np.ndarray], unknown: np.ndarray, token_rows: np.ndarray,
+                    previous: PreviousSample | None, staging: PackedArrays | None,
+                    device: torch.device) -> list[torch.Tensor]:
+    """The token ids, positions and sample rows on the device; a token whose id is still on the device
+    (`unknown`: sampled by the previous step, not yet read back under async scheduling) taken from there."""
+    if len(unknown):
+        integers = [*integers, unknown, _previous_sources(unknown, token_rows, previous)]
+    token_ids, positions_t, sample_rows, *from_previous = _to_device(integers, staging, device)
+    if from_previous and previous is not None:  # (no previous: _previous_sources raised)
+        unknown_t, source_t = from_previous
+        token_ids[unknown_t] = previous.token_ids[source_t].to(token_ids.dtype)
+    return [token_ids, positions_t, sample_rows]

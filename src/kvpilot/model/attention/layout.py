@@ -44,3 +44,15 @@ class StepLayout:
     @property
     def num_tokens(self) -> int:
         return int(self.slot_mapping.shape[0])
+
+    @classmethod
+    def of_decodes(cls, query_start: np.ndarray, query_lens: np.ndarray, start_positions: np.ndarray,
+                   block_tables: np.ndarray, slot_mapping: np.ndarray, block_size: int) -> "StepLayout":
+        """A step of decodes only (one token each after earlier ones: query_start is 0..S-1, query_lens all 1,
+        every start position > 0, as the caller knows), with the derived context_lens and all_decode set here
+        rather than computed again from the arrays."""
+        layout = cls(query_start=query_start, query_lens=query_lens, start_positions=start_positions,
+                     block_tables=block_tables, slot_mapping=slot_mapping, block_size=block_size)
+        # where cached_property keeps its values: the frozen dataclass's __setattr__ is not involved
+        layout.__dict__.update(context_lens=start_positions + 1, all_decode=True)
+        return layout

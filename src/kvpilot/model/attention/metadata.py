@@ -75,11 +75,13 @@ def host_tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
 
 def make_decode_batch(block_tables: np.ndarray, context_lens: np.ndarray, token_rows: np.ndarray,
                       block_size: int, device: torch.device, with_bias: bool = True,
-                      consecutive: bool | None = None) -> DecodeBatch:
+                      consecutive: bool | None = None, max_blocks: int | None = None) -> DecodeBatch:
     """From host arrays: block_tables [B, >= max blocks needed] (padding beyond a sequence's blocks is never
     read), context_lens [B] (keys including the new token), token_rows [B]; `consecutive`: whether token_rows
-    are first, first + 1, ... (None: checked here)."""
-    max_blocks = int(-(-context_lens.max() // block_size))
+    are first, first + 1, ... (None: checked here); max_blocks: the table columns to take (None: as many as
+    the longest context needs)."""
+    if max_blocks is None:
+        max_blocks = int(-(-context_lens.max() // block_size))
     tables = host_tensor(block_tables[:, :max_blocks], device)
     lens = host_tensor(context_lens, device)
     bias = make_key_bias(lens, max_blocks * block_size) if with_bias else None

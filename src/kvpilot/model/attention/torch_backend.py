@@ -65,14 +65,16 @@ class TorchAttentionBackend:
         return (2, num_kv_heads, num_blocks, block_size, head_dim)
 
     def build(self, layout: StepLayout, device: torch.device) -> AttentionMetadata:
-        is_decode, all_decode = layout.is_decode, layout.all_decode
+        all_decode = layout.all_decode
+        is_decode = None if all_decode else layout.is_decode
         return AttentionMetadata(slot_mapping=host_tensor(layout.slot_mapping, device),
                                  prefills=[] if all_decode else build_prefills(layout, device, is_decode),
                                  decodes=self._decode_batches(layout, device, is_decode, all_decode),
                                  num_tokens=layout.num_tokens)
 
-    def _decode_batches(self, layout: StepLayout, device: torch.device, is_decode: np.ndarray,
+    def _decode_batches(self, layout: StepLayout, device: torch.device, is_decode: np.ndarray | None,
                         all_decode: bool) -> list[DecodeBatch]:
+        """is_decode: layout.is_decode, None when all_decode (not needed then)."""
         if all_decode:  # a decode step: every sequence, rows 0..n-1 in order
             context_lens, tables, rows = layout.context_lens, layout.block_tables, layout.query_start
             consecutive: bool | None = True
@@ -84,8 +86,9 @@ class TorchAttentionBackend:
             tables, rows = layout.block_tables[decodes], layout.query_start[decodes]
             consecutive = None
         if self.batch_all_decodes:
+            # no padding to size (no bias): the layout's tables, however wide, are the kernel's
             return [make_decode_batch(tables, context_lens, rows, layout.block_size, device, with_bias=False,
-                                      consecutive=consecutive)]
+                                      consecutive=consecutive, max_blocks=tables.shape[1])]
         num_blocks = -(-context_lens // layout.block_size)
         return [make_decode_batch(tables[g], context_lens[g], rows[g], layout.block_size, device)
                 for g in group_by_context(num_blocks)]
