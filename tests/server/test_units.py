@@ -87,3 +87,25 @@ def test_server_args_name_the_flag(kwargs: dict, flag: str) -> None:
 
 def test_1_2_5_buckets() -> None:
     assert build_1_2_5_buckets(100) == (1, 2, 5, 10, 20, 50, 100)
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_a_chunk_is_the_sse_of_head_choices_and_extras_in_order(chat: bool) -> None:
+    """ResponseShape.chunk encodes the head once per request and splices it: the text must stay what sse()
+    of the whole object gives, non-ASCII, quotes, newlines, surrogate pairs and the final chunk's extras
+    included."""
+    import json
+
+    from kvpilot.server.responses import ResponseShape, sse
+
+    shape = ResponseShape(chat, 'cmpl-"é', "mödel\n", 1_700_000_000)
+    choices = [shape.choice('héllo "q"\n😀', None, None, chunk=True),
+               shape.choice("", "stop", {"content": []}, chunk=True, stop_reason=7, index=1)]
+    head = {"id": 'cmpl-"é', "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": 1_700_000_000, "model": "mödel\n"}
+    assert shape.chunk(choices) == sse({**head, "choices": choices})
+    extras = {"usage": {"prompt_tokens": 3}, "kvpilot": {"ttft_ms": 1.5, "note": "ü"}}
+    text = shape.chunk([], **extras)
+    assert text == sse({**head, "choices": [], **extras})
+    assert json.loads(text.removeprefix("data: ")) == {**head, "choices": [], **extras}
+    assert "é" in text and ",\"choices\":" in text  # UTF-8 as is (ensure_ascii off), compact separators

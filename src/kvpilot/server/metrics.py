@@ -211,8 +211,9 @@ class ServerMetrics:
                                  (self.decode, metrics.decode_time)):
             if value is not None:
                 histogram.labels(name).observe(value)
+        itl = self.itl.labels(name)  # one label lookup, not one a token
         for gap in metrics.inter_token_latencies:
-            self.itl.labels(name).observe(gap)
+            itl.observe(gap)
 
     def observe_tokenization(self, seconds: float) -> None:
         self.tokenization.labels(self.model_name).observe(seconds)

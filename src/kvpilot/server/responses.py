@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Protocol
 
 from kvpilot.outputs import RequestOutput, TokenLogprob
@@ -44,8 +45,17 @@ class ResponseShape:
         return {**self._head(False), "choices": choices, "usage": usage, "kvpilot": kvpilot}
 
     def chunk(self, choices: list[dict[str, Any]], **extra: Any) -> str:
-        """One SSE event: `data: {json}\\n\\n`."""
-        return sse({**self._head(True), "choices": choices, **extra})
+        """One SSE event: `data: {json}\\n\\n`, the same text as sse() of the head, choices and extra in that
+        order; the head's JSON is encoded once per request (a stream sends one chunk a token)."""
+        body = self._chunk_prefix + _encode(choices)
+        for key, value in extra.items():
+            body += f",{_encode(key)}:{_encode(value)}"
+        return body + "}\n\n"
+
+    @cached_property
+    def _chunk_prefix(self) -> str:
+        head = _encode(self._head(True))
+        return f'data: {head[:-1]},"choices":'
 
     def role_chunk(self, index: int = 0) -> str:
         """Chat streams open with the assistant role, one chunk per choice (as OpenAI's do)."""
@@ -53,8 +63,12 @@ class ResponseShape:
                             "finish_reason": None}])
 
 
+# one encoder for every chunk: json.dumps with these settings builds a new JSONEncoder each call
+_encode = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
 def sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {_encode(payload)}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"
