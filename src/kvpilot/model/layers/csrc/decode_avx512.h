@@ -111,9 +111,15 @@ inline void block_values(float* acc, const float* p, const KV* rows, int64_t n) 
 
 // Asks for a later block's bytes while this one is computed: blocks sit at random places, and the hardware
 // prefetcher stops at each 4 KiB page, so without this every block starts with a full memory latency. The
-// task asks two blocks ahead (K blocks, then V blocks, as one sequence): a 2 KiB block is computed in less than
-// a memory latency, so one ahead left it waiting on randomly placed blocks (batch 64, context 200, 2 threads,
-// EPYC family 26: 14.4 -> 12.8 ms per 30 layers; consecutive blocks unchanged; benchmarks/cpu_decode_attention.py).
+// task asks kBlocksAhead blocks ahead (K blocks, then V blocks, as one sequence; the first ones at its start).
+// One ahead left it waiting on randomly placed blocks (batch 64, context 200, 2 threads, EPYC family 26: 14.4 ->
+// 12.8 ms per 30 layers at two; consecutive blocks unchanged). Three (2026-11-28, same box, alternating, min of
+// 4): random blocks 14.9 -> 13.9 ms at context 256, 61.0 -> 55.3 at 1,024, 7.2 -> 6.3 at 128; consecutive ones
+// 10.3 -> 10.2, 29.4 -> 27.3, 4.6 -> 4.6. A running server's tables are mostly scattered (7% of neighbouring
+// blocks consecutive at c64), which is where the third block pays; six or eight ahead were no better. Keep the
+// prefetches written out in the loops: the same logic as a capturing lambda ran the kernel 2x slower (GCC 12).
+constexpr int64_t kBlocksAhead = 3;
+
 template <typename KV>
 inline void prefetch_block(const KV* rows, int64_t n, int64_t row_elems) {
   const char* p = reinterpret_cast<const char*>(rows);
@@ -139,17 +145,20 @@ void attend_one_avx512(float* out, const float* q, const KV* kc, const KV* vc, c
   auto block = [&](const KV* cache, int64_t blk) { return cache + (h * s.NB + table[blk]) * s.BS * kD; };
   auto rows_from = [&](int64_t start) { return std::min(s.BS, L - start); };
   const int64_t nb = (L + s.BS - 1) / s.BS;
+  constexpr int64_t A = kBlocksAhead;
   for (int64_t start = 0, blk = 0; start < L; start += s.BS, ++blk) {
-    // reads in order: K blocks 0..nb-1, then V blocks 0..nb-1; each asks for the read two after it
-    if (blk == 0) prefetch_block(nb > 1 ? block(kc, 1) : block(vc, 0), rows_from(nb > 1 ? s.BS : 0), kD);
-    if (blk + 2 < nb) prefetch_block(block(kc, blk + 2), rows_from(start + 2 * s.BS), kD);
-    else if (blk + 2 - nb < nb) prefetch_block(block(vc, blk + 2 - nb), rows_from((blk + 2 - nb) * s.BS), kD);
+    // reads in order: K blocks 0..nb-1, then V blocks 0..nb-1; each asks for the read A after it
+    if (blk == 0)
+      for (int64_t j = 1; j < A && j < 2 * nb; ++j)
+        prefetch_block(j < nb ? block(kc, j) : block(vc, j - nb), rows_from((j < nb ? j : j - nb) * s.BS), kD);
+    if (blk + A < nb) prefetch_block(block(kc, blk + A), rows_from(start + A * s.BS), kD);
+    else if (blk + A - nb < nb) prefetch_block(block(vc, blk + A - nb), rows_from((blk + A - nb) * s.BS), kD);
     for (int64_t g = 0; g < G; ++g)
       block_scores<kD, KV>(sc + g * L + start, qs + g * kD, block(kc, blk), rows_from(start));
   }
   for (int64_t g = 0; g < G; ++g) scratch.inv[g] = softmax_numerators(sc + g * L, L);
   for (int64_t start = 0, blk = 0; start < L; start += s.BS, ++blk) {
-    if (blk + 2 < nb) prefetch_block(block(vc, blk + 2), rows_from(start + 2 * s.BS), kD);
+    if (blk + A < nb) prefetch_block(block(vc, blk + A), rows_from(start + A * s.BS), kD);
     for (int64_t g = 0; g < G; ++g)
       block_values<kD, KV>(ac + g * kD, sc + g * L + start, block(vc, blk), rows_from(start));
   }
