@@ -134,7 +134,9 @@ class KVCacheManager:
             self.prefix_stats.num_queries += prefix_hit.num_query_tokens
             self.prefix_stats.num_hits += num_hit_tokens
         new_ids = [b.block_id for b in new_blocks]
-        request.block_ids = request.block_ids + [b.block_id for b in hit] + new_ids
+        # in place: O(new blocks), not a copy of the whole table every time a decode crosses a block boundary
+        request.block_ids.extend(b.block_id for b in hit)
+        request.block_ids.extend(new_ids)
         return new_ids
 
     def cache_computed_blocks(self, request: Request, num_computed: int | None = None) -> None:
