@@ -88,8 +88,10 @@ class IncrementalDetokenizer:
             self._prefix_offset = max(self._read_offset - CONTEXT_TOKENS, 0)
 
     def _check_stop(self) -> bool:
+        if not self.stop:  # most requests: nothing to look for (this runs for every token)
+            return False
         # Only the tail can hold a new match: look back by the longest stop string.
-        window = max((len(s) for s in self.stop), default=0)
+        window = max(len(s) for s in self.stop)
         start = max(self._emitted, len(self.text) - window - 1) if window else len(self.text)
         for stop in self.stop:
             index = self.text.find(stop, max(start - len(stop), 0))
