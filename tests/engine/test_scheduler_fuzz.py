@@ -66,6 +66,8 @@ def _run(seed: int, policy: str, num_blocks: int, block_size: int, budget: int, 
         # the scheduler's counts (a decode step is known by them alone) against the chunks they count
         assert output.num_batched_tokens == sum(c.num_tokens for c in output.chunks)
         assert output.num_sampled == sum(c.needs_sample for c in output.chunks)
+        if output.is_all_decode:  # what the runner's decode path takes on trust
+            assert all(c.is_decode and c.needs_sample for c in output.chunks)
         if not pending and not driver.busy:
             break
     assert not driver.busy, "the workload did not finish"

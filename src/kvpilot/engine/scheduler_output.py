@@ -87,6 +87,12 @@ class SchedulerOutput:
             object.__setattr__(self, "num_sampled", sum(1 for c in self.chunks if c.needs_sample))
 
     @property
+    def is_all_decode(self) -> bool:
+        """Every chunk one sampled token after earlier ones (no new request: a running one has computed tokens),
+        known from the counts without a pass over the chunks."""
+        return self.num_batched_tokens == self.num_sampled == len(self.chunks) and not self.new_requests
+
+    @property
     def is_empty(self) -> bool:
         return not self.chunks
 

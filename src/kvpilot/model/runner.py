@@ -158,10 +158,8 @@ class ModelRunner:
         rows = self.apply_diff(output)
         if not output.chunks:
             return StepResult()
-        num_chunks = len(output.chunks)  # all decodes: one sampled token each, none a new request's
-        decodes = output.num_batched_tokens == output.num_sampled == num_chunks and not output.new_requests
         inputs = build_step_inputs(self.batch, output.chunks, rows, self._previous, self.device, self._staging,
-                                   decodes=decodes)
+                                   decodes=output.is_all_decode)
         hidden = self._forward_hidden(inputs)
         if not inputs.sample_request_ids:
             return StepResult()

@@ -105,10 +105,8 @@ def build_step_inputs(batch: InputBatch, chunks: Sequence[ScheduledChunk], rows:
         sample_batch_rows = rows[sampled]
     block_ids = batch.block_table[token_rows, positions // block_size]
     slots = block_ids * block_size + positions % block_size
-    # tokens sampled by a step whose ids are not committed yet (async scheduling); none while no step is in flight
-    unknown = np.flatnonzero(positions >= batch.num_known[token_rows]) if batch.num_steps_in_flight else _NONE
     integers = [batch.token_ids[token_rows, positions], positions, ends - 1 if sampled is None else ends[sampled] - 1]
-    token_ids, positions_t, sample_rows = _integer_inputs(integers, unknown, token_rows, previous, staging, device)
+    token_ids, positions_t, sample_rows = _integer_inputs(batch, integers, token_rows, previous, staging, device)
     max_blocks = int(-(-(starts + query_lens).max() // block_size))
     layout = StepLayout(query_start=query_start, query_lens=query_lens, start_positions=starts,
                         block_tables=batch.block_table[rows, :max_blocks], slot_mapping=slots, block_size=block_size)
@@ -130,21 +128,20 @@ def _decode_inputs(batch: InputBatch, chunks: Sequence[ScheduledChunk], rows: np
     slots = batch.block_table[rows, block_index] * block_size + offset
     tables = batch.block_table[rows, :int(block_index.max()) + 1]
     integers = [batch.token_ids[rows, positions], positions, query_start]
-    if batch.num_steps_in_flight:  # async scheduling: tokens whose ids are still on the device
-        unknown = np.flatnonzero(positions >= batch.num_known[rows])
-        token_ids, positions_t, sample_rows = _integer_inputs(integers, unknown, rows, previous, staging, device)
-    else:
-        token_ids, positions_t, sample_rows = _to_device(integers, staging, device)
+    token_ids, positions_t, sample_rows = _integer_inputs(batch, integers, rows, previous, staging, device)
     layout = StepLayout.of_decodes(query_start, batch.ones[:num_seqs], positions, tables, slots, block_size)
     return StepInputs(token_ids=token_ids, positions=positions_t, layout=layout, sample_rows=sample_rows,
                       sample_request_ids=[c.request_id for c in chunks], sample_batch_rows=rows)
 
 
-def _integer_inputs(integers: list[np.ndarray], unknown: np.ndarray, token_rows: np.ndarray,
+def _integer_inputs(batch: InputBatch, integers: list[np.ndarray], token_rows: np.ndarray,
                     previous: PreviousSample | None, staging: PackedArrays | None,
                     device: torch.device) -> list[torch.Tensor]:
-    """The token ids, positions and sample rows on the device; a token whose id is still on the device
-    (`unknown`: sampled by the previous step, not yet read back under async scheduling) taken from there."""
+    """`integers` (token ids, positions, sample rows) on the device; a token whose id is still on the device
+    (sampled by the previous step, not yet read back under async scheduling) taken from there."""
+    positions = integers[1]
+    # tokens sampled by a step whose ids are not committed yet; none while no step is in flight
+    unknown = np.flatnonzero(positions >= batch.num_known[token_rows]) if batch.num_steps_in_flight else _NONE
     if len(unknown):
         integers = [*integers, unknown, _previous_sources(unknown, token_rows, previous)]
     token_ids, positions_t, sample_rows, *from_previous = _to_device(integers, staging, device)
