@@ -109,3 +109,18 @@ def test_a_chunk_is_the_sse_of_head_choices_and_extras_in_order(chat: bool) -> N
     assert text == sse({**head, "choices": [], **extras})
     assert json.loads(text.removeprefix("data: ")) == {**head, "choices": [], **extras}
     assert "é" in text and ",\"choices\":" in text  # UTF-8 as is (ensure_ascii off), compact separators
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_a_running_chunk_is_the_chunk_of_its_choice(chat: bool) -> None:
+    """ResponseShape.running_chunk writes a running stream's chunk from a template: the same text as
+    chunk([choice(...)]) for any text and index, with logprobs or without."""
+    from kvpilot.server.responses import ResponseShape, sse
+
+    shape = ResponseShape(chat, 'cmpl-"é', "mödel\n", 1_700_000_000)
+    for text in ("", " the", 'héllo "q"\n\\😀'):
+        for index in (0, 7):
+            for logprobs in (None, {"tokens": [text], "token_logprobs": [-0.5]}):
+                choice = shape.choice(text, None, logprobs, chunk=True, index=index)
+                assert shape.running_chunk(text, logprobs, index) == shape.chunk([choice])
+                assert shape.running_chunk(text, logprobs, index).startswith(sse({"id": 'cmpl-"é'})[:12])

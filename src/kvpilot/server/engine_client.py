@@ -4,7 +4,7 @@
 Two threads of the server process carry the messages, so the event loop never blocks on the core: a writer
 sends what handlers post (a full pipe while the core is busy stepping would otherwise stall every client),
 and a reader receives. Each StepResult goes to the event loop in one `call_soon_threadsafe`, and from there
-to each request's asyncio.Queue; `on_step` runs in the reader thread for every step, before its outputs.
+to each request's ItemStream; `on_step` runs in the reader thread for every step, before its outputs.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from kvpilot.server.core_process import Core, start_core
 from kvpilot.server.engine_info import EngineInfo
 from kvpilot.server.engine_spec import EngineFactory, EngineSpec
 from kvpilot.server.errors import RequestFailedError
+from kvpilot.server.item_stream import ItemStream
 from kvpilot.server.messages import (Abort, AddRequest, CoreFailed, FromCore, LoadFailed, Query, QueryReply, Ready,
                                      Shutdown, StepResult, ToCore)
 from kvpilot.server.output_delta import OutputAssembly, OutputDelta
@@ -53,8 +54,8 @@ class EngineClient:
                  on_step: Callable[[StepStats], None] | None = None) -> None:
         """The core runs in a child process unless `in_process`, or unless `factory` cannot be sent there
         (preloaded weights: engine_factory(args, loaded); any other callable). `on_progress(request_id)`
-        runs on the event loop for every item delivered (admission uses it to free the queue slot once the
-        request runs); `on_final(output)` once per finished request."""
+        runs on the event loop for a request's first item delivered, and for an error (admission uses it to
+        free the queue slot once the request runs); `on_final(output)` once per finished request."""
         crosses = isinstance(factory, EngineSpec) and factory.crosses_processes
         if not in_process and not crosses:
             logger.info("the engine core runs in a thread: its factory holds weights already loaded in this "
@@ -62,7 +63,7 @@ class EngineClient:
         self._factory, self._in_process = factory, in_process or not crosses
         self._on_final, self._on_progress, self._on_step = on_final, on_progress, on_step
         self._outbox: queue.SimpleQueue[ToCore | None] = queue.SimpleQueue()
-        self._streams: dict[str, asyncio.Queue[Item]] = {}
+        self._streams: dict[str, ItemStream[Item]] = {}
         self._assemblies: dict[str, OutputAssembly] = {}  # each request's output, rebuilt from deltas
         self._queries: dict[int, asyncio.Future[Any]] = {}
         self._query_ids = itertools.count()
@@ -123,10 +124,10 @@ class EngineClient:
 
     # ---- requests and queries (event loop side) -------------------------------------------------------
 
-    def add(self, message: AddRequest) -> asyncio.Queue[Item]:
+    def add(self, message: AddRequest) -> ItemStream[Item]:
         if self.error is not None:
             raise EngineDeadError(f"the engine stopped: {self.error}; restart the server")
-        stream: asyncio.Queue[Item] = asyncio.Queue()
+        stream: ItemStream[Item] = ItemStream()
         self._streams[message.request_id] = stream
         self._assemblies[message.request_id] = OutputAssembly(message.request_id, message.prompt,
                                                               message.prompt_token_ids)
@@ -166,10 +167,11 @@ class EngineClient:
                 if assembly is None:
                     continue  # already ended (e.g. failed when its AddRequest could not be sent)
                 item: Item = assembly.add(received)
+                first = assembly.num_deltas == 1
             else:
-                item = received
+                item, first = received, True
             stream = self._streams.get(request_id)
-            if self._on_progress is not None:
+            if first and self._on_progress is not None:  # the request runs (or ended): once is enough
                 self._on_progress(request_id)
             if not isinstance(item, RequestOutput) or item.finished:
                 self._streams.pop(request_id, None)

@@ -22,6 +22,7 @@ from prometheus_client.registry import Collector
 from kvpilot.engine.engine import StepStats
 from kvpilot.engine.scheduler_stats import SchedulerStats
 from kvpilot.engine.timeline import RequestMetrics
+from kvpilot.server.batch_histogram import BatchHistogram
 from kvpilot.server.engine_info import EngineInfo
 from kvpilot.server.proc_memory import HostSwap, ProcessMemory, read_host_swap, read_process_memory
 
@@ -156,8 +157,9 @@ class ServerMetrics:
                                        ["model_name", "finished_reason"], registry=r)
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token in seconds.", m,
                               buckets=TTFT_BUCKETS, registry=r)
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "Inter-token latency in seconds.", m,
-                             buckets=ITL_BUCKETS, registry=r)
+        # one value a token, observed a request at a time (batch_histogram.py)
+        self.itl = BatchHistogram("vllm:inter_token_latency_seconds", "Inter-token latency in seconds.", m,
+                                  [model_name], buckets=ITL_BUCKETS, registry=r)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End to end request latency in seconds.", m,
                              buckets=LATENCY_BUCKETS, registry=r)
         self.queue = Histogram("vllm:request_queue_time_seconds", "Time spent in the WAITING phase.", m,
@@ -211,9 +213,7 @@ class ServerMetrics:
                                  (self.decode, metrics.decode_time)):
             if value is not None:
                 histogram.labels(name).observe(value)
-        itl = self.itl.labels(name)  # one label lookup, not one a token
-        for gap in metrics.inter_token_latencies:
-            itl.observe(gap)
+        self.itl.observe_many(metrics.inter_token_latencies)
 
     def observe_tokenization(self, seconds: float) -> None:
         self.tokenization.labels(self.model_name).observe(seconds)

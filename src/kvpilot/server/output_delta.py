@@ -67,9 +67,11 @@ class OutputAssembly:
         self.token_ids: list[int] = []
         self.text = ""
         self.logprobs: list[TokenLogprob] | None = None
+        self.num_deltas = 0
 
     def add(self, delta: OutputDelta) -> RequestOutput:
         """Appends the delta and returns the request's output after it."""
+        self.num_deltas += 1
         self.token_ids.extend(delta.new_token_ids)
         self.text += delta.new_text  # a copy of the text so far: bytes, cheap next to pickling every token
         if delta.new_logprobs is not None:

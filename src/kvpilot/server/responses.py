@@ -52,6 +52,25 @@ class ResponseShape:
             body += f",{_encode(key)}:{_encode(value)}"
         return body + "}\n\n"
 
+    def running_chunk(self, text: str, logprobs: dict[str, Any] | None, index: int = 0) -> str:
+        """chunk([choice(text, None, logprobs, chunk=True, index=index)]), the same text: the chunk a running
+        stream sends each step, its JSON written around the encoded text (no dicts built and encoded)."""
+        if logprobs is not None:
+            return self.chunk([self.choice(text, None, logprobs, chunk=True, index=index)])
+        return f"{self._running_prefix}{index},{self._running_middle}{_encode(text)}{self._running_end}"
+
+    @cached_property
+    def _running_prefix(self) -> str:
+        return f'{self._chunk_prefix}[{{"index":'
+
+    @cached_property
+    def _running_middle(self) -> str:
+        return '"logprobs":null,"finish_reason":null,' + ('"delta":{"content":' if self.chat else '"text":')
+
+    @cached_property
+    def _running_end(self) -> str:
+        return "}}]}\n\n" if self.chat else "}]}\n\n"
+
     @cached_property
     def _chunk_prefix(self) -> str:
         head = _encode(self._head(True))

@@ -223,7 +223,7 @@ async def _events(state: ServerState, prepared: Prepared, subs: SubRequests) -> 
                 # One chunk per step that produced tokens, even when the detokenizer holds text back (or the
                 # model has no tokenizer): clients time tokens by chunks.
                 if (item.delta_text or item.delta_token_ids) and prepared.tool_calls is None:
-                    yield shape.chunk([shape.choice(text, None, logprobs, chunk=True, index=k)])
+                    yield shape.running_chunk(text, logprobs, k)
                 elif prepared.tool_calls is not None and item.delta_text:
                     ready = prepared.tool_calls.streamable(out.text, num_streamed[k])
                     if ready > num_streamed[k]:

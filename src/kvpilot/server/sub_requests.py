@@ -24,6 +24,7 @@ from typing import Sequence
 from kvpilot.outputs import CompletionOutput, RequestOutput
 from kvpilot.server.engine_client import EngineClient, Item
 from kvpilot.server.fanout import FanoutShape
+from kvpilot.server.item_stream import ItemStream
 from kvpilot.server.messages import AddRequest
 
 
@@ -37,9 +38,9 @@ class SubRequests:
                  stage_followers: bool) -> None:
         self._client, self._shape, self._messages = client, shape, list(messages)
         self._stage = stage_followers and shape.candidates > 1
-        self._merged: asyncio.Queue[tuple[int, Item]] = asyncio.Queue()
+        self._merged: ItemStream[tuple[int, Item]] = ItemStream()
         # A lone sub-request is read straight from its stream: no pump task, one task switch less per step.
-        self._direct: asyncio.Queue[Item] | None = None
+        self._direct: ItemStream[Item] | None = None
         self._held: tuple[int, Item] | None = None  # read while coalescing, another sub-request's: next get()
         self._pumps: list[asyncio.Future[None]] = []
         self._added: set[int] = set()
@@ -59,6 +60,10 @@ class SubRequests:
         every final item or exception is returned (never merged into a later one)."""
         if self._held is not None:
             (k, item), self._held = self._held, None
+        elif self._direct is not None and self._merged.empty():  # a lone sub-request: every token a stream
+            k, item = self._note(await self._direct.get())
+            if self._direct.empty():
+                return k, item
         else:
             k, item = await self._next()
         while isinstance(item, RequestOutput) and not item.finished:
@@ -128,7 +133,7 @@ class SubRequests:
         else:
             self._pumps.append(asyncio.ensure_future(self._pump(k, stream)))
 
-    async def _pump(self, k: int, stream: asyncio.Queue[Item]) -> None:
+    async def _pump(self, k: int, stream: ItemStream[Item]) -> None:
         """Moves sub-request k's items to the merged queue as they arrive (not as the consumer reads them: a
         slow client must not hold the followers back)."""
         while True:
