@@ -20,7 +20,6 @@ Target: the server keeps >= 95% of offline throughput (output tokens/s) at 64 st
 from __future__ import annotations
 
 import argparse
-import asyncio
 import gc
 import json
 import random
@@ -31,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import psutil
@@ -39,7 +39,7 @@ import torch
 from kvpilot import LLM, SamplingParams
 from kvpilot.model.step_budget import default_max_num_batched_tokens
 from server_process import start_server
-from stream_client import ClientRun, client_run, multi_process_client
+from stream_client import MIN_POLL_INTERVAL_S, ClientRun, multi_process_client, run_client
 
 
 def make_prompts(num_requests: int, input_len: int, seed: int, vocab: int) -> list[list[int]]:
@@ -57,14 +57,25 @@ def load_offline(args: argparse.Namespace) -> LLM:
     return llm
 
 
-def run_offline(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[float, float]:
-    """(wall seconds, this process's CPU seconds) of one LLM.generate over every prompt."""
+def run_offline(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[float, float, int]:
+    """(wall seconds, this process's CPU seconds, engine steps) of one LLM.generate over every prompt."""
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    steps: list[int] = []
+    llm.engine.on_step = lambda stats: steps.append(stats.num_batched_tokens)
     start, cpu_start = time.perf_counter(), time.process_time()
     outputs = llm.generate(prompts, params)
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    llm.engine.on_step = None
     assert sum(len(o.outputs[0].token_ids) for o in outputs) == len(prompts) * output_len
-    return elapsed, cpu
+    return elapsed, cpu, len(steps)
+
+
+def served_steps(url: str) -> int:
+    """Engine steps the server has run: the count of its `vllm:iteration_tokens_total` histogram."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    return sum(int(float(line.split()[-1])) for line in text.splitlines()
+               if line.startswith("vllm:iteration_tokens_total_count"))
 
 
 class Served:
@@ -82,15 +93,18 @@ class Served:
         self.spy = _start_py_spy(self.process.pid, args.py_spy) if args.py_spy else None
 
     def run(self, prompts: list[list[int]], seed: int) -> ClientRun:
-        args, cpu = self.args, ServerCpu(self.process.pid)
+        args, cpu, steps = self.args, ServerCpu(self.process.pid), served_steps(self.url)
         if args.client == "bench":
             run = _kvpilot_bench(self.url, args, seed)
         else:
-            run = asyncio.run(client_run(self.url, prompts, args.output_len, args.concurrency)) \
+            run = run_client(args.client, self.url, prompts, args.output_len, args.concurrency,
+                             args.client_poll_ms / 1000) \
                 if args.client_processes == 1 else \
-                multi_process_client(self.url, prompts, args.output_len, args.concurrency, args.client_processes)
+                multi_process_client(self.url, prompts, args.output_len, args.concurrency, args.client_processes,
+                                     args.client)
             assert run.num_tokens == len(prompts) * args.output_len, f"{run.num_tokens} tokens streamed"
         run.http_cpu_seconds, run.core_cpu_seconds = cpu.since_start()
+        run.num_steps = served_steps(self.url) - steps
         return run
 
     def close(self) -> None:
@@ -191,9 +205,13 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="Both engines' step budget "
                         "(default: the server's default on this device; offline LLM's own default is larger on a GPU)")
-    parser.add_argument("--client", choices=("python", "bench"), default="python", help="python: this script's "
-                        "own streaming client (token-id prompts); bench: `kvpilot bench` (text prompts, needs the "
-                        "embedded tokenizer).")
+    parser.add_argument("--client", choices=("wire", "aiohttp", "bench"), default="wire", help="wire: this "
+                        "script's own streaming client, counting chunks in the raw bytes (token-id prompts); "
+                        "aiohttp: the same loop through aiohttp (~4x the client CPU); bench: `kvpilot bench` (text "
+                        "prompts, needs the embedded tokenizer).")
+    parser.add_argument("--client-poll-ms", type=float, default=MIN_POLL_INTERVAL_S * 1000, help="The wire "
+                        "client polls its sockets at most this often (stream_client.py: fewer wake-ups that "
+                        "preempt the engine's threads on a small box); 0: as soon as data arrives.")
     parser.add_argument("--client-processes", type=int, default=1, help="Split the client over this many "
                         "processes (a lone Python client may not keep up with hundreds of fast streams).")
     parser.add_argument("--py-spy", default=None, metavar="PATH", help="Sample the server's processes with "
@@ -234,26 +252,28 @@ def main() -> None:
     _print_summary(args, results)
 
 
-def _print_round(args: argparse.Namespace, r: int, offline: tuple[float, float], client: ClientRun) -> None:
+def _print_round(args: argparse.Namespace, r: int, offline: tuple[float, float, int], client: ClientRun) -> None:
     num_tokens = args.num_requests * args.output_len
-    (offline_s, offline_cpu), server_s = offline, client.seconds
+    (offline_s, offline_cpu, offline_steps), server_s = offline, client.seconds
     ratio = offline_s / server_s
     print(f"round {r + 1}: offline {num_tokens / offline_s:7.1f} tok/s ({offline_s:.1f} s, CPU {offline_cpu:.1f} s), "
           f"served {num_tokens / server_s:7.1f} tok/s ({server_s:.1f} s; CPU: engine core "
           f"{client.core_cpu_seconds:.1f} s, HTTP process {client.http_cpu_seconds:.1f} s = "
           f"{client.http_cpu_seconds / num_tokens * 1e6:.0f} us a token, client "
           f"{'-' if client.cpu_seconds < 0 else f'{client.cpu_seconds:.1f} s'}): {ratio:6.1%}", flush=True)
-    if args.client == "python":
-        print(f"         {client.num_chunks} chunks for {client.num_tokens} tokens "
-              f"({client.num_tokens / client.num_chunks:.2f} a chunk)")
+    # More steps served than offline for the same tokens: emptier batches (a finished stream's slot waits for
+    # the client's next request, where offline the next one is already queued).
+    chunks = f"{client.num_chunks} chunks for {client.num_tokens} tokens " \
+             f"({client.num_tokens / client.num_chunks:.2f} a chunk), " if args.client != "bench" else ""
+    print(f"         {chunks}engine steps: offline {offline_steps}, served {client.num_steps}")
 
 
-def _print_summary(args: argparse.Namespace, results: list[tuple[tuple[float, float], ClientRun]]) -> None:
+def _print_summary(args: argparse.Namespace, results: list[tuple[tuple[float, float, int], ClientRun]]) -> None:
     num_tokens = args.num_requests * args.output_len
     offline_tps = statistics.median(num_tokens / o[0] for o, _ in results)
     served_tps = statistics.median(num_tokens / c.seconds for _, c in results)
     ratio = statistics.median(o[0] / c.seconds for o, c in results)
-    client = "kvpilot bench" if args.client == "bench" else "stream_client.py"
+    client = "kvpilot bench" if args.client == "bench" else f"stream_client.py, {args.client}"
     print(f"offline LLM.generate : {offline_tps:8.1f} output tokens/s (median of {len(results)})")
     print(f"HTTP server streaming: {served_tps:8.1f} output tokens/s (median; client: {client}, "
           f"{args.client_processes} process(es))")
