@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import random
 import statistics
 import shutil
@@ -57,17 +58,19 @@ def load_offline(args: argparse.Namespace) -> LLM:
     return llm
 
 
-def run_offline(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[float, float, int]:
-    """(wall seconds, this process's CPU seconds, engine steps) of one LLM.generate over every prompt."""
+def run_offline(llm: LLM, prompts: list[list[int]], output_len: int) -> tuple[float, float, int, int]:
+    """(wall seconds, this process's CPU seconds, engine steps, preemptions of this process's threads) of one
+    LLM.generate over every prompt."""
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     steps: list[int] = []
     llm.engine.on_step = lambda stats: steps.append(stats.num_batched_tokens)
-    start, cpu_start = time.perf_counter(), time.process_time()
+    start, cpu_start, preempted = time.perf_counter(), time.process_time(), preemptions(os.getpid())
     outputs = llm.generate(prompts, params)
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    preempted = preemptions(os.getpid()) - preempted
     llm.engine.on_step = None
     assert sum(len(o.outputs[0].token_ids) for o in outputs) == len(prompts) * output_len
-    return elapsed, cpu, len(steps)
+    return elapsed, cpu, len(steps), preempted
 
 
 def served_steps(url: str) -> int:
@@ -104,6 +107,7 @@ class Served:
                                      args.client)
             assert run.num_tokens == len(prompts) * args.output_len, f"{run.num_tokens} tokens streamed"
         run.http_cpu_seconds, run.core_cpu_seconds = cpu.since_start()
+        run.core_preemptions = cpu.core_preemptions()
         run.num_steps = served_steps(self.url) - steps
         return run
 
@@ -115,13 +119,37 @@ class Served:
         self.process.wait(timeout=60)
 
 
+def preemptions(pid: int) -> int:
+    """Times the threads of process `pid` were switched out while runnable (Linux's nonvoluntary context
+    switches, summed over its threads; 0 where /proc has none). An engine thread preempted mid-step stalls
+    its partner at the next barrier: served against offline, these count how often the front end and the
+    client took an engine thread's core."""
+    total = 0
+    for status in Path(f"/proc/{pid}/task").glob("*/status"):
+        try:
+            text = status.read_text()
+        except OSError:  # the thread ended meanwhile
+            continue
+        total += sum(int(line.split()[1]) for line in text.splitlines()
+                     if line.startswith("nonvoluntary_ctxt_switches"))
+    return total
+
+
 class ServerCpu:
-    """CPU seconds the server's HTTP process and its children (the engine core) spent since this was made:
-    the front end's cost per streamed chunk is the HTTP process's share divided by the chunks."""
+    """CPU seconds the server's HTTP process and its children (the engine core) spent since this was made, and
+    the engine core's preemptions: the front end's cost per streamed chunk is the HTTP process's share
+    divided by the chunks."""
 
     def __init__(self, pid: int) -> None:
         self._http = psutil.Process(pid)
         self._start = self._read()
+        self._preempted = self._core_preemptions()
+
+    def _core_preemptions(self) -> int:
+        return sum(preemptions(child.pid) for child in self._http.children(recursive=True))
+
+    def core_preemptions(self) -> int:
+        return self._core_preemptions() - self._preempted
 
     def _read(self) -> tuple[float, float]:
         def busy(proc: psutil.Process) -> float:
@@ -252,9 +280,10 @@ def main() -> None:
     _print_summary(args, results)
 
 
-def _print_round(args: argparse.Namespace, r: int, offline: tuple[float, float, int], client: ClientRun) -> None:
+def _print_round(args: argparse.Namespace, r: int, offline: tuple[float, float, int, int],
+                 client: ClientRun) -> None:
     num_tokens = args.num_requests * args.output_len
-    (offline_s, offline_cpu, offline_steps), server_s = offline, client.seconds
+    (offline_s, offline_cpu, offline_steps, offline_preempted), server_s = offline, client.seconds
     ratio = offline_s / server_s
     print(f"round {r + 1}: offline {num_tokens / offline_s:7.1f} tok/s ({offline_s:.1f} s, CPU {offline_cpu:.1f} s), "
           f"served {num_tokens / server_s:7.1f} tok/s ({server_s:.1f} s; CPU: engine core "
@@ -265,10 +294,11 @@ def _print_round(args: argparse.Namespace, r: int, offline: tuple[float, float, 
     # the client's next request, where offline the next one is already queued).
     chunks = f"{client.num_chunks} chunks for {client.num_tokens} tokens " \
              f"({client.num_tokens / client.num_chunks:.2f} a chunk), " if args.client != "bench" else ""
-    print(f"         {chunks}engine steps: offline {offline_steps}, served {client.num_steps}")
+    print(f"         {chunks}engine steps: offline {offline_steps}, served {client.num_steps}; engine threads "
+          f"preempted: offline {offline_preempted}, served {client.core_preemptions}")
 
 
-def _print_summary(args: argparse.Namespace, results: list[tuple[tuple[float, float, int], ClientRun]]) -> None:
+def _print_summary(args: argparse.Namespace, results: list[tuple[tuple[float, float, int, int], ClientRun]]) -> None:
     num_tokens = args.num_requests * args.output_len
     offline_tps = statistics.median(num_tokens / o[0] for o, _ in results)
     served_tps = statistics.median(num_tokens / c.seconds for _, c in results)
