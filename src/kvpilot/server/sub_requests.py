@@ -60,7 +60,7 @@ class SubRequests:
         every final item or exception is returned (never merged into a later one)."""
         if self._held is not None:
             (k, item), self._held = self._held, None
-        elif self._direct is not None and self._merged.empty():  # a lone sub-request: every token a stream
+        elif self._direct is not None and self._merged.empty():  # a lone sub-request: straight from its stream
             k, item = self._note(await self._direct.get())
             if self._direct.empty():
                 return k, item
