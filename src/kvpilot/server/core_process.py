@@ -17,11 +17,12 @@ import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Callable
 
 from kvpilot.server.core_channel import Endpoint, PipeEndpoint, queue_endpoint_pair
 from kvpilot.server.engine_core import run_core
 from kvpilot.server.engine_spec import EngineFactory, EngineSpec
+from kvpilot.server.gc_heap import freeze_startup_heap
 
 logger = logging.getLogger("kvpilot.server")
 DEFAULT_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -54,13 +55,22 @@ def _exit_when_orphaned(parent_pid: int) -> None:
     os._exit(1)  # noqa: SLF001 - no one is left to serve; skip cleanup that could block on the dead pipe
 
 
+def _frozen_once_built(spec: EngineSpec) -> Callable[[], Any]:
+    """The spec's build, then the start-up heap frozen (gc_heap.py): this process lives as long as the server."""
+    def build() -> Any:
+        served = spec()
+        freeze_startup_heap()
+        return served
+    return build
+
+
 def core_main(spec: EngineSpec, inbox: Connection, outbox: Connection, log: LogSetup, parent_pid: int) -> None:
     """The core process's entry point (module level: spawn imports it by name)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     log.apply()
     threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), name="kvpilot-orphan-watch",
                      daemon=True).start()
-    run_core(spec, PipeEndpoint(inbox, outbox))
+    run_core(_frozen_once_built(spec), PipeEndpoint(inbox, outbox))
     # The core's work ends here (its channel is closed); a full interpreter teardown with torch loaded takes
     # seconds that the server's shutdown would wait for.
     logging.shutdown()
