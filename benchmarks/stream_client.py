@@ -20,7 +20,7 @@ from typing import Any
 
 import aiohttp
 
-from wire_client import wire_run
+from wire_client import request_body, wire_run
 
 
 @dataclass
@@ -42,10 +42,8 @@ class ClientRun:
 
 async def _one(session: aiohttp.ClientSession, prompt: list[int], output_len: int) -> tuple[int, int]:
     """(completion tokens, content chunks) of one streamed request."""
-    body = {"model": "bench", "prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
     tokens = chunks = 0
-    async with session.post("/v1/completions", json=body) as response:
+    async with session.post("/v1/completions", json=request_body(prompt, output_len)) as response:
         response.raise_for_status()
         async for line in response.content:  # one SSE line at a time
             if not line.startswith(b"data: {"):

@@ -9,7 +9,7 @@ to every stream at once, and the client reads them all in one or two wake-ups a 
 That delays seeing a finished stream, and so the next request, by at most the interval: it can only
 understate the server. Measured with 64 streams of a 1-layer dummy model on a 2-core EPYC family 26
 (2026-11-28, CPU per 32,768 chunks): aiohttp 0.95-1.0 s, an asyncio Protocol 0.65 s, the same polled every
-2 ms 0.4 s, this loop (see docs/benchmarks.md).
+2 ms 0.4 s, this loop 0.3 s (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -58,9 +58,14 @@ class ChunkCounter:
         return int(match.group(1)) if match else 0, self.num_chunks
 
 
+def request_body(prompt: list[int], output_len: int) -> dict:
+    """The benchmarks' streamed completion: greedy, exactly `output_len` tokens, usage in the last chunk."""
+    return {"model": "bench", "prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+
+
 def request_bytes(host: str, prompt: list[int], output_len: int) -> bytes:
-    body = json.dumps({"model": "bench", "prompt": prompt, "max_tokens": output_len, "temperature": 0,
-                       "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}).encode()
+    body = json.dumps(request_body(prompt, output_len)).encode()
     return (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\n\r\n").encode() + body
 

@@ -29,7 +29,7 @@ def test_batch_histogram_matches_prometheus_histogram() -> None:
         histogram.observe(value)
     batch.observe_many(values[:100])
     batch.observe_many([])
-    batch.observe(values[100])
+    batch.observe_many((values[100],))  # a batch of one
     batch.observe_many(iter(values[101:]))
     expected, got = _series(reference), _series(batched)
     # the sums may differ in the last digit (fsum of a batch against one float add a value)

@@ -50,9 +50,6 @@ class BatchHistogram(Collector):
                 self._counts[index] += count
             self._sum += math.fsum(values)
 
-    def observe(self, value: float) -> None:
-        self.observe_many((value,))
-
     def collect(self) -> Iterator[Metric]:
         with self._lock:
             counts, total = list(self._counts), self._sum
