@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import Generic, TypeVar
+from typing import Callable, Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -18,15 +18,25 @@ T = TypeVar("T")
 class ItemStream(Generic[T]):
     """Unbounded FIFO on one event loop, asyncio.Queue's names. Invariants: items come out in the order they
     were put; at most one `get()` waits at a time (a single consumer); `put_nowait` never blocks; a `get()`
-    cancelled while waiting loses no item."""
+    cancelled while waiting loses no item; an item the push hook took is never queued."""
 
-    __slots__ = ("_items", "_waiter")
+    __slots__ = ("_items", "_waiter", "_push")
 
     def __init__(self) -> None:
         self._items: deque[T] = deque()
         self._waiter: asyncio.Future[None] | None = None
+        self._push: Callable[[T], bool] | None = None
+
+    def set_push(self, push: Callable[[T], bool] | None) -> None:
+        """`push(item)` is offered each item put while the consumer waits on the empty stream (it has caught
+        up: nothing is queued or being handled); True means it handled the item, which is then not queued and
+        does not wake the consumer (push_stream.py). None removes it."""
+        self._push = push
 
     def put_nowait(self, item: T) -> None:
+        waiter = self._waiter
+        if waiter is not None and self._push is not None and not waiter.done() and self._push(item):
+            return
         self._items.append(item)
         waiter, self._waiter = self._waiter, None
         if waiter is not None and not waiter.done():

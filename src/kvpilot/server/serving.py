@@ -14,17 +14,21 @@ import time
 from typing import AsyncIterator, Awaitable, Callable
 
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.types import Send
 
 from kvpilot.outputs import RequestOutput
 from kvpilot.sampling_params import SamplingParams
 from kvpilot.server.collector import Collector
+from kvpilot.server.engine_client import Item
 from kvpilot.server.errors import APIError, from_value_error
 from kvpilot.server.fanout import FanoutShape, check_size, choose, sub_seed
+from kvpilot.server.item_stream import ItemStream
 from kvpilot.server.messages import AddRequest
 from kvpilot.server.prepared import Prepared
 from kvpilot.server.prompt_batch import num_prompts, prompt_bodies, tokenize_prompts
 from kvpilot.server.prompt_tokens import PromptTooLongError, TokenizedPrompt, prompt_size, tokenize_request
 from kvpilot.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvpilot.server.push_stream import ChunkPusher, can_push
 from kvpilot.server.request_identity import engine_request_id
 from kvpilot.server.responses import SSE_DONE, ResponseShape, chat_logprobs, completion_logprobs
 from kvpilot.server.state import ServerState
@@ -190,10 +194,12 @@ async def respond_whole(state: ServerState, prepared: Prepared,
     return JSONResponse(body, headers={"Server-Timing": timings.server_timing_header(), "X-Request-Id": rid})
 
 
-async def _events(state: ServerState, prepared: Prepared, subs: SubRequests) -> AsyncIterator[str]:
-    """SSE for every sub-request; choice k is sub-request k (streams never rank: best_of > n is refused)."""
+async def _events(state: ServerState, prepared: Prepared, subs: SubRequests,
+                  collector: Collector) -> AsyncIterator[str]:
+    """SSE for every sub-request; choice k is sub-request k (streams never rank: best_of > n is refused). The
+    running outputs a ChunkPusher sent never come here: it pushes only where the per-choice state below
+    (offsets, tokens sent, echo, tool-call text) is unused."""
     shape, fanout = prepared.shape, prepared.fanout
-    collector = Collector(state, prepared)
     text_offsets = [0] * fanout.size
     num_tokens_sent = [0] * fanout.size
     num_streamed = [0] * fanout.size  # tool_choice "auto": characters sent as content before any call marker
@@ -255,5 +261,29 @@ async def _events(state: ServerState, prepared: Prepared, subs: SubRequests) -> 
 def respond_stream(state: ServerState, prepared: Prepared) -> StreamingResponse:
     subs = SubRequests(state.client, prepared.fanout, prepared.messages, prepared.stage_followers)
     subs.start()
-    return StreamingResponse(_events(state, prepared, subs), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Request-Id": prepared.shape.request_id})
+    collector = Collector(state, prepared)
+    events = _events(state, prepared, subs, collector)
+    headers = {"Cache-Control": "no-cache", "X-Request-Id": prepared.shape.request_id}
+    stream = subs.lone_stream
+    if stream is None or not can_push(prepared):
+        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+    return _PushingResponse(events, stream, ChunkPusher(prepared.shape, collector), headers)
+
+
+class _PushingResponse(StreamingResponse):
+    """A StreamingResponse whose running chunks the engine client's delivery may send itself (push_stream.py);
+    the rest (the first and final chunks, disconnects) as StreamingResponse does."""
+
+    def __init__(self, events: AsyncIterator[str], stream: ItemStream[Item], pusher: ChunkPusher,
+                 headers: dict[str, str]) -> None:
+        super().__init__(events, media_type="text/event-stream", headers=headers)
+        self._stream, self._pusher = stream, pusher
+
+    async def stream_response(self, send: Send) -> None:
+        self._pusher.start(send)
+        self._stream.set_push(self._pusher.push)
+        try:
+            await super().stream_response(self._pusher.send)
+        finally:
+            self._stream.set_push(None)
+            self._pusher.stop()

@@ -54,6 +54,11 @@ class SubRequests:
             if not self._stage or self._shape.is_leader(k):
                 self._add(k)
 
+    @property
+    def lone_stream(self) -> ItemStream[Item] | None:
+        """The stream of a request with one sub-request, once added (None otherwise): read by get() directly."""
+        return self._direct
+
     async def get(self) -> tuple[int, Item]:
         """The next item of any sub-request, with its k; a running output merged with the running (or final)
         outputs of the same sub-request queued right behind it (see Coalescing). Items keep their order, and
