@@ -158,3 +158,25 @@ def test_a_failed_push_fails_the_handlers_next_send_and_never_the_delivery() -> 
             await pusher.send({"type": "http.response.body", "body": b"x"})
 
     asyncio.run(run())
+
+
+def test_a_send_that_is_not_a_coroutine_still_goes_out_in_order() -> None:
+    async def run() -> None:
+        loop, bodies = asyncio.get_running_loop(), []
+
+        def future_send(message: dict[str, Any]) -> asyncio.Future[None]:
+            done = loop.create_future()
+            loop.call_soon(lambda: (bodies.append(message["body"].decode()), done.set_result(None)))
+            return done
+
+        pusher, stream = ChunkPusher(SHAPE, Seen()), ItemStream()  # type: ignore[arg-type]
+        pusher.start(future_send)  # type: ignore[arg-type]
+        stream.set_push(pusher.push)
+        getter = await waiting_consumer(stream)
+        stream.put_nowait(output("a"))  # pushed: in flight as a task
+        stream.put_nowait(output("b"))  # queued behind it
+        assert (await getter).delta_text == "b"
+        await pusher.send({"type": "http.response.body", "body": SHAPE.running_chunk("b", None).encode()})
+        assert texts(bodies) == ["a", "b"]
+
+    asyncio.run(run())

@@ -86,7 +86,7 @@ def _model_config(config: ModelConfig, plan: ShardPlan | None) -> ModelConfig:
 
 def _load_gguf(path: Path, max_model_len: int | None, dtype: torch.dtype, device: torch.device,
                quantization: str, tp: TPRank, gemm_dtype: torch.dtype | None = None) -> LoadedModel:
-    from kvpilot.fit.gguf_metadata import field_value, hf_config_from_reader, open_gguf
+    from kvpilot.fit.gguf_metadata import hf_config_from_reader, open_gguf
     from kvpilot.model.gguf_weights import linear_tensor_types, load_gguf_tensors
     from kvpilot.model.quant.model_pack import keeps_dense, pack_linear_layers, packed_names, release_packed_quants
     from kvpilot.model.tokenizer import tokenizer_from_gguf

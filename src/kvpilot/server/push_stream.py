@@ -85,6 +85,9 @@ class ChunkPusher:
 
     def _drive(self, send: Coroutine[Any, Any, None]) -> None:
         """Runs the send coroutine by hand to its end or its first suspension (what a task's first step does)."""
+        if not asyncio.iscoroutine(send):  # another ASGI server's awaitable: a task runs it, in order all the same
+            self._pending = asyncio.ensure_future(send)
+            return
         try:
             awaited = send.send(None)
         except StopIteration:
