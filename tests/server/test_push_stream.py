@@ -57,6 +57,15 @@ def texts(bodies: list[str]) -> list[str]:
     return [json.loads(body[len("data: "):])["choices"][0]["text"] for body in bodies]
 
 
+def attached(send: Any) -> tuple[ChunkPusher, ItemStream[Any], Seen]:
+    """A pusher sending to `send`, hooked on a stream, as _PushingResponse wires them."""
+    seen = Seen()
+    pusher, stream = ChunkPusher(SHAPE, seen), ItemStream()  # type: ignore[arg-type]
+    pusher.start(send)
+    stream.set_push(pusher.push)
+    return pusher, stream, seen
+
+
 async def waiting_consumer(stream: ItemStream[Any]) -> asyncio.Future[Any]:
     getter = asyncio.ensure_future(stream.get())
     await asyncio.sleep(0)
@@ -66,10 +75,8 @@ async def waiting_consumer(stream: ItemStream[Any]) -> asyncio.Future[Any]:
 
 def test_running_outputs_are_sent_by_the_put_and_the_consumer_keeps_waiting() -> None:
     async def run() -> None:
-        send, seen = HeldSend(), Seen()
-        pusher, stream = ChunkPusher(SHAPE, seen), ItemStream()  # type: ignore[arg-type]
-        pusher.start(send)
-        stream.set_push(pusher.push)
+        send = HeldSend()
+        pusher, stream, seen = attached(send)
         getter = await waiting_consumer(stream)
         for text in ("a", "b", "c"):
             stream.put_nowait(output(text))
@@ -85,9 +92,7 @@ def test_running_outputs_are_sent_by_the_put_and_the_consumer_keeps_waiting() ->
 def test_an_item_put_while_the_consumer_is_busy_is_queued_not_pushed() -> None:
     async def run() -> None:
         send = HeldSend()
-        pusher, stream = ChunkPusher(SHAPE, Seen()), ItemStream()  # type: ignore[arg-type]
-        pusher.start(send)
-        stream.set_push(pusher.push)
+        pusher, stream, _ = attached(send)
         stream.put_nowait(output("a"))  # nobody waits: queued
         stream.put_nowait(output("b"))
         assert send.bodies == [] and stream.qsize() == 2
@@ -98,10 +103,8 @@ def test_an_item_put_while_the_consumer_is_busy_is_queued_not_pushed() -> None:
 
 def test_a_send_suspended_on_a_full_socket_keeps_the_order_of_the_chunks() -> None:
     async def run() -> None:
-        send, seen = HeldSend(), Seen()
-        pusher, stream = ChunkPusher(SHAPE, seen), ItemStream()  # type: ignore[arg-type]
-        pusher.start(send)
-        stream.set_push(pusher.push)
+        send = HeldSend()
+        pusher, stream, seen = attached(send)
         getter = await waiting_consumer(stream)
         stream.put_nowait(output("a"))
         send.open.clear()  # the socket fills
@@ -127,9 +130,7 @@ def test_a_send_suspended_on_a_full_socket_keeps_the_order_of_the_chunks() -> No
 def test_stop_cancels_a_send_still_waiting_on_the_socket() -> None:
     async def run() -> None:
         send = HeldSend()
-        pusher, stream = ChunkPusher(SHAPE, Seen()), ItemStream()  # type: ignore[arg-type]
-        pusher.start(send)
-        stream.set_push(pusher.push)
+        pusher, stream, _ = attached(send)
         getter = await waiting_consumer(stream)
         send.open.clear()
         stream.put_nowait(output("a"))
@@ -147,9 +148,7 @@ def test_a_failed_push_fails_the_handlers_next_send_and_never_the_delivery() -> 
         async def broken(message: dict[str, Any]) -> None:
             raise ConnectionError("socket gone")
 
-        pusher, stream = ChunkPusher(SHAPE, Seen()), ItemStream()  # type: ignore[arg-type]
-        pusher.start(broken)
-        stream.set_push(pusher.push)
+        pusher, stream, _ = attached(broken)
         getter = await waiting_consumer(stream)
         stream.put_nowait(output("a"))  # raises nothing here: other requests' outputs are being delivered
         stream.put_nowait(output("b"))
@@ -169,9 +168,7 @@ def test_a_send_that_is_not_a_coroutine_still_goes_out_in_order() -> None:
             loop.call_soon(lambda: (bodies.append(message["body"].decode()), done.set_result(None)))
             return done
 
-        pusher, stream = ChunkPusher(SHAPE, Seen()), ItemStream()  # type: ignore[arg-type]
-        pusher.start(future_send)  # type: ignore[arg-type]
-        stream.set_push(pusher.push)
+        pusher, stream, _ = attached(future_send)
         getter = await waiting_consumer(stream)
         stream.put_nowait(output("a"))  # pushed: in flight as a task
         stream.put_nowait(output("b"))  # queued behind it
