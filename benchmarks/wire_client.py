@@ -35,7 +35,7 @@ class ChunkCounter:
 
     def __init__(self) -> None:
         self.head = b""
-        self.tail = b""
+        self.tail = bytearray()  # the response's last _TAIL_BYTES to 2 x _TAIL_BYTES bytes
         self.carry = b""
         self.num_chunks = 0
 
@@ -46,7 +46,11 @@ class ChunkCounter:
         scanned = self.carry + data
         self.num_chunks += scanned.count(_CONTENT)
         self.carry = scanned[-(len(_CONTENT) - 1):]
-        self.tail = (self.tail + data)[-_TAIL_BYTES:]
+        # appended in place and trimmed now and then: a fresh tail sliced every read copied up to 32 KiB a chunk
+        # (user CPU a 32,768-chunk run 0.15-0.17 -> 0.11-0.15 s, dummy model, c64)
+        self.tail += data
+        if len(self.tail) > 2 * _TAIL_BYTES:
+            del self.tail[:-_TAIL_BYTES]
         return self.tail.endswith(_END)
 
     def result(self) -> tuple[int, int]:
