@@ -88,6 +88,9 @@ def test_round_trip_through_the_core_process_then_shutdown_leaves_no_process(tin
         with http.stream("POST", "/v1/completions", json=body) as response:
             events = [line for line in response.iter_lines() if line.startswith("data:")]
         assert events[-1] == "data: [DONE]" and '"finish_reason":"length"' in events[-2]
+        # the event loop reads the core's pipe itself: no reader thread (only the writer's)
+        names = {t.name for t in threading.enumerate()}
+        assert "kvpilot-core-writer" in names and "kvpilot-core-reader" not in names
         # on_step fired in the server process for every step; the snapshot and queries come from the core
         metrics = samples(http)
         assert value(metrics, "vllm:iteration_tokens_total_count") >= 9  # a prefill and 4+3 decode steps

@@ -23,6 +23,11 @@ class Endpoint(Protocol):
 
     def recv(self) -> Any: ...
 
+    def fileno(self) -> int | None:
+        """The descriptor that turns readable when a message arrives (an event loop can watch it), or None
+        when there is none (in-memory queues: read them from a thread)."""
+        ...
+
     def poll(self) -> bool: ...
 
     def close(self) -> None: ...
@@ -40,6 +45,9 @@ class PipeEndpoint:
 
     def recv(self) -> Any:
         return self.reader.recv()
+
+    def fileno(self) -> int | None:
+        return self.reader.fileno()
 
     def poll(self) -> bool:
         return self.reader.poll()
@@ -74,6 +82,9 @@ class QueueEndpoint:
 
     def poll(self) -> bool:
         return self._eof or not self._in.empty()
+
+    def fileno(self) -> int | None:
+        return None
 
     def close(self) -> None:
         self._out.put(_Closed())

@@ -1,10 +1,12 @@
 """EngineClient: the HTTP side's handle on the engine core (a child process, or a thread with
 `--no-engine-process`), talking to it only through the messages of messages.py.
 
-Two threads of the server process carry the messages, so the event loop never blocks on the core: a writer
-sends what handlers post (a full pipe while the core is busy stepping would otherwise stall every client),
-and a reader receives. Each StepResult goes to the event loop in one `call_soon_threadsafe`, and from there
-to each request's ItemStream; `on_step` runs in the reader thread for every step, before its outputs.
+A writer thread sends what handlers post, so the event loop never blocks on the core (a full pipe while the
+core is busy stepping would otherwise stall every client). What the core sends is read on the event loop
+itself when the core is a process (`add_reader` on its pipe: a step's StepResult is unpickled and delivered
+in one callback, no thread handing it over), and by a reader thread when it is a thread (in-memory queues
+have no descriptor to watch), which hands each message to the loop in one `call_soon_threadsafe`. Each
+output goes to its request's ItemStream; `on_step` runs for every step, before its outputs.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ class EngineClient:
         self._query_ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._core: Core | None = None
+        self._reader_fd: int | None = None  # the core process's pipe, read on the loop (None: a reader thread)
         self._threads: list[threading.Thread] = []
         self._stopping = False
         self.ready = threading.Event()
@@ -81,11 +84,17 @@ class EngineClient:
     # ---- lifecycle (event loop side) ------------------------------------------------------------------
 
     def start(self) -> None:
-        """Starts the core (it builds the engine: /health answers 503 meanwhile) and the two carrier threads."""
+        """Starts the core (it builds the engine: /health answers 503 meanwhile) and what carries its messages."""
         self._loop = asyncio.get_running_loop()
         self._core = start_core(self._factory, self._in_process)
         self.core_pid = self._core.pid
-        for target, name in ((self._write_forever, "kvpilot-core-writer"), (self._read_forever, "kvpilot-core-reader")):
+        carriers = [(self._write_forever, "kvpilot-core-writer")]
+        self._reader_fd = self._core.endpoint.fileno()
+        if self._reader_fd is None:
+            carriers.append((self._read_forever, "kvpilot-core-reader"))
+        else:
+            self._loop.add_reader(self._reader_fd, self._read_ready)
+        for target, name in carriers:
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
@@ -106,6 +115,7 @@ class EngineClient:
         self._outbox.put(None)
         for thread in self._threads:
             await asyncio.to_thread(thread.join, 5)
+        self._read_rest()  # the process is gone: what it sent last is in the pipe, then EOF
         core.endpoint.close()
         self._fail_all(EngineDeadError("the server shut down before the request finished"))
 
@@ -226,18 +236,55 @@ class EngineClient:
             future.set_exception(error)
 
     def _read_forever(self) -> None:
+        """The reader thread of a core thread (in-memory queues)."""
         assert self._core is not None
         while True:
             try:
                 message = self._core.endpoint.recv()
             except (EOFError, OSError):
                 break
-            self._dispatch(message)
+            self._dispatch(message, self._on_loop)
         if not self._stopping:
-            self._core.join(2.0)  # reap it, for the exit code
+            self._core.join(2.0)
             self._fail(f"{self._core.describe_exit()} unexpectedly")
 
-    def _dispatch(self, message: FromCore) -> None:
+    def _read_ready(self) -> None:
+        """The core process's pipe is readable (on the loop): every message waiting, dispatched here. A message
+        is read whole once its first bytes are there (the core writes each in one go)."""
+        assert self._core is not None
+        endpoint = self._core.endpoint
+        try:
+            self._dispatch(endpoint.recv(), _call_now)
+            while endpoint.poll():
+                self._dispatch(endpoint.recv(), _call_now)
+        except (EOFError, OSError):
+            self._stop_reading()
+            if not self._stopping:
+                asyncio.ensure_future(self._reap())
+
+    def _read_rest(self) -> None:
+        """After the core process ended: what it sent last, up to the end of the pipe."""
+        if self._reader_fd is None or self._core is None:
+            return
+        self._stop_reading()
+        try:
+            while True:
+                self._dispatch(self._core.endpoint.recv(), _call_now)
+        except (EOFError, OSError):
+            pass
+
+    def _stop_reading(self) -> None:
+        if self._reader_fd is not None and self._loop is not None:
+            self._loop.remove_reader(self._reader_fd)
+
+    async def _reap(self) -> None:
+        """The core process closed its pipe without being asked: reaped off the loop, for the exit code."""
+        assert self._core is not None
+        await asyncio.to_thread(self._core.join, 2.0)
+        self._fail(f"{self._core.describe_exit()} unexpectedly")
+
+    def _dispatch(self, message: FromCore, call: Callable[..., None]) -> None:
+        """`call(fn, *args)` runs fn on the event loop: at once when already there, else handed over."""
         if isinstance(message, StepResult):
             for step in message.step_stats:
                 if self._on_step is not None:
@@ -248,9 +295,9 @@ class EngineClient:
             items.extend((rid, ValueError(text)) for rid, text in message.rejected)
             items.extend((rid, RequestFailedError(text)) for rid, text in message.failed)
             if items:
-                self._on_loop(self._deliver, items)
+                call(self._deliver, items)
         elif isinstance(message, QueryReply):
-            self._on_loop(self._resolve, message)
+            call(self._resolve, message)
         elif isinstance(message, Ready):
             self.info, self.tokenizer, self.stats = message.info, message.tokenizer, message.stats
             self.ready.set()
@@ -266,3 +313,7 @@ class EngineClient:
         self.error = EngineDeadError(cause)
         logger.error("the engine failed: %s", cause)
         self._on_loop(self._fail_all, EngineDeadError(f"the engine failed: {cause}; restart the server"))
+
+
+def _call_now(fn: Callable[..., None], *args: Any) -> None:
+    fn(*args)
