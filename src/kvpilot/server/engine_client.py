@@ -89,7 +89,10 @@ class EngineClient:
         self._core = start_core(self._factory, self._in_process)
         self.core_pid = self._core.pid
         carriers = [(self._write_forever, "kvpilot-core-writer")]
-        self._reader_fd = self._core.endpoint.fileno()
+        # Only asyncio's own loop leaves a watched descriptor blocking, which recv() of a whole message needs:
+        # uvloop (Ray Serve's replicas) makes it non-blocking, and a thread reads there.
+        fd = self._core.endpoint.fileno()
+        self._reader_fd = fd if isinstance(self._loop, asyncio.SelectorEventLoop) else None
         if self._reader_fd is None:
             carriers.append((self._read_forever, "kvpilot-core-reader"))
         else:
@@ -236,7 +239,7 @@ class EngineClient:
             future.set_exception(error)
 
     def _read_forever(self) -> None:
-        """The reader thread of a core thread (in-memory queues)."""
+        """The reader thread: a core thread's (in-memory queues), or any core's under a loop other than asyncio's."""
         assert self._core is not None
         while True:
             try:
