@@ -3,10 +3,11 @@
 
 A writer thread sends what handlers post, so the event loop never blocks on the core (a full pipe while the
 core is busy stepping would otherwise stall every client). What the core sends is read on the event loop
-itself when the core is a process (`add_reader` on its pipe: a step's StepResult is unpickled and delivered
-in one callback, no thread handing it over), and by a reader thread when it is a thread (in-memory queues
-have no descriptor to watch), which hands each message to the loop in one `call_soon_threadsafe`. Each
-output goes to its request's ItemStream; `on_step` runs for every step, before its outputs.
+itself when the core is a process and the loop asyncio's (`add_reader` on its pipe: a step's StepResult is
+unpickled and delivered in one callback, no thread handing it over); otherwise (a core thread's in-memory
+queues, a Ray Serve replica's uvloop) by a reader thread, which hands each message to the loop in one
+`call_soon_threadsafe`. Each output goes to its request's ItemStream; `on_step` runs for every step, before
+its outputs.
 """
 
 from __future__ import annotations
@@ -239,7 +240,7 @@ class EngineClient:
             future.set_exception(error)
 
     def _read_forever(self) -> None:
-        """The reader thread: a core thread's (in-memory queues), or any core's under a loop other than asyncio's."""
+        """The reader thread: a core thread's (in-memory queues), or a core's under a loop not asyncio's."""
         assert self._core is not None
         while True:
             try:
