@@ -51,7 +51,11 @@ class KvpilotReplica:
         self.state = self.app.state.kvpilot
         self._lifespan = self.app.router.lifespan_context(self.app)
         await self._lifespan.__aenter__()
-        await asyncio.to_thread(self._wait_loaded)
+        try:
+            await asyncio.to_thread(self._wait_loaded)
+        except BaseException:  # a replica that failed to start stops its engine now (__del__ then skips it)
+            await self._lifespan.__aexit__(None, None, None)
+            raise
         self.hub = get_hub(app_name)
         self._reporter = asyncio.create_task(self._report_forever())
         logger.info("kvpilot replica %s (lane %s) ready", self.replica_id, lane.name)
@@ -87,7 +91,11 @@ class KvpilotReplica:
             await asyncio.sleep(REPORT_INTERVAL_S)
 
     async def __del__(self) -> None:
-        self._reporter.cancel()
+        # attributes set late in __init__ may be missing if it failed before them
+        reporter = getattr(self, "_reporter", None)
+        if reporter is None:
+            return  # __init__ raised: it stopped the engine itself, or never started one
+        reporter.cancel()
         with contextlib.suppress(Exception):
             await self.hub.goodbye.remote(self.replica_id)
         await self._lifespan.__aexit__(None, None, None)
