@@ -6,11 +6,14 @@ time outside the forward.
     .venv/bin/python benchmarks/host_overhead.py                      # batch 16 and 256, context 200 and 1800
     .venv/bin/python benchmarks/host_overhead.py --batch 256 --context 1800 --steps 30
     .venv/bin/python benchmarks/host_overhead.py --context 200 --evict-mib 64   # caches as cold as at 1800
+    .venv/bin/python benchmarks/host_overhead.py --skip-forward      # the host work alone, no layers run
 
 Host time per request rises with context on a CPU although no host work grows with it: a long-context forward
 streams the KV cache through the CPU caches and evicts the interpreter's objects, so the host code after it
 runs cold. --evict-mib N makes every forward also touch N MiB (counted as forward time): at a short context it
-shows how much of the long-context figure is that eviction alone.
+shows how much of the long-context figure is that eviction alone. --skip-forward does the opposite: the
+model's layers do not run at all (the forward returns a zero hidden state; the logits head still runs), so
+nothing evicts the host's data between steps and what is left is the host work alone, at any context.
 
 The engine issue's target: host cost per running request per step <= 10 us on a 2-core CPU, flat in context.
 """
@@ -39,11 +42,14 @@ TINY_CONFIG = {
 
 
 class ForwardTimer:
-    """Wraps the model's forward and the logits head to add up the seconds spent inside them."""
+    """Wraps the model's forward and the logits head to add up the seconds spent inside them. skip_forward:
+    the forward returns zeros of its output's shape instead of running the layers (no KV read or written)."""
 
-    def __init__(self, model: torch.nn.Module, evict_mib: int = 0) -> None:
+    def __init__(self, model: torch.nn.Module, evict_mib: int = 0, skip_forward: bool = False) -> None:
         self.seconds = 0.0
         self._evict = torch.zeros(evict_mib * 2**20 // 4) if evict_mib else None
+        hidden_size = model.embed_tokens.weight.shape[1]
+        self._zeros = torch.zeros(8192, hidden_size) if skip_forward else None
         for name in ("forward", "logits"):
             setattr(model, name, self._timed(getattr(model, name)))
 
@@ -52,6 +58,9 @@ class ForwardTimer:
             start = time.perf_counter()
             if self._evict is not None and fn.__name__ == "forward":
                 self._evict.add_(1.0)  # what a long context's KV reads do to the caches, and nothing else
+            if self._zeros is not None and fn.__name__ == "forward":
+                self.seconds += time.perf_counter() - start
+                return self._zeros[:len(args[0])]  # args[0]: the step's token ids
             try:
                 return fn(*args, **kwargs)
             finally:
@@ -59,7 +68,8 @@ class ForwardTimer:
         return run
 
 
-def measure(config_path: Path, batch: int, context: int, steps: int, extra: dict, evict_mib: int = 0) -> dict:
+def measure(config_path: Path, batch: int, context: int, steps: int, extra: dict, evict_mib: int = 0,
+            skip_forward: bool = False) -> dict:
     budget = max(2048, batch)
     # requests prefilled early decode while the rest prefill: none may finish before the timed steps end
     max_tokens = batch * context // budget + steps + 64
@@ -74,7 +84,7 @@ def measure(config_path: Path, batch: int, context: int, steps: int, extra: dict
         started.update(o.request_id for o in llm.engine.step())
     for _ in range(3):
         llm.engine.step()
-    timer = ForwardTimer(llm.engine.runner.model, evict_mib)
+    timer = ForwardTimer(llm.engine.runner.model, evict_mib, skip_forward)
     times, hosts = [], []
     for _ in range(steps):
         in_forward = timer.seconds
@@ -101,6 +111,8 @@ def main() -> None:
                         help="Extra LLM() setting, e.g. async_scheduling=false (repeatable).")
     parser.add_argument("--evict-mib", type=int, default=0,
                         help="Also touch this many MiB in every forward, evicting the CPU caches (see above).")
+    parser.add_argument("--skip-forward", action="store_true",
+                        help="Run no layers in the timed steps: the host work alone, caches warm (see above).")
     parser.add_argument("--json", action="store_true", help="One JSON line per measurement.")
     args = parser.parse_args()
     extra = {k: json.loads(v) for k, v in (item.split("=", 1) for item in args.engine_arg)}
@@ -108,11 +120,12 @@ def main() -> None:
         config_path = Path(tmp) / "config.json"
         config_path.write_text(json.dumps(TINY_CONFIG))
         evicting = f"; every forward touches {args.evict_mib} MiB" if args.evict_mib else ""
+        evicting += "; layers skipped" if args.skip_forward else ""
         print(f"# {torch.get_num_threads()} threads; 1-layer 64-wide dummy model; {args.steps} decode steps each"
               f"{evicting}")
         for context in args.context:
             for batch in args.batch:
-                row = measure(config_path, batch, context, args.steps, extra, args.evict_mib)
+                row = measure(config_path, batch, context, args.steps, extra, args.evict_mib, args.skip_forward)
                 if args.json:
                     print(json.dumps(row))
                     continue
