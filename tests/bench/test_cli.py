@@ -87,6 +87,15 @@ def test_kvpilot_bench_html_carries_the_doctor_section(scripted: ScriptedProcess
     assert 'id="kvpilot-doctor"' not in plain.read_text()
 
 
+def test_url_is_another_name_for_base_url(scripted: ScriptedProcess, tmp_path: Path) -> None:
+    """`kvpilot doctor --url` and `kvpilot bench --url` name a server the same way."""
+    scripted.set_script(Behavior(ttft_s=0.005, itl_s=0.002))
+    out = tmp_path / "r.json"
+    code, text = invoke("--url", scripted.base_url, *FAST, "--output", str(out))
+    assert code == 0, text
+    assert json.loads(out.read_text())["runs"][0]["aggregates"]["num_ok"] == 6
+
+
 def test_unreachable_server() -> None:
     url = f"http://127.0.0.1:{free_port()}"
     code, text = invoke("--base-url", url, *FAST)

@@ -33,7 +33,8 @@ def make_bench_command(report_sections: tuple[ReportSection, ...] = ()) -> Calla
     def bench_command(
         base_url: Annotated[
             str | None,
-            typer.Option(help=f"Server base URL (without /v1). Default {DEFAULT_BASE_URL}, unless --replica-url "
+            typer.Option("--base-url", "--url",  # --url: the doctor's name for it
+                         help=f"Server base URL (without /v1). Default {DEFAULT_BASE_URL}, unless --replica-url "
                               "is given: then bench sends the load to the replicas itself."),
         ] = None,
         replica_url: Annotated[
