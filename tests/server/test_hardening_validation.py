@@ -60,6 +60,12 @@ CHAT = [
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]},
      "messages.0.content.0.text", "lone UTF-16 surrogate"),
     ({"logprobs": "yes"}, "logprobs", "valid boolean"),
+    ({"top_logprobs": 3}, "top_logprobs", "needs logprobs=true"),  # else silently no logprobs
+    # a text-only model must not answer as if the image were not there
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                                {"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}]},
+     "messages.0.content", "content part 1 has type 'image_url': the models served here read text only"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages.0.content", "needs a string 'text'"),
     ({"model": "gpt\ud800"}, "model", "lone UTF-16 surrogate"),
 ]
 

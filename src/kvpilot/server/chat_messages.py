@@ -6,17 +6,22 @@ message answers one call, `tool_call_id` naming it (optional, as vLLM accepts it
 `function.arguments` is a dict where the JSON string parses to one (chat templates commonly read arguments
 as a mapping; vLLM converts them the same way) and content is always a string ("" for null), so templates
 that concatenate it never meet None. Every field named here reaches the template; other fields (e.g. the
-`refusal` or `audio` an SDK echoes back with an assistant message) are accepted and not passed on."""
+`refusal` or `audio` an SDK echoes back with an assistant message) are accepted and not passed on. List
+content is text parts only ('text', and the 'refusal' of an assistant turn an SDK echoes back): an image, audio
+or file part is a 400 naming it, since the models served here read text only and dropping it would answer
+another question than the one asked."""
 
 from __future__ import annotations
 
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 _STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+# content part types the template receives, each with the key holding its text
+_TEXT_KEYS = {"text": "text", "refusal": "refusal"}
 
 
 class MessageFunctionCall(BaseModel):
@@ -62,6 +67,20 @@ class ChatMessage(BaseModel):
     tool_calls: list[MessageToolCall] | None = None
     tool_call_id: str | None = None
 
+    @field_validator("content")
+    @classmethod
+    def _text_parts_only(cls, content: str | list[dict[str, Any]] | None) -> str | list[dict[str, Any]] | None:
+        for index, part in enumerate(content if isinstance(content, list) else ()):
+            kind = part.get("type")
+            key = _TEXT_KEYS.get(kind) if isinstance(kind, str) else None
+            if key is None:
+                raise PydanticCustomError("content_part", f"content part {index} has type {kind!r}: the models "
+                                                          "served here read text only; send 'text' parts or a string")
+            if not isinstance(part.get(key), str):
+                raise PydanticCustomError("content_part", f"content part {index} of type {kind!r} needs a string "
+                                                          f"{key!r}")
+        return content
+
     @model_validator(mode="after")
     def _tool_fields_fit_the_role(self) -> ChatMessage:
         if self.tool_calls and self.role != "assistant":
@@ -73,10 +92,10 @@ class ChatMessage(BaseModel):
         return self
 
     def text(self) -> str:
-        """Content as plain text; list content keeps only its text parts."""
+        """Content as plain text: list content's parts joined (all are text: _text_parts_only)."""
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        return "".join(str(part.get("text", "")) for part in self.content if part.get("type") == "text")
+        return "".join(part[_TEXT_KEYS[part["type"]]] for part in self.content)
 
     def template_message(self) -> dict[str, Any]:
         """The message as the chat template receives it (transformers' shape, see the module docstring)."""

@@ -98,8 +98,8 @@ class _Sampling(StructuredFields):
             raise APIError(400, "logit_bias: keys must be token ids (integers as strings), got "
                                 f"{list(self.logit_bias or {})[:5]}", param="logit_bias") from None
 
-    def check_n(self) -> None:
-        """Rules between n and the other fields (n's range is the field's): none for chat."""
+    def check_fields(self) -> None:
+        """Rules between fields (each field's own range is checked by its type): 400s naming the field."""
 
     def candidates_per_prompt(self) -> int:
         """Engine requests per prompt: n (completions: best_of when set)."""
@@ -147,7 +147,7 @@ class CompletionRequest(_Sampling):
                            param="prompt")
         return prompts[0]
 
-    def check_n(self) -> None:
+    def check_fields(self) -> None:
         """400 naming the field: best_of below n, best_of > n with stream (candidates are ranked when all
         are done), echo with logprobs (prompt tokens have no logprobs here)."""
         if self.best_of is not None and self.best_of < self.n:
@@ -189,6 +189,12 @@ class ChatCompletionRequest(_Sampling, ToolFields):
         if limit is not None:
             return limit
         return max(1, room) if cap is None else max(1, min(room, cap))
+
+    def check_fields(self) -> None:
+        """top_logprobs without logprobs: a 400, as OpenAI and vLLM answer (it would be ignored)."""
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, f"top_logprobs={self.top_logprobs} needs logprobs=true: set it, or leave "
+                                "top_logprobs out", param="top_logprobs")
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

@@ -47,7 +47,7 @@ async def prepare(state: ServerState, body: CompletionRequest | ChatCompletionRe
     chat = isinstance(body, ChatCompletionRequest)
     state.check_serving()
     state.check_model(body.model)
-    body.check_n()
+    body.check_fields()
     fanout = FanoutShape(num_prompts(body), body.n, body.candidates_per_prompt())
     check_size(fanout, state.admission.limits.max_num_queued_reqs)
     request_id = engine_request_id(chat, client_id)
