@@ -35,7 +35,7 @@ class SamplingParams:
     Invariants (checked in __post_init__; SamplingParamsError names the field): integer fields are ints
     (not bools) and float fields finite real numbers; max_tokens >= 1, 0 <= min_tokens <= max_tokens,
     temperature == 0 (greedy) or in [MIN_TEMPERATURE, inf) (a smaller positive one is raised to it),
-    0 < top_p <= 1, top_k == -1 or 1..MAX_TOP_K, 0 <= min_p <= 1, repetition_penalty in
+    0 < top_p <= 1, top_k 0 or -1 (off, as vLLM and HF accept) or 1..MAX_TOP_K, 0 <= min_p <= 1, repetition_penalty in
     [MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY], presence/frequency penalties in [-2, 2],
     seed None or 0..MAX_SEED, stop strings non-empty, stop_token_ids in 0..MAX_TOKEN_ID,
     logprobs None or 0..MAX_LOGPROBS; logit_bias maps token ids (0..MAX_TOKEN_ID) to finite numbers in
@@ -96,8 +96,7 @@ class SamplingParams:
              f"must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens}"),
             (self.temperature >= 0, "temperature", f"must be >= 0 (0 = greedy), got {self.temperature}"),
             (0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}"),
-            (self.top_k == -1 or 1 <= self.top_k <= MAX_TOP_K, "top_k",
-             f"must be -1 (off) or 1..{MAX_TOP_K}, got {self.top_k}"),
+            (-1 <= self.top_k <= MAX_TOP_K, "top_k", f"must be 0 or -1 (off) or 1..{MAX_TOP_K}, got {self.top_k}"),
             (0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p}"),
             (MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY, "repetition_penalty",
              f"must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY:g}] (1 = off), "

@@ -83,7 +83,7 @@ def test_a_failure_while_requests_decode_keeps_their_progress(llm, prompts, alon
 
 
 def test_llm_users_get_a_clear_exception_for_bad_values(llm_fp32) -> None:
-    with pytest.raises(SamplingParamsError, match="top_k must be -1"):
+    with pytest.raises(SamplingParamsError, match="top_k must be 0 or -1"):
         SamplingParams(top_k=10**20)
     with pytest.raises(SamplingParamsError, match="seed must be in 0..2\\*\\*64-1"):
         SamplingParams(seed=-1)

@@ -140,3 +140,12 @@ def test_staged_penalties_match_plain_copies():
         results.append(state.apply(_logits(3, seed=6), rows))
     torch.testing.assert_close(results[1], results[0], rtol=0, atol=0)
     assert not torch.equal(results[0], _logits(3, seed=6))  # the penalties did change the logits
+
+
+def test_top_k_0_is_off_like_minus_1() -> None:
+    """vLLM (since 0.9) and HF generation configs turn top-k off with 0: the same draws as -1, seed for seed."""
+    logits = _logits(1, seed=3)
+    off = [int(sample(logits, _batch([SamplingParams(temperature=1.0, top_k=-1)], [s]))[0]) for s in range(20)]
+    zero = [int(sample(logits, _batch([SamplingParams(temperature=1.0, top_k=0)], [s]))[0]) for s in range(20)]
+    assert zero == off and len(set(off)) > 1  # sampled, not collapsed to the argmax
+    assert not _batch([SamplingParams(temperature=1.0, top_k=0)]).needs_top_k

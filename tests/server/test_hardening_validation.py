@@ -26,7 +26,7 @@ def _error(response: httpx.Response, status: int) -> dict:
 
 
 COMPLETIONS = [
-    ({"top_k": HUGE}, "top_k", "top_k must be -1 (off) or 1.."),
+    ({"top_k": HUGE}, "top_k", "top_k must be 0 or -1 (off) or 1.."),
     ({"seed": HUGE}, "seed", "seed must be in 0..2**64-1"),
     ({"seed": -HUGE}, "seed", "seed must be in 0..2**64-1"),
     ({"min_tokens": 1, "stop_token_ids": [999999]}, "stop_token_ids", "outside the vocabulary"),
@@ -41,6 +41,7 @@ COMPLETIONS = [
     ({"prompt": "\ud800"}, "prompt", "lone UTF-16 surrogate"),
     ({"stop": ["ok\udc00"]}, "stop.0", "lone UTF-16 surrogate"),
     ({"temperature": math.nan}, "temperature", "finite number"),
+    ({"suffix": "}"}, "suffix", "suffix is not supported"),  # else the middle is silently not filled
     ({"top_p": math.inf}, "top_p", "finite number"),
 ]
 

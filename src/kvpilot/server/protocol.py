@@ -125,12 +125,14 @@ class CompletionRequest(_Sampling):
     """POST /v1/completions. `prompt`: text, token ids, or a batch (a list of texts or of token-id lists: one
     choice per prompt and n, indexed prompt-major). `best_of`: candidates generated per prompt, of which the n
     with the highest cumulative logprob are returned (>= n; not with stream). `echo`: each choice's text
-    starts with its prompt (not with logprobs: the engine computes no prompt logprobs)."""
+    starts with its prompt (not with logprobs: the engine computes no prompt logprobs). `suffix` (OpenAI's
+    fill-in-the-middle) is refused, as vLLM refuses it, rather than ignored."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     best_of: int | None = Field(default=None, ge=1, le=MAX_N)
+    suffix: str | None = None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of the request: one, or each of a batch (an empty list is one empty token prompt)."""
@@ -149,7 +151,7 @@ class CompletionRequest(_Sampling):
 
     def check_fields(self) -> None:
         """400 naming the field: best_of below n, best_of > n with stream (candidates are ranked when all
-        are done), echo with logprobs (prompt tokens have no logprobs here)."""
+        are done), suffix, echo with logprobs (prompt tokens have no logprobs here)."""
         if self.best_of is not None and self.best_of < self.n:
             raise APIError(400, f"best_of must be >= n, got best_of={self.best_of} and n={self.n}",
                            param="best_of")
@@ -157,6 +159,9 @@ class CompletionRequest(_Sampling):
             raise APIError(400, "best_of > n is not supported with stream=true: the best candidates are only "
                                 "known when all have finished; leave best_of out or set stream=false",
                            param="best_of")
+        if self.suffix is not None:
+            raise APIError(400, "suffix is not supported: kvpilot generates after the prompt only (no "
+                                "fill-in-the-middle); put the text in the prompt or leave suffix out", param="suffix")
         if self.echo and self.logprobs is not None:
             raise APIError(400, "echo together with logprobs is not supported: kvpilot does not compute the "
                                 "prompt tokens' logprobs; drop echo or logprobs", param="echo")
