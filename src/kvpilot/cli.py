@@ -44,7 +44,7 @@ def generate(
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Most tokens to generate.")] = 128,
     temperature: Annotated[float, typer.Option("--temperature", help="0 = greedy.")] = 0.0,
     top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass.")] = 1.0,
-    top_k: Annotated[int, typer.Option("--top-k", help="Sample among the k likeliest tokens; -1 = off.")] = -1,
+    top_k: Annotated[int, typer.Option("--top-k", help="Sample among the k likeliest tokens; 0 or -1 = off.")] = -1,
     sample_seed: Annotated[Optional[int], typer.Option("--sample-seed", help="Seed of the sampling stream.")] = None,
     chat_template: Annotated[bool, typer.Option("--chat/--raw", help="Apply the chat template to the prompt.")] = False,
     model: ModelOpt = None, load_format: LoadFormatOpt = "auto", dtype: DtypeOpt = "auto", device: DeviceOpt = None,
