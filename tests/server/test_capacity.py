@@ -21,6 +21,8 @@ def test_capacity_endpoint_matches_the_prediction(http, live_server) -> None:
     # the model and device as `kvpilot fit` names them (the doctor's roofline without --model/--gpu)
     assert capacity["fit_device"] == "cpu" and capacity["fit_model"].endswith(".gguf")
     assert capacity["prompt_gemm_dtype"] == "float32"  # packed layers, float32 activations: float32 prompt GEMMs
+    # the GGUF's own blocks (Q4_1 layers, a Q8_0 embedding): the doctor advises no further quantizing
+    assert capacity["quantization"] == "gguf" and 5 < capacity["weight_bits"] < 6.5
 
 
 def test_fit_url_fetches_and_compares(live_server, monkeypatch) -> None:

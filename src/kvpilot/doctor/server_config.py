@@ -37,6 +37,8 @@ class ServerConfig:
     bytes_per_block: int | None = None
     fit_model: str | None = None  # the model and device as `kvpilot fit` names them (kvpilot's capacity endpoint)
     fit_device: str | None = None
+    quantization: str | None = None  # how the weights are held ("none", "gguf", "int8", "int4", "fp8": kvpilot)
+    weight_bits: float | None = None  # bits a weight takes as the decode reads it (kvpilot's capacity endpoint)
 
     @property
     def num_kv_tokens(self) -> int | None:
@@ -84,7 +86,17 @@ def from_capacity(doc: dict[str, Any]) -> ServerConfig:
         dtype=str(doc["dtype"]) if doc.get("dtype") else None,
         kv_cache_memory_bytes=_int(doc.get("kv_cache_memory_bytes")), bytes_per_block=_int(doc.get("bytes_per_block")),
         fit_model=str(doc["fit_model"]) if doc.get("fit_model") else None,
-        fit_device=str(doc["fit_device"]) if doc.get("fit_device") else None)
+        fit_device=str(doc["fit_device"]) if doc.get("fit_device") else None,
+        quantization=str(doc["quantization"]) if doc.get("quantization") else None,
+        weight_bits=_float(doc.get("weight_bits")))
+
+
+def _float(value: Any) -> float | None:
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        return None
+    return out if out > 0 else None
 
 
 def from_metrics(snap: MetricsSnapshot) -> ServerConfig | None:

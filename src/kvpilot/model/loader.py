@@ -50,6 +50,17 @@ class LoadedModel:
     # tensor parallelism: the rank whose shard `model` holds (built from shard.local_config; `config` is the
     # whole model's); None: the whole model
     shard: ShardPlan | None = None
+    # quantization "gguf": the file's bits per weight over all its tensors (e.g. ~4.9 for a Q4_1 model with a
+    # Q8_0 embedding); None otherwise (the other quantizations' widths are their names: see weight_bits)
+    gguf_bits_per_weight: float | None = None
+
+    @property
+    def weight_bits(self) -> float:
+        """Bits a weight takes as the decode reads it: what quantizing further could save."""
+        if self.quantization == "gguf" and self.gguf_bits_per_weight is not None:
+            return self.gguf_bits_per_weight
+        nominal = {"int4": 4.0, "int8": 8.0, "fp8": 8.0}.get(self.quantization)
+        return nominal if nominal is not None else float(self.dtype.itemsize * 8)
 
 
 def _materialize(model: nn.Module, device: torch.device) -> nn.Module:
@@ -87,6 +98,7 @@ def _model_config(config: ModelConfig, plan: ShardPlan | None) -> ModelConfig:
 def _load_gguf(path: Path, max_model_len: int | None, dtype: torch.dtype, device: torch.device,
                quantization: str, tp: TPRank, gemm_dtype: torch.dtype | None = None) -> LoadedModel:
     from kvpilot.fit.gguf_metadata import hf_config_from_reader, open_gguf
+    from kvpilot.fit.gguf_sizes import gguf_sizes
     from kvpilot.model.gguf_weights import linear_tensor_types, load_gguf_tensors
     from kvpilot.model.quant.model_pack import keeps_dense, pack_linear_layers, packed_names, release_packed_quants
     from kvpilot.model.tokenizer import tokenizer_from_gguf
@@ -108,8 +120,9 @@ def _load_gguf(path: Path, max_model_len: int | None, dtype: torch.dtype, device
     # A GGUF without vocabulary metadata still runs on token ids.
     has_vocab = "tokenizer.ggml.tokens" in reader.fields
     tokenizer = tokenizer_from_gguf(reader, path) if has_vocab else None
+    bits = gguf_sizes(reader).bits_per_weight if names else None
     return LoadedModel(config, model, tokenizer, config.name or path.stem, str(path), "gguf", dtype, device,
-                       "gguf" if names else "none", shard=plan)
+                       "gguf" if names else "none", shard=plan, gguf_bits_per_weight=bits)
 
 
 def _load_hf_dir(path: Path, max_model_len: int | None, dtype: torch.dtype, device: torch.device,

@@ -36,7 +36,9 @@ class EngineInfo:
     `fit_model` / `fit_device` name the model and device as `kvpilot fit` takes them (a GGUF file or model
     directory, a catalog name; "cpu" or a catalog GPU; "" when unknown), so the doctor can draw the roofline
     without --model/--gpu. `prompt_gemm_dtype`: the dtype CPU prompt GEMMs run in (measured at load for bf16
-    activations, model/layers/prompt_gemm.py; "" on GPUs)."""
+    activations, model/layers/prompt_gemm.py; "" on GPUs). `quantization`: how the linear weights are held
+    ("none", "gguf", "int8", "int4", "fp8"); `weight_bits`: bits a weight takes as the decode reads it (0:
+    unknown), so the doctor does not advise quantizing weights that already are."""
 
     model: str
     max_model_len: int
@@ -49,6 +51,8 @@ class EngineInfo:
     fit_model: str = ""
     fit_device: str = ""
     prompt_gemm_dtype: str = ""
+    quantization: str = ""
+    weight_bits: float = 0.0
 
     @property
     def capacity(self) -> dict[str, Any]:
@@ -63,7 +67,8 @@ class EngineInfo:
                 "max_num_batched_tokens": self.max_num_batched_tokens,
                 "enable_prefix_caching": self.enable_prefix_caching, "dtype": self.dtype,
                 "fit_model": self.fit_model, "fit_device": self.fit_device,
-                "prompt_gemm_dtype": self.prompt_gemm_dtype}
+                "prompt_gemm_dtype": self.prompt_gemm_dtype, "quantization": self.quantization,
+                "weight_bits": round(self.weight_bits, 2)}
 
 
 @dataclass(frozen=True)

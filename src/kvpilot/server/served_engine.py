@@ -41,7 +41,8 @@ def describe(built: BuiltEngine) -> EngineInfo:
                       vocab_size=engine.vocab_size, kv=kv, max_num_seqs=scheduler.config.max_num_seqs,
                       enable_prefix_caching=cache.enable_prefix_caching, dtype=kv_dtype_name(built.loaded.dtype),
                       fit_model=fit_model_name(built.loaded), fit_device=fit_device_name(built.loaded.device),
-                      prompt_gemm_dtype=kv_dtype_name(gemm) if (gemm := built.loaded.prompt_gemm_dtype) else "")
+                      prompt_gemm_dtype=kv_dtype_name(gemm) if (gemm := built.loaded.prompt_gemm_dtype) else "",
+                      quantization=built.loaded.quantization, weight_bits=built.loaded.weight_bits)
 
 
 def warm_up(engine: LLMEngine) -> None:

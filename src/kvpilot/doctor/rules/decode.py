@@ -100,10 +100,10 @@ def decode_bound(ctx: RuleContext) -> Finding | None:
         [f"decode misses the SLO ({format_slos(decode_slos)}) even at {low.in_flight:.1f} in flight"]
         if misses_alone else []) + ([_growth_text(growth, problem)] if growth is not None else [])
     problem = problem or misses_alone
-    fixes = [Fix("read fewer bytes per token: quantize the weights",
-                 kvpilot="--model <int4/Q4 GGUF of the model>", vllm="--quantization fp8"),
-             Fix("check the attention/GEMM path: CUDA graphs on, a fused attention backend",
-                 vllm="(drop --enforce-eager) VLLM_ATTENTION_BACKEND=FLASH_ATTN")]
+    quantize = _quantize_fix(ctx)
+    fixes = ([quantize] if quantize is not None else []) + [
+        Fix("check the attention/GEMM path: CUDA graphs on, a fused attention backend",
+            vllm="(drop --enforce-eager) VLLM_ATTENTION_BACKEND=FLASH_ATTN")]
     if growth is not None and growth.breaks_slo:
         fixes.insert(0, Fix(f"cap the batch where the decode SLO held ({growth.slo_cap} in flight); run more "
                             "replicas for more streams", kvpilot=f"--max-num-seqs {growth.slo_cap}",
@@ -119,6 +119,28 @@ def decode_bound(ctx: RuleContext) -> Finding | None:
         rule_id="decode-bound", title="Decode is slow per token",
         severity=severity, confidence=0.8 if slow and growth is not None else 0.7, impact=_decode_share(ctx),
         summary=_sentence("; ".join(parts)), evidence=tuple(evidence), fixes=tuple(fixes)))
+
+
+# weights at or under this many bits each are already quantized about as far as the engines go (4-bit
+# blocks with their scales, a GGUF Q4 model with its 8-bit embedding): quantizing again saves no bytes
+QUANTIZED_BITS = 6.0
+
+
+def _quantize_fix(ctx: RuleContext) -> Fix | None:
+    """Quantizing the weights reads fewer bytes a token, unless the server (kvpilot's capacity endpoint)
+    says they already take QUANTIZED_BITS or fewer; 8-bit ones can still go to int4 on a CPU (on a GPU
+    kvpilot's narrowest is fp8)."""
+    cfg = ctx.inputs.server_config
+    bits = cfg.weight_bits if cfg is not None else None
+    device = cfg.fit_device if cfg is not None else None
+    if bits is not None and bits <= QUANTIZED_BITS:
+        return None
+    if bits is not None and bits <= 8:
+        return Fix(f"read fewer bytes per token: the weights take {bits:g} bits each, 4-bit ones half that",
+                   kvpilot="--quantization int4") if device == "cpu" else None
+    kvpilot = {"cpu": "--quantization int4", None: "--quantization fp8 (GPU) or int4 (CPU)"}.get(
+        device, "--quantization fp8")
+    return Fix("read fewer bytes per token: quantize the weights", kvpilot=kvpilot, vllm="--quantization fp8")
 
 
 def _growth_evidence(g: _Growth) -> list[Evidence]:
