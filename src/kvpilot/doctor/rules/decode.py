@@ -101,9 +101,10 @@ def decode_bound(ctx: RuleContext) -> Finding | None:
         if misses_alone else []) + ([_growth_text(growth, problem)] if growth is not None else [])
     problem = problem or misses_alone
     quantize = _quantize_fix(ctx)
-    fixes = ([quantize] if quantize is not None else []) + [
+    on_cpu = ctx.inputs.server_config is not None and ctx.inputs.server_config.fit_device == "cpu"
+    fixes = ([quantize] if quantize is not None else []) + ([] if on_cpu else [  # no CUDA graphs on a CPU
         Fix("check the attention/GEMM path: CUDA graphs on, a fused attention backend",
-            vllm="(drop --enforce-eager) VLLM_ATTENTION_BACKEND=FLASH_ATTN")]
+            vllm="(drop --enforce-eager) VLLM_ATTENTION_BACKEND=FLASH_ATTN")])
     if growth is not None and growth.breaks_slo:
         fixes.insert(0, Fix(f"cap the batch where the decode SLO held ({growth.slo_cap} in flight); run more "
                             "replicas for more streams", kvpilot=f"--max-num-seqs {growth.slo_cap}",
