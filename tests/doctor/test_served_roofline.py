@@ -35,3 +35,18 @@ def test_a_model_fit_cannot_read_here_leaves_the_verdict_without_one(tmp_path: P
     config = ServerConfig(source="test", fit_model="/elsewhere/model.gguf", fit_device="cpu")
     report = diagnose(inputs_from_documents(_documents(tmp_path), server_config=config))
     assert report.roofline is None and "roofline" not in report.verdict
+
+
+def test_the_roofline_reads_the_weights_in_the_format_they_are_served_in(tmp_path: Path) -> None:
+    """A server that quantized at load (int8) reads half the bytes a token of a bf16 one: its floor is lower,
+    and the verdict names the format."""
+    def served(quantization: str) -> tuple[float, str]:
+        config = from_capacity({"num_blocks": 100, "block_size": 16, "dtype": "bfloat16", "fit_device": "cpu",
+                                "fit_model": "smollm2-135m", "quantization": quantization})
+        report = diagnose(inputs_from_documents(_documents(tmp_path), server_config=config))
+        return report.roofline["decode_step_ms"], report.verdict
+
+    dense_ms, dense_verdict = served("none")
+    int8_ms, int8_verdict = served("int8")
+    assert int8_ms < 0.7 * dense_ms, (int8_ms, dense_ms)
+    assert "of the bfloat16 roofline" in dense_verdict and "of the int8 roofline" in int8_verdict

@@ -172,15 +172,21 @@ def load_inputs(result_paths: list[str], metrics_paths: list[str] | None = None,
                                  tuple([*result_paths, *(metrics_paths or [])]), dtype=dtype)
 
 
-def _served_roofline(model: str, device: str, shape: tuple[int, int, int], dtype: str | None) -> RooflineRef | None:
-    """The roofline of the model and device the server named (kvpilot's capacity endpoint); None when fit
+def _served_roofline(config: ServerConfig, shape: tuple[int, int, int], dtype: str | None) -> RooflineRef | None:
+    """The roofline of the model and device the server named (kvpilot's capacity endpoint), its weights in the
+    format they are served in (int8 / int4 / fp8 quantized at load; a GGUF's own blocks); None when fit
     cannot place it here (the model file is on another host, an unknown device): it is a bonus, not an input
     the user gave."""
+    if not (config.fit_model and config.fit_device):
+        return None
+    quantized = config.quantization if config.quantization not in (None, "none") else None
     try:
-        ref = roofline_for(model, device, *shape, dtype)
+        ref = roofline_for(config.fit_model, config.fit_device, *shape, dtype,
+                           weight_dtype=quantized if quantized in ("int8", "int4", "fp8") else None)
     except (DoctorInputError, OSError, ValueError):
         return None
-    return replace(ref, model=Path(model).name)  # a file or directory: its name in the verdict
+    # the verdict names the file or directory, and the weights' format where they are quantized
+    return replace(ref, model=Path(config.fit_model).name, dtype=quantized or ref.dtype)
 
 
 def inputs_from_documents(docs: list[tuple[dict[str, Any], str]], metrics: MetricsSnapshot | None = None,
@@ -202,7 +208,7 @@ def inputs_from_documents(docs: list[tuple[dict[str, Any], str]], metrics: Metri
     if model or gpu:
         roofline = roofline_for(model or "smollm2-135m", gpu or "cpu", *shape, served_dtype)
     elif server_config is not None and server_config.fit_model and server_config.fit_device:
-        served = _served_roofline(server_config.fit_model, server_config.fit_device, shape, served_dtype)
+        served = _served_roofline(server_config, shape, served_dtype)
     if server_config is None and metrics is not None:
         server_config = config_from_metrics(metrics)
     return DoctorInputs(tuple(runs), metrics, roofline, sources or tuple(name for _, name in docs),

@@ -31,15 +31,16 @@ class RooflineRef:
 
 
 def roofline_for(model: str, gpu: str, input_len: int, output_len: int, concurrency: int,
-                 dtype: str | None = None) -> RooflineRef:
+                 dtype: str | None = None, weight_dtype: str | None = None) -> RooflineRef:
     """``dtype``: what the server computes in (a float32 server reads twice the bytes of a bfloat16 one,
-    so its floor is twice as high). Raises :class:`DoctorInputError` when fit cannot place the model
-    (unknown name, does not fit)."""
+    so its floor is twice as high); ``weight_dtype``: the linear weights' format when quantized (int8, int4,
+    fp8: fit's --weight-dtype; None: the checkpoint's own, a GGUF file's exact bytes). Raises
+    :class:`DoctorInputError` when fit cannot place the model (unknown name, does not fit)."""
     try:
         report = build_report(load_model(model), parse_device_arg(gpu),
                               FitInputs(input_len=max(1, input_len), output_len=max(1, output_len),
                                         concurrency=max(1, concurrency),
-                                        dtype=dtype or "auto"))
+                                        dtype=dtype or "auto", weight_dtype=weight_dtype or "auto"))
     except FitError as exc:
         raise DoctorInputError(f"--model/--gpu: {exc}") from exc
     rl = report.roofline
