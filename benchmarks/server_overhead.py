@@ -198,7 +198,8 @@ def _kvpilot_bench(url: str, args: argparse.Namespace, seed: int) -> ClientRun:
                    "--output", str(result)]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
-            raise RuntimeError(f"kvpilot bench failed ({done.returncode}): {done.stderr[-2000:]}")
+            raise RuntimeError(f"kvpilot bench failed ({done.returncode}): {done.stderr[-1000:]}\n"
+                               f"its output ends: {done.stdout[-1500:]}")  # bench prints request errors there
         print("\n".join(line for line in done.stdout.splitlines() if "CLIENT" in line or "client kept up" in line))
         run = json.loads(result.read_text())["runs"][0]
     aggregates = run["aggregates"]
