@@ -50,8 +50,8 @@ class LoadedModel:
     # tensor parallelism: the rank whose shard `model` holds (built from shard.local_config; `config` is the
     # whole model's); None: the whole model
     shard: ShardPlan | None = None
-    # quantization "gguf": the file's bits per weight over all its tensors (e.g. ~4.9 for a Q4_1 model with a
-    # Q8_0 embedding); None otherwise (the other quantizations' widths are their names: see weight_bits)
+    # quantization "gguf": the file's bits per weight over all its tensors (5.74 for the embedded Q4_1 model, its
+    # embedding Q8_0); None otherwise (the other quantizations' widths are their names: see weight_bits)
     gguf_bits_per_weight: float | None = None
 
     @property
