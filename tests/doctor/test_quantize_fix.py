@@ -54,4 +54,6 @@ def test_a_cpu_server_is_not_told_to_turn_cuda_graphs_on(tmp_path: Path) -> None
     def gpu_path_fixes(device: str) -> list[Fix]:
         return [fix for fix in _decode_fixes(tmp_path, {"fit_device": device}) if "CUDA graphs" in fix.action]
 
-    assert gpu_path_fixes("cpu") == [] and len(gpu_path_fixes("h100")) == 1
+    assert gpu_path_fixes("cpu") == []
+    (gpu_path,) = gpu_path_fixes("h100")
+    assert gpu_path.kvpilot == "(drop --enforce-eager) --attention-backend auto"  # kvpilot's flags too

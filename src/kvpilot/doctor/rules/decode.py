@@ -104,6 +104,7 @@ def decode_bound(ctx: RuleContext) -> Finding | None:
     on_cpu = ctx.inputs.server_config is not None and ctx.inputs.server_config.fit_device == "cpu"
     fixes = ([quantize] if quantize is not None else []) + ([] if on_cpu else [  # no CUDA graphs on a CPU
         Fix("check the attention/GEMM path: CUDA graphs on, a fused attention backend",
+            kvpilot="(drop --enforce-eager) --attention-backend auto",
             vllm="(drop --enforce-eager) VLLM_ATTENTION_BACKEND=FLASH_ATTN")])
     if growth is not None and growth.breaks_slo:
         fixes.insert(0, Fix(f"cap the batch where the decode SLO held ({growth.slo_cap} in flight); run more "
