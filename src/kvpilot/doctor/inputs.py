@@ -175,8 +175,8 @@ def load_inputs(result_paths: list[str], metrics_paths: list[str] | None = None,
 def _served_roofline(config: ServerConfig, shape: tuple[int, int, int], dtype: str | None) -> RooflineRef | None:
     """The roofline of the model and device the server named (kvpilot's capacity endpoint), its weights in the
     format they are served in (int8 / int4 / fp8 quantized at load; a GGUF's own blocks); None when fit
-    cannot place it here (the model file is on another host, an unknown device): it is a bonus, not an input
-    the user gave."""
+    cannot place it here (the model file is on another host, an unknown device) or the server named none (vLLM,
+    an older kvpilot): it is a bonus, not an input the user gave."""
     if not (config.fit_model and config.fit_device):
         return None
     quantized = config.quantization if config.quantization not in (None, "none") else None
@@ -207,7 +207,7 @@ def inputs_from_documents(docs: list[tuple[dict[str, Any], str]], metrics: Metri
     roofline = served = None
     if model or gpu:
         roofline = roofline_for(model or "smollm2-135m", gpu or "cpu", *shape, served_dtype)
-    elif server_config is not None and server_config.fit_model and server_config.fit_device:
+    elif server_config is not None:
         served = _served_roofline(server_config, shape, served_dtype)
     if server_config is None and metrics is not None:
         server_config = config_from_metrics(metrics)
