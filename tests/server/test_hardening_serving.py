@@ -8,6 +8,7 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Iterator
+from http.client import HTTPConnection
 
 import httpx
 import pytest
@@ -110,6 +111,42 @@ def test_chunked_oversize_body_gets_413(http) -> None:
     response = http.post("/v1/completions", content=body(), headers={"Content-Type": "application/json"})
     assert response.status_code == 413 and response.json()["error"]["type"] == "request_too_large"
     print(f"\nchunked upload: 413 after {sum(sent)} of {MAX_BODY * 4} bytes offered")
+
+
+def _post_with_http_client(server: BackgroundServer, num_bytes: int, chunked: bool) -> tuple[int, bytes]:
+    """Posts `num_bytes` as http.client does: the whole body first, only then the response is read (a reset
+    while sending raises ConnectionResetError or BrokenPipeError)."""
+    conn = HTTPConnection("127.0.0.1", server.port, timeout=30)
+    headers = {**AUTH, "Content-Type": "application/json"}
+    if not chunked:
+        headers["Content-Length"] = str(num_bytes)
+    try:
+        conn.request("POST", "/v1/completions", body=(b" " * 65536 for _ in range(num_bytes // 65536)),
+                     headers=headers, encode_chunked=chunked)
+        response = conn.getresponse()
+        return response.status, response.read()
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "content-length"])
+def test_oversize_body_gets_413_with_a_client_that_reads_only_after_sending(server, chunked: bool) -> None:
+    """The 413 is sent at once and the rest of the body read and discarded (up to a bound) before the
+    connection closes: closed with unread data, the socket would reset and the client never read the 413."""
+    status, body = _post_with_http_client(server, 4 * MAX_BODY, chunked)
+    assert status == 413 and b"--max-request-body-bytes" in body
+
+
+def test_oversize_body_with_expect_continue_is_refused_without_waiting_for_it(server) -> None:
+    """A client that waits for "100 Continue" gets the 413 instead, and no 100 (it would then send a body)."""
+    sock = _raw(server, b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer " + KEY.encode() +
+                b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\nExpect: 100-continue\r\n\r\n"
+                % (2 * MAX_BODY))
+    started = time.monotonic()
+    with sock:
+        reply = _read_all(sock)
+    assert reply.startswith(b"HTTP/1.1 413 ") and b"100 Continue" not in reply
+    assert time.monotonic() - started < 0.5  # closed at once, not after the 1 s body deadline
 
 
 def test_slow_body_gets_408_and_the_connection_closed(server) -> None:
