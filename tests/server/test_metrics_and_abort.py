@@ -1,13 +1,21 @@
-"""/metrics agrees exactly with the requests sent; a client that disconnects frees its blocks at once."""
+"""/metrics agrees exactly with the requests sent, and counts an aborted request where docs/server.md says; a
+client that disconnects frees its blocks at once."""
 
 from __future__ import annotations
 
+import json
+import socket
 import time
+from collections.abc import Callable, Iterator
 
 import httpx
+import pytest
 
+from kvpilot.server.background import BackgroundServer
 from tests.server.conftest import MODEL
 from tests.server.metrics_text import samples, value, wait_idle
+from tests.server.tiny_server import AUTH, KEY, tiny_server, write_tiny_config
+from tests.server.tiny_server import MODEL as TINY
 
 REQUEST_SERIES = ("vllm:e2e_request_latency_seconds_count", "vllm:time_to_first_token_seconds_count",
                   "vllm:request_queue_time_seconds_count", "vllm:request_prefill_time_seconds_count",
@@ -75,3 +83,59 @@ def test_client_disconnect_mid_stream_frees_blocks(http, live_server) -> None:
     assert state["ok"] and state["num_running"] == 0 and state["num_used_blocks"] == 0
     assert _delta(before, after, "vllm:request_success_total", finished_reason="abort") == 1
     assert _delta(before, after, "vllm:generation_tokens_total") < 500
+
+
+@pytest.fixture(scope="module")
+def one_seat(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BackgroundServer]:
+    """A tiny server that runs one request at a time: a second one waits in the queue."""
+    config = write_tiny_config(tmp_path_factory.mktemp("tiny"))
+    with tiny_server(config, engine={"max_num_seqs": 1, "max_model_len": 1024, "kv_cache_memory": "16MiB"},
+                     api_key=KEY) as running:
+        yield running
+
+
+def _open_completion(server: BackgroundServer, max_tokens: int) -> socket.socket:
+    """A non-streaming completion sent on a raw socket (closing it aborts the request)."""
+    body = json.dumps({"model": TINY, "prompt": [1, 2, 3], "max_tokens": max_tokens, "temperature": 0,
+                       "ignore_eos": True}).encode()
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer " + KEY.encode() +
+                 b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    return sock
+
+
+def _wait(http: httpx.Client, done: Callable[[dict], bool], what: str) -> None:
+    deadline = time.monotonic() + 30
+    while not done(http.get("/v1/kvpilot/integrity").json()):
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_a_request_aborted_before_its_first_token_counts_where_docs_say(one_seat) -> None:
+    """docs/server.md, Metrics: E2E and the token-count histograms count every finished request (as
+    vllm:request_success_total does); queue time only requests that were scheduled; TTFT, prefill and decode
+    only requests that produced a first token (vLLM's rule). A request aborted while waiting is in the first."""
+    with httpx.Client(base_url=one_seat.url, headers=AUTH, timeout=30) as http:
+        before = samples(http)
+        running = _open_completion(one_seat, max_tokens=1000)
+        _wait(http, lambda s: s["num_running"] == 1, "the first request never ran")
+        waiting = _open_completion(one_seat, max_tokens=4)
+        _wait(http, lambda s: s["num_waiting"] == 1, "the second request never queued")
+        waiting.close()  # aborted before its first token
+        running.close()  # aborted after tokens flowed
+        _wait(http, lambda s: s["num_running"] == s["num_waiting"] == s["num_used_blocks"] == 0, "no abort")
+        deadline = time.monotonic() + 30
+        after = samples(http)
+        while _delta(before, after, "vllm:request_success_total") < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+            after = samples(http)
+    assert _delta(before, after, "vllm:request_success_total", finished_reason="abort") == 2
+    for series in ("vllm:e2e_request_latency_seconds_count", "vllm:request_prompt_tokens_count",
+                   "vllm:request_generation_tokens_count"):
+        assert _delta(before, after, series) == 2, series
+    for series in ("vllm:time_to_first_token_seconds_count", "vllm:request_queue_time_seconds_count",
+                   "vllm:request_prefill_time_seconds_count", "vllm:request_decode_time_seconds_count"):
+        assert _delta(before, after, series) == 1, series
+    assert _delta(before, after, "vllm:prompt_tokens_total") == 3  # the prompt that reached its first token
+    assert _delta(before, after, "kvpilot:tokenization_time_seconds_count") == 2  # per HTTP request tokenized
+    assert _delta(before, after, "kvpilot:serialization_time_seconds_count") == 0  # no response was built

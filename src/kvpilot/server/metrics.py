@@ -202,8 +202,10 @@ class ServerMetrics:
         self.prompt_tokens.labels(self.model_name).inc(num_prompt_tokens)
 
     def observe_finished(self, metrics: RequestMetrics) -> None:
-        """Once per finished request (any reason, aborts included), from its final RequestOutput. The token
-        counters are not touched here: they moved step by step."""
+        """Once per finished request (any reason, aborts included), from its final RequestOutput. E2E and the
+        token-count histograms count every one; queue time only those scheduled; TTFT, prefill and decode only
+        those that produced a first token (vLLM's rule: a request aborted while waiting has no TTFT; docs/
+        server.md, Metrics). The token counters are not touched here: they moved step by step."""
         name = self.model_name
         self.request_success.labels(name, metrics.finish_reason or "abort").inc()
         self.request_prompt_tokens.labels(name).observe(metrics.num_prompt_tokens)
