@@ -21,6 +21,7 @@ from typing import Any
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from kvpilot.server.config import ServerArgs
+from kvpilot.server.listen import NoDelay
 
 try:
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -102,13 +103,14 @@ def _closing_response(status: bytes, message: str) -> bytes:
 
 def header_timeout_protocol(header_timeout_s: float, parser: str = "auto") -> type[asyncio.Protocol]:
     """uvicorn's protocol for `parser` ("httptools", "h11", or "auto": httptools where installed) with the
-    header deadline. ValueError for httptools when it is not installed."""
+    header deadline and TCP_NODELAY (listen.py). ValueError for httptools when it is not installed."""
     if parser == "auto":
         parser = "h11" if HttpToolsProtocol is None else "httptools"
     if parser == "httptools" and HttpToolsProtocol is None:
         raise ValueError("the httptools parser needs the httptools package: pip install httptools")
     base = {"h11": H11Protocol, "httptools": HttpToolsProtocol}[parser]
-    return type(f"HeaderTimeout{base.__name__}", (_HeaderTimeout, base), {"header_timeout_s": header_timeout_s})
+    return type(f"HeaderTimeout{base.__name__}", (_HeaderTimeout, NoDelay, base),
+                {"header_timeout_s": header_timeout_s})
 
 
 def uvicorn_options(args: ServerArgs) -> dict[str, Any]:
