@@ -175,13 +175,16 @@ def _disconnected(request: Request) -> Callable[[], Awaitable[None]]:
 def _add_ops_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/health")
     async def health() -> Response:
-        """200 `{"status": "ok"}` when the model is loaded and requests are admitted; 503 otherwise."""
+        """200 `{"status": "ok"}` when the model is loaded and requests are admitted; 503 otherwise (also while
+        the channel to the engine core has not moved for its watchdog's limit: pipe_channel.py)."""
         if state.client.error is not None:
             return APIError(503, f"the engine failed: {state.client.error}", code="engine_failed").response()
         if state.draining:
             return APIError(503, "draining", code="draining").response()
         if not state.client.ready.is_set():
             return APIError(503, "loading the model", code="loading").response()
+        if (stall := state.client.channel_stall) is not None:
+            return APIError(503, stall, code="engine_channel_stalled").response()
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")

@@ -199,6 +199,7 @@ def run_server(engine_args, server_args, uvicorn_log_level: str = "warning") -> 
     from kvpilot.server.engine_spec import engine_factory
     from kvpilot.server.gc_heap import freeze_startup_heap
     from kvpilot.server.listen import PortInUseError, bind_listener
+    from kvpilot.server.log_writer import detach_output
     from kvpilot.server.slow_clients import uvicorn_options
 
     try:
@@ -209,6 +210,7 @@ def run_server(engine_args, server_args, uvicorn_log_level: str = "warning") -> 
     app = create_app(engine_factory(engine_args), server_args)
     config = uvicorn.Config(app, log_level=uvicorn_log_level, access_log=False, timeout_graceful_shutdown=5,
                             **uvicorn_options(server_args))
+    detach_output()  # after uvicorn's logging set-up: no log write may block the event loop
     server = DrainingServer(config, app.state.kvpilot, server_args.drain_timeout)
     freeze_startup_heap()  # this process serves until it exits: its start-up objects need no more scans
     logger.info("kvpilot serve: http://%s:%d (model %s loading)", server_args.host, server_args.port,

@@ -1,25 +1,27 @@
 """Endpoints of the two-way message channel between the HTTP side and the engine core.
 
 The same interface (send / recv / poll / close, like multiprocessing's Connection) over two carriers:
-`PipeEndpoint`, two one-way OS pipes (pickled messages) to the core process; `queue_endpoint_pair`, two
-in-memory queues (messages passed by reference) to the core thread. The core loop and the server's reader
-are written once against `Endpoint`.
+`PipeEndpoint` (pipe_channel.py), two one-way OS pipes (pickled messages, written by a sender thread) to the
+core process; `queue_endpoint_pair`, two in-memory queues (messages passed by reference) to the core thread.
+The core loop and the server's reader are written once against `Endpoint`.
 """
 
 from __future__ import annotations
 
 import queue
-from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
 
 class Endpoint(Protocol):
-    """Invariants: messages arrive in the order sent; once the other side closed (or its process died),
-    `poll()` is True and `recv()` raises EOFError; `send` to a closed peer raises OSError (process) or is
-    dropped (thread)."""
+    """Invariants: messages arrive in the order sent; `send` never waits for the peer to read; once the
+    other side closed (or its process died), `poll()` is True and `recv()` raises EOFError; `send` to a
+    closed peer raises OSError (process) or is dropped (thread)."""
 
     def send(self, message: Any) -> None: ...
+
+    def stalled_s(self) -> float:
+        """How long messages sent from this side have waited on a peer that does not read (0.0: none)."""
+        ...
 
     def recv(self) -> Any: ...
 
@@ -31,30 +33,6 @@ class Endpoint(Protocol):
     def poll(self) -> bool: ...
 
     def close(self) -> None: ...
-
-
-@dataclass
-class PipeEndpoint:
-    """One side of the core process's channel: `reader` gets what the other side's `writer` sends."""
-
-    reader: Connection
-    writer: Connection
-
-    def send(self, message: Any) -> None:
-        self.writer.send(message)
-
-    def recv(self) -> Any:
-        return self.reader.recv()
-
-    def fileno(self) -> int | None:
-        return self.reader.fileno()
-
-    def poll(self) -> bool:
-        return self.reader.poll()
-
-    def close(self) -> None:
-        self.writer.close()
-        self.reader.close()
 
 
 class _Closed:
@@ -82,6 +60,9 @@ class QueueEndpoint:
 
     def poll(self) -> bool:
         return self._eof or not self._in.empty()
+
+    def stalled_s(self) -> float:
+        return 0.0  # a queue never fills
 
     def fileno(self) -> int | None:
         return None

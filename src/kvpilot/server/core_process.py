@@ -12,17 +12,18 @@ import logging
 import multiprocessing
 import os
 import signal
-import sys
 import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
-from kvpilot.server.core_channel import Endpoint, PipeEndpoint, queue_endpoint_pair
+from kvpilot.server.core_channel import Endpoint, queue_endpoint_pair
 from kvpilot.server.engine_core import run_core
 from kvpilot.server.engine_spec import EngineFactory, EngineSpec
 from kvpilot.server.gc_heap import freeze_startup_heap
+from kvpilot.server.log_writer import detach_output
+from kvpilot.server.pipe_channel import ChannelWatchdog, PipeEndpoint
 
 logger = logging.getLogger("kvpilot.server")
 DEFAULT_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -68,14 +69,16 @@ def core_main(spec: EngineSpec, inbox: Connection, outbox: Connection, log: LogS
     """The core process's entry point (module level: spawn imports it by name)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     log.apply()
+    output = detach_output()  # a log write waits on a thread of its own, never in the step loop
     threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), name="kvpilot-orphan-watch",
                      daemon=True).start()
-    run_core(_frozen_once_built(spec), PipeEndpoint(inbox, outbox))
+    endpoint = PipeEndpoint(inbox, outbox, "to the HTTP process")
+    ChannelWatchdog(endpoint)
+    run_core(_frozen_once_built(spec), endpoint)
     # The core's work ends here (its channel is closed); a full interpreter teardown with torch loaded takes
     # seconds that the server's shutdown would wait for.
     logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    output.drain()
     os._exit(0)  # noqa: SLF001
 
 
@@ -95,7 +98,7 @@ class CoreProcess:
         # The child holds its own copies now; without ours, EOF on either side means the other is gone.
         to_core_r.close()
         from_core_w.close()
-        self.endpoint: Endpoint = PipeEndpoint(from_core_r, to_core_w)
+        self.endpoint: Endpoint = PipeEndpoint(from_core_r, to_core_w, "to the engine core")
 
     @property
     def pid(self) -> int | None:

@@ -1,13 +1,14 @@
 """EngineClient: the HTTP side's handle on the engine core (a child process, or a thread with
 `--no-engine-process`), talking to it only through the messages of messages.py.
 
-A writer thread sends what handlers post, so the event loop never blocks on the core (a full pipe while the
-core is busy stepping would otherwise stall every client). What the core sends is read on the event loop
-itself when the core is a process and the loop asyncio's (`add_reader` on its pipe: a step's StepResult is
-unpickled and delivered in one callback, no thread handing it over); otherwise (a core thread's in-memory
-queues, a Ray Serve replica's uvloop) by a reader thread, which hands each message to the loop in one
-`call_soon_threadsafe`. Each output goes to its request's ItemStream; `on_step` runs for every step, before
-its outputs.
+A writer thread pickles what handlers post (a 10 MB prompt takes milliseconds) and hands it to the channel,
+whose own sender thread writes the pipe (pipe_channel.py), so the event loop never waits on the core. What the
+core process sends is read on the event loop itself (`add_reader` on its pipe, non-blocking reads into the
+channel's buffer: a step's StepResult is unpickled and delivered in one callback, no thread handing it over,
+and a message still arriving never holds the loop); a core thread's in-memory queues are read by a reader
+thread, which hands each message to the loop in one `call_soon_threadsafe`. Each output goes to its
+request's ItemStream; `on_step` runs for every step, before its outputs. A ChannelWatchdog logs a channel to
+the core that stops moving, and `channel_stall` tells /health.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from kvpilot.server.item_stream import ItemStream
 from kvpilot.server.messages import (Abort, AddRequest, CoreFailed, FromCore, LoadFailed, Query, QueryReply, Ready,
                                      Shutdown, StepResult, ToCore)
 from kvpilot.server.output_delta import OutputAssembly, OutputDelta
+from kvpilot.server.pipe_channel import ChannelWatchdog, MessageTooLargeError
 
 logger = logging.getLogger("kvpilot.server")
 SHUTDOWN_TIMEOUT_S = 30.0
@@ -73,6 +75,7 @@ class EngineClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._core: Core | None = None
         self._reader_fd: int | None = None  # the core process's pipe, read on the loop (None: a reader thread)
+        self._watchdog: ChannelWatchdog | None = None
         self._threads: list[threading.Thread] = []
         self._stopping = False
         self.ready = threading.Event()
@@ -90,14 +93,12 @@ class EngineClient:
         self._core = start_core(self._factory, self._in_process)
         self.core_pid = self._core.pid
         carriers = [(self._write_forever, "kvpilot-core-writer")]
-        # Only asyncio's own loop leaves a watched descriptor blocking, which recv() of a whole message needs:
-        # uvloop (Ray Serve's replicas) makes it non-blocking, and a thread reads there.
-        fd = self._core.endpoint.fileno()
-        self._reader_fd = fd if isinstance(self._loop, asyncio.SelectorEventLoop) else None
+        self._reader_fd = self._core.endpoint.fileno()
         if self._reader_fd is None:
             carriers.append((self._read_forever, "kvpilot-core-reader"))
         else:
             self._loop.add_reader(self._reader_fd, self._read_ready)
+            self._watchdog = ChannelWatchdog(self._core.endpoint)
         for target, name in carriers:
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
@@ -119,6 +120,8 @@ class EngineClient:
         self._outbox.put(None)
         for thread in self._threads:
             await asyncio.to_thread(thread.join, 5)
+        if self._watchdog is not None:
+            self._watchdog.stop()
         self._read_rest()  # the process is gone: what it sent last is in the pipe, then EOF
         core.endpoint.close()
         self._fail_all(EngineDeadError("the server shut down before the request finished"))
@@ -135,6 +138,12 @@ class EngineClient:
     def has_request(self, request_id: str) -> bool:
         """True while the request is added and not yet finished."""
         return request_id in self._streams
+
+    @property
+    def channel_stall(self) -> str | None:
+        """What /health says while the channel to the core has not moved for the watchdog's limit, else None."""
+        watchdog = self._watchdog
+        return watchdog.describe() if watchdog is not None and watchdog.stalled else None
 
     # ---- requests and queries (event loop side) -------------------------------------------------------
 
@@ -227,6 +236,9 @@ class EngineClient:
                 self._core.endpoint.send(message)
             except OSError:  # the core is gone: the reader reports it
                 return
+            except MessageTooLargeError as exc:  # the request's own fault: a 400 that says so
+                self._on_loop(self._unsendable, message, ValueError(f"the request is too large to pass to the "
+                                                                    f"engine core ({exc}): send a shorter prompt"))
             except Exception as exc:  # noqa: BLE001 - a message that does not pickle: fail it, keep the channel
                 logger.exception("cannot send %s to the engine core", type(message).__name__)
                 self._on_loop(self._unsendable, message, RuntimeError(f"the server could not send the "
@@ -240,7 +252,7 @@ class EngineClient:
             future.set_exception(error)
 
     def _read_forever(self) -> None:
-        """The reader thread: a core thread's (in-memory queues), or a core's under a loop not asyncio's."""
+        """The reader thread of a core thread (in-memory queues)."""
         assert self._core is not None
         while True:
             try:
@@ -253,15 +265,16 @@ class EngineClient:
             self._fail(f"{self._core.describe_exit()} unexpectedly")
 
     def _read_ready(self) -> None:
-        """The core process's pipe is readable (on the loop): every message waiting, dispatched here. A message
-        is read whole once its first bytes are there (the core writes each in one go)."""
+        """The core process's pipe is readable (on the loop): every whole message there, dispatched here; a
+        message still arriving waits in the channel's buffer for the next call."""
         assert self._core is not None
-        endpoint = self._core.endpoint
         try:
-            self._dispatch(endpoint.recv(), _call_now)
-            while endpoint.poll():
-                self._dispatch(endpoint.recv(), _call_now)
-        except (EOFError, OSError):
+            messages, eof = self._core.endpoint.read_ready()  # type: ignore[attr-defined]
+        except OSError:
+            messages, eof = [], True
+        for message in messages:
+            self._dispatch(message, _call_now)
+        if eof:
             self._stop_reading()
             if not self._stopping:
                 asyncio.ensure_future(self._reap())
@@ -272,10 +285,11 @@ class EngineClient:
             return
         self._stop_reading()
         try:
-            while True:
-                self._dispatch(self._core.endpoint.recv(), _call_now)
-        except (EOFError, OSError):
-            pass
+            messages, _ = self._core.endpoint.read_ready(max_bytes=None)  # type: ignore[attr-defined]
+        except OSError:
+            return
+        for message in messages:
+            self._dispatch(message, _call_now)
 
     def _stop_reading(self) -> None:
         if self._reader_fd is not None and self._loop is not None:

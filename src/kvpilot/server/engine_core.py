@@ -19,6 +19,7 @@ from kvpilot.outputs import RequestOutput
 from kvpilot.server.core_channel import Endpoint
 from kvpilot.server.engine_info import EngineCapacity
 from kvpilot.server.output_delta import delta_of
+from kvpilot.server.pipe_channel import MessageTooLargeError
 from kvpilot.server.messages import (Abort, AddRequest, CapacityQuery, CoreFailed, IntegrityQuery, LoadFailed,
                                      QueryReply, Ready, Shutdown, StatsQuery, StepResult, ToCore)
 
@@ -131,11 +132,32 @@ class EngineCore:
         # Snapshot before sending: a client that got its final output then scrapes sees the state after.
         stats = self.engine.scheduler.make_stats()
         if outputs or failed or self._step_stats or self._rejected or stats != self.stats:
-            self.endpoint.send(StepResult([delta_of(o) for o in outputs], list(self._step_stats),
-                                          list(self._rejected), stats, failed))
+            self._send_step(StepResult([delta_of(o) for o in outputs], list(self._step_stats),
+                                       list(self._rejected), stats, failed))
         self.stats = stats
         self._step_stats.clear()
         self._rejected.clear()
+
+
+    def _send_step(self, result: StepResult) -> None:
+        try:
+            self.endpoint.send(result)
+        except MessageTooLargeError:
+            self._send_apart(result)
+
+    def _send_apart(self, result: StepResult) -> None:
+        """A StepResult over the channel's size limit (long prompts' prompt_logprobs in one step): the rest of
+        it first, then each output alone; an output still over the limit fails its request alone."""
+        self.endpoint.send(StepResult([], result.step_stats, result.rejected, result.stats, result.failed))
+        for delta in result.outputs:
+            try:
+                self.endpoint.send(StepResult([delta]))
+            except MessageTooLargeError as exc:
+                self.engine.abort_request([delta.request_id])
+                self._live.discard(delta.request_id)
+                self.endpoint.send(StepResult(failed=[(delta.request_id, f"this request's output is too large to "
+                                                                          f"send to the HTTP process ({exc}): ask "
+                                                                          "for fewer logprobs")]))
 
 
 def _load_error_message(exc: BaseException) -> str:
@@ -152,7 +174,8 @@ def _say_ready(served: ServedEngine, core: EngineCore, endpoint: Endpoint) -> bo
     try:
         endpoint.send(Ready(served.info, served.engine.tokenizer, core.stats))
         return True
-    except (pickle.PicklingError, TypeError, AttributeError) as exc:  # e.g. a tokenizer that does not pickle
+    except (pickle.PicklingError, TypeError, AttributeError, MessageTooLargeError) as exc:  # e.g. a tokenizer
+        # that does not pickle
         logger.exception("cannot send the engine's start-up facts to the server")
         endpoint.send(LoadFailed(f"the engine core cannot send its start-up facts ({exc}): run the server "
                                  "with --no-engine-process"))
