@@ -1,17 +1,18 @@
 """PipeEndpoint: one side of the engine core process's channel, two one-way OS pipes of pickled messages,
-built so that neither side can ever block the other.
+built so that no send ever waits for the other side to read.
 
-A pipe holds 64 KiB (1 MiB here when the kernel allows): a sender that wrote into a full pipe used to wait
-inside its step loop or event loop until the peer read, and a peer busy writing its own large message back
-never would. Now:
+A pipe holds 64 KiB (1 MiB here where the kernel allows). Before, the core's step loop waited in write()
+whenever its pipe was full (an event loop that is slow to read held up every stream's next step), and the
+server's event loop read a large message whole, waiting for its last byte. Now:
 - `send` pickles on the caller's thread (the message is the caller's snapshot), refuses a message over
-  `max_message_bytes` with MessageTooLargeError, and queues the frame for this endpoint's sender thread:
-  the only thread that ever writes the pipe, so a full pipe holds up that thread alone.
+  `max_message_bytes` with MessageTooLargeError, writes what the pipe takes without waiting (a non-blocking
+  descriptor: the usual small message costs one write, as before) and queues the rest for this endpoint's
+  sender thread, which writes it as the pipe drains.
 - `recv` reads one whole message (blocking: the core's loop between steps, a reader thread); `read_ready`
-  reads what is there without blocking (the server's event loop, on a non-blocking descriptor) and keeps a
-  partial message in its own buffer until the rest arrives.
-- The sender records when it last moved a byte: `stalled_s()` is how long queued bytes have waited on a
-  peer that does not read, which the watchdog names in the log and in /health.
+  reads what is there without blocking (the server's event loop) and keeps a partial message in its own
+  buffer until the rest arrives.
+- The sender records when bytes last moved: `stalled_s()` is how long queued bytes have waited on a peer
+  that does not read, which the watchdog names in the log and in /health.
 
 Frames are multiprocessing's (a 4-byte big-endian signed length, then the pickle), read and written here.
 Invariants: frames go out whole and in the order of `send`; after the peer closed, `recv` raises EOFError
@@ -24,10 +25,11 @@ import fcntl
 import logging
 import os
 import pickle
-import queue
+import select
 import struct
 import threading
 import time
+from collections import deque
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -39,6 +41,7 @@ WRITE_CHUNK_BYTES = 1024 * 1024
 CLOSE_TIMEOUT_S = 10.0
 MAX_READ_BYTES = 16 * 1024 * 1024  # a read_ready call returns to the loop after this much; it is called again
 _F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
+WATCH_EVERY_S = 1.0
 
 
 class MessageTooLargeError(ValueError):
@@ -54,13 +57,19 @@ def widen_pipe(fd: int) -> None:
 
 
 class FrameSender:
-    """The thread that writes an endpoint's frames. `pending_bytes` counts what is queued and not yet
-    written; `last_progress` is when a write last moved bytes (or when the queue turned non-empty)."""
+    """Writes an endpoint's frames, in order, without ever waiting on the pipe in the caller's thread.
+
+    `put` writes at once, in the caller's thread, what the pipe takes without waiting when nothing is queued
+    (the usual case: a step's result costs one write, no thread hand-over); the rest is queued, and the
+    sender thread writes it as the pipe drains. `pending_bytes` counts what is queued and not yet written;
+    `last_progress` is when bytes last moved (or when the queue turned non-empty)."""
 
     def __init__(self, fd: int, name: str) -> None:
         self._fd, self.name = fd, name
-        self._frames: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
-        self._lock = threading.Lock()
+        os.set_blocking(fd, False)
+        self._frames: deque[memoryview] = deque()
+        self._cond = threading.Condition()
+        self._closing = False
         self.pending_bytes = 0
         self.last_progress = time.monotonic()
         self.error: OSError | None = None
@@ -68,45 +77,71 @@ class FrameSender:
         self._thread.start()
 
     def put(self, frame: bytes) -> None:
-        if self.error is not None:
-            raise BrokenPipeError(f"the channel {self.name} is closed: {self.error}")
-        with self._lock:
-            if self.pending_bytes == 0:
+        with self._cond:
+            if self.error is not None:
+                raise BrokenPipeError(f"the channel {self.name} is closed: {self.error}")
+            view = memoryview(frame)
+            if not self._frames:
+                view = view[self._write_some(view):]
+                if not view:
+                    return
                 self.last_progress = time.monotonic()
-            self.pending_bytes += len(frame)
-        self._frames.put(frame)
+            self._frames.append(view)
+            self.pending_bytes += len(view)
+            self._cond.notify()
 
     def stalled_s(self, now: float | None = None) -> float:
         """Seconds that queued bytes have waited without a byte written; 0.0 when nothing waits."""
-        with self._lock:
+        with self._cond:
             if self.pending_bytes == 0 or self.error is not None:
                 return 0.0
             return max(0.0, (time.monotonic() if now is None else now) - self.last_progress)
 
     def close(self, timeout_s: float) -> bool:
         """Stops after what is queued; True when everything queued was written within `timeout_s`."""
-        self._frames.put(None)
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
         self._thread.join(timeout_s)
         return not self._thread.is_alive()
 
-    def _write_forever(self) -> None:
-        while (frame := self._frames.get()) is not None:
-            if self.error is not None:
-                continue  # the peer is gone: drop what is left, nobody reads it
-            try:
-                self._write(memoryview(frame))
-            except OSError as exc:
-                self.error = exc
-                with self._lock:
-                    self.pending_bytes = 0
+    def _write_some(self, view: memoryview) -> int:
+        """Bytes of `view` the pipe took without waiting (under the lock); OSError marks the channel broken."""
+        try:
+            return os.write(self._fd, view[:WRITE_CHUNK_BYTES])
+        except BlockingIOError:
+            return 0
+        except OSError as exc:
+            self.error = exc
+            self._frames.clear()
+            self.pending_bytes = 0
+            raise BrokenPipeError(f"the channel {self.name} is closed: {exc}") from exc
 
-    def _write(self, data: memoryview) -> None:
-        while data:
-            written = os.write(self._fd, data[:WRITE_CHUNK_BYTES])
-            data = data[written:]
-            with self._lock:
-                self.pending_bytes -= written
-                self.last_progress = time.monotonic()
+    def _write_forever(self) -> None:
+        while True:
+            with self._cond:
+                while not self._frames and not self._closing:
+                    self._cond.wait()
+                if not self._frames:
+                    return
+            select.select([], [self._fd], [], WATCH_EVERY_S)  # room in the pipe (or look again)
+            with self._cond:
+                if self._frames:
+                    self._write_head()
+
+    def _write_head(self) -> None:
+        view = self._frames[0]
+        try:
+            written = self._write_some(view)
+        except BrokenPipeError:
+            return  # the peer is gone: its reader, or the next put, reports it
+        if written:
+            self.pending_bytes -= written
+            self.last_progress = time.monotonic()
+            if written == len(view):
+                self._frames.popleft()
+            else:
+                self._frames[0] = view[written:]
 
 
 def _read_exactly(fd: int, size: int) -> bytes:
@@ -202,7 +237,6 @@ class PipeEndpoint:
 
 
 STALL_AFTER_S = 30.0  # far over a normal step (a core reads between steps), short of a liveness probe's patience
-WATCH_EVERY_S = 1.0
 
 
 class ChannelWatchdog:
