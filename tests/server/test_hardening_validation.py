@@ -43,6 +43,12 @@ COMPLETIONS = [
     ({"temperature": math.nan}, "temperature", "finite number"),
     ({"suffix": "}"}, "suffix", "suffix is not supported"),  # else the middle is silently not filled
     ({"top_p": math.inf}, "top_p", "finite number"),
+    # issue 43: what the schema says, the server does (and the reverse: tests/server/test_openapi_contract.py)
+    ({"prompt": ""}, "prompt", "the prompt is empty"),
+    ({"prompt": ["Hello", ""]}, "prompt.1", "the prompt is empty"),
+    ({"prompt": [[1, 2], []]}, "prompt.1", "the prompt is empty"),
+    ({"max_tokens": 2.5}, "max_tokens", "valid integer"),
+    ({"logit_bias": {"\u0663": 1}}, "logit_bias", "keys must be token ids"),  # int() would read it as 3
 ]
 
 
@@ -68,6 +74,18 @@ CHAT = [
      "messages.0.content", "content part 1 has type 'image_url': the models served here read text only"),
     ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages.0.content", "needs a string 'text'"),
     ({"model": "gpt\ud800"}, "model", "lone UTF-16 surrogate"),
+    # issue 43: each role's rules, as OpenAI's (these once generated up to max_tokens from an empty turn)
+    ({"messages": [{"role": "tool"}]}, "messages.0.content", "a 'tool' message needs content"),
+    ({"messages": [{"role": "user", "content": None}]}, "messages.0.content", "a 'user' message needs content"),
+    ({"messages": [{"role": "user", "content": []}]}, "messages.0.content", "empty list of parts"),
+    ({"messages": [{"role": "system"}, {"role": "user", "content": "Hi"}]}, "messages.0.content",
+     "a 'system' message needs content"),
+    ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant"}]}, "messages.1.content",
+     "needs content or tool_calls"),
+    ({"messages": [{"role": "user", "content": "Hi"}, {"role": "tool", "content": "18 C"}]}, "messages.1.tool_call_id",
+     "needs tool_call_id"),
+    ({"messages": [{"role": "critic", "content": "Hi"}]}, "messages.0.role", "'system', 'user', 'assistant'"),
+    ({"max_tokens": 0, "max_completion_tokens": 4}, "max_tokens", "max_tokens must be >= 1"),
 ]
 
 
@@ -93,6 +111,15 @@ def test_an_integer_where_a_number_is_expected_is_still_accepted(http) -> None:
                                                   "temperature": 0, "top_p": 1, "ignore_eos": True})
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["completion_tokens"] == 2
+
+
+def test_an_integral_number_where_an_integer_is_expected_is_accepted(http) -> None:
+    """JSON Schema's integer (what /openapi.json says) includes 2.0; a JavaScript client cannot even send 2."""
+    response = http.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2.0, 3], "max_tokens": 2.0,
+                                                  "temperature": 0, "ignore_eos": True, "n": 1.0})
+    assert response.status_code == 200, response.text
+    usage = response.json()["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (3, 2)
 
 
 def test_every_payload_left_the_engine_serving(http) -> None:

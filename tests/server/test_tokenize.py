@@ -105,3 +105,15 @@ def test_listed_in_the_openapi_schema(http) -> None:
     for path in ("/tokenize", "/detokenize"):
         responses = paths[path]["post"]["responses"]
         assert {"400", "401", "404", "503"} <= set(responses) and "422" not in responses
+
+
+def test_openapi_states_what_the_routes_refuse(http, live_server) -> None:
+    """Issue 43: `{}` to /tokenize and ids past the vocabulary to /detokenize were schema-valid 400s."""
+    schema = http.get("/openapi.json").json()["components"]["schemas"]
+    vocab_size = live_server.state.info.vocab_size
+    assert schema["TokenId"]["minimum"] == 0 and schema["TokenId"]["maximum"] == vocab_size - 1
+    assert schema["DetokenizeRequest"]["properties"]["tokens"]["items"] == {"$ref": "#/components/schemas/TokenId"}
+    assert [branch["required"] for branch in schema["TokenizeRequest"]["oneOf"]] == [["prompt"], ["messages"]]
+    reply = http.post("/detokenize", json={"tokens": [vocab_size - 1, vocab_size]})
+    assert reply.status_code == 400 and f"[{vocab_size}]" in reply.json()["error"]["message"]
+    assert http.post("/detokenize", json={"tokens": [vocab_size - 1]}).status_code == 200

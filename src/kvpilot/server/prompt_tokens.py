@@ -145,9 +145,11 @@ def _prepends_bos(tokenizer: Any, bos: int | None, text: str) -> int:
 
 
 def _checked(prompt: TokenizedPrompt, vocab_size: int, text: str | None = None) -> TokenizedPrompt:
-    """400 for an empty prompt or ids outside the vocabulary (Python: gives the GIL back as it goes)."""
+    """400 for a prompt of no tokens (an empty one is refused by its type: protocol.py; a text can still
+    tokenize to none) or ids outside the vocabulary (Python: gives the GIL back as it goes)."""
     if prompt.num_tokens == 0:
-        raise APIError(400, "prompt: the prompt is empty; send at least one token", param="prompt")
+        raise APIError(400, "prompt: the prompt's text tokenizes to no token at all; send at least one token",
+                       param="prompt")
     if prompt.token_ids is not None:  # a prompt over the cap is rejected as too long, ids unchecked
         bad = [t for t in prompt.token_ids if not 0 <= t < vocab_size]
         if bad:

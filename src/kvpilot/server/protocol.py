@@ -2,27 +2,35 @@
 
 Unknown fields are ignored (as vLLM does), so the official SDKs work unchanged. Known fields are strict, as
 the OpenAI schema is: `"max_tokens": "8"`, `"stream": "yes"` or `prompt: [[false]]` are 400s, not coerced (an
-integer is still accepted where a number is expected); numbers must be finite (JSON's NaN/Infinity are
+integer is still accepted where a number is expected, and an integral number where an integer is: 8.0 is
+JSON Schema's integer 8, and JavaScript cannot write them apart); numbers must be finite (JSON's NaN/Infinity are
 refused); no string may hold a lone UTF-16 surrogate (it cannot be encoded, tokenized or echoed back).
 Range checks of the sampling fields live in SamplingParams, so the server and the offline API reject the
 same values with the same words; the checks that need the model (vocabulary, context length) are made
-when the prompt is tokenized (prompt_tokens.py).
+when the prompt is tokenized (prompt_tokens.py). The JSON schema (/openapi.json) states the same single-field
+bounds (request_fields.py), so a client generated from it sends what the server accepts; rules between
+fields (best_of >= n, min_tokens <= max_tokens, prompt plus max_tokens within the context, ...) it cannot.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
-from kvpilot.sampling_params import SamplingParams
-from kvpilot.server.chat_messages import ChatMessage, template_messages
+from kvpilot.sampling_params import (MAX_LOGPROBS, MAX_REPETITION_PENALTY, MAX_SEED, MAX_TOP_K, MIN_REPETITION_PENALTY,
+                                     SamplingParams)
+from kvpilot.server.chat_messages import ChatMessages, template_messages
 from kvpilot.server.errors import APIError
+from kvpilot.server.request_fields import (LOGIT_BIAS_SCHEMA, PROMPT_SCHEMA, STOP_SCHEMA, TOKEN_ID_KEY, Int, TokenId,
+                                           bounded, integral)
 from kvpilot.server.structured_protocol import StructuredFields, ToolFields
 
 _STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 MAX_N = 128  # most choices (n) and candidates (best_of) per prompt: OpenAI's limit for n
+NumChoices = Annotated[int, Field(ge=1, le=MAX_N), BeforeValidator(integral)]
+NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS), BeforeValidator(integral)]
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -69,34 +77,35 @@ class _Sampling(StructuredFields):
         return reject_lone_surrogates(data)
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    logit_bias: dict[str, float] | None = None
-    min_tokens: int = 0
+    max_tokens: Int | None = bounded(minimum=1)
+    temperature: float | None = bounded(minimum=0)
+    top_p: float | None = bounded(exclusiveMinimum=0, maximum=1)
+    top_k: Int | None = bounded(minimum=-1, maximum=MAX_TOP_K)
+    min_p: float | None = bounded(minimum=0, maximum=1)
+    repetition_penalty: float | None = bounded(minimum=MIN_REPETITION_PENALTY, maximum=MAX_REPETITION_PENALTY)
+    presence_penalty: float | None = bounded(minimum=-2, maximum=2)
+    frequency_penalty: float | None = bounded(minimum=-2, maximum=2)
+    # 2**64 (exclusive): FastAPI writes bounds as floats, and 2**64 - 1 is not one
+    seed: Int | None = bounded(minimum=0, exclusiveMaximum=MAX_SEED + 1)
+    stop: Annotated[str | list[str] | None, WithJsonSchema(STOP_SCHEMA)] = None
+    stop_token_ids: list[TokenId] | None = None
+    logit_bias: Annotated[dict[str, float] | None, WithJsonSchema(LOGIT_BIAS_SCHEMA)] = None
+    min_tokens: Int = Field(default=0, json_schema_extra={"minimum": 0})  # <= max_tokens: SamplingParams
     ignore_eos: bool = False
     skip_special_tokens: bool = True
-    n: int = Field(default=1, ge=1, le=MAX_N)  # choices per prompt: fanned out into engine requests (fanout.py)
+    n: NumChoices = 1  # choices per prompt: fanned out into engine requests (fanout.py)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    priority: int = 0
+    priority: Int = 0
     user: str | None = None
 
     def logit_bias_ids(self) -> list[int]:
-        """The token ids logit_bias names (APIError 400 for a key that is not an integer)."""
-        try:
-            return [int(key) for key in self.logit_bias or {}]
-        except ValueError:
-            raise APIError(400, "logit_bias: keys must be token ids (integers as strings), got "
-                                f"{list(self.logit_bias or {})[:5]}", param="logit_bias") from None
+        """The token ids logit_bias names (APIError 400 for a key that is not one in ASCII digits)."""
+        keys = list(self.logit_bias or {})
+        if not all(TOKEN_ID_KEY.fullmatch(key) for key in keys):
+            raise APIError(400, f"logit_bias: keys must be token ids (integers as strings), got {keys[:5]}",
+                           param="logit_bias")
+        return [int(key) for key in keys]
 
     def check_fields(self) -> None:
         """Rules between fields (each field's own range is checked by its type): 400s naming the field."""
@@ -128,11 +137,32 @@ class CompletionRequest(_Sampling):
     starts with its prompt (not with logprobs: the engine computes no prompt logprobs). `suffix` (OpenAI's
     fill-in-the-middle) is refused, as vLLM refuses it, rather than ignored."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    prompt: Annotated[str | list[int] | list[str] | list[list[int]], WithJsonSchema(PROMPT_SCHEMA)]
+    logprobs: NumLogprobs | None = None
     echo: bool = False
-    best_of: int | None = Field(default=None, ge=1, le=MAX_N)
-    suffix: str | None = None
+    best_of: NumChoices | None = None
+    suffix: Annotated[str | None, WithJsonSchema({"type": "null", "title": "Suffix",
+                                                  "description": "Not supported (no fill-in-the-middle)."})] = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _integral_ids(cls, prompt: Any) -> Any:
+        """Token ids written as integral floats as ints (Int's rule; here, so the union keeps its plain names
+        in errors: `list[int]`, ...)."""
+        if not isinstance(prompt, list):
+            return prompt
+        return [[integral(t) for t in one] if isinstance(one, list) else integral(one) for one in prompt]
+
+    @field_validator("prompt")
+    @classmethod
+    def _not_empty(cls, prompt: str | list[Any]) -> str | list[Any]:
+        """400 for an empty prompt (or an empty one in a batch), whatever the model's tokenizer would add."""
+        batch = isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list))
+        for index, one in enumerate(prompt if batch else [prompt]):
+            if len(one) == 0:
+                param = f"prompt.{index}" if batch else "prompt"
+                raise APIError(400, f"{param}: the prompt is empty; send at least one token", param=param)
+        return prompt
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of the request: one, or each of a batch (an empty list is one empty token prompt)."""
@@ -177,10 +207,10 @@ class CompletionRequest(_Sampling):
 class ChatCompletionRequest(_Sampling, ToolFields):
     """POST /v1/chat/completions. `logprobs` is a flag here, `top_logprobs` the count (OpenAI shape)."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    messages: ChatMessages
+    max_completion_tokens: Int | None = bounded(minimum=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: NumLogprobs | None = None
     add_generation_prompt: bool = True
 
     def conversation(self) -> list[dict[str, Any]]:
@@ -196,7 +226,12 @@ class ChatCompletionRequest(_Sampling, ToolFields):
         return max(1, room) if cap is None else max(1, min(room, cap))
 
     def check_fields(self) -> None:
-        """top_logprobs without logprobs: a 400, as OpenAI and vLLM answer (it would be ignored)."""
+        """top_logprobs without logprobs: a 400, as OpenAI and vLLM answer (it would be ignored); max_tokens
+        under 1 though max_completion_tokens (which wins) is valid: a 400 too, as the schema says."""
+        for name in ("max_tokens", "max_completion_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise APIError(400, f"{name} must be >= 1, got {value}", param=name)
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, f"top_logprobs={self.top_logprobs} needs logprobs=true: set it, or leave "
                                 "top_logprobs out", param="top_logprobs")

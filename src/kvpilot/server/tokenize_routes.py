@@ -18,26 +18,32 @@ import sys
 from typing import Any
 
 from fastapi import FastAPI
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, model_validator
 
-from kvpilot.server.chat_messages import template_messages
+from kvpilot.server.chat_messages import ChatMessages, template_messages
 from kvpilot.server.errors import APIError
 from kvpilot.server.prompt_tokens import encode, render_chat
-from kvpilot.server.protocol import ChatMessage, reject_lone_surrogates
+from kvpilot.server.protocol import reject_lone_surrogates
+from kvpilot.server.request_fields import TokenId
 from kvpilot.server.state import ServerState
 from kvpilot.server.structured_protocol import ToolDefinition, template_tools
 
 _STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+# check()'s rules in the JSON schema: exactly one of a text prompt and a chat; tools only with the chat.
+_PROMPT_OR_MESSAGES: dict[str, Any] = {"oneOf": [
+    {"required": ["prompt"], "properties": {"prompt": {"type": "string"}, "tools": {"type": "null"}}},
+    {"required": ["messages"], "properties": {"messages": {"type": "array"}}}]}
 
 
 class TokenizeRequest(BaseModel):
-    """Exactly one of `prompt` and `messages` (400 naming `prompt` otherwise); `tools` only with `messages`."""
+    """Exactly one of `prompt` and `messages` (400 naming `prompt` otherwise); `tools` only with `messages`.
+    The schema's oneOf says the same."""
 
-    model_config = _STRICT
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False, json_schema_extra=_PROMPT_OR_MESSAGES)
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    messages: ChatMessages | None = None
     tools: list[ToolDefinition] | None = None
     add_generation_prompt: bool = True
     add_special_tokens: bool | None = None
@@ -67,7 +73,7 @@ class DetokenizeRequest(BaseModel):
     model_config = _STRICT
 
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]  # in the vocabulary: checked by the route, which knows it
 
     @model_validator(mode="before")
     @classmethod
