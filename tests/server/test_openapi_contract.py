@@ -138,6 +138,8 @@ def test_chat_token_budgets_schema_and_server_agree(openapi, body: dict, accepte
     (TokenizeRequest, {"prompt": "a", "messages": [USER]}, False),
     (TokenizeRequest, {"prompt": None, "messages": [USER]}, True),
     (TokenizeRequest, {"prompt": "a", "tools": []}, False),
+    (TokenizeRequest, {"prompt": "a", "messages": [USER], "tools": []}, False),  # found by schemathesis
+    (TokenizeRequest, {"prompt": "a", "messages": None}, True),
     (DetokenizeRequest, {"tokens": [1, 2]}, True), (DetokenizeRequest, {"tokens": []}, True),
     (DetokenizeRequest, {"tokens": [-1]}, False), (DetokenizeRequest, {}, False),
 ])

@@ -31,8 +31,9 @@ from kvpilot.server.structured_protocol import ToolDefinition, template_tools
 _STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 # check()'s rules in the JSON schema: exactly one of a text prompt and a chat; tools only with the chat.
 _PROMPT_OR_MESSAGES: dict[str, Any] = {"oneOf": [
-    {"required": ["prompt"], "properties": {"prompt": {"type": "string"}, "tools": {"type": "null"}}},
-    {"required": ["messages"], "properties": {"messages": {"type": "array"}}}]}
+    {"required": ["prompt"], "properties": {"prompt": {"type": "string"}, "messages": {"type": "null"},
+                                            "tools": {"type": "null"}}},
+    {"required": ["messages"], "properties": {"messages": {"type": "array"}, "prompt": {"type": "null"}}}]}
 
 
 class TokenizeRequest(BaseModel):
