@@ -137,17 +137,6 @@ def test_integrity_check_catches_corruption() -> None:
         pool.check_integrity()
 
 
-def test_reset_prefix_cache_drops_idle_hashes_only() -> None:
-    pool = BlockPool(3)
-    a, b = pool.allocate(2)
-    _cache(pool, a, ROOT_PARENT_HASH, (1,))
-    hb = _cache(pool, b, ROOT_PARENT_HASH, (2,))
-    pool.free([a])
-    assert pool.reset_prefix_cache() == 1
-    assert a.block_hash is None and b.block_hash == hb
-    pool.check_integrity()
-
-
 def test_integrity_check_catches_counter_drift() -> None:
     pool = BlockPool(3)
     pool.allocate(1)

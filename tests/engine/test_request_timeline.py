@@ -43,7 +43,7 @@ def test_timeline_is_stamped_at_every_transition() -> None:
     assert m.queue_time == pytest.approx(0.5) and m.tokenize_time == pytest.approx(0.5)
     assert m.prefill_time == pytest.approx(2.0) and m.ttft == pytest.approx(3.0)
     assert m.decode_time == pytest.approx(2.0) and m.e2e_latency == pytest.approx(5.0)
-    assert m.inter_token_latencies == (1.0, 1.0) and m.mean_tpot == pytest.approx(1.0)
+    assert m.inter_token_latencies == (1.0, 1.0)
     assert (m.num_prompt_tokens, m.num_generated_tokens, m.finish_reason) == (12, 3, "length")
     assert (m.num_cached_tokens, m.num_preemptions) == (0, 0)
 
@@ -55,7 +55,7 @@ def test_metrics_of_a_request_aborted_in_the_queue() -> None:
     sched.abort_requests("r")
     m = r.metrics()
     assert m.finish_reason == "abort" and m.e2e_latency == pytest.approx(1.0)
-    assert m.queue_time is None and m.ttft is None and m.mean_tpot is None
+    assert m.queue_time is None and m.ttft is None
     assert m.inter_token_latencies == ()
 
 

@@ -159,14 +159,6 @@ class BlockPool:
         num_cached = sum(1 for b in self.blocks if b.ref_cnt == 0 and b.block_hash is not None)
         return BlockCounts(self.num_blocks, self.num_blocks - num_used - num_cached, num_cached, num_used)
 
-    def reset_prefix_cache(self) -> int:
-        """Drop every cached hash of blocks nobody uses; returns how many were dropped."""
-        idle = [b for b in self._cached.values() if b.ref_cnt == 0]
-        for block in idle:
-            self._evict(block)
-        self._num_idle_cached -= len(idle)
-        return len(idle)
-
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is None:
             return

@@ -61,13 +61,6 @@ class RequestMetrics:
     e2e_latency: float | None
     inter_token_latencies: tuple[float, ...]
 
-    @property
-    def mean_tpot(self) -> float | None:
-        """Mean time per output token after the first (vLLM's TPOT), None with fewer than two tokens."""
-        if not self.inter_token_latencies:
-            return None
-        return sum(self.inter_token_latencies) / len(self.inter_token_latencies)
-
     @classmethod
     def from_timeline(
         cls,

@@ -27,10 +27,6 @@ class GgufError(ConfigError):
     kvpilot cannot turn into an HF config (the message names the file)."""
 
 
-class ImpossibleRequestError(FitError):
-    """Inputs that cannot be satisfied (e.g. a model that does not fit on any number of GPUs)."""
-
-
 def suggest(name: str, candidates: Iterable[str], what: str) -> str:
     """`unknown <what> 'name'` plus up to three close matches (difflib) and the full choice list."""
     choices = sorted(set(candidates))

@@ -68,18 +68,6 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
-    def num_parameters(self) -> int:
-        """Parameter count implied by the config (embeddings counted once when tied)."""
-        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
-        if self.attention_bias:
-            attn += self.q_size + 2 * self.kv_size
-        if self.qk_norm:
-            attn += 2 * self.head_dim
-        per_layer = attn + 3 * h * i + 2 * h
-        lm_head = 0 if self.tie_word_embeddings else v * h
-        return v * h + self.num_hidden_layers * per_layer + h + lm_head
-
 
 def _family(arch: str | None, source: str) -> str:
     if arch not in SUPPORTED_ARCHITECTURES:
