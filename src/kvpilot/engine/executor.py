@@ -1,5 +1,6 @@
-"""The executor seam: what the engine loop needs from whatever runs the model (in process today; worker
-processes per tensor-parallel rank later). It sees only the scheduler's diffs and returns RunnerOutputs."""
+"""The executor seam: what the engine loop needs from whatever runs the model (the runner in this process,
+or the tensor-parallel ranks' worker processes, engine_tp.py). It sees only the scheduler's diffs and returns
+RunnerOutputs."""
 
 from __future__ import annotations
 

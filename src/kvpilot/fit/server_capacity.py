@@ -1,7 +1,7 @@
 """Predicted vs actual KV capacity of a running kvpilot server (`kvpilot fit --url`).
 
-The server side is not built yet. Proposed contract (the lead wires it into the server): a JSON object
-served by the running engine, e.g. at GET /v1/kvpilot/capacity:
+The contract: the JSON object a kvpilot server serves at GET /v1/kvpilot/capacity (server/engine_info.py
+builds it; fit/cli.py fetches it), for example
 
     {"model": "...", "num_hidden_layers": 30, "num_key_value_heads": 3, "head_dim": 64,
      "kv_dtype_bytes": 2, "kv_cache_memory_bytes": 1073741824, "block_size": 16,
@@ -9,7 +9,6 @@ served by the running engine, e.g. at GET /v1/kvpilot/capacity:
 
 `compare_capacity` recomputes the capacity from the reported shape and KV budget with the same
 function the engine allocates with, and lines it up with what the engine reports.
-TODO(issue 6, item 5): fetch that JSON over HTTP once the server exposes it.
 """
 
 from __future__ import annotations

@@ -3,16 +3,15 @@
 `--quantization` (EngineArgs.quantization), for GGUF files:
 - auto (default): packed on CPU when every linear weight is Q8_0 / Q4_0 / Q4_1 and the kernel builds;
   otherwise dequantized at load (K-quants, float GGUFs, GPUs). With bfloat16 activations the layout is
-  hybrid: the packed kernel for few rows (decode of few streams reads 4-bit weights: single stream 41 vs
-  25 tok/s dense bf16) and resident dense bf16 weights for more rows (native bf16 GEMMs beat the kernel from
-  16 rows up, 196 vs 163 tok/s at batch 16; measured 2026-11-23 on an AVX512_BF16 EPYC), at the price of
-  holding both copies (the dense one in float32 where float32 GEMMs measure faster than bf16 ones at load,
-  layers/prompt_gemm.py: twice the bytes). Float32 activations stay packed only (packed beats dense float32 at
-  every batch);
+  hybrid: the packed kernel for few rows (decode of few streams reads 4-bit weights) and resident dense
+  weights for more rows (native bf16 GEMMs beat the kernel from about 16 rows up; docs/benchmarks.md has the
+  figures), at the price of holding both copies (the dense one in float32 where float32 GEMMs measure faster
+  than bf16 ones at load, layers/prompt_gemm.py: twice the bytes). Float32 activations stay packed only
+  (packed beats dense float32 at every batch);
 - gguf: packed only, or a ModelLoadError naming the tensor types the kernels lack. With bf16 activations on a
   VNNI CPU the int8 path's tiled copy is then the only copy of the blocks: decode steps run on it, steps with
-  prompt tokens dequantize it per layer into one shared scratch matrix (~10 ms a step for the embedded model's
-  120 layers) instead of keeping a dense copy (~190 MiB less resident memory than auto);
+  prompt tokens dequantize it per layer into one shared scratch matrix instead of keeping a dense copy (less
+  resident memory than auto, at a per-step cost);
 - none: dequantized to --dtype at load (dense matmuls);
 - int8 / int4: any model's dense weights quantized at load (quant/at_load.py; a GGUF is dequantized first);
 - fp8: the decoder layers' weights as float8 e4m3 with per-channel scales, activations per token (quant/fp8.py:
