@@ -151,6 +151,11 @@ class LLMEngine:
         self.scheduler.abort_requests(ids)
         self._pending_aborts.extend(i for i in ids if i in self._tracked)
 
+    @property
+    def num_failed_steps(self) -> int:
+        """Steps that raised since the engine started (each rolled back its requests: step_failures.py)."""
+        return self._failures.num_failures
+
     def has_unfinished_requests(self) -> bool:
         return (self.scheduler.has_unfinished_requests() or bool(self._pending_aborts)
                 or self._in_flight is not None)
@@ -191,10 +196,11 @@ class LLMEngine:
         except Exception as exc:  # noqa: BLE001 - judged by step_failures
             raise StepFailed([step.scheduled], exc, at_launch=False) from exc
         self._failures.completed(step.scheduled)
-        updates = self.scheduler.update_from_output(step.scheduled, result.token_ids)
+        outputs = [self._fail_alone(rid, message) for rid, message in result.failed.items()]  # before their tokens
+        updates = self.scheduler.update_from_output(step.scheduled, result.token_ids)  # a failed one's: discarded
         logprobs = result.logprobs  # only the requests that asked for logprobs
-        outputs = [self._process_or_fail(update, logprobs.get(update.request_id) if logprobs else None)
-                   for update in updates]
+        outputs.extend(self._process_or_fail(update, logprobs.get(update.request_id) if logprobs else None)
+                       for update in updates)
         if self.on_step is not None:
             self.on_step(_step_stats(step.scheduled, len(updates), self.clock() - step.started))
         return outputs
@@ -225,6 +231,11 @@ class LLMEngine:
             logger.exception("handling the output of request %r failed", update.request_id)
             return self._fail_request(update.request_id, f"the engine could not handle this request's output: "
                                                          f"{type(exc).__name__}: {exc}")
+
+    def _fail_alone(self, request_id: str, message: str) -> RequestOutput | None:
+        """A request the runner failed by itself (its grammar): finished with reason "error", nothing rolled back."""
+        logger.warning("request %r failed alone: %s", request_id, message)
+        return self._fail_request(request_id, message)
 
     def _fail_request(self, request_id: str, message: str) -> RequestOutput | None:
         """Finishes the request with reason "error" (blocks freed at once) and returns its final output."""

@@ -115,10 +115,13 @@ class SampledToken:
 class RunnerOutput:
     """What one step produced, in one message: token_ids, the sampled token of every chunk with needs_sample,
     by request id; logprobs, by request id, the SampledToken (with its logprob and top alternatives) of those
-    of them that asked for logprobs, and no others. Plain ids for the rest: no object per request per step."""
+    of them that asked for logprobs, and no others. Plain ids for the rest: no object per request per step.
+    failed: requests the runner failed alone in this step (request id -> why, a bounded message; their grammar
+    failed, model/grammar_state.py): the engine finishes them with reason "error" and discards their tokens."""
 
     token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, SampledToken] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

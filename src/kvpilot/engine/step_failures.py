@@ -34,6 +34,7 @@ from kvpilot.engine.scheduler_output import SchedulerOutput
 logger = logging.getLogger("kvpilot.engine")
 MAX_STRIKES = 3
 PROBE_SAMPLES = 2  # the recomputation's sample, then one decode step
+MAX_CAUSE_CHARS = 500  # of the cause's message, as it goes to the client and between processes
 
 
 class StepFailed(Exception):
@@ -41,7 +42,8 @@ class StepFailed(Exception):
     result); `at_launch`: the newest step failed to launch (an older one in flight is still good)."""
 
     def __init__(self, steps: list[SchedulerOutput], cause: BaseException, at_launch: bool) -> None:
-        super().__init__(f"{type(cause).__name__}: {cause}")
+        text = f"{type(cause).__name__}: {cause}"
+        super().__init__(text if len(text) <= MAX_CAUSE_CHARS else text[:MAX_CAUSE_CHARS - 3] + "...")
         self.steps, self.cause, self.at_launch = steps, cause, at_launch
 
 
@@ -66,6 +68,11 @@ class StepFailures:
         self._num_probe_samples = 0  # tokens the probed suspect sampled alone so far
         self._drop_finished: list[str] = []
         self._drop_preempted: list[str] = []
+
+    @property
+    def num_failures(self) -> int:
+        """Failed steps judged so far."""
+        return self._num_failures
 
     @property
     def suspects(self) -> list[str]:

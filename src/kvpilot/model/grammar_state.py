@@ -5,119 +5,109 @@ is added (a resumed request replays its output tokens into a fresh matcher), ask
 bitmask before every sample, fed the sampled token right after it. Once the grammar is complete the
 matcher allows only EOS, so the request ends with finish_reason "stop" by the scheduler's one EOS rule.
 
-Rows without a grammar cost one integer test per step. The matcher must see every token before the next
-step's mask is computed, so `record` reads the constrained rows' sampled ids to the host at once: correct
-under async scheduling too (where the engine reads results one step late), at the price of a device sync in
-the steps that hold a constrained row. A token sampled after the grammar stopped (async scheduling computes
-one past EOS, then discards it) is not fed to the matcher.
+The matcher work runs in MaskWorkers' threads (grammar_masks.py): a row's next mask is computed from the
+moment its token is sampled until the next step needs it. `record` reads the constrained rows' sampled ids to
+the host at once, so the work can start: correct under async scheduling too (where the engine reads results
+one step late), at the price of a device sync in the steps that hold a constrained row.
+
+A grammar that fails here (it does not compile, rejects a token, hits an llguidance limit, or one token's work
+takes more than GrammarLimits.max_mask_ms of CPU) fails its request alone: the row goes on unconstrained (its
+tokens are discarded: the engine finishes the request with reason "error" when it reads this step's result,
+`take_failures`), and nothing raises out of the step, so the requests batched with it are not rolled back.
+Rows without a grammar cost one integer test per step.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from concurrent.futures import Future
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 
+from kvpilot.model.grammar_compiler import GrammarCompiler
+from kvpilot.model.grammar_masks import MaskOutcome, MaskWorkers
 from kvpilot.sampling_params import SamplingParams
-
-MAX_CACHED_GRAMMARS = 128
-
-
-class GrammarError(ValueError):
-    """One request's grammar cannot run (does not compile for this tokenizer, or rejected a token): the
-    engine fails that request alone (engine/step_failures.py)."""
-
-
-class GrammarCompiler:
-    """llguidance's tokenizer view (built once, on first use: ~0.2 s) and compiled grammars, cached by spec:
-    a new request gets a copy of the cached pristine matcher (microseconds)."""
-
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
-        self._tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, list(eos_token_ids)
-        self._ll_tokenizer: Any = None
-        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
-
-    def _tokenizer_view(self) -> Any:
-        if self._ll_tokenizer is None:
-            from llguidance import LLTokenizer
-
-            backend = getattr(self._tokenizer, "backend", None)
-            if backend is None or not self.eos_token_ids:
-                raise GrammarError("structured outputs need the model's tokenizer (tokenizers-based) and an EOS "
-                                   "token; this model has none")
-            self._ll_tokenizer = LLTokenizer(backend.to_str(), n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
-        return self._ll_tokenizer
-
-    def matcher(self, params: SamplingParams) -> Any:
-        """A fresh matcher at the start of the request's grammar."""
-        from llguidance import LLMatcher
-
-        spec = params.structured_outputs
-        assert spec is not None
-        key = spec.cache_key()
-        pristine = self._cache.get(key)
-        if pristine is None:
-            try:
-                pristine = LLMatcher(self._tokenizer_view(), spec.grammar_text(), log_level=0)
-            except ValueError as exc:  # the spec could not be turned into a grammar
-                raise GrammarError(str(exc)) from None
-            if pristine.is_error():
-                raise GrammarError(f"structured_outputs: the grammar does not compile: {pristine.get_error()}")
-            self._cache[key] = pristine
-            if len(self._cache) > MAX_CACHED_GRAMMARS:
-                self._cache.popitem(last=False)
-        else:
-            self._cache.move_to_end(key)
-        return pristine.deep_copy()
+from kvpilot.structured_outputs import StructuredOutputsError
+from kvpilot.structured_outputs.limits import explain, over_budget
 
 
 class GrammarState:
-    """Per-row matchers. Invariant: matchers[r] is not None iff row r's request has structured_outputs, and
-    it has consumed exactly the row's output tokens sampled so far (up to the grammar's end)."""
+    """Per-row matchers. Invariants: matchers[r] is not None iff row r's request has structured_outputs and its
+    grammar has not failed; it has consumed exactly the row's output tokens sampled so far (up to the
+    grammar's end) once jobs[r], the work submitted for its next sample, is done; failed requests are reported
+    once, by take_failures."""
 
     def __init__(self, max_rows: int, compiler: GrammarCompiler, device: torch.device) -> None:
-        self.compiler, self.device = compiler, device
+        self.compiler, self.device, self.limits = compiler, device, compiler.limits
         self.matchers: list[Any] = [None] * max_rows
+        self.jobs: list[Future[MaskOutcome] | None] = [None] * max_rows
+        self._request_ids: list[str | None] = [None] * max_rows
         self.num_active = 0
         self._words = (compiler.vocab_size + 31) // 32
+        self._workers = MaskWorkers(max_rows)
+        self._failures: dict[str, str] = {}  # request id -> why its grammar failed, until taken
         self._shifts: torch.Tensor | None = None
 
-    def add(self, row: int, params: SamplingParams, output_ids: Sequence[int]) -> None:
+    def add(self, row: int, request_id: str, params: SamplingParams, output_ids: Sequence[int]) -> None:
+        """Holds a matcher for the row's request (its output so far replayed) and starts its first mask; a
+        grammar that cannot be built fails the request."""
         self.remove(row)
-        if params.structured_outputs is None:
+        spec = params.structured_outputs
+        if spec is None:
             return
-        matcher = self.compiler.matcher(params)
-        if output_ids and not matcher.consume_tokens(list(output_ids)):
-            raise GrammarError(f"structured_outputs: replaying the request's {len(output_ids)} output tokens "
-                               f"failed: {matcher.get_error()}")
-        self.matchers[row] = matcher
+        try:
+            matcher = self.compiler.matcher(spec)
+        except StructuredOutputsError as exc:
+            self._failures[request_id] = str(exc)
+            return
+        self.matchers[row], self._request_ids[row] = matcher, request_id
         self.num_active += 1
+        self.jobs[row] = self._workers.submit(matcher, output_ids, self._words)
 
     def remove(self, row: int) -> None:
         if self.matchers[row] is not None:
-            self.matchers[row] = None
+            self.matchers[row] = self.jobs[row] = self._request_ids[row] = None
             self.num_active -= 1
 
+    def take_failures(self) -> dict[str, str]:
+        """Request id -> why its grammar failed, for the requests failed since the last call."""
+        failures, self._failures = self._failures, {}
+        return failures
+
     def apply(self, logits: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
-        """logits [N, vocab] of persistent `rows` -> disallowed tokens of constrained rows set to -inf."""
+        """logits [N, vocab] of persistent `rows` -> disallowed tokens of constrained rows set to -inf (rows
+        whose grammar fails now are left unconstrained, and reported)."""
         which = self._constrained(rows)
         if not which:
             return logits
-        from llguidance.numpy import fill_next_token_bitmask
-
-        bitmask = np.empty((len(which), self._words), dtype=np.int32)
-        for k, i in enumerate(which):
-            matcher = self.matchers[int(rows[i])]
-            fill_next_token_bitmask(matcher, bitmask, k)
-            if matcher.is_error():
-                raise GrammarError(f"structured_outputs: the grammar failed: {matcher.get_error()}")
+        bitmask = np.stack([self._mask(int(rows[i])) for i in which])
         allowed = self._unpack(torch.from_numpy(bitmask).to(logits.device), logits.shape[1])
         index = torch.tensor(which, device=logits.device)
         logits = logits.clone()
         logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
         return logits
+
+    def _mask(self, row: int) -> np.ndarray:
+        """The row's next mask (waits for its job); all tokens allowed if its grammar failed."""
+        job = self.jobs[row]
+        if job is None:  # every matcher gets a job when added and after each token: none is missing
+            job = self._workers.submit(self.matchers[row], (), self._words)
+        outcome = job.result()
+        self.jobs[row] = None
+        if outcome.error:
+            self._fail(row, f"structured_outputs: the grammar failed: {explain(outcome.error, self.limits)}")
+        elif outcome.cpu_seconds > self.limits.max_mask_s:
+            self._fail(row, f"structured_outputs: {over_budget(outcome.cpu_seconds, self.limits)}")
+        else:
+            return outcome.mask
+        return np.full(self._words, -1, dtype=np.int32)
+
+    def _fail(self, row: int, message: str) -> None:
+        request_id = self._request_ids[row]
+        assert request_id is not None  # a row with a matcher has its request id
+        self._failures[request_id] = message
+        self.remove(row)
 
     def _constrained(self, rows: np.ndarray) -> list[int]:
         """Positions in `rows` whose row holds a matcher (none at all costs one integer test)."""
@@ -133,15 +123,12 @@ class GrammarState:
         return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
     def record(self, rows: np.ndarray, token_ids: torch.Tensor) -> None:
-        """Feeds each constrained row its just-sampled token (reads those ids to the host)."""
+        """Starts each constrained row's work for its next sample: feeding it its just-sampled token (reads
+        those ids to the host)."""
         which = self._constrained(rows)
         if not which:
             return
         sampled = token_ids[torch.tensor(which, device=token_ids.device)].tolist()
         for i, token_id in zip(which, sampled):
-            matcher = self.matchers[int(rows[i])]
-            if matcher.is_stopped():
-                continue  # past the grammar's end (EOS already taken): the token is discarded
-            if not matcher.consume_token(token_id):
-                raise GrammarError(f"structured_outputs: the grammar rejected sampled token {token_id}: "
-                                   f"{matcher.get_error()}")
+            row = int(rows[i])
+            self.jobs[row] = self._workers.submit(self.matchers[row], (token_id,), self._words)

@@ -19,7 +19,8 @@ from kvpilot.model.attention import StepAttention, select_attention_backend
 from kvpilot.model.cuda_graphs import DecodeGraphs
 from kvpilot.model.device_staging import PackedArrays
 from kvpilot.model.errors import ModelLoadError
-from kvpilot.model.grammar_state import GrammarCompiler, GrammarState
+from kvpilot.model.grammar_compiler import GrammarCompiler
+from kvpilot.model.grammar_state import GrammarState
 from kvpilot.model.host_copy import HostCopy
 from kvpilot.model.input_batch import BatchLimits, InputBatch
 from kvpilot.model.kv_cache import allocate_kv_cache
@@ -45,12 +46,14 @@ class RunnerLimits:
 class StepResult:
     """A launched step. Its sampled ids (and logprobs) start for the host when it launches (HostCopy);
     result() waits for them, commits them to the persistent batch and returns the RunnerOutput; later calls
-    return the same object."""
+    return the same object. `failed`: the requests the runner failed alone in this step (request id -> why),
+    set before result() is first called."""
 
     def __init__(self, runner: "ModelRunner | None" = None, request_ids: Sequence[str] = (),
                  rows: np.ndarray | None = None, positions: np.ndarray | None = None,
                  token_ids: torch.Tensor | None = None, num_top: Sequence[int] = (),
                  logprobs: Logprobs | None = None, num_removed: int | None = None) -> None:
+        self.failed: dict[str, str] = {}
         self._runner, self._request_ids, self._rows, self._positions = runner, list(request_ids), rows, positions
         self._num_removed = num_removed  # the batch's count of freed rows at launch (InputBatch.commit)
         # num_top: per sampled row, the top-N logprobs it asked for (-1: none); read only with logprobs
@@ -59,9 +62,11 @@ class StepResult:
         if logprobs is not None:
             tensors += [logprobs.chosen, logprobs.top_values, logprobs.top_ids]
         self._copy = HostCopy(tensors) if tensors else None
-        self._output: RunnerOutput | None = None if request_ids else RunnerOutput()
+        self._output: RunnerOutput | None = None
 
     def result(self) -> RunnerOutput:
+        if self._output is None and not self._request_ids:
+            self._output = RunnerOutput(failed=self.failed)
         if self._output is None:
             assert self._copy is not None and self._positions is not None and self._rows is not None \
                 and self._runner is not None
@@ -71,7 +76,7 @@ class StepResult:
                                       self._num_removed)
             logprobs = sampled_logprobs(self._request_ids, ids, self._num_top, Logprobs(*host[1:])) \
                 if self._has_logprobs else {}
-            self._output = RunnerOutput(dict(zip(self._request_ids, ids)), logprobs)
+            self._output = RunnerOutput(dict(zip(self._request_ids, ids)), logprobs, self.failed)
         return self._output
 
 
@@ -123,7 +128,7 @@ class ModelRunner:
         self.penalties.add(row, new.sampling_params, new.prompt_token_ids, new.output_token_ids)
         params = new.sampling_params
         self.logit_bias.add(row, params)
-        self.grammars.add(row, params, new.output_token_ids)  # GrammarError: this request's fault alone
+        self.grammars.add(row, new.request_id, params, new.output_token_ids)  # a failure: reported, never raised
         if params.seed is not None and not params.is_greedy and new.request_id not in self._generators:
             self._generators[new.request_id] = torch.Generator(device=self.device).manual_seed(params.seed)
 
@@ -154,7 +159,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, output: SchedulerOutput) -> StepResult:
-        """Applies the diff and launches the step (on CPU it runs to completion here)."""
+        """Applies the diff and launches the step (on CPU it runs to completion here). Requests whose grammar
+        failed in it are failed alone (StepResult.failed), not raised: their step mates go on."""
+        step = self._execute(output)
+        step.failed = self.grammars.take_failures()
+        return step
+
+    def _execute(self, output: SchedulerOutput) -> StepResult:
         rows = self.apply_diff(output)
         if not output.chunks:
             return StepResult()

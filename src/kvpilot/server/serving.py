@@ -1,4 +1,5 @@
-"""One request's way through the HTTP layer: validate -> queue slot -> tokenize (timed, in the tokenizer
+"""One request's way through the HTTP layer: validate -> queue slot -> grammar admission (an output
+constraint compiled and probed, structured_outputs/admission.py) -> tokenize (timed; both in the tokenizer
 pool: never on the event loop) -> token cap -> engine -> respond.
 
 Streaming responses abort their request when the client goes away (the generator is closed or cancelled);
@@ -33,6 +34,7 @@ from kvpilot.server.request_identity import engine_request_id
 from kvpilot.server.responses import SSE_DONE, ResponseShape, chat_logprobs, completion_logprobs
 from kvpilot.server.state import ServerState
 from kvpilot.server.sub_requests import SubRequests
+from kvpilot.structured_outputs import StructuredOutputsError
 
 
 class ClientDisconnected(Exception):
@@ -77,6 +79,7 @@ async def _prepare_reserved(state: ServerState, body: CompletionRequest | ChatCo
     limit = state.info.max_model_len
     bodies = prompt_bodies(body)
     echo = bool(getattr(body, "echo", False))
+    await _admit_grammar(state, body)
     started = time.monotonic()
     try:
         # tokenize_request is read from this module at each call: tests wrap it (held_tokenizer.py).
@@ -114,6 +117,20 @@ async def _prepare_reserved(state: ServerState, body: CompletionRequest | ChatCo
                     echo=tuple(text for _, text in prompts), show_logprobs=user_logprobs is not None,
                     stage_followers=state.info.enable_prefix_caching, prompt_texts=texts,
                     tool_calls=body.tool_call_plan() if chat else None)  # type: ignore[union-attr]
+
+
+async def _admit_grammar(state: ServerState, body: CompletionRequest | ChatCompletionRequest) -> None:
+    """The request's output constraint compiled and probed for the model's tokenizer (GrammarAdmission) in the
+    tokenizer pool, never on the event loop; a grammar that would fail or stall in the engine is a 400 naming
+    the field and the limit."""
+    constraint = body.structured_outputs_constraint()
+    if constraint is None:
+        return
+    param, spec = constraint
+    try:
+        await state.tokenizer_pool.run(spec.num_chars, state.grammar_admission().admit, spec)
+    except StructuredOutputsError as exc:
+        raise APIError(400, f"{param}: {exc}", param=param) from None
 
 
 def _prompt_params(state: ServerState, body: CompletionRequest | ChatCompletionRequest, prompt: TokenizedPrompt,

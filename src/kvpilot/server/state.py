@@ -13,6 +13,7 @@ from kvpilot.server.errors import APIError
 from kvpilot.server.metrics import ServerMetrics
 from kvpilot.server.tokenizer_pool import TokenizerPool
 from kvpilot.server.tracing import NullTracer
+from kvpilot.structured_outputs.admission import GrammarAdmission
 
 
 MAX_ECHOED_MODEL_CHARS = 256  # an unknown model name is echoed back at most this long (it is client input)
@@ -34,6 +35,7 @@ class ServerState:
     draining: bool = False
     tokenizer_pool: TokenizerPool = field(default_factory=TokenizerPool)  # shut down by the app's lifespan
     tracer: NullTracer = field(default_factory=NullTracer)  # RequestTracer with --otlp-traces-endpoint
+    _grammars: GrammarAdmission | None = field(default=None, repr=False)
 
     @property
     def info(self) -> EngineInfo:
@@ -45,6 +47,14 @@ class ServerState:
     def tokenizer(self) -> Any:
         """The engine's tokenizer, sent by the core at start (None for a model without one)."""
         return self.client.tokenizer
+
+    def grammar_admission(self) -> GrammarAdmission:
+        """Structured-outputs admission for the engine's tokenizer (made on first use, once the engine is ready;
+        its tokenizer view is built by its first probe, in the tokenizer pool)."""
+        if self._grammars is None:
+            tokenizer = self.tokenizer
+            self._grammars = GrammarAdmission(tokenizer, self.info.vocab_size, getattr(tokenizer, "eos_token_ids", ()))
+        return self._grammars
 
     def check_serving(self) -> None:
         """503 while the engine loads, after it failed, or while draining."""

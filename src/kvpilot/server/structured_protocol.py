@@ -1,6 +1,7 @@
 """Request fields that constrain the output: OpenAI's `response_format`, `tools` / `tool_choice`, and vLLM's
-`structured_outputs` and `guided_*` extras. They become one StructuredOutputsParams, validated here (the
-grammar is compiled by llguidance, which needs no torch): a bad spec is a 400 naming the field it came from.
+`structured_outputs` and `guided_*` extras. They become one StructuredOutputsParams, its shape validated
+here; its grammar is compiled and probed for the model's tokenizer by GrammarAdmission, in the tokenizer
+pool (serving.py; llguidance needs no torch): a bad or too costly spec is a 400 naming the field it came from.
 
 Never silently ignored: fields kvpilot does not implement (`functions`, `function_call`,
 `guided_decoding_backend` other than guidance, `guided_whitespace_pattern`, response_format types other than
@@ -88,13 +89,12 @@ class NamedToolChoice(BaseModel):
 
 
 def _spec(param: str, **fields: Any) -> StructuredOutputsParams:
-    """StructuredOutputsParams whose grammar compiles, else a 400 naming `param`."""
+    """StructuredOutputsParams of a well-formed spec (its grammar is not compiled here), else a 400 naming
+    `param`."""
     try:
-        spec = StructuredOutputsParams(**fields)
-        spec.check()
+        return StructuredOutputsParams(**fields)
     except StructuredOutputsError as exc:
         raise APIError(400, f"{param}: {exc}", param=param) from None
-    return spec
 
 
 class StructuredFields(BaseModel):
@@ -124,7 +124,12 @@ class StructuredFields(BaseModel):
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """The one output constraint the request asks for (None: unconstrained); APIError 400 naming the field
-        for a bad spec or for two constraints at once."""
+        for a malformed spec or for two constraints at once."""
+        constraint = self.structured_outputs_constraint()
+        return constraint[1] if constraint is not None else None
+
+    def structured_outputs_constraint(self) -> tuple[str, StructuredOutputsParams] | None:
+        """(the field it came from, the spec) of the one output constraint, as structured_outputs_params."""
         self._refuse_unsupported()
         given: list[tuple[str, dict[str, Any]]] = []
         rf = self.response_format
@@ -151,7 +156,7 @@ class StructuredFields(BaseModel):
         if not given:
             return None
         param, fields = given[0]
-        return _spec(param, **fields)
+        return param, _spec(param, **fields)
 
     def _tool_constraint(self) -> list[tuple[str, dict[str, Any]]]:
         return []

@@ -3,8 +3,10 @@
 Exactly one of `json` (a JSON schema, as a dict or its text), `json_object` (any JSON object), `regex`,
 `choice` (one of these strings) or `grammar` (Lark, or llama.cpp's GBNF) is set. The spec is plain data:
 it pickles into the engine core and costs nothing until a request uses it. `grammar_text()` turns it into
-an llguidance grammar and `check()` validates that (both import llguidance lazily, so this module stays
-importable without it; the runner's matchers compile the same text, model/grammar_state.py).
+an llguidance grammar and `check()` validates that under GrammarLimits (limits.py), without a tokenizer
+(both import llguidance lazily, so this package stays importable without it). With the model's tokenizer,
+GrammarAdmission (admission.py) compiles and probes it before the HTTP process lets it reach the engine; the
+runner's matchers compile the same text (matchers.py, model/grammar_state.py).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import functools
 import json
 from dataclasses import dataclass
 from typing import Any
+
+from kvpilot.structured_outputs.limits import GRAMMAR_LIMITS, GrammarLimits, bounded, explain
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
@@ -74,16 +78,31 @@ class StructuredOutputsParams:
             return kind, json.dumps(self.choice)
         return kind, str(getattr(self, kind))
 
+    @property
+    def num_chars(self) -> int:
+        """The size of the spec's text (what max_grammar_chars limits)."""
+        return len(self.cache_key()[1])
+
+    def check_size(self, limits: GrammarLimits = GRAMMAR_LIMITS) -> None:
+        """StructuredOutputsError unless the spec's text is within max_grammar_chars (checked before compiling)."""
+        if self.num_chars > limits.max_grammar_chars:
+            raise StructuredOutputsError(
+                f"structured_outputs.{self.kind}: the grammar is {self.num_chars:,} characters, over the limit of "
+                f"{limits.max_grammar_chars:,} (max_grammar_chars): send a smaller schema, regex or grammar, or "
+                "fewer choices")
+
     def grammar_text(self) -> str:
         """The llguidance grammar (StructuredOutputsError if the spec cannot be converted)."""
         return _grammar_text(self.cache_key())
 
-    def check(self) -> None:
-        """StructuredOutputsError (naming what is wrong) unless the grammar compiles. Cached by spec."""
-        error = _validate(self.cache_key())
+    def check(self, limits: GrammarLimits = GRAMMAR_LIMITS) -> None:
+        """StructuredOutputsError (naming what is wrong, and the limit if one was hit) unless the spec is within
+        max_grammar_chars and its grammar compiles under `limits`. Needs no tokenizer; cached by spec."""
+        self.check_size(limits)
+        error = _validate(self.cache_key(), limits)
         if error:
             raise StructuredOutputsError(f"structured_outputs.{self.kind}: the grammar does not compile: "
-                                         f"{error.strip()[:500]}")
+                                         f"{explain(error, limits)}")
 
 
 @functools.lru_cache(maxsize=256)
@@ -100,16 +119,16 @@ def _grammar_text(key: tuple[str, str]) -> str:
             return LLMatcher.grammar_from_regex(text)
         return grammar_from("choice" if kind == "choice" else "grammar", text)
     except ValueError as exc:
-        raise StructuredOutputsError(f"structured_outputs.{kind}: {exc}") from None
+        raise StructuredOutputsError(f"structured_outputs.{kind}: {bounded(str(exc))}") from None
 
 
 @functools.lru_cache(maxsize=256)
-def _validate(key: tuple[str, str]) -> str:
-    """'' when the grammar of `key` compiles, else llguidance's error message."""
+def _validate(key: tuple[str, str], limits: GrammarLimits) -> str:
+    """'' when the grammar of `key` compiles under `limits`, else llguidance's error message."""
     from llguidance import LLMatcher
 
     try:
         grammar = _grammar_text(key)
     except StructuredOutputsError as exc:
         return str(exc)
-    return LLMatcher.validate_grammar(grammar)
+    return LLMatcher.validate_grammar(grammar, limits=limits.ll_limits())
