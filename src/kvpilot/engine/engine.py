@@ -17,11 +17,13 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from kvpilot.engine.config import CacheConfig, SchedulerConfig
 from kvpilot.engine.detokenizer import IncrementalDetokenizer
 from kvpilot.engine.executor import Executor, StepHandle
 from kvpilot.engine.request import FinishReason, Request
 from kvpilot.engine.scheduler import Scheduler
 from kvpilot.engine.scheduler_output import RequestUpdate, SampledToken, SchedulerOutput
+from kvpilot.engine.scheduler_stats import SchedulerStats
 from kvpilot.engine.step_failures import StepFailed, StepFailures
 from kvpilot.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from kvpilot.sampling_params import SamplingParams
@@ -159,6 +161,29 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return (self.scheduler.has_unfinished_requests() or bool(self._pending_aborts)
                 or self._in_flight is not None)
+
+    # ---- what a serving loop reads between steps (the server's engine core) ------------------------------
+
+    @property
+    def scheduler_config(self) -> SchedulerConfig:
+        return self.scheduler.config
+
+    @property
+    def cache_config(self) -> CacheConfig:
+        return self.scheduler.cache_config
+
+    def stats(self) -> SchedulerStats:
+        """The scheduler's snapshot now: requests running and waiting, blocks, prefix-cache counters."""
+        return self.scheduler.make_stats()
+
+    def check_integrity(self) -> None:
+        """Checks the scheduler's and the KV cache's invariants; raises naming the first one broken."""
+        self.scheduler.check_integrity()
+
+    def take_kv_events(self) -> list[Any]:
+        """The KV-cache events (kv_events.py) recorded since the last call; [] when they are not recorded."""
+        events = self.scheduler.kv.pool.events
+        return events.take() if events is not None else []
 
     # ---- one step ------------------------------------------------------------------------------------
 

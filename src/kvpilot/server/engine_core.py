@@ -34,22 +34,22 @@ GONE = (EOFError, BrokenPipeError, ConnectionResetError)  # the server closed it
 
 
 def _integrity(engine: LLMEngine) -> dict[str, Any]:
-    engine.scheduler.check_integrity()
-    stats = engine.scheduler.make_stats()
+    engine.check_integrity()
+    stats = engine.stats()
     return {"ok": True, "num_running": stats.num_running, "num_waiting": stats.num_waiting,
             "num_used_blocks": stats.num_used_blocks, "num_free_blocks": stats.num_free_blocks,
             "num_cached_blocks": stats.num_cached_blocks, "num_total_blocks": stats.num_total_blocks}
 
 
 def _capacity(engine: LLMEngine) -> EngineCapacity:
-    scheduler = engine.scheduler
-    return EngineCapacity(num_blocks=scheduler.cache_config.num_blocks, block_size=scheduler.cache_config.block_size,
-                          max_model_len=scheduler.config.max_model_len, max_num_seqs=scheduler.config.max_num_seqs,
-                          max_num_batched_tokens=scheduler.config.max_num_batched_tokens)
+    cache, config = engine.cache_config, engine.scheduler_config
+    return EngineCapacity(num_blocks=cache.num_blocks, block_size=cache.block_size,
+                          max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
+                          max_num_batched_tokens=config.max_num_batched_tokens)
 
 
 def _stats(engine: LLMEngine) -> SchedulerStats:
-    return engine.scheduler.make_stats()
+    return engine.stats()
 
 
 QUERIES: dict[type, Callable[[Any], Any]] = {
@@ -72,7 +72,7 @@ class EngineCore:
         self._step_stats: list[StepStats] = []
         self._rejected: list[tuple[str, str]] = []
         engine.on_step = self._step_stats.append  # collected per step, sent with the step's outputs
-        self.stats: SchedulerStats = engine.scheduler.make_stats()
+        self.stats: SchedulerStats = engine.stats()
 
     def run(self) -> None:
         """Serves until Shutdown; raises EOFError/OSError when the server side is gone."""
@@ -122,15 +122,14 @@ class EngineCore:
 
     def _step_and_publish(self) -> None:
         outputs: list[RequestOutput] = self.engine.step() if self.engine.has_unfinished_requests() else []
-        pool = self.engine.scheduler.kv.pool
-        if self.kv_events is not None and pool.events is not None:
-            self.kv_events.publish(pool.events.take())
+        if self.kv_events is not None:
+            self.kv_events.publish(self.engine.take_kv_events())
         self._live.difference_update(o.request_id for o in outputs if o.finished)
         failed = [(o.request_id, o.error) for o in outputs if o.error is not None]
         if failed:  # failed alone by the engine (engine/step_failures.py): their clients get the error
             outputs = [o for o in outputs if o.error is None]
         # Snapshot before sending: a client that got its final output then scrapes sees the state after.
-        stats = self.engine.scheduler.make_stats()
+        stats = self.engine.stats()
         if outputs or failed or self._step_stats or self._rejected or stats != self.stats:
             self._send_step(StepResult([delta_of(o) for o in outputs], list(self._step_stats),
                                        list(self._rejected), stats, failed))

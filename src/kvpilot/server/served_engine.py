@@ -14,6 +14,7 @@ from kvpilot.engine_build import BuiltEngine, build_engine
 from kvpilot.model.kv_dtype import kv_dtype_name
 from kvpilot.model.loader import LoadedModel
 from kvpilot.sampling_params import SamplingParams
+from kvpilot.structured_outputs import StructuredOutputsParams
 from kvpilot.server.engine_info import EngineInfo, KVCacheInfo
 from kvpilot.server.fit_names import fit_device_name, fit_model_name
 
@@ -31,14 +32,14 @@ def describe(built: BuiltEngine) -> EngineInfo:
     """Everything the HTTP side needs to know, from what build_engine computed once (KV dtype, bytes per
     block, budget, blocks)."""
     engine, config, plan = built.engine, built.loaded.config, built.kv
-    scheduler, cache = engine.scheduler, engine.scheduler.cache_config
+    limits, cache = engine.scheduler_config, engine.cache_config
     kv = KVCacheInfo(dtype=kv_dtype_name(plan.dtype), dtype_bytes=plan.dtype_bytes, block_size=cache.block_size,
                      num_blocks=cache.num_blocks, bytes_per_block=plan.capacity.bytes_per_block,
                      budget_bytes=plan.budget_bytes, num_hidden_layers=config.num_hidden_layers,
                      num_key_value_heads=config.num_key_value_heads, head_dim=config.head_dim)
-    return EngineInfo(model=built.loaded.name, max_model_len=scheduler.config.max_model_len,
-                      max_num_batched_tokens=scheduler.config.max_num_batched_tokens,
-                      vocab_size=engine.vocab_size, kv=kv, max_num_seqs=scheduler.config.max_num_seqs,
+    return EngineInfo(model=built.loaded.name, max_model_len=limits.max_model_len,
+                      max_num_batched_tokens=limits.max_num_batched_tokens,
+                      vocab_size=engine.vocab_size, kv=kv, max_num_seqs=limits.max_num_seqs,
                       enable_prefix_caching=cache.enable_prefix_caching, dtype=kv_dtype_name(built.loaded.dtype),
                       fit_model=fit_model_name(built.loaded), fit_device=fit_device_name(built.loaded.device),
                       prompt_gemm_dtype=kv_dtype_name(gemm) if (gemm := built.loaded.prompt_gemm_dtype) else "",
@@ -46,10 +47,16 @@ def describe(built: BuiltEngine) -> EngineInfo:
 
 
 def warm_up(engine: LLMEngine) -> None:
-    """One tiny request before serving: the first forward pass on CPU pays seconds of one-time set-up that
-    would otherwise land on the first client's TTFT. Leaves no cached block behind (under one block)."""
+    """Tiny requests before serving: the first forward pass on CPU pays seconds of one-time set-up that
+    would otherwise land on the first client's TTFT, and the first structured-outputs request ~0.3 s of
+    llguidance's tokenizer view, built inside a step that every running stream waits for. Leaves no cached
+    block behind (under one block)."""
     engine.add_request([1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
                        request_id="kvpilot-warmup")
+    if engine.tokenizer is not None:  # a grammar needs the model's tokenizer
+        engine.add_request([1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0, structured_outputs=
+                                                     StructuredOutputsParams(choice=["ok"])),
+                           request_id="kvpilot-warmup-grammar")
     while engine.has_unfinished_requests():
         engine.step()
 
