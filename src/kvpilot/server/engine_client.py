@@ -56,17 +56,20 @@ class EngineClient:
     def __init__(self, factory: EngineFactory, in_process: bool = False,
                  on_final: Callable[[RequestOutput], None] | None = None,
                  on_progress: Callable[[str], None] | None = None,
-                 on_step: Callable[[StepStats], None] | None = None) -> None:
+                 on_step: Callable[[StepStats], None] | None = None,
+                 on_ready: Callable[[], None] | None = None) -> None:
         """The core runs in a child process unless `in_process`, or unless `factory` cannot be sent there
         (preloaded weights: engine_factory(args, loaded); any other callable). `on_progress(request_id)`
         runs on the event loop for a request's first item delivered, and for an error (admission uses it to
-        free the queue slot once the request runs); `on_final(output)` once per finished request."""
+        free the queue slot once the request runs); `on_final(output)` once per finished request; `on_ready()`
+        once the core's start-up facts arrived, before `ready` is set (one-time set-up that needs them)."""
         crosses = isinstance(factory, EngineSpec) and factory.crosses_processes
         if not in_process and not crosses:
             logger.info("the engine core runs in a thread: its factory holds weights already loaded in this "
                         "process (or is not an EngineSpec), which cannot be sent to another process")
         self._factory, self._in_process = factory, in_process or not crosses
         self._on_final, self._on_progress, self._on_step = on_final, on_progress, on_step
+        self._on_ready = on_ready
         self._outbox: queue.SimpleQueue[ToCore | None] = queue.SimpleQueue()
         self._streams: dict[str, ItemStream[Item]] = {}
         self._assemblies: dict[str, OutputAssembly] = {}  # each request's output, rebuilt from deltas
@@ -318,6 +321,11 @@ class EngineClient:
             call(self._resolve, message)
         elif isinstance(message, Ready):
             self.info, self.tokenizer, self.stats = message.info, message.tokenizer, message.stats
+            if self._on_ready is not None:
+                try:
+                    self._on_ready()
+                except Exception:  # noqa: BLE001 - a set-up that failed is done lazily later; serve anyway
+                    logger.exception("the server's set-up for the ready engine failed")
             self.ready.set()
         elif isinstance(message, LoadFailed):
             self._fail(message.message)

@@ -56,6 +56,10 @@ class ServerState:
             self._grammars = GrammarAdmission(tokenizer, self.info.vocab_size, getattr(tokenizer, "eos_token_ids", ()))
         return self._grammars
 
+    def warm_grammars(self) -> None:
+        """GrammarAdmission's one-time set-up, run as the engine turns ready (before /health says 200)."""
+        self.grammar_admission().warm()
+
     def check_serving(self) -> None:
         """503 while the engine loads, after it failed, or while draining."""
         if self.draining:

@@ -45,6 +45,12 @@ class GrammarAdmission:
         self._lock = threading.Lock()
         self._verdicts: OrderedDict[tuple[str, str], str] = OrderedDict()  # spec key -> '' or why refused
 
+    def warm(self) -> None:
+        """Builds the tokenizer view and the token lengths now (~0.3 s holding the GIL for a 49k vocabulary),
+        so that the first probe does not stall the HTTP process's event loop."""
+        if self._tokenizer is not None:
+            self._lengths()
+
     def admit(self, spec: StructuredOutputsParams) -> None:
         """Returns if `spec` may run; StructuredOutputsError (naming the limit) if not."""
         if self._tokenizer is None:  # the checks that need none
