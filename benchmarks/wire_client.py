@@ -9,7 +9,7 @@ to every stream at once, and the client reads them all in one or two wake-ups a 
 That delays seeing a finished stream, and so the next request, by at most the interval: it can only
 understate the server. Measured with 64 streams of a 1-layer dummy model on a 2-core EPYC family 26
 (2026-11-28, CPU per 32,768 chunks): aiohttp 0.95-1.0 s, an asyncio Protocol 0.65 s, the same polled every
-2 ms 0.4 s, this loop 0.3 s (docs/benchmarks.md).
+2 ms 0.4 s, this loop 0.3 s (docs/benchmark-log.md).
 """
 
 from __future__ import annotations

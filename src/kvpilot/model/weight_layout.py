@@ -1,7 +1,7 @@
 """Re-lays linear weights in memory for the CPU GEMM kernels (same values, shapes and names).
 
 nn.Linear computes x @ W^T with W stored [out, in]: the BLAS then multiplies by a transposed B, which on
-this CPU's MKL runs 2-8x slower for the 8-48-row inputs of decode steps (measured, docs/benchmarks.md)
+this CPU's MKL runs 2-8x slower for the 8-48-row inputs of decode steps (measured, docs/benchmark-log.md)
 than the same product with B stored [in, out]. Storing W^T contiguous and keeping W as its transposed
 view gives F.linear a plain B at every size, with no change to the modules or their forward.
 """

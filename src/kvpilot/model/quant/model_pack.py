@@ -4,7 +4,7 @@
 - auto (default): packed on CPU when every linear weight is Q8_0 / Q4_0 / Q4_1 and the kernel builds;
   otherwise dequantized at load (K-quants, float GGUFs, GPUs). With bfloat16 activations the layout is
   hybrid: the packed kernel for few rows (decode of few streams reads 4-bit weights) and resident dense
-  weights for more rows (native bf16 GEMMs beat the kernel from about 16 rows up; docs/benchmarks.md has the
+  weights for more rows (native bf16 GEMMs beat the kernel from about 16 rows up; docs/benchmark-log.md has the
   figures), at the price of holding both copies (the dense one in float32 where float32 GEMMs measure faster
   than bf16 ones at load, layers/prompt_gemm.py: twice the bytes). Float32 activations stay packed only
   (packed beats dense float32 at every batch);
