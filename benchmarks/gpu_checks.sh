@@ -47,10 +47,10 @@ run_server() {  # kvpilot serve vs LLM.generate on one workload (needs .whl: ben
         .whl/*.whl || return 1
     PYTHONPATH="/tmp/site:$PWD/.tok:$PYTHONPATH" $PY benchmarks/server_overhead.py --model qwen3-0.6b --load-format dummy \
         --kv-cache-memory '' --num-requests 512 --concurrency 256 --input-len 512 --output-len 256 \
-        --max-model-len 1024 --server-log "$OUT/server-process-${CLIENT:-python}-${CLIENT_PROCESSES:-1}.log" \
-        --client-processes "${CLIENT_PROCESSES:-1}" --client "${CLIENT:-python}" \
-        ${PYSPY:+--py-spy "$OUT/spy-${CLIENT:-python}-${CLIENT_PROCESSES:-1}.txt"} || return 1
-    [ -z "${PYSPY:-}" ] || $PY benchmarks/pyspy_summary.py "$OUT/spy-${CLIENT:-python}-${CLIENT_PROCESSES:-1}.txt" --top 12
+        --max-model-len 1024 --server-log "$OUT/server-process-${CLIENT:-wire}-${CLIENT_PROCESSES:-1}.log" \
+        --client-processes "${CLIENT_PROCESSES:-1}" --client "${CLIENT:-wire}" \
+        ${PYSPY:+--py-spy "$OUT/spy-${CLIENT:-wire}-${CLIENT_PROCESSES:-1}.txt"} || return 1
+    [ -z "${PYSPY:-}" ] || $PY benchmarks/pyspy_summary.py "$OUT/spy-${CLIENT:-wire}-${CLIENT_PROCESSES:-1}.txt" --top 12
 }
 
 run_tests() {  # TESTS="file ..." runs only those
