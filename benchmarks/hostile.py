@@ -16,11 +16,9 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
-import os
 import re
 import statistics
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -29,7 +27,7 @@ from typing import Any, Callable
 import httpx
 
 from huge_prompt import Poller, percentile
-from kvpilot.server.background import free_port
+from server_process import start_server as start_process
 
 MODEL = "bench"
 TIMEOUT_S = 120.0
@@ -191,23 +189,8 @@ def cases() -> dict[str, Callable[[httpx.Client], Outcome]]:
 
 
 def start_server(extra: list[str]) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    command = [sys.executable, "-m", "kvpilot.server", "--port", str(port), "--served-model-name", MODEL,
-               "--max-model-len", "2048", *extra]
     # Both outputs are pipes nobody reads: what wedged the server for good before 2026-11-29.
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while process.poll() is None and time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                return process, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    process.kill()
-    raise RuntimeError(f"the server did not start: {' '.join(command)}")
+    return start_process(["--served-model-name", MODEL, "--max-model-len", "2048", *extra], unread_pipes=True)
 
 
 def _ms(values: list[float], q: float) -> str:

@@ -12,16 +12,19 @@ import httpx
 from kvpilot.server.background import free_port
 
 
-def start_server(flags: list[str], timeout_s: float = 300,
-                 log_path: str | None = None) -> tuple[subprocess.Popen, str]:
+def start_server(flags: list[str], timeout_s: float = 300, log_path: str | None = None,
+                 unread_pipes: bool = False) -> tuple[subprocess.Popen, str]:
     """Starts `python -m kvpilot.server --port <free> *flags` and waits for /health 200; (process, url).
     RuntimeError (the process killed) if it exits or is not ready in time. log_path: the server's stdout and
-    stderr go there (default: discarded)."""
+    stderr go there (default: discarded); unread_pipes: both are pipes that nothing reads (hostile.py)."""
     port = free_port()
     command = [sys.executable, "-m", "kvpilot.server", "--port", str(port), *flags]
     log = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115 (the child holds it)
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT if log_path else subprocess.DEVNULL,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    if unread_pipes:
+        out, err = subprocess.PIPE, subprocess.PIPE
+    else:
+        out, err = log, subprocess.STDOUT if log_path else subprocess.DEVNULL
+    process = subprocess.Popen(command, stdout=out, stderr=err, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s
     while process.poll() is None and time.monotonic() < deadline:
