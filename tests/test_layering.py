@@ -42,6 +42,14 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
                       "server"}),
 }
 
+# server/core (the engine-core process and the HTTP side's handle on it) and the rest of server/ (the HTTP
+# process): the HTTP side goes through the client, the messages and the types that describe an engine...
+CORE_DOORS = frozenset({"kvpilot.server.core.engine_client", "kvpilot.server.core.messages",
+                        "kvpilot.server.core.engine_spec", "kvpilot.server.core.engine_info"})
+# ...and the core uses no more of the HTTP side than these (the client's streams and errors, process helpers).
+CORE_HELPERS = frozenset({"kvpilot.server.item_stream", "kvpilot.server.openai.errors", "kvpilot.server.gc_heap",
+                          "kvpilot.server.observe.log_writer"})
+
 TORCH_FREE = ("engine", "fit")
 CLIENT_TOOLS = ("bench", "fit", "doctor")
 # What a client tool may import from the engine-side units: their public faces, never their internals.
@@ -89,6 +97,32 @@ def test_no_import_cycle_between_units(imports: list[Import]) -> None:
     found = cycles(set(edges))
     pairs = [(a, b) for cycle in found for a, b in edges if a in cycle and b in cycle]
     assert found == [], f"import cycles between units {found}:\n{_describe(edges, sorted(pairs))}"
+
+
+def test_no_import_cycle_between_modules(imports: list[Import]) -> None:
+    """Not even through a function-local import: a late import that closes a cycle hides a layering fault."""
+    edges = {(i.importer, i.imported) for i in imports if unit_of(i.imported) is not None and i.importer != i.imported}
+    assert cycles(edges) == []
+
+
+def _server_part(module: str) -> str | None:
+    """`kvpilot.server.core.messages` -> `core`; a module at server/'s top level -> `http`; else None."""
+    parts = module.split(".")
+    if parts[:2] != ["kvpilot", "server"] or len(parts) < 3:
+        return None
+    return parts[2] if len(parts) > 3 else "http"
+
+
+def test_the_http_side_reaches_the_core_only_through_its_doors(imports: list[Import]) -> None:
+    bad = [i.where() for i in imports if _server_part(i.importer) not in (None, "core")
+           and _server_part(i.imported) == "core" and i.imported not in CORE_DOORS]
+    assert bad == [], f"the HTTP side may use only {sorted(CORE_DOORS)} of server/core"
+
+
+def test_the_core_uses_only_helpers_of_the_http_side(imports: list[Import]) -> None:
+    bad = [i.where() for i in imports if _server_part(i.importer) == "core"
+           and _server_part(i.imported) not in (None, "core") and i.imported not in CORE_HELPERS]
+    assert bad == [], f"server/core may use only {sorted(CORE_HELPERS)} outside it"
 
 
 def test_every_import_goes_an_allowed_direction(imports: list[Import]) -> None:

@@ -89,7 +89,7 @@ def _routes() -> set[str]:
 
 
 def _open_paths(server_args: Any) -> frozenset[str]:
-    from kvpilot.server.auth import open_paths
+    from kvpilot.server.guards.auth import open_paths
 
     return open_paths(server_args.metrics_public)
 
@@ -117,7 +117,7 @@ def test_prometheus_scrapes_the_open_metrics_route(served: Served) -> None:
 
 
 def test_termination_grace_outlasts_the_drain(served: Served) -> None:
-    from kvpilot.server.engine_client import SHUTDOWN_TIMEOUT_S
+    from kvpilot.server.core.engine_client import SHUTDOWN_TIMEOUT_S
 
     pod = one("Deployment").doc["spec"]["template"]["spec"]
     container = server_container()

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from kvpilot.server.proc_memory import ProcessMemory, read_process_memory, sum_process_memory
+from kvpilot.server.observe.proc_memory import ProcessMemory, read_process_memory, sum_process_memory
 
 CGROUP_V1_ROOT = Path("/sys/fs/cgroup/memory")
 CGROUP_V2_ROOT = Path("/sys/fs/cgroup")

@@ -82,7 +82,7 @@ def test_kvpilot_server_metrics_name_tokenization() -> None:
     """kvpilot's own /metrics (rendered by its server code) carries kvpilot:tokenization_time_seconds."""
     from kvpilot.engine.scheduler_stats import SchedulerStats
     from kvpilot.engine.timeline import RequestMetrics
-    from kvpilot.server.metrics import ServerMetrics
+    from kvpilot.server.observe.metrics import ServerMetrics
 
     stats = SchedulerStats(2, 0, 0.2, 1000, 0, 0, 100, 0, 20, 120)
     metrics = ServerMetrics("smollm2", lambda: stats)
@@ -112,7 +112,7 @@ def test_vllm_client_only_result_uses_metrics_means_for_the_queue(tmp_path: Path
 def test_kvpilot_rejections_count_as_queueing() -> None:
     """Requests refused by kvpilot's admission caps (--max-num-queued-reqs) show in its own counter."""
     from kvpilot.engine.scheduler_stats import SchedulerStats
-    from kvpilot.server.metrics import ServerMetrics
+    from kvpilot.server.observe.metrics import ServerMetrics
 
     metrics = ServerMetrics("smollm2", lambda: SchedulerStats(8, 64, 0.5, 0, 0, 0, 60, 0, 60, 120))
     for _ in range(30):

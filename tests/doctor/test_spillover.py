@@ -16,8 +16,8 @@ from kvpilot.doctor.inputs import load_inputs
 from kvpilot.engine.engine import StepStats
 from kvpilot.engine.scheduler_stats import SchedulerStats
 from kvpilot.engine.timeline import RequestMetrics
-from kvpilot.server.metrics import MemoryCollector, ServerMetrics
-from kvpilot.server.proc_memory import HostSwap, ProcessMemory
+from kvpilot.server.observe.metrics import MemoryCollector, ServerMetrics
+from kvpilot.server.observe.proc_memory import HostSwap, ProcessMemory
 from tests.doctor.builders import closed_loop, jitter, req, run, write
 from tests.doctor.scenarios import SCENARIOS
 

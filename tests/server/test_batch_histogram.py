@@ -8,8 +8,8 @@ import random
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from kvpilot.server.batch_histogram import BatchHistogram
-from kvpilot.server.metrics import ITL_BUCKETS
+from kvpilot.server.observe.batch_histogram import BatchHistogram
+from kvpilot.server.observe.metrics import ITL_BUCKETS
 
 
 def _series(registry: CollectorRegistry) -> list[str]:

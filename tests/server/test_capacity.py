@@ -7,7 +7,7 @@ import json
 from typer.testing import CliRunner
 
 from kvpilot.fit.server_capacity import compare_capacity
-from kvpilot.server.messages import CapacityQuery
+from kvpilot.server.core.messages import CapacityQuery
 from tests.server.conftest import API_KEY
 
 

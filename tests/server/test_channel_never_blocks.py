@@ -27,7 +27,7 @@ import httpx
 import pytest
 
 from kvpilot.server.background import free_port
-from kvpilot.server.pipe_channel import ChannelWatchdog, MessageTooLargeError, PipeEndpoint
+from kvpilot.server.core.pipe_channel import ChannelWatchdog, MessageTooLargeError, PipeEndpoint
 from tests.server.tiny_server import write_tiny_config
 
 BIG = 4 * 1024 * 1024  # 4x the widened pipe, 64x the default one
@@ -118,7 +118,7 @@ def test_a_message_over_the_limit_is_refused_and_the_channel_goes_on(pair) -> No
 _LOGS_INTO_AN_UNREAD_PIPE = """
 import logging, sys, time
 logging.basicConfig(level=logging.INFO)
-from kvpilot.server.log_writer import detach_output
+from kvpilot.server.observe.log_writer import detach_output
 detach_output()
 started = time.monotonic()
 for i in range(2000):
@@ -195,3 +195,60 @@ def test_a_server_whose_outputs_nobody_reads_keeps_serving(tmp_path: Path) -> No
     finally:
         server.kill()
         server.wait(30)
+
+
+@pytest.fixture()
+def stoppable_core(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator:
+    """A server whose core is its own process (a 2-layer dummy model, no tokenizer: token-id prompts) and
+    whose watchdog calls a channel stalled after 1 s."""
+    from kvpilot.engine_args import EngineArgs
+    from kvpilot.fit.model_catalog import get_hf_config
+    from kvpilot.server import ServerArgs, create_app, engine_factory
+    from kvpilot.server.background import BackgroundServer
+
+    monkeypatch.setattr("kvpilot.server.core.pipe_channel.STALL_AFTER_S", 1.0)
+    config = get_hf_config("smollm2-135m")
+    config.update(num_hidden_layers=2, vocab_size=4096)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    args = EngineArgs(model=str(tmp_path / "config.json"), load_format="dummy", dtype="float32",
+                      max_model_len=256, kv_cache_memory="16MiB")
+    app = create_app(engine_factory(args), ServerArgs(served_model_names=("tiny",)))
+    with BackgroundServer(app, timeout_s=60) as server:
+        yield server
+
+
+@pytest.mark.timeout(120)
+def test_a_core_that_stops_reading_shows_in_health_and_recovers(stoppable_core) -> None:
+    import os
+    import signal
+
+    pid = stoppable_core.state.client.core_pid
+    body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2, "temperature": 0,
+            "logit_bias": {str(t): 0.5 for t in range(4096)}}  # ~60 KB an AddRequest: 30 fill the pipe
+    statuses: list[int] = []
+
+    def post() -> None:
+        statuses.append(httpx.post(f"{stoppable_core.url}/v1/completions", json=body, timeout=90).status_code)
+
+    os.kill(pid, signal.SIGSTOP)
+    posters = [threading.Thread(target=post) for _ in range(30)]
+    try:
+        for poster in posters:
+            poster.start()
+        deadline, health = time.monotonic() + 30, None
+        while health is None or health.status_code == 200:
+            assert time.monotonic() < deadline, "/health never named the stalled channel"
+            time.sleep(0.2)
+            health = httpx.get(f"{stoppable_core.url}/health", timeout=5)
+        error = health.json()["error"]
+        assert health.status_code == 503 and error["type"] == "engine_channel_stalled"
+        assert "the channel to the engine core has not moved for" in error["message"]
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    for poster in posters:
+        poster.join(60)
+    assert statuses == [200] * 30
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{stoppable_core.url}/health", timeout=5).status_code != 200:
+        assert time.monotonic() < deadline, "/health stayed 503 after the core read again"
+        time.sleep(0.2)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from kvpilot.server.chat_messages import ROLE_RULES, ChatMessage, check_roles
-from kvpilot.server.errors import APIError
+from kvpilot.server.openai.chat_messages import ROLE_RULES, ChatMessage, check_roles
+from kvpilot.server.openai.errors import APIError
 
 
 def test_text_parts_are_joined_in_order() -> None:

@@ -26,7 +26,7 @@ from kvpilot.engine_args import EngineArgs
 from kvpilot.fit.model_catalog import get_hf_config
 from kvpilot.server import ServerArgs, create_app, engine_factory
 from kvpilot.server.background import BackgroundServer, free_port
-from kvpilot.server.messages import StatsQuery
+from kvpilot.server.core.messages import StatsQuery
 from tests.server.metrics_text import samples, value
 
 MODEL = "tiny"

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from kvpilot.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from kvpilot.server.errors import APIError
+from kvpilot.server.openai.errors import APIError
 from kvpilot.server.fanout import (MAX_SUB_REQUESTS, FanoutShape, check_size, choose, cumulative_logprob, sub_seed,
                                    usage_totals)
 

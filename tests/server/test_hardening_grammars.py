@@ -17,7 +17,7 @@ import pytest
 from kvpilot.engine_args import EngineArgs
 from kvpilot.server import ServerArgs, create_app, engine_factory
 from kvpilot.server.background import BackgroundServer
-from kvpilot.server.served_engine import ServedEngine
+from kvpilot.server.core.served_engine import ServedEngine
 from tests.server.tiny_server import MODEL, write_tiny_config
 
 pytestmark = pytest.mark.slow

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from kvpilot.server.background import BackgroundServer
-from kvpilot.server.slow_clients import MAX_HEADER_BYTES
+from kvpilot.server.guards.slow_clients import MAX_HEADER_BYTES
 from tests.server.metrics_text import samples, value
 from tests.server.tiny_server import AUTH, KEY, MODEL, integrity, tiny_server, write_tiny_config
 

@@ -21,7 +21,7 @@ from kvpilot.engine.executor import Executor, StepHandle
 from kvpilot.engine.scheduler_output import SchedulerOutput
 from kvpilot.server import ServerArgs, create_app, engine_factory
 from kvpilot.server.background import BackgroundServer
-from kvpilot.server.served_engine import ServedEngine
+from kvpilot.server.core.served_engine import ServedEngine
 from tests.server.conftest import server_engine_args
 
 MODEL = "smollm2-failing"

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from kvpilot.outputs import TokenLogprob
-from kvpilot.server.responses import chat_logprobs, completion_logprobs
+from kvpilot.server.openai.responses import chat_logprobs, completion_logprobs
 from tests.server.conftest import MODEL
 
 HUGE = 100000000000000000000

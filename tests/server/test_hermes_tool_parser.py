@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
-from kvpilot.server.hermes_tool_parser import ExtractedToolCalls, ParsedCall, extract_tool_calls
-from kvpilot.server.tool_calls import EMPTY_PARAMETERS, ToolCallPlan
+from kvpilot.server.openai.hermes_tool_parser import ExtractedToolCalls, ParsedCall, extract_tool_calls
+from kvpilot.server.openai.tool_calls import EMPTY_PARAMETERS, ToolCallPlan
 
 NAMES = {"get_weather", "add"}
 

@@ -28,7 +28,7 @@ import uvicorn
 
 from kvpilot.fit.model_catalog import get_hf_config
 from kvpilot.server.background import free_port
-from kvpilot.server.slow_clients import HttpToolsProtocol, header_timeout_protocol
+from kvpilot.server.guards.slow_clients import HttpToolsProtocol, header_timeout_protocol
 
 ROUNDS = 15
 # Well under the ~40 ms of a delayed ACK, above a loaded 2-core box's noise on a median

@@ -9,7 +9,7 @@ import httpx
 from kvpilot.engine.scheduler_stats import SchedulerStats
 from kvpilot.server import ServerArgs, create_app
 from kvpilot.server.background import BackgroundServer
-from kvpilot.server.stats_logger import TokenTotals, status_line
+from kvpilot.server.observe.stats_logger import TokenTotals, status_line
 
 
 def test_health_is_503_while_loading_then_after_a_failed_load() -> None:

@@ -14,11 +14,11 @@ from pydantic import ValidationError
 
 from kvpilot.engine_args import EngineArgs
 from kvpilot.server import ServerArgs, create_app, engine_factory
-from kvpilot.server.errors import APIError
-from kvpilot.server.openapi_contract import _honest
+from kvpilot.server.openai.errors import APIError
+from kvpilot.server.openai.openapi_contract import _honest
 from kvpilot.server.prompt_tokens import check_token_id_fields, tokenize_request
-from kvpilot.server.protocol import ChatCompletionRequest, CompletionRequest
-from kvpilot.server.tokenize_routes import DetokenizeRequest, TokenizeRequest
+from kvpilot.server.openai.protocol import ChatCompletionRequest, CompletionRequest
+from kvpilot.server.openai.tokenize_routes import DetokenizeRequest, TokenizeRequest
 from tests.server.tiny_server import write_tiny_config
 
 USER = {"role": "user", "content": "hi"}

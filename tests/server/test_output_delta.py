@@ -7,7 +7,7 @@ import copy
 import pickle
 
 from kvpilot import SamplingParams
-from kvpilot.server.output_delta import OutputAssembly, delta_of
+from kvpilot.server.core.output_delta import OutputAssembly, delta_of
 
 
 def _snapshot(output) -> tuple:

@@ -10,8 +10,8 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvpilot.server.metrics import MemoryCollector, ServerMetrics
-from kvpilot.server.proc_memory import (HostSwap, ProcessMemory, kb_fields, parse_host_swap, parse_major_faults,
+from kvpilot.server.observe.metrics import MemoryCollector, ServerMetrics
+from kvpilot.server.observe.proc_memory import (HostSwap, ProcessMemory, kb_fields, parse_host_swap, parse_major_faults,
                                         parse_process_memory, read_host_swap, read_process_memory)
 
 STATUS = """Name:\tpython

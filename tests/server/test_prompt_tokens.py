@@ -10,9 +10,9 @@ import threading
 import pytest
 
 from kvpilot.server.admission import AdmissionController, QueueLimits
-from kvpilot.server.errors import APIError
+from kvpilot.server.openai.errors import APIError
 from kvpilot.server.prompt_tokens import PromptTooLongError, encode, prompt_size, render_chat, tokenize_request
-from kvpilot.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvpilot.server.openai.protocol import ChatCompletionRequest, CompletionRequest
 from kvpilot.server.tokenizer_pool import TokenizerPool
 
 TEXTS = ["The capital of France is", "  leading spaces and\nnew lines\t", "héllo wörld ✓ 日本語",

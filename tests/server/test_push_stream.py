@@ -16,7 +16,7 @@ import pytest
 from kvpilot.outputs import CompletionOutput, RequestOutput
 from kvpilot.server.item_stream import ItemStream
 from kvpilot.server.push_stream import ChunkPusher
-from kvpilot.server.responses import ResponseShape
+from kvpilot.server.openai.responses import ResponseShape
 
 SHAPE = ResponseShape(False, "cmpl-push", "m", 0)
 

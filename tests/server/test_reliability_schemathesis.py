@@ -29,9 +29,10 @@ MAX_TOKENS = 2
 # (param, words in the message, why no schema says it): the 400s a schema-valid request may still get.
 NOT_IN_SCHEMA = [
     (r"best_of|n|min_tokens|echo|top_logprobs|tool_choice", "", "a rule between fields, or the queue's size"),
-    (r"prompt|messages|max_tokens", "maximum context length", "the prompt's tokens plus max_tokens over the context"),
+    (r"(prompt|messages)(\.\d+)?|max_tokens", "maximum context length",
+     "the prompt's tokens plus max_tokens over the context (prompt.N: prompt N of a batch)"),
     (r"logit_bias", "outside the vocabulary", "a key past the vocabulary (keys are strings: no maximum)"),
-    (r"prompt", "tokenizes to no token", "a text the tokenizer turns into no token at all"),
+    (r"prompt(\.\d+)?", "tokenizes to no token", "a text the tokenizer turns into no token at all"),
     (r"functions|function_call|guided_\w+|structured_outputs|response_format|tools", "",
      "the structured-output fields (structured_protocol.py) do not state their bounds yet"),
 ]

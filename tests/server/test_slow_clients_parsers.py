@@ -18,7 +18,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from kvpilot.server.background import free_port
-from kvpilot.server.slow_clients import MAX_HEADER_BYTES, HttpToolsProtocol, header_timeout_protocol
+from kvpilot.server.guards.slow_clients import MAX_HEADER_BYTES, HttpToolsProtocol, header_timeout_protocol
 
 TIMEOUT_S = 0.5
 PARSERS = ["h11", pytest.param("httptools", marks=pytest.mark.skipif(HttpToolsProtocol is None,

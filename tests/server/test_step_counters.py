@@ -13,8 +13,8 @@ import pytest
 from kvpilot.engine.engine import StepStats
 from kvpilot.server import ServerArgs, create_app, engine_factory
 from kvpilot.server.background import BackgroundServer
-from kvpilot.server.metrics import ServerMetrics
-from kvpilot.server.stats_logger import TokenTotals, status_line
+from kvpilot.server.observe.metrics import ServerMetrics
+from kvpilot.server.observe.stats_logger import TokenTotals, status_line
 from tests.server.conftest import MODEL, server_engine_args
 from tests.server.metrics_text import samples, value, wait_idle
 

@@ -10,7 +10,7 @@ import threading
 import httpx
 import pytest
 
-import kvpilot.server.tokenize_routes as tokenize_routes
+import kvpilot.server.openai.tokenize_routes as tokenize_routes
 from tests.server.conftest import MODEL
 
 TEXT = "The capital of France is Paris. Héllo wörld ✓ 日本語"

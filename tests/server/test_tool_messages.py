@@ -13,8 +13,8 @@ import pytest
 from kvpilot.fit.gguf_metadata import open_gguf
 from kvpilot.model.tokenizer import tokenizer_from_gguf
 from kvpilot.server.prompt_tokens import render_chat
-from kvpilot.server.protocol import ChatCompletionRequest
-from kvpilot.server.tool_prompt import ToolSupport, tool_support
+from kvpilot.server.openai.protocol import ChatCompletionRequest
+from kvpilot.server.openai.tool_prompt import ToolSupport, tool_support
 from tests.server.conftest import MODEL
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}

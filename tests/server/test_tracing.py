@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from kvpilot.server.background import BackgroundServer
 from kvpilot.server.config import ServerArgs, ServerConfigError
-from kvpilot.server.tracing import SPAN_STAGES, TracingUnavailableError, otlp_traces_url
+from kvpilot.server.observe.tracing import SPAN_STAGES, TracingUnavailableError, otlp_traces_url
 from tests.server.otlp_collector import TRACES_PATH, Collector, ReceivedSpan, otlp_collector
 from tests.server.tiny_server import MODEL, tiny_server, write_tiny_config
 
@@ -168,7 +168,7 @@ def test_without_the_otel_packages_the_flag_fails_at_start_up(monkeypatch: pytes
 
 @needs_otel
 def test_tracing_keeps_the_http_side_torch_free(tmp_path: Path) -> None:
-    code = ("import sys; from kvpilot.server import app; from kvpilot.server.tracing import RequestTracer; "
+    code = ("import sys; from kvpilot.server import app; from kvpilot.server.observe.tracing import RequestTracer; "
             "RequestTracer('http://127.0.0.1:9', '0').shutdown(); "
             "assert 'opentelemetry.sdk.trace' in sys.modules and 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=tmp_path)

@@ -7,9 +7,9 @@ import pytest
 from kvpilot.engine.timeline import RequestMetrics
 from kvpilot.server.admission import AdmissionController, QueueLimits
 from kvpilot.server.config import ServerArgs, ServerConfigError
-from kvpilot.server.errors import APIError, from_value_error
-from kvpilot.server.metrics import build_1_2_5_buckets
-from kvpilot.server.timings import RequestTimings
+from kvpilot.server.openai.errors import APIError, from_value_error
+from kvpilot.server.observe.metrics import build_1_2_5_buckets
+from kvpilot.server.observe.timings import RequestTimings
 from kvpilot.sampling_params import SamplingParams
 
 
@@ -96,7 +96,7 @@ def test_a_chunk_is_the_sse_of_head_choices_and_extras_in_order(chat: bool) -> N
     included."""
     import json
 
-    from kvpilot.server.responses import ResponseShape, sse
+    from kvpilot.server.openai.responses import ResponseShape, sse
 
     shape = ResponseShape(chat, 'cmpl-"é', "mödel\n", 1_700_000_000)
     choices = [shape.choice('héllo "q"\n😀', None, None, chunk=True),
@@ -115,7 +115,7 @@ def test_a_chunk_is_the_sse_of_head_choices_and_extras_in_order(chat: bool) -> N
 def test_a_running_chunk_is_the_chunk_of_its_choice(chat: bool) -> None:
     """ResponseShape.running_chunk writes a running stream's chunk from a template: the same text as
     chunk([choice(...)]) for any text and index, with logprobs or without."""
-    from kvpilot.server.responses import ResponseShape, sse
+    from kvpilot.server.openai.responses import ResponseShape, sse
 
     shape = ResponseShape(chat, 'cmpl-"é', "mödel\n", 1_700_000_000)
     for text in ("", " the", 'héllo "q"\n\\😀'):

@@ -1,6 +1,6 @@
 """Predicted vs actual KV capacity of a running kvpilot server (`kvpilot fit --url`).
 
-The contract: the JSON object a kvpilot server serves at GET /v1/kvpilot/capacity (server/engine_info.py
+The contract: the JSON object a kvpilot server serves at GET /v1/kvpilot/capacity (server/core/engine_info.py
 builds it; fit/cli.py fetches it), for example
 
     {"model": "...", "num_hidden_layers": 30, "num_key_value_heads": 3, "head_dim": 64,

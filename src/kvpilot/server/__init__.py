@@ -11,7 +11,7 @@ from typing import Any
 
 __all__ = ["ServerArgs", "create_app", "engine_factory"]
 _EXPORTS = {"create_app": "kvpilot.server.app", "ServerArgs": "kvpilot.server.config",
-            "engine_factory": "kvpilot.server.engine_spec"}
+            "engine_factory": "kvpilot.server.core.engine_spec"}
 
 
 def __getattr__(name: str) -> Any:

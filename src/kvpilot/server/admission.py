@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kvpilot.server.errors import APIError
+from kvpilot.server.openai.errors import APIError
 
 
 @dataclass(frozen=True)

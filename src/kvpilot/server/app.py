@@ -17,25 +17,25 @@ from fastapi.responses import JSONResponse, Response
 
 import kvpilot
 from kvpilot.outputs import RequestOutput
-from kvpilot.server import openapi_contract
+from kvpilot.server.openai import openapi_contract
 from kvpilot.server.admission import AdmissionController, QueueLimits
-from kvpilot.server.auth import ApiKeyGuard, open_paths
-from kvpilot.server.body_guard import BodyGuard
+from kvpilot.server.guards.auth import ApiKeyGuard, open_paths
+from kvpilot.server.guards.body_guard import BodyGuard
 from kvpilot.server.config import ServerArgs
-from kvpilot.server.dashboard import add_dashboard_routes
-from kvpilot.server.engine_client import EngineClient, EngineDeadError, EngineQueryError
-from kvpilot.server.engine_spec import EngineFactory
-from kvpilot.server.errors import APIError, install_error_handlers
-from kvpilot.server.messages import IntegrityQuery
-from kvpilot.server.metrics import MemoryCollector, ServerMetrics
-from kvpilot.server.proc_memory import ProcessMemory, read_process_memory, sum_process_memory
-from kvpilot.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvpilot.server.observe.dashboard import add_dashboard_routes
+from kvpilot.server.core.engine_client import EngineClient, EngineDeadError, EngineQueryError
+from kvpilot.server.core.engine_spec import EngineFactory
+from kvpilot.server.openai.errors import APIError, install_error_handlers
+from kvpilot.server.core.messages import IntegrityQuery
+from kvpilot.server.observe.metrics import MemoryCollector, ServerMetrics
+from kvpilot.server.observe.proc_memory import ProcessMemory, read_process_memory, sum_process_memory
+from kvpilot.server.openai.protocol import ChatCompletionRequest, CompletionRequest
 from kvpilot.server.request_identity import EchoRequestId, client_request_id
 from kvpilot.server.serving import ClientDisconnected, prepare, respond_stream, respond_whole
 from kvpilot.server.state import ServerState
-from kvpilot.server.stats_logger import TokenTotals, log_stats_forever
-from kvpilot.server.tokenize_routes import add_tokenize_routes
-from kvpilot.server.tracing import TraceParentCapture, build_tracer
+from kvpilot.server.observe.stats_logger import TokenTotals, log_stats_forever
+from kvpilot.server.openai.tokenize_routes import add_tokenize_routes
+from kvpilot.server.observe.tracing import TraceParentCapture, build_tracer
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 CLIENT_CLOSED_REQUEST = 499
@@ -177,7 +177,7 @@ def _add_ops_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/health")
     async def health() -> Response:
         """200 `{"status": "ok"}` when the model is loaded and requests are admitted; 503 otherwise (also while
-        the channel to the engine core has not moved for its watchdog's limit: pipe_channel.py)."""
+        the channel to the engine core has not moved for its watchdog's limit: core/pipe_channel.py)."""
         if state.client.error is not None:
             return APIError(503, f"the engine failed: {state.client.error}", code="engine_failed").response()
         if state.draining:

@@ -13,7 +13,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from kvpilot.omp_pool import release_omp_pool
-from kvpilot.server.slow_clients import uvicorn_options
+from kvpilot.server.guards.slow_clients import uvicorn_options
 from kvpilot.server.state import ServerState
 
 T = TypeVar("T")

@@ -25,17 +25,6 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024  # config.DEFAULT_MAX_REQUEST_
 DEFAULT_MAX_TOKENS_DEFAULT = 1024  # config.DEFAULT_MAX_TOKENS_DEFAULT
 
 
-def served_names(names: list[str] | None, model: str | None) -> tuple[str, ...]:
-    """vLLM's default: the --model argument as given; for the embedded model, its name."""
-    if names:
-        return tuple(names)
-    if model is None:
-        from kvpilot.model.default_model import DEFAULT_MODEL_NAME
-
-        return (DEFAULT_MODEL_NAME,)
-    return (model.removeprefix("dummy:") if model.startswith("dummy:") else model,)
-
-
 def _queue_cap(flag: int | None, max_num_seqs: int) -> int | None:
     """--max-num-queued-reqs: left out, two full batches may wait, and never fewer than MIN_QUEUE_CAP (beyond
     that a new request's wait grows without bound under overload, so refusing at once is kinder); 0: no limit."""
@@ -135,7 +124,7 @@ def serve_command(
     from kvpilot.engine.config import EngineConfigError
     from kvpilot.engine.kv_events_config import KVEventsConfig
     from kvpilot.engine_args import EngineArgs
-    from kvpilot.server.config import ServerArgs, ServerConfigError
+    from kvpilot.server.config import ServerArgs, ServerConfigError, served_names
 
     try:
         engine_args = EngineArgs(model=model, load_format=load_format, dtype=dtype, device=device,
@@ -153,7 +142,7 @@ def serve_command(
                                  usage_context="server")
         engine_args.check()
         if otlp_traces_endpoint:  # fail here, before binding the port or loading the model
-            from kvpilot.server.tracing import check_tracing_available, otlp_traces_url
+            from kvpilot.server.observe.tracing import check_tracing_available, otlp_traces_url
 
             otlp_traces_url(otlp_traces_endpoint)
             check_tracing_available()
@@ -196,11 +185,11 @@ def run_server(engine_args, server_args, uvicorn_log_level: str = "warning") -> 
 
     from kvpilot.server.app import create_app
     from kvpilot.server.drain import DrainingServer
-    from kvpilot.server.engine_spec import engine_factory
+    from kvpilot.server.core.engine_spec import engine_factory
     from kvpilot.server.gc_heap import freeze_startup_heap
-    from kvpilot.server.listen import PortInUseError, bind_listener
-    from kvpilot.server.log_writer import detach_output
-    from kvpilot.server.slow_clients import uvicorn_options
+    from kvpilot.server.guards.listen import PortInUseError, bind_listener
+    from kvpilot.server.observe.log_writer import detach_output
+    from kvpilot.server.guards.slow_clients import uvicorn_options
 
     try:
         listener = bind_listener(server_args.host, server_args.port)

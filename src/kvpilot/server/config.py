@@ -10,6 +10,17 @@ DEFAULT_MAX_NUM_QUEUED_REQS = 512  # `kvpilot serve` derives its default from --
 DEFAULT_MAX_TOKENS_DEFAULT = 1024  # a request without max_tokens stops here (vLLM: all of max_model_len)
 
 
+def served_names(names: list[str] | None, model: str | None) -> tuple[str, ...]:
+    """vLLM's default: the --model argument as given; for the embedded model, its name."""
+    if names:
+        return tuple(names)
+    if model is None:
+        from kvpilot.model.default_model import DEFAULT_MODEL_NAME
+
+        return (DEFAULT_MODEL_NAME,)
+    return (model.removeprefix("dummy:") if model.startswith("dummy:") else model,)
+
+
 class ServerConfigError(ValueError):
     """A server flag is out of range; the message names the flag and what to change."""
 
@@ -87,7 +98,7 @@ class ServerArgs:
         self._check_tool_call_parser()
 
     def _check_tool_call_parser(self) -> None:
-        from kvpilot.server.tool_parsers import TOOL_CALL_PARSERS
+        from kvpilot.server.openai.tool_parsers import TOOL_CALL_PARSERS
 
         known = ", ".join(TOOL_CALL_PARSERS)
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:

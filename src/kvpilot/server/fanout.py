@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from kvpilot.outputs import RequestOutput
-from kvpilot.server.errors import APIError
+from kvpilot.server.openai.errors import APIError
 
 SEED_MODULUS = 2**64  # SamplingParams' seed range is 0..2**64-1: seed + j wraps around inside it
 MAX_SUB_REQUESTS = 1024  # prompts x candidates of one request, when no queue cap is lower

@@ -6,9 +6,9 @@ import dataclasses
 from dataclasses import dataclass
 
 from kvpilot.server.fanout import FanoutShape
-from kvpilot.server.messages import AddRequest
-from kvpilot.server.responses import ResponseShape
-from kvpilot.server.tool_calls import ToolCallPlan
+from kvpilot.server.core.messages import AddRequest
+from kvpilot.server.openai.responses import ResponseShape
+from kvpilot.server.openai.tool_calls import ToolCallPlan
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvpilot.server.errors import APIError
-from kvpilot.server.protocol import ChatCompletionRequest, CompletionRequest
-from kvpilot.server.tool_prompt import render_chat_prompt
+from kvpilot.server.openai.errors import APIError
+from kvpilot.server.openai.protocol import ChatCompletionRequest, CompletionRequest
+from kvpilot.server.openai.tool_prompt import render_chat_prompt
 
 
 class PromptTooLongError(APIError):
@@ -108,7 +108,7 @@ def _tokenize(body: CompletionRequest | ChatCompletionRequest, tokenizer: Any, v
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool,
                 tools: list[dict[str, Any]] | None = None) -> str:
     """The chat-templated prompt text (as Tokenizer.encode_chat renders it before encoding); tools, tool
-    calls and tool results the template would drop are written into the messages (tool_prompt.py)."""
+    calls and tool results the template would drop are written into the messages (openai/tool_prompt.py)."""
     return render_chat_prompt(tokenizer, messages, tools, add_generation_prompt)
 
 

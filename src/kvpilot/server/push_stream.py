@@ -20,9 +20,9 @@ from collections.abc import Coroutine
 from typing import Any, Callable
 
 from kvpilot.outputs import RequestOutput
-from kvpilot.server.collector import Collector
+from kvpilot.server.observe.collector import Collector
 from kvpilot.server.prepared import Prepared
-from kvpilot.server.responses import ResponseShape
+from kvpilot.server.openai.responses import ResponseShape
 
 Send = Callable[[dict[str, Any]], Coroutine[Any, Any, None]]
 

@@ -13,7 +13,7 @@ import re
 import uuid
 from typing import Any
 
-from kvpilot.server.errors import APIError
+from kvpilot.server.openai.errors import APIError
 
 HEADER = "x-request-id"
 MAX_REQUEST_ID_CHARS = 128

@@ -19,19 +19,19 @@ from starlette.types import Send
 
 from kvpilot.outputs import RequestOutput
 from kvpilot.sampling_params import SamplingParams
-from kvpilot.server.collector import Collector
-from kvpilot.server.engine_client import Item
-from kvpilot.server.errors import APIError, from_value_error
+from kvpilot.server.observe.collector import Collector
+from kvpilot.server.core.engine_client import Item
+from kvpilot.server.openai.errors import APIError, from_value_error
 from kvpilot.server.fanout import FanoutShape, check_size, choose, sub_seed
 from kvpilot.server.item_stream import ItemStream
-from kvpilot.server.messages import AddRequest
+from kvpilot.server.core.messages import AddRequest
 from kvpilot.server.prepared import Prepared
-from kvpilot.server.prompt_batch import num_prompts, prompt_bodies, tokenize_prompts
+from kvpilot.server.openai.prompt_batch import num_prompts, prompt_bodies, tokenize_prompts
 from kvpilot.server.prompt_tokens import PromptTooLongError, TokenizedPrompt, prompt_size, tokenize_request
-from kvpilot.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvpilot.server.openai.protocol import ChatCompletionRequest, CompletionRequest
 from kvpilot.server.push_stream import ChunkPusher, can_push
 from kvpilot.server.request_identity import engine_request_id
-from kvpilot.server.responses import SSE_DONE, ResponseShape, chat_logprobs, completion_logprobs
+from kvpilot.server.openai.responses import SSE_DONE, ResponseShape, chat_logprobs, completion_logprobs
 from kvpilot.server.state import ServerState
 from kvpilot.server.sub_requests import SubRequests
 from kvpilot.structured_outputs import StructuredOutputsError

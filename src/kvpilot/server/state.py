@@ -7,12 +7,12 @@ from typing import Any
 
 from kvpilot.server.admission import AdmissionController
 from kvpilot.server.config import ServerArgs
-from kvpilot.server.engine_client import EngineClient
-from kvpilot.server.engine_info import EngineInfo
-from kvpilot.server.errors import APIError
-from kvpilot.server.metrics import ServerMetrics
+from kvpilot.server.core.engine_client import EngineClient
+from kvpilot.server.core.engine_info import EngineInfo
+from kvpilot.server.openai.errors import APIError
+from kvpilot.server.observe.metrics import ServerMetrics
 from kvpilot.server.tokenizer_pool import TokenizerPool
-from kvpilot.server.tracing import NullTracer
+from kvpilot.server.observe.tracing import NullTracer
 from kvpilot.structured_outputs.admission import GrammarAdmission
 
 

@@ -22,10 +22,10 @@ import dataclasses
 from typing import Sequence
 
 from kvpilot.outputs import CompletionOutput, RequestOutput
-from kvpilot.server.engine_client import EngineClient, Item
+from kvpilot.server.core.engine_client import EngineClient, Item
 from kvpilot.server.fanout import FanoutShape
 from kvpilot.server.item_stream import ItemStream
-from kvpilot.server.messages import AddRequest
+from kvpilot.server.core.messages import AddRequest
 
 
 class SubRequests:

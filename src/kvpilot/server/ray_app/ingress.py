@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 
-from kvpilot.server.errors import APIError, install_error_handlers
+from kvpilot.server.openai.errors import APIError, install_error_handlers
 from kvpilot.server.ray_app.config import RayAppConfig
 from kvpilot.server.ray_app.forward import ForwardedRequest, ResponseStart, end_to_end
 from kvpilot.server.ray_app.lanes import UnknownLaneError, choose_lane

@@ -36,9 +36,9 @@ class KvpilotReplica:
     async def __init__(self, lane: LaneConfig, served_model_names: tuple[str, ...], app_name: str) -> None:
         _limit_threads(lane.cpus_per_replica)
         from kvpilot.server.app import create_app
-        from kvpilot.server.cli import served_names
+        from kvpilot.server.config import served_names
         from kvpilot.server.config import ServerArgs
-        from kvpilot.server.engine_spec import engine_factory
+        from kvpilot.server.core.engine_spec import engine_factory
 
         self.lane = lane
         self.replica_id = serve.get_replica_context().replica_id.unique_id

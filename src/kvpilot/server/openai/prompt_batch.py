@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from kvpilot.server.errors import APIError
+from kvpilot.server.openai.errors import APIError
 from kvpilot.server.prompt_tokens import TokenizedPrompt
-from kvpilot.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvpilot.server.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 Tokenize = Callable[[Any, Any, int, int], TokenizedPrompt]  # prompt_tokens.tokenize_request's signature
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from kvpilot.server.errors import APIError
+from kvpilot.server.openai.errors import APIError
 
 MIN_DRAIN_BYTES = 64 * 1024 * 1024  # a 413'd body is discarded up to this past the limit (or max_bytes, if more)
 

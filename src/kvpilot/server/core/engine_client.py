@@ -23,15 +23,15 @@ from typing import Any, Callable
 from kvpilot.engine.engine import StepStats
 from kvpilot.engine.scheduler_stats import SchedulerStats
 from kvpilot.outputs import RequestOutput
-from kvpilot.server.core_process import Core, start_core
-from kvpilot.server.engine_info import EngineInfo
-from kvpilot.server.engine_spec import EngineFactory, EngineSpec
-from kvpilot.server.errors import RequestFailedError
+from kvpilot.server.core.process import Core, start_core
+from kvpilot.server.core.engine_info import EngineInfo
+from kvpilot.server.core.engine_spec import EngineFactory, EngineSpec
+from kvpilot.server.openai.errors import RequestFailedError
 from kvpilot.server.item_stream import ItemStream
-from kvpilot.server.messages import (Abort, AddRequest, CoreFailed, FromCore, LoadFailed, Query, QueryReply, Ready,
+from kvpilot.server.core.messages import (Abort, AddRequest, CoreFailed, FromCore, LoadFailed, Query, QueryReply, Ready,
                                      Shutdown, StepResult, ToCore)
-from kvpilot.server.output_delta import OutputAssembly, OutputDelta
-from kvpilot.server.pipe_channel import ChannelWatchdog, MessageTooLargeError
+from kvpilot.server.core.output_delta import OutputAssembly, OutputDelta
+from kvpilot.server.core.pipe_channel import ChannelWatchdog, MessageTooLargeError
 
 logger = logging.getLogger("kvpilot.server")
 SHUTDOWN_TIMEOUT_S = 30.0

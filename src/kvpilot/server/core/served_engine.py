@@ -1,6 +1,7 @@
 """ServedEngine: an LLMEngine plus its EngineInfo, built inside the engine core (process or thread).
 
-This is the only server module that imports torch and kvpilot.model: the HTTP side never imports it.
+With fit_names.py, the server modules that import torch and kvpilot.model: the HTTP side never imports them
+(tests/server/test_http_process_torch_free.py).
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from kvpilot.model.kv_dtype import kv_dtype_name
 from kvpilot.model.loader import LoadedModel
 from kvpilot.sampling_params import SamplingParams
 from kvpilot.structured_outputs import StructuredOutputsParams
-from kvpilot.server.engine_info import EngineInfo, KVCacheInfo
-from kvpilot.server.fit_names import fit_device_name, fit_model_name
+from kvpilot.server.core.engine_info import EngineInfo, KVCacheInfo
+from kvpilot.server.core.fit_names import fit_device_name, fit_model_name
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,8 @@ from typing import Any
 from kvpilot.engine.engine import StepStats
 from kvpilot.engine.scheduler_stats import SchedulerStats
 from kvpilot.sampling_params import SamplingParams
-from kvpilot.server.engine_info import EngineInfo
-from kvpilot.server.output_delta import OutputDelta
+from kvpilot.server.core.engine_info import EngineInfo
+from kvpilot.server.core.output_delta import OutputDelta
 
 # ---- server -> core ---------------------------------------------------------------------------------------
 

@@ -31,9 +31,9 @@ from kvpilot.server.config import ServerConfigError
 if TYPE_CHECKING:
     from kvpilot.engine.timeline import RequestMetrics
     from kvpilot.server.prepared import Prepared
-    from kvpilot.server.timings import RequestTimings
+    from kvpilot.server.observe.timings import RequestTimings
 
-logger = logging.getLogger("kvpilot.server.tracing")
+logger = logging.getLogger("kvpilot.server.observe.tracing")
 INSTALL_HINT = "pip install 'kvpilot[otel]' (opentelemetry-sdk and opentelemetry-exporter-otlp-proto-http)"
 # (module, what it gives): checked at start-up, so a missing package fails there and not at the first request.
 _REQUIRED_MODULES = (("opentelemetry.sdk.trace", "the OpenTelemetry SDK"),

@@ -22,9 +22,9 @@ from prometheus_client.registry import Collector
 from kvpilot.engine.engine import StepStats
 from kvpilot.engine.scheduler_stats import SchedulerStats
 from kvpilot.engine.timeline import RequestMetrics
-from kvpilot.server.batch_histogram import BatchHistogram
-from kvpilot.server.engine_info import EngineInfo
-from kvpilot.server.proc_memory import HostSwap, ProcessMemory, read_host_swap, read_process_memory
+from kvpilot.server.observe.batch_histogram import BatchHistogram
+from kvpilot.server.core.engine_info import EngineInfo
+from kvpilot.server.observe.proc_memory import HostSwap, ProcessMemory, read_host_swap, read_process_memory
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so histograms line up with vLLM dashboards.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,

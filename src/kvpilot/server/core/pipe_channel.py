@@ -244,8 +244,10 @@ class ChannelWatchdog:
     `stall_after_s` on a peer that does not read (and once when they move again). `stalled` is True meanwhile
     (/health answers 503 with it)."""
 
-    def __init__(self, endpoint: Any, stall_after_s: float = STALL_AFTER_S) -> None:
-        self._endpoint, self.stall_after_s = endpoint, stall_after_s
+    def __init__(self, endpoint: Any, stall_after_s: float | None = None) -> None:
+        """`stall_after_s`: None is STALL_AFTER_S as it is when the watchdog starts."""
+        self._endpoint = endpoint
+        self.stall_after_s = STALL_AFTER_S if stall_after_s is None else stall_after_s
         self.stalled = False
         self._stop = threading.Event()
         name = getattr(endpoint, "name", "channel")

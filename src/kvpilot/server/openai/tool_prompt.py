@@ -23,7 +23,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from kvpilot.server.hermes_tool_parser import CLOSE, OPEN
+from kvpilot.server.openai.hermes_tool_parser import CLOSE, OPEN
 
 _TOOL_MARK = "kvpilot_probe_tool_5e2d"
 _CALL_MARK = "kvpilot_probe_call_5e2d"

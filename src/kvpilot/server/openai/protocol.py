@@ -21,11 +21,11 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSche
 
 from kvpilot.sampling_params import (MAX_LOGPROBS, MAX_REPETITION_PENALTY, MAX_SEED, MAX_TOP_K, MIN_REPETITION_PENALTY,
                                      SamplingParams)
-from kvpilot.server.chat_messages import ChatMessages, template_messages
-from kvpilot.server.errors import APIError
-from kvpilot.server.request_fields import (LOGIT_BIAS_SCHEMA, PROMPT_SCHEMA, STOP_SCHEMA, TOKEN_ID_KEY, Int, TokenId,
+from kvpilot.server.openai.chat_messages import ChatMessages, template_messages
+from kvpilot.server.openai.errors import APIError
+from kvpilot.server.openai.request_fields import (LOGIT_BIAS_SCHEMA, PROMPT_SCHEMA, STOP_SCHEMA, TOKEN_ID_KEY, Int, TokenId,
                                            bounded, integral)
-from kvpilot.server.structured_protocol import StructuredFields, ToolFields
+from kvpilot.server.openai.structured_protocol import StructuredFields, ToolFields
 
 _STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 MAX_N = 128  # most choices (n) and candidates (best_of) per prompt: OpenAI's limit for n

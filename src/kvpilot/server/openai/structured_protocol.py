@@ -15,8 +15,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
-from kvpilot.server.errors import APIError
-from kvpilot.server.tool_calls import EMPTY_PARAMETERS, ToolCallPlan
+from kvpilot.server.openai.errors import APIError
+from kvpilot.server.openai.tool_calls import EMPTY_PARAMETERS, ToolCallPlan
 from kvpilot.structured_outputs import StructuredOutputsError, StructuredOutputsParams
 
 _STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False, populate_by_name=True)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     from kvpilot.engine_args import EngineArgs
-    from kvpilot.server.served_engine import ServedEngine
+    from kvpilot.server.core.served_engine import ServedEngine
 
 EngineFactory = Callable[[], "ServedEngine"]
 """Anything that builds a ServedEngine; in the core thread any callable works, the core process needs an
@@ -31,7 +31,7 @@ class EngineSpec:
         return self.loaded is None
 
     def __call__(self) -> ServedEngine:
-        from kvpilot.server.served_engine import build_served_engine
+        from kvpilot.server.core.served_engine import build_served_engine
 
         return build_served_engine(self.args, self.loaded, self.warmup)
 

@@ -18,12 +18,12 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
-from kvpilot.server.core_channel import Endpoint, queue_endpoint_pair
-from kvpilot.server.engine_core import run_core
-from kvpilot.server.engine_spec import EngineFactory, EngineSpec
+from kvpilot.server.core.channel import Endpoint, queue_endpoint_pair
+from kvpilot.server.core.step_loop import run_core
+from kvpilot.server.core.engine_spec import EngineFactory, EngineSpec
 from kvpilot.server.gc_heap import freeze_startup_heap
-from kvpilot.server.log_writer import detach_output
-from kvpilot.server.pipe_channel import ChannelWatchdog, PipeEndpoint
+from kvpilot.server.observe.log_writer import detach_output
+from kvpilot.server.core.pipe_channel import ChannelWatchdog, PipeEndpoint
 
 logger = logging.getLogger("kvpilot.server")
 DEFAULT_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -25,7 +25,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
-from kvpilot.server.errors import APIError
+from kvpilot.server.openai.errors import APIError
 
 _STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 # content part types the template receives, each with the key holding its text

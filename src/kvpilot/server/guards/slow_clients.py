@@ -21,7 +21,7 @@ from typing import Any
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from kvpilot.server.config import ServerArgs
-from kvpilot.server.listen import NoDelay
+from kvpilot.server.guards.listen import NoDelay
 
 try:
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol

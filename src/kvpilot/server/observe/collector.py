@@ -10,9 +10,9 @@ from kvpilot.engine.timeline import RequestMetrics
 from kvpilot.outputs import RequestOutput
 from kvpilot.server.fanout import sub_request_summary, usage_totals
 from kvpilot.server.prepared import Prepared
-from kvpilot.server.responses import usage_of
+from kvpilot.server.openai.responses import usage_of
 from kvpilot.server.state import ServerState
-from kvpilot.server.timings import RequestTimings, access_log_line, kvpilot_field
+from kvpilot.server.observe.timings import RequestTimings, access_log_line, kvpilot_field
 
 access_logger = logging.getLogger("kvpilot.access")
 

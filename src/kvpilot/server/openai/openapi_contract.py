@@ -16,7 +16,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from kvpilot.server.request_fields import TOKEN_ID_SCHEMA, TOKEN_ID_TITLE
+from kvpilot.server.openai.request_fields import TOKEN_ID_SCHEMA, TOKEN_ID_TITLE
 
 ERROR_SCHEMA: dict[str, Any] = {
     "type": "object", "required": ["error"],

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 
-from kvpilot.server.hermes_tool_parser import OPEN, ExtractedToolCalls, extract_tool_calls
+from kvpilot.server.openai.hermes_tool_parser import OPEN, ExtractedToolCalls, extract_tool_calls
 
 ToolCallParser = Callable[[str, Collection[str]], ExtractedToolCalls]
 TOOL_CALL_PARSERS: dict[str, ToolCallParser] = {"hermes": extract_tool_calls}

@@ -16,18 +16,18 @@ from typing import TYPE_CHECKING, Any, Callable
 from kvpilot.engine.engine import StepStats
 from kvpilot.engine.scheduler_stats import SchedulerStats
 from kvpilot.outputs import RequestOutput
-from kvpilot.server.core_channel import Endpoint
-from kvpilot.server.engine_info import EngineCapacity
-from kvpilot.server.output_delta import delta_of
-from kvpilot.server.pipe_channel import MessageTooLargeError
-from kvpilot.server.messages import (Abort, AddRequest, CapacityQuery, CoreFailed, IntegrityQuery, LoadFailed,
+from kvpilot.server.core.channel import Endpoint
+from kvpilot.server.core.engine_info import EngineCapacity
+from kvpilot.server.core.output_delta import delta_of
+from kvpilot.server.core.pipe_channel import MessageTooLargeError
+from kvpilot.server.core.messages import (Abort, AddRequest, CapacityQuery, CoreFailed, IntegrityQuery, LoadFailed,
                                      QueryReply, Ready, Shutdown, StatsQuery, StepResult, ToCore)
 
 if TYPE_CHECKING:
     from kvpilot.engine.engine import LLMEngine
     from kvpilot.engine.kv_events_config import KVEventsConfig
-    from kvpilot.server.kv_event_publisher import ZmqKVEventPublisher
-    from kvpilot.server.served_engine import ServedEngine
+    from kvpilot.server.core.kv_event_publisher import ZmqKVEventPublisher
+    from kvpilot.server.core.served_engine import ServedEngine
 
 logger = logging.getLogger("kvpilot.server")
 GONE = (EOFError, BrokenPipeError, ConnectionResetError)  # the server closed its side, or died
@@ -187,7 +187,7 @@ def _start_kv_events(config: KVEventsConfig | None) -> ZmqKVEventPublisher | Non
     if config is None or not config.publishes:
         return None
     from kvpilot.engine.kv_events import AllBlocksCleared
-    from kvpilot.server.kv_event_publisher import ZmqKVEventPublisher
+    from kvpilot.server.core.kv_event_publisher import ZmqKVEventPublisher
 
     publisher = ZmqKVEventPublisher(config)
     publisher.publish([AllBlocksCleared()])

@@ -20,13 +20,13 @@ from typing import Any
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from kvpilot.server.chat_messages import ChatMessages, template_messages
-from kvpilot.server.errors import APIError
+from kvpilot.server.openai.chat_messages import ChatMessages, template_messages
+from kvpilot.server.openai.errors import APIError
 from kvpilot.server.prompt_tokens import encode, render_chat
-from kvpilot.server.protocol import reject_lone_surrogates
-from kvpilot.server.request_fields import TokenId
+from kvpilot.server.openai.protocol import reject_lone_surrogates
+from kvpilot.server.openai.request_fields import TokenId
 from kvpilot.server.state import ServerState
-from kvpilot.server.structured_protocol import ToolDefinition, template_tools
+from kvpilot.server.openai.structured_protocol import ToolDefinition, template_tools
 
 _STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 # check()'s rules in the JSON schema: exactly one of a text prompt and a chat; tools only with the chat.

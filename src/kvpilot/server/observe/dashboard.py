@@ -18,7 +18,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse
 
-from kvpilot.server.metrics import ServerMetrics
+from kvpilot.server.observe.metrics import ServerMetrics
 
 
 # Stage -> the histogram that times it: the four stages of a request's life, plus the latencies users watch.
@@ -80,7 +80,7 @@ def dashboard_snapshot(metrics: ServerMetrics) -> dict[str, Any]:
 def dashboard_html() -> str:
     """The page (package data next to this module): inline CSS and JS, no external resource, so it works
     on a machine without internet access."""
-    return resources.files("kvpilot.server").joinpath("dashboard.html").read_text(encoding="utf-8")
+    return resources.files("kvpilot.server.observe").joinpath("dashboard.html").read_text(encoding="utf-8")
 
 
 def add_dashboard_routes(app: FastAPI, metrics: ServerMetrics) -> None:

@@ -22,7 +22,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from kvpilot.server.tool_parsers import TOOL_CALL_MARKERS, TOOL_CALL_PARSERS
+from kvpilot.server.openai.tool_parsers import TOOL_CALL_MARKERS, TOOL_CALL_PARSERS
 from kvpilot.structured_outputs import StructuredOutputsParams
 
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}

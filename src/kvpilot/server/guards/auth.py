@@ -11,7 +11,7 @@ from __future__ import annotations
 import hmac
 from typing import Any
 
-from kvpilot.server.errors import APIError
+from kvpilot.server.openai.errors import APIError
 
 OPEN_PATHS = frozenset({"/health"})
 # What --metrics-public opens: the metrics and the live dashboard built from them (dashboard.py), no more.
