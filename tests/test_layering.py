@@ -25,13 +25,11 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     # tensors: consumes the scheduler's step contract, reads configs through fit
     "model": frozenset({"engine", "fit"}),
     # wiring and the Python API
-    "engine_args": frozenset({"engine", "fit", "model"}),
-    "engine_build": frozenset({"engine", "engine_args", "engine_tp", "fit", "model"}),
-    "engine_tp": frozenset({"engine", "engine_args", "model"}),
-    "llm": frozenset({"engine", "engine_args", "engine_build", "model"}),
+    "launch": frozenset({"engine", "fit", "model"}),  # EngineArgs (torch-free), building the engine, TP ranks
+    "llm": frozenset({"engine", "launch", "model"}),
     "kvpilot": frozenset({"llm"}),
     "chat_session": frozenset({"llm"}),
-    "server": frozenset({"cli_options", "engine", "engine_args", "engine_build", "fit", "kvpilot", "llm", "model"}),
+    "server": frozenset({"cli_options", "engine", "fit", "kvpilot", "launch", "llm", "model"}),
     # `serve run kvpilot.ray:app`: the short import path of the server's Ray Serve application (server/ray_app)
     "ray": frozenset({"server"}),
     # client tools: talk to any server over HTTP; bench borrows the model's tokenizer, doctor reads bench results

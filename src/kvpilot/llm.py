@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Iterator, Sequence
 
-from kvpilot.engine_args import EngineArgs
-from kvpilot.engine_build import build_engine
+from kvpilot.launch.args import EngineArgs
+from kvpilot.launch.build import build_engine
 from kvpilot.model.loader import LoadedModel
 from kvpilot.outputs import RequestOutput
 from kvpilot.sampling_params import SamplingParams

@@ -80,7 +80,7 @@ def test_api_key_comes_from_the_secret(served: Served) -> None:
 
 
 def _routes() -> set[str]:
-    from kvpilot.engine_args import EngineArgs
+    from kvpilot.launch.args import EngineArgs
     from kvpilot.server import ServerArgs, create_app, engine_factory
 
     server_app = create_app(engine_factory(EngineArgs()), ServerArgs())  # routes only: nothing started

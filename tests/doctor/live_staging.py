@@ -23,7 +23,7 @@ from kvpilot.bench.datasets import DatasetConfig
 from kvpilot.bench.load import LoadShape
 from kvpilot.doctor.diagnose import DoctorReport, diagnose
 from kvpilot.doctor.inputs import inputs_from_documents
-from kvpilot.engine_args import EngineArgs
+from kvpilot.launch.args import EngineArgs
 from kvpilot.server import ServerArgs, create_app, engine_factory
 from kvpilot.server.background import BackgroundServer
 from tests.doctor.bench_worker import BenchWorker

@@ -25,8 +25,8 @@ def _engine_config(name_or_config: str | dict):  # the loader's torch-free Model
 @pytest.mark.slow
 def test_predicted_capacity_of_the_embedded_model_equals_the_engine_allocation(embedded_model: LoadedModel) -> None:
     torch = pytest.importorskip("torch")
-    from kvpilot.engine_args import EngineArgs
-    from kvpilot.engine_build import build_engine
+    from kvpilot.launch.args import EngineArgs
+    from kvpilot.launch.build import build_engine
 
     inputs = FitInputs(kv_cache_dtype="bf16", kv_cache_memory_bytes=BUDGET, block_size=BLOCK_SIZE)
     plan = plan_memory(embedded_model, DeviceGroup(cpu_device(memory_bytes=8 * 2**30)), inputs)

@@ -13,7 +13,7 @@ from rich.console import Console
 from typer.main import get_command
 
 from kvpilot.cli import app
-from kvpilot.engine_args import EngineArgs
+from kvpilot.launch.args import EngineArgs
 from kvpilot.fit.hardware import parse_device_arg
 from kvpilot.fit.model_catalog import get_hf_config
 from kvpilot.fit.model_source import LoadedModel, load_model

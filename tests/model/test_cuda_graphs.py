@@ -140,7 +140,7 @@ def test_cuda_graph_flags_are_checked_before_loading():
 
     from kvpilot.cli_options import parse_cuda_graph_sizes
     from kvpilot.engine.config import EngineConfigError
-    from kvpilot.engine_args import EngineArgs
+    from kvpilot.launch.args import EngineArgs
 
     assert parse_cuda_graph_sizes("1,2, 4 8") == (1, 2, 4, 8)
     assert parse_cuda_graph_sizes(None) is None

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvpilot.engine_args import EngineArgs
-from kvpilot.engine_build import _captures_graphs
+from kvpilot.launch.args import EngineArgs
+from kvpilot.launch.build import _captures_graphs
 from kvpilot.model.kv_budget import profile_forward
 from kvpilot.fit.model_catalog import get_hf_config
 from kvpilot.model.loader import load_model

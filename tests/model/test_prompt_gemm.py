@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType as T
 
 from kvpilot import LLM, SamplingParams
 from kvpilot.engine.config import EngineConfigError
-from kvpilot.engine_args import EngineArgs
+from kvpilot.launch.args import EngineArgs
 from kvpilot.model.errors import ModelLoadError
 from kvpilot.model.layers.onednn_linear import OneDnnLinear, onednn_bf16_applies
 from kvpilot.model.layers.prompt_gemm import (DENSE_FLOAT32_MIN_ROWS, FLOAT32_MIN_SPEEDUP, GemmProbe,

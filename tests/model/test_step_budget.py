@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvpilot.engine.config import EngineConfigError
-from kvpilot.engine_args import EngineArgs
+from kvpilot.launch.args import EngineArgs
 from kvpilot.model.step_budget import default_max_num_batched_tokens, device_class
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvpilot.engine_args import EngineArgs
+from kvpilot.launch.args import EngineArgs
 from kvpilot.server.config import ServerArgs
 from kvpilot.server.ray_app.config import RayConfigError, parse_app_config
 from kvpilot.server.ray_app.launch import RayLaunch, ray_app_args

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from kvpilot.engine_args import EngineArgs
+from kvpilot.launch.args import EngineArgs
 from kvpilot.server import ServerArgs, create_app, engine_factory
 from kvpilot.server.background import BackgroundServer
 

@@ -201,7 +201,7 @@ def test_a_server_whose_outputs_nobody_reads_keeps_serving(tmp_path: Path) -> No
 def stoppable_core(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator:
     """A server whose core is its own process (a 2-layer dummy model, no tokenizer: token-id prompts) and
     whose watchdog calls a channel stalled after 1 s."""
-    from kvpilot.engine_args import EngineArgs
+    from kvpilot.launch.args import EngineArgs
     from kvpilot.fit.model_catalog import get_hf_config
     from kvpilot.server import ServerArgs, create_app, engine_factory
     from kvpilot.server.background import BackgroundServer

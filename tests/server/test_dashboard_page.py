@@ -13,7 +13,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from kvpilot.engine_args import EngineArgs
+from kvpilot.launch.args import EngineArgs
 from kvpilot.server import ServerArgs, create_app, engine_factory
 from kvpilot.server.background import BackgroundServer
 from tests.server.headless_chromium import chromium_path, dump_dom, screenshot

@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from kvpilot.engine.scheduler_stats import SchedulerStats
-from kvpilot.engine_args import EngineArgs
+from kvpilot.launch.args import EngineArgs
 from kvpilot.fit.model_catalog import get_hf_config
 from kvpilot.server import ServerArgs, create_app, engine_factory
 from kvpilot.server.background import BackgroundServer, free_port

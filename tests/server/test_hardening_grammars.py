@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvpilot.engine_args import EngineArgs
+from kvpilot.launch.args import EngineArgs
 from kvpilot.server import ServerArgs, create_app, engine_factory
 from kvpilot.server.background import BackgroundServer
 from kvpilot.server.core.served_engine import ServedEngine

@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 from pydantic import ValidationError
 
-from kvpilot.engine_args import EngineArgs
+from kvpilot.launch.args import EngineArgs
 from kvpilot.server import ServerArgs, create_app, engine_factory
 from kvpilot.server.openai.errors import APIError
 from kvpilot.server.openai.openapi_contract import _honest

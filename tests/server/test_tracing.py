@@ -155,7 +155,7 @@ def test_an_endpoint_that_is_not_http_is_refused_with_what_to_use() -> None:
 
 def test_without_the_otel_packages_the_flag_fails_at_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
     from kvpilot.cli import app
-    from kvpilot.engine_args import EngineArgs
+    from kvpilot.launch.args import EngineArgs
     from kvpilot.server import create_app, engine_factory
 
     monkeypatch.setitem(sys.modules, "opentelemetry.sdk.trace", None)  # as if opentelemetry-sdk were absent

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from kvpilot.engine_args import EngineArgs
+from kvpilot.launch.args import EngineArgs
 from kvpilot.fit.model_catalog import get_hf_config
 from kvpilot.server import ServerArgs, create_app, engine_factory
 from kvpilot.server.background import BackgroundServer

@@ -1,5 +1,5 @@
 """The executor seam: what the engine loop needs from whatever runs the model (the runner in this process,
-or the tensor-parallel ranks' worker processes, engine_tp.py). It sees only the scheduler's diffs and returns
+or the tensor-parallel ranks' worker processes, launch/tp.py). It sees only the scheduler's diffs and returns
 RunnerOutputs."""
 
 from __future__ import annotations

@@ -123,7 +123,7 @@ def serve_command(
     """Start the OpenAI-compatible server (/v1/completions, /v1/chat/completions, /metrics, /health)."""
     from kvpilot.engine.config import EngineConfigError
     from kvpilot.engine.kv_events_config import KVEventsConfig
-    from kvpilot.engine_args import EngineArgs
+    from kvpilot.launch.args import EngineArgs
     from kvpilot.server.config import ServerArgs, ServerConfigError, served_names
 
     try:

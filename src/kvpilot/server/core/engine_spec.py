@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
-    from kvpilot.engine_args import EngineArgs
+    from kvpilot.launch.args import EngineArgs
     from kvpilot.server.core.served_engine import ServedEngine
 
 EngineFactory = Callable[[], "ServedEngine"]

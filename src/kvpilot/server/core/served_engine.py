@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 from kvpilot.engine.engine import LLMEngine
 from kvpilot.engine.kv_events_config import KVEventsConfig
-from kvpilot.engine_args import EngineArgs
-from kvpilot.engine_build import BuiltEngine, build_engine
+from kvpilot.launch.args import EngineArgs
+from kvpilot.launch.build import BuiltEngine, build_engine
 from kvpilot.model.kv_dtype import kv_dtype_name
 from kvpilot.model.loader import LoadedModel
 from kvpilot.sampling_params import SamplingParams

@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 from kvpilot.engine.config import EngineConfigError
 from kvpilot.engine.kv_events_config import KVEventsConfig
-from kvpilot.engine_args import EngineArgs
+from kvpilot.launch.args import EngineArgs
 
 ROUTINGS = ("prefix", "round_robin", "power_of_two")
 DEFAULT_LANE = "default"

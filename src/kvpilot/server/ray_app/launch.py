@@ -13,7 +13,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from kvpilot.engine_args import EngineArgs
+from kvpilot.launch.args import EngineArgs
 from kvpilot.server.config import ServerArgs
 from kvpilot.server.ray_app.config import RayAppConfig, RayConfigError, load_config_file, parse_app_config
 

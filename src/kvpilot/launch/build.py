@@ -14,8 +14,8 @@ import torch
 from kvpilot.engine.config import CacheConfig, EngineConfigError, SchedulerConfig, check_model_len_fits
 from kvpilot.engine.engine import LLMEngine
 from kvpilot.engine.scheduler import Scheduler
-from kvpilot.engine_args import DEFAULT_CPU_KV_CACHE_BYTES, EngineArgs
-from kvpilot.engine_tp import TPLaunch, rank_config
+from kvpilot.launch.args import DEFAULT_CPU_KV_CACHE_BYTES, EngineArgs
+from kvpilot.launch.tp import TPLaunch, rank_config
 from kvpilot.fit.kv_cache import KvCapacity, format_capacity_line, kv_capacity_for_memory
 from kvpilot.memory_size import format_bytes, parse_memory_size
 from kvpilot.model.attention.triton_support import triton_unusable_reason

@@ -12,7 +12,7 @@ import torch
 import torch.distributed
 
 from kvpilot.engine.config import EngineConfigError
-from kvpilot.engine_args import EngineArgs
+from kvpilot.launch.args import EngineArgs
 from kvpilot.model.config import ModelConfig
 from kvpilot.model.loader import LoadedModel
 from kvpilot.model.parallel.executor import TensorParallelExecutor, WorkerPool, free_tcp_address

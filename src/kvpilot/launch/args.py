@@ -1,6 +1,6 @@
 """EngineArgs: every engine setting, named like the server flags (and vLLM's), validated in one place.
 
-Torch-free, so the HTTP process validates a server's flags without importing the model; `engine_build.py`
+Torch-free, so the HTTP process validates a server's flags without importing the model; `launch/build.py`
 (`build_engine(args)`) loads the model, sizes the KV cache and wires scheduler + runner into an LLMEngine.
 """
 
