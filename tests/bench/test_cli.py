@@ -115,7 +115,7 @@ def test_bad_options_say_what_to_do(scripted: ScriptedProcess, args: list[str], 
 
 
 def test_dataset_help_lists_every_dataset() -> None:
-    from kvpilot.bench.cli import DATASETS_HELP  # noqa: PLC0415
+    from kvpilot.bench.cli_options import DATASETS_HELP  # noqa: PLC0415
     from kvpilot.bench.datasets import DATASET_KINDS  # noqa: PLC0415
 
     assert DATASETS_HELP == ", ".join(DATASET_KINDS)
