@@ -37,7 +37,9 @@ def test_errors_echo_the_id_and_bad_ids_are_refused(http, live_server) -> None:
 
 
 def test_a_duplicate_id_in_flight_gets_409(http, live_server) -> None:
-    long = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+    # As long as the context allows (~4 s here): the first must still run when the second arrives, however late
+    # a loaded box sends it (200 tokens, ~1 s, once ran out first); leaving the `with` aborts it.
+    long = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 1000, "temperature": 0, "ignore_eos": True,
             "stream": True}
     with httpx.Client(base_url=live_server.url, headers=http.headers, timeout=120) as other:
         with other.stream("POST", "/v1/completions", json=long, headers={"X-Request-Id": "dup-1"}) as first:
