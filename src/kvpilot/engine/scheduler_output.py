@@ -93,10 +93,6 @@ class SchedulerOutput:
         return self.num_batched_tokens == self.num_sampled == len(self.chunks) and not self.new_requests
 
     @property
-    def is_empty(self) -> bool:
-        return not self.chunks
-
-    @property
     def num_decode_tokens(self) -> int:
         # ScheduledChunk.is_decode, inlined: this runs over every chunk of every step the server reports
         return sum(1 for c in self.chunks if c.num_tokens == 1 and c.start_position > 0)
