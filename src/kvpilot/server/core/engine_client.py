@@ -2,7 +2,8 @@
 `--no-engine-process`), talking to it only through the messages of messages.py.
 
 A writer thread pickles what handlers post (a 10 MB prompt takes milliseconds) and hands it to the channel,
-whose own sender thread writes the pipe (pipe_channel.py), so the event loop never waits on the core. What the
+which writes what the pipe takes and leaves the rest to its sender thread (pipe_channel.py), so the event loop
+never waits on the core. What the
 core process sends is read on the event loop itself (`add_reader` on its pipe, non-blocking reads into the
 channel's buffer: a step's StepResult is unpickled and delivered in one callback, no thread handing it over,
 and a message still arriving never holds the loop); a core thread's in-memory queues are read by a reader

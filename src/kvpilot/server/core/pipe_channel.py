@@ -169,8 +169,9 @@ class PipeEndpoint:
         self._nonblocking = False
 
     def send(self, message: Any) -> None:
-        """Queues `message` (never waits on the pipe); MessageTooLargeError over the size limit, a pickling
-        error for what does not pickle, BrokenPipeError once the peer is gone."""
+        """Sends `message`: what the pipe takes now, the rest by the sender thread (never waits on the pipe).
+        MessageTooLargeError over the size limit, a pickling error for what does not pickle, BrokenPipeError
+        once the peer is gone."""
         payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         if len(payload) > self.max_message_bytes:
             raise MessageTooLargeError(
