@@ -59,7 +59,7 @@ def test_runner_logits_match_torch_backend(tmp_path):
 def test_qwen3_takes_the_fused_small_kernels(tmp_path, monkeypatch):
     """Routed through the Triton small ops (as CUDA tensors are), Qwen3's q/k norms and rotary run as one
     kernel per layer, each residual add runs inside the norm after it, and the logits stay the reference's."""
-    import kvpilot.model.llama as llama
+    import kvpilot.model.models.llama as llama
     from kvpilot.model.layers import triton_small_ops
 
     config = {**get_hf_config("qwen3-0.6b"), **SMALL}

@@ -124,17 +124,35 @@ def _mla_dims(cfg: dict[str, Any]) -> MlaDims | None:
     )
 
 
+def layer_types(cfg: dict[str, Any], num_hidden_layers: int) -> tuple[str, ...]:
+    """Each layer's attention, "full_attention" or "sliding_attention", as HF builds it: the config's own
+    `layer_types` list when it has one, else the family's pattern. Qwen configs carry a window but disable
+    it (`use_sliding_window: false`); Qwen2 slides only from `max_window_layers` on."""
+    full = ("full_attention",) * num_hidden_layers
+    if not cfg.get("sliding_window") or cfg.get("use_sliding_window") is False:
+        return full
+    listed = cfg.get("layer_types")
+    if isinstance(listed, list) and listed:
+        if len(listed) != num_hidden_layers:
+            raise ConfigError(f"layer_types has {len(listed)} entries for {num_hidden_layers} layers.")
+        return tuple(str(t) for t in listed)
+    model_type = cfg.get("model_type")
+    if model_type == "gemma2":  # even layers slide, odd layers are global
+        return tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_hidden_layers))
+    pattern = cfg.get("sliding_window_pattern") or (6 if model_type == "gemma3_text" else None)
+    if pattern:  # Gemma 3: every pattern-th layer is global
+        return tuple("full_attention" if (i + 1) % int(pattern) == 0 else "sliding_attention"
+                     for i in range(num_hidden_layers))
+    if model_type in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe"):
+        first = int(cfg.get("max_window_layers") or 0)
+        return tuple("sliding_attention" if i >= first else "full_attention" for i in range(num_hidden_layers))
+    return ("sliding_attention",) * num_hidden_layers
+
+
 def _num_sliding_layers(cfg: dict[str, Any], num_hidden_layers: int) -> tuple[int | None, int]:
-    """(window, number of layers using it). Qwen configs carry a window but disable it."""
-    window = cfg.get("sliding_window")
-    if not window or cfg.get("use_sliding_window") is False:
-        return None, 0
-    layer_types = cfg.get("layer_types")
-    if isinstance(layer_types, list) and layer_types:
-        return int(window), sum(1 for t in layer_types if t == "sliding_attention")
-    if cfg.get("model_type") == "gemma2":
-        return int(window), (num_hidden_layers + 1) // 2  # even layers slide, odd layers are global
-    return int(window), num_hidden_layers
+    """(window, number of layers using it); (None, 0) when no layer slides."""
+    num_sliding = sum(1 for t in layer_types(cfg, num_hidden_layers) if t == "sliding_attention")
+    return (int(cfg["sliding_window"]), num_sliding) if num_sliding else (None, 0)
 
 
 def _quant_method(cfg: dict[str, Any]) -> str | None:

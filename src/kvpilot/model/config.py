@@ -1,9 +1,11 @@
-"""ModelConfig: the one in-memory description of a Llama-family model, whatever it was loaded from.
+"""ModelConfig: the one in-memory description of a decoder model of any registered family, whatever it was
+loaded from.
 
 Torch-free. Built from a Hugging Face config dict (`from_hf_config`); GGUF metadata and the built-in catalog
 are first turned into such a dict. The dict is parsed by kvpilot.fit's parser (ModelSpec for the shapes,
 RuntimeSpec for rope, norms and token ids), the same one `kvpilot fit` plans with; this module only checks
-what the engine can run and assembles the result.
+what the engine can run and assembles the result. Facts only one family uses (Gemma's soft-capping, say)
+stay in `extra` (the raw config) and are read by that family's module.
 """
 
 from __future__ import annotations
@@ -11,20 +13,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpilot.fit.model_spec import ModelSpec, spec_from_hf_config
+from kvpilot.fit.model_spec import ModelSpec, layer_types, spec_from_hf_config, text_config
 from kvpilot.fit.runtime_spec import RopeScaling, RuntimeSpec, runtime_spec_from_hf_config
 from kvpilot.model.errors import ModelLoadError, config_errors_as_load_errors
+from kvpilot.model.models.registry import family_for_architecture, unsupported_message
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig", "RopeScaling", "from_hf_config"]
+__all__ = ["ModelConfig", "RopeScaling", "from_hf_config"]
 
-# HF `architectures[0]` -> family. The family is the parser's model_type, so its per-family facts (Qwen2's
-# qkv bias, Qwen3's q/k RMSNorm) follow the architecture.
-SUPPORTED_ARCHITECTURES: dict[str, str] = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
 # Checked before parsing, in this order: the engine has no default for any of them.
 REQUIRED_KEYS = ("hidden_size", "num_attention_heads", "vocab_size", "intermediate_size", "num_hidden_layers")
 SUPPORTED_ROPE_SCALING = ("llama3",)
@@ -54,6 +49,12 @@ class ModelConfig:
     attention_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
+    # each layer's attention: "full_attention" or "sliding_attention" (the latter over `sliding_window`)
+    layer_types: tuple[str, ...] = ()
+    # mixture of experts (0: a dense MLP): experts per MoE layer, experts each token uses, an expert's width
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "bfloat16"
@@ -68,12 +69,19 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer`; None when it attends to the whole context."""
+        sliding = self.layer_types and self.layer_types[layer] == "sliding_attention"
+        return self.sliding_window if sliding else None
+
 
 def _family(arch: str | None, source: str) -> str:
-    if arch not in SUPPORTED_ARCHITECTURES:
-        supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
-        raise ModelLoadError(f"{source}: unsupported architecture {arch!r}; kvpilot supports {supported}")
-    return SUPPORTED_ARCHITECTURES[arch]
+    """The registry's family name, which is also the parser's model_type (so Qwen2's qkv bias and Qwen3's
+    q/k RMSNorm follow the architecture)."""
+    family = family_for_architecture(arch)
+    if family is None:
+        raise ModelLoadError(unsupported_message(arch, source))
+    return family.name
 
 
 def _check_required(cfg: dict[str, Any], source: str) -> None:
@@ -101,6 +109,9 @@ def from_hf_config(cfg: dict[str, Any], source: str = "config") -> ModelConfig:
     with config_errors_as_load_errors(source):
         spec = spec_from_hf_config({**cfg, "model_type": family}, source)
     _check_runnable(spec, runtime, source)
+    with config_errors_as_load_errors(source):
+        types = layer_types({**text_config(cfg), "model_type": family}, spec.num_hidden_layers)
+    moe = spec.moe
     return ModelConfig(
         architecture=str(runtime.architecture),  # supported, so not None
         family=family,
@@ -119,6 +130,10 @@ def from_hf_config(cfg: dict[str, Any], source: str = "config") -> ModelConfig:
         attention_bias=spec.qkv_bias,
         qk_norm=spec.qk_norm,
         sliding_window=spec.sliding_window,
+        layer_types=types,
+        num_experts=moe.num_experts if moe else 0,
+        num_experts_per_tok=moe.num_experts_per_tok if moe else 0,
+        moe_intermediate_size=moe.expert_intermediate_size if moe else 0,
         bos_token_id=runtime.bos_token_id,
         eos_token_ids=runtime.eos_token_ids,
         torch_dtype=spec.torch_dtype,

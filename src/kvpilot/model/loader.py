@@ -1,5 +1,5 @@
 """load_model: resolves a --model value (GGUF file, HF directory, dummy config, or the embedded default)
-into a ModelConfig, a ready LlamaForCausalLM and a Tokenizer."""
+into a ModelConfig, a ready model of its family (kvpilot.model.models) and a Tokenizer."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ from kvpilot.model.errors import ModelLoadError, config_errors_as_load_errors
 from kvpilot.model.fused_decode import FusedDecode
 from kvpilot.model.layers.onednn_linear import prepack_bf16_linears
 from kvpilot.model.layers.prompt_gemm import dense_float32_min_rows, resolve_prompt_gemm_dtype
-from kvpilot.model.llama import LlamaForCausalLM
+from kvpilot.model.models.llama import LlamaForCausalLM
+from kvpilot.model.models.registry import ModelFamily, family_for_architecture
 from kvpilot.model.parallel.shard_plan import ShardPlan
 from kvpilot.model.quant.model_pack import check_quantization
 from kvpilot.model.tokenizer import Tokenizer
@@ -70,14 +71,23 @@ def _materialize(model: nn.Module, device: torch.device) -> nn.Module:
 
 def _build_model(config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device,
                  prepare: Callable[[LlamaForCausalLM], object] | None = None) -> LlamaForCausalLM:
-    """`prepare` runs on the model while it is still on the meta device (before any memory is allocated)."""
+    """The family's model class, built on the meta device; `prepare` runs on the model while it is still there
+    (before any memory is allocated)."""
+    model_class = family_of(config).load_class()
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, max_positions)
+        model = model_class(config, max_positions)
     if prepare is not None:
         prepare(model)
     model = _materialize(model, device).to(dtype)
     model.rotary.reset_tables(device)  # built on meta (no memory): compute the float32 tables for real
     return model.eval()
+
+
+def family_of(config: ModelConfig) -> ModelFamily:
+    family = family_for_architecture(config.architecture)
+    if family is None:  # from_hf_config checked it: a ModelConfig built by hand
+        raise ModelLoadError(f"no model family runs {config.architecture!r}")
+    return family
 
 
 @dataclass(frozen=True)
@@ -88,7 +98,12 @@ class TPRank:
     size: int = 1
 
     def plan(self, config: ModelConfig) -> ShardPlan | None:
-        return ShardPlan.for_rank(config, self.rank, self.size) if self.size > 1 else None
+        if self.size == 1:
+            return None
+        if not family_of(config).tensor_parallel:
+            raise ModelLoadError(f"{config.architecture} models do not run with tensor parallelism yet: use "
+                                 "--tensor-parallel-size 1")
+        return ShardPlan.for_rank(config, self.rank, self.size)
 
 
 def _model_config(config: ModelConfig, plan: ShardPlan | None) -> ModelConfig:
@@ -106,8 +121,14 @@ def _load_gguf(path: Path, max_model_len: int | None, dtype: torch.dtype, device
     reader = open_gguf(path)
     config = from_hf_config(hf_config_from_reader(reader, path), str(path))
     plan = tp.plan(config)
-    names = packed_names(quantization, device, linear_tensor_types(reader), config, path) if plan is None \
-        else frozenset()  # a rank's shards are dense (the engine refuses packed quantization with TP)
+    # a rank's shards are dense (the engine refuses packed quantization with TP), and so are the weights of
+    # a family the packed kernels do not run
+    packs = plan is None and family_of(config).packed_gguf
+    if plan is None and not packs and quantization == "gguf":
+        raise ModelLoadError(f"{path}: the packed GGUF kernels do not run {config.architecture} models yet; use "
+                             "--quantization auto or none (the weights are dequantized at load)")
+    names = packed_names(quantization, device, linear_tensor_types(reader), config, path) if packs \
+        else frozenset()
     dense, packed = load_gguf_tensors(reader, path, config, names, take=plan.take if plan else None)
     hybrid = keeps_dense(quantization, dtype, packed, psutil.virtual_memory().available, gemm_dtype)
     prepare = (lambda m: pack_linear_layers(m, packed, config, keep_dense=hybrid, compute_dtype=dtype,
@@ -212,7 +233,7 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
         prepack_bf16_linears(loaded.model, float32_rows)  # bf16: oneDNN's layout, once
         relayout_linear_weights(loaded.model)
         # no fused decode for a TP rank: the C++ layer loop knows nothing of a rank's all-reduces
-        if torch_dtype == torch.bfloat16 and loaded.shard is None:
+        if torch_dtype == torch.bfloat16 and loaded.shard is None and family_of(loaded.config).fused_decode:
             loaded.model.fused_decode = FusedDecode.for_model(loaded.model)
     return loaded
 

@@ -1,7 +1,13 @@
-"""One parameterised Llama-family decoder: Llama 2/3, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm), SmolLM.
+"""The shared decoder: Llama 2/3, Mistral (sliding window), Qwen2 (qkv bias), Qwen3 (q/k norm), SmolLM; the
+base the other families' files build on.
 
 Q/K/V and gate/up projections are fused into one matmul each (fewer, larger GEMMs); `load_weights` takes
 an HF-named state dict and fuses it, checking every shape against the config.
+
+Seams for other families (each overridable in a subclass): `DecoderLayer.attention_class` and `make_mlp`
+(the per-layer modules), `LlamaForCausalLM.layer_class`, `embed` (input scaling), `logits` (soft-capping),
+and `hf_state_dict` (HF names -> module names). A layer class whose forward differs from the pre-norm
+residual pattern sets `supports_deferred_add = False` (the CUDA fused add+norm loop then runs forward()).
 """
 
 from __future__ import annotations
@@ -26,8 +32,9 @@ if TYPE_CHECKING:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
+        self.sliding_window = config.layer_window(layer_idx)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -86,12 +93,18 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    attention_class: type[nn.Module] = Attention
+    supports_deferred_add = True  # forward_deferred_add below computes forward() (the CUDA residual fusion)
+
+    def __init__(self, config: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = self.attention_class(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = self.make_mlp(config, layer_idx)
+
+    def make_mlp(self, config: ModelConfig, layer_idx: int) -> nn.Module:
+        return MLP(config)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
                 attn: StepAttention) -> torch.Tensor:
@@ -117,6 +130,8 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """forward(token_ids [T], positions [T], kv_caches, attn) -> hidden [T, hidden]; logits(hidden) -> [N, V]."""
 
+    layer_class: type[DecoderLayer] = DecoderLayer
+
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.config = config
@@ -124,7 +139,7 @@ class LlamaForCausalLM(nn.Module):
         # torch._dynamo (2-3 s of every model load).
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
                                          _weight=torch.empty(config.vocab_size, config.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_class(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
                                                                          bias=False)
@@ -141,11 +156,12 @@ class LlamaForCausalLM(nn.Module):
                 attn: StepAttention) -> torch.Tensor:
         if self.int8_gate is not None:  # a step with prompt tokens keeps them off the int8 path
             self.int8_gate.open = not getattr(attn.meta, "prefills", ())
-        x = self.embed_tokens(token_ids)
+        x = self.embed(token_ids)
         cos, sin = self.rotary.tables(positions, x.dtype)
         if self.fused_decode is not None and self.fused_decode.applies(x, kv_caches, attn):
             return self.norm(self.fused_decode(x, cos, sin, kv_caches, attn))
-        gpu = small_ops_for(x) if x.dim() == 2 and x.stride(-1) == 1 else None
+        gpu = small_ops_for(x) if x.dim() == 2 and x.stride(-1) == 1 and self.layer_class.supports_deferred_add \
+            else None
         if gpu is not None:  # CUDA: each residual add fused into the norm after it
             residual = None
             for layer, kv_cache in zip(self.layers, kv_caches):
@@ -155,6 +171,10 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, kv_cache, attn)
         return self.norm(x)
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The input embeddings of `token_ids` (families that scale them override this)."""
+        return self.embed_tokens(token_ids)
 
     def output_weight(self) -> torch.Tensor | None:
         """The dense [vocab, hidden] output projection (the embedding table itself when the two are tied);
@@ -177,7 +197,7 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def load_weights(self, state: dict[str, torch.Tensor], source: str) -> None:
         """Copies HF-named weights in (fusing q/k/v and gate/up); every parameter must be present, right-shaped."""
-        fused = fuse_hf_state_dict(state, self.config)
+        fused = self.hf_state_dict(state)
         params = dict(self.named_parameters())
         missing = sorted(set(params) - set(fused))
         if missing:
@@ -189,6 +209,11 @@ class LlamaForCausalLM(nn.Module):
                 raise ModelLoadError(f"{source}: weight {name} has shape {tuple(tensor.shape)} but the config "
                                      f"implies {tuple(param.shape)}: config and weights do not match")
             param.copy_(tensor.to(param.dtype))
+
+
+    def hf_state_dict(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """HF-named weights -> this module's names (families with other names or fusions override this)."""
+        return fuse_hf_state_dict(state, self.config)
 
 
 def _strip_model_prefix(name: str) -> str:

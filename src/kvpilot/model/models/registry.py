@@ -1,0 +1,88 @@
+"""The architecture registry: which model families kvpilot runs, and what runs each one.
+
+Torch-free (the config parser and `kvpilot fit` read it). One `ModelFamily` entry in FAMILIES per family,
+whose modules live in a file of their own under kvpilot/model/models/; a family is chosen by the HF config's `architectures[0]` or, for a GGUF file, by
+`general.architecture` (mapped to the HF name by kvpilot.fit.gguf_metadata). The model class is named by
+import path so that reading the registry never imports torch.
+
+Invariants: every HF architecture and every GGUF architecture belongs to at most one family; a family's
+`attention_backends` lists only backends that implement every attention feature its models can need.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+from dataclasses import dataclass
+
+ALL_BACKENDS = ("torch", "cpu", "triton")
+ALL_FORMATS = ("safetensors", "gguf", "dummy")
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """One family of decoder models that share a module layout.
+
+    `model_class`: "module:Class" of its nn.Module; `formats`: the weight formats it loads; `tensor_parallel`:
+    whether it shards across ranks; `packed_gguf`: whether a GGUF's quantized weights stay packed (the CPU
+    kernels) rather than being dequantized; `fused_decode`: whether the C++ whole-model decode step applies.
+    """
+
+    name: str
+    architectures: tuple[str, ...]
+    model_class: str
+    gguf_architectures: tuple[str, ...] = ()
+    attention_backends: tuple[str, ...] = ALL_BACKENDS
+    formats: tuple[str, ...] = ALL_FORMATS
+    tensor_parallel: bool = True
+    packed_gguf: bool = True
+    fused_decode: bool = True
+    notes: str = ""
+
+    def load_class(self) -> type:
+        """The family's model class (imports torch)."""
+        module, _, name = self.model_class.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+
+LLAMA_CLASS = "kvpilot.model.models.llama:LlamaForCausalLM"
+
+# The families kvpilot runs. A new family adds its entry here and its module file beside this one.
+FAMILIES: tuple[ModelFamily, ...] = (
+    ModelFamily("llama", ("LlamaForCausalLM",), LLAMA_CLASS, gguf_architectures=("llama",)),
+    ModelFamily("mistral", ("MistralForCausalLM",), LLAMA_CLASS, gguf_architectures=("mistral",)),
+    ModelFamily("qwen2", ("Qwen2ForCausalLM",), LLAMA_CLASS, gguf_architectures=("qwen2",),
+                notes="q/k/v bias"),
+    ModelFamily("qwen3", ("Qwen3ForCausalLM",), LLAMA_CLASS, gguf_architectures=("qwen3",),
+                notes="q/k RMSNorm"),
+)
+
+
+def _check_unique(entries: tuple[ModelFamily, ...]) -> None:
+    seen: dict[str, str] = {}
+    for family in entries:
+        for arch in family.architectures + family.gguf_architectures:
+            if arch in seen:
+                raise ValueError(f"architecture {arch!r} claimed by both {seen[arch]} and {family.name}")
+            seen[arch] = family.name
+
+
+_check_unique(FAMILIES)
+
+
+def supported_architectures() -> tuple[str, ...]:
+    return tuple(sorted(arch for family in FAMILIES for arch in family.architectures))
+
+
+def family_for_architecture(arch: str | None) -> ModelFamily | None:
+    """The family that runs HF architecture `arch`; None when none does."""
+    return next((family for family in FAMILIES if arch in family.architectures), None)
+
+
+def unsupported_message(arch: str | None, source: str) -> str:
+    """Names the supported architectures and the closest one to `arch`."""
+    supported = supported_architectures()
+    close = difflib.get_close_matches(str(arch), supported, n=1, cutoff=0.5)
+    hint = f" (closest: {close[0]})" if close else ""
+    return (f"{source}: unsupported architecture {arch!r}{hint}; kvpilot runs "
+            f"{', '.join(supported)}")
