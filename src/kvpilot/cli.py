@@ -15,11 +15,14 @@ from kvpilot.cli_options import (DeviceOpt, DtypeOpt, KvCacheDtypeOpt, KvCacheMe
 from kvpilot.doctor.bench_section import doctor_report_section
 from kvpilot.doctor.cli import doctor_command
 from kvpilot.fit.cli import fit_command
+from kvpilot.fit.serve_command import set_serve_check
+from kvpilot.model.config import unsupported_reason
 from kvpilot.server.cli import serve_command
 
 app = typer.Typer(help="kvpilot: a fast LLM inference server that explains its own speed.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 app.command("serve")(serve_command)
+set_serve_check(unsupported_reason)  # fit prints `kvpilot serve` lines only for models the registry runs
 app.command("fit")(fit_command)
 app.command("bench")(make_bench_command((doctor_report_section,)))  # the HTML report carries the diagnosis
 app.command("doctor")(doctor_command)

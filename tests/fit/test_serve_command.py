@@ -15,11 +15,12 @@ from typer.main import get_command
 from kvpilot.cli import app
 from kvpilot.launch.args import EngineArgs
 from kvpilot.fit.hardware import parse_device_arg
-from kvpilot.fit.model_catalog import get_hf_config
+from kvpilot.fit.model_catalog import get_hf_config, list_models
 from kvpilot.fit.model_source import LoadedModel, load_model
 from kvpilot.fit.plan import build_report
 from kvpilot.fit.render import render_report
 from kvpilot.fit.workload import FitInputs
+from kvpilot.model.config import from_hf_config, unsupported_reason
 from kvpilot.model.dummy import dummy_hf_config
 
 ENGINE_FIELDS = ("model", "load_format", "max_model_len", "max_num_seqs", "block_size", "gpu_memory_utilization",
@@ -73,3 +74,30 @@ def test_a_bad_flag_would_be_caught() -> None:
         _parse_serve("kvpilot serve --model x --max-num-seqz 3")
     with pytest.raises(Exception, match="gpu_memory_utilization must be in"):
         _parse_serve("kvpilot serve --model x --gpu-memory-utilization 1.5")
+
+
+def _flag_lines(model: LoadedModel, gpu: str) -> tuple[list[str], bool]:
+    """The printed flag lines, and whether the plan runs on one device (kvpilot lines are printed only then)."""
+    console = Console(record=True, width=500)
+    report = build_report(model, parse_device_arg(gpu), FitInputs())
+    render_report(report, console)
+    flags = report.flags
+    one_device = flags is not None and flags.tensor_parallel_size * flags.pipeline_parallel_size == 1
+    return [line for line in console.export_text().splitlines() if line.startswith(("kvpilot serve ", "# no "))], \
+        one_device
+
+
+@pytest.mark.parametrize("name", list_models())
+def test_every_catalog_model_gets_only_lines_kvpilot_accepts(name: str) -> None:
+    """Issue 45 item 6: walking the catalog, a printed `kvpilot serve` line names a model the engine loads
+    (its config passes the registry), and a model the engine refuses gets the reason instead of a line."""
+    lines, one_device = _flag_lines(load_model(name), "h200")
+    reason = unsupported_reason(dummy_hf_config(name))
+    serve_lines = [line for line in lines if line.startswith("kvpilot serve ")]
+    if reason is None:
+        for line in serve_lines:
+            params = _parse_serve(line)
+            if params["load_format"] == "dummy":
+                assert from_hf_config(dummy_hf_config(params["model"])).num_hidden_layers > 0
+    else:
+        assert serve_lines == [] and (not one_device or any(reason in line for line in lines))

@@ -11,7 +11,7 @@ from rich.text import Text
 from kvpilot.fit import units
 from kvpilot.fit.model_catalog import get_repo_id
 from kvpilot.fit.plan import FitReport, GpuComparison
-from kvpilot.fit.serve_command import kvpilot_serve_commands
+from kvpilot.fit.serve_command import kvpilot_serve_commands, unservable_reason
 from kvpilot.fit.server_capacity import CapacityComparison
 
 
@@ -103,6 +103,9 @@ def _flag_lines(r: FitReport) -> list[str]:
     lines = ["vllm serve " + shlex.join([ref, *r.flags.vllm_args()])]
     if r.flags.tensor_parallel_size * r.flags.pipeline_parallel_size == 1:  # kvpilot runs on one device
         lines += [command.line() for command in kvpilot_serve_commands(r.model, r.flags.kvpilot_args())]
+        reason = unservable_reason(r.model)
+        if reason is not None:
+            lines.append(f"# no kvpilot serve line: {reason}")
     return lines
 
 

@@ -5,19 +5,39 @@ kvpilot never downloads weights: it takes a GGUF file, an HF directory (config.j
 `Qwen/Qwen3-0.6B` is refused, so it is never printed as `--model`.
 
 Invariant: every command's argv (after `kvpilot serve`) parses under `kvpilot serve`'s flags, and each line is
-runnable as printed once the local path it names exists (a shell comment says how to get it).
+runnable as printed once the local path it names exists (a shell comment says how to get it). Which
+architectures kvpilot runs is the model registry's knowledge, which this torch-free planner does not import:
+the `kvpilot` command installs the registry's check with `set_serve_check`; a model it refuses gets no
+`kvpilot serve` line, only a note saying why.
 """
 
 from __future__ import annotations
 
 import shlex
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvpilot.fit.model_catalog import canonical_name, get_repo_id
 from kvpilot.fit.model_source import LoadedModel
 
 CATALOG_PREFIX, GGUF_PREFIX, CONFIG_PREFIX = "catalog: ", "GGUF file ", "config file "
+
+# An HF config dict -> None when `kvpilot serve` runs the model, else why not.
+ServeCheck = Callable[[dict[str, Any]], "str | None"]
+_serve_check: ServeCheck | None = None
+
+
+def set_serve_check(check: ServeCheck | None) -> None:
+    """Installs the check that decides whether `kvpilot serve` lines are printed for a model."""
+    global _serve_check
+    _serve_check = check
+
+
+def unservable_reason(model: LoadedModel) -> str | None:
+    """Why `kvpilot serve` would refuse `model` (None: it runs it, or no check is installed)."""
+    return _serve_check(model.hf_config) if _serve_check is not None and model.hf_config else None
 
 
 @dataclass(frozen=True)
@@ -58,5 +78,8 @@ def model_arguments(model: LoadedModel) -> list[tuple[tuple[str, ...], str | Non
 
 
 def kvpilot_serve_commands(model: LoadedModel, engine_args: list[str]) -> list[ServeCommand]:
-    """The recommended `kvpilot serve` lines: one per model form, each with the plan's engine flags."""
+    """The recommended `kvpilot serve` lines: one per model form, each with the plan's engine flags; none for
+    a model kvpilot does not run (see unservable_reason)."""
+    if unservable_reason(model) is not None:
+        return []
     return [ServeCommand((*model_args, *engine_args), note) for model_args, note in model_arguments(model)]

@@ -18,7 +18,7 @@ from kvpilot.fit.runtime_spec import RopeScaling, RuntimeSpec, runtime_spec_from
 from kvpilot.model.errors import ModelLoadError, config_errors_as_load_errors
 from kvpilot.model.models.registry import family_for_architecture, unsupported_message
 
-__all__ = ["ModelConfig", "RopeScaling", "from_hf_config"]
+__all__ = ["ModelConfig", "RopeScaling", "from_hf_config", "unsupported_reason"]
 
 # Checked before parsing, in this order: the engine has no default for any of them.
 REQUIRED_KEYS = ("hidden_size", "num_attention_heads", "vocab_size", "intermediate_size", "num_hidden_layers")
@@ -140,3 +140,12 @@ def from_hf_config(cfg: dict[str, Any], source: str = "config") -> ModelConfig:
         name=runtime.name_or_path,
         extra=dict(cfg),
     )
+
+
+def unsupported_reason(cfg: dict[str, Any]) -> str | None:
+    """None when the engine runs the model `cfg` describes, else the load error it would raise."""
+    try:
+        from_hf_config(cfg, str(cfg.get("_name_or_path") or "model"))
+    except ModelLoadError as exc:
+        return str(exc)
+    return None

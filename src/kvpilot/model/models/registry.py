@@ -1,7 +1,8 @@
 """The architecture registry: which model families kvpilot runs, and what runs each one.
 
-Torch-free (the config parser and `kvpilot fit` read it). One `ModelFamily` entry in FAMILIES per family,
-whose modules live in a file of their own under kvpilot/model/models/; a family is chosen by the HF config's `architectures[0]` or, for a GGUF file, by
+Torch-free (the config parser reads it; the `kvpilot` command hands `kvpilot fit` a check built on it). One
+`ModelFamily` entry in FAMILIES per family, whose modules live in a file of their own under
+kvpilot/model/models/; a family is chosen by the HF config's `architectures[0]` or, for a GGUF file, by
 `general.architecture` (mapped to the HF name by kvpilot.fit.gguf_metadata). The model class is named by
 import path so that reading the registry never imports torch.
 
