@@ -9,9 +9,9 @@ from typing import Annotated, Optional
 import typer
 
 from kvpilot.bench.cli import make_bench_command
-from kvpilot.cli_options import (DeviceOpt, DtypeOpt, KvCacheDtypeOpt, KvCacheMemoryOpt, LoadFormatOpt,
-                                 MaxModelLenOpt, ModelOpt, PromptGemmDtypeOpt, QuantizationOpt,
-                                 SeedOpt)
+from kvpilot.cli_options import (DeviceOpt, DownloadDirOpt, DtypeOpt, GgufFileOpt, KvCacheDtypeOpt,
+                                 KvCacheMemoryOpt, LoadFormatOpt, MaxModelLenOpt, ModelOpt, PromptGemmDtypeOpt,
+                                 QuantizationOpt, RevisionOpt, SeedOpt)
 from kvpilot.doctor.bench_section import doctor_report_section
 from kvpilot.doctor.cli import doctor_command
 from kvpilot.fit.cli import fit_command
@@ -53,7 +53,8 @@ def generate(
     model: ModelOpt = None, load_format: LoadFormatOpt = "auto", dtype: DtypeOpt = "auto", device: DeviceOpt = None,
     max_model_len: MaxModelLenOpt = None, kv_cache_memory: KvCacheMemoryOpt = None,
     kv_cache_dtype: KvCacheDtypeOpt = "auto", seed: SeedOpt = 0, quantization: QuantizationOpt = "auto",
-    prompt_gemm_dtype: PromptGemmDtypeOpt = "auto",
+    prompt_gemm_dtype: PromptGemmDtypeOpt = "auto", revision: RevisionOpt = None,
+    download_dir: DownloadDirOpt = None, gguf_file: GgufFileOpt = None,
 ) -> None:
     """Generate a completion for one prompt and print it (streamed as it is produced)."""
     from kvpilot.sampling_params import SamplingParams
@@ -61,7 +62,8 @@ def generate(
     llm = _build_llm(dict(model=model, load_format=load_format, dtype=dtype, device=device,
                            max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
                            kv_cache_dtype=kv_cache_dtype, seed=seed, quantization=quantization,
-                           prompt_gemm_dtype=prompt_gemm_dtype))
+                           prompt_gemm_dtype=prompt_gemm_dtype, revision=revision, download_dir=download_dir,
+                           gguf_file=gguf_file))
     params = _sampling_params(SamplingParams, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                               top_k=top_k, seed=sample_seed)
     prompt_ids = llm.tokenizer.encode_chat([{"role": "user", "content": prompt}]) if chat_template else prompt
@@ -88,7 +90,8 @@ def chat(
     model: ModelOpt = None, load_format: LoadFormatOpt = "auto", dtype: DtypeOpt = "auto", device: DeviceOpt = None,
     max_model_len: MaxModelLenOpt = None, kv_cache_memory: KvCacheMemoryOpt = None,
     kv_cache_dtype: KvCacheDtypeOpt = "auto", seed: SeedOpt = 0, quantization: QuantizationOpt = "auto",
-    prompt_gemm_dtype: PromptGemmDtypeOpt = "auto",
+    prompt_gemm_dtype: PromptGemmDtypeOpt = "auto", revision: RevisionOpt = None,
+    download_dir: DownloadDirOpt = None, gguf_file: GgufFileOpt = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show the engine's INFO log lines.")] = False,
 ) -> None:
     """Interactive chat in the terminal with line editing and history; replies stream token by token. Ctrl-C
@@ -101,7 +104,8 @@ def chat(
     llm = _build_llm(dict(model=model, load_format=load_format, dtype=dtype, device=device,
                            max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
                            kv_cache_dtype=kv_cache_dtype, seed=seed, quantization=quantization,
-                           prompt_gemm_dtype=prompt_gemm_dtype))
+                           prompt_gemm_dtype=prompt_gemm_dtype, revision=revision, download_dir=download_dir,
+                           gguf_file=gguf_file))
     params = _sampling_params(SamplingParams, max_tokens=max_tokens, temperature=temperature, top_p=top_p)
     run_chat(llm, params, system)
 

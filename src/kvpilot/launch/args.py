@@ -26,6 +26,10 @@ class EngineArgs:
 
     model: str | None = None
     load_format: str = "auto"
+    # a Hugging Face Hub id's download (kvpilot.model.hub): branch/tag/commit, cache folder, GGUF file name
+    revision: str | None = None
+    download_dir: str | None = None
+    gguf_file: str | None = None
     dtype: str = "auto"
     quantization: str = "auto"  # CPU: auto (bf16: + dense copy) / gguf keep a GGUF's Q8_0/Q4_0/Q4_1 packed; none;
     # int8/int4 (CPU, at load); fp8 (Hopper/Ada GPUs: e4m3 weights per channel, activations per token)

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpilot.engine.config import CacheConfig, EngineConfigError, SchedulerConfig, check_model_len_fits
+from kvpilot.engine.config import (CacheConfig, EngineConfigError, SchedulerConfig, check_model_len_fits,
+                                   uniform_sliding_window)
 from kvpilot.engine.engine import LLMEngine
 from kvpilot.engine.scheduler import Scheduler
 from kvpilot.launch.args import DEFAULT_CPU_KV_CACHE_BYTES, EngineArgs
@@ -21,6 +22,7 @@ from kvpilot.memory_size import format_bytes, parse_memory_size
 from kvpilot.model.attention.triton_support import triton_unusable_reason
 from kvpilot.model.choices import cuda_graph_sizes
 from kvpilot.model.kv_dtype import kv_dtype_name, resolve_kv_cache_dtype
+from kvpilot.model.hub import resolve_model
 from kvpilot.model.loader import LoadedModel, load_model
 from kvpilot.model.onednn_caches import bound_onednn_caches
 from kvpilot.model.parallel.worker import KVBudgetRequest, RunnerSpec, make_runner, rank_kv_budget
@@ -72,9 +74,12 @@ def build_engine(args: EngineArgs, loaded: LoadedModel | None = None) -> BuiltEn
     rank loads its shard (engine_tp.TPLaunch); a failure before the engine exists stops the ranks again."""
     args.check()
     bound_onednn_caches()  # before the first GEMM: the engine's memory stays flat over hours of mixed steps
+    hub_id = args.model
+    if loaded is None:  # a hub id is downloaded once, here, before any TP rank starts to read it
+        args = dataclasses.replace(args, model=local_model(args), revision=None, gguf_file=None)
     tp = TPLaunch.start(args, loaded) if args.tensor_parallel_size > 1 else None
     try:
-        return _build(args, tp.loaded if tp is not None else loaded or load_model(
+        built = _build(args, tp.loaded if tp is not None else loaded or load_model(
             args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
             max_model_len=args.max_model_len, seed=args.seed, quantization=args.quantization,
             prompt_gemm_dtype=args.prompt_gemm_dtype), tp)
@@ -82,6 +87,17 @@ def build_engine(args: EngineArgs, loaded: LoadedModel | None = None) -> BuiltEn
         if tp is not None:
             tp.abort()
         raise
+    if hub_id != args.model and loaded is None:
+        built.loaded.name = str(hub_id)  # served as the id the user gave, not the cache folder's commit
+    return built
+
+
+def local_model(args: EngineArgs) -> str | None:
+    """args.model, or for a Hugging Face Hub id the local path of its downloaded files."""
+    if args.load_format == "dummy" or (args.model or "").startswith("dummy:"):
+        return args.model
+    return resolve_model(args.model, revision=args.revision, download_dir=args.download_dir,
+                         gguf_file=args.gguf_file)
 
 
 def _build(args: EngineArgs, loaded: LoadedModel, tp: TPLaunch | None) -> BuiltEngine:
@@ -90,21 +106,28 @@ def _build(args: EngineArgs, loaded: LoadedModel, tp: TPLaunch | None) -> BuiltE
     kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, loaded.dtype)
     budget = kv_cache_budget_bytes(args, loaded, max_num_batched_tokens, kv_dtype, tp)
     element_size = torch.tensor([], dtype=kv_dtype).element_size()
+    config = loaded.config
+    # only when every layer slides: then the KV manager frees blocks that fell out of the window
+    window = uniform_sliding_window([config.layer_window(i) for i in range(config.num_hidden_layers)])
     # The same function `kvpilot fit` predicts with: plan and engine agree by construction.
     capacity = kv_capacity_for_memory(rank_config(loaded), budget, args.block_size, element_size,
-                                      args.max_model_len or loaded.config.max_position_embeddings)
+                                      args.max_model_len or config.max_position_embeddings, window)
     if capacity.num_blocks < 1:
         raise EngineConfigError(f"the KV cache budget of {format_bytes(budget)} holds no block of "
                                 f"{format_bytes(capacity.bytes_per_block)}: raise kv_cache_memory")
-    max_model_len = default_max_model_len(args.max_model_len, loaded.config.max_position_embeddings, capacity)
+    events = args.kv_events_config
+    cache_config = CacheConfig(num_blocks=capacity.num_blocks, block_size=args.block_size,
+                               enable_prefix_caching=args.enable_prefix_caching,
+                               enable_kv_cache_events=events is not None and events.publishes,
+                               sliding_window=window)
+    context_fits = cache_config.max_blocks_per_request(
+        config.max_position_embeddings, max_num_batched_tokens) <= cache_config.num_blocks
+    max_model_len = default_max_model_len(args.max_model_len, config.max_position_embeddings, capacity,
+                                          context_fits)
     capacity = dataclasses.replace(capacity, max_model_len=max_model_len)
     scheduler_config = SchedulerConfig(
         max_model_len=max_model_len, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         scheduling_policy=args.scheduling_policy)
-    events = args.kv_events_config
-    cache_config = CacheConfig(num_blocks=capacity.num_blocks, block_size=args.block_size,
-                               enable_prefix_caching=args.enable_prefix_caching,
-                               enable_kv_cache_events=events is not None and events.publishes)
     check_model_len_fits(scheduler_config, cache_config)
     logger.info("%s; KV stored as %s", format_capacity_line(capacity), kv_dtype_name(kv_dtype))
     eos_token_ids = eos_token_ids_of(loaded)
@@ -146,12 +169,14 @@ def _capture_decode_graphs(runner: ModelRunner, args: EngineArgs, max_num_batche
                        "capture): %s", exc)
 
 
-def default_max_model_len(requested: int | None, model_context: int, capacity: KvCapacity) -> int:
-    """max_model_len as given; left out, the model's context, or, when that does not fit the KV cache, the
-    largest length that does (whole cache for one request), with an INFO line saying how to get more.
-    vLLM fails there; a user who named no length gets a working engine. A requested length that does not fit
-    is left for check_model_len_fits to refuse with the largest value that fits."""
-    if requested is not None or model_context <= capacity.num_tokens:
+def default_max_model_len(requested: int | None, model_context: int, capacity: KvCapacity,
+                          context_fits: bool) -> int:
+    """max_model_len as given; left out, the model's context, or, when that does not fit the KV cache
+    (context_fits False: one request of it would hold more blocks than there are, which a sliding window
+    can spare), the largest length that does (whole cache for one request), with an INFO line saying how to
+    get more. vLLM fails there; a user who named no length gets a working engine. A requested length that
+    does not fit is left for check_model_len_fits to refuse with the largest value that fits."""
+    if requested is not None or context_fits:
         return requested or model_context
     blocks_needed = -(-model_context // capacity.block_size)
     mib_needed = -(-blocks_needed * capacity.bytes_per_block // 2**20)

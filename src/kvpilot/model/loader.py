@@ -18,6 +18,7 @@ from kvpilot.model.default_model import DEFAULT_MODEL_NAME, default_model_path
 from kvpilot.model.dtypes import resolve_dtype
 from kvpilot.model.errors import ModelLoadError, config_errors_as_load_errors
 from kvpilot.model.fused_decode import FusedDecode
+from kvpilot.model.layers.moe import prepack_experts
 from kvpilot.model.layers.onednn_linear import prepack_bf16_linears
 from kvpilot.model.layers.prompt_gemm import dense_float32_min_rows, resolve_prompt_gemm_dtype
 from kvpilot.model.models.llama import LlamaForCausalLM
@@ -219,6 +220,9 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
         loaded = _load(model, load_format, max_model_len, torch_dtype, torch_device, seed, quantization,
                        TPRank(tp_rank, tp_size), gemm_dtype)
     loaded.prompt_gemm_dtype = gemm_dtype
+    if quantization in ("int8", "int4", "fp8") and loaded.config.num_experts:
+        raise ModelLoadError(f"--quantization {quantization} does not quantize mixture-of-experts models "
+                             f"({loaded.config.architecture}) yet: use --quantization none")
     if quantization in ("int8", "int4"):
         _quantize_at_load(loaded, quantization)
     elif quantization == "fp8":
@@ -231,6 +235,7 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
         float32_rows = dense_float32_min_rows(loaded.model, loaded.prompt_gemm_dtype,
                                               psutil.virtual_memory().available)
         prepack_bf16_linears(loaded.model, float32_rows)  # bf16: oneDNN's layout, once
+        prepack_experts(loaded.model)  # mixture-of-experts weights: the same, one expert at a time
         relayout_linear_weights(loaded.model)
         # no fused decode for a TP rank: the C++ layer loop knows nothing of a rank's all-reduces
         if torch_dtype == torch.bfloat16 and loaded.shard is None and family_of(loaded.config).fused_decode:
@@ -266,6 +271,7 @@ def _load(model: str | None, load_format: str, max_model_len: int | None, dtype:
         return _load_hf_dir(path, max_model_len, dtype, device, tp)
     if path.is_file() or path.suffix == ".gguf":
         return _load_gguf(path, max_model_len, dtype, device, quantization, tp, gemm_dtype)
-    raise ModelLoadError(f"{model}: no such file or directory. Pass a .gguf file or an HF model directory with "
-                         "config.json and *.safetensors (kvpilot never downloads at run time), or "
-                         f"--load-format dummy to run the {model!r} architecture with random weights")
+    raise ModelLoadError(f"{model}: no such file or directory. Pass a .gguf file, an HF model directory with "
+                         "config.json and *.safetensors, a Hugging Face Hub id (org/name, downloaded once into "
+                         f"the HF cache), or --load-format dummy to run the {model!r} architecture with random "
+                         "weights")
