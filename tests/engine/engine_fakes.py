@@ -43,11 +43,17 @@ def next_token(context: list[int]) -> int:
     return VOCAB_OFFSET + hash(tuple(context)) % VOCAB_SIZE
 
 
-def generate_alone(prompt: list[int], max_tokens: int) -> list[int]:
+def window_context(tokens: list[int], window: int | None) -> list[int]:
+    """What the fake model samples from: the whole context, or with a sliding window W the number of tokens
+    so far and the last W of them (the keys the last token's query reads, itself included)."""
+    return tokens if window is None else [len(tokens), *tokens[-window:]]
+
+
+def generate_alone(prompt: list[int], max_tokens: int, window: int | None = None) -> list[int]:
     """What the fake model produces for one prompt run by itself (ignore_eos, max_tokens tokens)."""
     tokens = list(prompt)
     for _ in range(max_tokens):
-        tokens.append(next_token(tokens))
+        tokens.append(next_token(window_context(tokens, window)))
     return tokens[len(prompt):]
 
 
@@ -62,11 +68,13 @@ class _FakeRow:
 
 
 class FakePagedModel:
-    """Writes chunks into a slot map (slot -> (position, token)) and samples from what it reads back."""
+    """Writes chunks into a slot map (slot -> (position, token)) and samples from what it reads back: the whole
+    context, or with `window` only the last `window` positions (as sliding-window attention reads them)."""
 
-    def __init__(self, block_size: int, pool: BlockPool | None = None) -> None:
+    def __init__(self, block_size: int, pool: BlockPool | None = None, window: int | None = None) -> None:
         self.block_size = block_size
         self.pool = pool
+        self.window = window
         self.slots: dict[int, tuple[int, int]] = {}
         self.rows: dict[str, _FakeRow] = {}
         self.num_steps = 0
@@ -99,6 +107,9 @@ class FakePagedModel:
             if chunk.start_position != row.num_computed:
                 raise AssertionError(f"{chunk.request_id}: chunk starts at {chunk.start_position}, runner "
                                      f"computed {row.num_computed}")
+            if self.window is not None:  # the chunk's first query reads these earlier keys: still there?
+                for position in range(max(0, chunk.start_position - self.window + 1), chunk.start_position):
+                    self._read(row.block_ids, position)
             for position in range(chunk.start_position, chunk.start_position + chunk.num_tokens):
                 block_id = row.block_ids[position // self.block_size]
                 if self.pool is not None and self.pool.blocks[block_id].block_hash is not None:
@@ -112,7 +123,9 @@ class FakePagedModel:
                 if row.num_computed != len(row.token_ids):
                     raise AssertionError(f"{chunk.request_id} samples with {row.num_computed} of "
                                          f"{len(row.token_ids)} tokens computed")
-                token = next_token([self._read(row.block_ids, p) for p in range(row.num_computed)])
+                first = 0 if self.window is None else max(0, row.num_computed - self.window)
+                context = [self._read(row.block_ids, p) for p in range(first, row.num_computed)]
+                token = next_token(context if self.window is None else [row.num_computed, *context])
                 row.token_ids.append(token)
                 sampled[chunk.request_id] = token
         return sampled
@@ -144,9 +157,10 @@ def make_scheduler(
     clock: Callable[[], float] | None = None,
     hash_fn: HashFn = chained_block_hash,
     enable_kv_cache_events: bool = False,
+    sliding_window: int | None = None,
 ) -> Scheduler:
     cache = CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching,
-                        enable_kv_cache_events=enable_kv_cache_events)
+                        enable_kv_cache_events=enable_kv_cache_events, sliding_window=sliding_window)
     sched = SchedulerConfig(
         max_model_len=max_model_len or block_size * num_blocks,
         max_num_seqs=max_num_seqs,

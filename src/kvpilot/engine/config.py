@@ -7,6 +7,7 @@ every message names the setting (vLLM spelling) and says what to change.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Literal
 
 SchedulingPolicy = Literal["fcfs", "priority"]
@@ -38,13 +39,18 @@ class CacheConfig:
     Invariants: block_size is a power of two in [1, 256] (tokens per block); num_blocks >= 1 (the whole
     pool; the cache holds num_blocks * block_size tokens); enable_prefix_caching turns hashing of full blocks
     and prefix reuse on or off; enable_kv_cache_events records the pool's cached-block changes (kv_events.py)
-    for a publisher to drain.
+    for a publisher to drain. sliding_window is None, or W >= 1 when EVERY layer of the model attends only to
+    the last W keys (a query at position p reads keys j with p - W < j <= p): the KV manager then releases a
+    request's blocks that lie wholly before that window (kv_manager.py). A model with any full-attention
+    layer (Gemma 2/3, gpt-oss interleave) passes None: one pool shared by all layers cannot free a block a
+    full layer still reads (that needs a pool per layer group).
     """
 
     num_blocks: int
     block_size: int = 16
     enable_prefix_caching: bool = True
     enable_kv_cache_events: bool = False
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         _require_int("block_size", self.block_size, 1)
@@ -56,11 +62,32 @@ class CacheConfig:
         _require_int("num_blocks", self.num_blocks, 1)
         if not isinstance(self.enable_prefix_caching, bool):
             raise EngineConfigError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
+        if self.sliding_window is not None:
+            _require_int("sliding_window", self.sliding_window, 1)
 
     @property
     def num_tokens(self) -> int:
         """How many tokens of KV the whole pool holds."""
         return self.num_blocks * self.block_size
+
+    def max_blocks_per_request(self, num_tokens: int, max_chunk_tokens: int) -> int:
+        """The most blocks one request of num_tokens KV tokens holds at once when chunks are at most
+        max_chunk_tokens long: all of them, or with a sliding window those of the window before a chunk's
+        first token plus the chunk's own (cdiv(W - 1 + chunk, block_size) + 1: the window may start
+        mid-block), whichever is fewer."""
+        whole = cdiv(num_tokens, self.block_size)
+        if self.sliding_window is None:
+            return whole
+        return min(whole, cdiv(self.sliding_window - 1 + max_chunk_tokens, self.block_size) + 1)
+
+
+def uniform_sliding_window(layer_windows: Sequence[int | None]) -> int | None:
+    """CacheConfig.sliding_window for a model whose layer i attends to the last layer_windows[i] keys (None:
+    the whole context): the largest window when every layer slides, else None (a full layer reads every
+    block, so none can be freed). The largest is safe for mixed windows: a block outside it is outside all."""
+    if not layer_windows or any(w is None for w in layer_windows):
+        return None
+    return max(w for w in layer_windows if w is not None)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,9 +121,13 @@ class SchedulerConfig:
 
 
 def check_model_len_fits(scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
-    """Raise unless one request of max_model_len tokens fits in the whole KV cache."""
+    """Raise unless one request of max_model_len tokens fits in the whole KV cache (with a sliding window:
+    the blocks it holds at once, CacheConfig.max_blocks_per_request)."""
     capacity = cache_config.num_tokens
-    if scheduler_config.max_model_len > capacity:
+    num_blocks = cache_config.max_blocks_per_request(scheduler_config.max_model_len,
+                                                     scheduler_config.max_num_batched_tokens)
+    # without a window this is max_model_len > capacity; with one it implies that, so the advice holds
+    if num_blocks > cache_config.num_blocks:
         raise EngineConfigError(
             f"max_model_len ({scheduler_config.max_model_len}) does not fit in the KV cache of "
             f"{cache_config.num_blocks} blocks x {cache_config.block_size} tokens = {capacity} tokens: "

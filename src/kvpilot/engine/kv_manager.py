@@ -1,6 +1,21 @@
 """KVCacheManager: block tables of requests over the BlockPool: prefix lookup, allocation, caching, freeing.
 
 The scheduler sees only block ids and token counts; KVBlock objects stay inside this module and the pool.
+
+Sliding window (CacheConfig.sliding_window = W, set only when every layer slides): a query at position p
+reads keys j with p - W < j <= p, so once a request's next query is at position c, its blocks wholly before
+position c - W + 1 are never read again. allocate_slots releases them to the pool (a block holding a cached
+prefix stays cached-evictable, so another request can still hit it) and leaves NULL_BLOCK_ID in their place
+in the table, keeping block index == position // block_size. Placeholders only ever form a leading run.
+
+The placeholder contract with attention: NULL_BLOCK_ID (0) is a real block index, so reading it is memory-safe,
+but it may hold another request's K/V; so may an id the runner keeps for a released block (RunningRequestData
+only appends, so the runner's row still holds the old id). Attention must give every key j <= p - W of a query
+at p zero weight without reading meaning into its slot: skip those blocks, or mask their scores to -inf
+(the cache is zero-initialised and only ever holds finite K/V, so a masked read cannot turn into NaN).
+Nothing is ever written through a placeholder: a step's new tokens lie in blocks allocated for them.
+Models with any full-attention layer (Gemma 2/3's interleave) get W = None: one pool serves every layer, so
+no block can be freed while a full layer still reads it (that needs a pool per layer group, as in vLLM).
 """
 
 from __future__ import annotations
@@ -20,18 +35,25 @@ from kvpilot.engine.kv_block import KVBlock
 from kvpilot.engine.kv_events import KVEventLog
 from kvpilot.engine.request import Request
 
+# The block id a request's table holds where a block fell out of its sliding window (module docstring).
+NULL_BLOCK_ID = 0
+
 
 @dataclass(frozen=True)
 class PrefixHit:
-    """Result of a prefix-cache lookup: the leading cached blocks and the tokens they cover (a block multiple)."""
+    """Result of a prefix-cache lookup: the leading cached blocks and the tokens they cover (a block multiple).
 
-    blocks: tuple[KVBlock, ...] = ()
+    With a sliding window the leading entries may be None: blocks wholly before the window of the first
+    token to compute, which the request never reads (placeholders, NULL_BLOCK_ID in block_ids).
+    """
+
+    blocks: tuple[KVBlock | None, ...] = ()
     num_tokens: int = 0
     num_query_tokens: int = 0
 
     @property
     def block_ids(self) -> list[int]:
-        return [b.block_id for b in self.blocks]
+        return [NULL_BLOCK_ID if b is None else b.block_id for b in self.blocks]
 
 
 @dataclass
@@ -48,21 +70,26 @@ class PrefixCacheStats:
 
 @dataclass
 class _Table:
-    """One request's blocks, and how many leading ones are registered in the prefix cache."""
+    """One request's blocks, how many leading ones are registered in the prefix cache, and how many leading
+    ones are placeholders (None: released, out of the sliding window; blocks[:num_null_blocks] only)."""
 
-    blocks: list[KVBlock] = field(default_factory=list)
+    blocks: list[KVBlock | None] = field(default_factory=list)
     num_cached_blocks: int = 0
+    num_null_blocks: int = 0
 
 
 class KVCacheManager:
     """Owns every request's block table; mirrors the ids into request.block_ids.
 
     Invariants: each block's ref_cnt equals the number of tables holding it; a table covers at least the
-    request's computed tokens; only full blocks whose K/V has been computed are registered for reuse.
+    request's computed tokens; only full blocks whose K/V has been computed are registered for reuse; with a
+    sliding window, placeholders lead the table and stand only for blocks wholly before the window of the
+    request's computed tokens (never one its next query reads).
     """
 
     def __init__(self, cache_config: CacheConfig, *, hash_fn: HashFn = chained_block_hash) -> None:
         self.block_size = cache_config.block_size
+        self.sliding_window = cache_config.sliding_window
         self.enable_prefix_caching = cache_config.enable_prefix_caching
         events = KVEventLog(cache_config.block_size) if cache_config.enable_kv_cache_events else None
         self.pool = BlockPool(cache_config.num_blocks, hash_fn=hash_fn, events=events)
@@ -85,21 +112,52 @@ class KVCacheManager:
         """Longest run of cached full blocks at the start of request.all_token_ids (no side effects).
 
         The hit stops one token short of the end: the last token is always computed so there are logits to
-        sample, hence at most (num_tokens - 1) // block_size blocks.
+        sample, hence at most (num_tokens - 1) // block_size blocks. With a sliding window a hit of n blocks
+        needs only the blocks the first token to compute (position n * block_size) reads, so the earlier
+        ones may have been evicted (_windowed_hit).
         """
         if not self.enable_prefix_caching or request.num_computed_tokens:
             return PrefixHit(num_query_tokens=request.num_tokens)
         hashes = self._block_hashes(request, request.num_tokens)
         max_blocks = (request.num_tokens - 1) // self.block_size
-        hit: list[KVBlock] = []
+        if self.sliding_window is not None:
+            hit = self._windowed_hit(request, hashes[:max_blocks])
+            return PrefixHit(tuple(hit), len(hit) * self.block_size, request.num_tokens)
+        found: list[KVBlock] = []
         parent = ROOT_PARENT_HASH
         for i, block_hash in enumerate(hashes[:max_blocks]):
             block = self.pool.lookup(block_hash, parent, self._block_tokens(request, i))
             if block is None:
                 break
-            hit.append(block)
+            found.append(block)
             parent = block_hash
-        return PrefixHit(tuple(hit), len(hit) * self.block_size, request.num_tokens)
+        return PrefixHit(tuple(found), len(found) * self.block_size, request.num_tokens)
+
+    def _windowed_hit(self, request: Request, hashes: list[int]) -> list[KVBlock | None]:
+        """The longest hit of n blocks whose window blocks, [num_outside_window(n * block_size), n), are all
+        cached; None for the blocks before them. Block n - 1 itself must be cached (always in the window
+        when W >= 2): a hit of placeholders only would be a guess. Every cached block of the prompt is looked
+        up, since an earlier miss no longer ends the search (the chained hash still pins each block's whole
+        prefix)."""
+        present: list[KVBlock | None] = []
+        run_start, best = 0, 0  # run_start: first index of the current run of cached blocks
+        parent = ROOT_PARENT_HASH
+        for i, block_hash in enumerate(hashes):
+            block = self.pool.lookup(block_hash, parent, self._block_tokens(request, i))
+            present.append(block)
+            parent = block_hash
+            if block is None:
+                run_start = i + 1
+            elif run_start <= self._num_outside_window((i + 1) * self.block_size):
+                best = i + 1
+        first = self._num_outside_window(best * self.block_size)
+        return [None] * first + present[first:best]
+
+    def _num_outside_window(self, position: int) -> int:
+        """Leading blocks wholly before the window of a query at `position` (0 without a window)."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, position - self.sliding_window + 1) // self.block_size
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, prefix_hit: PrefixHit | None = None
@@ -107,7 +165,10 @@ class KVCacheManager:
         """Grow the table to cover num_computed_tokens (+ the hit) + num_new_tokens; None if blocks run short.
 
         With prefix_hit (a waiting request being admitted) the hit blocks are shared first, then new blocks
-        come from the head of the free queue. On None nothing changed. Returns the ids of the new blocks.
+        come from the head of the free queue. With a sliding window, blocks wholly before the window of the
+        first token to compute are released first (so they count as free for this very allocation). On None
+        no block was taken (released blocks stay released: the request never reads them again). Returns the
+        ids of the new blocks.
         """
         table = self._tables.get(request.request_id)
         if table is None:
@@ -115,18 +176,22 @@ class KVCacheManager:
         elif prefix_hit is None and \
                 request.num_computed_tokens + num_new_tokens <= len(table.blocks) * self.block_size:
             return []  # the common decode step: the last block still has room
+        if self.sliding_window is not None and len(table.blocks) > table.num_null_blocks:
+            self._release_outside_window(request, table)
         hit = prefix_hit.blocks if prefix_hit is not None else ()
         num_hit_tokens = prefix_hit.num_tokens if prefix_hit is not None else 0
         total_tokens = request.num_computed_tokens + num_hit_tokens + num_new_tokens
         num_new_blocks = max(0, cdiv(total_tokens, self.block_size) - len(table.blocks) - len(hit))
         if num_new_blocks == 0 and prefix_hit is None:
             return []  # the common decode step: the last block still has room
-        num_revived = sum(1 for b in hit if b.ref_cnt == 0)  # these leave the free queue when touched
+        held = [b for b in hit if b is not None]  # a windowed hit leads with placeholders
+        num_revived = sum(1 for b in held if b.ref_cnt == 0)  # these leave the free queue when touched
         if num_new_blocks > self.pool.num_free_blocks - num_revived:
             return None
         self._tables[request.request_id] = table
-        self.pool.touch(hit)
+        self.pool.touch(held)
         new_blocks = self.pool.allocate(num_new_blocks)
+        table.num_null_blocks += len(hit) - len(held)  # a hit only ever starts an empty table
         table.blocks.extend(hit)
         table.blocks.extend(new_blocks)
         table.num_cached_blocks = max(table.num_cached_blocks, len(hit))
@@ -135,9 +200,25 @@ class KVCacheManager:
             self.prefix_stats.num_hits += num_hit_tokens
         new_ids = [b.block_id for b in new_blocks]
         # in place: O(new blocks), not a copy of the whole table every time a decode crosses a block boundary
-        request.block_ids.extend(b.block_id for b in hit)
+        if prefix_hit is not None:
+            request.block_ids.extend(prefix_hit.block_ids)
         request.block_ids.extend(new_ids)
         return new_ids
+
+    def _release_outside_window(self, request: Request, table: _Table) -> None:
+        """Put placeholders where the table's blocks lie wholly before the window of the request's next
+        query (position num_computed_tokens) and drop its references to them, oldest first: at ref_cnt 0 a
+        cached one joins the tail of the free queue still cached, evicted before the window's blocks."""
+        num_outside = min(self._num_outside_window(request.num_computed_tokens), len(table.blocks))
+        start = table.num_null_blocks
+        if num_outside <= start:
+            return
+        released = table.blocks[start:num_outside]
+        for i in range(start, num_outside):
+            table.blocks[i] = None
+            request.block_ids[i] = NULL_BLOCK_ID
+        table.num_null_blocks = num_outside
+        self.pool.free(released)  # type: ignore[arg-type]  # past num_null_blocks every entry is a block
 
     def cache_computed_blocks(self, request: Request, num_computed: int | None = None) -> None:
         """Register the request's full blocks whose K/V is computed (the first num_computed tokens; default
@@ -158,8 +239,11 @@ class KVCacheManager:
             return
         hashes = self._block_hashes(request, num_full * self.block_size)
         for i in range(table.num_cached_blocks, num_full):
+            block = table.blocks[i]
+            if block is None:
+                continue  # released from the window before its step's output came (async scheduling)
             parent = hashes[i - 1] if i else ROOT_PARENT_HASH
-            self.pool.cache_block(table.blocks[i], hashes[i], parent, self._block_tokens(request, i))
+            self.pool.cache_block(block, hashes[i], parent, self._block_tokens(request, i))
         table.num_cached_blocks = num_full
 
     def free(self, request: Request) -> None:
@@ -167,7 +251,7 @@ class KVCacheManager:
         table = self._tables.pop(request.request_id, None)
         request.block_ids = []
         if table is not None:
-            self.pool.free(table.blocks[::-1])
+            self.pool.free([b for b in reversed(table.blocks) if b is not None])
 
     def check_integrity(self, requests: list[Request] | None = None) -> None:
         """Pool invariants, plus: ref counts equal table references, and given requests mirror their tables."""
@@ -175,21 +259,36 @@ class KVCacheManager:
         refs = [0] * self.pool.num_blocks
         for table in self._tables.values():
             for block in table.blocks:
-                refs[block.block_id] += 1
+                if block is not None:
+                    refs[block.block_id] += 1
         for block in self.pool.blocks:
             if block.ref_cnt != refs[block.block_id]:
                 raise KVCacheIntegrityError(
                     f"block {block.block_id} has ref_cnt {block.ref_cnt} but {refs[block.block_id]} tables hold it"
                 )
         for request in requests or []:
-            table = self._tables.get(request.request_id)
-            ids = [b.block_id for b in table.blocks] if table else []
-            if request.block_ids != ids:
-                raise KVCacheIntegrityError(f"request {request.request_id} block_ids {request.block_ids} "
-                                            f"!= its table {ids}")
-            if len(ids) * self.block_size < request.num_computed_tokens:
-                raise KVCacheIntegrityError(f"request {request.request_id} has {request.num_computed_tokens} "
-                                            f"computed tokens but only {len(ids)} blocks")
+            self._check_table(request, self._tables.get(request.request_id))
+
+    def _check_table(self, request: Request, table: _Table | None) -> None:
+        """request.block_ids mirrors its table (placeholders as NULL_BLOCK_ID), which covers its computed
+        tokens and holds placeholders only as a leading run, wholly before the window of its next query."""
+        rid = request.request_id
+        blocks = table.blocks if table else []
+        ids = [NULL_BLOCK_ID if b is None else b.block_id for b in blocks]
+        if request.block_ids != ids:
+            raise KVCacheIntegrityError(f"request {rid} block_ids {request.block_ids} != its table {ids}")
+        if len(ids) * self.block_size < request.num_computed_tokens:
+            raise KVCacheIntegrityError(f"request {rid} has {request.num_computed_tokens} "
+                                        f"computed tokens but only {len(ids)} blocks")
+        if table is None:
+            return
+        num_null = sum(1 for b in blocks if b is None)
+        if num_null != table.num_null_blocks or any(b is not None for b in blocks[:num_null]):
+            raise KVCacheIntegrityError(f"request {rid} has {num_null} placeholders, not the leading "
+                                        f"{table.num_null_blocks} of its table")
+        if num_null > self._num_outside_window(request.num_computed_tokens):
+            raise KVCacheIntegrityError(f"request {rid} has a placeholder inside the window of its "
+                                        f"{request.num_computed_tokens} computed tokens")
 
     @property
     def num_tables(self) -> int:

@@ -21,8 +21,10 @@ class NewRequestData:
     """A request the runner has no state for: first admitted, or resumed after a preemption.
 
     Invariants: block_ids is the whole block table and covers num_computed_tokens + the step's scheduled
-    tokens; output_token_ids is empty unless the request was preempted (then its tokens are recomputed
-    as if they were prompt, but still count as outputs for penalties and min_tokens).
+    tokens; with a sliding window its leading entries may be kv_manager.NULL_BLOCK_ID, placeholders for
+    blocks wholly before the window that attention never reads; output_token_ids is empty unless the
+    request was preempted (then its tokens are recomputed as if they were prompt, but still count as outputs
+    for penalties and min_tokens).
     """
 
     request_id: str
@@ -35,7 +37,9 @@ class NewRequestData:
 
 @dataclass(slots=True)
 class RunningRequestData:
-    """A request the runner already holds, scheduled again: only what changed since its last step."""
+    """A request the runner already holds, scheduled again: only what changed since its last step. Blocks the
+    KV manager released from a sliding window are not announced: the runner's row keeps their old ids,
+    which attention must not read (kv_manager's module docstring)."""
 
     request_id: str
     new_block_ids: list[int]  # appended to its block table (usually empty for a decode)

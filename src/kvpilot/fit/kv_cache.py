@@ -40,17 +40,26 @@ def num_kv_blocks_for_memory(spec: KvShape, memory_bytes: int, block_size: int, 
     return max(0, memory_bytes // kv_cache_bytes_per_block(spec, block_size, kv_dtype_bytes))
 
 
+def window_blocks(sliding_window: int, block_size: int) -> int:
+    """Blocks a decoding request holds when every layer slides over `sliding_window` tokens: those the next
+    query reads (the window may start mid-block) - the engine's KV manager releases the rest."""
+    return math.ceil((sliding_window - 1) / block_size) + 1
+
+
 @dataclass(frozen=True)
 class KvCapacity:
     """The engine's KV capacity, predicted (by `fit`) or actual (reported by a running server).
 
-    Invariant: num_tokens == num_blocks * block_size; max_concurrency = num_tokens / max_model_len.
+    Invariant: num_tokens == num_blocks * block_size; max_concurrency = num_blocks / the blocks one request
+    of max_model_len holds (all its tokens', or with sliding_window - set only when every layer slides - at
+    most window_blocks).
     """
 
     num_blocks: int
     block_size: int
     bytes_per_block: int
     max_model_len: int
+    sliding_window: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -64,6 +73,8 @@ class KvCapacity:
     def max_concurrency(self) -> float:
         """Requests of max_model_len tokens that fit at once (vLLM's "Maximum concurrency" figure)."""
         blocks_per_request = math.ceil(self.max_model_len / self.block_size)
+        if self.sliding_window is not None:
+            blocks_per_request = min(blocks_per_request, window_blocks(self.sliding_window, self.block_size))
         return self.num_blocks / blocks_per_request
 
     def to_json(self) -> dict[str, Any]:
@@ -72,24 +83,28 @@ class KvCapacity:
 
 
 def kv_capacity_for_memory(
-    spec: KvShape, memory_bytes: int, block_size: int, kv_dtype_bytes: int, max_model_len: int
+    spec: KvShape, memory_bytes: int, block_size: int, kv_dtype_bytes: int, max_model_len: int,
+    sliding_window: int | None = None,
 ) -> KvCapacity:
-    """The capacity the engine gets from a KV memory budget (same arithmetic the engine allocates with)."""
+    """The capacity the engine gets from a KV memory budget (same arithmetic the engine allocates with);
+    sliding_window only when every layer slides (the engine's CacheConfig.sliding_window)."""
     return KvCapacity(
         num_blocks=num_kv_blocks_for_memory(spec, memory_bytes, block_size, kv_dtype_bytes),
         block_size=block_size,
         bytes_per_block=kv_cache_bytes_per_block(spec, block_size, kv_dtype_bytes),
         max_model_len=max_model_len,
+        sliding_window=sliding_window,
     )
 
 
 def format_capacity_line(capacity: KvCapacity) -> str:
     """One start-up line, e.g. 'KV cache: 1,234 blocks x 16 = 19,744 tokens (1.13 GiB); maximum
     concurrency for 8,192 tokens per request: 2.41x'."""
+    window = "" if capacity.sliding_window is None else f" (sliding window of {capacity.sliding_window:,})"
     return (
         f"KV cache: {capacity.num_blocks:,} blocks x {capacity.block_size} = {capacity.num_tokens:,} tokens "
         f"({capacity.num_bytes / 2**30:.2f} GiB); maximum concurrency for {capacity.max_model_len:,} "
-        f"tokens per request: {capacity.max_concurrency:.2f}x"
+        f"tokens per request{window}: {capacity.max_concurrency:.2f}x"
     )
 
 
@@ -123,7 +138,6 @@ def kv_bytes_per_sequence(
     num_full_layers = spec.num_hidden_layers - spec.num_sliding_layers
     total = num_full_layers * full_tokens * per_layer
     if spec.num_sliding_layers and spec.sliding_window:
-        window_blocks = math.ceil((spec.sliding_window + block_size - 1) / block_size)
-        window_tokens = min(full_tokens, window_blocks * block_size)
+        window_tokens = min(full_tokens, window_blocks(spec.sliding_window, block_size) * block_size)
         total += spec.num_sliding_layers * window_tokens * per_layer
     return total
