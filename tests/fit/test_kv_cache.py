@@ -40,13 +40,20 @@ def test_tensor_parallel_splits_kv_heads_and_replicates_beyond_them() -> None:
     assert kv_bytes_per_token(spec, 2, 8) == one // 4  # 1 head per GPU, replicated
 
 
-def test_sliding_window_layers_cap_per_sequence_bytes() -> None:
+def test_a_sliding_window_caps_per_sequence_bytes_when_every_layer_slides() -> None:
+    spec = load_model("mistral-7b-v0.1").spec  # 32 layers, all sliding over 4096 tokens
+    per_layer = 2 * 8 * 128 * 2
+    assert kv_bytes_per_sequence(spec, 8192, 2) == 32 * 4096 * per_layer
+    assert kv_bytes_per_sequence(spec, 1000, 2) == 32 * 1000 * per_layer
+    # paged: whole blocks, and the window keeps one extra partly used block (the engine's KV manager's bound)
+    assert kv_bytes_per_sequence(spec, 8192, 2, block_size=16) == 32 * (4096 + 16) * per_layer
+
+
+def test_interleaved_sliding_layers_hold_the_whole_context_in_kvpilot() -> None:
     spec = load_model("gemma-2-9b").spec  # 42 layers, 21 sliding with a 4096 window
     per_layer = 2 * 8 * 256 * 2
-    assert kv_bytes_per_sequence(spec, 8192, 2) == 21 * 8192 * per_layer + 21 * 4096 * per_layer
-    assert kv_bytes_per_sequence(spec, 1000, 2) == 42 * 1000 * per_layer
-    # paged: whole blocks, and the window keeps one extra partly used block
-    assert kv_bytes_per_sequence(spec, 8192, 2, block_size=16) == (21 * 8192 + 21 * (4096 + 16)) * per_layer
+    # one block serves every layer, and the 21 full layers read all of them: nothing is freed
+    assert kv_bytes_per_sequence(spec, 8192, 2) == 42 * 8192 * per_layer
 
 
 def test_engine_block_bytes_by_hand() -> None:

@@ -131,13 +131,12 @@ def kv_bytes_per_token(spec: ModelSpec, kv_dtype_bytes: int, tensor_parallel_siz
 def kv_bytes_per_sequence(
     spec: ModelSpec, num_tokens: int, kv_dtype_bytes: int, tensor_parallel_size: int = 1, block_size: int = 1
 ) -> int:
-    """Cache bytes of one sequence of `num_tokens` on one GPU, rounded up to whole blocks per layer;
-    sliding-window layers hold at most the window (plus one block, as a paged cache frees whole blocks)."""
+    """Cache bytes of one sequence of `num_tokens` on one GPU, rounded up to whole blocks, as kvpilot's engine
+    holds them: when every layer slides, at most the window (plus one block, as a paged cache frees whole
+    blocks); with any full-attention layer (Gemma 2/3's interleave) the whole context in every layer, since
+    one block serves all layers and a full layer still reads it (vLLM's per-group pools would save more)."""
     per_layer = kv_bytes_per_token_per_layer(spec, kv_dtype_bytes, tensor_parallel_size)
-    full_tokens = math.ceil(num_tokens / block_size) * block_size
-    num_full_layers = spec.num_hidden_layers - spec.num_sliding_layers
-    total = num_full_layers * full_tokens * per_layer
-    if spec.num_sliding_layers and spec.sliding_window:
-        window_tokens = min(full_tokens, window_blocks(spec.sliding_window, block_size) * block_size)
-        total += spec.num_sliding_layers * window_tokens * per_layer
-    return total
+    tokens = math.ceil(num_tokens / block_size) * block_size
+    if spec.sliding_window and spec.num_sliding_layers == spec.num_hidden_layers:
+        tokens = min(tokens, window_blocks(spec.sliding_window, block_size) * block_size)
+    return spec.num_hidden_layers * tokens * per_layer

@@ -67,11 +67,20 @@ def _notes(report_plan: MemoryPlan, model: LoadedModel, group: DeviceGroup, inpu
         notes.append(f"the fixed KV size of {fixed_kv:,} bytes exceeds the free memory "
                      f"({max(0, report_plan.kv_budget_bytes):,} bytes): the server would run out of memory.")
     if model.spec.num_sliding_layers:
-        notes.append(f"{model.spec.num_sliding_layers} of {model.spec.num_hidden_layers} layers use a "
-                     f"{model.spec.sliding_window}-token sliding window: their KV is capped per request.")
+        notes.append(_sliding_note(model.spec.num_sliding_layers, model.spec.num_hidden_layers,
+                                   model.spec.sliding_window))
     if report_plan.parallelism.num_devices > 1:
         notes.append("multi-device bounds assume perfect scaling (no all-reduce or pipeline bubbles).")
     return notes
+
+
+def _sliding_note(num_sliding: int, num_layers: int, window: int | None) -> str:
+    """What kvpilot's KV manager makes of the model's sliding window: it frees blocks only when every layer
+    slides (one block serves all layers)."""
+    if num_sliding == num_layers:
+        return f"every layer uses a {window}-token sliding window: a request's KV is capped at the window."
+    return (f"{num_sliding} of {num_layers} layers use a {window}-token sliding window; kvpilot still holds "
+            f"every layer's whole context (its single KV pool frees a block only when every layer slides).")
 
 
 def check_lengths(model: LoadedModel, inputs: FitInputs) -> None:
