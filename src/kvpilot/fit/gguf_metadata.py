@@ -19,7 +19,10 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
+# GGUF `general.architecture` -> HF `model_type`, where the two differ
+GGUF_MODEL_TYPES: dict[str, str] = {"qwen3moe": "qwen3_moe"}
 
 
 @cache
@@ -128,7 +131,7 @@ def hf_config_from_reader(reader: Any, path: str | Path) -> dict[str, Any]:
     tensor_names = {t.name for t in reader.tensors}
     cfg: dict[str, Any] = {
         "architectures": [GGUF_ARCHITECTURES[arch]],
-        "model_type": arch,
+        "model_type": GGUF_MODEL_TYPES.get(arch, arch),
         "hidden_size": hidden,
         "intermediate_size": int(_arch_key(reader, arch, "feed_forward_length", path)),
         "num_hidden_layers": int(_arch_key(reader, arch, "block_count", path)),
@@ -147,6 +150,7 @@ def hf_config_from_reader(reader: Any, path: str | Path) -> dict[str, Any]:
     }
     if arch == "qwen2":
         cfg["attention_bias"] = True
+    cfg.update(_moe_fields(reader, arch, path))
     factor = _arch_key(reader, arch, "rope.scaling.factor", path, False)
     scaling_type = _arch_key(reader, arch, "rope.scaling.type", path, False)
     if scaling_type not in (None, "none") or "rope_freqs.weight" in tensor_names:
@@ -155,6 +159,26 @@ def hf_config_from_reader(reader: Any, path: str | Path) -> dict[str, Any]:
         raise GgufError(f"{path}: GGUF rope scaling ({scaling_type or 'rope_freqs tensor'}, "
                              f"factor {factor}) is not supported yet; use the HF checkpoint instead")
     return cfg
+
+
+def _moe_fields(reader: Any, arch: str, path: Path) -> dict[str, Any]:
+    """A mixture-of-experts GGUF's HF config keys ({} for a dense model). llama.cpp writes Mixtral as
+    `llama` with an expert count (the experts as wide as feed_forward_length), Qwen3-MoE as `qwen3moe` with the
+    experts' own width; its qwen3moe graph renormalises the top-k weights unless the file says otherwise."""
+    count = _arch_key(reader, arch, "expert_count", path, False)
+    if not count:
+        return {}
+    used = int(_arch_key(reader, arch, "expert_used_count", path))
+    if arch == "llama":
+        return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": int(count),
+                "num_experts_per_tok": used}
+    fields: dict[str, Any] = {"num_experts": int(count), "num_experts_per_tok": used}
+    width = _arch_key(reader, arch, "expert_feed_forward_length", path, False)
+    if width:
+        fields["moe_intermediate_size"] = int(width)
+    if arch == "qwen3moe":
+        fields["norm_topk_prob"] = bool(_arch_key(reader, arch, "expert_weights_norm", path, False) in (None, True))
+    return fields
 
 
 def hf_config_from_gguf(path: str | Path) -> dict[str, Any]:

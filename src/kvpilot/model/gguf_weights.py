@@ -35,7 +35,14 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # mixture of experts (moe_decoder.py stacks these): the router [E, H], every expert's matrices in one tensor
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_exps",
+    "ffn_up_exps": "mlp.experts.up_exps",
+    "ffn_down_exps": "mlp.experts.down_exps",
 }
+# older Mixtral GGUFs: one tensor per expert, blk.N.ffn_{gate,up,down}.E.weight
+_EXPERT_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight$")
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
@@ -43,6 +50,9 @@ def hf_tensor_name(gguf_name: str) -> str | None:
     """The HF name of a GGUF tensor, or None for tensors kvpilot does not use."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    if (expert := _EXPERT_RE.match(gguf_name)) is not None:
+        layer, part, index = expert.groups()
+        return f"model.layers.{layer}.mlp.experts.{index}.{part}_proj.weight"
     match = _LAYER_RE.match(gguf_name)
     if not match or match.group(2) not in _LAYER_NAMES:
         return None
@@ -76,7 +86,7 @@ def _dequantize(tensor: Any, path: Path) -> np.ndarray:
 
 def _unpermute_qk(array: np.ndarray, name: str, config: ModelConfig) -> np.ndarray:
     """Undoes llama.cpp's Q/K row permutation (rows are whole: it applies to block bytes as well)."""
-    if config.family not in ("llama", "mistral"):
+    if config.family not in ("llama", "mistral", "mixtral"):
         return array
     if name.endswith("self_attn.q_proj.weight"):
         return _unpermute(array, config.num_attention_heads)
