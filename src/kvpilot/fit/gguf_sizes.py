@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
+
+
+_STACKED_EXPERTS = re.compile(r"^blk\.\d+\.ffn_(gate|up|down)_exps\.weight$")
+_ONE_EXPERT = re.compile(r"^blk\.\d+\.ffn_(gate|up|down)\.\d+\.weight$")
 
 
 @dataclass(frozen=True)
@@ -21,6 +26,7 @@ class GgufSizes:
     num_bytes_embedding: int
     num_bytes_lm_head: int
     tensor_types: dict[str, int]  # GGML type name -> number of tensors
+    num_bytes_expert: int = 0  # one routed expert of one layer (its gate, up and down), on average; 0: dense
 
     @property
     def bits_per_weight(self) -> float:
@@ -38,4 +44,20 @@ def gguf_sizes(reader: Any) -> GgufSizes:
         num_bytes_embedding=by_name.get("token_embd.weight", 0),
         num_bytes_lm_head=by_name.get("output.weight", 0),
         tensor_types=dict(Counter(t.tensor_type.name for t in tensors)),
+        num_bytes_expert=_bytes_per_expert(tensors),
     )
+
+
+def _bytes_per_expert(tensors: list[Any]) -> int:
+    """Bytes of one routed expert of one layer, averaged over the file's experts: llama.cpp stacks a layer's
+    experts in blk.N.ffn_{gate,up,down}_exps (the expert count the tensor's last dimension), older Mixtral
+    files keep one blk.N.ffn_{gate,up,down}.E tensor per expert."""
+    total, experts = 0, 0
+    for t in tensors:
+        if _STACKED_EXPERTS.match(t.name):
+            total += int(t.n_bytes)
+            experts += int(t.shape[-1]) if t.name.split(".")[2] == "ffn_gate_exps" else 0
+        elif _ONE_EXPERT.match(t.name):
+            total += int(t.n_bytes)
+            experts += t.name.split(".")[2] == "ffn_gate"
+    return round(total / experts) if experts else 0

@@ -33,7 +33,9 @@ class MoeDims:
     num_experts_per_tok: int
     expert_intermediate_size: int
     num_shared_experts: int
-    num_dense_layers: int  # leading layers that keep a dense FFN (DeepSeek's first_k_dense_replace)
+    # layers that keep a dense FFN: DeepSeek's first_k_dense_replace, Qwen-MoE's mlp_only_layers and the layers
+    # between every decoder_sparse_step-th one
+    num_dense_layers: int
     has_router_bias: bool  # DeepSeek-V3's e_score_correction_bias (one float per expert)
 
 
@@ -101,15 +103,25 @@ def _moe_dims(cfg: dict[str, Any], num_hidden_layers: int) -> MoeDims | None:
     top_k = _int(cfg, "num_experts_per_tok")
     if top_k > num_experts:
         raise ConfigError(f"num_experts_per_tok={top_k} exceeds the {num_experts} experts.")
-    dense_layers = int(cfg.get("first_k_dense_replace") or 0) + len(cfg.get("mlp_only_layers") or [])
     return MoeDims(
         num_experts=int(num_experts),
         num_experts_per_tok=top_k,
         expert_intermediate_size=_int(cfg, "moe_intermediate_size", cfg.get("intermediate_size")),
         num_shared_experts=int(cfg.get("n_shared_experts") or 0),
-        num_dense_layers=min(dense_layers, num_hidden_layers),
+        num_dense_layers=_num_dense_layers(cfg, num_hidden_layers),
         has_router_bias=cfg.get("topk_method") == "noaux_tc",
     )
+
+
+def _num_dense_layers(cfg: dict[str, Any], num_hidden_layers: int) -> int:
+    """Layers with a dense FFN, as transformers picks them: before first_k_dense_replace (DeepSeek), listed in
+    mlp_only_layers, or with (i + 1) not a multiple of decoder_sparse_step (Qwen-MoE) or i not a multiple of
+    moe_layer_freq (DeepSeek)."""
+    first_moe = int(cfg.get("first_k_dense_replace") or 0)
+    dense_only = {int(i) for i in cfg.get("mlp_only_layers") or ()}
+    step, freq = int(cfg.get("decoder_sparse_step") or 1), int(cfg.get("moe_layer_freq") or 1)
+    return sum(1 for i in range(num_hidden_layers)
+               if i < first_moe or i in dense_only or (i + 1) % step or i % freq)
 
 
 def _mla_dims(cfg: dict[str, Any]) -> MlaDims | None:

@@ -27,10 +27,10 @@ def weight_bytes(model: LoadedModel, weight_dtype: str = "auto", dtype: str = "a
     """`auto` on a GGUF file gives the file's exact tensor bytes; otherwise bits per role x counts."""
     if model.gguf is not None and weight_dtype == "auto":
         g = model.gguf
-        expert = 0  # the GGUF reader in use covers dense Llama-family models only
         layers = g.num_bytes - g.num_bytes_embedding - g.num_bytes_lm_head
         tensor_mix = ", ".join(f"{n} {t}" for t, n in sorted(g.tensor_types.items()))
-        return WeightBytes(f"gguf ({tensor_mix})", g.num_bytes_embedding, g.num_bytes_lm_head, layers, expert)
+        return WeightBytes(f"gguf ({tensor_mix})", g.num_bytes_embedding, g.num_bytes_lm_head, layers,
+                           g.num_bytes_expert)
     fmt = weight_format(weight_dtype, model.spec, dtype)
     p = model.params
     return WeightBytes(
