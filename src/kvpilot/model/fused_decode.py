@@ -7,9 +7,10 @@ the packed matmuls (int8-activation or float32 path, as PackedLinear picks), RMS
 bf16 ops), the K/V write, the paged decode-attention kernel, and torch's add, so the hidden states are bit for
 bit the layer-by-layer forward's.
 
-It applies to a model whose every layer has single-part packed projections without bias or q/k norms, bf16
-norm weights and a bf16 KV cache, and to a step whose tokens are all decodes, in one consecutive batch, no more
-than the packed kernels' row limit, run by the cpu attention backend. Anything else takes the modules.
+It applies to a model whose every layer has plain causal attention (no sliding window, soft-cap or sinks),
+single-part packed projections without bias or q/k norms, bf16 norm weights and a bf16 KV cache, and to a step
+whose tokens are all decodes, in one consecutive batch, no more than the packed kernels' row limit, run by the
+cpu attention backend. Anything else takes the modules.
 """
 
 from __future__ import annotations
@@ -143,7 +144,7 @@ def _qualifies(model: torch.nn.Module) -> bool:
     if not layers:
         return False
     for layer in layers:
-        if layer.self_attn.q_norm is not None:
+        if layer.self_attn.q_norm is not None or not _plain_attention(layer.self_attn):
             return False
         for lin in _projections(layer):
             if not isinstance(lin, PackedLinear) or len(lin.parts) != 1 or lin.bias is not None:
@@ -152,3 +153,14 @@ def _qualifies(model: torch.nn.Module) -> bool:
                for norm in (layer.input_layernorm, layer.post_attention_layernorm)):
             return False
     return True
+
+
+def _plain_attention(attn: torch.nn.Module) -> bool:
+    """The kernel's attention is plain causal at head_dim ** -0.5 (its paged_decode call): a layer with a sliding
+    window, logit soft-cap or sinks (LayerAttention.features), or another scale, takes the modules."""
+    layer = getattr(attn, "layer_attention", None)
+    if getattr(attn, "sliding_window", None) is not None:
+        return False
+    if layer is None:
+        return True
+    return not layer.features and layer.scale == attn.head_dim ** -0.5

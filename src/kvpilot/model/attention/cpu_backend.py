@@ -2,39 +2,49 @@
 the block table, for all decodes in one unpadded batch (no gather copy, no padding, no bias tensor), for float32
 / bf16 / fp16 queries (float32 math) with float32/bf16/fp16/fp8 K/V on CPU. Prompt chunks with bf16 queries and
 K/V on an AVX512_BF16 CPU run the C++ flash-style prefill kernel (layers/cpu_prefill_kernel.py), others the
-torch backend's scaled_dot_product_attention."""
+torch backend's scaled_dot_product_attention.
+
+Both kernels compute every LayerAttention variant (sliding window, logit soft-cap, sinks). Sliding window
+invariant: a block-table entry whose block lies wholly before the window of every query of the step is never
+read, by the kernels (they start at the window's first block) or by the torch paths (see TorchAttentionBackend).
+"""
 
 from __future__ import annotations
 
 import torch
 
+from kvpilot.model.attention.base import ATTENTION_FEATURES, LayerAttention, as_layer_attention
 from kvpilot.model.attention.metadata import DecodeBatch, PrefillSeq
 from kvpilot.model.attention.torch_backend import TorchAttentionBackend
 from kvpilot.model.layers.cpu_decode_kernel import kernel_applies
 from kvpilot.model.layers.cpu_prefill_kernel import get_prefill_kernel, prefill_kernel_applies
-from kvpilot.model.layers.paged_attention import decode_kernel
+from kvpilot.model.layers.paged_attention import NO_SINKS, decode_kernel
 
 
 class CpuKernelAttentionBackend(TorchAttentionBackend):
     name = "cpu"
     batch_all_decodes = True
+    features: frozenset[str] = ATTENTION_FEATURES
 
     @staticmethod
     def applies(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
         return kernel_applies(device, dtype, kv_dtype)
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, seq: PrefillSeq,
-                scale: float) -> torch.Tensor:
+                layer: LayerAttention | float) -> torch.Tensor:
         if not prefill_kernel_applies(q, kv_cache):
-            return super().prefill(q, k, v, kv_cache, seq, scale)
+            return super().prefill(q, k, v, kv_cache, seq, layer)
+        layer = as_layer_attention(layer)
         queries = q[seq.query_start: seq.query_start + seq.query_len]
         out = torch.empty_like(queries)
-        get_prefill_kernel().prefill_attention_bf16(out, queries, kv_cache[0], kv_cache[1], seq.block_ids,
-                                                    seq.context_len - seq.query_len, scale)
+        sinks = layer.sinks.contiguous() if layer.sinks is not None else NO_SINKS
+        get_prefill_kernel().prefill_attention_bf16_variant(
+            out, queries, kv_cache[0], kv_cache[1], seq.block_ids, seq.context_len - seq.query_len, layer.scale,
+            layer.window, layer.softcap, sinks)
         return out
 
-    def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, batch: DecodeBatch, scale: float,
+    def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, batch: DecodeBatch, layer: LayerAttention | float,
                out: torch.Tensor) -> None:
-        if not decode_kernel(q, kv_cache, batch, scale, out):
+        if not decode_kernel(q, kv_cache, batch, layer, out):
             raise RuntimeError(f"the cpu attention backend cannot run {q.dtype} queries on {q.device} with "
                                f"{kv_cache.dtype} K/V: use --attention-backend torch")

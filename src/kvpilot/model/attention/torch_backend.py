@@ -2,6 +2,8 @@
 
 Prompt chunks run scaled_dot_product_attention per sequence; decodes of similar context length are
 batched into one masked bmm over their gathered blocks (on CPU ~5x faster than SDPA for single queries).
+Every LayerAttention variant (sliding window, logit soft-cap, sinks) is computed exactly as HF transformers
+does (layers/paged_attention.py): the reference the other backends are tested against.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kvpilot.model.attention.base import ATTENTION_FEATURES, LayerAttention, as_layer_attention
 from kvpilot.model.attention.layout import StepLayout
 from kvpilot.model.attention.metadata import (AttentionMetadata, DecodeBatch, PrefillSeq, host_tensor,
                                                make_decode_batch)
@@ -56,9 +59,14 @@ def group_by_context(num_blocks: np.ndarray) -> list[np.ndarray]:
 
 class TorchAttentionBackend:
     """KV layout per layer: [2, kv_heads, num_blocks, block_size, head_dim] (K then V), head-major so a
-    gather by block id yields [kv_heads, tokens, head_dim] with no transpose."""
+    gather by block id yields [kv_heads, tokens, head_dim] with no transpose.
+
+    Sliding window invariant: a block-table entry whose block lies wholly before the window of every query of
+    the step is never read (the KV manager may point it at a reused or null block): prompt chunks gather from
+    the first query's window on, decodes gather only their window's blocks and mask with a select (NaN-proof)."""
 
     name = "torch"
+    features: frozenset[str] = ATTENTION_FEATURES
     batch_all_decodes = False  # the kernel backend takes every decode in one unpadded batch
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
@@ -94,25 +102,27 @@ class TorchAttentionBackend:
                 for g in group_by_context(num_blocks)]
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, seq: PrefillSeq,
-                scale: float) -> torch.Tensor:
+                layer: LayerAttention | float) -> torch.Tensor:
         """The sequence's rows of the output ([query_len, heads, D]); its K/V are already in kv_cache."""
-        return prefill_attention(q, k, v, kv_cache, seq, scale)
+        return prefill_attention(q, k, v, kv_cache, seq, layer)
 
-    def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, batch: DecodeBatch, scale: float,
+    def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, batch: DecodeBatch, layer: LayerAttention | float,
                out: torch.Tensor) -> None:
         """Writes the batch's rows of `out`."""
-        result = decode_torch(q, kv_cache, batch, scale)
+        result = decode_torch(q, kv_cache, batch, layer)
         if batch.row_range is not None:
             batch.rows_of(out).copy_(result)
         else:
             out[batch.token_rows] = result
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, layer: LayerAttention | float) -> torch.Tensor:
+        """layer: the layer's LayerAttention (a bare scale: plain causal attention)."""
+        layer = as_layer_attention(layer)
         write_kv(kv_cache, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
         for seq in meta.prefills:
-            out[seq.query_start: seq.query_start + seq.query_len] = self.prefill(q, k, v, kv_cache, seq, scale)
+            out[seq.query_start: seq.query_start + seq.query_len] = self.prefill(q, k, v, kv_cache, seq, layer)
         for batch in meta.decodes:
-            self.decode(q, kv_cache, batch, scale, out)
+            self.decode(q, kv_cache, batch, layer, out)
         return out

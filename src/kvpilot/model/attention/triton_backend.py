@@ -6,6 +6,11 @@ every prompt chunk of the step (triton_prefill: variable length, cached prefix +
 launch (plus a reduce when split) runs every decode (triton_decode: split-KV). The cache layout is the
 torch backend's ([2, kv_heads, num_blocks, block_size, head_dim]), so both read the same cache. Per-step
 metadata is packed into one persistent device buffer (triton_metadata), built once per step for all layers.
+
+Every LayerAttention variant (sliding window, logit soft-cap, sinks) runs in the same kernels. Sliding window
+invariant: a block-table entry whose block lies wholly before the window of every query of the step is never
+read: decode programs start at their window's first key (whole splits before it do nothing), prefill tiles at
+their first query's.
 """
 
 from __future__ import annotations
@@ -13,12 +18,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kvpilot.model.attention.base import LayerAttention, as_layer_attention
 from kvpilot.model.attention.layout import StepLayout
 from kvpilot.model.attention.triton_decode import decode_attention
 from kvpilot.model.attention.triton_kv_write import write_kv_triton
 from kvpilot.model.attention.triton_metadata import PACKED_ARRAYS, TritonAttentionMetadata, pack_layout
 from kvpilot.model.attention.triton_prefill import prefill_attention
 from kvpilot.model.attention.triton_split import DecodeSplit, choose_decode_split
+from kvpilot.model.attention.triton_support import TRITON_FEATURES
 from kvpilot.model.device_staging import PackedArrays
 from kvpilot.model.errors import ModelLoadError
 
@@ -38,6 +45,7 @@ class TritonAttentionBackend:
     shapes); None lets the split policy fill the GPU."""
 
     name = "triton"
+    features: frozenset[str] = TRITON_FEATURES
 
     def __init__(self, k_scale: float = 1.0, v_scale: float = 1.0, decode_partition: int | None = None) -> None:
         if k_scale <= 0 or v_scale <= 0:
@@ -86,13 +94,15 @@ class TritonAttentionBackend:
         return pack_layout(layout, self._buffers(device), decode_split, table_width)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: TritonAttentionMetadata, scale: float) -> torch.Tensor:
+                meta: TritonAttentionMetadata, layer: LayerAttention | float) -> torch.Tensor:
+        """layer: the layer's LayerAttention (a bare scale: plain causal attention)."""
+        layer = as_layer_attention(layer)
         # the prefill reads its own new K/V from k/v and only earlier tokens from the cache, so writing first
         # is not needed for it; decode reads its new key from the cache
         write_kv_triton(kv_cache, k, v, meta.slot_mapping, self.k_scale, self.v_scale)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         prefill_attention(q, k, v, kv_cache, out, meta.prefill_seqs, meta.query_start, meta.seq_lens,
-                          meta.block_tables, meta.max_prefill_len, scale, self.k_scale, self.v_scale)
+                          meta.block_tables, meta.max_prefill_len, layer, self.k_scale, self.v_scale)
         decode_attention(q, kv_cache, out, meta.decode_seqs, meta.query_start, meta.seq_lens, meta.block_tables,
-                         meta.decode_split, scale, self.k_scale, self.v_scale)
+                         meta.decode_split, layer, self.k_scale, self.v_scale)
         return out

@@ -12,7 +12,11 @@ import os
 
 import torch
 
+from kvpilot.model.attention.base import ATTENTION_FEATURES
+
 INTERPRET_ENV = "TRITON_INTERPRET"
+# the LayerAttention variants the Triton kernels compute (TritonAttentionBackend.features)
+TRITON_FEATURES: frozenset[str] = ATTENTION_FEATURES
 
 
 def triton_importable() -> bool:

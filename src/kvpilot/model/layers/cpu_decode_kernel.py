@@ -4,8 +4,10 @@ torch's cpp_extension (JIT, cached on disk by torch under ~/.cache/torch_extensi
 
 Why: the torch-ops decode path gathers every sequence's K/V blocks into a new tensor each step and layer
 (read + write + read); the kernel reads each K/V row once, in place, through the block table, one task per
-(sequence, KV head) over torch's thread pool. If the build is impossible (no compiler or ninja), or
-KVPILOT_CPU_KERNELS=0, `get_kernel()` returns None and the torch path is used.
+(sequence, KV head) over torch's thread pool. `paged_decode_variant` adds a layer's sliding window (reading only
+the window's blocks), logit soft-cap and attention sinks (kvpilot.model.attention.base.LayerAttention). If the
+build is impossible (no compiler or ninja), or KVPILOT_CPU_KERNELS=0, `get_kernel()` returns None and the torch
+path is used.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ SOURCE_PATHS = tuple(Path(__file__).parent / "csrc" / name
 
 
 _KERNEL = CppKernel(label="CPU decode kernel", name_prefix="kvpilot_cpu_decode_", sources=SOURCE_PATHS,
-                    functions=("paged_decode", "parallel_width"), cflags=("-O3", "-march=native", "-ffast-math"),
+                    functions=("paged_decode", "paged_decode_variant", "parallel_width"),
+                    cflags=("-O3", "-march=native", "-ffast-math"),
                     serial="decode attention runs on one thread", fallback="using the torch path")
 
 

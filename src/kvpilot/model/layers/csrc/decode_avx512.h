@@ -73,13 +73,16 @@ inline void block_scores(float* dst, const float* qg, const KV* rows, int64_t n)
   }
 }
 
-// In place: row[0..L) -> exp(row - max); returns 1 / sum.
-inline float softmax_numerators(float* row, int64_t L) {
+// In place: row[0..L) -> exp(row - max); returns 1 / sum. With a sink (a logit with no value) it counts in the
+// max and the sum.
+inline float softmax_numerators(float* row, int64_t L, const float* sink) {
   __m512 m = _mm512_set1_ps(std::numeric_limits<float>::lowest());
   int64_t t = 0;
   for (; t + 16 <= L; t += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(row + t));
   if (t < L) m = _mm512_mask_max_ps(m, tail_mask(L - t), m, _mm512_maskz_loadu_ps(tail_mask(L - t), row + t));
-  const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+  float row_max = _mm512_reduce_max_ps(m);
+  if (sink != nullptr) row_max = std::max(row_max, *sink);
+  const __m512 mx = _mm512_set1_ps(row_max);
   __m512 sum = _mm512_setzero_ps();
   for (t = 0; t + 16 <= L; t += 16) {
     const __m512 e = exp_nonpos16(_mm512_sub_ps(_mm512_loadu_ps(row + t), mx));
@@ -92,7 +95,18 @@ inline float softmax_numerators(float* row, int64_t L) {
     _mm512_mask_storeu_ps(row + t, k, e);
     sum = _mm512_mask_add_ps(sum, k, sum, e);
   }
-  return 1.0f / _mm512_reduce_add_ps(sum);
+  const float sink_term = sink != nullptr ? exp_nonpos(*sink - row_max) : 0.f;
+  return 1.0f / (_mm512_reduce_add_ps(sum) + sink_term);
+}
+
+// In place: row[0..L) -> softcap * tanh(row / softcap), 16 lanes at a time.
+inline void softcap_row(float* row, int64_t L, float softcap) {
+  int64_t t = 0;
+  for (; t + 16 <= L; t += 16) _mm512_storeu_ps(row + t, softcap16(_mm512_loadu_ps(row + t), softcap));
+  if (t < L) {
+    const __mmask16 k = tail_mask(L - t);
+    _mm512_mask_storeu_ps(row + t, k, softcap16(_mm512_maskz_loadu_ps(k, row + t), softcap));
+  }
 }
 
 // acc (kD floats of one query head) += sum over the block's n rows of p[t] * V[t].
@@ -127,40 +141,48 @@ inline void prefetch_block(const KV* rows, int64_t n, int64_t row_elems) {
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
 }
 
-// The same task as paged_decode_cpu.cpp's attend_one: the G query heads of KV head h over L cached tokens.
-// Blocks are the outer loop so each K/V block (<= a few KiB) is read from memory once and reused from L1
-// by all G heads.
+// The same task as paged_decode_cpu.cpp's attend_one: the G query heads of KV head h over the keys lo..L-1 the
+// variant lets them see (blocks before lo are never read, nor prefetched). Blocks are the outer loop so each K/V
+// block (<= a few KiB) is read from memory once and reused from L1 by all G heads.
 template <int kD, typename KV>
 void attend_one_avx512(float* out, const float* q, const KV* kc, const KV* vc, const int64_t* table, int64_t L,
-                       int64_t h, const Shape& s, float scale, Scratch& scratch) {
+                       int64_t h, const Shape& s, float scale, const Variant& var, Scratch& scratch) {
   constexpr int NV = kD / 16;
   const int64_t G = s.G;
-  scratch.prepare(G, L, kD);
+  const int64_t lo = var.first_key(L), n = L - lo;
+  scratch.prepare(G, n, kD);
   float* sc = scratch.scores.data();
   float* ac = scratch.acc.data();
   scratch.q.resize(static_cast<size_t>(G * kD));  // the queries pre-scaled, so scores need no multiply
   float* qs = scratch.q.data();
   for (int64_t i = 0; i < G * NV; ++i)
     _mm512_storeu_ps(qs + i * 16, _mm512_mul_ps(_mm512_loadu_ps(q + i * 16), _mm512_set1_ps(scale)));
-  auto block = [&](const KV* cache, int64_t blk) { return cache + (h * s.NB + table[blk]) * s.BS * kD; };
-  auto rows_from = [&](int64_t start) { return std::min(s.BS, L - start); };
-  const int64_t nb = (L + s.BS - 1) / s.BS;
+  // the task's blocks i = 0..nb-1 are table[b0 + i]; block i holds keys first(i)..first(i) + rows(i) - 1
+  const int64_t b0 = lo / s.BS, nb = (L - 1) / s.BS + 1 - b0;
+  auto first = [&](int64_t i) { return std::max(lo, (b0 + i) * s.BS); };
+  auto rows = [&](int64_t i) { return std::min(L, (b0 + i + 1) * s.BS) - first(i); };
+  auto block = [&](const KV* cache, int64_t i) {
+    return cache + ((h * s.NB + table[b0 + i]) * s.BS + first(i) - (b0 + i) * s.BS) * kD;
+  };
   constexpr int64_t A = kBlocksAhead;
-  for (int64_t start = 0, blk = 0; start < L; start += s.BS, ++blk) {
+  for (int64_t i = 0; i < nb; ++i) {
     // reads in order: K blocks 0..nb-1, then V blocks 0..nb-1; each asks for the read A after it
-    if (blk == 0)
+    if (i == 0)
       for (int64_t j = 1; j < A && j < 2 * nb; ++j)
-        prefetch_block(j < nb ? block(kc, j) : block(vc, j - nb), rows_from((j < nb ? j : j - nb) * s.BS), kD);
-    if (blk + A < nb) prefetch_block(block(kc, blk + A), rows_from(start + A * s.BS), kD);
-    else if (blk + A - nb < nb) prefetch_block(block(vc, blk + A - nb), rows_from((blk + A - nb) * s.BS), kD);
+        prefetch_block(j < nb ? block(kc, j) : block(vc, j - nb), rows(j < nb ? j : j - nb), kD);
+    if (i + A < nb) prefetch_block(block(kc, i + A), rows(i + A), kD);
+    else if (i + A - nb < nb) prefetch_block(block(vc, i + A - nb), rows(i + A - nb), kD);
     for (int64_t g = 0; g < G; ++g)
-      block_scores<kD, KV>(sc + g * L + start, qs + g * kD, block(kc, blk), rows_from(start));
+      block_scores<kD, KV>(sc + g * n + first(i) - lo, qs + g * kD, block(kc, i), rows(i));
   }
-  for (int64_t g = 0; g < G; ++g) scratch.inv[g] = softmax_numerators(sc + g * L, L);
-  for (int64_t start = 0, blk = 0; start < L; start += s.BS, ++blk) {
-    if (blk + A < nb) prefetch_block(block(vc, blk + A), rows_from(start + A * s.BS), kD);
+  for (int64_t g = 0; g < G; ++g) {
+    if (var.softcap > 0.f) softcap_row(sc + g * n, n, var.softcap);
+    scratch.inv[g] = softmax_numerators(sc + g * n, n, var.sinks != nullptr ? var.sinks + h * G + g : nullptr);
+  }
+  for (int64_t i = 0; i < nb; ++i) {
+    if (i + A < nb) prefetch_block(block(vc, i + A), rows(i + A), kD);
     for (int64_t g = 0; g < G; ++g)
-      block_values<kD, KV>(ac + g * kD, sc + g * L + start, block(vc, blk), rows_from(start));
+      block_values<kD, KV>(ac + g * kD, sc + g * n + first(i) - lo, block(vc, i), rows(i));
   }
   for (int64_t g = 0; g < G; ++g) {
     const __m512 inv = _mm512_set1_ps(scratch.inv[g]);

@@ -73,16 +73,38 @@ struct Shape {
   int64_t q_row, out_row;  // element strides between sequences of q and out (rows may be views of a wider tensor)
 };
 
-// Calls row_fn(row, t) for the L cached rows (tokens t = 0..L-1) of KV head h in `cache`, block by block
-// through the sequence's block table (no division per token).
+// A layer's attention variant (kvpilot.model.attention.base.LayerAttention): window 0 = every earlier key,
+// else the last `window` keys (the query's own included); softcap 0 = none, else scores become
+// softcap * tanh(scores / softcap); sinks nullptr = none, else one logit per query head that joins the softmax
+// denominator with no value.
+struct Variant {
+  int64_t window = 0;
+  float softcap = 0.f;
+  const float* sinks = nullptr;
+
+  // The first key a decode over keys 0..L-1 sees: blocks wholly before it are never read (a KV manager may
+  // have handed them to another sequence).
+  int64_t first_key(int64_t L) const { return window > 0 && L > window ? L - window : 0; }
+};
+
+// Calls row_fn(row, t) for the cached rows of tokens lo..L-1 (t = token - lo) of KV head h in `cache`, block by
+// block through the sequence's block table (no division per token); blocks before lo's are never touched.
 template <typename KV, typename RowFn>
-inline void for_each_row(const KV* cache, const int64_t* table, int64_t L, int64_t h, const Shape& s, int64_t D,
-                         RowFn row_fn) {
-  for (int64_t start = 0, blk = 0; start < L; start += s.BS, ++blk) {
-    const int64_t n = std::min(s.BS, L - start);
-    const KV* rows = cache + (h * s.NB + table[blk]) * s.BS * D;
-    for (int64_t t = 0; t < n; ++t) row_fn(rows + t * D, start + t);
+inline void for_each_row(const KV* cache, const int64_t* table, int64_t lo, int64_t L, int64_t h, const Shape& s,
+                         int64_t D, RowFn row_fn) {
+  for (int64_t pos = lo; pos < L;) {
+    const int64_t blk = pos / s.BS, off = pos % s.BS;
+    const int64_t n = std::min(s.BS - off, L - pos);
+    const KV* rows = cache + ((h * s.NB + table[blk]) * s.BS + off) * D;
+    for (int64_t t = 0; t < n; ++t) row_fn(rows + t * D, pos - lo + t);
+    pos += n;
   }
+}
+
+// scores[0..n) -> softcap * tanh(scores / softcap) (Gemma 2's logit soft-capping), in place.
+inline void softcap_scores(float* scores, int64_t n, float softcap) {
+  const float inv = 1.f / softcap;
+  for (int64_t t = 0; t < n; ++t) scores[t] = softcap * std::tanh(scores[t] * inv);
 }
 
 // Per-thread buffers, reused across the tasks of one thread (no allocation per task once grown).

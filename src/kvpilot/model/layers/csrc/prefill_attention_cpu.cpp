@@ -1,6 +1,8 @@
 // Causal prefill attention on CPU for bfloat16 queries and K/V (AVX512_BF16): one prompt chunk's queries attend
 // over the sequence's cached keys, read through its block table, flash-style (online softmax, nothing of size
-// queries x keys is stored). Built at run time by kvpilot/model/layers/cpu_prefill_kernel.py after simd_exp.h,
+// queries x keys is stored). Layer variants (LayerAttention): a sliding window (only the keys some query of the
+// chunk sees are read, from the first one's window on; blocks wholly before it are never touched), logit
+// soft-capping, attention sinks. Built at run time by kvpilot/model/layers/cpu_prefill_kernel.py after simd_exp.h,
 // with -march=native; without AVX512_BF16 the module builds but `prefill_kernel_available()` is false.
 //
 // Why: torch's scaled_dot_product_attention reached ~70 GFLOP/s on a 512-token bf16 prompt on a 2-vCPU Zen 4
@@ -11,6 +13,7 @@
 // (as a bf16 GEMM would take them); the output is rounded to bfloat16 (nearest even).
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -21,6 +24,14 @@ namespace {
 constexpr int64_t kRows = 4;   // query rows per task: each K / V register serves all 4
 constexpr int64_t kKeys = 32;  // keys per softmax step (two 16-lane score vectors per row)
 
+// What one call computes beyond plain causal attention (LayerAttention): window 0 = none; softcap 0 = none;
+// sinks nullptr = none, else float32 [H].
+struct Variant {
+  int64_t window;
+  float softcap;
+  const float* sinks;
+};
+
 #if defined(__AVX512BF16__)
 constexpr bool kAvailable = true;
 
@@ -30,19 +41,21 @@ inline __m512bh pair_bcast(const uint16_t* pair) {  // two bf16 values, as one 3
   return (__m512bh)_mm512_set1_epi32(static_cast<int>(bits));
 }
 
-// One KV head's keys and values, repacked for vdpbf16ps (padded with zeros to a multiple of kKeys keys):
-// kp[((b * D / 2 + p) * 16 + j) * 2 + e] = K[16 b + j][2 p + e];  vp[(t * D + d) * 2 + e] = V[2 t + e][d]
+// One KV head's keys lo..L-1 and their values, repacked for vdpbf16ps (padded with zeros to a multiple of kKeys
+// keys), indexed from lo: kp[((b * D / 2 + p) * 16 + j) * 2 + e] = K[lo + 16 b + j][2 p + e];
+// vp[(t * D + d) * 2 + e] = V[lo + 2 t + e][d]
 struct PackedKV {
   std::vector<uint16_t> k, v;
 };
 
-void pack_head(PackedKV& out, const uint16_t* kc, const uint16_t* vc, const int64_t* table, int64_t L,
+void pack_head(PackedKV& out, const uint16_t* kc, const uint16_t* vc, const int64_t* table, int64_t lo, int64_t L,
                int64_t block_size, int64_t block_stride, int64_t D) {
-  const int64_t padded = (L + kKeys - 1) / kKeys * kKeys;
+  const int64_t padded = (L - lo + kKeys - 1) / kKeys * kKeys;
   out.k.assign(padded * D, 0);
   out.v.assign(padded * D, 0);
-  for (int64_t t = 0; t < L; ++t) {
-    const int64_t row = table[t / block_size] * block_stride + (t % block_size) * D;
+  for (int64_t t = 0; t < L - lo; ++t) {
+    const int64_t key = lo + t;
+    const int64_t row = table[key / block_size] * block_stride + (key % block_size) * D;
     const uint16_t* kr = kc + row;
     const uint16_t* vr = vc + row;
     const int64_t b = t / 16, j = t % 16;
@@ -56,19 +69,34 @@ void pack_head(PackedKV& out, const uint16_t* kc, const uint16_t* vc, const int6
   }
 }
 
-// One row's online-softmax step over the scores s0 / s1 of keys [k0, k0 + 32), `visible` = pos - k0: updates
-// m and l, rescales acc, and gives the probabilities (zero past pos). False when the row sees none of the keys.
+// The keys a row sees within a 32-key step, relative to its first key k0: lanes first..last (first may be
+// negative, last past 31).
+struct Visible {
+  int64_t first, last;
+};
+
+// Scaled (and soft-capped when softcap > 0) scores, -inf outside `mask`.
+inline __m512 scaled_scores(__m512 s, __mmask16 mask, float scale, float softcap) {
+  __m512 x = _mm512_mul_ps(s, _mm512_set1_ps(scale));
+  if (softcap > 0.f) x = softcap16(x, softcap);
+  return _mm512_mask_blend_ps(mask, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), x);
+}
+
+// One row's online-softmax step over the scores s0 / s1 of keys [k0, k0 + 32): updates m and l, rescales acc,
+// and gives the probabilities (zero outside `seen`). False when the row sees none of the keys.
 template <int64_t NC>
-inline bool softmax_step(__m512 s0, __m512 s1, int64_t visible, float scale, float& m, float& l,
+inline bool softmax_step(__m512 s0, __m512 s1, Visible seen, float scale, float softcap, float& m, float& l,
                          __m512 (&acc)[NC], __m512& p0, __m512& p1) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  const __m512i last = _mm512_set1_epi32(static_cast<int>(visible));  // keys k0 + lane <= pos
-  const __mmask16 v0 = _mm512_cmple_epi32_mask(lane, last);
-  const __mmask16 v1 = _mm512_cmple_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16)), last);
-  const __m512 none = _mm512_set1_ps(neg_inf), sc = _mm512_set1_ps(scale);
-  const __m512 x0 = _mm512_mask_blend_ps(v0, none, _mm512_mul_ps(s0, sc));
-  const __m512 x1 = _mm512_mask_blend_ps(v1, none, _mm512_mul_ps(s1, sc));
+  const __m512i lane1 = _mm512_add_epi32(lane, _mm512_set1_epi32(16));
+  // clamped to [-1, 32] so they fit 32-bit lanes however long the context
+  const __m512i first = _mm512_set1_epi32(static_cast<int>(std::clamp<int64_t>(seen.first, -1, 32)));
+  const __m512i last = _mm512_set1_epi32(static_cast<int>(std::clamp<int64_t>(seen.last, -1, 32)));
+  const __mmask16 v0 = _mm512_cmple_epi32_mask(lane, last) & _mm512_cmpge_epi32_mask(lane, first);
+  const __mmask16 v1 = _mm512_cmple_epi32_mask(lane1, last) & _mm512_cmpge_epi32_mask(lane1, first);
+  const __m512 x0 = scaled_scores(s0, v0, scale, softcap);
+  const __m512 x1 = scaled_scores(s1, v1, scale, softcap);
   const float block_max = _mm512_reduce_max_ps(_mm512_max_ps(x0, x1));
   if (block_max == neg_inf) return false;
   const float m_new = std::max(m, block_max);
@@ -83,12 +111,15 @@ inline bool softmax_step(__m512 s0, __m512 s1, int64_t visible, float scale, flo
   return true;
 }
 
-// Rows r of one task: query row pointer, position (its last visible key), and the output row.
+// Rows r of one task: query row pointer, the keys it sees (first[r]..pos[r], indexes into the packed keys), its
+// sink logit (-inf when none) and the output row.
 template <int64_t D>
 struct Task {
   const uint16_t* q[kRows];
   uint16_t* out[kRows];
+  int64_t first[kRows];
   int64_t pos[kRows];
+  float sink[kRows];
   int64_t n;  // rows used (<= kRows)
 };
 
@@ -104,22 +135,27 @@ inline void store_rows(const Task<D>& task, const __m512 (&acc)[kRows][D / 16], 
 }
 
 template <int64_t D>
-void attend_rows(const Task<D>& task, const PackedKV& kv, float scale) {
+void attend_rows(const Task<D>& task, const PackedKV& kv, float scale, float softcap) {
   constexpr int64_t NC = D / 16;  // 16-lane chunks of a head
   const float neg_inf = -std::numeric_limits<float>::infinity();
   __m512 acc[kRows][NC];
   float m[kRows], l[kRows];
   alignas(64) uint16_t qb[kRows][D];  // the task's query rows, zeros past n: every loop runs all kRows rows
   for (int64_t r = 0; r < kRows; ++r) {
-    m[r] = neg_inf;
-    l[r] = 0.f;
+    // a sink starts the row's softmax as one term of value zero: m = sink, l = exp(sink - m) = 1
+    const bool sink = r < task.n && task.sink[r] != neg_inf;
+    m[r] = sink ? task.sink[r] : neg_inf;
+    l[r] = sink ? 1.f : 0.f;
     for (int64_t c = 0; c < NC; ++c) acc[r][c] = _mm512_setzero_ps();
     if (r < task.n) std::memcpy(qb[r], task.q[r], D * 2);
     else std::memset(qb[r], 0, D * 2);
   }
-  int64_t last = 0;
-  for (int64_t r = 0; r < task.n; ++r) last = std::max(last, task.pos[r]);
-  for (int64_t k0 = 0; k0 <= last; k0 += kKeys) {
+  int64_t last = 0, first = task.first[0];
+  for (int64_t r = 0; r < task.n; ++r) {
+    last = std::max(last, task.pos[r]);
+    first = std::min(first, task.first[r]);
+  }
+  for (int64_t k0 = first - first % kKeys; k0 <= last; k0 += kKeys) {
     // scores of the 32 keys [k0, k0 + 32) for each row
     __m512 s[kRows][2];
     for (int64_t r = 0; r < kRows; ++r) s[r][0] = s[r][1] = _mm512_setzero_ps();
@@ -138,7 +174,8 @@ void attend_rows(const Task<D>& task, const PackedKV& kv, float scale) {
     alignas(64) uint32_t probs[kRows][16] = {};
     for (int64_t r = 0; r < task.n; ++r) {
       __m512 p0, p1;
-      if (!softmax_step<NC>(s[r][0], s[r][1], task.pos[r] - k0, scale, m[r], l[r], acc[r], p0, p1))
+      const Visible seen{task.first[r] - k0, task.pos[r] - k0};
+      if (!softmax_step<NC>(s[r][0], s[r][1], seen, scale, softcap, m[r], l[r], acc[r], p0, p1))
         continue;  // no visible key here for this row: its probabilities stay zero
       _mm512_store_si512(probs[r], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));  // lane t: keys k0 + 2t, k0 + 2t + 1
     }
@@ -158,17 +195,19 @@ void attend_rows(const Task<D>& task, const PackedKV& kv, float scale) {
 
 template <int64_t D>
 void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-         const int64_t* table, int64_t start, int64_t L, float scale) {
+         const int64_t* table, int64_t start, int64_t L, float scale, const Variant& var) {
   const int64_t T = q.size(0), H = q.size(1), kvH = k_cache.size(0), G = H / kvH;
   const int64_t block_size = k_cache.size(2), block_stride = k_cache.stride(1);
   const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const auto* kc = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>());
   const auto* vc = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>());
+  // the first key any query sees: the first query's window start (keys and blocks before it are never read)
+  const int64_t lo = var.window > 0 ? std::max<int64_t>(0, start - var.window + 1) : 0;
   std::vector<PackedKV> packed(kvH);
   at::parallel_for(0, kvH, 1, [&](int64_t h0, int64_t h1) {
     for (int64_t h = h0; h < h1; ++h)
-      pack_head(packed[h], kc + h * k_cache.stride(0), vc + h * v_cache.stride(0), table, L, block_size,
+      pack_head(packed[h], kc + h * k_cache.stride(0), vc + h * v_cache.stride(0), table, lo, L, block_size,
                 block_stride, D);
   });
   // rows of KV head h: (query i, head h * G + g) in query-major order; tasks of kRows rows. A later task sees
@@ -185,9 +224,12 @@ void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cach
         const int64_t i = (first + r) / G, head = h * G + (first + r) % G;
         task.q[r] = qp + i * q.stride(0) + head * q.stride(1);
         task.out[r] = op + i * out.stride(0) + head * out.stride(1);
-        task.pos[r] = start + i;
+        const int64_t pos = start + i;
+        task.pos[r] = pos - lo;
+        task.first[r] = var.window > 0 ? std::max<int64_t>(0, pos - var.window + 1) - lo : 0;
+        task.sink[r] = var.sinks != nullptr ? var.sinks[head] : -std::numeric_limits<float>::infinity();
       }
-      attend_rows<D>(task, packed[h], scale);
+      attend_rows<D>(task, packed[h], scale, var.softcap);
     }
   });
 }
@@ -200,11 +242,10 @@ constexpr bool kAvailable = false;
 // Whether this build runs prefill_attention_bf16 (the CPU has AVX512_BF16).
 bool prefill_kernel_available() { return kAvailable; }
 
-// out [T, H, D] bf16 = causal attention of q [T, H, D] bf16 (queries at positions start .. start + T - 1) over the
-// first L = start + T keys of one sequence in k_cache / v_cache [kvH, num_blocks, block_size, D] bf16, read
-// through block_ids (int64, covering L); D 64 or 128, H a multiple of kvH; q / out rows with unit stride inside.
-void prefill_attention_bf16(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                            torch::Tensor block_ids, int64_t start, double scale) {
+namespace {
+
+void check_prefill_args(const torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
+                        const torch::Tensor& v_cache, const torch::Tensor& block_ids, int64_t start) {
   TORCH_CHECK(kAvailable, "the prefill attention kernel needs AVX512_BF16");
   TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16 &&
               k_cache.scalar_type() == torch::kBFloat16 && v_cache.scalar_type() == torch::kBFloat16,
@@ -215,10 +256,43 @@ void prefill_attention_bf16(torch::Tensor out, torch::Tensor q, torch::Tensor k_
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), kvH = k_cache.size(0), L = start + T;
   TORCH_CHECK(H % kvH == 0 && k_cache.size(3) == D && block_ids.scalar_type() == torch::kInt64 &&
               block_ids.is_contiguous() && block_ids.numel() * k_cache.size(2) >= L, "shapes");
+  TORCH_CHECK(D == 64 || D == 128, "head dim ", D, ": the prefill attention kernel takes 64 or 128");
+}
+
+void prefill_impl(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
+                  const torch::Tensor& v_cache, const torch::Tensor& block_ids, int64_t start, double scale,
+                  const Variant& var) {
+  check_prefill_args(out, q, k_cache, v_cache, block_ids, start);
 #if defined(__AVX512BF16__)
+  const int64_t L = start + q.size(0);
   const int64_t* table = block_ids.data_ptr<int64_t>();
-  if (D == 64) run<64>(out, q, k_cache, v_cache, table, start, L, static_cast<float>(scale));
-  else if (D == 128) run<128>(out, q, k_cache, v_cache, table, start, L, static_cast<float>(scale));
-  else TORCH_CHECK(false, "head dim ", D, ": the prefill attention kernel takes 64 or 128");
+  if (q.size(2) == 64) run<64>(out, q, k_cache, v_cache, table, start, L, static_cast<float>(scale), var);
+  else run<128>(out, q, k_cache, v_cache, table, start, L, static_cast<float>(scale), var);
 #endif
+}
+
+}  // namespace
+
+// out [T, H, D] bf16 = causal attention of q [T, H, D] bf16 (queries at positions start .. start + T - 1) over the
+// first L = start + T keys of one sequence in k_cache / v_cache [kvH, num_blocks, block_size, D] bf16, read
+// through block_ids (int64, covering L); D 64 or 128, H a multiple of kvH; q / out rows with unit stride inside.
+void prefill_attention_bf16(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                            torch::Tensor block_ids, int64_t start, double scale) {
+  prefill_impl(out, q, k_cache, v_cache, block_ids, start, scale, Variant{0, 0.f, nullptr});
+}
+
+// prefill_attention_bf16 for a layer's variant: window 0 (all earlier keys) or the last `window` keys of each
+// query (block_ids entries wholly before the first query's window may name any block: never read); softcap 0 or
+// the soft-cap; sinks empty or float32 [H].
+void prefill_attention_bf16_variant(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
+                                    torch::Tensor v_cache, torch::Tensor block_ids, int64_t start, double scale,
+                                    int64_t window, double softcap, torch::Tensor sinks) {
+  TORCH_CHECK(window >= 0 && softcap >= 0, "prefill_attention_bf16_variant: window and softcap must be >= 0");
+  Variant var{window, static_cast<float>(softcap), nullptr};
+  if (sinks.numel() > 0) {
+    TORCH_CHECK(sinks.scalar_type() == torch::kFloat32 && sinks.is_contiguous() && sinks.numel() == q.size(1),
+                "prefill_attention_bf16_variant: sinks must be float32 [heads], contiguous");
+    var.sinks = sinks.data_ptr<float>();
+  }
+  prefill_impl(out, q, k_cache, v_cache, block_ids, start, scale, var);
 }
