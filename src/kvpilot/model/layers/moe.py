@@ -148,11 +148,14 @@ class SparseMoeBlock(nn.Module):
         self.top_k, self.renormalize = top_k, renormalize
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
         self.experts = Experts(num_experts, hidden_size, intermediate_size)
+        # tensor parallelism (parallel/shard.py): the all-reduce summing the ranks' shares of every expert
+        self.reduce_output: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         weights, ids = route(self.gate(rows), self.top_k, self.renormalize)
-        return self.experts(rows, weights, ids).view(x.shape)
+        out = self.experts(rows, weights, ids)
+        return (out if self.reduce_output is None else self.reduce_output(out)).view(x.shape)
 
 
 def prepack_experts(model: nn.Module) -> int:

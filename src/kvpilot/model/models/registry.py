@@ -57,10 +57,10 @@ FAMILIES: tuple[ModelFamily, ...] = (
     ModelFamily("qwen3", ("Qwen3ForCausalLM",), LLAMA_CLASS, gguf_architectures=("qwen3",),
                 notes="q/k RMSNorm"),
     ModelFamily("qwen3_moe", ("Qwen3MoeForCausalLM",), "kvpilot.model.models.qwen3_moe:Qwen3MoeForCausalLM",
-                gguf_architectures=("qwen3moe",), tensor_parallel=False, packed_gguf=False, fused_decode=False,
+                gguf_architectures=("qwen3moe",), packed_gguf=False, fused_decode=False,
                 notes="mixture of experts (softmax top-k, norm_topk_prob), q/k RMSNorm"),
     ModelFamily("mixtral", ("MixtralForCausalLM",), "kvpilot.model.models.mixtral:MixtralForCausalLM",
-                tensor_parallel=False, packed_gguf=False, fused_decode=False,
+                packed_gguf=False, fused_decode=False,
                 notes="mixture of experts (top-k renormalised); GGUF: 'llama' with an expert count"),
 )
 

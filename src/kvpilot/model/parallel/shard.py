@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvpilot.model.layers.moe import SparseMoeBlock
 from kvpilot.model.parallel.group import TPGroup
 
 
@@ -25,10 +26,12 @@ class RowParallelLinear(nn.Module):
 
 def parallelize(model: nn.Module, group: TPGroup) -> None:
     """Turns every layer's o_proj and down_proj (already this rank's columns, bias-free) into row-parallel
-    layers over `group`, in place."""
+    layers over `group`, in place; a mixture-of-experts block all-reduces its output instead."""
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         if not isinstance(attn.o_proj, RowParallelLinear):
             attn.o_proj = RowParallelLinear(attn.o_proj.weight, group)
-        if not isinstance(mlp.down_proj, RowParallelLinear):
+        if isinstance(mlp, SparseMoeBlock):  # each expert's down columns: the block's sum is a partial one
+            mlp.reduce_output = group.all_reduce
+        elif not isinstance(mlp.down_proj, RowParallelLinear):
             mlp.down_proj = RowParallelLinear(mlp.down_proj.weight, group)

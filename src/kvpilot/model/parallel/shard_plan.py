@@ -4,7 +4,9 @@ Megatron-style: a rank keeps its query heads (split evenly), its KV heads (split
 KV heads than ranks, the one its query heads read, replicated), and its share of the MLP's intermediate width.
 q/k/v and gate/up are column-parallel (the rank's output rows), o_proj and down_proj row-parallel (the
 matching input columns, summed over the ranks by one all-reduce each). Embedding, norms and the output layer
-stay whole on every rank.
+stay whole on every rank. Mixture-of-experts layers split every expert the same way: a rank holds each
+expert's share of the expert width (gate/up rows, down columns) and the whole router, so every rank routes
+alike, and the block's output is all-reduced once.
 
 Invariant: every loader (safetensors, GGUF, dummy) gives a rank exactly `take` (HF names) or `take_fused`
 (kvpilot's fused names) of the tensor the one-rank model holds, so TP outputs equal TP=1's; the whole tensor
@@ -34,24 +36,28 @@ def check_tp_split(config: ModelConfig, world_size: int) -> None:
         problems.append(f"{kv_heads} KV heads (neither a multiple nor a divisor of it)")
     if width % world_size:
         problems.append(f"an MLP width of {width}")
+    if config.moe_intermediate_size % world_size:
+        problems.append(f"an expert width of {config.moe_intermediate_size}")
     if problems:
         divisors = [n for n in range(1, heads + 1) if heads % n == 0 and width % n == 0
-                    and (kv_heads % n == 0 or n % kv_heads == 0)]
+                    and config.moe_intermediate_size % n == 0 and (kv_heads % n == 0 or n % kv_heads == 0)]
         raise ModelLoadError(f"tensor_parallel_size={world_size} cannot split {config.name or 'this model'}: "
                              f"{', '.join(problems)}; sizes that work: {', '.join(map(str, divisors))}")
 
 
 def local_config(config: ModelConfig, world_size: int) -> ModelConfig:
-    """What one rank holds: its heads, KV heads and MLP width (the KV cache and `fit` size from this)."""
+    """What one rank holds: its heads, KV heads, MLP and expert widths (the KV cache and `fit` size from this)."""
     return dataclasses.replace(config, num_attention_heads=config.num_attention_heads // world_size,
                                num_key_value_heads=max(1, config.num_key_value_heads // world_size),
-                               intermediate_size=config.intermediate_size // world_size)
+                               intermediate_size=config.intermediate_size // world_size,
+                               moe_intermediate_size=config.moe_intermediate_size // world_size)
 
 
 @dataclass(frozen=True)
 class ShardPlan:
-    """Rank `rank` of `world_size`: its rows of q_proj (`q_rows`), of k_proj and v_proj (`kv_rows`) and of
-    gate_proj and up_proj (`mlp_rows`); o_proj and down_proj keep the same ranges as columns."""
+    """Rank `rank` of `world_size`: its rows of q_proj (`q_rows`), of k_proj and v_proj (`kv_rows`), of
+    gate_proj and up_proj (`mlp_rows`) and of each expert's gate and up (`expert_rows`); o_proj and the down
+    projections keep the same ranges as columns."""
 
     rank: int
     world_size: int
@@ -59,6 +65,7 @@ class ShardPlan:
     q_rows: slice
     kv_rows: slice
     mlp_rows: slice
+    expert_rows: slice
 
     @classmethod
     def for_rank(cls, config: ModelConfig, rank: int, world_size: int) -> ShardPlan:
@@ -71,9 +78,10 @@ class ShardPlan:
         first_head = rank * heads
         first_kv = rank * kv_heads if config.num_key_value_heads >= world_size else \
             first_head // (config.num_attention_heads // config.num_key_value_heads)
-        width = local.intermediate_size
+        width, expert_width = local.intermediate_size, local.moe_intermediate_size
         return cls(rank, world_size, config, slice(first_head * dim, (first_head + heads) * dim),
-                   slice(first_kv * dim, (first_kv + kv_heads) * dim), slice(rank * width, (rank + 1) * width))
+                   slice(first_kv * dim, (first_kv + kv_heads) * dim), slice(rank * width, (rank + 1) * width),
+                   slice(rank * expert_width, (rank + 1) * expert_width))
 
     @property
     def local_config(self) -> ModelConfig:
@@ -81,10 +89,26 @@ class ShardPlan:
 
     def index(self, name: str) -> tuple[slice, ...] | None:
         """The rank's index into the HF-named tensor `name` (rows, or (all rows, columns)); None: all of it."""
+        if ".experts." in name:
+            return self._expert_index(name)
         parts = name.split(".")
         if len(parts) < 2 or parts[-2] not in _HF_INDEX:
             return None
         return _HF_INDEX[parts[-2]](self, parts[-1])
+
+    def _expert_index(self, name: str) -> tuple[slice, ...]:
+        """An expert tensor's rank part (moe_decoder.py's layouts): one expert's gate/up rows or down columns,
+        GGUF's stacked [E, I, H] / [E, H, I], transformers 5's stacked down [E, H, I]."""
+        rows, parts = self.expert_rows, name.split(".")
+        if parts[-1] == "gate_up_proj":  # gate and up halves of one tensor: no single slice takes a rank's part
+            raise ModelLoadError(f"{name}: tensor parallelism reads experts stored one tensor per expert (as "
+                                 "save_pretrained writes them) or as GGUF; this checkpoint fuses gate and up: "
+                                 "use --tensor-parallel-size 1")
+        if parts[-1] == "down_proj" or parts[-2] == "down_exps":
+            return ALL, ALL, rows
+        if parts[-2] in ("gate_exps", "up_exps"):
+            return ALL, rows
+        return (ALL, rows) if parts[-2] in ("down_proj", "w2") else (rows,)
 
     def take(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """The rank's part of HF-named `tensor`, in memory of its own (the whole one can be freed)."""
@@ -100,6 +124,11 @@ class ShardPlan:
         if ".mlp.gate_up_proj." in name:
             gate, up = tensor.split(config.intermediate_size)
             return torch.cat([gate[self.mlp_rows], up[self.mlp_rows]])
+        if name.endswith(".experts.gate_up_proj"):  # [E, 2I, H]: each expert's gate rows, then its up rows
+            gate, up = tensor.split(config.moe_intermediate_size, dim=1)
+            return torch.cat([gate[:, self.expert_rows], up[:, self.expert_rows]], dim=1)
+        if name.endswith(".experts.down_proj"):
+            return tensor[:, :, self.expert_rows].clone()
         return self.take(name, tensor) if kind == "weight" else tensor
 
     def full_shape(self, name: str, local_shape: torch.Size) -> tuple[int, ...]:
@@ -113,6 +142,10 @@ class ShardPlan:
             shape[1] = config.q_size
         elif name.endswith(".mlp.down_proj.weight"):
             shape[1] = config.intermediate_size
+        elif name.endswith(".experts.gate_up_proj"):
+            shape[1] = 2 * config.moe_intermediate_size
+        elif name.endswith(".experts.down_proj"):
+            shape[2] = config.moe_intermediate_size
         return tuple(shape)
 
 
