@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpilot.fit.errors import GgufError
+from kvpilot.fit.gguf_rope import gguf_rope_fields
 
 # GGUF `general.architecture` -> HF `architectures[0]`
 GGUF_ARCHITECTURES: dict[str, str] = {
@@ -19,6 +20,7 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
 }
 # GGUF `general.architecture` -> HF `model_type`, where the two differ
@@ -151,13 +153,10 @@ def hf_config_from_reader(reader: Any, path: str | Path) -> dict[str, Any]:
     if arch == "qwen2":
         cfg["attention_bias"] = True
     cfg.update(_moe_fields(reader, arch, path))
-    factor = _arch_key(reader, arch, "rope.scaling.factor", path, False)
-    scaling_type = _arch_key(reader, arch, "rope.scaling.type", path, False)
-    if scaling_type not in (None, "none") or "rope_freqs.weight" in tensor_names:
-        # llama.cpp stores llama3 scaling as a rope_freqs tensor; linear/yarn as metadata. Neither is
-        # implemented yet: refuse rather than run a silently wrong model.
-        raise GgufError(f"{path}: GGUF rope scaling ({scaling_type or 'rope_freqs tensor'}, "
-                             f"factor {factor}) is not supported yet; use the HF checkpoint instead")
+    rope_tensors = {t.name: t for t in reader.tensors if t.name.startswith("rope_")}
+    cfg.update(gguf_rope_fields(lambda key: _arch_key(reader, arch, key, path, False), rope_tensors, cfg, path))
+    if arch == "phi3" and _arch_key(reader, arch, "attention.sliding_window", path, False):
+        cfg["sliding_window"] = int(_arch_key(reader, arch, "attention.sliding_window", path))
     return cfg
 
 

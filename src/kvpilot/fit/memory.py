@@ -158,7 +158,7 @@ def plan_memory(model: LoadedModel, group: DeviceGroup, inputs: FitInputs) -> Me
         kv_budget = min(kv_budget, fixed_kv)
     per_token = math.ceil(kv_bytes_per_token(spec, kvb, tp) / pp)
     num_blocks = max(0, kv_budget // (per_token * inputs.block_size))
-    limit = inputs.max_model_len or spec.max_position_embeddings
+    limit = inputs.max_model_len or model.context_length
     per_request = math.ceil(kv_bytes_per_sequence(spec, inputs.seq_len, kvb, tp, inputs.block_size) / pp)
     plan = MemoryPlan(
         parallelism=par,

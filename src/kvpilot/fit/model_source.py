@@ -14,6 +14,7 @@ from kvpilot.fit.gguf_sizes import GgufSizes, gguf_sizes
 from kvpilot.fit.model_catalog import canonical_name, get_hf_config, get_repo_id
 from kvpilot.fit.model_spec import ModelSpec, spec_from_hf_config
 from kvpilot.fit.params import ParamCounts, count_params
+from kvpilot.fit.runtime_spec import runtime_spec_from_hf_config
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,15 @@ class LoadedModel:
     source: str
     gguf: GgufSizes | None = None
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)  # as read
+
+    @property
+    def context_length(self) -> int:
+        """The longest request the model supports: max_position_embeddings, stretched by the RoPE scaling
+        where the config states the pre-scaling length (as the engine's ModelConfig does)."""
+        scaling = runtime_spec_from_hf_config(self.hf_config, self.spec.name).rope_scaling if self.hf_config \
+            else None
+        return scaling.context_length(self.spec.max_position_embeddings) if scaling else \
+            self.spec.max_position_embeddings
 
 
 def _from_config(config: dict[str, Any], name: str, source: str) -> LoadedModel:

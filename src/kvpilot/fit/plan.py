@@ -85,10 +85,10 @@ def _sliding_note(num_sliding: int, num_layers: int, window: int | None) -> str:
 
 def check_lengths(model: LoadedModel, inputs: FitInputs) -> None:
     """FitError when the requested lengths exceed what the model supports."""
-    model_max = model.spec.max_position_embeddings
+    model_max = model.context_length
     if inputs.max_model_len is not None and inputs.max_model_len > model_max:
-        raise FitError(f"--max-model-len {inputs.max_model_len:,} exceeds {model.spec.name}'s "
-                       f"max_position_embeddings ({model_max:,}).")
+        raise FitError(f"--max-model-len {inputs.max_model_len:,} exceeds {model.spec.name}'s context length "
+                       f"({model_max:,}: max_position_embeddings with its RoPE scaling).")
     limit = inputs.max_model_len or model_max
     if inputs.seq_len > limit:
         raise FitError(f"--input-len + --output-len = {inputs.seq_len:,} exceeds the maximum model length "

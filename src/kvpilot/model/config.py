@@ -22,14 +22,15 @@ __all__ = ["ModelConfig", "RopeScaling", "from_hf_config", "unsupported_reason"]
 
 # Checked before parsing, in this order: the engine has no default for any of them.
 REQUIRED_KEYS = ("hidden_size", "num_attention_heads", "vocab_size", "intermediate_size", "num_hidden_layers")
-SUPPORTED_ROPE_SCALING = ("llama3",)
+SUPPORTED_ROPE_SCALING = ("llama3", "linear", "dynamic", "yarn", "longrope")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     """Hyper-parameters of one decoder-only Llama-family model.
 
-    Invariants: num_attention_heads % num_key_value_heads == 0; head_dim is even (RoPE rotates pairs).
+    Invariants: num_attention_heads % num_key_value_heads == 0; head_dim and rotary_dim are even (RoPE rotates
+    pairs).
     """
 
     architecture: str
@@ -44,7 +45,10 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
+    # the longest context the model runs: the config's max_position_embeddings, stretched by the RoPE scaling
+    # where the config states the pre-scaling length (RopeScaling.context_length; the default max_model_len)
     max_position_embeddings: int = 4096
+    partial_rotary_factor: float = 1.0  # RoPE rotates the first rotary_dim of each head, the rest passes
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     qk_norm: bool = False
@@ -68,6 +72,11 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many leading dimensions of each head RoPE rotates (HF: int(head_dim * partial_rotary_factor))."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of layer `layer`; None when it attends to the whole context."""
@@ -94,10 +103,17 @@ def _check_runnable(spec: ModelSpec, runtime: RuntimeSpec, source: str) -> None:
     """What the engine implements on top of what the parser accepts."""
     if spec.head_dim % 2 != 0:
         raise ModelLoadError(f"{source}: head_dim ({spec.head_dim}) must be even for rotary embeddings")
+    rotary_dim = int(spec.head_dim * runtime.partial_rotary_factor)
+    if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > spec.head_dim:
+        raise ModelLoadError(f"{source}: partial_rotary_factor {runtime.partial_rotary_factor} rotates {rotary_dim} "
+                             f"of head_dim {spec.head_dim}; it must rotate an even number of dimensions, at most all")
     scaling = runtime.rope_scaling
     if scaling is not None and scaling.rope_type not in SUPPORTED_ROPE_SCALING:
         raise ModelLoadError(f"{source}: rope scaling type '{scaling.rope_type}' is not supported "
                              f"(supported: {', '.join(SUPPORTED_ROPE_SCALING)})")
+    if scaling is not None and scaling.rope_type == "longrope" and len(scaling.short_factor) != rotary_dim // 2:
+        raise ModelLoadError(f"{source}: longrope short_factor/long_factor have {len(scaling.short_factor)} entries; "
+                             f"the model rotates {rotary_dim // 2} dimension pairs per head")
 
 
 def from_hf_config(cfg: dict[str, Any], source: str = "config") -> ModelConfig:
@@ -125,7 +141,9 @@ def from_hf_config(cfg: dict[str, Any], source: str = "config") -> ModelConfig:
         rms_norm_eps=runtime.rms_norm_eps,
         rope_theta=runtime.rope_theta,
         rope_scaling=runtime.rope_scaling,
-        max_position_embeddings=spec.max_position_embeddings,
+        max_position_embeddings=(runtime.rope_scaling.context_length(spec.max_position_embeddings)
+                                 if runtime.rope_scaling else spec.max_position_embeddings),
+        partial_rotary_factor=runtime.partial_rotary_factor,
         tie_word_embeddings=spec.tie_word_embeddings,
         attention_bias=spec.qkv_bias,
         qk_norm=spec.qk_norm,

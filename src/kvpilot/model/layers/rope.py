@@ -1,32 +1,20 @@
-"""Rotary position embedding (split-halves layout, as in HF Llama), with Llama-3 frequency scaling."""
+"""Rotary position embedding (split-halves layout, as in HF Llama): per-position cos/sin tables with the
+config's frequency scaling (rope_scaling.py), over all of each head or its leading rotary_dim (partial rotary)."""
 
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import nn
 
-from kvpilot.model.config import ModelConfig, RopeScaling
+from kvpilot.model.config import ModelConfig
 from kvpilot.model.layers.cpu_bf16_ops import bf16_ops_for
 from kvpilot.model.layers.gpu_small_ops import small_ops_for
-
-
-def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
-    """Llama 3.1 scaling: long wavelengths divided by `factor`, short kept, a smooth blend between."""
-    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
-    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
-    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor)
-    blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
-    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return torch.where(medium, blended, scaled)
+from kvpilot.model.layers.rope_scaling import rotary_angles
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for positions 0..max_positions-1, looked up per token (positions may be arbitrary)."""
+    """cos/sin tables [max_positions, rotary_dim] for positions 0..max_positions-1, looked up per token
+    (positions may be arbitrary); yarn's and longrope's attention factor is folded into both, as HF does."""
 
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
@@ -38,25 +26,28 @@ class RotaryEmbedding(nn.Module):
 
     def reset_tables(self, device: torch.device | None = None) -> None:
         """(Re)computes the tables in float32, e.g. after the module was built on the meta device."""
-        dim, config = self.config.head_dim, self.config
+        config = self.config
         device = device or self.cos.device
         if device.type == "meta":
             return
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-        if config.rope_scaling is not None:
-            inv_freq = _llama3_inv_freq(inv_freq, config.rope_scaling)
-        freqs = torch.arange(self.max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        freqs, attention_factor = rotary_angles(config.rope_theta, config.rotary_dim, config.rope_scaling,
+                                                self.max_positions)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos, self.sin = emb.cos().to(device), emb.sin().to(device)
+        cos, sin = emb.cos(), emb.sin()
+        if attention_factor != 1.0:
+            cos, sin = cos * attention_factor, sin * attention_factor
+        self.cos, self.sin = cos.to(device), sin.to(device)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape [T, 1, head_dim], computed once per step and shared by all layers."""
+        """cos, sin of shape [T, 1, rotary_dim], computed once per step and shared by all layers."""
         return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [T, heads, head_dim]. bfloat16 on CPU: one C++ call, bit for bit the torch ops below; CUDA: one
-    Triton kernel rounding where they do."""
+    Triton kernel rounding where they do. cos/sin narrower than the head (partial rotary): see below."""
+    if cos.shape[-1] != x.shape[-1]:
+        return apply_partial_rotary(x, cos, sin)
     ops = bf16_ops_for(x)
     if ops is not None and x.stride(-1) == 1 and cos.dtype == sin.dtype == torch.bfloat16:
         return ops.rope_bf16(x, cos.contiguous(), sin.contiguous())
@@ -71,3 +62,10 @@ def rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def apply_partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Partial rotary (Phi-4-mini): the first cos.shape[-1] dimensions of each head rotate (through the same
+    kernels, on a contiguous copy), the rest pass through unchanged; a new [T, heads, head_dim] tensor."""
+    dim = cos.shape[-1]
+    return torch.cat((apply_rotary(x[..., :dim].contiguous(), cos, sin), x[..., dim:]), dim=-1)

@@ -66,9 +66,12 @@ class Attention(nn.Module):
 
 
 def _fused_qk_ops(qk: torch.Tensor, cos: torch.Tensor, weight: torch.Tensor) -> Any | None:
-    """The Triton ops when q/k norms and rotary can run as one kernel (CUDA, unit stride, matching dtypes)."""
+    """The Triton ops when q/k norms and rotary can run as one kernel (CUDA, unit stride, matching dtypes, the
+    whole head rotating)."""
     gpu = small_ops_for(qk)
     if gpu is None or qk.stride(-1) != 1 or not (cos.dtype == qk.dtype == weight.dtype):
+        return None
+    if cos.shape[-1] != weight.shape[0]:  # partial rotary: the kernel rotates whole heads
         return None
     return gpu
 

@@ -62,6 +62,9 @@ FAMILIES: tuple[ModelFamily, ...] = (
     ModelFamily("mixtral", ("MixtralForCausalLM",), "kvpilot.model.models.mixtral:MixtralForCausalLM",
                 packed_gguf=False, fused_decode=False,
                 notes="mixture of experts (top-k renormalised); GGUF: 'llama' with an expert count"),
+    ModelFamily("phi3", ("Phi3ForCausalLM",), "kvpilot.model.models.phi3:Phi3ForCausalLM",
+                gguf_architectures=("phi3",), tensor_parallel=False, packed_gguf=False, fused_decode=False,
+                notes="fused qkv/gate_up, LongRoPE, partial rotary (Phi-4-mini)"),
 )
 
 
