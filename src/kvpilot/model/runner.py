@@ -16,6 +16,7 @@ import torch
 
 from kvpilot.engine.scheduler_output import NewRequestData, RunnerOutput, SchedulerOutput
 from kvpilot.model.attention import StepAttention, select_attention_backend
+from kvpilot.model.attention.selector import model_attention_features
 from kvpilot.model.cuda_graphs import DecodeGraphs
 from kvpilot.model.device_staging import PackedArrays
 from kvpilot.model.errors import ModelLoadError
@@ -101,7 +102,9 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.kv_dtype = kv_dtype or loaded.dtype
         self.vocab_size = loaded.config.vocab_size
-        self.attention = select_attention_backend(attention_backend, loaded.device, loaded.dtype, self.kv_dtype)
+        # a backend that cannot compute a layer's variant (window, soft-cap, sinks) is refused here, at load
+        self.attention = select_attention_backend(attention_backend, loaded.device, loaded.dtype, self.kv_dtype,
+                                                  needed=model_attention_features(loaded.model))
         config = loaded.config
         shape = self.attention.kv_cache_shape(num_blocks, block_size, config.num_key_value_heads, config.head_dim)
         self.kv_caches = allocate_kv_cache(shape, config.num_hidden_layers, self.kv_dtype, loaded.device)

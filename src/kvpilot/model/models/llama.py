@@ -20,7 +20,7 @@ from torch import nn
 
 from kvpilot.model.config import ModelConfig
 from kvpilot.model.errors import ModelLoadError
-from kvpilot.model.attention.base import StepAttention
+from kvpilot.model.attention.base import LayerAttention, StepAttention
 from kvpilot.model.layers.cpu_bf16_ops import bf16_ops_for
 from kvpilot.model.layers.gpu_small_ops import small_ops_for
 from kvpilot.model.layers.norm import RMSNorm
@@ -40,6 +40,7 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
         self.scale = self.head_dim ** -0.5
+        self.layer_attention = LayerAttention(self.scale, sliding_window=self.sliding_window)
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
@@ -61,7 +62,7 @@ class Attention(nn.Module):
             q, k = qk.split([self.q_size, self.kv_size], dim=-1)
             q = apply_rotary(self.q_norm(q.view(-1, self.num_heads, self.head_dim)), cos, sin)
             k = apply_rotary(self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim)), cos, sin)
-        out = attn(q, k, v, kv_cache, self.scale)
+        out = attn(q, k, v, kv_cache, self.layer_attention)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
