@@ -10,7 +10,9 @@ expert that some token chose runs one GEMM pair over all of its tokens, and each
 router weight, is added into its token's float32 output row, experts in increasing order (transformers'
 order, so float32 sums match it bit for bit). A batch-1 decode step reads only its top-k experts' weights.
 CUDA tensors take the fused Triton kernels (layers/triton_moe.py, no host sync, so CUDA graphs capture
-them); bf16 on CPU runs each expert's GEMMs on weights prepacked for oneDNN (`prepack_experts`).
+them). bf16 on CPU (`prepack_experts`): a decode step's few tokens take the C++ kernel (layers/cpu_moe_kernel.py:
+two parallel regions a layer, not two per expert), longer steps oneDNN GEMMs per expert; a CPU without
+AVX512_BF16 runs every step on weights prepacked for oneDNN.
 
 Invariants: 0 < top_k <= num_experts; the output has x's shape and dtype.
 """
@@ -27,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvpilot.model.layers.cpu_bf16_ops import bf16_ops_for
+from kvpilot.model.layers.cpu_moe_kernel import MAX_KERNEL_TOKENS, moe_kernel_for
 from kvpilot.model.layers.gpu_small_ops import small_ops_for
 from kvpilot.model.layers.onednn_linear import OneDnnWeight, onednn_bf16_applies
 
@@ -60,25 +63,32 @@ ExpertFn = Callable[[int, torch.Tensor], torch.Tensor]
 def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num_experts: int,
                     expert_fn: ExpertFn) -> torch.Tensor:
     """sum_j weights[t, j] * expert_fn(ids[t, j], x[t]) for every token t, one expert_fn call per expert hit
-    (on all of its rows at once), accumulated in float32 in increasing expert order; returns x's dtype.
+    (on all of its rows at once), summed in float32 in increasing expert order; returns x's dtype.
     Reads the expert counts on the host (one sync): the CPU path and eager CUDA without Triton."""
     num_tokens, top_k = ids.shape
-    out = torch.zeros(num_tokens, x.shape[-1], dtype=torch.float32, device=x.device)
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # pairs grouped by expert, tokens in order within each
     counts = torch.bincount(flat, minlength=num_experts).tolist()
     tokens = order // top_k
     scales = weights.reshape(-1)[order].unsqueeze(1)
+    # each pair's weighted row at its sorted place, then one scatter-add for all (on CPU each scatter is a parallel
+    # region: one per expert cost a busy 2-vCPU machine as much as the experts' GEMMs)
+    rows = torch.empty(flat.numel(), x.shape[-1], dtype=torch.float32, device=x.device)
     start = 0
     for expert, count in enumerate(counts):
         if count == 0:
             continue
-        rows = slice(start, start + count)
+        part = slice(start, start + count)
         start += count
-        token_ids = tokens[rows]
-        y = expert_fn(expert, x.index_select(0, token_ids))
-        out.index_add_(0, token_ids, y.float().mul_(scales[rows]))
-    return out.to(x.dtype)
+        inputs = x if num_tokens == 1 else x.index_select(0, tokens[part])
+        torch.mul(expert_fn(expert, inputs), scales[part], out=rows[part])
+    if num_tokens == 1:  # k small adds in expert order (index_add_ runs a parallel region for k rows)
+        out = rows[0:1].clone()
+        for j in range(1, top_k):
+            out += rows[j:j + 1]
+        return out.to(x.dtype)
+    out = torch.zeros(num_tokens, x.shape[-1], dtype=torch.float32, device=x.device)
+    return out.index_add_(0, tokens, rows).to(x.dtype)
 
 
 @lru_cache(maxsize=1)
@@ -92,8 +102,9 @@ def _triton_moe() -> Any | None:
 class Experts(nn.Module):
     """Every expert's SwiGLU MLP: gate_up_proj [E, 2*I, H] (gate rows, then up rows), down_proj [E, H, I].
 
-    After `prepack` (bf16 on a oneDNN CPU) the dense tensors are gone (None) and each expert's projections
-    are OneDnnWeight: the same products as F.linear, without its per-call reorder of the weight."""
+    `prepack` readies them for the CPU: bf16 with the C++ kernel keeps them (`cpu_kernel` set); bf16 without it
+    replaces them (None) by each expert's projections as OneDnnWeight (`packed`): the same products as F.linear,
+    without its per-call reorder of the weight."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -101,9 +112,13 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.packed: list[tuple[OneDnnWeight, OneDnnWeight]] | None = None
+        self.cpu_kernel: Any | None = None
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], router weights float32 [T, k], expert ids [T, k] -> [T, H] in x's dtype."""
+        if self.cpu_kernel is not None and x.shape[0] <= MAX_KERNEL_TOKENS and x.dtype == torch.bfloat16:
+            return self.cpu_kernel.moe_experts_bf16(x.contiguous(), self.gate_up_proj, self.down_proj,
+                                                    weights.contiguous(), ids.contiguous())
         if self.packed is not None:
             return grouped_experts(x, weights, ids, self.num_experts, self._packed_expert)
         triton_moe = _triton_moe() if x.is_cuda else None
@@ -120,12 +135,18 @@ class Experts(nn.Module):
 
     @torch.no_grad()
     def prepack(self) -> bool:
-        """bf16 on a oneDNN CPU: each expert's weights into oneDNN's layout, the dense copies freed (True).
-        Other float CPU weights: each expert's matrices re-laid [in, out] (weight_layout.py's reason: a plain B
-        for the BLAS), values unchanged (False)."""
+        """bf16 on a CPU with the C++ kernel: the weights kept as they are (contiguous), the kernel noted
+        (True). bf16 on a oneDNN CPU without it: each expert's weights into oneDNN's layout, the dense copies
+        freed (True). Other float CPU weights: each expert's matrices re-laid [in, out] (weight_layout.py's
+        reason: a plain B for the BLAS), values unchanged (False)."""
         weight = self.gate_up_proj
         if weight is None or weight.device.type != "cpu":
             return False
+        self.cpu_kernel = moe_kernel_for(weight)
+        if self.cpu_kernel is not None:
+            for param in (self.gate_up_proj, self.down_proj):
+                param.data = param.data.contiguous()  # the kernel reads the plain layout
+            return True
         if not onednn_bf16_applies(weight.dtype, weight.device):
             for param in (self.gate_up_proj, self.down_proj):
                 param.data = param.data.transpose(1, 2).contiguous().transpose(1, 2)
@@ -159,5 +180,5 @@ class SparseMoeBlock(nn.Module):
 
 
 def prepack_experts(model: nn.Module) -> int:
-    """Experts.prepack on every Experts module of `model`; returns how many were packed for oneDNN."""
+    """Experts.prepack on every Experts module of `model`; returns how many took a bf16 CPU path."""
     return sum(module.prepack() for module in model.modules() if isinstance(module, Experts))
