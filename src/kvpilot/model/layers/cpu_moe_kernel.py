@@ -1,7 +1,11 @@
-"""The C++ mixture-of-experts kernel on CPU for bfloat16 (csrc/moe_experts_cpu.cpp): a decode step's few tokens
-through their chosen experts in two parallel regions a layer, AVX512_BF16 dot products on the weights' plain
-stacked layout. Built with -march=native (the module name carries the CPU's identity), so it exists only where
-the CPU has AVX512_BF16; `moe_kernel_for` says when layers.moe may use it.
+"""The C++ mixture-of-experts kernel on CPU for bfloat16 (csrc/moe_experts_cpu.cpp): a step's tokens through their
+chosen experts in two parallel regions a layer, AVX512_BF16 dot products on the weights' plain stacked layout.
+Built with -march=native (the module name carries the CPU's identity), so it exists only where the CPU has
+AVX512_BF16; `moe_kernel_for` says when layers.moe may use it.
+
+Why for every step, prompts too: per-expert oneDNN GEMMs cost two parallel regions an expert, and an expert's
+rows stay few even in long steps (a 1,024-token step spreads 8,192 pairs over Qwen3-30B-A3B's 128 experts);
+the kernel was faster at 1 to 1,024 tokens (docs/benchmark-log.md, "MoE experts on CPU").
 """
 
 from __future__ import annotations
@@ -19,9 +23,6 @@ _KERNEL = CppKernel(label="CPU MoE experts kernel", name_prefix="kvpilot_cpu_moe
                     functions=("moe_experts_bf16", "moe_kernel_available"), cflags=("-O3", "-march=native"),
                     serial="mixture-of-experts decode steps run on one thread",
                     fallback="using oneDNN GEMMs per expert")
-# Tokens up to which a step takes the kernel: it reads each chosen expert's rows once for all of its tokens but
-# multiplies them row by row (no register tiling across tokens); longer steps are compute-bound GEMMs.
-MAX_KERNEL_TOKENS = 16
 
 
 @lru_cache(maxsize=1)

@@ -10,9 +10,8 @@ expert that some token chose runs one GEMM pair over all of its tokens, and each
 router weight, is added into its token's float32 output row, experts in increasing order (transformers'
 order, so float32 sums match it bit for bit). A batch-1 decode step reads only its top-k experts' weights.
 CUDA tensors take the fused Triton kernels (layers/triton_moe.py, no host sync, so CUDA graphs capture
-them). bf16 on CPU (`prepack_experts`): a decode step's few tokens take the C++ kernel (layers/cpu_moe_kernel.py:
-two parallel regions a layer, not two per expert), longer steps oneDNN GEMMs per expert; a CPU without
-AVX512_BF16 runs every step on weights prepacked for oneDNN.
+them). bf16 on CPU (`prepack_experts`) takes the C++ kernel (layers/cpu_moe_kernel.py: two parallel regions a
+layer, not two per expert); a CPU without AVX512_BF16 runs each expert's GEMMs on weights prepacked for oneDNN.
 
 Invariants: 0 < top_k <= num_experts; the output has x's shape and dtype.
 """
@@ -29,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvpilot.model.layers.cpu_bf16_ops import bf16_ops_for
-from kvpilot.model.layers.cpu_moe_kernel import MAX_KERNEL_TOKENS, moe_kernel_for
+from kvpilot.model.layers.cpu_moe_kernel import moe_kernel_for
 from kvpilot.model.layers.gpu_small_ops import small_ops_for
 from kvpilot.model.layers.onednn_linear import OneDnnWeight, onednn_bf16_applies
 
@@ -116,7 +115,7 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], router weights float32 [T, k], expert ids [T, k] -> [T, H] in x's dtype."""
-        if self.cpu_kernel is not None and x.shape[0] <= MAX_KERNEL_TOKENS and x.dtype == torch.bfloat16:
+        if self.cpu_kernel is not None and x.dtype == torch.bfloat16:
             return self.cpu_kernel.moe_experts_bf16(x.contiguous(), self.gate_up_proj, self.down_proj,
                                                     weights.contiguous(), ids.contiguous())
         if self.packed is not None:
