@@ -49,6 +49,9 @@ class ServerArgs:
     enable_auto_tool_choice: chat tool_choice "auto" (the default with tools) is served, the output left free
     and tool calls read out of it by `tool_call_parser`, which must then be set (a key of
     tool_parsers.TOOL_CALL_PARSERS); without it "auto" is a 400, as in vLLM.
+
+    reasoning_parser: None (a chat's text is its content) or a key of reasoning_parser.REASONING_PARSERS: a
+    chat's `<think>` block is split off as `reasoning` / `reasoning_content` (openai/chat_output.py).
     """
 
     host: str = "127.0.0.1"
@@ -70,6 +73,7 @@ class ServerArgs:
     max_tokens_default: int | None = DEFAULT_MAX_TOKENS_DEFAULT
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_queued_reqs", "max_num_queued_tokens"):
@@ -96,6 +100,7 @@ class ServerArgs:
         if self.stats_interval <= 0:
             raise ServerConfigError(f"stats_interval must be > 0 seconds, got {self.stats_interval}")
         self._check_tool_call_parser()
+        self._check_reasoning_parser()
 
     def _check_tool_call_parser(self) -> None:
         from kvpilot.server.openai.tool_parsers import TOOL_CALL_PARSERS
@@ -107,6 +112,13 @@ class ServerArgs:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ServerConfigError(f"--enable-auto-tool-choice needs --tool-call-parser too (one of {known}): "
                                     "it reads the tool calls out of the model's text")
+
+    def _check_reasoning_parser(self) -> None:
+        from kvpilot.server.openai.reasoning_parser import REASONING_PARSERS
+
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ServerConfigError(f"--reasoning-parser {self.reasoning_parser!r} is not one kvpilot has: use one "
+                                    f"of {', '.join(REASONING_PARSERS)}")
 
     @property
     def auto_tool_parser(self) -> str | None:

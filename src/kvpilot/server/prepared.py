@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from kvpilot.server.fanout import FanoutShape
 from kvpilot.server.core.messages import AddRequest
 from kvpilot.server.openai.responses import ResponseShape
-from kvpilot.server.openai.tool_calls import ToolCallPlan
+from kvpilot.server.openai.chat_output import ChatOutput
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class Prepared:
     show_logprobs: bool = True  # False when logprobs were only asked of the engine to rank best_of
     stage_followers: bool = True  # add each prompt's other candidates after its first (sub_requests.py)
     prompt_texts: tuple[str | None, ...] = ()
-    tool_calls: ToolCallPlan | None = None  # a forced tool call: the text becomes message.tool_calls
+    chat_output: ChatOutput | None = None  # a chat's tool calls and reasoning, read out of its text
 
     @property
     def message(self) -> AddRequest:

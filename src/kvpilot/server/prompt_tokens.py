@@ -18,6 +18,7 @@ without a `tokenizers` backend falls back to its own `encode`.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,11 +35,17 @@ class PromptTooLongError(APIError):
 class TokenizedPrompt:
     """Invariants: `token_ids` is None only when `num_tokens` > the cap it was tokenized with (too long to
     ever run, so never materialized); otherwise len(token_ids) == num_tokens >= 1 and every id is in the
-    vocabulary. `text` is the prompt text of a text completion (None for chat and token-id prompts)."""
+    vocabulary. `text` is the prompt text of a text completion (None for chat and token-id prompts);
+    `chat_tail` the last CHAT_TAIL_CHARS characters of a chat's rendered prompt ("" otherwise): what the
+    template ends it with, e.g. an opened `<think>` block (openai/reasoning_parser.py reads it)."""
 
     token_ids: list[int] | None
     num_tokens: int
     text: str | None = None
+    chat_tail: str = ""
+
+
+CHAT_TAIL_CHARS = 64
 
 
 def prompt_size(body: CompletionRequest | ChatCompletionRequest) -> int:
@@ -90,10 +97,12 @@ def _tokenize(body: CompletionRequest | ChatCompletionRequest, tokenizer: Any, v
             raise APIError(400, "this model has no tokenizer, so no chat template: use /v1/completions with "
                                 "token ids", param="messages")
         try:
-            text = render_chat(tokenizer, body.conversation(), body.add_generation_prompt, body.template_tools())
+            text = render_chat(tokenizer, body.conversation(), body.add_generation_prompt, body.template_tools(),
+                               body.chat_template_kwargs)
         except ValueError as exc:
             raise APIError(400, f"messages: {exc}", param="messages") from exc
-        return _checked(encode(tokenizer, text, False, max_num_tokens), vocab_size)
+        prompt = _checked(encode(tokenizer, text, False, max_num_tokens), vocab_size)
+        return dataclasses.replace(prompt, chat_tail=text[-CHAT_TAIL_CHARS:])
     prompt = body.single_prompt()
     if isinstance(prompt, str):
         if tokenizer is None:
@@ -106,10 +115,11 @@ def _tokenize(body: CompletionRequest | ChatCompletionRequest, tokenizer: Any, v
 
 
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                tools: list[dict[str, Any]] | None = None) -> str:
+                tools: list[dict[str, Any]] | None = None, template_kwargs: dict[str, Any] | None = None) -> str:
     """The chat-templated prompt text (as Tokenizer.encode_chat renders it before encoding); tools, tool
-    calls and tool results the template would drop are written into the messages (openai/tool_prompt.py)."""
-    return render_chat_prompt(tokenizer, messages, tools, add_generation_prompt)
+    calls and tool results the template would drop are written into the messages (openai/tool_prompt.py);
+    `template_kwargs`: the request's chat_template_kwargs (more template variables)."""
+    return render_chat_prompt(tokenizer, messages, tools, add_generation_prompt, template_kwargs)
 
 
 def encode(tokenizer: Any, text: str, add_special_tokens: bool, max_num_tokens: int) -> TokenizedPrompt:

@@ -29,7 +29,7 @@ Send = Callable[[dict[str, Any]], Coroutine[Any, Any, None]]
 
 def can_push(prepared: Prepared) -> bool:
     """A response whose running chunks depend on nothing but the output itself (see the module doc)."""
-    return (prepared.fanout.size == 1 and prepared.tool_calls is None and not prepared.show_logprobs
+    return (prepared.fanout.size == 1 and prepared.chat_output is None and not prepared.show_logprobs
             and not any(prepared.echo))
 
 

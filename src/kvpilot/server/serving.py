@@ -21,6 +21,7 @@ from kvpilot.outputs import RequestOutput
 from kvpilot.sampling_params import SamplingParams
 from kvpilot.server.observe.collector import Collector
 from kvpilot.server.core.engine_client import Item
+from kvpilot.server.openai.chat_output import chat_output_for
 from kvpilot.server.openai.errors import APIError, from_value_error
 from kvpilot.server.fanout import FanoutShape, check_size, choose, sub_seed
 from kvpilot.server.item_stream import ItemStream
@@ -112,11 +113,12 @@ async def _prepare_reserved(state: ServerState, body: CompletionRequest | ChatCo
     shape = ResponseShape(chat, request_id, body.model or state.args.model_name, int(time.time()))
     texts = tuple((p.text or str(body.model_dump().get("messages", ""))) if state.args.log_prompts else None
                   for p, _ in prompts)
+    output = chat_output_for(body, state.args.reasoning_parser,  # type: ignore[arg-type]
+                             prompts[0][0].chat_tail) if chat else None
     return Prepared(shape, tuple(messages), tokenize_s, body.stream, body.include_usage,
                     "/v1/chat/completions" if chat else "/v1/completions", texts[0], fanout=fanout,
                     echo=tuple(text for _, text in prompts), show_logprobs=user_logprobs is not None,
-                    stage_followers=state.info.enable_prefix_caching, prompt_texts=texts,
-                    tool_calls=body.tool_call_plan() if chat else None)  # type: ignore[union-attr]
+                    stage_followers=state.info.enable_prefix_caching, prompt_texts=texts, chat_output=output)
 
 
 async def _admit_grammar(state: ServerState, body: CompletionRequest | ChatCompletionRequest) -> None:
@@ -204,8 +206,8 @@ async def respond_whole(state: ServerState, prepared: Prepared,
         text = prepared.echo[fanout.prompt_of(k)] + out.text
         choice = shape.choice(text, out.finish_reason, _logprobs(state, prepared, finals[k], None),
                               chunk=False, stop_reason=out.stop_reason, index=index)
-        tools = prepared.tool_calls
-        choices.append(tools.shape_message(choice, out.text, out.finish_reason) if tools else choice)
+        output = prepared.chat_output
+        choices.append(output.shape_message(choice, out.text, out.finish_reason) if output else choice)
     body = shape.body(choices, usage, field)
     collector.log(200)
     return JSONResponse(body, headers={"Server-Timing": timings.server_timing_header(), "X-Request-Id": rid})
@@ -215,11 +217,11 @@ async def _events(state: ServerState, prepared: Prepared, subs: SubRequests,
                   collector: Collector) -> AsyncIterator[str]:
     """SSE for every sub-request; choice k is sub-request k (streams never rank: best_of > n is refused). The
     running outputs a ChunkPusher sent never come here: it pushes only where the per-choice state below
-    (offsets, tokens sent, echo, tool-call text) is unused."""
-    shape, fanout = prepared.shape, prepared.fanout
+    (offsets, tokens sent, echo, tool calls and reasoning) is unused."""
+    shape, fanout, output = prepared.shape, prepared.fanout, prepared.chat_output
     text_offsets = [0] * fanout.size
     num_tokens_sent = [0] * fanout.size
-    num_streamed = [0] * fanout.size  # tool_choice "auto": characters sent as content before any call marker
+    streams = [output.stream() for _ in range(fanout.size)] if output else []  # tool calls, reasoning
     echo_pending = [bool(prepared.echo[fanout.prompt_of(k)]) for k in range(fanout.size)]
     try:
         if shape.chat:
@@ -245,19 +247,18 @@ async def _events(state: ServerState, prepared: Prepared, subs: SubRequests,
             if not item.finished:
                 # One chunk per step that produced tokens, even when the detokenizer holds text back (or the
                 # model has no tokenizer): clients time tokens by chunks.
-                if (item.delta_text or item.delta_token_ids) and prepared.tool_calls is None:
+                if (item.delta_text or item.delta_token_ids) and output is None:
                     yield shape.running_chunk(text, logprobs, k)
-                elif prepared.tool_calls is not None and item.delta_text:
-                    ready = prepared.tool_calls.streamable(out.text, num_streamed[k])
-                    if ready > num_streamed[k]:
-                        content = out.text[num_streamed[k]:ready]
-                        num_streamed[k] = ready
-                        yield shape.chunk([shape.choice(content, None, None, chunk=True, index=k)])
+                elif output is not None and (item.delta_text or logprobs is not None):
+                    delta = streams[k].running(out.text) if item.delta_text else None
+                    if delta is not None or logprobs is not None:  # held-back text: its logprobs still go
+                        choice = shape.choice("", None, logprobs, chunk=True, index=k)
+                        yield shape.chunk([{**choice, "delta": delta or {}}])
                 continue
             choice = shape.choice(text, out.finish_reason, logprobs, chunk=True, stop_reason=out.stop_reason,
                                   index=k)
-            if prepared.tool_calls is not None:  # the text held back (all of a forced call's): in this chunk
-                choice = prepared.tool_calls.final_delta(choice, out.text, out.finish_reason, num_streamed[k])
+            if output is not None:  # the text held back (all of a forced call's): in this chunk
+                choice = streams[k].final(choice, out.text, out.finish_reason)
             if collector.remaining:  # another choice still runs: this one's finish chunk alone
                 yield shape.chunk([choice])
                 continue

@@ -19,6 +19,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
+from kvpilot.model.chat_template import RESERVED_TEMPLATE_VARIABLES
 from kvpilot.sampling_params import (MAX_LOGPROBS, MAX_REPETITION_PENALTY, MAX_SEED, MAX_TOP_K, MIN_REPETITION_PENALTY,
                                      SamplingParams)
 from kvpilot.server.openai.chat_messages import ChatMessages, template_messages
@@ -57,6 +58,14 @@ def reject_lone_surrogates(data: Any) -> Any:
         raise APIError(400, f"{param}: the text holds a lone UTF-16 surrogate (e.g. \\ud800), which is not "
                             "valid Unicode: send well-formed UTF-8 text", param=param)
     return data
+
+
+def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
+    """APIError 400 naming chat_template_kwargs when it would set a variable the server sets itself."""
+    clash = sorted(RESERVED_TEMPLATE_VARIABLES.intersection(kwargs or {}))
+    if clash:
+        raise APIError(400, f"chat_template_kwargs: {', '.join(clash)} cannot be set here: send them as the "
+                            "request's own fields", param="chat_template_kwargs")
 
 
 class StreamOptions(BaseModel):
@@ -205,13 +214,16 @@ class CompletionRequest(_Sampling):
 
 
 class ChatCompletionRequest(_Sampling, ToolFields):
-    """POST /v1/chat/completions. `logprobs` is a flag here, `top_logprobs` the count (OpenAI shape)."""
+    """POST /v1/chat/completions. `logprobs` is a flag here, `top_logprobs` the count (OpenAI shape).
+    `chat_template_kwargs` (vLLM's): more variables for the chat template, e.g. `{"enable_thinking": false}`
+    for Qwen3; the ones the server sets itself (messages, tools, add_generation_prompt) are a 400."""
 
     messages: ChatMessages
     max_completion_tokens: Int | None = bounded(minimum=1)
     logprobs: bool = False
     top_logprobs: NumLogprobs | None = None
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def conversation(self) -> list[dict[str, Any]]:
         """The messages as the chat template receives them (chat_messages.py); the tools: template_tools()."""
@@ -235,6 +247,7 @@ class ChatCompletionRequest(_Sampling, ToolFields):
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, f"top_logprobs={self.top_logprobs} needs logprobs=true: set it, or leave "
                                 "top_logprobs out", param="top_logprobs")
+        check_template_kwargs(self.chat_template_kwargs)
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

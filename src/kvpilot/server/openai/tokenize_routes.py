@@ -1,7 +1,7 @@
 """POST /tokenize and POST /detokenize, shaped like vLLM's.
 
 /tokenize takes `{"model"?, "prompt", "add_special_tokens"?}` or `{"model"?, "messages", "tools"?,
-"add_generation_prompt"?, "add_special_tokens"?}` and answers `{"count", "max_model_len", "tokens"}`: exactly the ids a completion (or a
+"add_generation_prompt"?, "chat_template_kwargs"?, "add_special_tokens"?}` and answers `{"count", "max_model_len", "tokens"}`: exactly the ids a completion (or a
 chat completion) of that prompt would run on (the same encode and chat template, BOS rule included;
 `add_special_tokens` defaults to true for a prompt and false for messages, as in vLLM). A prompt longer than
 max_model_len is still tokenized (that is what a client asks /tokenize to find out).
@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, model_validator
 from kvpilot.server.openai.chat_messages import ChatMessages, template_messages
 from kvpilot.server.openai.errors import APIError
 from kvpilot.server.prompt_tokens import encode, render_chat
-from kvpilot.server.openai.protocol import reject_lone_surrogates
+from kvpilot.server.openai.protocol import check_template_kwargs, reject_lone_surrogates
 from kvpilot.server.openai.request_fields import TokenId
 from kvpilot.server.state import ServerState
 from kvpilot.server.openai.structured_protocol import ToolDefinition, template_tools
@@ -47,6 +47,7 @@ class TokenizeRequest(BaseModel):
     messages: ChatMessages | None = None
     tools: list[ToolDefinition] | None = None
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool | None = None
 
     @model_validator(mode="before")
@@ -61,6 +62,7 @@ class TokenizeRequest(BaseModel):
         if self.tools is not None and self.messages is None:
             raise APIError(400, "tools: tools are rendered by the chat template, so they need `messages`; "
                                 "leave them out with `prompt`", param="tools")
+        check_template_kwargs(self.chat_template_kwargs)
 
     @property
     def size(self) -> int:
@@ -87,7 +89,8 @@ def tokenize_ids(body: TokenizeRequest, tokenizer: Any) -> list[int]:
     if body.messages is not None:
         conversation = template_messages(body.messages)
         try:
-            text = render_chat(tokenizer, conversation, body.add_generation_prompt, template_tools(body.tools))
+            text = render_chat(tokenizer, conversation, body.add_generation_prompt, template_tools(body.tools),
+                               body.chat_template_kwargs)
         except ValueError as exc:
             raise APIError(400, f"messages: {exc}", param="messages") from exc
         add_special = bool(body.add_special_tokens)

@@ -123,17 +123,19 @@ def adapt_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] |
 
 
 def _render(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-            add_generation_prompt: bool) -> str:
-    if tools is None:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt)
-    return tokenizer.apply_chat_template(messages, add_generation_prompt, tools=tools)
+            add_generation_prompt: bool, template_kwargs: dict[str, Any] | None = None) -> str:
+    kwargs = dict(template_kwargs or {})
+    if tools is not None:
+        kwargs["tools"] = tools
+    return tokenizer.apply_chat_template(messages, add_generation_prompt, **kwargs)
 
 
 def render_chat_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                       add_generation_prompt: bool) -> str:
+                       add_generation_prompt: bool, template_kwargs: dict[str, Any] | None = None) -> str:
     """The prompt text of a chat (transformers-shaped messages and tools), nothing of the tools dropped.
-    A chat without tools, tool calls or tool results renders exactly as the template alone renders it."""
+    A chat without tools, tool calls or tool results renders exactly as the template alone renders it.
+    `template_kwargs`: more template variables (a request's chat_template_kwargs)."""
     if not tools and not any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
-        return _render(tokenizer, messages, None, add_generation_prompt)
+        return _render(tokenizer, messages, None, add_generation_prompt, template_kwargs)
     adapted = adapt_messages(messages, tools, tool_support(tokenizer))
-    return _render(tokenizer, adapted, tools or None, add_generation_prompt)
+    return _render(tokenizer, adapted, tools or None, add_generation_prompt, template_kwargs)
