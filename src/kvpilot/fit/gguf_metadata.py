@@ -22,9 +22,14 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 # GGUF `general.architecture` -> HF `model_type`, where the two differ
-GGUF_MODEL_TYPES: dict[str, str] = {"qwen3moe": "qwen3_moe"}
+GGUF_MODEL_TYPES: dict[str, str] = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe"}
+# llama.cpp's Gemma 2/3: the 27B models (by layer count) scale attention by hidden / heads, the others by
+# head_dim (the GGUF stores no query_pre_attn_scalar)
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 
 @cache
@@ -153,11 +158,32 @@ def hf_config_from_reader(reader: Any, path: str | Path) -> dict[str, Any]:
     if arch == "qwen2":
         cfg["attention_bias"] = True
     cfg.update(_moe_fields(reader, arch, path))
+    if arch in _GEMMA_27B_LAYERS:
+        cfg.update(_gemma_fields(reader, arch, cfg, path))
     rope_tensors = {t.name: t for t in reader.tensors if t.name.startswith("rope_")}
     cfg.update(gguf_rope_fields(lambda key: _arch_key(reader, arch, key, path, False), rope_tensors, cfg, path))
     if arch == "phi3" and _arch_key(reader, arch, "attention.sliding_window", path, False):
         cfg["sliding_window"] = int(_arch_key(reader, arch, "attention.sliding_window", path))
     return cfg
+
+
+def _gemma_fields(reader: Any, arch: str, cfg: dict[str, Any], path: Path) -> dict[str, Any]:
+    """A Gemma 2/3 GGUF's HF config keys beyond the Llama ones, read as llama.cpp reads them. A key the file
+    lacks is left out (the family's transformers default applies: Gemma 2 soft-caps at 50 and 30)."""
+    stored = {"sliding_window": "attention.sliding_window", "attn_logit_softcapping": "attn_logit_softcapping",
+              "final_logit_softcapping": "final_logit_softcapping"}
+    fields = {hf: value for hf, key in stored.items()
+              if (value := _arch_key(reader, arch, key, path, False)) is not None}
+    big = cfg["num_hidden_layers"] == _GEMMA_27B_LAYERS[arch]
+    fields["query_pre_attn_scalar"] = cfg["hidden_size"] // cfg["num_attention_heads"] if big else cfg["head_dim"]
+    if arch == "gemma3":
+        fields["rope_local_base_freq"] = 10000.0  # llama.cpp's fixed base of the sliding layers
+        pattern = _arch_key(reader, arch, "attention.sliding_window_pattern", path, False)
+        if isinstance(pattern, list):  # one flag a layer: true where it slides
+            fields["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+        else:
+            fields["sliding_window_pattern"] = int(pattern or 6)
+    return fields
 
 
 def _moe_fields(reader: Any, arch: str, path: Path) -> dict[str, Any]:

@@ -80,8 +80,10 @@ _ORIGINAL_LENGTH_TYPES = ("llama3", "yarn", "longrope")
 
 def _rope(cfg: dict[str, Any], name: str) -> tuple[float, RopeScaling | None]:
     """Rope base and scaling from either the transformers 4.x (`rope_theta`, `rope_scaling`) or 5.x
-    (`rope_parameters`) layout."""
+    (`rope_parameters`) layout; a 5.x dict per layer type (Gemma 3) gives its global layers' RoPE."""
     params = cfg.get("rope_parameters") or {}
+    if isinstance(params.get("full_attention"), dict):
+        params = params["full_attention"]
     theta = float(cfg.get("rope_theta", params.get("rope_theta", DEFAULT_ROPE_THETA)))
     scaling = cfg.get("rope_scaling") or (params if params.get("rope_type") not in (None, "default") else None)
     if not scaling:

@@ -2,7 +2,8 @@
 linear layers' Q8_0 / Q4_0 / Q4_1 matrices, kept in their blocks (kvpilot.model.quant.PackedWeight).
 
 GGUF quirks handled here: shapes are listed [in, out] (arrays come out (out, in)), and llama-architecture
-files store Q/K projections permuted for llama.cpp's interleaved rotary layout, which we undo.
+files store Q/K projections permuted for llama.cpp's interleaved rotary layout, which we undo; Gemma files
+store their norm weights with the 1 of Gemma's (1 + weight) added, which we take off.
 """
 
 from __future__ import annotations
@@ -44,21 +45,36 @@ _LAYER_NAMES = {
 }
 # older Mixtral GGUFs: one tensor per expert, blk.N.ffn_{gate,up,down}.E.weight
 _EXPERT_RE = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight$")
+# Gemma 2/3: a norm before and after each sub-block; llama.cpp's "ffn_norm" is the pre-feedforward one
+_GEMMA_LAYER_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+                      "post_attention_norm": "post_attention_layernorm",
+                      "post_ffw_norm": "post_feedforward_layernorm"}
+# families whose norms scale by (1 + weight): llama.cpp's converter stores the weight with the 1 added
+_GEMMA_FAMILIES = frozenset({"gemma2", "gemma3_text"})
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """The HF name of a GGUF tensor, or None for tensors kvpilot does not use."""
+def hf_tensor_name(gguf_name: str, family: str = "llama") -> str | None:
+    """The HF name of a GGUF tensor of a `family` model, or None for tensors kvpilot does not use."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = _GEMMA_LAYER_NAMES if family in _GEMMA_FAMILIES else _LAYER_NAMES
     if (expert := _EXPERT_RE.match(gguf_name)) is not None:
         layer, part, index = expert.groups()
         return f"model.layers.{layer}.mlp.experts.{index}.{part}_proj.weight"
     match = _LAYER_RE.match(gguf_name)
-    if not match or match.group(2) not in _LAYER_NAMES:
+    if not match or match.group(2) not in names:
         return None
     layer, part, kind = match.groups()
-    return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+    return f"model.layers.{layer}.{names[part]}.{kind}"
+
+
+def _unshift_norm(array: np.ndarray, name: str, config: ModelConfig) -> np.ndarray:
+    """A Gemma norm weight as the HF checkpoint holds it (zero-centred): llama.cpp's stored one minus 1 (exact
+    in float32 for stored values in [0.5, 2])."""
+    if config.family in _GEMMA_FAMILIES and name.endswith("norm.weight"):
+        return array - np.float32(1.0)
+    return array
 
 
 def _unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -125,7 +141,7 @@ def load_gguf_tensors(reader: Any, path: str | Path, config: ModelConfig, packed
     dense: dict[str, torch.Tensor] = {}
     packed: dict[str, Any] = {}
     for tensor in reader.tensors:
-        name = hf_tensor_name(tensor.name)
+        name = hf_tensor_name(tensor.name, config.family)
         if name is None:
             continue
         if name in packed_names:
@@ -137,7 +153,7 @@ def load_gguf_tensors(reader: Any, path: str | Path, config: ModelConfig, packed
             packed[name] = PackedWeight.from_blocks(_unpermute_qk(raw, name, config), fmt)
             if name != "model.embed_tokens.weight":
                 continue
-        array = _unpermute_qk(_dequantize(tensor, path), name, config)
+        array = _unshift_norm(_unpermute_qk(_dequantize(tensor, path), name, config), name, config)
         tensor = torch.from_numpy(np.array(array, copy=True))  # own, writable memory
         # a rank's part is taken after unpermuting: its heads are whole heads of the HF layout
         dense[name] = tensor if take is None else take(name, tensor)
