@@ -39,3 +39,13 @@ def test_every_catalog_config_parses(name: str) -> None:
 def test_scaling_without_a_factor_is_named() -> None:
     with pytest.raises(ConfigError, match=r"m: rope scaling 'yarn' has no 'factor'"):
         runtime_spec_from_hf_config({"rope_scaling": {"type": "yarn"}}, "m")
+
+
+def test_gemma3_states_its_scaled_context() -> None:
+    """Gemma 3's max_position_embeddings (131,072) is already the scaled length of its linear factor 8; a
+    Llama config with linear scaling states the pre-scaling one."""
+    from kvpilot.fit.runtime_spec import RopeScaling
+
+    linear = RopeScaling("linear", 8.0)
+    assert linear.context_length(131072, "gemma3_text") == 131072
+    assert linear.context_length(4096, "llama") == 32768

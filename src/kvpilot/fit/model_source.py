@@ -34,7 +34,7 @@ class LoadedModel:
         where the config states the pre-scaling length (as the engine's ModelConfig does)."""
         scaling = runtime_spec_from_hf_config(self.hf_config, self.spec.name).rope_scaling if self.hf_config \
             else None
-        return scaling.context_length(self.spec.max_position_embeddings) if scaling else \
+        return scaling.context_length(self.spec.max_position_embeddings, self.spec.model_type) if scaling else \
             self.spec.max_position_embeddings
 
 

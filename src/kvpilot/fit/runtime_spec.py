@@ -18,6 +18,10 @@ DEFAULT_RMS_NORM_EPS = 1e-6
 DEFAULT_ROPE_THETA = 10000.0
 
 
+# model types whose max_position_embeddings is already the scaled context, whatever the scaling type
+STATES_SCALED_LENGTH = frozenset({"gemma3", "gemma3_text"})
+
+
 @dataclass(frozen=True)
 class RopeScaling:
     """RoPE frequency scaling as the config states it: one record for every type, each type reading its own
@@ -46,10 +50,13 @@ class RopeScaling:
     short_factor: tuple[float, ...] = ()  # longrope: per rotary pair, below original_max_position_embeddings
     long_factor: tuple[float, ...] = ()  # longrope: from original_max_position_embeddings on
 
-    def context_length(self, max_position_embeddings: int) -> int:
+    def context_length(self, max_position_embeddings: int, model_type: str | None = None) -> int:
         """The longest context the scaled model supports. llama3 and longrope configs state it as
-        max_position_embeddings already; linear and dynamic stretch the config's length by `factor`; yarn
-        configs do either (Qwen3 keeps the pre-scaling length, gpt-oss and DeepSeek state the scaled one)."""
+        max_position_embeddings already, and so do Gemma 3's (131,072 with linear factor 8 on its global
+        layers); other linear and dynamic configs stretch the config's length by `factor`; yarn configs do
+        either (Qwen3 keeps the pre-scaling length, gpt-oss and DeepSeek state the scaled one)."""
+        if model_type in STATES_SCALED_LENGTH:
+            return max_position_embeddings
         if self.rope_type in ("linear", "dynamic"):
             return int(max_position_embeddings * self.factor)
         if self.rope_type == "yarn":

@@ -141,7 +141,7 @@ def from_hf_config(cfg: dict[str, Any], source: str = "config") -> ModelConfig:
         rms_norm_eps=runtime.rms_norm_eps,
         rope_theta=runtime.rope_theta,
         rope_scaling=runtime.rope_scaling,
-        max_position_embeddings=(runtime.rope_scaling.context_length(spec.max_position_embeddings)
+        max_position_embeddings=(runtime.rope_scaling.context_length(spec.max_position_embeddings, family)
                                  if runtime.rope_scaling else spec.max_position_embeddings),
         partial_rotary_factor=runtime.partial_rotary_factor,
         tie_word_embeddings=spec.tie_word_embeddings,
