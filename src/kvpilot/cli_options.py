@@ -30,7 +30,9 @@ QuantizationOpt = Annotated[str, typer.Option(
     "many-row GEMMs: more memory, the fastest of both), gguf (packed only, or an error naming the types "
     "that are not), none (dequantize to --dtype at load); int8 / int4: quantize any model's linear weights "
     "at load (per-32 scales, Q8_0 / Q4_1 blocks; CPU); fp8: float8 e4m3 weights with per-channel scales and "
-    "per-token activations, for Hopper and Ada GPUs (as vLLM's).")]
+    "per-token activations, for Hopper and Ada GPUs (as vLLM's). Pre-quantized HF checkpoints (config.json's "
+    "quantization_config: awq, gptq, fp8, compressed-tensors) are read as such under auto or their method's "
+    "name, dequantized under none; any other value is an error (docs/models.md).")]
 PromptGemmDtypeOpt = Annotated[str, typer.Option(
     "--prompt-gemm-dtype", help="CPU with bfloat16 activations: the dtype of prompt steps' GEMMs (packed or "
     "--quantization int8/int4 weights; dense bf16 weights: every GEMM of 32+ rows). auto measures both at load "

@@ -32,7 +32,8 @@ class EngineArgs:
     gguf_file: str | None = None
     dtype: str = "auto"
     quantization: str = "auto"  # CPU: auto (bf16: + dense copy) / gguf keep a GGUF's Q8_0/Q4_0/Q4_1 packed; none;
-    # int8/int4 (CPU, at load); fp8 (Hopper/Ada GPUs: e4m3 weights per channel, activations per token)
+    # int8/int4 (CPU, at load); fp8 (Hopper/Ada GPUs: e4m3 weights per channel, activations per token);
+    # awq/gptq/fp8/compressed-tensors: a pre-quantized HF checkpoint's own (auto reads it too)
     prompt_gemm_dtype: str = "auto"  # CPU, packed weights, bf16: prompt GEMMs in bf16 or float32 (auto: measured)
     device: str | None = None
     max_model_len: int | None = None

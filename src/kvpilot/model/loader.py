@@ -29,6 +29,7 @@ from kvpilot.model.tokenizer import Tokenizer
 from kvpilot.model.weight_layout import relayout_linear_weights
 
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
+PREQUANTIZED_ONLY = ("awq", "gptq", "compressed-tensors")  # --quantization values only a checkpoint can honour
 
 
 @dataclass
@@ -55,12 +56,18 @@ class LoadedModel:
     # quantization "gguf": the file's bits per weight over all its tensors (5.74 for the embedded Q4_1 model, its
     # embedding Q8_0); None otherwise (the other quantizations' widths are their names: see weight_bits)
     gguf_bits_per_weight: float | None = None
+    # a pre-quantized HF checkpoint's quant_method (awq, gptq, fp8, compressed-tensors; quant/checkpoint_scheme.py),
+    # whether its layers stay quantized (`quantization` is then the same name) or were dequantized ("none")
+    checkpoint_quantization: str | None = None
+    checkpoint_bits: float | None = None
 
     @property
     def weight_bits(self) -> float:
         """Bits a weight takes as the decode reads it: what quantizing further could save."""
         if self.quantization == "gguf" and self.gguf_bits_per_weight is not None:
             return self.gguf_bits_per_weight
+        if self.checkpoint_bits is not None and self.quantization != "none":
+            return self.checkpoint_bits
         nominal = {"int4": 4.0, "int8": 8.0, "fp8": 8.0}.get(self.quantization)
         return nominal if nominal is not None else float(self.dtype.itemsize * 8)
 
@@ -148,17 +155,35 @@ def _load_gguf(path: Path, max_model_len: int | None, dtype: torch.dtype, device
 
 
 def _load_hf_dir(path: Path, max_model_len: int | None, dtype: torch.dtype, device: torch.device,
-                 tp: TPRank) -> LoadedModel:
+                 tp: TPRank, quantization: str = "auto", gemm_dtype: torch.dtype | None = None) -> LoadedModel:
     from kvpilot.model.hf_dir import load_safetensors_state_dict, read_hf_config
+    from kvpilot.model.quant.checkpoint_scheme import read_checkpoint_scheme, resolve_checkpoint_quantization
     from kvpilot.model.tokenizer import tokenizer_from_hf_dir
 
-    config = from_hf_config(read_hf_config(path), str(path / "config.json"))
+    hf_config = read_hf_config(path)
+    scheme = resolve_checkpoint_quantization(quantization, read_checkpoint_scheme(hf_config, str(path)), str(path))
+    config = from_hf_config(hf_config, str(path / "config.json"))
     plan = tp.plan(config)
+    if scheme is not None and plan is not None:
+        raise ModelLoadError(f"{path}: pre-quantized ({scheme.method}) checkpoints do not run with tensor parallelism "
+                             "yet; use --tensor-parallel-size 1")
+    state = load_safetensors_state_dict(path, index=plan.index if plan else None)
+    prequantized = None
+    if scheme is not None:
+        from kvpilot.model.quant.checkpoint_load import PrequantizedLoad
+        prequantized = PrequantizedLoad(state, scheme, config, str(path), device, dtype,
+                                        dense_only=quantization == "none", gemm_dtype=gemm_dtype)
     model = _build_model(_model_config(config, plan), max_model_len or config.max_position_embeddings, dtype,
-                         device)
-    model.load_weights(load_safetensors_state_dict(path, index=plan.index if plan else None), str(path))
+                         device, prequantized.prepare if prequantized else None)
+    model.load_weights(state, str(path))
+    if prequantized is not None:
+        prequantized.install(model)
     tokenizer = tokenizer_from_hf_dir(path, config.eos_token_ids) if (path / "tokenizer.json").is_file() else None
-    return LoadedModel(config, model, tokenizer, path.name, str(path), "safetensors", dtype, device, shard=plan)
+    loaded = LoadedModel(config, model, tokenizer, path.name, str(path), "safetensors", dtype, device, shard=plan)
+    if prequantized is not None:
+        loaded.quantization = prequantized.quantization
+        loaded.checkpoint_quantization, loaded.checkpoint_bits = scheme.method, scheme.bits
+    return loaded
 
 
 def _load_dummy(name: str, max_model_len: int | None, dtype: torch.dtype, device: torch.device,
@@ -194,7 +219,10 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
     """Loads `model`: None = the embedded SmolLM2-135M-Instruct GGUF; a .gguf file; an HF directory;
     or, with load_format="dummy" (or a "dummy:" prefix), a catalog name / config.json with random weights.
     `quantization` (auto, gguf, none) says whether a GGUF's quantized linear weights stay packed on CPU
-    (kvpilot.model.quant.model_pack); int8 / int4 quantize any model's linear weights at load (CPU);
+    (kvpilot.model.quant.model_pack); int8 / int4 quantize any model's linear weights at load (CPU); an HF
+    directory whose config.json has a quantization_config (AWQ, GPTQ, fp8, compressed-tensors) is read as
+    quantized under auto or its method's name, dequantized under none, and refused under anything else
+    (kvpilot.model.quant.checkpoint_load);
     `dtype` is the activations' (and dense weights') dtype; `prompt_gemm_dtype` (auto, bfloat16, float32) the
     dtype of many-row GEMMs under bf16 activations on CPU (auto: measured, layers/prompt_gemm.py). With
     tp_size > 1 the model holds only rank `tp_rank`'s shard (kvpilot.model.parallel.shard_plan), read as such:
@@ -220,6 +248,8 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
         loaded = _load(model, load_format, max_model_len, torch_dtype, torch_device, seed, quantization,
                        TPRank(tp_rank, tp_size), gemm_dtype)
     loaded.prompt_gemm_dtype = gemm_dtype
+    if loaded.checkpoint_quantization is not None:  # its own quantization, resolved against the flag at load
+        quantization = "none"
     if quantization in ("int8", "int4", "fp8") and loaded.config.num_experts:
         raise ModelLoadError(f"--quantization {quantization} does not quantize mixture-of-experts models "
                              f"({loaded.config.architecture}) yet: use --quantization none")
@@ -260,6 +290,10 @@ def _load(model: str | None, load_format: str, max_model_len: int | None, dtype:
     if quantization == "gguf" and (load_format == "dummy" or (model is not None and Path(model).is_dir())):
         raise ModelLoadError("quantization 'gguf' keeps a GGUF file's quantized weights packed: "
                              f"{model or 'this model'} is not a GGUF file; use auto or none")
+    if quantization in PREQUANTIZED_ONLY and (load_format == "dummy" or model is None or not Path(model).is_dir()):
+        raise ModelLoadError(f"--quantization {quantization} reads pre-quantized HF checkpoints (a directory whose "
+                             f"config.json has a quantization_config): {model or 'the embedded model'} is not one; "
+                             "use auto, or int4 / fp8 to quantize at load")
     if load_format == "dummy":
         return _load_dummy(model or "smollm2-135m", max_model_len, dtype, device, seed, tp)
     if model is None:
@@ -268,7 +302,7 @@ def _load(model: str | None, load_format: str, max_model_len: int | None, dtype:
         return loaded
     path = Path(model).expanduser()
     if path.is_dir():
-        return _load_hf_dir(path, max_model_len, dtype, device, tp)
+        return _load_hf_dir(path, max_model_len, dtype, device, tp, quantization, gemm_dtype)
     if path.is_file() or path.suffix == ".gguf":
         return _load_gguf(path, max_model_len, dtype, device, quantization, tp, gemm_dtype)
     raise ModelLoadError(f"{model}: no such file or directory. Pass a .gguf file, an HF model directory with "

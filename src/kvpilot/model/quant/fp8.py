@@ -33,8 +33,18 @@ class Fp8Linear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
-        quantized, scale = quantize_rows(weight.detach())
-        self.out_features, self.in_features = weight.shape
+        self._hold(*quantize_rows(weight.detach()), bias)
+
+    @classmethod
+    def from_quantized(cls, weight_fp8: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> Fp8Linear:
+        """A layer over weights already in e4m3 [N, K] with float32 scales [N] (an fp8 checkpoint's)."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer._hold(weight_fp8, scale.to(torch.float32), bias)
+        return layer
+
+    def _hold(self, quantized: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.out_features, self.in_features = quantized.shape
         self.register_buffer("weight_fp8", quantized)
         self.register_buffer("weight_scale", scale.reshape(1, -1).contiguous())  # [1, N]
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)

@@ -15,7 +15,9 @@
 - none: dequantized to --dtype at load (dense matmuls);
 - int8 / int4: any model's dense weights quantized at load (quant/at_load.py; a GGUF is dequantized first);
 - fp8: the decoder layers' weights as float8 e4m3 with per-channel scales, activations per token (quant/fp8.py:
-  for Hopper and Ada GPUs; CPU torch runs it slowly).
+  for Hopper and Ada GPUs; CPU torch runs it slowly);
+- awq / gptq / fp8 / compressed-tensors on an HF directory whose config.json declares that quantization: its
+  pre-quantized weights as they are (quant/checkpoint_load.py); auto reads them the same way.
 --dtype still sets the activations' dtype either way.
 """
 
@@ -37,7 +39,8 @@ from kvpilot.model.quant.packed import PackedWeight
 
 logger = logging.getLogger("kvpilot")
 
-QUANTIZATIONS = ("auto", "gguf", "none", "int8", "int4", "fp8")
+# awq, gptq, compressed-tensors: pre-quantized HF checkpoints only (quant/checkpoint_scheme.py; fp8 reads those too)
+QUANTIZATIONS = ("auto", "gguf", "none", "int8", "int4", "fp8", "awq", "gptq", "compressed-tensors")
 EMBED = "model.embed_tokens.weight"
 
 
