@@ -4,13 +4,12 @@ loader (config.json + safetensors)."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
 from kvpilot import LLM, SamplingParams
 from kvpilot.fit.model_catalog import get_hf_config
+from tests.model.hf_match import save_random_hf_model
 from tests.model.reference import hf_greedy
 
 SMALL = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
@@ -26,27 +25,10 @@ def _small_config(name: str) -> dict:
     return cfg
 
 
-def _save_random_hf_model(cfg: dict, directory) -> None:
-    """A real transformers model from the config, every parameter randomized (norms and biases too)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(cfg))
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory), dtype=torch.float32)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            std = 0.3 if "norm" in name or name.endswith("bias") else 0.08
-            base = 1.0 if "norm" in name else 0.0
-            param.copy_(base + std * torch.randn(param.shape, generator=generator))
-    model.save_pretrained(directory, safe_serialization=True)
-    return model
-
-
 @pytest.mark.parametrize("name", ["llama-3.2-1b", "mistral-7b", "qwen2.5-72b", "qwen3-0.6b"])
 def test_family_matches_transformers(name, tmp_path):
     cfg = _small_config(name)
-    hf = _save_random_hf_model(cfg, tmp_path / name).eval()
+    hf = save_random_hf_model(cfg, tmp_path / name).model
     if name == "llama-3.2-1b":
         assert cfg["rope_scaling"]["rope_type"] == "llama3"
     llm = LLM(model=str(tmp_path / name), dtype="float32", kv_cache_memory="16MiB", max_model_len=512)

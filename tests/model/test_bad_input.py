@@ -9,7 +9,8 @@ import pytest
 
 from kvpilot.model.errors import ModelLoadError
 from kvpilot.model.loader import load_model
-from tests.model.test_architectures import _save_random_hf_model, _small_config
+from tests.model.hf_match import save_random_hf_model
+from tests.model.test_architectures import _small_config
 
 
 def test_missing_file(tmp_path):
@@ -74,7 +75,7 @@ def test_malformed_config(tmp_path):
 def test_config_weight_shape_mismatch(tmp_path):
     directory = tmp_path / "m"
     cfg = _small_config("llama-3.2-1b")
-    _save_random_hf_model(cfg, directory)
+    save_random_hf_model(cfg, directory)
     cfg["intermediate_size"] = 96  # the weights were saved with 128
     (directory / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError, match=r"m: weight .*mlp\.gate_up_proj\.weight has shape \(256, 64\) but the "
@@ -84,7 +85,7 @@ def test_config_weight_shape_mismatch(tmp_path):
 
 def test_missing_weights(tmp_path):
     directory = tmp_path / "m"
-    _save_random_hf_model(_small_config("qwen3-0.6b"), directory)
+    save_random_hf_model(_small_config("qwen3-0.6b"), directory)
     from safetensors.torch import load_file, save_file
 
     state = load_file(str(directory / "model.safetensors"))

@@ -10,7 +10,8 @@ import pytest
 
 from kvpilot import LLM, SamplingParams
 from tests.model.reference import hf_greedy
-from tests.model.test_architectures import _save_random_hf_model, _small_config
+from tests.model.hf_match import save_random_hf_model
+from tests.model.test_architectures import _small_config
 
 WINDOW = 8
 MAX_TOKENS = 16
@@ -21,7 +22,7 @@ def mistral(tmp_path_factory):
     cfg = _small_config("mistral-7b-v0.1")
     cfg["sliding_window"] = WINDOW
     directory = tmp_path_factory.mktemp("mistral-window")
-    hf = _save_random_hf_model(cfg, directory).eval()
+    hf = save_random_hf_model(cfg, directory).model
     vocab = cfg["vocab_size"]
     shared = [(j * 13 + 5) % vocab for j in range(24)]
     prompts = [[(i * 37 + j * 11) % vocab for j in range(n)] for i, n in enumerate([40, 37, 3])]

@@ -22,7 +22,7 @@ from kvpilot.model.layers.onednn_linear import onednn_bf16_applies
 from kvpilot.model.loader import load_model
 from tests.model.moe_gguf import write_moe_gguf
 from tests.model.reference import hf_greedy
-from tests.model.test_architectures import _save_random_hf_model
+from tests.model.hf_match import save_random_hf_model
 from tests.model.test_fp8 import _logits
 
 NEW_TOKENS = 16
@@ -50,7 +50,7 @@ def saved(tmp_path_factory) -> dict:
     models = {}
     for name in FAMILY:
         path = tmp_path_factory.mktemp(name)
-        models[name] = (_save_random_hf_model(_config(name), path).eval(), path)
+        models[name] = (save_random_hf_model(_config(name), path).model, path)
     return models
 
 

@@ -15,7 +15,7 @@ from kvpilot.model.errors import ModelLoadError
 from kvpilot.model.loader import load_model
 from kvpilot.model.parallel.shard_plan import ShardPlan
 from tests.model.moe_gguf import write_moe_gguf
-from tests.model.test_architectures import _save_random_hf_model
+from tests.model.hf_match import save_random_hf_model
 from tests.model.test_moe import _config
 
 
@@ -23,7 +23,7 @@ def _source(kind: str, tmp_path) -> tuple[str, str]:
     """(model, load_format): Mixtral's w1/w3/w2 from save_pretrained, a qwen3moe GGUF, a dummy Qwen3-MoE with
     a dense layer."""
     if kind == "safetensors":
-        _save_random_hf_model(_config("mixtral-8x7b"), tmp_path / "hf")
+        save_random_hf_model(_config("mixtral-8x7b"), tmp_path / "hf")
         return str(tmp_path / "hf"), "auto"
     if kind == "gguf":
         from transformers import AutoConfig, AutoModelForCausalLM
