@@ -53,3 +53,20 @@ def test_switched_off_builds_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVPILOT_CPU_KERNELS", "0")
     build_cpu_kernels([lambda: called.append(True)])
     assert called == []
+
+
+def test_a_first_compile_says_what_it_builds_and_that_it_happens_once(tmp_path, caplog) -> None:
+    """Issue 46: a kernel with no cached build is announced (what, where, once) before the silent minute;
+    a cached one is not."""
+    import logging
+
+    from kvpilot.model.layers.cpp_build import _announce_compile
+    from kvpilot.model.layers.cpu_bf16_ops import _KERNEL
+
+    with caplog.at_level(logging.INFO):
+        assert _announce_compile(_KERNEL, tmp_path / "kvpilot_x", "kvpilot_x") is not None
+    assert "compiling CPU bf16 ops kernel for this CPU: once, cached in" in caplog.text
+    (tmp_path / "kvpilot_x").mkdir()
+    (tmp_path / "kvpilot_x" / "kvpilot_x.so").write_bytes(b"")
+    caplog.clear()
+    assert _announce_compile(_KERNEL, tmp_path / "kvpilot_x", "kvpilot_x") is None and caplog.text == ""

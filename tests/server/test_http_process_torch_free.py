@@ -30,11 +30,13 @@ def _children(pid: int) -> list[int]:
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/<pid>/maps (Linux)")
-def test_the_http_process_never_maps_torch_while_the_core_does() -> None:
+def test_the_http_process_never_maps_torch_while_the_core_does(tmp_path: Path) -> None:
     port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "kvpilot.server", "--port", str(port), "--max-model-len", "512",
-                                "--kv-cache-memory", "64MiB"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    log = tmp_path / "serve.log"
+    with log.open("w") as log_file:  # a file, not a pipe: nothing here reads it while the server runs
+        process = subprocess.Popen([sys.executable, "-m", "kvpilot.server", "--port", str(port), "--max-model-len",
+                                    "512", "--kv-cache-memory", "64MiB"], stdout=subprocess.DEVNULL,
+                                   stderr=log_file, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300
@@ -51,6 +53,8 @@ def test_the_http_process_never_maps_torch_while_the_core_does() -> None:
         cores = [pid for pid in _children(process.pid) if "libtorch" in _maps(pid)]
         assert cores, "no child process with torch: the engine core should run in one"
         assert "libtorch" not in _maps(process.pid)
+        # issue 46: the start-up says when it answers, with the URL (before /health turned 200)
+        assert f"kvpilot serve: ready at http://127.0.0.1:{port}/v1" in log.read_text()
     finally:
         process.send_signal(signal.SIGTERM)
         try:

@@ -49,7 +49,7 @@ def build_state(factory: EngineFactory, args: ServerArgs) -> ServerState:
                           on_final=lambda o: _on_final(holder["state"], o),
                           on_progress=lambda rid: holder["state"].admission.release(rid),
                           on_step=lambda s: holder["state"].metrics.observe_step(s),
-                          on_ready=lambda: holder["state"].warm_grammars())
+                          on_ready=lambda: holder["state"].on_engine_ready())
     metrics = ServerMetrics(args.model_name, lambda: client.stats,
                             memory=MemoryCollector(process=lambda: _deployment_memory(client)),
                             info=lambda: client.info)

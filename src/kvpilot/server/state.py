@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +20,8 @@ from kvpilot.structured_outputs.admission import GrammarAdmission
 
 MAX_ECHOED_MODEL_CHARS = 256  # an unknown model name is echoed back at most this long (it is client input)
 
+
+logger = logging.getLogger("kvpilot.server")
 
 class NotReadyError(RuntimeError):
     """A handler read the engine's facts before the engine was ready: call check_serving() first."""
@@ -59,6 +63,17 @@ class ServerState:
     def warm_grammars(self) -> None:
         """GrammarAdmission's one-time set-up, run as the engine turns ready (before /health says 200)."""
         self.grammar_admission().warm()
+
+    def on_engine_ready(self) -> None:
+        """Runs as the engine turns ready, just before /health says 200: the grammar set-up, then the one line
+        that tells a user the server answers now."""
+        try:
+            self.warm_grammars()
+        finally:
+            args, info = self.args, self.info
+            logger.info("kvpilot serve: ready at http://%s:%d/v1 (model %s, max_model_len %d, %d KV blocks of %d "
+                        "tokens)", args.host, args.port, args.model_name, info.max_model_len, info.kv.num_blocks,
+                        info.kv.block_size)
 
     def check_serving(self) -> None:
         """503 while the engine loads, after it failed, or while draining."""

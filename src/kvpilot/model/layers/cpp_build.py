@@ -56,19 +56,33 @@ def build_cpp_kernel(kernel: CppKernel) -> Any | None:
             from torch.utils.cpp_extension import _get_build_directory, load_inline
 
             built = name if openmp else name + "_serial"
-            remove_stale_lock(Path(_get_build_directory(built, verbose=False)), built)
+            build_dir = Path(_get_build_directory(built, verbose=False))
+            remove_stale_lock(build_dir, built)
+            started = _announce_compile(kernel, build_dir, built)
             module = load_inline(name=built, cpp_sources=[source], no_implicit_headers=True,
                                  functions=list(kernel.functions), extra_cflags=[*kernel.cflags, *openmp],
                                  extra_ldflags=list(openmp), verbose=False)
         except Exception as exc:  # no compiler / ninja / headers / OpenMP: try the next build, then give up
             error = exc
             continue
+        if started is not None:
+            logger.info("%s built in %.0f s", kernel.label, time.monotonic() - started)
         if not openmp:
             logger.warning("%s built without OpenMP: %s", kernel.label, kernel.serial)
         return module
     logger.warning("%s unavailable, %s (%s: %s)", kernel.label, kernel.fallback, type(error).__name__,
                    str(error).splitlines()[0] if str(error) else "")
     return None
+
+
+def _announce_compile(kernel: CppKernel, build_dir: Path, built: str) -> float | None:
+    """Logs that `kernel` is being compiled when no build of it is cached (a first start on this machine, or
+    after an upgrade), so a silent minute has a reason; returns the start time, None when it is cached."""
+    if (build_dir / f"{built}.so").is_file():
+        return None
+    logger.info("compiling %s for this CPU: once, cached in %s (a minute or two on a small machine)",
+                kernel.label, build_dir.parent)
+    return time.monotonic()
 
 
 def module_name(kernel: CppKernel, source: str, cpu: str, build: str = "") -> str:
