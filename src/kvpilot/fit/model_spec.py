@@ -149,7 +149,7 @@ def layer_types(cfg: dict[str, Any], num_hidden_layers: int) -> tuple[str, ...]:
             raise ConfigError(f"layer_types has {len(listed)} entries for {num_hidden_layers} layers.")
         return tuple(str(t) for t in listed)
     model_type = cfg.get("model_type")
-    if model_type == "gemma2":  # even layers slide, odd layers are global
+    if model_type in ("gemma2", "gpt_oss"):  # even layers slide, odd layers are global
         return tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_hidden_layers))
     pattern = cfg.get("sliding_window_pattern") or (6 if model_type == "gemma3_text" else None)
     if pattern:  # Gemma 3: every pattern-th layer is global

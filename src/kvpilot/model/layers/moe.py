@@ -13,6 +13,11 @@ CUDA tensors take the fused Triton kernels (layers/triton_moe.py, no host sync, 
 them). bf16 on CPU (`prepack_experts`) takes the C++ kernel (layers/cpu_moe_kernel.py: two parallel regions a
 layer, not two per expert); a CPU without AVX512_BF16 runs each expert's GEMMs on weights prepacked for oneDNN.
 
+Families that differ (gpt-oss: layers/moe_variants.py) override `SparseMoeBlock.route` and give `Experts` a bias
+per expert output and their own gated activation; such experts run the Triton kernels on CUDA (which add the
+biases and compute that activation) and the grouped torch path on CPU, oneDNN-prepacked in bf16 (the C++
+kernel computes neither biases nor another activation). The default experts' paths are unchanged by them.
+
 Invariants: 0 < top_k <= num_experts; the output has x's shape and dtype.
 """
 
@@ -30,6 +35,7 @@ from torch import nn
 from kvpilot.model.layers.cpu_bf16_ops import bf16_ops_for
 from kvpilot.model.layers.cpu_moe_kernel import moe_kernel_for
 from kvpilot.model.layers.gpu_small_ops import small_ops_for
+from kvpilot.model.layers.moe_variants import ClampedSwiGLU
 from kvpilot.model.layers.onednn_linear import OneDnnWeight, onednn_bf16_applies
 
 
@@ -99,22 +105,31 @@ def _triton_moe() -> Any | None:
 
 
 class Experts(nn.Module):
-    """Every expert's SwiGLU MLP: gate_up_proj [E, 2*I, H] (gate rows, then up rows), down_proj [E, H, I].
+    """Every expert's SwiGLU MLP: gate_up_proj [E, 2*I, H] (gate rows, then up rows), down_proj [E, H, I];
+    with `bias`, gate_up_proj_bias [E, 2*I] and down_proj_bias [E, H] added to each GEMM's output; with
+    `activation` (gpt-oss's ClampedSwiGLU), that instead of silu(gate) * up.
 
     `prepack` readies them for the CPU: bf16 with the C++ kernel keeps them (`cpu_kernel` set); bf16 without it
     replaces them (None) by each expert's projections as OneDnnWeight (`packed`): the same products as F.linear,
     without its per-call reorder of the weight."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, bias: bool = False,
+                 activation: ClampedSwiGLU | None = None) -> None:
         super().__init__()
         self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size)) if bias else None
+        self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size)) if bias else None
+        self.activation = activation
+        self.variant = bias or activation is not None  # not the default experts: forward_variant computes them
         self.packed: list[tuple[OneDnnWeight, OneDnnWeight]] | None = None
         self.cpu_kernel: Any | None = None
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], router weights float32 [T, k], expert ids [T, k] -> [T, H] in x's dtype."""
+        if self.variant:
+            return self.forward_variant(x, weights, ids)
         if self.cpu_kernel is not None and x.dtype == torch.bfloat16:
             return self.cpu_kernel.moe_experts_bf16(x.contiguous(), self.gate_up_proj, self.down_proj,
                                                     weights.contiguous(), ids.contiguous())
@@ -132,16 +147,44 @@ class Experts(nn.Module):
         gate_up, down = self.packed[expert]  # type: ignore[index]
         return down.linear(silu_mul(gate_up.linear(rows)))
 
+    def forward_variant(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """forward() of experts with biases or another activation: Triton on CUDA, grouped torch elsewhere."""
+        triton_moe = _triton_moe() if x.is_cuda else None
+        if triton_moe is not None:
+            return triton_moe.fused_experts(x, self.gate_up_proj, self.down_proj, weights, ids,
+                                            gate_up_bias=self.gate_up_proj_bias, down_bias=self.down_proj_bias,
+                                            activation=self.activation)
+        expert = self._packed_variant_expert if self.packed is not None else self._variant_expert
+        return grouped_experts(x, weights, ids, self.num_experts, expert)
+
+    def _activate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return silu_mul(gate_up) if self.activation is None else self.activation(gate_up)
+
+    def _variant_expert(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
+        # bias added after the product, as transformers adds it (F.linear's fused bias sums in another order)
+        gate_up = F.linear(rows, self.gate_up_proj[expert])
+        if self.gate_up_proj_bias is not None:
+            gate_up += self.gate_up_proj_bias[expert]
+        out = F.linear(self._activate(gate_up), self.down_proj[expert])
+        return out if self.down_proj_bias is None else out.add_(self.down_proj_bias[expert])
+
+    def _packed_variant_expert(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
+        gate_up, down = self.packed[expert]  # type: ignore[index]
+        gate_up_bias, down_bias = ((None, None) if self.gate_up_proj_bias is None
+                                   else (self.gate_up_proj_bias[expert], self.down_proj_bias[expert]))
+        return down.linear(self._activate(gate_up.linear(rows, gate_up_bias)), down_bias)
+
     @torch.no_grad()
     def prepack(self) -> bool:
-        """bf16 on a CPU with the C++ kernel: the weights kept as they are (contiguous), the kernel noted
-        (True). bf16 on a oneDNN CPU without it: each expert's weights into oneDNN's layout, the dense copies
-        freed (True). Other float CPU weights: each expert's matrices re-laid [in, out] (weight_layout.py's
-        reason: a plain B for the BLAS), values unchanged (False)."""
+        """bf16 on a CPU with the C++ kernel (default experts only): the weights kept as they are (contiguous),
+        the kernel noted (True). bf16 on a oneDNN CPU without it (or with variant experts): each expert's
+        weights into oneDNN's layout, the dense copies freed (True). Other float CPU weights: each expert's
+        matrices re-laid [in, out] (weight_layout.py's reason: a plain B for the BLAS), values unchanged
+        (False)."""
         weight = self.gate_up_proj
         if weight is None or weight.device.type != "cpu":
             return False
-        self.cpu_kernel = moe_kernel_for(weight)
+        self.cpu_kernel = None if self.variant else moe_kernel_for(weight)
         if self.cpu_kernel is not None:
             for param in (self.gate_up_proj, self.down_proj):
                 param.data = param.data.contiguous()  # the kernel reads the plain layout
@@ -173,9 +216,14 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        weights, ids = route(self.gate(rows), self.top_k, self.renormalize)
+        weights, ids = self.route(rows)
         out = self.experts(rows, weights, ids)
         return (out if self.reduce_output is None else self.reduce_output(out)).view(x.shape)
+
+    def route(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights float32 [T, k], expert ids [T, k]) for rows [T, H] (a family that routes otherwise
+        overrides this: gpt-oss)."""
+        return route(self.gate(rows), self.top_k, self.renormalize)
 
 
 def prepack_experts(model: nn.Module) -> int:

@@ -11,6 +11,9 @@ weights: a batch-1 step reads only the k chosen experts' weights.
 The intermediate activations are rounded to the activation dtype as the torch path rounds them (gate and up,
 then SiLU, then the product); each pair's weighted down row is stored in the activation dtype (a [T*k, H]
 buffer: float32 ones would double a long prompt's) and a token's k rows are summed in float32.
+Variant experts (gpt-oss, layers/moe_variants.py): a bias per expert output, added to each GEMM's rounded result
+as the torch path adds it, and the clamped SwiGLU in place of SiLU-and-mul; both are compile-time switches
+(HAS_BIAS, CLAMPED_SWIGLU), so the default experts run the kernels they ran before.
 Imports triton at module level: reach it through moe.Experts (which checks triton is importable).
 """
 
@@ -19,6 +22,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from kvpilot.model.layers.moe_variants import ClampedSwiGLU
 
 
 def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,10 +50,26 @@ def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torc
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_pairs, top_k, hidden, inter,
-                    stride_x, stride_we, stride_wn, stride_out,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    """out[pair, n] = silu(x[token] . w[e, n]) * (x[token] . w[e, inter + n]) for the block's pairs."""
+def _activate(gate, up, dtype: tl.constexpr, alpha, limit, CLAMPED_SWIGLU: tl.constexpr):
+    """silu(gate) * up, or gpt-oss's (clamp(up) + 1) * clamp(gate) * sigmoid(alpha * clamp(gate)); gate and up
+    float32 holding dtype values, each intermediate rounded to dtype as torch rounds it."""
+    if CLAMPED_SWIGLU:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        sig = (1.0 / (1.0 + tl.exp(-(gate * alpha).to(dtype).to(tl.float32)))).to(dtype).to(tl.float32)
+        glu = (gate * sig).to(dtype).to(tl.float32)
+        return ((up + 1.0).to(dtype).to(tl.float32) * glu).to(dtype)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    return (silu * up).to(dtype)
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_pairs, top_k, hidden, inter,
+                    stride_x, stride_we, stride_wn, stride_be, stride_out, alpha, limit,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, CLAMPED_SWIGLU: tl.constexpr):
+    """out[pair, n] = act(x[token] . w[e, n] (+ b[e, n]), x[token] . w[e, inter + n] (+ b[e, inter + n])) for the
+    block's pairs (act: _activate)."""
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
     if expert < 0:
@@ -71,18 +92,25 @@ def _gate_up_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_pai
         acc_gate = tl.dot(a, w_gate, acc_gate, input_precision=PRECISION)
         acc_up = tl.dot(a, w_up, acc_up, input_precision=PRECISION)
     dtype = out_ptr.dtype.element_ty
-    gate = acc_gate.to(dtype).to(tl.float32)
-    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    act = (silu * acc_up.to(dtype).to(tl.float32)).to(dtype)
+    gate, up = acc_gate.to(dtype).to(tl.float32), acc_up.to(dtype).to(tl.float32)
+    if HAS_BIAS:
+        b_base = bias_ptr + expert.to(tl.int64) * stride_be
+        b_gate = tl.load(b_base + cols, mask=col_ok, other=0.0).to(tl.float32)
+        b_up = tl.load(b_base + inter + cols, mask=col_ok, other=0.0).to(tl.float32)
+        gate = (gate + b_gate[None, :]).to(dtype).to(tl.float32)
+        up = (up + b_up[None, :]).to(dtype).to(tl.float32)
+    act = _activate(gate, up, dtype, alpha, limit, CLAMPED_SWIGLU)
     tl.store(out_ptr + pairs.to(tl.int64)[:, None] * stride_out + cols[None, :], act,
              mask=valid[:, None] & col_ok[None, :])
 
 
 @triton.jit
-def _down_kernel(a_ptr, w_ptr, scale_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_pairs, hidden, inter,
-                 stride_a, stride_we, stride_wn, stride_out,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    """out[pair, n] = scale[pair] * (a[pair] . w[e, n]) for the block's pairs (rounded once, to out's dtype)."""
+def _down_kernel(a_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr, sorted_ptr, block_expert_ptr, num_pairs, hidden, inter,
+                 stride_a, stride_we, stride_wn, stride_be, stride_out,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                 HAS_BIAS: tl.constexpr):
+    """out[pair, n] = scale[pair] * (a[pair] . w[e, n]) for the block's pairs (rounded once, to out's dtype); with
+    HAS_BIAS, scale[pair] * round(round(a[pair] . w[e, n]) + b[e, n])."""
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
     if expert < 0:
@@ -101,6 +129,10 @@ def _down_kernel(a_ptr, w_ptr, scale_ptr, out_ptr, sorted_ptr, block_expert_ptr,
         w = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=k_ok[:, None] & col_ok[None, :],
                     other=0.0)
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
+    if HAS_BIAS:
+        dtype = out_ptr.dtype.element_ty
+        bias = tl.load(bias_ptr + expert.to(tl.int64) * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)
+        acc = (acc.to(dtype).to(tl.float32) + bias[None, :]).to(dtype).to(tl.float32)
     scale = tl.load(scale_ptr + rows, mask=valid, other=0.0)
     tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], (acc * scale[:, None]).to(out_ptr.dtype.element_ty),
              mask=valid[:, None] & col_ok[None, :])
@@ -112,13 +144,21 @@ def _block_m(num_pairs: int, num_experts: int) -> int:
 
 
 def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
-                  ids: torch.Tensor) -> torch.Tensor:
+                  ids: torch.Tensor, *, gate_up_bias: torch.Tensor | None = None,
+                  down_bias: torch.Tensor | None = None, activation: ClampedSwiGLU | None = None) -> torch.Tensor:
     """moe.grouped_experts' result for x [T, H] (unit stride in H), gate_up [E, 2I, H], down [E, H, I]
-    (contiguous in their last dimension), router weights float32 [T, k] and expert ids [T, k]."""
+    (contiguous in their last dimension), router weights float32 [T, k] and expert ids [T, k]; with the biases
+    gate_up_bias [E, 2I] and down_bias [E, H] (both or neither) and gpt-oss's activation, what
+    moe.Experts.forward_variant computes."""
     num_tokens, top_k = ids.shape
     num_experts, two_inter, hidden = gate_up.shape
     inter, num_pairs = two_inter // 2, ids.numel()
     x, gate_up, down = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, gate_up, down))
+    has_bias = gate_up_bias is not None
+    # without biases the weights stand in for the bias pointers (never read: HAS_BIAS is off)
+    gate_up_bias = gate_up_bias.contiguous() if has_bias else gate_up
+    down_bias = down_bias.contiguous() if down_bias is not None else down
+    swiglu = activation if activation is not None else ClampedSwiGLU()  # its numbers unused when off
     block_m = _block_m(num_pairs, num_experts)
     sorted_pairs, block_expert = align_pairs(ids, num_experts, block_m)
     # float32 stays float32 (no TF32: its 10-bit mantissa would make the float32 path a low-precision one)
@@ -126,13 +166,14 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, we
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     block_n, block_k = 64, 64
     grid = (block_expert.numel(), triton.cdiv(inter, block_n))
-    _gate_up_kernel[grid](x, gate_up, act, sorted_pairs, block_expert, num_pairs, top_k, hidden, inter,
-                          x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
-                          BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision)
+    _gate_up_kernel[grid](x, gate_up, gate_up_bias, act, sorted_pairs, block_expert, num_pairs, top_k, hidden,
+                          inter, x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up_bias.stride(0),
+                          act.stride(0), swiglu.alpha, swiglu.limit, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                          PRECISION=precision, HAS_BIAS=has_bias, CLAMPED_SWIGLU=activation is not None)
     rows = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     scales = weights.reshape(-1).to(torch.float32).contiguous()
     grid = (block_expert.numel(), triton.cdiv(hidden, block_n))
-    _down_kernel[grid](act, down, scales, rows, sorted_pairs, block_expert, num_pairs, hidden, inter,
-                       act.stride(0), down.stride(0), down.stride(1), rows.stride(0),
-                       BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision)
+    _down_kernel[grid](act, down, down_bias, scales, rows, sorted_pairs, block_expert, num_pairs, hidden, inter,
+                       act.stride(0), down.stride(0), down.stride(1), down_bias.stride(0), rows.stride(0),
+                       BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, HAS_BIAS=has_bias)
     return rows.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)

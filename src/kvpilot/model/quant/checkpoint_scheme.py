@@ -23,6 +23,9 @@ from typing import Any
 from kvpilot.model.errors import ModelLoadError
 
 CHECKPOINT_METHODS = ("awq", "gptq", "fp8", "compressed-tensors")
+# methods whose tensors the model family's own loader dequantizes (no scheme here): gpt-oss's MXFP4 experts
+# (models/gpt_oss_weights.py)
+FAMILY_DEQUANTIZED = ("mxfp4",)
 SUPPORTED = ("awq (4-bit, GEMM packing), gptq (4-bit, gptq / gptq_v2 format, act-order or not), fp8 (per-tensor "
              "or block scales), compressed-tensors (float-quantized fp8: tensor / channel / block; "
              "pack-quantized 4-bit: group / channel)")
@@ -76,6 +79,8 @@ def read_checkpoint_scheme(hf_config: dict[str, Any], source: str) -> Checkpoint
     if not isinstance(qc, dict):
         raise ModelLoadError(f"{source}: quantization_config is not an object")
     method = str(qc.get("quant_method", "")).lower()
+    if method in FAMILY_DEQUANTIZED:
+        return None
     readers = {"awq": _awq, "gptq": _gptq, "fp8": _fp8, "compressed-tensors": _compressed_tensors}
     if method not in readers:
         raise ModelLoadError(f"{source}: quantization_config.quant_method {method or None!r} is not supported; "
