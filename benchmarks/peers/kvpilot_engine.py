@@ -1,9 +1,10 @@
 """kvpilot itself as an engine of the comparison: `kvpilot serve` (as `python -m kvpilot.server`) with its
-defaults (the embedded GGUF, dtype auto) plus whatever `--kvpilot-arg` adds."""
+defaults (the embedded GGUF, dtype auto) plus the contender's weights and whatever `--kvpilot-arg` adds."""
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from peers.servers import ServerSpec
 
@@ -12,3 +13,18 @@ def kvpilot_server_spec(port: int, num_threads: int, extra_args: list[str]) -> S
     """kvpilot has no threads flag: torch reads OMP_NUM_THREADS at import."""
     command = [sys.executable, "-m", "kvpilot.server", "--host", "127.0.0.1", "--port", str(port), *extra_args]
     return ServerSpec("kvpilot", command, {"OMP_NUM_THREADS": str(num_threads)}, port, "/health")
+
+
+def kvpilot_weight_args(weights: str, q4_0_gguf: Path | None) -> list[str]:
+    """`kvpilot serve` arguments for a contender's weights: none for the embedded GGUF as shipped; bf16 is the
+    same GGUF dequantized at load (dense bf16 GEMMs everywhere); q4_0 serves the requantized copy with the
+    defaults (packed Q4_0 blocks)."""
+    if weights == "embedded":
+        return []
+    if weights == "bf16":
+        return ["--quantization", "none", "--dtype", "bfloat16"]
+    if weights == "q4_0":
+        if q4_0_gguf is None:
+            raise ValueError("the q4_0 contender needs the Q4_0 copy of the GGUF; it was not made")
+        return ["--model", str(q4_0_gguf)]
+    raise ValueError(f"unknown weights {weights!r}: embedded, bf16 or q4_0")

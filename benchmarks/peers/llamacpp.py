@@ -8,8 +8,11 @@ continuous batching: engine `llamacpp` runs that, engine `llamacpp-py` the Pytho
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 import shutil
+import subprocess
 import tarfile
 from pathlib import Path
 
@@ -23,6 +26,9 @@ LLAMA_CPP_PYTHON = "llama-cpp-python[server]==0.3.36"
 # fetched from the network, so it is left out.
 CMAKE_ARGS = ("-DGGML_NATIVE=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON -DLLAVA_BUILD=OFF "
               "-DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF")
+
+
+KV_UNIFIED_FLAG = "--kv-unified"  # one KV buffer all slots share; older builds lack it (see llama_server_help)
 
 
 def llamacpp_venv(cache_dir: Path) -> PeerVenv:
@@ -93,15 +99,30 @@ def find_llama_server(cache_dir: Path) -> Path:
 
 
 def llamacpp_server_spec(cache_dir: Path, gguf: Path, port: int, num_threads: int, max_parallel: int,
-                         ctx_per_slot: int) -> ServerSpec:
+                         ctx_per_slot: int, kv_unified: bool = False) -> ServerSpec:
     """llama-server on the GGUF itself, `max_parallel` slots of `ctx_per_slot` tokens each (the context
-    is split between slots, so it is sized slots x per-slot context), continuous batching."""
+    is sized slots x per-slot context: split between the slots, or with `kv_unified` one KV buffer all slots
+    share, as llama-server runs when it picks its slot count itself), continuous batching."""
     command = [str(find_llama_server(cache_dir)), "--model", str(gguf), "--host", "127.0.0.1",
                "--port", str(port), "--threads", str(num_threads), "--threads-batch", str(num_threads),
                "--parallel", str(max_parallel), "--ctx-size", str(max_parallel * ctx_per_slot),
                "--cont-batching", "--alias", gguf.stem, "--no-webui",
                "--temp", "0"]  # greedy unless a request says otherwise (kvpilot bench may send no temperature)
+    if kv_unified:
+        command.append(KV_UNIFIED_FLAG)
     return ServerSpec("llamacpp", command, {}, port, "/health")
+
+
+@functools.cache
+def llama_server_help(cache_dir: Path) -> str:
+    """`llama-server --help` of the kept build (its flags change between llama.cpp versions)."""
+    done = subprocess.run([str(find_llama_server(cache_dir)), "--help"], capture_output=True, text=True, timeout=60)
+    return done.stdout + done.stderr
+
+
+def has_flag(help_text: str, flag: str) -> bool:
+    """Whether `flag` itself is listed (not merely a longer flag it begins, like --kv-unified-per-slot)."""
+    return re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", help_text) is not None
 
 
 def llamacpp_py_server_spec(cache_dir: Path, gguf: Path, port: int, num_threads: int, ctx_size: int) -> ServerSpec:

@@ -1,7 +1,9 @@
-"""The printed report: machine header, one line per engine x workload x pass, and kvpilot/peer ratios.
+"""The printed report: machine header, one line per engine x workload x pass (dropped passes marked), and
+per comparison each engine's median over its valid passes and the kvpilot/peer ratios with their min-max.
 
 Ratios compare each peer pass with the mean of the kvpilot passes just before and after it (the run
-alternates kvpilot, peer, kvpilot, ...), so slow drift of a shared machine cancels to first order.
+alternates kvpilot, peer, kvpilot, ...), so slow drift of a shared machine cancels to first order; the
+figure is the median of those per-pass ratios (peers/passes.py decides which passes count).
 """
 
 from __future__ import annotations
@@ -11,9 +13,10 @@ import platform
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from statistics import mean
 
-from peers.workloads import Row
+from peers.comparisons import Comparison
+from peers.passes import MIN_VALID_PASSES, Metric, RunRows, Spread, engine_spread, ratio_spread, row_problems
+from peers.workloads import Row, Workload
 
 INTERESTING_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "avx512_bf16",
                      "amx_tile", "amx_bf16", "amx_int8")
@@ -60,12 +63,17 @@ def _fmt(value: float | None, digits: int = 1) -> str:
     return "-" if value is None else f"{value:,.{digits}f}"
 
 
-def rows_table(rows: list[Row]) -> list[str]:
-    lines = [f"{'workload':<8} {'engine':<12} {'pass':>4} {'out tok/s':>10} {'prompt tok/s':>12} "
+def rows_table(rows: list[Row], workloads: dict[str, Workload] | None = None) -> list[str]:
+    """Header and one line per row; with `workloads`, a row that cannot be used says why (DROPPED)."""
+    lines = [f"{'workload':<8} {'engine':<14} {'pass':>4} {'out tok/s':>10} {'prompt tok/s':>12} "
              f"{'TTFT p50 ms':>11} {'ITL p50 ms':>10} {'ok/err':>7} {'out/req':>7}"]
     for row in sorted(rows, key=lambda r: (r.workload, r.pass_index)):
         flag = "  CLIENT OVERLOADED" if row.client_overloaded else ""
-        lines.append(f"{row.workload:<8} {row.engine:<12} {row.pass_index:>4} {_fmt(row.output_tok_s):>10} "
+        workload = (workloads or {}).get(row.workload)
+        problems = row_problems(row, workload) if workload is not None else []
+        if problems:
+            flag += f"  DROPPED: {'; '.join(problems)}"
+        lines.append(f"{row.workload:<8} {row.engine:<14} {row.pass_index:>4} {_fmt(row.output_tok_s):>10} "
                      f"{_fmt(row.prompt_tok_s):>12} {_fmt(row.ttft_p50_ms):>11} {_fmt(row.itl_p50_ms, 2):>10} "
                      f"{row.num_ok:>3}/{row.num_errors:<3} {row.mean_output_tokens:>7.1f}{flag}")
     return lines
@@ -76,33 +84,35 @@ def headline(row: Row, is_prefill: bool) -> float:
     return row.prompt_tok_s if is_prefill else row.output_tok_s
 
 
-def ratio_lines(rows: list[Row], prefill_workloads: set[str]) -> list[str]:
-    """kvpilot/peer per peer pass and workload: throughput (>1: kvpilot faster), TTFT and ITL (<1: kvpilot
-    quicker), against the kvpilot passes adjacent to that peer pass."""
-    lines = []
-    for peer in sorted((r for r in rows if r.engine != "kvpilot"), key=lambda r: (r.pass_index, r.workload)):
-        neighbours = [r for r in rows if r.engine == "kvpilot" and r.workload == peer.workload
-                      and abs(r.pass_index - peer.pass_index) == 1]
-        if not neighbours:
-            continue
-        is_prefill = peer.workload in prefill_workloads
-        ours = mean(headline(r, is_prefill) for r in neighbours)
-        theirs = headline(peer, is_prefill)
-        metric = "prompt tok/s" if is_prefill else "out tok/s"
-        parts = [f"{metric} {_ratio(ours, theirs)}"]
-        parts.append(f"TTFT p50 {_ratio(_mean_or_none(r.ttft_p50_ms for r in neighbours), peer.ttft_p50_ms)}")
-        if not is_prefill:
-            parts.append(f"ITL p50 {_ratio(_mean_or_none(r.itl_p50_ms for r in neighbours), peer.itl_p50_ms)}")
-        lines.append(f"kvpilot/{peer.engine:<11} {peer.workload:<8} " + ", ".join(parts))
+def metrics(workload: Workload) -> list[tuple[str, Metric]]:
+    """(name, metric) judged per workload: its throughput, then TTFT and (not for prefill) ITL medians."""
+    if workload.is_prefill:
+        return [("prompt tok/s", lambda r: r.prompt_tok_s), ("TTFT p50", lambda r: r.ttft_p50_ms)]
+    return [("out tok/s", lambda r: r.output_tok_s), ("TTFT p50", lambda r: r.ttft_p50_ms),
+            ("ITL p50", lambda r: r.itl_p50_ms)]
+
+
+def comparison_lines(comparison: Comparison, sequence: list[str], rows: list[Row], workloads: list[Workload],
+                     required: int = MIN_VALID_PASSES) -> list[str]:
+    """Per workload: each contender's median throughput over its valid passes (min-max), then ours/peer
+    ratios of throughput (>1: kvpilot faster), TTFT and ITL (<1: kvpilot quicker), then the dropped passes."""
+    contenders = [c for c in (comparison.ours, *comparison.peers) if c is not None]
+    lines = [f"# {comparison.name}: " + " vs ".join(c.label for c in contenders)
+             + f" (medians of valid passes; at least {required} needed)"]
+    for workload in workloads:
+        run = RunRows.of(sequence, rows, workload.name)
+        (name, throughput), *latencies = metrics(workload)
+        spreads: list[Spread] = []
+        for contender in contenders:
+            spreads.append(engine_spread(run, contender.label, workload, throughput, required))
+            lines.append(f"{workload.name:<8} {contender.label:<28} {name} {spreads[-1].describe()}")
+        for peer in comparison.peers if comparison.ours is not None else ():
+            parts = []
+            for metric_name, metric in [(name, throughput), *latencies]:
+                spreads.append(ratio_spread(run, comparison.ours.label, peer.label, workload, metric, required))
+                parts.append(f"{metric_name} {spreads[-1].describe(2, 'x')}")
+            lines.append(f"{workload.name:<8} {comparison.ours.label + '/' + peer.label:<28} " + "; ".join(parts))
+        dropped = dict.fromkeys(reason for spread in spreads for reason in spread.dropped)
+        lines += [f"{workload.name:<8}   dropped {reason}" for reason in dropped]
     return lines
 
-
-def _mean_or_none(values) -> float | None:
-    present = [v for v in values if v is not None]
-    return mean(present) if present else None
-
-
-def _ratio(ours: float | None, theirs: float | None) -> str:
-    if ours is None or not theirs:
-        return "-"
-    return f"{ours / theirs:.2f}x"

@@ -48,6 +48,7 @@ class Row:
     num_errors: int
     mean_output_tokens: float
     client_overloaded: bool
+    min_output_tokens: int = 0  # the shortest successful request's output (a stream that ended early shows here)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -128,4 +129,5 @@ def row_from_result(engine: str, workload: str, pass_index: int, document: dict)
         ttft_p50_ms=aggregates["ttft_ms"]["median"], itl_p50_ms=aggregates["itl_ms"]["median"],
         tpot_p50_ms=aggregates["tpot_ms"]["median"], num_ok=aggregates["num_ok"],
         num_errors=aggregates["num_errors"], mean_output_tokens=num_output / max(1, len(ok_requests)),
-        client_overloaded=bool(run["client_lag"]["overloaded"]))
+        client_overloaded=bool(run["client_lag"]["overloaded"]),
+        min_output_tokens=min((r["num_output_tokens"] or 0 for r in ok_requests), default=0))
