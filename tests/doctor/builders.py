@@ -64,13 +64,16 @@ def run(label: str, records: list[RequestRecord], *, concurrency: int | None = 4
 
 
 def write(path: Path, runs: list[RunResult], dataset: DatasetConfig | None = None,
-          slos: dict[str, float] | None = None) -> str:
+          slos: dict[str, float] | None = None, capacity: dict[str, Any] | None = None,
+          base_url: str = "http://127.0.0.1:8000") -> str:
+    """``capacity``: the server's GET /v1/kvpilot/capacity as bench stores it (None: a server without one)."""
     config: dict[str, Any] = {
-        "target": {"base_url": "http://127.0.0.1:8000", "model": "m", "endpoint": "completions",
+        "target": {"base_url": base_url, "model": "m", "endpoint": "completions",
                    "api_key": None, "stream": True, "ignore_eos": True, "timeout_s": 300.0},
         "dataset": dataclasses.asdict(dataset or DatasetConfig()),
         "load": dataclasses.asdict(runs[0].output.shape), "slos_ms": slos or {}, "tokenizer": "words",
-        "sweep": False, "sweep_num_points": 5, "goodput_target": 0.9, "max_lag_ms": 10.0}
+        "sweep": False, "sweep_num_points": 5, "goodput_target": 0.9, "max_lag_ms": 10.0,
+        "server_capacity": capacity}
     write_json(path, build_result(config, runs, None))
     return str(path)
 

@@ -32,8 +32,10 @@ MODEL = "smollm2-doctor"
 
 
 def engine_args(**overrides: Any) -> EngineArgs:
-    """A small, healthy configuration; scenarios override one setting to stage their fault."""
-    settings: dict[str, Any] = dict(dtype="float32", kv_cache_memory="64MiB", max_model_len=1024)
+    """A small, healthy configuration; scenarios override one setting to stage their fault. The KV pool holds
+    4.3 requests of max_model_len (float32, 720 KiB a block of 16 tokens): bench stores the capacity endpoint
+    with its result, and a pool below 4 would be a fault of its own (kv-pool-too-small)."""
+    settings: dict[str, Any] = dict(dtype="float32", kv_cache_memory="192MiB", max_model_len=1024)
     settings.update(overrides)
     return EngineArgs(**settings)
 

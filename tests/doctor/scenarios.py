@@ -188,6 +188,16 @@ def slo_floor(tmp: Path) -> Scenario:
 GATEWAY = ReplicaPlan(labelled_url="http://gw:8000/metrics/replicas")
 
 
+def degraded_run(tmp: Path) -> Scenario:
+    """Four clients; 1.5 s in, other processes take the cores and every step takes 10x longer for the rest of
+    the run: no stage stands out, but most of the run is far below the speed its first windows showed."""
+    rng = random.Random(12)
+    recs = closed_loop(40, 4, lambda i, t: req(i, t, prefill=jitter(rng, 40 if t < 1.5 else 400),
+                                                itl=[jitter(rng, 12 if t < 1.5 else 120, 0.2) for _ in range(31)]))
+    return [write(tmp / "r.json", [run("concurrency=4", recs, metrics=samples(24, running=4, waiting=0, kv=0.1))])], \
+        [], None, None
+
+
 def replica_samples(t_end: float, counters: dict[str, dict[str, float]],
                     gauges: dict[str, dict[str, float]]) -> list[ReplicaSample]:
     """Per-replica scrapes (lane "default"): counters 0 before and at ``counters`` after, ``gauges`` during."""
@@ -231,5 +241,5 @@ SCENARIOS: dict[str, Callable[[Path], Scenario]] = {
     "prefill-interrupts-decode": prefill_interrupts_decode, "long-short-mixing": long_short,
     "prefix-cache-miss": prefix_cache_miss, "network-overhead": network_overhead,
     "client-overload": client_overload, "memory-spillover": memory_spillover, "slo-floor": slo_floor,
-    "prefix-blind-routing": prefix_blind_routing, "replica-imbalance": replica_imbalance,
+    "prefix-blind-routing": prefix_blind_routing, "degraded-run": degraded_run, "replica-imbalance": replica_imbalance,
 }

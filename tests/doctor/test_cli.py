@@ -49,10 +49,12 @@ def test_several_results_and_roofline(tmp_path: Path) -> None:
     assert doc["roofline"]["gpu"] == "h100-sxm" and doc["findings"][0]["rule_id"] == "static-batching"
 
 
-def test_console_output_names_fixes_for_both_engines() -> None:
+def test_console_output_names_fixes_for_the_running_engine_and_kvpilot() -> None:
+    """A vLLM metrics file: the fixes come as vLLM's flags first (the engine that runs), then kvpilot's."""
     result = _invoke("--metrics-file", str(FIX / "vllm_v1_pressure.txt"))
     assert result.exit_code == 1
-    assert "kv-cache-pressure" in result.output and "kvpilot:" in result.output and "vLLM:" in result.output
+    assert "kv-cache-pressure" in result.output and "kvpilot:" in result.output
+    assert "vLLM (running):" in result.output and "engine: vLLM" in result.output
 
 
 def test_html_fragment_written(tmp_path: Path) -> None:

@@ -52,15 +52,13 @@ def _client_lagged(*runs: Measured) -> bool:
 
 
 def _lag_share(m: Measured) -> float:
-    """The worst run's p99 client lag over its smaller median latency (TTFT or TPOT)."""
+    """The worst run's p99 client lag over its median TTFT (the latency a stall shifts by its whole length)."""
     shares = []
     for run in m.result["runs"]:
         lag = run["client_lag"]
         worst = max(lag["dispatch_lag_ms"]["p99"] or 0.0, lag["loop_lag_ms"]["p99"] or 0.0)
         ok = [r for r in run["requests"] if r["ok"]]
-        latency = min(statistics.median(r["ttft_ms"] for r in ok),
-                      statistics.median(r["tpot_ms"] for r in ok if r["tpot_ms"] is not None))
-        shares.append(worst / latency)
+        shares.append(worst / statistics.median(r["ttft_ms"] for r in ok))
     return max(shares)
 
 
@@ -127,22 +125,24 @@ def test_healthy_server_has_no_finding_above_low(healthy_runs: tuple[Measured, M
     assert all(s.source == "server timings" for s in report.splits)
 
 
-def test_tpot_growth_under_load_is_decode_bound(healthy_server: BackgroundServer, worker: BenchWorker,
-                                                healthy_runs: tuple[Measured, Measured]) -> None:
+def test_tpot_growth_under_load_is_decode_bound(healthy_server: BackgroundServer, worker: BenchWorker) -> None:
     """24 streams on a 2-core CPU: each decode step computes 24 tokens, TPOT grows several-fold. That is a
     trade (a low note) until a TPOT SLO that one stream meets says it is too slow: then decode-bound leads
     and names the batch cap where the SLO held. (16 streams grew float32 TPOT only 2.2-3.5x on this box, and
-    under 2x, the rule's bar, in one CI run.)"""
+    under 2x, the rule's bar, in one CI run.) The lone stream is measured right before the 24, not reused from
+    the module's first runs: on a shared box the other jobs' load changes within a minute, and a lone stream
+    timed during a busier moment than the 24 shrank the growth under the bar."""
+    low = bench(worker, healthy_server.url, SHORT, LoadShape(concurrency=1, num_requests=5), "concurrency=1")
     high = bench(worker, healthy_server.url, SHORT, LoadShape(concurrency=24, num_requests=24), "concurrency=24")
-    alone = inputs_from_documents([(healthy_runs[0].result, healthy_runs[0].label)]).runs[0]
+    alone = inputs_from_documents([(low.result, low.label)]).runs[0]
     tpots = sorted(r.tpot_ms for r in alone.ok if r.tpot_ms is not None)
     # An SLO the lone stream meets: 1.5x its median, or above the TPOT 90% of its requests kept (the rule's
     # bar) where a descheduled moment stretched the tail (a CI run: the cap then read "<lower>")
     slo = max(1.5 * statistics.median(tpots), 1.05 * tpots[math.ceil(0.9 * len(tpots)) - 1])
-    note = finding(doctor(healthy_runs[0], high), "decode-bound")
+    note = finding(doctor(low, high), "decode-bound")
     assert note.severity is Severity.LOW and "a trade rather than a fault" in note.summary
-    report = doctor(healthy_runs[0], high, slos_ms={"tpot": slo})
-    assert_first(report, "decode-bound", healthy_runs[0], high)
+    report = doctor(low, high, slos_ms={"tpot": slo})
+    assert_first(report, "decode-bound", low, high)
     growth = next(e.value for e in finding(report, "decode-bound").evidence if e.name.startswith("TPOT growth"))
     assert growth >= 2.0 and finding(report, "decode-bound").fixes[0].kvpilot == "--max-num-seqs 1", \
         f"TPOT growth {growth:.2f}x from 1 to 24 in flight"
@@ -179,10 +179,12 @@ def test_busy_load_generator_is_client_overload(healthy_server: BackgroundServer
                      busy_client=True)
     report = doctor(measured)
     assert _client_lagged(measured)
-    if "client-overload" not in [f.rule_id for f in report.findings]:
-        # A starved host makes the server so slow that the client's lag is a small share of what it
-        # measured: then it does not taint the latencies, and the doctor rightly says nothing.
-        assert _lag_share(measured) < Thresholds().client_lag_share_of_latency, ranked(report)
+    above_low = [f.rule_id for f in report.findings if f.severity is not Severity.LOW]
+    if "client-overload" not in above_low:
+        # A starved host makes the server so slow that the client's lag is a small share of what it measured:
+        # then it does not taint the latencies (nothing), or, beside the server on 127.0.0.1, it is a caveat
+        # (low) until it explains most of the time.
+        assert _lag_share(measured) < Thresholds().client_lag_share_most, ranked(report)
         return
     assert [f.rule_id for f in report.findings][:1] == ["client-overload"], ranked(report)
 
@@ -248,7 +250,7 @@ def test_prefix_caching_off_is_prefix_cache_miss(llm_fp32, worker: BenchWorker) 
 def big_budget_server(llm_fp32) -> Iterator[BackgroundServer]:
     """A token budget larger than any prompt: a long prompt is prefilled in one step, whole."""
     with kvpilot_server(llm_fp32.loaded, max_num_batched_tokens=4096, max_model_len=2048,
-                        kv_cache_memory="128MiB") as server:
+                        kv_cache_memory="384MiB") as server:  # 4.3 requests of 2048 (live_staging.engine_args)
         yield server
 
 

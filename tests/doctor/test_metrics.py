@@ -49,7 +49,7 @@ def test_delta_of_two_scrapes() -> None:
 
 
 def test_not_prometheus_text_is_unusable_input() -> None:
-    with pytest.raises(DoctorInputError, match="no vllm: series"):
+    with pytest.raises(DoctorInputError, match="no series the doctor knows"):
         parse_prometheus_text("# just a comment\nfoo_bar 1\n")
     with pytest.raises(DoctorInputError, match="Prometheus"):
         parse_prometheus_text("{not: prometheus}\n")

@@ -1,4 +1,5 @@
-"""Renderers and contracts: HTML section (escaped, self-contained), JSON round trip, ranking, thresholds."""
+"""Renderers and contracts: HTML section (escaped, self-contained), JSON round trip, thresholds (ranking:
+test_attribution.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvpilot.doctor import thresholds
-from kvpilot.doctor.diagnose import diagnose, rank
+from kvpilot.doctor.diagnose import diagnose
 from kvpilot.doctor.findings import Evidence, Finding, Fix, Severity
 from kvpilot.doctor.inputs import DoctorInputs, load_inputs
 from kvpilot.doctor.prometheus import parse_prometheus_text
@@ -20,12 +21,6 @@ from tests.doctor.scenarios import SCENARIOS, healthy
 
 def _finding(rule: str, severity: Severity, confidence: float, impact: float = 0.5) -> Finding:
     return Finding(rule, rule.title(), severity, confidence, impact, "s", (Evidence("x", 1.0),), (Fix("a", "b", "c"),))
-
-
-def test_rank_orders_by_severity_then_score() -> None:
-    ranked = rank([_finding("a", Severity.MEDIUM, 0.99), _finding("b", Severity.HIGH, 0.5),
-                   _finding("c", Severity.HIGH, 0.9, 0.9), _finding("d", Severity.LOW, 1.0)])
-    assert [f.rule_id for f in ranked] == ["c", "b", "a", "d"]
 
 
 def test_finding_rejects_confidence_out_of_range() -> None:

@@ -96,14 +96,27 @@ def resolve_model(base_url: str, api_key: str | None, timeout_s: float = 10.0) -
                          f"Check --base-url, or pass --model NAME") from exc
 
 
-def _config_json(cfg: BenchConfig, tok: Tokenizer, plan: ReplicaPlan | None) -> dict[str, Any]:
+def server_capacity(target: Target, timeout_s: float = 5.0) -> dict[str, Any] | None:
+    """kvpilot's ``GET /v1/kvpilot/capacity`` (its configured limits, model and device), stored with the result so
+    `kvpilot doctor --from` can judge the run against them; None from a server without it (vLLM, a gateway)."""
+    try:
+        resp = httpx.get(target.base_url.rstrip("/") + "/v1/kvpilot/capacity", headers=target.headers(),
+                         timeout=timeout_s)
+        doc = resp.json() if resp.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _config_json(cfg: BenchConfig, tok: Tokenizer, plan: ReplicaPlan | None,
+                 capacity: dict[str, Any] | None = None) -> dict[str, Any]:
     target = dataclasses.asdict(cfg.target)
     target["api_key"] = "***" if cfg.target.api_key else None  # never write secrets to results
     return {"target": target, "dataset": dataclasses.asdict(cfg.dataset),
             "load": dataclasses.asdict(cfg.load), "slos_ms": dict(cfg.slos), "tokenizer": tok.name,
             "sweep": cfg.sweep, "sweep_num_points": cfg.sweep_num_points,
             "goodput_target": cfg.goodput_target, "max_lag_ms": cfg.max_lag_ms,
-            "replicas": plan.to_json() if plan is not None else None}
+            "replicas": plan.to_json() if plan is not None else None, "server_capacity": capacity}
 
 
 def replica_plan(cfg: BenchConfig, target: Target) -> ReplicaPlan | None:
@@ -183,9 +196,10 @@ def run_bench(cfg: BenchConfig, console: Console | None = None) -> BenchOutcome:
     num_requests = cfg.load.num_requests or 1000
     items = build_dataset(cfg.dataset, tok, num_requests)
     plan = replica_plan(cfg, target)
+    capacity = server_capacity(target) if plan is None else None  # one server's limits, not a deployment's
     runs = asyncio.run(_run_all(cfg, target, items, tok, console, plan))
     knee = find_knee(runs, cfg.slos, cfg.goodput_target) if cfg.sweep else None
-    result = build_result(_config_json(dataclasses.replace(cfg, target=target), tok, plan), runs, knee)
+    result = build_result(_config_json(dataclasses.replace(cfg, target=target), tok, plan, capacity), runs, knee)
     print_summary(console, runs, knee)
     if cfg.json_path:
         write_json(cfg.json_path, result)

@@ -1,4 +1,5 @@
-"""Scrape a Prometheus ``/metrics`` endpoint (vLLM names, old and new) before/during/after a run."""
+"""Scrape a Prometheus ``/metrics`` endpoint before/during/after a run: vLLM's names (old and new, which kvpilot
+exports too), SGLang's (``sglang:``), llama-server's (``llamacpp:``, with ``--metrics``) and TGI's (``tgi_``)."""
 
 from __future__ import annotations
 
@@ -11,16 +12,21 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-# Normalised key -> accepted sample names, newest first (vLLM V1, then V0 names). The memory keys
-# (kvpilot's /proc gauges, node_exporter's host swap as a fallback) feed the doctor's memory-spillover rule.
+# Normalised key -> accepted sample names, newest first (vLLM V1, then V0 names), then the other engines' (one
+# engine serves at a time, so the first name present is its). llama-server's "processing" requests hold a slot
+# (running) and its "deferred" ones wait for one. The memory keys (kvpilot's /proc gauges, node_exporter's host
+# swap as a fallback) feed the doctor's memory-spillover rule.
 METRIC_NAMES: dict[str, tuple[str, ...]] = {
-    "running": ("vllm:num_requests_running",),
-    "waiting": ("vllm:num_requests_waiting",),
-    "kv_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
-    "preemptions": ("vllm:num_preemptions_total", "vllm:num_preemptions"),
+    "running": ("vllm:num_requests_running", "sglang:num_running_reqs", "llamacpp:requests_processing",
+                "tgi_batch_current_size"),
+    "waiting": ("vllm:num_requests_waiting", "sglang:num_queue_reqs", "llamacpp:requests_deferred",
+                "tgi_queue_size"),
+    "kv_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage",
+                 "llamacpp:kv_cache_usage_ratio"),
+    "preemptions": ("vllm:num_preemptions_total", "vllm:num_preemptions", "sglang:num_retracted_requests_total"),
     "prefix_queries": ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total"),
     "prefix_hits": ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total"),
-    "prefix_hit_rate": ("vllm:gpu_prefix_cache_hit_rate",),
+    "prefix_hit_rate": ("vllm:gpu_prefix_cache_hit_rate", "sglang:cache_hit_rate"),
     "process_resident": ("kvpilot:process_resident_bytes",),
     "process_swap": ("kvpilot:process_swap_bytes",),
     "major_faults": ("kvpilot:process_major_page_faults_total",),

@@ -6,9 +6,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from kvpilot.doctor.attribution import attribute
+from kvpilot.doctor.current_settings import drop_noop_fixes
+from kvpilot.doctor.engine_flags import localize_fixes
 from kvpilot.doctor.findings import Finding, Severity
 from kvpilot.doctor.inputs import DoctorInputs, RunData
 from kvpilot.doctor.probe_plan import RampPoint, knee_reason, ramp_level
+from kvpilot.doctor.ranking import rank
 from kvpilot.doctor.rules import RULES, Rule, RuleContext
 from kvpilot.doctor.rules.prefill import mixing_note, stall_note
 from kvpilot.doctor.rules.routing import replica_lines
@@ -22,7 +26,7 @@ EXIT_HEALTHY, EXIT_FINDINGS, EXIT_UNUSABLE = 0, 1, 2
 
 @dataclass(frozen=True)
 class DoctorReport:
-    """The diagnosis. Invariants: ``findings`` are ranked (severity, then confidence x impact);
+    """The diagnosis. Invariants: ``findings`` are ranked (:func:`kvpilot.doctor.ranking.rank`);
     ``healthy`` is True exactly when no finding is above low severity."""
 
     findings: tuple[Finding, ...]
@@ -39,6 +43,8 @@ class DoctorReport:
     slos_ms: dict[str, float] | None = None
     """The latency targets the findings were judged against (--slo, --workload, or bench's)."""
     workload: str | None = None
+    engine: str | None = None
+    """The engine that served (kvpilot.doctor.engines): fixes are printed as its flags first."""
 
     @property
     def healthy(self) -> bool:
@@ -69,17 +75,13 @@ class DoctorReport:
                 "headroom": list(self.headroom), "sources": list(self.sources),
                 "metrics_source": self.metrics_source, "roofline": self.roofline,
                 "roofline_share": self.roofline_share, "server_config": self.server_config,
-                "resources": self.resources, "slos_ms": self.slos_ms, "workload": self.workload}
+                "resources": self.resources, "slos_ms": self.slos_ms, "workload": self.workload,
+                "engine": self.engine}
 
 
 def _dtype_word(dtype: str | None) -> str:
     """"float32 " for an explicit dtype; nothing for "auto" (the model's own, bf16 for most)."""
     return f"{dtype} " if dtype and dtype != "auto" else ""
-
-
-def rank(findings: list[Finding]) -> tuple[Finding, ...]:
-    """Severity first, then confidence x impact; rule id breaks ties so the order is stable."""
-    return tuple(sorted(findings, key=lambda f: (-f.severity.rank, -f.score, f.rule_id)))
 
 
 def _roofline_share(ctx: RuleContext) -> float | None:
@@ -175,7 +177,9 @@ def diagnose(inputs: DoctorInputs, thresholds: Thresholds | None = None,
              rules: tuple[Rule, ...] = RULES) -> DoctorReport:
     """Apply every rule to the inputs; pure apart from the timestamp."""
     ctx = RuleContext.build(inputs, thresholds or Thresholds())
-    findings = [f for rule in rules if (f := rule(ctx)) is not None]
+    # in the rules' order, which ranking keeps as the precedence between findings of one share band
+    findings = attribute([f for rule in rules if (f := rule(ctx)) is not None], ctx)
+    findings = localize_fixes(drop_noop_fixes(findings, inputs.server_config), inputs.engine, inputs.server_config)
     roof = inputs.verdict_roofline
     return DoctorReport(
         findings=rank(findings), splits=ctx.splits, headroom=tuple(_headroom(ctx)), sources=inputs.sources,
@@ -183,4 +187,4 @@ def diagnose(inputs: DoctorInputs, thresholds: Thresholds | None = None,
         created_unix=time.time(), roofline_share=_roofline_share(ctx),
         server_config=inputs.server_config.to_json() if inputs.server_config is not None else None,
         resources=inputs.resources.to_json() if inputs.resources is not None else None,
-        slos_ms=ctx.slos or None, workload=inputs.workload)
+        slos_ms=ctx.slos or None, workload=inputs.workload, engine=inputs.engine)

@@ -36,11 +36,32 @@ class Evidence:
 @dataclass(frozen=True)
 class Fix:
     """One concrete change: what to do, and the flags for a kvpilot and a vLLM deployment
-    (empty when that engine has no such flag)."""
+    (empty when that engine has no such flag). ``engine_flags``: the same change as flags of the engine that
+    runs when it is another one (``engine``: SGLang, llama.cpp, TGI; kvpilot.doctor.engine_flags), "" when it
+    has no counterpart or the engine is kvpilot, vLLM or unknown."""
 
     action: str
     kvpilot: str = ""
     vllm: str = ""
+    engine: str = ""
+    engine_flags: str = ""
+
+
+@dataclass(frozen=True)
+class LatencyShare:
+    """How much of a measured latency a cause explains: ``part_ms`` of ``whole_ms``, the median ``of``
+    (e.g. "client TTFT at 7.8 in flight"). Invariant: ``0 <= part_ms``, ``0 < whole_ms``."""
+
+    part_ms: float
+    whole_ms: float
+    of: str
+
+    @property
+    def share(self) -> float:
+        return clamp01(self.part_ms / self.whole_ms) if self.whole_ms > 0 else 0.0
+
+    def text(self) -> str:
+        return f"{self.share:.0%} of {self.of} ({self.part_ms:,.0f} of {self.whole_ms:,.0f} ms)"
 
 
 @dataclass(frozen=True)
@@ -48,8 +69,11 @@ class Finding:
     """One diagnosed cause.
 
     Invariants: ``0 <= confidence <= 1``; ``0 <= impact <= 1`` is the share of user-visible latency
-    (or throughput) the cause explains, used to rank findings of equal severity; ``evidence`` holds
-    the numbers the rule compared with its thresholds.
+    (or throughput) the cause explains, used to rank findings of equal severity; ``explains``, when the
+    rule measured it in milliseconds, is that share with its numbers (``impact`` then equals its share), else
+    ``impact_basis`` says what the estimate is a share of;
+    ``evidence`` holds the numbers the rule compared with its thresholds; ``defers_to`` names the finding
+    that explains this one's symptom (this one then ranks below it and says so), "" when none.
     """
 
     rule_id: str
@@ -60,6 +84,9 @@ class Finding:
     summary: str
     evidence: tuple[Evidence, ...]
     fixes: tuple[Fix, ...] = field(default=())
+    explains: LatencyShare | None = None
+    defers_to: str = ""
+    impact_basis: str = ""  # what ``impact`` is a share of when no stage timing measures it ("" : unstated)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.confidence <= 1.0 or not 0.0 <= self.impact <= 1.0:
@@ -67,12 +94,21 @@ class Finding:
 
     @property
     def score(self) -> float:
-        """Ranking key within a severity: how sure times how much it matters."""
+        """How sure times how much it matters (reported; ranking uses coarser bands, see ranking.py)."""
         return self.confidence * (0.5 + self.impact)
+
+    @property
+    def share_text(self) -> str:
+        """The share of latency this cause explains, as printed with the finding."""
+        if self.explains is not None:
+            return "explains " + self.explains.text()
+        basis = self.impact_basis or "estimated: no stage timing measures it"
+        return f"explains ~{self.impact:.0%} ({basis})"
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["severity"] = self.severity.value
+        d["share_of_latency"] = self.share_text
         return d
 
 

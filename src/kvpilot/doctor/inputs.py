@@ -10,6 +10,7 @@ import statistics
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from kvpilot.bench.records import RequestRecord, record_from_json
 from kvpilot.bench.replica_report import ReplicaReport
@@ -18,7 +19,7 @@ from kvpilot.doctor.errors import DoctorInputError
 from kvpilot.doctor.prometheus import MetricsSnapshot, metrics_delta, parse_prometheus_text
 from kvpilot.doctor.resources import ResourceUsage
 from kvpilot.doctor.roofline_ref import RooflineRef, roofline_for
-from kvpilot.doctor.server_config import ServerConfig
+from kvpilot.doctor.server_config import CAPACITY_PATH, ServerConfig, from_capacity
 from kvpilot.doctor.server_config import from_metrics as config_from_metrics
 
 
@@ -45,6 +46,7 @@ class RunData:
     burst: bool = False  # all requests sent at once (rate inf, no concurrency cap): a capacity probe
     closed_loop: bool = False  # a fixed number of clients (--concurrency): no request rate to lower
     replicas: ReplicaReport | None = None
+    target_url: str = ""  # the base URL the bench sent to ("" when the result does not say)
 
     @property
     def ok(self) -> list[RequestRecord]:
@@ -76,6 +78,16 @@ class DoctorInputs:
     workload: str | None = None
     """`--workload` preset name (chat, agent, batch), or None."""
     served_roofline: RooflineRef | None = None
+    engine_hint: str | None = None
+    """The engine a live probe detected (/v1/models, headers, metric names); None for saved files."""
+
+    @property
+    def engine(self) -> str | None:
+        """Which engine served (kvpilot.doctor.engines): the probe's detection, else what the configuration or
+        the metrics file's names say, else kvpilot when requests carry its per-stage timings; None: not told."""
+        told = self.engine_hint or (self.server_config.engine if self.server_config is not None else None) \
+            or (self.metrics.engine if self.metrics is not None else None)
+        return told or ("kvpilot" if any(run.with_server for run in self.runs) else None)
 
     @property
     def verdict_roofline(self) -> RooflineRef | None:
@@ -94,6 +106,20 @@ class DoctorInputs:
     def peak_run(self) -> RunData | None:
         return self.runs[-1] if self.runs else None
 
+    @property
+    def client_co_located(self) -> bool:
+        """Whether the load generator ran on the server's machine: the doctor found the server's processes here
+        (a local probe), or a run was sent to a loopback address. Such a client competes with the server for
+        the same cores, so its lag is a caveat unless it explains most of the time."""
+        local = self.resources is not None and bool(self.resources.server_pids)
+        return local or any(is_loopback_url(run.target_url) for run in self.runs)
+
+
+def is_loopback_url(url: str) -> bool:
+    """A URL naming this machine by a loopback name or address (no DNS lookup: saved files are read offline)."""
+    host = (urlsplit(url).hostname or "").lower()
+    return host == "localhost" or host.startswith("127.") or host in ("::1", "0.0.0.0")
+
 
 def _in_flight(records: list[RequestRecord], duration_s: float) -> float:
     busy_s = sum((r.e2e_ms or 0.0) for r in records) / 1000.0
@@ -103,6 +129,7 @@ def _in_flight(records: list[RequestRecord], duration_s: float) -> float:
 def runs_from_result(doc: dict[str, Any], source: str) -> list[RunData]:
     """RunData for every run of one result document."""
     config = doc.get("config") or {}
+    target_url = str((config.get("target") or {}).get("base_url") or "")
     runs = []
     for i, run in enumerate(doc.get("runs") or []):
         try:
@@ -124,7 +151,7 @@ def runs_from_result(doc: dict[str, Any], source: str) -> list[RunData]:
             client_lag=run.get("client_lag"), server_metrics=metrics.get("summary"),
             dataset=dict(config.get("dataset") or {}), slos_ms=dict(config.get("slos_ms") or {}),
             burst=burst, closed_loop=bool(load.get("concurrency")),
-            replicas=_replicas(run.get("replicas"), source, i)))
+            replicas=_replicas(run.get("replicas"), source, i), target_url=target_url))
     return runs
 
 
@@ -189,17 +216,31 @@ def _served_roofline(config: ServerConfig, shape: tuple[int, int, int], dtype: s
     return replace(ref, model=Path(config.fit_model).name, dtype=quantized or ref.dtype)
 
 
+def _bench_capacity(docs: list[tuple[dict[str, Any], str]]) -> ServerConfig | None:
+    """The server's limits as the bench read them before its load (``config.server_capacity``, kvpilot's
+    capacity endpoint); the first result that has them (None: older results, other engines)."""
+    for doc, name in docs:
+        capacity = (doc.get("config") or {}).get("server_capacity")
+        if isinstance(capacity, dict) and capacity.get("num_blocks"):
+            return replace(from_capacity(capacity), source=f"{name}: bench's GET {CAPACITY_PATH}")
+    return None
+
+
 def inputs_from_documents(docs: list[tuple[dict[str, Any], str]], metrics: MetricsSnapshot | None = None,
                           model: str | None = None, gpu: str | None = None,
                           sources: tuple[str, ...] = (), server_config: ServerConfig | None = None,
-                          resources: ResourceUsage | None = None, dtype: str | None = None) -> DoctorInputs:
+                          resources: ResourceUsage | None = None, dtype: str | None = None,
+                          engine: str | None = None) -> DoctorInputs:
     """In-memory result documents (e.g. ``BenchOutcome.result``) with a name each -> inputs.
-    ``dtype``: for the roofline (default: what the server reported, else the model's own)."""
+    ``dtype``: for the roofline (default: what the server reported, else the model's own); ``engine``: the one a
+    live probe detected."""
     runs = [run for doc, name in docs for run in runs_from_result(doc, name)]
     if docs and not any(run.ok for run in runs):
         raise DoctorInputError("no successful request in the bench results: fix the errors `kvpilot bench` "
                                "reported (server down? wrong --base-url?) and measure again")
     runs.sort(key=lambda r: r.in_flight)
+    if server_config is None:
+        server_config = _bench_capacity(docs)
     ok = [r for run in runs for r in run.ok]
     shape = (_median_int([r.num_prompt_tokens or 0 for r in ok]), _median_int([r.num_output_tokens for r in ok]),
              max(1, round(max((run.in_flight for run in runs), default=1.0))))
@@ -212,4 +253,4 @@ def inputs_from_documents(docs: list[tuple[dict[str, Any], str]], metrics: Metri
     if server_config is None and metrics is not None:
         server_config = config_from_metrics(metrics)
     return DoctorInputs(tuple(runs), metrics, roofline, sources or tuple(name for _, name in docs),
-                        server_config, resources, served_roofline=served)
+                        server_config, resources, served_roofline=served, engine_hint=engine)

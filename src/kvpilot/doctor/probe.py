@@ -22,6 +22,8 @@ from kvpilot.bench.arrivals import LoadShapeError
 from kvpilot.bench.client import Target
 from kvpilot.bench.datasets import DatasetError
 from kvpilot.bench.tokens import Tokenizer, TokenizerError, load_tokenizer
+from kvpilot.doctor.engine_config import fetch_engine_config
+from kvpilot.doctor.engines import detect_engine
 from kvpilot.doctor.errors import DoctorInputError
 from kvpilot.doctor.inputs import DoctorInputs, inputs_from_documents, runs_from_result
 from kvpilot.doctor.probe_plan import (Baseline, ProbeLimits, ProbePhase, RampPoint, baseline_phase,
@@ -38,12 +40,15 @@ BENCH_ERRORS = (BenchError, DatasetError, LoadShapeError, TokenizerError)
 @dataclass(frozen=True)
 class Endpoint:
     """A checked server: it answered ``GET /v1/models`` with at least one model.
-    ``max_model_len`` is None when the server does not report it."""
+    ``max_model_len`` is None when the server does not report it; ``owned_by`` and ``server_header`` are what
+    that answer said about the engine (kvpilot.doctor.engines)."""
 
     base_url: str
     model: str
     max_model_len: int | None
     api_key: str | None = None
+    owned_by: str | None = None
+    server_header: str | None = None
 
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -79,9 +84,11 @@ def check_endpoint(base_url: str, api_key: str | None = None, model_name: str | 
     if entry is None:
         raise DoctorInputError(f"{url} does not serve --model-name {model_name!r}; it serves "
                                f"{', '.join(str(m['id']) for m in entries)}")
-    max_len = entry.get("max_model_len")
+    # kvpilot, vLLM and SGLang report max_model_len; llama-server the context of one slot as meta.n_ctx
+    max_len = entry.get("max_model_len") or (entry.get("meta") or {}).get("n_ctx")
     return Endpoint(base, str(entry["id"]), int(max_len) if isinstance(max_len, int) and max_len > 0 else None,
-                    api_key)
+                    api_key, owned_by=str(entry["owned_by"]) if entry.get("owned_by") else None,
+                    server_header=resp.headers.get("server"))
 
 
 def scrape_metrics(endpoint: Endpoint, timeout_s: float = 10.0) -> tuple[MetricsSnapshot | None, str | None]:
@@ -130,6 +137,7 @@ class ProbeSession:
     notes: tuple[str, ...] = ()
     server_config: ServerConfig | None = None
     resources: ResourceUsage | None = None
+    engine: str | None = None
 
     @property
     def sources(self) -> tuple[str, ...]:
@@ -141,14 +149,14 @@ class ProbeSession:
     def inputs(self, model: str | None = None, gpu: str | None = None) -> DoctorInputs:
         """The doctor's inputs: every phase's runs plus the metrics delta (same path as ``--from``)."""
         return inputs_from_documents(self.documents(), self.metrics, model, gpu, self.sources,
-                                     self.server_config, self.resources)
+                                     self.server_config, self.resources, engine=self.engine)
 
     def to_json(self) -> dict[str, Any]:
         return {"url": self.endpoint.base_url, "model": self.endpoint.model,
                 "max_model_len": self.endpoint.max_model_len, "mode": self.limits.name, "seed": self.seed,
                 "wall_s": round(self.wall_s, 2), "metrics_error": self.metrics_error,
                 "max_in_flight": self.limits.max_in_flight, "phases": [p.to_json() for p in self.phases],
-                "notes": list(self.notes),
+                "notes": list(self.notes), "engine": self.engine,
                 "server_config": self.server_config.to_json() if self.server_config is not None else None,
                 "resources": self.resources.to_json() if self.resources is not None else None}
 
@@ -201,12 +209,19 @@ def _phase_line(p: PhaseResult) -> str:
 
 
 def endpoint_config(endpoint: Endpoint, metrics: MetricsSnapshot | None,
-                    extra: ServerConfig | None = None) -> ServerConfig | None:
-    """What the server says about its limits: kvpilot's capacity endpoint first, then /metrics,
-    ``extra`` (e.g. --serve flags), and ``/v1/models``' max_model_len."""
-    models = ServerConfig(source="/v1/models", max_model_len=endpoint.max_model_len)
+                    extra: ServerConfig | None = None, engine: str | None = None) -> ServerConfig | None:
+    """What the server says about its limits: kvpilot's capacity endpoint first, then the detected engine's own
+    (llama-server's /props, SGLang's /server_info, TGI's /info), /metrics, ``extra`` (e.g. --serve flags), and
+    ``/v1/models``' max_model_len."""
+    models = ServerConfig(source="/v1/models", max_model_len=endpoint.max_model_len, engine=engine)
     return merge(fetch_capacity(endpoint.base_url, endpoint.headers()),
+                 fetch_engine_config(engine, endpoint.base_url, endpoint.headers()),
                  config_from_metrics(metrics) if metrics is not None else None, extra, models)
+
+
+def endpoint_engine(endpoint: Endpoint, metrics: MetricsSnapshot | None) -> str | None:
+    """The engine by /v1/models' owner, the Server header, then the metric names (kvpilot.doctor.engines)."""
+    return detect_engine(endpoint.owned_by, endpoint.server_header) or (metrics.engine if metrics else None)
 
 
 def probe_endpoint(endpoint: Endpoint, limits: ProbeLimits, console: Console, tokenizer: Any = None,
@@ -229,7 +244,8 @@ def probe_endpoint(endpoint: Endpoint, limits: ProbeLimits, console: Console, to
     if error is not None:
         console.print(f"  no usable /metrics ({error}): rules on server state (KV cache, waiting "
                       "requests, prefix hits) have less to go on", markup=False)
-    config = endpoint_config(endpoint, before, extra_config)
+    engine = endpoint_engine(endpoint, before)
+    config = endpoint_config(endpoint, before, extra_config, engine)
     if meter is not None:
         meter.start()
     base_phase = _seeded(baseline_phase(limits, endpoint.max_model_len), seed)
@@ -259,7 +275,7 @@ def probe_endpoint(endpoint: Endpoint, limits: ProbeLimits, console: Console, to
     resources = meter.stop() if meter is not None else remote_usage(
         metrics.get("process_cpu") if metrics is not None else None, wall_s)
     return ProbeSession(endpoint, limits, tuple(results), metrics, error or after_error,
-                        wall_s, seed, notes, config, resources)
+                        wall_s, seed, notes, config, resources, engine)
 
 
 def thin_phases(results: list[PhaseResult], min_requests: int) -> tuple[str, ...]:

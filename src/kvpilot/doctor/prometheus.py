@@ -1,8 +1,13 @@
-"""Prometheus ``/metrics`` text (kvpilot's or vLLM's names, old and new) -> a normalised snapshot.
+"""Prometheus ``/metrics`` text of any engine the doctor reads -> one engine-neutral snapshot.
 
-kvpilot serves vLLM's names, so one table covers both; where vLLM renamed a series (V0 -> V1) the
-newest name wins when both are present. Several label sets (engines, finish reasons) are summed,
-ratios averaged.
+kvpilot serves vLLM's names, so one table covers both; where vLLM renamed a series (V0 -> V1) the newest name
+wins when both are present. SGLang's (``sglang:``), llama-server's (``llamacpp:``) and TGI's (``tgi_``) names map
+to the same keys, so the rules never ask which engine it was (``MetricsSnapshot.engine`` says, for the fixes).
+Several label sets (engines, finish reasons, TP ranks) are summed, ratios averaged.
+
+llama-server has no latency histograms: its counters of generated tokens and the slot time spent generating
+them give the mean time per output token (the "itl" key), and its cached and processed prompt-token counters
+give the prefix-cache hit rate.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from dataclasses import dataclass, field
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpilot.bench.scrape import METRIC_NAMES, RATIO_KEYS, host_swap_used, swap_share
+from kvpilot.doctor.engines import LLAMACPP, SGLANG, TGI, engine_from_metrics
 from kvpilot.doctor.errors import DoctorInputError
 
 KV_BLOCKS_TOTAL = "kvpilot:kv_cache_blocks{state=total}"  # one labelled sample of the blocks gauge
@@ -22,22 +28,29 @@ SCALARS: dict[str, tuple[str, ...]] = {
     **METRIC_NAMES,
     "swapped": ("vllm:num_requests_swapped",),
     "cpu_kv_usage": ("vllm:cpu_cache_usage_perc",),
-    "num_finished": ("vllm:request_success_total",),
-    "prompt_tokens": ("vllm:prompt_tokens_total",),
-    "generation_tokens": ("vllm:generation_tokens_total",),
+    "num_finished": ("vllm:request_success_total", "sglang:num_requests_total", "tgi_request_success"),
+    "prompt_tokens": ("vllm:prompt_tokens_total", "sglang:prompt_tokens_total", "llamacpp:prompt_tokens_total"),
+    "generation_tokens": ("vllm:generation_tokens_total", "sglang:generation_tokens_total",
+                          "llamacpp:tokens_predicted_total"),
+    "cached_prompt_tokens": ("llamacpp:prompt_tokens_cached_total",),  # llama-server counts these apart
+    "decode_seconds": ("llamacpp:tokens_predicted_seconds_total",),
+    "kv_tokens_total": ("sglang:max_total_num_tokens",),
     "rejected": ("kvpilot:requests_rejected_total",),
     "kv_blocks_total": (KV_BLOCKS_TOTAL,),
     "process_cpu": ("process_cpu_seconds_total",),
 }
 COUNTERS = frozenset({"preemptions", "prefix_queries", "prefix_hits", "num_finished", "prompt_tokens",
-                      "generation_tokens", "rejected", "major_faults", "process_cpu"})
+                      "generation_tokens", "rejected", "major_faults", "process_cpu", "cached_prompt_tokens",
+                      "decode_seconds"})
 RATIOS = RATIO_KEYS | {"cpu_kv_usage"}
 # Histogram key -> base names (samples are <base>_sum / <base>_count), newest first. Seconds.
 HISTOGRAMS: dict[str, tuple[str, ...]] = {
-    "ttft": ("vllm:time_to_first_token_seconds",),
-    "itl": ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
-    "e2e": ("vllm:e2e_request_latency_seconds",),
-    "queue": ("vllm:request_queue_time_seconds",),
+    "ttft": ("vllm:time_to_first_token_seconds", "sglang:time_to_first_token_seconds"),
+    "itl": ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds",
+            "vllm:request_time_per_output_token_seconds", "sglang:inter_token_latency_seconds",
+            "tgi_request_mean_time_per_token_duration"),
+    "e2e": ("vllm:e2e_request_latency_seconds", "sglang:e2e_request_latency_seconds", "tgi_request_duration"),
+    "queue": ("vllm:request_queue_time_seconds", "sglang:queue_time_seconds", "tgi_request_queue_duration"),
     "prefill": ("vllm:request_prefill_time_seconds",),
     "decode": ("vllm:request_decode_time_seconds",),
     "tokenize": ("kvpilot:tokenization_time_seconds",),
@@ -69,6 +82,7 @@ class MetricsSnapshot:
     info: dict[str, str] = field(default_factory=dict)
     names: dict[str, str] = field(default_factory=dict)
     interval: bool = False
+    engine: str | None = None  # whose metric names these are (kvpilot.doctor.engines), None: not told
 
     def get(self, key: str) -> float | None:
         return self.values.get(key)
@@ -96,7 +110,10 @@ class MetricsSnapshot:
 
     @property
     def flavor(self) -> str:
-        """Which naming the server used: "vllm-v0" (old names) or "vllm-v1" (kvpilot uses these)."""
+        """Which naming the server used: "vllm-v0" (old names), "vllm-v1" (kvpilot uses these), or another
+        engine's ("sglang", "llama.cpp", "tgi")."""
+        if self.engine in (SGLANG, LLAMACPP, TGI):
+            return self.engine
         return "vllm-v0" if self.names.get("kv_usage") == "vllm:gpu_cache_usage_perc" else "vllm-v1"
 
 
@@ -141,10 +158,24 @@ def parse_prometheus_text(text: str) -> MetricsSnapshot:
             histograms[key] = HistogramSum(sums[base + "_count"], sums.get(base + "_sum", 0.0))
             names[key] = base
     if not values and not histograms:
-        raise DoctorInputError("the metrics text has no vllm: series the doctor knows (e.g. "
-                               "vllm:num_requests_waiting, vllm:kv_cache_usage_perc): is it a vLLM or "
-                               "kvpilot server's /metrics?")
-    return MetricsSnapshot(values, histograms, info, names)
+        raise DoctorInputError("the metrics text has no series the doctor knows (e.g. vllm:num_requests_waiting, "
+                               "sglang:num_queue_reqs, llamacpp:requests_deferred, tgi_queue_size): is it the "
+                               "/metrics of a kvpilot, vLLM, SGLang, llama-server (--metrics) or TGI server?")
+    _llamacpp_derived(values, histograms, names)
+    return MetricsSnapshot(values, histograms, info, names, engine=engine_from_metrics(sums))
+
+
+def _llamacpp_derived(values: dict[str, float], histograms: dict[str, HistogramSum], names: dict[str, str]) -> None:
+    """llama-server's counters in the keys other engines fill directly (see the module docstring): prompt
+    tokens served from its cache over all prompt tokens, and slot seconds spent generating per token."""
+    cached, fresh = values.get("cached_prompt_tokens"), values.get("prompt_tokens")
+    if cached is not None and fresh is not None and "prefix_queries" not in values:
+        values["prefix_hits"], values["prefix_queries"] = cached, cached + fresh
+        names["prefix_hits"] = names["prefix_queries"] = names["cached_prompt_tokens"]
+    seconds, tokens = values.get("decode_seconds"), values.get("generation_tokens")
+    if seconds is not None and tokens is not None and "itl" not in histograms:
+        histograms["itl"] = HistogramSum(tokens, seconds)
+        names["itl"] = names["decode_seconds"]
 
 
 def metrics_delta(before: MetricsSnapshot, after: MetricsSnapshot) -> MetricsSnapshot:
@@ -157,4 +188,4 @@ def metrics_delta(before: MetricsSnapshot, after: MetricsSnapshot) -> MetricsSna
         a, b = after.histograms[key], before.histograms[key]
         histograms[key] = HistogramSum(a.count - b.count, a.total - b.total)
     return MetricsSnapshot(values, histograms, {**before.info, **after.info}, {**before.names, **after.names},
-                           interval=True)
+                           interval=True, engine=after.engine or before.engine)

@@ -9,25 +9,28 @@ from __future__ import annotations
 from html import escape
 
 from kvpilot.doctor.diagnose import DoctorReport
-from kvpilot.doctor.findings import Finding, Severity
-from kvpilot.doctor.render_console import SPLIT_COLUMNS, fmt_ms
+from kvpilot.doctor.findings import Finding, Fix, Severity
+from kvpilot.doctor.render_console import SPLIT_COLUMNS, fix_flags, fmt_ms
 
 COLORS = {Severity.HIGH: "#c62828", Severity.MEDIUM: "#ef6c00", Severity.LOW: "#0277bd"}
 
 
-def _finding(i: int, f: Finding) -> str:
+def _fix_row(fix: Fix, engine: str | None) -> str:
+    flags = "<br>".join(f"{escape(label)}: <code>{escape(text)}</code>" for label, text in fix_flags(fix, engine))
+    return f"<tr><td>{escape(fix.action)}</td><td>{flags}</td></tr>"
+
+
+def _finding(i: int, f: Finding, engine: str | None = None) -> str:
     color = COLORS[f.severity]
     evidence = "".join(f"<li>{escape(e.text())}</li>" for e in f.evidence)
-    fixes = "".join(
-        f"<tr><td>{escape(x.action)}</td><td><code>{escape(x.kvpilot)}</code></td>"
-        f"<td><code>{escape(x.vllm)}</code></td></tr>" for x in f.fixes)
+    fixes = "".join(_fix_row(x, engine) for x in f.fixes)
     return (f'<div class="kvp-finding" data-rule="{escape(f.rule_id)}" style="border-left:4px solid {color};'
             f'padding:4px 12px;margin:12px 0">'
             f'<h3 style="margin:4px 0">{i}. <span style="color:{color}">{f.severity.value.upper()}</span> '
             f'{escape(f.title)} <small>({escape(f.rule_id)}, confidence {f.confidence:.0%})</small></h3>'
-            f"<p>{escape(f.summary)}</p><ul>{evidence}</ul>"
-            + (f'<table style="border-collapse:collapse"><tr><th align="left">fix</th><th align="left">kvpilot'
-               f'</th><th align="left">vLLM</th></tr>{fixes}</table>' if fixes else "")
+            f"<p>{escape(f.summary)}</p><p><b>Share of latency:</b> {escape(f.share_text)}</p><ul>{evidence}</ul>"
+            + (f'<table style="border-collapse:collapse"><tr><th align="left">fix</th><th align="left">flags'
+               f'</th></tr>{fixes}</table>' if fixes else "")
             + "</div>")
 
 
@@ -44,7 +47,7 @@ def _splits(report: DoctorReport) -> str:
 def doctor_html_section(report: DoctorReport) -> str:
     """An HTML ``<section id="kvpilot-doctor">`` with the verdict, latency split, findings, headroom."""
     color = "#2e7d32" if report.healthy else COLORS[report.findings[0].severity]
-    findings = "".join(_finding(i, f) for i, f in enumerate(report.findings, 1))
+    findings = "".join(_finding(i, f, report.engine) for i, f in enumerate(report.findings, 1))
     headroom = "".join(f"<li>{escape(line)}</li>" for line in report.headroom)
     return (f'<section id="kvpilot-doctor"><h2>Doctor</h2>'
             f'<p style="font-weight:bold;color:{color}">{escape(report.verdict)}</p>'

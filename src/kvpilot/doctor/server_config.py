@@ -39,6 +39,7 @@ class ServerConfig:
     fit_device: str | None = None
     quantization: str | None = None  # how the weights are held ("none", "gguf", "int8", "int4", "fp8": kvpilot)
     weight_bits: float | None = None  # bits a weight takes as the decode reads it (kvpilot's capacity endpoint)
+    engine: str | None = None  # the engine that reported these (kvpilot.doctor.engines), None: not told
 
     @property
     def num_kv_tokens(self) -> int | None:
@@ -79,7 +80,8 @@ def _bool(value: Any) -> bool | None:
 def from_capacity(doc: dict[str, Any]) -> ServerConfig:
     """kvpilot's capacity JSON (older servers lack the scheduler limits: those stay None)."""
     return ServerConfig(
-        source="GET " + CAPACITY_PATH, num_blocks=_int(doc.get("num_blocks")), block_size=_int(doc.get("block_size")),
+        source="GET " + CAPACITY_PATH, engine="kvpilot", num_blocks=_int(doc.get("num_blocks")),
+        block_size=_int(doc.get("block_size")),
         max_model_len=_int(doc.get("max_model_len")), max_num_seqs=_int(doc.get("max_num_seqs")),
         max_num_batched_tokens=_int(doc.get("max_num_batched_tokens")),
         enable_prefix_caching=_bool(doc.get("enable_prefix_caching")),
@@ -100,12 +102,16 @@ def _float(value: Any) -> float | None:
 
 
 def from_metrics(snap: MetricsSnapshot) -> ServerConfig | None:
-    """vLLM's ``vllm:cache_config_info`` (num_gpu_blocks, block_size, enable_prefix_caching) and
-    kvpilot's ``kvpilot:kv_cache_blocks{state="total"}``; None when neither is there."""
+    """vLLM's ``vllm:cache_config_info`` (num_gpu_blocks, block_size, enable_prefix_caching), kvpilot's
+    ``kvpilot:kv_cache_blocks{state="total"}`` and SGLang's ``sglang:max_total_num_tokens`` (its pool in tokens:
+    blocks of one token); None when none is there."""
     info = snap.info
-    blocks = _int(info.get("num_gpu_blocks")) or _int(snap.get("kv_blocks_total"))
-    config = ServerConfig(source="/metrics", num_blocks=blocks, block_size=_int(info.get("block_size")),
-                          enable_prefix_caching=snap.prefix_caching_enabled)
+    blocks, block_size = _int(info.get("num_gpu_blocks")) or _int(snap.get("kv_blocks_total")), \
+        _int(info.get("block_size"))
+    if blocks is None and _int(snap.get("kv_tokens_total")):
+        blocks, block_size = _int(snap.get("kv_tokens_total")), 1
+    config = ServerConfig(source="/metrics", num_blocks=blocks, block_size=block_size,
+                          enable_prefix_caching=snap.prefix_caching_enabled, engine=snap.engine)
     return config if blocks or config.enable_prefix_caching is not None else None
 
 

@@ -140,12 +140,16 @@ class Thresholds:
     """Rules drawing statistics over requests need at least this many successful ones."""
 
     client_lag_share_of_latency: float = 0.1
-    """Client limits: the client's p99 lag must also be at least this share of the latencies it
-    measured (the smaller of median TTFT and TPOT) to taint them: a 14 ms stall next to a 1,400 ms
-    TPOT changes nothing anyone reads, and was blamed on a starved server's client."""
+    """Client limits: the client's p99 lag must also be at least this share of the run's median TTFT (the
+    latency a stall shifts by its whole length) to taint what it measured: a 14 ms stall next to a 1,400 ms
+    TTFT changes nothing anyone reads."""
 
-    client_lag_share_high: float = 0.3
-    """Client limits: at or above this share of the latencies the finding is high severity."""
+    client_lag_share_most: float = 0.5
+    """Client limits: the lag explains "most of the time" at or above this share of a delay. Against its
+    run's median TTFT it makes client-overload high; against the delay the other findings diagnose (their
+    measured milliseconds, else the highest load's median TTFT) it keeps client-overload a finding rather
+    than a caveat (kvpilot.doctor.attribution). Half, so that a cause ranked first explains more of the
+    time than the client could: a 20 ms stall is a caveat beside a 3 s queue wait."""
 
     min_max_len_requests: float = 4.0
     """KV pool size: a pool holding fewer than this many ``max_model_len`` requests at once is a
@@ -197,3 +201,20 @@ class Thresholds:
     """Replica imbalance: max / mean requests served per replica of one lane at or above which one replica
     carries half again its share (round-robin gives 1.0; random placement of 20+ requests per replica rarely
     passes 1.3)."""
+
+    own_best_window_ratio: float = 3.0
+    """Degraded run: the run's typical window (median output throughput of its windows at its typical load,
+    kvpilot.doctor.windows) at or below its best window / this ratio means the server ran far below the speed
+    it showed in the same run, at the same load, for most of it. A steady server's windows lie within about
+    1.3x of each other; the configuration is the same in every window, so a several-fold swing is the host."""
+
+    min_best_window_tokens: float = 20.0
+    """Degraded run: the best window must have delivered at least this many tokens to be a speed the machine
+    reached (fewer are a few chunks, whose timing is noise)."""
+
+    far_below_roofline: float = 0.1
+    """Degraded run: even the run's fastest requests (p10 TPOT) decoding at less than this share of the
+    roofline's step time at that batch means the machine was not giving the server its own speed. On the CPU
+    here a healthy kvpilot server decodes at 60-90% of fit's CPU roofline, so a tenth leaves a wide margin for
+    catalog figures; the served roofline (kvpilot's capacity endpoint) is judged this way only on a CPU, where
+    small models reach it (on a GPU a small model's step is per-step overhead, far above the bandwidth floor)."""

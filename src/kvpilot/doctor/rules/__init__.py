@@ -1,6 +1,7 @@
-"""The diagnosis rules, in the order a careful engineer checks them: the host and the configuration,
-the measurement, then the request's path (queue, tokenize, prefill, decode, memory) and, across replicas,
-its routing.
+"""The diagnosis rules, in the order a careful engineer checks them: the host (CPU, swap) and the
+configuration, the measurement, then the request's path (queue, tokenize, prefill, decode, memory) and,
+across replicas, its routing. The order is also the precedence between findings of one severity and share
+band (kvpilot.doctor.ranking): causes before the stages they slow.
 Each is ``RuleContext -> Finding | None``."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from kvpilot.doctor.rules.config import (kv_pool_too_small, prefix_caching_off, 
                                          token_budget_below_seqs)
 from kvpilot.doctor.rules.context import Rule, RuleContext
 from kvpilot.doctor.rules.decode import decode_bound, static_batching
+from kvpilot.doctor.rules.degraded import degraded_run
 from kvpilot.doctor.rules.kv_cache import kv_pressure, prefix_cache_miss
 from kvpilot.doctor.rules.spillover import memory_spillover
 from kvpilot.doctor.rules.prefill import long_short_mixing, prefill_bound, prefill_interrupts_decode
@@ -23,10 +25,10 @@ RECOMMENDATIONS: tuple[Rule, ...] = (workload_tuning,)
 """Rules that suggest settings for a stated goal (low severity) rather than name a fault."""
 
 RULES: tuple[Rule, ...] = (
-    cpu_starvation, kv_pool_too_small, seqs_over_kv, token_budget_below_seqs, prefix_caching_off,
-    client_overload, network_overhead, queueing, tokenization, kv_pressure, prefill_bound, slo_floor,
-    decode_bound, static_batching, prefill_interrupts_decode, prefix_cache_miss, prefix_blind_routing,
-    replica_imbalance, long_short_mixing, memory_spillover, *RECOMMENDATIONS,
+    cpu_starvation, memory_spillover, degraded_run, kv_pool_too_small, seqs_over_kv, token_budget_below_seqs,
+    prefix_caching_off, client_overload, network_overhead, queueing, tokenization, kv_pressure, prefill_bound,
+    slo_floor, decode_bound, static_batching, prefill_interrupts_decode, prefix_cache_miss, prefix_blind_routing,
+    replica_imbalance, long_short_mixing, *RECOMMENDATIONS,
 )
 
 __all__ = ["RECOMMENDATIONS", "RULES", "Rule", "RuleContext"]

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from kvpilot.doctor.findings import Evidence, Finding, Fix, Severity, clamp01
-from kvpilot.doctor.inputs import RunData
+from dataclasses import dataclass
+
+from kvpilot.doctor.findings import Evidence, Finding, Fix, LatencyShare, Severity, clamp01
 from kvpilot.doctor.rules.context import RuleContext
 from kvpilot.doctor.rules.starvation import defer_to_starvation
 from kvpilot.doctor.signals import median, ratio
@@ -13,28 +14,47 @@ def _p99(dist: object) -> float:
     return float((dist or {}).get("p99") or 0.0) if isinstance(dist, dict) else 0.0
 
 
-def _run_latency_ms(run: RunData) -> float | None:
-    """The finest latency the run reports: the smaller of its median TTFT and median TPOT."""
-    values = [v for v in (median(r.ttft_ms for r in run.ok), median(r.tpot_ms for r in run.ok)) if v]
-    return min(values) if values else None
+@dataclass(frozen=True)
+class ClientLag:
+    """The load generator's lag in one run, next to the latency it measured there.
+
+    ``ttft_ms`` is the run's median client TTFT: the latency a client stall shifts by its whole length (the
+    bytes wait in the socket until the loop reads them). TPOT is not the yardstick: a stall lands in one gap
+    of many, so it moves TPOT by lag / (tokens - 1), and judging a 20 ms stall against a 5 ms TPOT blamed the
+    client for a server whose requests waited seconds."""
+
+    dispatch_ms: float
+    loop_ms: float
+    label: str
+    ttft_ms: float | None
+    closed_loop: bool
+
+    @property
+    def lag_ms(self) -> float:
+        return max(self.dispatch_ms, self.loop_ms)
+
+    @property
+    def share(self) -> float | None:
+        """p99 lag / median TTFT of the run, capped at 1 (None without a TTFT)."""
+        share = ratio(self.lag_ms, self.ttft_ms)
+        return min(1.0, share) if share is not None else None
 
 
-def _worst_client_lag(ctx: RuleContext) -> tuple[float, float, str, float | None, bool] | None:
-    """(p99 dispatch lag, p99 loop lag, run label, lag / latency, closed loop) of the run whose client
-    lagged the most next to the latencies it measured, or None. A run counts when its p99 lag exceeds
-    ``max_client_lag_ms`` and is at least ``client_lag_share_of_latency`` of its median TTFT/TPOT:
-    milliseconds of client delay do not taint second-long latencies."""
+def worst_client_lag(ctx: RuleContext) -> ClientLag | None:
+    """The run whose client lagged the most next to its median TTFT, or None. A run counts when its p99 lag
+    exceeds ``max_client_lag_ms`` and is at least ``client_lag_share_of_latency`` of that TTFT: milliseconds
+    of client delay do not taint second-long latencies."""
     th = ctx.th
-    worst: tuple[float, float, str, float | None, bool] | None = None
+    worst: ClientLag | None = None
     for run in ctx.inputs.runs:
         lag = run.client_lag or {}
-        dispatch, loop = _p99(lag.get("dispatch_lag_ms")), _p99(lag.get("loop_lag_ms"))
-        lag_ms = max(dispatch, loop)
-        share = ratio(lag_ms, _run_latency_ms(run))
-        if lag_ms <= th.max_client_lag_ms or (share is not None and share < th.client_lag_share_of_latency):
+        found = ClientLag(_p99(lag.get("dispatch_lag_ms")), _p99(lag.get("loop_lag_ms")), run.label,
+                          median(r.ttft_ms for r in run.ok), run.closed_loop)
+        share = found.share
+        if found.lag_ms <= th.max_client_lag_ms or (share is not None and share < th.client_lag_share_of_latency):
             continue
-        if worst is None or (share or 0.0) > (worst[3] or 0.0):
-            worst = (dispatch, loop, run.label, share, run.closed_loop)
+        if worst is None or (share or 0.0) > (worst.share or 0.0):
+            worst = found
     return worst
 
 
@@ -56,28 +76,32 @@ def _client_fixes(closed_loop: bool) -> tuple[Fix, ...]:
 
 def client_overload(ctx: RuleContext) -> Finding | None:
     """The load generator lagged by an amount that matters next to what it measured (it taints the
-    rest, so the rules it can explain, like network-overhead, defer to it). Defers to cpu-starvation
-    when the host starved the server too (the client lags for the same reason)."""
-    worst = _worst_client_lag(ctx)
+    rest). High when the lag is most (``client_lag_share_most``) of its run's TTFT. The report then judges it
+    against the delay the other findings diagnose (kvpilot.doctor.attribution: a caveat when it explains
+    little of that, or when the client shares the server's machine and explains less than most). Defers to
+    cpu-starvation when the host starved the server too (the client lags for the same reason)."""
+    worst = worst_client_lag(ctx)
     if worst is None:
         return None
-    dispatch, loop, label, share, closed_loop = worst
-    th = ctx.th
-    high = share is None or share >= th.client_lag_share_high
-    evidence = [Evidence("p99 dispatch lag", dispatch, "ms", "client"),
-                Evidence("p99 event-loop lag", loop, "ms", "client"),
+    th, share = ctx.th, worst.share
+    evidence = [Evidence("p99 dispatch lag", worst.dispatch_ms, "ms", "client"),
+                Evidence("p99 event-loop lag", worst.loop_ms, "ms", "client"),
                 Evidence("lag limit", th.max_client_lag_ms, "ms")]
-    if share is not None:
-        evidence.append(Evidence("lag / median TTFT or TPOT", share, "%", "client"))
+    if share is not None and worst.ttft_ms is not None:
+        evidence += [Evidence(f"median TTFT in run '{worst.label}'", worst.ttft_ms, "ms", "client"),
+                     Evidence("lag / median TTFT", share, "%", "client")]
     return defer_to_starvation(ctx, Finding(
         rule_id="client-overload", title="The load generator could not keep up",
-        severity=Severity.HIGH if high else Severity.MEDIUM, confidence=0.9 if (share or 1.0) >= 0.5 else 0.7,
-        impact=clamp01(share if share is not None else 0.5),
-        summary=(f"In run '{label}' the client sent requests up to {dispatch:.0f} ms late and its event "
-                 f"loop stalled {loop:.0f} ms (p99" + (f"; {share:.0%} of the latencies it measured" if share
-                                                       is not None else "") + "): measured latencies include "
-                 "client delay, so read the other findings with care."),
-        evidence=tuple(evidence), fixes=_client_fixes(closed_loop)))
+        severity=Severity.HIGH if share is None or share >= th.client_lag_share_most else Severity.MEDIUM,
+        confidence=0.9 if (share or 1.0) >= th.client_lag_share_most else 0.7,
+        impact=share if share is not None else 0.5,
+        summary=(f"In run '{worst.label}' the client sent requests up to {worst.dispatch_ms:.0f} ms late and its "
+                 f"event loop stalled {worst.loop_ms:.0f} ms (p99" + (f"; {share:.0%} of its median TTFT" if share
+                                                                     is not None else "")
+                 + "): measured latencies include client delay, so read the other findings with care."),
+        evidence=tuple(evidence), fixes=_client_fixes(worst.closed_loop),
+        explains=LatencyShare(worst.lag_ms, worst.ttft_ms, f"client TTFT in run '{worst.label}'")
+        if worst.ttft_ms else None))
 
 
 def network_overhead(ctx: RuleContext) -> Finding | None:
@@ -101,9 +125,11 @@ def network_overhead(ctx: RuleContext) -> Finding | None:
     share = ratio(gap, client_ttft)
     if gap is None or share is None or gap < th.network_min_ms or share < th.network_share_of_ttft:
         return None
-    # A lagging load generator reads every chunk late: that delay lands in the same client - server gap,
-    # so the gap cannot be pinned on the network; defer to client-overload (medium, half the confidence).
-    client_lagged = _worst_client_lag(ctx) is not None
+    # A lagging load generator reads every chunk late: that delay lands in the same client - server gap, so
+    # a gap the lag could fill cannot be pinned on the network; defer to client-overload (medium, half the
+    # confidence). A lag far smaller than the gap explains little of it.
+    lag = worst_client_lag(ctx)
+    client_lagged = lag is not None and lag.lag_ms >= ctx.th.client_lag_share_most * gap
     severity = Severity.HIGH if share >= 0.5 and not client_lagged else Severity.MEDIUM
     return Finding(
         rule_id="network-overhead", title="Network or gateway adds most of the time to first token",
@@ -117,6 +143,8 @@ def network_overhead(ctx: RuleContext) -> Finding | None:
                   Evidence("median client TTFT", client_ttft or 0.0, "ms", "client"),
                   Evidence("median server TTFT", server_ttft or 0.0, "ms", source),
                   Evidence("share of client TTFT", share, "%")),
+        explains=LatencyShare(gap, client_ttft, "client TTFT") if client_ttft else None,
+        defers_to="client-overload" if client_lagged else "",
         fixes=(Fix("measure once directly against the server to confirm the hop is the cost",
                    kvpilot="kvpilot bench --base-url http://<server-host>:8000",
                    vllm="vllm bench serve --base-url http://<server-host>:8000"),

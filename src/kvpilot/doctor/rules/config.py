@@ -72,6 +72,7 @@ def kv_pool_too_small(ctx: RuleContext) -> Finding | None:
     return Finding(
         rule_id="kv-pool-too-small", title="The KV pool holds too few requests of the maximum context",
         severity=severity, confidence=0.9, impact=clamp01(1 - held / th.min_max_len_requests),
+        impact_basis="estimated from the pool's size: requests of max_model_len it is short of",
         summary=(f"The KV pool holds {cfg.num_kv_tokens:,} tokens: {held:.2f} requests of max_model_len "
                  f"{cfg.max_model_len:,}. One long request takes {min(1.0, 1 / held):.0%} of it, and every other "
                  "request waits or is preempted until it finishes"

@@ -199,7 +199,11 @@ def static_batching(ctx: RuleContext) -> Finding | None:
         load_ratio, basis = high.in_flight, f"at {high.in_flight:.1f} requests in flight vs one stream's speed"
     if gain is None or gain >= th.flat_throughput_ratio:
         return None
+    together = _batched_together(ctx, high)
+    if together is not None:
+        return defer_to_host(ctx, _saturated(gain, basis, together, ctx))
     one_at_a_time = view.running_max is not None and view.running_max <= 1.5
+    cap = _batch_for(high.in_flight)
     # A server starved of CPU cannot turn more requests in flight into more throughput either.
     return defer_to_host(ctx, Finding(
         rule_id="static-batching", title="Throughput does not grow with concurrency",
@@ -208,10 +212,48 @@ def static_batching(ctx: RuleContext) -> Finding | None:
         summary=(f"Output throughput grows only {gain:.2f}x {basis}: requests are not batched together"
                  + (" (the server runs one request at a time: see queueing)." if one_at_a_time else
                     " (static batching, a batch cap of 1, or a compute-saturated device).")),
+        defers_to="queueing" if one_at_a_time else "",
+        impact_basis="of the throughput the extra load could have added",
         evidence=(Evidence("throughput gain", gain, "x", "client"), Evidence("load ratio", load_ratio, "x"),
                   *([Evidence("requests running at most", view.running_max, "", view.source)]
                     if view.running_max is not None else [])),
-        fixes=(Fix("use continuous batching and let many sequences share a step",
-                   kvpilot="--max-num-seqs 256", vllm="--max-num-seqs 256"),
+        fixes=(Fix("use continuous batching and let at least the load's requests share a step",
+                   kvpilot=f"--max-num-seqs {cap}", vllm=f"--max-num-seqs {cap}"),
                Fix("check the server is not limited to one slot (e.g. llama.cpp --parallel 1, TGI "
                    "--max-batch-size 1)"))))
+
+
+def _batched_together(ctx: RuleContext, high: RunData) -> float | None:
+    """The most requests the server ran at once, when that shows it batches continuously and its cap did not
+    bind: at least two ran together and the reported ``max_num_seqs`` is at least the load's in-flight
+    count. None otherwise (one at a time, no metrics, or a cap below the load)."""
+    running, cfg = ctx.view.running_max, ctx.inputs.server_config
+    cap = cfg.max_num_seqs if cfg is not None else None
+    if running is None or running < 2 or cap is None or cap < high.in_flight:
+        return None
+    return running
+
+
+def _saturated(gain: float, basis: str, running: float, ctx: RuleContext) -> Finding:
+    """Flat throughput from a server that batched: each step was as busy as the device allows (the
+    saturation knee), not a batching fault, so no batch-cap fix (the cap was not reached)."""
+    cfg = ctx.inputs.server_config
+    cap = cfg.max_num_seqs if cfg is not None else None
+    return Finding(
+        rule_id="static-batching", title="Throughput stopped growing: the device is saturated",
+        severity=Severity.LOW, confidence=0.6, impact=0.1,
+        summary=(f"Output throughput grows only {gain:.2f}x {basis}, but up to {running:.0f} requests ran together "
+                 f"under a cap of {cap}: the server batches continuously, and its steps are as busy as this "
+                 "machine allows (the saturation knee). More load only queues."),
+        evidence=(Evidence("throughput gain", gain, "x", "client"),
+                  Evidence("requests running at most", running, "", ctx.view.source),
+                  Evidence("max_num_seqs", float(cap or 0), "", cfg.source if cfg is not None else "")),
+        fixes=(Fix("for more throughput: more replicas or a faster device (the batch cap is not the limit)"),))
+
+
+def _batch_for(in_flight: float) -> int:
+    """A sequence cap that lets the measured load run together: the power of two at or above it (at least 2)."""
+    cap = 2
+    while cap < in_flight:
+        cap *= 2
+    return cap

@@ -66,7 +66,8 @@ def kv_pressure(ctx: RuleContext) -> Finding | None:
                    kvpilot="--max-model-len <longest real request>", vllm="--max-model-len <longest real request>"),
                Fix("run fewer sequences at once: fewer preemptions", kvpilot="--max-num-seqs <lower>",
                    vllm="--max-num-seqs <lower>"),
-               Fix("add memory: more GPUs (tensor parallel) or a larger GPU", vllm="--tensor-parallel-size 2")))
+               Fix("add memory: more GPUs (tensor parallel) or a larger GPU", vllm="--tensor-parallel-size 2")),
+        defers_to="kv-pool-too-small" if held is not None else "")
 
 
 def _filling_up(ctx: RuleContext) -> Finding:
@@ -159,4 +160,5 @@ def prefix_cache_miss(ctx: RuleContext) -> Finding | None:
                Fix("keep the shared part first and byte-identical (no timestamps or ids before it)"),
                Fix("keep cached prefixes from being evicted: more KV memory",
                    kvpilot="--kv-cache-memory <larger>", vllm="--gpu-memory-utilization 0.95"),
-               Fix("route requests with the same prefix to the same replica (prefix-aware routing)")))
+               Fix("route requests with the same prefix to the same replica (prefix-aware routing)")),
+        defers_to="prefix-blind-routing" if blind else "")

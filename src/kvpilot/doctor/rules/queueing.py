@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from kvpilot.doctor.findings import Evidence, Finding, Fix, Severity, clamp01
+from kvpilot.doctor.findings import Evidence, Finding, Fix, LatencyShare, Severity, clamp01
 from kvpilot.doctor.rules.context import RuleContext
+from kvpilot.doctor.split import LatencySplit
 from kvpilot.doctor.signals import pearson, ratio, slope
 
 
@@ -58,14 +59,25 @@ def queueing(ctx: RuleContext) -> Finding | None:
     if rejected:
         fixes.append(Fix("raise the admission queue caps (or have clients honour Retry-After)",
                          kvpilot="--max-num-queued-reqs <higher>"))
-    severity = Severity.HIGH if (share or 0.0) >= 0.7 or reject_share >= 0.2 else Severity.MEDIUM
+    # Without stage timings the gauges say it: more requests waiting than running, on average, means each
+    # waits at least one whole service time (llama-server with one slot: 4 deferred behind 1 processing).
+    crowded = by_gauge and running is not None and (view.waiting_mean or 0.0) >= max(1.0, running)
+    severity = Severity.HIGH if (share or 0.0) >= 0.7 or reject_share >= 0.2 or crowded else Severity.MEDIUM
+    explains = LatencyShare(queue, split.server_ttft_ms, f"server TTFT{_at(split)}") \
+        if queue is not None and split is not None and split.server_ttft_ms else None
     return Finding(
         rule_id="queueing", title="Requests wait in the queue before they run",
         severity=severity, confidence=0.5 if kv_full else (0.9 if by_timing else 0.6),
         impact=clamp01(share if share is not None else max(reject_share, 0.5)),
         summary=(f"Queueing dominates: {cause}." if share is None else
                  f"Requests wait {queue:.0f} ms before running, {share:.0%} of the server's TTFT: {cause}."),
-        evidence=tuple(evidence), fixes=tuple(fixes))
+        evidence=tuple(evidence), fixes=tuple(fixes), explains=explains,
+        defers_to="kv-cache-pressure" if kv_full else "")
+
+
+def _at(split: LatencySplit) -> str:
+    """" at 7.8 in flight" for a run's split; "" for the metrics file's (no load level)."""
+    return f" at {split.in_flight:.1f} in flight" if split.in_flight is not None else ""
 
 
 def tokenization(ctx: RuleContext) -> Finding | None:
@@ -87,6 +99,8 @@ def tokenization(ctx: RuleContext) -> Finding | None:
         evidence += [Evidence("tokenize time per 1k prompt tokens", per_1k * 1000, "ms"),
                      Evidence("correlation with prompt length", corr)]
     grows = corr is not None and corr >= 0.7
+    explains = LatencyShare(tok, split.server_ttft_ms, f"server TTFT{_at(split)}") \
+        if split is not None and split.server_ttft_ms else None
     return Finding(
         rule_id="tokenization", title="Tokenization / preprocessing is slow",
         severity=Severity.HIGH if share >= 0.5 else Severity.MEDIUM, confidence=0.9 if grows else 0.75,
@@ -94,7 +108,7 @@ def tokenization(ctx: RuleContext) -> Finding | None:
         summary=(f"Tokenizing takes {tok:.0f} ms, {share:.0%} of the server's TTFT"
                  + (", and grows with prompt length" if grows else "") + ": a slow (Python) tokenizer or "
                  "preprocessing blocking the server."),
-        evidence=tuple(evidence),
+        evidence=tuple(evidence), explains=explains,
         fixes=(Fix("use a fast (Rust) tokenizer: tokenizer.json next to the model",
                    vllm="--tokenizer-mode auto"),
                Fix("send token ids instead of text (the completions API accepts a list of ids)",

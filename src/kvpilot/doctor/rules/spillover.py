@@ -61,7 +61,8 @@ def defer_to_swap(ctx: RuleContext, finding: Finding) -> Finding:
         return finding
     summary = finding.summary.removesuffix(".") + " (the server reads its own pages back from swap on every " \
         "step, which slows every step: see memory-spillover)."
-    return replace(finding, confidence=min(finding.confidence, SWAP_DEFERRED_CONFIDENCE), summary=summary)
+    return replace(finding, confidence=min(finding.confidence, SWAP_DEFERRED_CONFIDENCE), summary=summary,
+                   defers_to="memory-spillover")
 
 
 def _process_verdict(ctx: RuleContext) -> _SpillVerdict | None:

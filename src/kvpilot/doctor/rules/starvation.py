@@ -27,6 +27,11 @@ def _starved(r: ResourceUsage | None, ctx: RuleContext) -> tuple[bool, bool]:
     return waited, stolen
 
 
+def host_starved(ctx: RuleContext) -> bool:
+    """Whether cpu-starvation fires at all (the server waited for a CPU behind others, or steal)."""
+    return any(_starved(ctx.inputs.resources, ctx))
+
+
 def server_starved(ctx: RuleContext) -> bool:
     """Whether the server's steps waited so long for a CPU that step-time symptoms are its doing."""
     r = ctx.inputs.resources
@@ -41,7 +46,8 @@ def defer_to_starvation(ctx: RuleContext, finding: Finding) -> Finding:
         return finding
     summary = finding.summary.removesuffix(".") + " (the server's threads waited for a CPU much of the " \
         "time, which slows every step: see cpu-starvation)."
-    return replace(finding, confidence=min(finding.confidence, STARVED_DEFERRED_CONFIDENCE), summary=summary)
+    return replace(finding, confidence=min(finding.confidence, STARVED_DEFERRED_CONFIDENCE), summary=summary,
+                   defers_to="cpu-starvation")
 
 
 def _sentence(text: str) -> str:
@@ -101,5 +107,6 @@ def cpu_starvation(ctx: RuleContext) -> Finding | None:
     return Finding(
         rule_id="cpu-starvation", title="The server does not get the CPU: other processes take it",
         severity=severity, confidence=0.9 if waited else 0.7, impact=clamp01(max(share, r.steal_share or 0.0)),
+        impact_basis="of every engine step: the time its threads were runnable without a CPU",
         summary=_sentence("; ".join(parts)) + " Every engine step took longer by that much.",
         evidence=tuple(evidence), fixes=tuple(fixes))

@@ -1,0 +1,87 @@
+"""Judge each cause against the delay being diagnosed, after every rule has run.
+
+Rules see one symptom each; only the whole set says which delay the report is about. Two things need
+that view:
+
+* **The client's lag.** A load generator that stalled 20 ms (p99) taints a 40 ms TTFT, but not a 3 s
+  queue wait: there it is a caveat. ``client-overload`` stays a finding only when its lag is at least
+  ``client_lag_share_most`` of the delay the other findings measured (the largest ``explains.part_ms`` of a
+  server-side finding above low severity; without one, the highest steady load's median TTFT). Below that
+  it becomes a low-severity caveat when another finding leads, or when the client shares the server's
+  machine (a co-located client competes for the same cores, so some lag is expected there).
+* **Deferrals.** A finding that defers to another (``defers_to``) ranks below causes and takes at most its
+  cause's severity; when the finding it names is not in the report, it stands on its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from kvpilot.doctor.findings import Finding, LatencyShare, Severity
+from kvpilot.doctor.rules.context import RuleContext
+
+CLIENT_RULE = "client-overload"
+
+
+def _diagnosed_delay(findings: list[Finding], ctx: RuleContext) -> LatencyShare | None:
+    """The delay the report is about: the largest measured delay of a server-side finding above low severity
+    that stands on its own, else the highest steady load's median client TTFT (None without either)."""
+    measured = [f.explains for f in findings if f.rule_id != CLIENT_RULE and f.severity is not Severity.LOW
+                and not f.defers_to and f.explains is not None]
+    if measured:
+        return max(measured, key=lambda e: e.part_ms)
+    peak = ctx.peak_split
+    if peak is None or not peak.ttft_ms:
+        return None
+    where = f" at {peak.in_flight:.1f} in flight" if peak.in_flight is not None else ""
+    return LatencyShare(peak.ttft_ms, peak.ttft_ms, f"client TTFT{where}")
+
+
+def _as_caveat(client: Finding, delay: LatencyShare, co_located: bool) -> Finding:
+    """``client`` re-expressed against ``delay``: low severity, its share of the same latency."""
+    assert client.explains is not None  # the caller checked
+    lag = client.explains.part_ms
+    share = LatencyShare(lag, delay.whole_ms, delay.of)
+    where = (" The client shares the server's machine and its cores, so some lag is expected; probe from "
+             "another host for clean numbers." if co_located else "")
+    return replace(
+        client, title="A caveat: the load generator lagged", severity=Severity.LOW, impact=share.share,
+        explains=share,
+        summary=(f"The load generator lagged up to {lag:.0f} ms (p99, {client.explains.of}), "
+                 f"{lag / delay.part_ms:.0%} of the {delay.part_ms:,.0f} ms diagnosed ({delay.of}): too little to "
+                 f"explain it, so the findings above stand.{where}"))
+
+
+def judge_client(findings: list[Finding], ctx: RuleContext) -> list[Finding]:
+    """``findings`` with client-overload judged against the diagnosed delay (see the module docstring)."""
+    client = next((f for f in findings if f.rule_id == CLIENT_RULE), None)
+    if client is None or client.explains is None or client.defers_to:
+        return findings
+    delay = _diagnosed_delay(findings, ctx)
+    if delay is None or delay.part_ms <= 0 or client.explains.part_ms >= ctx.th.client_lag_share_most * delay.part_ms:
+        return findings
+    others = any(f is not client and f.severity is not Severity.LOW for f in findings)
+    co_located = ctx.inputs.client_co_located
+    if not (others or co_located):
+        return findings
+    return [_as_caveat(f, delay, co_located) if f is client else f for f in findings]
+
+
+def settle_deferrals(findings: list[Finding]) -> list[Finding]:
+    """A finding whose ``defers_to`` names a finding not in the report stands on its own; one whose cause is in
+    the report takes at most that cause's severity, so a symptom never ranks above what explains it."""
+    by_id = {f.rule_id: f for f in findings}
+    out = []
+    for f in findings:
+        cause = by_id.get(f.defers_to) if f.defers_to else None
+        if f.defers_to and cause is None:
+            f = replace(f, defers_to="")
+        elif cause is not None and f.severity.rank > cause.severity.rank:
+            f = replace(f, severity=cause.severity)
+        out.append(f)
+    return out
+
+
+def attribute(findings: list[Finding], ctx: RuleContext) -> list[Finding]:
+    """Both passes, in the rules' order (ranking comes after)."""
+    return settle_deferrals(judge_client(findings, ctx))
