@@ -48,6 +48,16 @@ def test_empty_api_key_is_refused_at_start_up() -> None:
     assert "loading" not in result.stderr  # refused before anything was loaded
 
 
+def test_ray_only_flags_without_ray_are_refused_before_anything_starts() -> None:
+    from typer.testing import CliRunner
+
+    from kvpilot.cli import app
+
+    for flag in (["--num-replicas", "2"], ["--routing", "prefix"], ["--ray-config", "lanes.yaml"]):
+        result = CliRunner().invoke(app, ["serve", *flag])
+        assert result.exit_code == 2 and "need --ray" in result.output, (flag, result.output)
+
+
 def test_queue_is_capped_by_default() -> None:
     assert ServerArgs().max_num_queued_reqs == DEFAULT_MAX_NUM_QUEUED_REQS
     assert _queue_cap(None, max_num_seqs=256) == 512 and _queue_cap(0, 256) is None and _queue_cap(7, 256) == 7
