@@ -8,7 +8,8 @@ bf16 ops), the K/V write, the paged decode-attention kernel, and torch's add, so
 bit the layer-by-layer forward's.
 
 It applies to a model whose every layer has plain causal attention (no sliding window, soft-cap or sinks),
-single-part packed projections without bias or q/k norms, bf16 norm weights and a bf16 KV cache, and to a step
+packed projections without bias or q/k norms (a fused projection's parts may differ in format; every projection
+takes the int8 path or none does), bf16 norm weights and a bf16 KV cache, and to a step
 whose tokens are all decodes, in one consecutive batch, no more than the packed kernels' row limit, run by the
 cpu attention backend. Anything else takes the modules.
 """
@@ -25,7 +26,9 @@ import torch
 from kvpilot.model.attention.base import StepAttention
 from kvpilot.model.layers.cpp_build import CppKernel, build_cpp_kernel
 from kvpilot.model.layers.cpu_bf16_ops import get_bf16_ops
-from kvpilot.model.quant.linear import INT8_MAX_ROWS, PackedLinear
+from kvpilot.model.quant.kernel import SOURCE_NAMES as QUANT_SOURCE_NAMES
+from kvpilot.model.quant.linear import INT8_MAX_ROWS, TILED_COPIES, PackedLinear
+from kvpilot.model.quant.tiled_set import TiledSet
 from kvpilot.model.quant.vnni_gemm import TiledWeight
 from kvpilot.model.quant.vnni_layout import InterleavedWeight
 
@@ -34,8 +37,7 @@ logger = logging.getLogger("kvpilot")
 _CSRC = Path(__file__).resolve().parent / "layers" / "csrc"
 # one translation unit: the kernels it calls, then the layer loop (the headers are not on an include path)
 SOURCE_PATHS = tuple(_CSRC / name for name in (
-    "quant_common.h", "quant_avx512.h", "quant_avx2.h", "quant_vnni.h", "quant_vnni_gemm.h", "quant_linear_cpu.cpp",
-    "quant_tiled_cpu.cpp",
+    *QUANT_SOURCE_NAMES,
     "decode_common.h", "simd_exp.h", "decode_avx512.h", "paged_decode_cpu.cpp", "bf16_ops_avx512.h",
     "bf16_ops_cpu.cpp", "decode_layers_cpu.cpp"))
 
@@ -82,12 +84,13 @@ class FusedDecode:
         self.scale = float(config.head_dim ** -0.5)
         linears = [lin for layer in model.layers for lin in _projections(layer)]
         self.int8_activations = all(lin.int8_activations for lin in linears)
-        tiled = all(isinstance(lin.int8_weight, TiledWeight) for lin in linears)
+        tiled = all(isinstance(lin.int8_weight, TILED_COPIES) for lin in linears)
         self.max_rows = min(min(lin.max_kernel_rows.get(torch.bfloat16, 0) for lin in linears),
                             TILED_FUSED_MAX_ROWS if tiled else
                             INT8_MAX_ROWS if self.int8_activations else FLOAT32_KERNEL_MAX_ROWS)
         self.isa = linears[0].isa
-        # per layer, in the kernel's order: in_norm, qkv (qs, d, m, or vq, vd, vo), o, post_norm, gate_up, down
+        # per layer, in the kernel's order: in_norm, qkv, o, post_norm, gate_up, down; a projection's formats are
+        # its part count then their codes, its weights 3 per part (_projection_weights)
         self.weights: list[torch.Tensor] = []
         self.formats: list[int] = []
         for layer in model.layers:
@@ -96,15 +99,8 @@ class FusedDecode:
                                       (layer.post_attention_layernorm, (mlp.gate_up_proj, mlp.down_proj))):
                 self.weights.append(norm.weight.detach())
                 for lin in projections:
-                    part = lin.parts[0]
-                    copy = lin.int8_weight
-                    if isinstance(copy, TiledWeight):  # the int8 path's copy (the kernel tells them by td's rank)
-                        self.weights += [copy.tq, copy.td, copy.to]
-                    elif isinstance(copy, InterleavedWeight):
-                        self.weights += [copy.vq, copy.vd, copy.vo]
-                    else:
-                        self.weights += [part.qs, part.d, part.min_or_empty()]
-                    self.formats.append(part.format.code)
+                    self.weights += _projection_weights(lin)
+                    self.formats += [len(lin.parts), *(part.format.code for part in lin.parts)]
 
     @classmethod
     def for_model(cls, model: torch.nn.Module) -> FusedDecode | None:
@@ -134,6 +130,19 @@ class FusedDecode:
             self.eps, self.scale, int8, self.isa)
 
 
+def _projection_weights(lin: PackedLinear) -> list[torch.Tensor]:
+    """3 tensors a part: the int8 path's copy where the layer has one (the kernel tells tiled from interleaved by
+    td's rank), else the packed blocks (qs, d, m) for the float32 kernel."""
+    copy = lin.int8_weight
+    if isinstance(copy, TiledSet):
+        return copy.tensors()
+    if isinstance(copy, TiledWeight):
+        return [copy.tq, copy.td, copy.to]
+    if isinstance(copy, InterleavedWeight):
+        return [copy.vq, copy.vd, copy.vo]
+    return [t for part in lin.parts for t in (part.qs, part.d, part.min_or_empty())]
+
+
 def _projections(layer: torch.nn.Module) -> list[Any]:
     attn, mlp = layer.self_attn, layer.mlp
     return [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
@@ -143,12 +152,16 @@ def _qualifies(model: torch.nn.Module) -> bool:
     layers = getattr(model, "layers", None)
     if not layers:
         return False
+    int8_paths = set()  # the kernel takes one int8 flag for every projection
     for layer in layers:
         if layer.self_attn.q_norm is not None or not _plain_attention(layer.self_attn):
             return False
         for lin in _projections(layer):
-            if not isinstance(lin, PackedLinear) or len(lin.parts) != 1 or lin.bias is not None:
+            if not isinstance(lin, PackedLinear) or lin.bias is not None:
                 return False
+            int8_paths.add(lin.int8_activations)
+        if len(int8_paths) > 1:
+            return False
         if any(norm.weight.dtype != torch.bfloat16 or norm.weight.device.type != "cpu"
                for norm in (layer.input_layernorm, layer.post_attention_layernorm)):
             return False

@@ -1,5 +1,6 @@
 """Reads a GGUF file's tensors into an HF-named state dict: dequantized to float32 torch tensors, or, for the
-linear layers' Q8_0 / Q4_0 / Q4_1 matrices, kept in their blocks (kvpilot.model.quant.PackedWeight).
+linear layers' matrices of a packed format (Q8_0 / Q4_0 / Q4_1, Q5_0 / Q5_1, Q4_K / Q5_K / Q6_K: quant/formats.py),
+kept in their blocks (kvpilot.model.quant.PackedWeight).
 
 GGUF quirks handled here: shapes are listed [in, out] (arrays come out (out, in)), and llama-architecture
 files store Q/K projections permuted for llama.cpp's interleaved rotary layout, which we undo; Gemma files
@@ -88,12 +89,14 @@ def _unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
 def _dequantize(tensor: Any, path: Path) -> np.ndarray:
     from gguf.quants import dequantize
 
+    from kvpilot.model.quant.formats import SUPPORTED_NAMES
+
     try:
         data = dequantize(tensor.data, tensor.tensor_type)
     except NotImplementedError as exc:
         raise ModelLoadError(f"{path}: tensor {tensor.name} has type {tensor.tensor_type.name}, which the "
                              "gguf package cannot dequantize; kvpilot reads F32, F16, BF16, the legacy "
-                             "(Q4_0 ... Q8_0), K- and IQ-quant types, and keeps Q8_0, Q4_0, Q4_1 packed on CPU"
+                             f"(Q4_0 ... Q8_0), K- and IQ-quant types, and keeps {SUPPORTED_NAMES} packed on CPU"
                              ) from exc
     except Exception as exc:
         raise ModelLoadError(f"{path}: tensor {tensor.name} is truncated or corrupt ({exc})") from exc

@@ -24,6 +24,7 @@ from kvpilot.model.layers.prompt_gemm import dense_float32_min_rows, resolve_pro
 from kvpilot.model.models.llama import LlamaForCausalLM
 from kvpilot.model.models.registry import ModelFamily, family_for_architecture
 from kvpilot.model.parallel.shard_plan import ShardPlan
+from kvpilot.model.quant.memory_report import PackedMemory, report_packed_memory
 from kvpilot.model.quant.model_pack import check_quantization
 from kvpilot.model.tokenizer import Tokenizer
 from kvpilot.model.weight_layout import relayout_linear_weights
@@ -56,6 +57,8 @@ class LoadedModel:
     # quantization "gguf": the file's bits per weight over all its tensors (5.74 for the embedded Q4_1 model, its
     # embedding Q8_0); None otherwise (the other quantizations' widths are their names: see weight_bits)
     gguf_bits_per_weight: float | None = None
+    # quantization "gguf": what the packed layers hold against their tensors' bytes in the file (logged at load)
+    packed_memory: PackedMemory | None = None
     # a pre-quantized HF checkpoint's quant_method (awq, gptq, fp8, compressed-tensors; quant/checkpoint_scheme.py),
     # whether its layers stay quantized (`quantization` is then the same name) or were dequantized ("none")
     checkpoint_quantization: str | None = None
@@ -150,8 +153,9 @@ def _load_gguf(path: Path, max_model_len: int | None, dtype: torch.dtype, device
     has_vocab = "tokenizer.ggml.tokens" in reader.fields
     tokenizer = tokenizer_from_gguf(reader, path) if has_vocab else None
     bits = gguf_sizes(reader).bits_per_weight if names else None
+    memory = report_packed_memory(model, reader, names) if names else None
     return LoadedModel(config, model, tokenizer, config.name or path.stem, str(path), "gguf", dtype, device,
-                       "gguf" if names else "none", shard=plan, gguf_bits_per_weight=bits)
+                       "gguf" if names else "none", shard=plan, gguf_bits_per_weight=bits, packed_memory=memory)
 
 
 def _load_hf_dir(path: Path, max_model_len: int | None, dtype: torch.dtype, device: torch.device,

@@ -1,6 +1,11 @@
-"""The packed block formats the CPU kernels compute on: GGUF's Q8_0, Q4_0 and Q4_1 (32 values per block).
+"""The packed block formats the CPU kernels compute on: GGUF's Q8_0, Q4_0 and Q4_1 (32 values per block), split
+into arrays at load, and Q5_0, Q5_1 and the K-quants Q4_K, Q5_K, Q6_K, kept as the file's own blocks.
 
-Each format is named by its GGUF type name; `code` is the kernel's enum (layers/csrc/quant_common.h).
+Each format is named by its GGUF type name; `code` is the kernel's enum (layers/csrc/quant_common.h). The block
+layouts of the kept formats are GGUF's (documented in the `gguf` package's quants.py): Q5_0 [d][qh: 32 high
+bits][16 nibble bytes], Q5_1 the same with a minimum after d, Q4_K [d][dmin][12 bytes of 6-bit scales and
+minimums][128 nibble bytes] (8 sub-blocks of 32), Q5_K as Q4_K with 32 bytes of high bits before the nibbles,
+Q6_K [128 low-nibble bytes][64 bytes of 2-bit highs][16 int8 scales][d] (16 sub-blocks of 16).
 """
 
 from __future__ import annotations
@@ -8,33 +13,53 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 BLOCK_VALUES = 32
+SUPER_BLOCK_VALUES = 256
 
 
 @dataclass(frozen=True)
 class QuantFormat:
-    """One block format. A GGUF block is [d: f16][m: f16 if has_min][qs: qs_bytes]; block_bytes in all."""
+    """One block format. Split formats (gguf_block_bytes 0): a GGUF block is [d: f16][m: f16 if has_min][qs:
+    qs_bytes], kept as separate arrays (PackedWeight.qs / d / m). Kept formats: blocks of `block_values` values in
+    `gguf_block_bytes` bytes, held as the file stores them (qs_bytes and has_min unused)."""
 
     name: str
     code: int
     qs_bytes: int
     has_min: bool
+    block_values: int = BLOCK_VALUES
+    gguf_block_bytes: int = 0
+
+    @property
+    def kept_as_blocks(self) -> bool:
+        return self.gguf_block_bytes > 0
 
     @property
     def block_bytes(self) -> int:
+        if self.kept_as_blocks:
+            return self.gguf_block_bytes
         return 2 + (2 if self.has_min else 0) + self.qs_bytes
 
     @property
     def bits_per_weight(self) -> float:
-        return 8 * self.block_bytes / BLOCK_VALUES
+        return 8 * self.block_bytes / self.block_values
 
 
 Q8_0 = QuantFormat("Q8_0", 0, 32, False)
 Q4_0 = QuantFormat("Q4_0", 1, 16, False)
 Q4_1 = QuantFormat("Q4_1", 2, 16, True)
+Q5_0 = QuantFormat("Q5_0", 3, 0, False, BLOCK_VALUES, 22)
+Q5_1 = QuantFormat("Q5_1", 4, 0, False, BLOCK_VALUES, 24)
+Q4_K = QuantFormat("Q4_K", 5, 0, False, SUPER_BLOCK_VALUES, 144)
+Q5_K = QuantFormat("Q5_K", 6, 0, False, SUPER_BLOCK_VALUES, 176)
+Q6_K = QuantFormat("Q6_K", 7, 0, False, SUPER_BLOCK_VALUES, 210)
+# the split formats (the gguf package quantizes all three; quant-at-load and the interleaved layout take them)
 FORMATS = {f.name: f for f in (Q8_0, Q4_0, Q4_1)}
-SUPPORTED_NAMES = ", ".join(FORMATS)
+# the formats kept as GGUF blocks (K-quants and 5-bit): the float32 kernel and the tiled int8 copy take them
+BLOCK_FORMATS = {f.name: f for f in (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)}
+PACKED_FORMATS = {**FORMATS, **BLOCK_FORMATS}
+SUPPORTED_NAMES = ", ".join(PACKED_FORMATS)
 
 
 def packed_format(type_name: str) -> QuantFormat | None:
-    """The packed format of a GGUF tensor type name (e.g. "Q4_1"), or None when the kernels lack it."""
-    return FORMATS.get(type_name)
+    """The packed format of a GGUF tensor type name (e.g. "Q4_K"), or None when the kernels lack it."""
+    return PACKED_FORMATS.get(type_name)

@@ -26,8 +26,9 @@ from torch import nn
 
 from kvpilot.model.layers.onednn_linear import OneDnnWeight, onednn_bf16_applies
 from kvpilot.model.quant.packed import PackedWeight
-from kvpilot.model.quant.vnni_gemm import TiledWeight, can_tile, dequantize_tiled, tile
-from kvpilot.model.quant.vnni_layout import InterleavedWeight, dequantize_interleaved, interleave
+from kvpilot.model.quant.tiled_set import TiledSet, int8_copy
+from kvpilot.model.quant.vnni_gemm import TiledWeight, dequantize_tiled
+from kvpilot.model.quant.vnni_layout import InterleavedWeight, dequantize_interleaved
 
 # Rows at and below which the fused kernel runs (benchmarks/quant_linear.py, AVX-512 EPYC, 1 thread): in
 # float32 it beat dequantize + MKL GEMM at every size measured (1-512 rows: MKL's float32 GEMM on a [N, K]
@@ -56,6 +57,8 @@ INT8_MAX_ROWS = HYBRID_INT8_MAX_KERNEL_ROWS[torch.bfloat16]
 # 19.4; float32 logits at every row count.
 TILED_MAX_ROWS = 1 << 30
 KERNEL_IO_DTYPES = (torch.float32, torch.bfloat16)
+# the column-tiled int8 copies: one split-format part, or any parts (formats kept as GGUF blocks, mixed formats)
+TILED_COPIES = (TiledWeight, TiledSet)
 
 
 @dataclass
@@ -95,9 +98,9 @@ class PackedLinear(nn.Module):
     values, one rounding of the result to bf16; float32 logits unrounded).
     `int8_activations`: up to `int8_max_rows` rows are quantized to int8 blocks and multiplied with the packed
     weights by VNNI dot products (llama.cpp's scheme; within ~1/254 of a block's largest value of the float32
-    path), for a lone part (Q8_0, Q4_0 or Q4_1) on a CPU with VNNI; several parts and more rows keep the
-    float32 kernel. Parts of 16-row tiles use the column-tiled copy up to TILED_MAX_ROWS rows, others the
-    interleaved one up to INT8_MAX_ROWS.
+    path), on a CPU with VNNI: parts of 16-row tiles (any packed format, several side by side: tiled_set.py) use
+    the column-tiled copies up to TILED_MAX_ROWS rows, a lone Q8_0 / Q4_0 / Q4_1 part of other widths the
+    interleaved one up to INT8_MAX_ROWS; other layers and more rows keep the float32 kernel.
     """
 
     def __init__(self, parts: list[PackedWeight], bias: bool, scratch: DenseScratch, isa: int,
@@ -115,15 +118,14 @@ class PackedLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(self.out_features), requires_grad=False) if bias else None
         self.scratch = scratch
         self.isa = isa
-        self.int8_activations = int8_activations and len(parts) == 1
         # the int8 path's own copy of the blocks, beside the parts the float32 kernel and the dense copy read:
-        # column-tiled (vnni_gemm.py) where it applies, else interleaved (vnni_layout.py)
-        self.int8_weight: TiledWeight | InterleavedWeight | None = None
+        # column-tiled (vnni_gemm.py, tiled_set.py) where it applies, else interleaved (vnni_layout.py)
+        self.int8_weight: TiledWeight | TiledSet | InterleavedWeight | None = \
+            int8_copy(parts) if int8_activations else None
+        self.int8_activations = self.int8_weight is not None
         self.int8_max_rows = 0
         if self.int8_activations:
-            tiled = can_tile(parts[0])
-            self.int8_weight = tile(parts[0]) if tiled else interleave(parts[0])
-            self.int8_max_rows = TILED_MAX_ROWS if tiled else INT8_MAX_ROWS
+            self.int8_max_rows = TILED_MAX_ROWS if isinstance(self.int8_weight, TILED_COPIES) else INT8_MAX_ROWS
         if keep_dense:
             default_rows = {**HYBRID_INT8_MAX_KERNEL_ROWS, torch.bfloat16: self.int8_max_rows} \
                 if self.int8_activations else HYBRID_MAX_KERNEL_ROWS
@@ -155,6 +157,8 @@ class PackedLinear(nn.Module):
         each call; the forward never builds it)."""
         if self.quants_released:
             copy = self.int8_weight
+            if isinstance(copy, TiledSet):
+                return copy.dequantize()
             return dequantize_tiled(copy) if isinstance(copy, TiledWeight) else dequantize_interleaved(copy)
         return torch.cat([p.dequantize(torch.float32, self.isa) for p in self.parts])
 
@@ -167,15 +171,17 @@ class PackedLinear(nn.Module):
         int8 copy serves every call of up to int8_max_rows rows (a tiled copy: every call while the Int8Gate is
         open); every other call the dense copy (hybrid layout: built now), for a tied head the embedding table,
         or (packed only, a tiled copy) the scratch matrix, filled from the tiled copy per call. So the int8 path
-        costs no memory beside them but its scales. Scales stay (they size the module). Packed-only layers
-        with an interleaved copy keep their quants: their many-row calls dequantize those."""
+        costs no memory beside them. The parts' scales go too (the copy holds its own, or shares them), their
+        shape kept. Packed-only layers with an interleaved copy keep their quants: their many-row calls dequantize
+        those."""
         if self.int8_weight is None or self.quants_released:
             return
-        if not self.keep_dense and not isinstance(self.int8_weight, TiledWeight):
+        if not self.keep_dense and not isinstance(self.int8_weight, TILED_COPIES):
             return
         if self.keep_dense and self.dense_weight is None:
             self._dense(self.bf16_gemm_dtype)
-        self.parts = [replace(p, qs=p.qs.new_empty(0)) for p in self.parts]
+        self.parts = [replace(p, qs=p.qs.new_empty(0), d=p.d.new_empty(0), m=None,
+                              shape=(p.out_features, p.in_features)) for p in self.parts]
         for dtype in self.max_kernel_rows:  # every dtype's few rows through the int8 path, more through dense
             self.max_kernel_rows[dtype] = min(self.max_kernel_rows[dtype], self.int8_max_rows)
 
@@ -221,11 +227,11 @@ class PackedLinear(nn.Module):
     def _tiled_rows(self, rows: torch.Tensor) -> bool:
         """Whether _forward sends these rows through the tiled int8 copy (as they are: float32 or bf16)."""
         return (rows.dtype in KERNEL_IO_DTYPES and self._kernel_takes(rows)
-                and isinstance(self.int8_weight, TiledWeight) and rows.shape[0] <= self.int8_max_rows)
+                and isinstance(self.int8_weight, TILED_COPIES) and rows.shape[0] <= self.int8_max_rows)
 
     def _gated(self) -> bool:
         """A step with prompt tokens on a tiled layer: the dense path, not the int8 one (Int8Gate)."""
-        return self.int8_gate is not None and not self.int8_gate.open and isinstance(self.int8_weight, TiledWeight)
+        return self.int8_gate is not None and not self.int8_gate.open and isinstance(self.int8_weight, TILED_COPIES)
 
     def _kernel_rows(self, rows: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         """float32 or bfloat16 rows go to the kernel as they are (it converts, computing in float32), other

@@ -1,8 +1,10 @@
-"""PackedWeight: one [N, K] weight matrix kept in its quantized blocks (repacked into kernel-friendly arrays).
+"""PackedWeight: one [N, K] weight matrix kept in its quantized blocks (split formats repacked into kernel-friendly
+arrays, the others as the file's blocks).
 
 Invariant: the values are exactly the GGUF blocks' own (`dequantize()` equals the gguf package's
-dequantization); only the arrangement differs: scales and quants in separate arrays (see
-layers/csrc/quant_common.h), rows in the model's order (Q/K rows un-permuted, fused parts concatenated).
+dequantization); only the arrangement differs: for Q8_0 / Q4_0 / Q4_1 scales and quants in separate arrays (see
+layers/csrc/quant_common.h), for the formats kept as blocks (formats.BLOCK_FORMATS) the GGUF bytes as they are;
+rows in the model's order (Q/K rows un-permuted, fused parts concatenated).
 """
 
 from __future__ import annotations
@@ -20,20 +22,23 @@ _EMPTY_HALF = torch.empty(0, dtype=torch.float16)
 
 @dataclass
 class PackedWeight:
-    """qs: uint8 [N, K / 32 * qs_bytes]; d (and m for formats with a minimum): float16 [N, K / 32]."""
+    """Split formats: qs uint8 [N, K / 32 * qs_bytes]; d (and m for formats with a minimum) float16 [N, K / 32].
+    Formats kept as blocks: qs uint8 [N, K / block_values * block_bytes] (the GGUF blocks), d empty, m None, and
+    `shape` (N, K), which survives qs being released (PackedLinear.release_quants)."""
 
     format: QuantFormat
     qs: torch.Tensor
     d: torch.Tensor
     m: torch.Tensor | None
+    shape: tuple[int, int] | None = None
 
     @property
     def out_features(self) -> int:
-        return int(self.d.shape[0])
+        return self.shape[0] if self.shape is not None else int(self.d.shape[0])
 
     @property
     def in_features(self) -> int:
-        return int(self.d.shape[1]) * BLOCK_VALUES
+        return self.shape[1] if self.shape is not None else int(self.d.shape[1]) * BLOCK_VALUES
 
     @property
     def nbytes(self) -> int:
@@ -43,6 +48,10 @@ class PackedWeight:
     def from_blocks(cls, raw: np.ndarray, fmt: QuantFormat) -> PackedWeight:
         """From GGUF block bytes: raw uint8 [N, num_blocks * block_bytes] (a GGUF tensor's `data`)."""
         rows = raw.shape[0]
+        if fmt.kept_as_blocks:
+            blocks = np.array(raw, dtype=np.uint8, order="C").reshape(rows, -1)  # own, writable memory
+            cols = blocks.shape[1] // fmt.block_bytes * fmt.block_values
+            return cls(fmt, torch.from_numpy(blocks), _EMPTY_HALF, None, (rows, cols))
         blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(rows, -1, fmt.block_bytes)
         d = blocks[:, :, 0:2].copy().view(np.float16).reshape(rows, -1)
         m = blocks[:, :, 2:4].copy().view(np.float16).reshape(rows, -1) if fmt.has_min else None
@@ -56,6 +65,9 @@ class PackedWeight:
         fmt = parts[0].format
         if any(p.format != fmt or p.in_features != parts[0].in_features for p in parts):
             raise ValueError("only same-format, same-K packed weights concatenate")
+        if fmt.kept_as_blocks:
+            shape = (sum(p.out_features for p in parts), parts[0].in_features)
+            return cls(fmt, torch.cat([p.qs for p in parts]), _EMPTY_HALF, None, shape)
         m = torch.cat([p.m for p in parts]) if fmt.has_min else None  # type: ignore[misc]
         return cls(fmt, torch.cat([p.qs for p in parts]), torch.cat([p.d for p in parts]), m)
 

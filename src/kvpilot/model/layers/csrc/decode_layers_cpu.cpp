@@ -9,27 +9,81 @@
 // hidden states are bit for bit the module path's (tests/model/test_fused_decode.py).
 namespace {
 
-// in_norm, qkv, o, post_norm, gate_up, down: each projection as 3 tensors, (qs, d, m) of the packed blocks for the
-// float32 kernel or the int8 path's copy: (tq, td, to) column-tiled or (vq, vd, vo) interleaved
-constexpr int64_t kWeightsPerLayer = 14;
-constexpr int64_t kFormatsPerLayer = 4;   // qkv, o, gate_up, down
+// Per layer: in_norm, qkv, o, post_norm, gate_up, down. A projection is one or more parts (a fused projection's parts
+// of different formats stay apart), each 3 tensors: (qs, d, m) of the packed blocks for the float32 kernel, or the
+// int8 path's copy: (tq, td, to | ts) column-tiled or (vq, vd, vo) interleaved (one part).
+constexpr int64_t kProjections = 4;  // qkv, o, gate_up, down
 
-struct LayerWeights {
-  const torch::Tensor* t;  // kWeightsPerLayer tensors
-  const int64_t* formats;  // kFormatsPerLayer codes
+struct Projection {
+  const torch::Tensor* w;  // 3 * parts tensors
+  const int64_t* formats;  // parts codes
+  int64_t parts;
 };
 
-// PackedLinear._kernel_rows for bf16 rows and a single packed part: int8 activations (VNNI, tiled or interleaved) or
-// the float32 kernel.
-torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor* w, int64_t fmt, bool int8, int64_t isa) {
-  const bool tiled = int8 && w[1].dim() == 3;  // the column-tiled copy: td [N / 16, KB, 16]
-  torch::Tensor out = torch::empty({x.size(0), tiled ? w[1].size(0) * 16 : w[1].size(0)}, x.options());
-  if (tiled) {
+struct LayerWeights {
+  const torch::Tensor* in_norm;
+  const torch::Tensor* post_norm;
+  Projection proj[kProjections];
+};
+
+// The layers' weights from the flat lists: per layer, `formats` holds for each projection its part count, then the
+// parts' codes; `weights` the input norm, qkv's and o's parts, the post-attention norm, gate_up's and down's parts.
+std::vector<LayerWeights> layer_weights(const std::vector<torch::Tensor>& weights, const std::vector<int64_t>& formats,
+                                        int64_t L) {
+  std::vector<LayerWeights> layers(L);
+  size_t w = 0, f = 0;
+  for (int64_t l = 0; l < L; ++l) {
+    for (int64_t p = 0; p < kProjections; ++p) {
+      if (p == 0 || p == 2) {
+        TORCH_CHECK(w < weights.size(), "decode_layers_bf16: weights end early");
+        (p == 0 ? layers[l].in_norm : layers[l].post_norm) = &weights[w++];
+      }
+      TORCH_CHECK(f < formats.size() && formats[f] >= 1, "decode_layers_bf16: formats end early or a part count < 1");
+      const int64_t parts = formats[f++];
+      TORCH_CHECK(f + parts <= formats.size() && w + 3 * parts <= weights.size(),
+                  "decode_layers_bf16: lists end early");
+      layers[l].proj[p] = {&weights[w], &formats[f], parts};
+      w += 3 * parts;
+      f += parts;
+    }
+  }
+  TORCH_CHECK(w == weights.size() && f == formats.size(), "decode_layers_bf16: ", L, " layers do not use every weight");
+  return layers;
+}
+
+// Output columns of a projection: the tiled parts' 16 rows a tile, interleaved vd's rows, the float32 kernel's
+// parts' rows (kept GGUF blocks: qs's rows; split formats: d's)
+int64_t projection_rows(const Projection& p, bool tiled) {
+  int64_t rows = 0;
+  for (int64_t i = 0; i < p.parts; ++i) {
+    const torch::Tensor* w = p.w + 3 * i;
+    rows += tiled ? w[1].size(0) * 16 : kept_as_blocks(p.formats[i]) ? w[0].size(0) : w[1].size(0);
+  }
+  return rows;
+}
+
+// PackedLinear._kernel_rows for bf16 rows: int8 activations (VNNI: the column-tiled copies, one split-format part's
+// by quant_matmul_tiled, others as a set; or one interleaved part) or the float32 kernel, part by part.
+torch::Tensor linear_bf16(const torch::Tensor& x, const Projection& p, bool int8, int64_t isa) {
+  const torch::Tensor* w = p.w;
+  const bool tiled = int8 && w[1].dim() == 3;  // the column-tiled copies: td [N / 16, groups, width]
+  torch::Tensor out = torch::empty({x.size(0), projection_rows(p, tiled)}, x.options());
+  if (tiled && p.parts == 1 && !kept_as_blocks(p.formats[0])) {
     quant_matmul_tiled(out, x, w[0], w[1], w[2]);
+  } else if (tiled) {
+    quant_matmul_tiled_set(out, x, std::vector<torch::Tensor>(w, w + 3 * p.parts),
+                           std::vector<int64_t>(p.formats, p.formats + p.parts));
   } else if (int8) {
-    quant_matmul_interleaved(out, x, w[0], w[1], w[2], fmt == kQ8_0);
+    TORCH_CHECK(p.parts == 1, "the interleaved int8 copy takes one part");
+    quant_matmul_interleaved(out, x, w[0], w[1], w[2], p.formats[0] == kQ8_0);
   } else {
-    quant_matmul(out, x, w[0], w[1], w[2], fmt, isa);
+    int64_t column = 0;
+    for (int64_t i = 0; i < p.parts; ++i) {
+      const torch::Tensor* part = w + 3 * i;
+      const int64_t rows = kept_as_blocks(p.formats[i]) ? part[0].size(0) : part[1].size(0);
+      quant_matmul(out.narrow(1, column, rows), x, part[0], part[1], part[2], p.formats[i], isa);
+      column += rows;
+    }
   }
   return out;
 }
@@ -91,25 +145,24 @@ torch::Tensor layer_bf16(const torch::Tensor& x, const LayerWeights& lw, const t
                          const torch::Tensor& sin, torch::Tensor& cache, const int64_t* slots,
                          const torch::Tensor& block_tables, const torch::Tensor& context_lens, int64_t H, int64_t kvH,
                          double eps, double scale, bool int8, int64_t isa) {
-  const torch::Tensor* w = lw.t;
   const int64_t D = cos.size(-1), T = x.size(0);
   // attention
-  const torch::Tensor qkv = linear_bf16(rms_norm_bf16(x, w[0], eps), w + 1, lw.formats[0], int8, isa);
+  const torch::Tensor qkv = linear_bf16(rms_norm_bf16(x, *lw.in_norm, eps), lw.proj[0], int8, isa);
   const torch::Tensor rotated = rope_bf16(qkv.narrow(1, 0, (H + kvH) * D).view({T, H + kvH, D}), cos, sin);
   const torch::Tensor v = qkv.narrow(1, (H + kvH) * D, kvH * D).view({T, kvH, D});
   write_kv_bf16(cache, rotated.narrow(1, H, kvH), v, slots);
   const torch::Tensor attended = attention_bf16(rotated.narrow(1, 0, H), cache, block_tables, context_lens, scale);
-  const torch::Tensor h = at::add(x, linear_bf16(attended, w + 4, lw.formats[1], int8, isa));
+  const torch::Tensor h = at::add(x, linear_bf16(attended, lw.proj[1], int8, isa));
   // MLP
-  const torch::Tensor gate_up = linear_bf16(rms_norm_bf16(h, w[7], eps), w + 8, lw.formats[2], int8, isa);
-  return at::add(h, linear_bf16(silu_mul_bf16(gate_up), w + 11, lw.formats[3], int8, isa));
+  const torch::Tensor gate_up = linear_bf16(rms_norm_bf16(h, *lw.post_norm, eps), lw.proj[2], int8, isa);
+  return at::add(h, linear_bf16(silu_mul_bf16(gate_up), lw.proj[3], int8, isa));
 }
 
 }  // namespace
 
 // x [T, hidden] bfloat16 contiguous: the embedded tokens of T decoding sequences, row t = sequence t; cos/sin
-// [T, 1, D] bfloat16 contiguous; weights: kWeightsPerLayer tensors per layer (norm weights bf16, packed parts as
-// PackedWeight holds them, m empty unless Q4_1), formats: kFormatsPerLayer codes per layer; kv_caches: one
+// [T, 1, D] bfloat16 contiguous; weights and formats: per layer as layer_weights() reads them (norm weights bf16,
+// packed parts as PackedWeight holds them, m empty unless Q4_1, or the int8 path's copies); kv_caches: one
 // [2, kvH, blocks, block_size, D] bf16 tensor per layer; slot_mapping [T], block_tables [T, max_blocks] and
 // context_lens [T] int64. Returns the hidden states after the last layer (before the final norm).
 torch::Tensor decode_layers_bf16(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
@@ -118,9 +171,7 @@ torch::Tensor decode_layers_bf16(torch::Tensor x, torch::Tensor cos, torch::Tens
                                  torch::Tensor block_tables, torch::Tensor context_lens, int64_t num_heads,
                                  int64_t num_kv_heads, double eps, double scale, bool int8, int64_t isa) {
   const int64_t L = static_cast<int64_t>(kv_caches.size());
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == L * kWeightsPerLayer &&
-              static_cast<int64_t>(formats.size()) == L * kFormatsPerLayer, "decode_layers_bf16: ", L,
-              " layers need ", kWeightsPerLayer, " weights and ", kFormatsPerLayer, " formats each");
+  const std::vector<LayerWeights> layers = layer_weights(weights, formats, L);
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.is_contiguous() && x.dim() == 2, "x: [T, hidden] bf16");
   TORCH_CHECK(slot_mapping.is_contiguous() && slot_mapping.scalar_type() == torch::kInt64 &&
               slot_mapping.numel() == x.size(0), "slot_mapping: [T] int64");
@@ -128,10 +179,8 @@ torch::Tensor decode_layers_bf16(torch::Tensor x, torch::Tensor cos, torch::Tens
     TORCH_CHECK(cache.scalar_type() == torch::kBFloat16 && cache.is_contiguous() && cache.dim() == 5,
                 "kv caches: [2, kvH, blocks, block_size, D] bf16, contiguous");
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  for (int64_t l = 0; l < L; ++l) {
-    const LayerWeights lw{weights.data() + l * kWeightsPerLayer, formats.data() + l * kFormatsPerLayer};
-    x = layer_bf16(x, lw, cos, sin, kv_caches[l], slots, block_tables, context_lens, num_heads, num_kv_heads, eps,
-                   scale, int8, isa);
-  }
+  for (int64_t l = 0; l < L; ++l)
+    x = layer_bf16(x, layers[l], cos, sin, kv_caches[l], slots, block_tables, context_lens, num_heads, num_kv_heads,
+                   eps, scale, int8, isa);
   return x;
 }

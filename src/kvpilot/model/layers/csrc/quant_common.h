@@ -18,7 +18,9 @@
 
 namespace {
 
-enum Format : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2 };
+// Q8_0, Q4_0, Q4_1: split into arrays (below); the rest: GGUF's own blocks (quant_blocks.h), and their column-tiled
+// copies for the int8 path (quant_tiled_kq.h)
+enum Format : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ5_0 = 3, kQ5_1 = 4, kQ4_K = 5, kQ5_K = 6, kQ6_K = 7 };
 enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 constexpr int64_t kBlock = 32;
 constexpr int64_t kNR = 4;  // weight rows dequantized together (one tile's columns)
@@ -28,8 +30,26 @@ struct Packed {
   const uint16_t* d;
   const uint16_t* m;  // nullptr unless Q4_1
   int64_t N, K, KB, fmt;
-  int64_t qs_row() const { return KB * (fmt == kQ8_0 ? kBlock : kBlock / 2); }
+  int64_t qs_row() const;
 };
+
+// The formats kept as GGUF blocks: values and bytes a block
+inline bool kept_as_blocks(int64_t fmt) { return fmt >= kQ5_0 && fmt <= kQ6_K; }
+inline int64_t gguf_block_values(int64_t fmt) { return fmt >= kQ4_K ? 256 : 32; }
+inline int64_t gguf_block_bytes(int64_t fmt) {
+  switch (fmt) {
+    case kQ5_0: return 22;
+    case kQ5_1: return 24;
+    case kQ4_K: return 144;
+    case kQ5_K: return 176;
+    default: return 210;  // kQ6_K
+  }
+}
+
+inline int64_t Packed::qs_row() const {
+  if (kept_as_blocks(fmt)) return K / gguf_block_values(fmt) * gguf_block_bytes(fmt);
+  return KB * (fmt == kQ8_0 ? kBlock : kBlock / 2);
+}
 
 inline float half_to_float(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
 

@@ -1,5 +1,6 @@
-// Linear layers on packed GGUF-style weights (Q8_0, Q4_0, Q4_1) on CPU, built at run time by
-// kvpilot/model/quant/kernel.py after quant_common.h, quant_avx512.h and quant_avx2.h.
+// Linear layers on packed GGUF-style weights (Q8_0, Q4_0, Q4_1 split; Q5_0, Q5_1, Q4_K, Q5_K, Q6_K as GGUF blocks)
+// on CPU, built at run time by kvpilot/model/quant/kernel.py after quant_common.h, quant_blocks.h, quant_avx512.h
+// and quant_avx2.h.
 //
 // quant_matmul: out[M, N] = x[M, K] @ W^T. Each task dequantizes 4 weight rows into an L1-resident float32
 // buffer once, then multiplies them with tiles of up to 4 x rows (64 x rows at a time, so the x block stays
@@ -24,7 +25,30 @@ Kernels kernels_for(int64_t isa) {
   return {dequant_row_scalar, to_bf16_scalar, tile_scalar, nullptr, 4};
 }
 
-Packed packed_of(const torch::Tensor& qs, const torch::Tensor& d, const torch::Tensor& m, int64_t fmt) {
+// The kernels for format fmt: formats kept as blocks dequantize rows with quant_blocks.h (no fused few-row path)
+Kernels kernels_for(int64_t isa, int64_t fmt) {
+  Kernels kern = kernels_for(isa);
+  if (kept_as_blocks(fmt)) {
+    kern.dequant_row = dequant_row_blocks;
+    kern.fused = nullptr;
+  }
+  return kern;
+}
+
+// A format kept as GGUF blocks (quant_blocks.h): qs uint8 [N, row bytes], its shape given by the caller's x / out
+Packed packed_blocks(const torch::Tensor& qs, int64_t fmt, int64_t N, int64_t K) {
+  TORCH_CHECK(K % gguf_block_values(fmt) == 0, "quant kernel: K = ", K, " is not a whole number of blocks");
+  TORCH_CHECK(qs.is_contiguous() && qs.scalar_type() == torch::kUInt8, "quant kernel: qs uint8, contiguous");
+  Packed w{qs.data_ptr<uint8_t>(), nullptr, nullptr, N, K, K / kBlock, fmt};
+  TORCH_CHECK(qs.numel() == N * w.qs_row(), "quant kernel: qs holds ", qs.numel(), " bytes, expected ",
+              N * w.qs_row());
+  return w;
+}
+
+// Split formats take their shape from d; the others (kept as blocks) from N and K
+Packed packed_of(const torch::Tensor& qs, const torch::Tensor& d, const torch::Tensor& m, int64_t fmt, int64_t N_in,
+                 int64_t K_in) {
+  if (kept_as_blocks(fmt)) return packed_blocks(qs, fmt, N_in, K_in);
   TORCH_CHECK(fmt == kQ8_0 || fmt == kQ4_0 || fmt == kQ4_1, "quant kernel: unknown format ", fmt);
   TORCH_CHECK(qs.is_contiguous() && d.is_contiguous() && qs.scalar_type() == torch::kUInt8 &&
               d.scalar_type() == torch::kFloat16 && d.dim() == 2, "quant kernel: qs uint8 / d float16, contiguous");
@@ -122,12 +146,13 @@ bool float_or_bf16(const torch::Tensor& t) {
 // parts side by side).
 void quant_matmul(torch::Tensor out, torch::Tensor x, torch::Tensor qs, torch::Tensor d, torch::Tensor m,
                   int64_t fmt, int64_t isa) {
-  const Packed w = packed_of(qs, d, m, fmt);
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2, "x and out must be matrices");
+  const Packed w = packed_of(qs, d, m, fmt, out.size(1), x.size(1));
   TORCH_CHECK(float_or_bf16(x) && float_or_bf16(out), "x/out must be float32 or bfloat16");
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == w.K && x.stride(1) == 1, "x must be [M, ", w.K, "] with unit stride");
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == w.N && out.stride(1) == 1,
+  TORCH_CHECK(x.size(1) == w.K && x.stride(1) == 1, "x must be [M, ", w.K, "] with unit stride");
+  TORCH_CHECK(out.size(0) == x.size(0) && out.size(1) == w.N && out.stride(1) == 1,
               "out must be [M, ", w.N, "] with unit column stride");
-  const Kernels kern = kernels_for(isa);
+  const Kernels kern = kernels_for(isa, fmt);
   const Float32Rows xf = float32_rows(x);
   const int64_t M = x.size(0);
   if (out.scalar_type() == torch::kFloat32) {
@@ -142,11 +167,12 @@ void quant_matmul(torch::Tensor out, torch::Tensor x, torch::Tensor qs, torch::T
 // out [N, K] float32 or bfloat16, contiguous = dequantized W.
 void quant_dequantize(torch::Tensor out, torch::Tensor qs, torch::Tensor d, torch::Tensor m, int64_t fmt,
                       int64_t isa) {
-  const Packed w = packed_of(qs, d, m, fmt);
+  TORCH_CHECK(out.dim() == 2, "out must be [N, K]");
+  const Packed w = packed_of(qs, d, m, fmt, out.size(0), out.size(1));
   TORCH_CHECK(out.is_contiguous() && out.size(0) == w.N && out.size(1) == w.K, "out must be [N, K] contiguous");
   const bool bf16 = out.scalar_type() == torch::kBFloat16;
   TORCH_CHECK(bf16 || out.scalar_type() == torch::kFloat32, "quant_dequantize: out must be float32 or bfloat16");
-  const Kernels kern = kernels_for(isa);
+  const Kernels kern = kernels_for(isa, fmt);
   void* base = out.data_ptr();
   at::parallel_for(0, w.N, 16, [&](int64_t n0, int64_t n1) {
     std::vector<float> row(w.K), scales(2 * w.KB);

@@ -98,9 +98,10 @@ std::pair<float, int32_t> lane_best(const float* best, const int32_t* index) {
 }
 
 // Tiles [t0, t1) of the argmax: per x row, the best (value, column) of their columns and whether one was NaN.
-template <bool Q8>
-KVP_VNNI void argmax_chunk(const uint8_t* tq, const uint16_t* td, const uint16_t* to, int64_t KB, int64_t t0,
-                           int64_t t1, const Q8Rows& x, int64_t M, float* value, int32_t* column, bool* nan) {
+// rows(t, te, block, width) writes the float32 outputs of tiles [t, te) for every x row into block [M, width].
+template <typename RowsFn>
+KVP_VNNI void argmax_chunk(const RowsFn& rows, int64_t t0, int64_t t1, int64_t M, float* value, int32_t* column,
+                           bool* nan) {
   std::vector<float> block(M * 16 * kArgmaxTiles), best(M * 16, -std::numeric_limits<float>::infinity());
   std::vector<int32_t> index(M * 16);
   for (int64_t i = 0; i < M; ++i)
@@ -108,7 +109,7 @@ KVP_VNNI void argmax_chunk(const uint8_t* tq, const uint16_t* td, const uint16_t
   std::fill(nan, nan + M, false);
   for (int64_t t = t0; t < t1; t += kArgmaxTiles) {
     const int64_t te = std::min(t + kArgmaxTiles, t1), width = (te - t) * 16;
-    tiled_rows<Q8>(tq, td, to, KB, t, te, x.q.data(), x.d.data(), x.s.data(), M, block.data(), nullptr, width);
+    rows(t, te, block.data(), width);
     fold_block(block.data(), M, width, t * 16, best.data(), index.data(), nan);
   }
   for (int64_t i = 0; i < M; ++i) std::tie(value[i], column[i]) = lane_best(best.data() + i * 16, index.data() + i * 16);
@@ -159,25 +160,19 @@ void quant_dequantize_tiled(torch::Tensor out, torch::Tensor tq, torch::Tensor t
   });
 }
 
-// Greedy decoding's token ids: ids [M] int64 = argmax over n of (int8-quantized x [M, K] @ W^T)[m, n] for tiled
-// weights (as quant_matmul_tiled), the first of equal maxima (numpy's and torch's rule), the same float32 values
-// quant_matmul_tiled writes; -1 for a row with a NaN among them (the caller decides). Tiles split into one
-// contiguous run per thread; the runs merge in column order, so ties still go to the lowest id.
-torch::Tensor quant_argmax_tiled(torch::Tensor x, torch::Tensor tq, torch::Tensor td, torch::Tensor to) {
-  const TiledShape shape = tiled_shape(x, tq, td, to);
-  const int64_t T = shape.T, KB = shape.KB, M = x.size(0);
-  const Q8Rows xq = quantize_rows_q8(x, KB);
+namespace {
+
+// The argmax over the columns of T tiles for M x rows, rows(t, te, block, width) computing tiles [t, te) (argmax_chunk)
+template <typename RowsFn>
+torch::Tensor argmax_over_tiles(int64_t T, int64_t M, const RowsFn& rows) {
   const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), T));
   std::vector<float> value(chunks * M);
   std::vector<int32_t> column(chunks * M);
   std::unique_ptr<bool[]> nan(new bool[chunks * M]);
-  const auto* d = reinterpret_cast<const uint16_t*>(td.data_ptr<at::Half>());
-  const auto* o = reinterpret_cast<const uint16_t*>(to.data_ptr<at::Half>());
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c)
-      (shape.q8 ? argmax_chunk<true> : argmax_chunk<false>)(tq.data_ptr<uint8_t>(), d, o, KB, c * T / chunks,
-                                                            (c + 1) * T / chunks, xq, M, value.data() + c * M,
-                                                            column.data() + c * M, nan.get() + c * M);
+      argmax_chunk(rows, c * T / chunks, (c + 1) * T / chunks, M, value.data() + c * M, column.data() + c * M,
+                   nan.get() + c * M);
   });
   torch::Tensor ids = at::empty({M}, at::kLong);
   int64_t* out = ids.data_ptr<int64_t>();
@@ -192,4 +187,23 @@ torch::Tensor quant_argmax_tiled(torch::Tensor x, torch::Tensor tq, torch::Tenso
     out[i] = bad ? -1 : id;
   }
   return ids;
+}
+
+}  // namespace
+
+// Greedy decoding's token ids: ids [M] int64 = argmax over n of (int8-quantized x [M, K] @ W^T)[m, n] for tiled
+// weights (as quant_matmul_tiled), the first of equal maxima (numpy's and torch's rule), the same float32 values
+// quant_matmul_tiled writes; -1 for a row with a NaN among them (the caller decides). Tiles split into one
+// contiguous run per thread; the runs merge in column order, so ties still go to the lowest id.
+torch::Tensor quant_argmax_tiled(torch::Tensor x, torch::Tensor tq, torch::Tensor td, torch::Tensor to) {
+  const TiledShape shape = tiled_shape(x, tq, td, to);
+  const int64_t KB = shape.KB, M = x.size(0);
+  const Q8Rows xq = quantize_rows_q8(x, KB);
+  const auto* d = reinterpret_cast<const uint16_t*>(td.data_ptr<at::Half>());
+  const auto* o = reinterpret_cast<const uint16_t*>(to.data_ptr<at::Half>());
+  const uint8_t* q = tq.data_ptr<uint8_t>();
+  return argmax_over_tiles(shape.T, M, [&](int64_t t, int64_t te, float* block, int64_t width) {
+    (shape.q8 ? tiled_rows<true> : tiled_rows<false>)(q, d, o, KB, t, te, xq.q.data(), xq.d.data(), xq.s.data(), M,
+                                                       block, nullptr, width);
+  });
 }

@@ -1,0 +1,108 @@
+"""GGUF blocks of the formats kept as blocks (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) decoded into integers, at load: each
+32-value block's unsigned quants and the scales that turn them into values (quant/tiled_kquant.py lays them out
+for the int8 kernel).
+
+Invariant: for every format, value = s * q + o per 32-value block (per 16-value half for Q6_K) with
+  Q5_0: s = d, o = -16 d;   Q5_1: s = d, o = m;   Q4_K / Q5_K: s = d * sc, o = -dmin * mn (sub-block = block);
+  Q6_K: s = d * sc[half], o = -32 s
+reproduces the gguf package's float32 dequantization exactly (the products are exact in float32).
+The block layouts are GGUF's (formats.py's docstring; the gguf package's quants.py reads them the same way).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvpilot.model.quant.formats import Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, QuantFormat
+
+
+@dataclass(frozen=True)
+class DecodedBlocks:
+    """q: uint8 [N, KB, 32] (0..15, 0..31 or 0..63); d: float16 [N, groups, c] (Q5_0: d per block; Q5_1: d, m
+    per block; Q4_K / Q5_K: d, dmin per super-block; Q6_K: d per super-block); sub: uint8 [N, KB, 2] (Q4_K /
+    Q5_K: the block's 6-bit scale and minimum; Q6_K: its halves' int8 scales, as bytes) or None."""
+
+    q: np.ndarray
+    d: np.ndarray
+    sub: np.ndarray | None
+
+
+def _half(blocks: np.ndarray, start: int) -> np.ndarray:
+    return np.ascontiguousarray(blocks[..., start:start + 2]).view(np.float16)
+
+
+def _nibbles_then_highs(qs: np.ndarray) -> np.ndarray:
+    """16 bytes a block (value j low nibble of byte j, value 16 + j high nibble) -> [..., 32] values 0..15."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _decode_q5(blocks: np.ndarray, has_min: bool) -> DecodedBlocks:
+    start = 4 if has_min else 2
+    qh = np.ascontiguousarray(blocks[..., start:start + 4]).view("<u4")  # [N, KB, 1]
+    high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+    q = _nibbles_then_highs(blocks[..., start + 4:start + 20]) | (high << 4)
+    d = np.concatenate([_half(blocks, 0), _half(blocks, 2)], axis=-1) if has_min else _half(blocks, 0)
+    return DecodedBlocks(q, d, None)
+
+
+def k_scales_and_mins(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K: the 12 packed bytes [..., 12] -> 6-bit scales and minimums [..., 8] each."""
+    low, mid, high = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]
+    sc = np.concatenate([low & 0x3F, (high & 0x0F) | ((low >> 6) << 4)], axis=-1)
+    mn = np.concatenate([mid & 0x3F, (high >> 4) | ((mid >> 6) << 4)], axis=-1)
+    return sc, mn
+
+
+def _decode_qk(blocks: np.ndarray, five_bits: bool) -> DecodedBlocks:
+    n, sb = blocks.shape[:2]
+    sc, mn = k_scales_and_mins(blocks[..., 4:16])
+    qs = blocks[..., 48:176] if five_bits else blocks[..., 16:144]
+    q = np.stack([qs.reshape(n, sb, 4, 32) & 0x0F, qs.reshape(n, sb, 4, 32) >> 4], axis=3)  # [n, sb, chunk, nib, 32]
+    q = q.reshape(n, sb, 8, 32)
+    if five_bits:
+        qh = blocks[..., 16:48]  # bit j of byte l: value l of sub-block j
+        q = q | ((((qh[:, :, None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1)) << 4).astype(np.uint8)
+    d = np.concatenate([_half(blocks, 0), _half(blocks, 2)], axis=-1)
+    return DecodedBlocks(q.reshape(n, sb * 8, 32), d, np.stack([sc, mn], axis=-1).reshape(n, sb * 8, 2))
+
+
+def _decode_q6k(blocks: np.ndarray) -> DecodedBlocks:
+    n, sb = blocks.shape[:2]
+    ql = blocks[..., 0:128].reshape(n, sb, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)
+    qh = blocks[..., 128:192].reshape(n, sb, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)
+    q = ((ql & 0x0F).reshape(n, sb, 256) | ((qh & 0x03).reshape(n, sb, 256) << 4)).astype(np.uint8)
+    return DecodedBlocks(q.reshape(n, sb * 8, 32), _half(blocks, 208), blocks[..., 192:208].reshape(n, sb * 8, 2))
+
+
+def decode_blocks(raw: np.ndarray, fmt: QuantFormat) -> DecodedBlocks:
+    """raw uint8 [N, blocks * block_bytes] (a PackedWeight's qs) -> its quants and scales."""
+    blocks = np.ascontiguousarray(raw).reshape(raw.shape[0], -1, fmt.block_bytes)
+    if fmt in (Q5_0, Q5_1):
+        return _decode_q5(blocks, fmt == Q5_1)
+    if fmt in (Q4_K, Q5_K):
+        return _decode_qk(blocks, fmt == Q5_K)
+    if fmt == Q6_K:
+        return _decode_q6k(blocks)
+    raise ValueError(f"{fmt.name} is not kept as GGUF blocks")
+
+
+def decoded_values(blocks: DecodedBlocks, fmt: QuantFormat) -> np.ndarray:
+    """float32 [N, K]: the values the decoded blocks hold (by the invariant's formula; for tests)."""
+    n, kb, _ = blocks.q.shape
+    q = blocks.q.astype(np.float32)
+    d = blocks.d.astype(np.float32)
+    if fmt == Q5_0:
+        s, o = d[..., :1], d[..., :1] * -16.0
+    elif fmt == Q5_1:
+        s, o = d[..., :1], d[..., 1:2]
+    elif fmt == Q6_K:
+        sc = blocks.sub.view(np.int8).astype(np.float32)  # [n, kb, 2]
+        s = np.repeat(d, 8, axis=1) * sc
+        return (np.repeat(s, 16, axis=-1) * (q - 32.0)).reshape(n, -1)
+    else:
+        sub = blocks.sub.astype(np.float32)
+        s = np.repeat(d[..., :1], 8, axis=1) * sub[..., :1]
+        o = -(np.repeat(d[..., 1:2], 8, axis=1) * sub[..., 1:2])
+    return (s * q + o).reshape(n, -1)

@@ -1,0 +1,72 @@
+"""What a model's packed layers hold in memory, against the bytes their tensors take in the GGUF file.
+
+The figure the loader reports (LoadedModel.packed_memory, logged at load): a packed-only model holds its blocks
+(or their int8 copies) in about the file's bytes, K-quants ~1.03x (a 6-bit sub-scale takes a byte); the hybrid
+layout adds dense copies for many-row GEMMs, and the embedding table is dense for token lookups either way.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from kvpilot.model.quant.linear import PackedLinear
+
+logger = logging.getLogger("kvpilot")
+MIB = 2 ** 20
+
+
+@dataclass(frozen=True)
+class PackedMemory:
+    """file_bytes: the packed tensors' bytes in the file; packed_bytes: the blocks and int8 copies held for them;
+    dense_bytes: dense copies kept beside them (hybrid layout); embedding_bytes: the dense lookup table."""
+
+    file_bytes: int
+    packed_bytes: int
+    dense_bytes: int
+    embedding_bytes: int
+
+    @property
+    def ratio(self) -> float:
+        """Packed bytes held per byte of the file's packed tensors."""
+        return self.packed_bytes / self.file_bytes if self.file_bytes else 0.0
+
+    def summary(self) -> str:
+        dense = f", plus {self.dense_bytes / MIB:.1f} MiB of dense copies for many-row GEMMs" \
+            if self.dense_bytes else ""
+        return (f"packed weights: {self.packed_bytes / MIB:.1f} MiB held for {self.file_bytes / MIB:.1f} MiB of "
+                f"quantized tensors in the file ({self.ratio:.3f}x){dense}; embedding table "
+                f"{self.embedding_bytes / MIB:.1f} MiB dense")
+
+
+def packed_memory(model: nn.Module, file_bytes: int) -> PackedMemory:
+    """The bytes `model`'s PackedLinear modules hold, split into quantized and dense copies."""
+    packed = dense = 0
+    for module in _packed_linears(model.modules()):
+        quantized = sum(p.nbytes for p in module.parts)
+        if module.int8_weight is not None:
+            quantized += module.int8_weight.nbytes_beside(module.parts[0])
+        packed += quantized
+        dense += module.nbytes - quantized
+    embed = getattr(model, "embed_tokens", None)
+    embedding = 0 if embed is None else embed.weight.numel() * embed.weight.element_size()
+    return PackedMemory(file_bytes, packed, dense, embedding)
+
+
+def _packed_linears(modules: Iterable[nn.Module]) -> list[PackedLinear]:
+    return [m for m in modules if isinstance(m, PackedLinear)]
+
+
+def report_packed_memory(model: nn.Module, reader: Any, names: frozenset[str]) -> PackedMemory:
+    """packed_memory of `model`, whose packed layers hold the GGUF `reader`'s tensors with HF names `names` (linear
+    weights: their names are the same in every family); logged."""
+    from kvpilot.model.gguf_weights import hf_tensor_name
+
+    file_bytes = sum(int(t.n_bytes) for t in reader.tensors if hf_tensor_name(t.name) in names)
+    memory = packed_memory(model, file_bytes)
+    logger.info("%s", memory.summary())
+    return memory
