@@ -24,10 +24,12 @@ TEXT = (Path(__file__).parent / "data" / "perplexity.txt").read_text(encoding="u
 
 
 def _causal_attention(num_heads: int, num_kv_heads: int):
-    """One whole sequence, no KV cache: the model's layers call attn(q, k, v, kv_cache, scale)."""
+    """One whole sequence, no KV cache: the model's layers call attn(q, k, v, kv_cache, layer) with a
+    LayerAttention (the embedded Llama-family model uses no window, soft-cap or sinks) or a bare scale."""
     group = num_heads // num_kv_heads
 
-    def attend(q, k, v, kv_cache, scale):
+    def attend(q, k, v, kv_cache, layer):
+        scale = getattr(layer, "scale", layer)
         k, v = (t.repeat_interleave(group, dim=1).transpose(0, 1) for t in (k, v))
         out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, is_causal=True, scale=scale)
         return out.transpose(0, 1)
