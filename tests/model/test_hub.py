@@ -141,3 +141,17 @@ def test_gguf_repository_downloads_one_file(hub, tmp_path: Path, gguf_path: Path
     path = Path(resolve_model("org/smol-GGUF:q4_1", download_dir=str(tmp_path)))
     assert path.name == "smol-Q4_1.gguf" and sorted(p.name for p in path.parent.iterdir()) == ["smol-Q4_1.gguf"]
     assert hub.state.downloads["smol-Q8_0.gguf"] == 0
+
+
+def test_serve_takes_the_hub_flags() -> None:
+    """`kvpilot serve --model org/name --revision ... --download-dir ... --gguf-file ...` parses into the
+    engine's settings (the download itself happens in the engine core: tested above through LLM)."""
+    from typer.main import get_command
+
+    from kvpilot.cli import app
+
+    serve = get_command(app).commands["serve"]  # type: ignore[attr-defined]
+    params = serve.make_context("serve", ["--model", "org/m-GGUF:Q4_K_M", "--revision", "v2", "--download-dir",
+                                          "/tmp/hf", "--gguf-file", "m.gguf"]).params
+    assert (params["model"], params["revision"], params["download_dir"], params["gguf_file"]) == \
+        ("org/m-GGUF:Q4_K_M", "v2", "/tmp/hf", "m.gguf")

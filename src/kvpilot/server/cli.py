@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Any
 import typer
 
 from kvpilot.cli_options import (AsyncSchedulingOpt, AttentionBackendOpt, BlockSizeOpt, CudaGraphSizesOpt,
-                                 DeviceOpt, DtypeOpt, EnforceEagerOpt, GpuUtilOpt, KvCacheDtypeOpt, KvCacheMemoryOpt,
-                                 LoadFormatOpt, MaxBatchedTokensOpt, MaxModelLenOpt, MaxNumSeqsOpt, ModelOpt,
-                                 PolicyOpt, PrefixCachingOpt, PromptGemmDtypeOpt, QuantizationOpt, SeedOpt,
-                                 TensorParallelOpt,
+                                 DeviceOpt, DownloadDirOpt, DtypeOpt, EnforceEagerOpt, GgufFileOpt, GpuUtilOpt,
+                                 KvCacheDtypeOpt, KvCacheMemoryOpt, LoadFormatOpt, MaxBatchedTokensOpt,
+                                 MaxModelLenOpt, MaxNumSeqsOpt, ModelOpt, PolicyOpt, PrefixCachingOpt,
+                                 PromptGemmDtypeOpt, QuantizationOpt, RevisionOpt, SeedOpt, TensorParallelOpt,
                                  parse_cuda_graph_sizes)
 from kvpilot.server.serve_flags import (ApiKeyOpt, AutoToolChoiceOpt, BodyTimeoutOpt, DrainTimeoutOpt,
                                         EngineProcessOpt, HeaderTimeoutOpt, HostOpt, KeepAliveTimeoutOpt,
@@ -47,6 +47,7 @@ def _queue_cap(flag: int | None, max_num_seqs: int) -> int | None:
 
 def serve_command(
     model: ModelOpt = None, load_format: LoadFormatOpt = "auto", dtype: DtypeOpt = "auto", device: DeviceOpt = None,
+    revision: RevisionOpt = None, download_dir: DownloadDirOpt = None, gguf_file: GgufFileOpt = None,
     quantization: QuantizationOpt = "auto", prompt_gemm_dtype: PromptGemmDtypeOpt = "auto",
     max_model_len: MaxModelLenOpt = None, max_num_seqs: MaxNumSeqsOpt = 256,
     max_num_batched_tokens: MaxBatchedTokensOpt = None, kv_cache_memory: KvCacheMemoryOpt = None,
@@ -78,7 +79,8 @@ def serve_command(
 
     try:
         engine_args = _engine_args(
-            model=model, load_format=load_format, dtype=dtype, device=device, quantization=quantization,
+            model=model, load_format=load_format, dtype=dtype, device=device, revision=revision,
+            download_dir=download_dir, gguf_file=gguf_file, quantization=quantization,
             prompt_gemm_dtype=prompt_gemm_dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv_cache_memory,
             kv_cache_dtype=kv_cache_dtype, gpu_memory_utilization=gpu_memory_utilization, block_size=block_size,
