@@ -8,6 +8,13 @@ sharing their GIL would measure their Python work as its own lag), on the same m
 are judged against the delays it diagnoses and must not lead. When the doctor measures that the test host
 itself starved the server (other agents, CI neighbours), ``cpu-starvation`` may lead: that is then the truth
 about the run.
+
+The verify tests serve SmolLM2's architecture cut to VERIFY_LAYERS layers with random weights (`--load-format
+dummy`, the embedded tokenizer): the doctor starts, probes and restarts the real `kvpilot serve` with the real
+flags, each probe phase reaches its request count in a fraction of the 30-layer model's time, and TTFT stays far
+under the 500 ms `prefill-bound` bar on a slow box too. (On the 30-layer model a slow run crossed it:
+`prefill-bound`, which proposes the same `--enable-prefix-caching`, was then tried first and judged by another
+metric, and the shared-prefix phase sent too few requests for `prefix-cache-miss`.)
 """
 
 from __future__ import annotations
@@ -26,11 +33,16 @@ from kvpilot.bench.datasets import DatasetConfig
 from kvpilot.bench.load import LoadShape
 from kvpilot.doctor.findings import Severity
 from kvpilot.doctor.server_config import fetch_capacity
+from kvpilot.fit.model_catalog import get_hf_config
 from tests.doctor.bench_worker import BenchWorker
 from tests.doctor.live_staging import bench, doctor, kvpilot_server, ranked
 
 pytestmark = pytest.mark.slow
 CLI = [sys.executable, "-c", "from kvpilot.cli import main; main()"]
+# 4 layers: a 256-token prompt still takes several HTTP round trips' time to prefill (prefix caching's gain is
+# measurable), and a decode step is bound by reading the 113 MB output layer, so two sequences a step nearly
+# double the throughput of one (the queueing fix helps at once)
+VERIFY_LAYERS = 4
 # A probe smaller than --quick (the same phases and code, 4 s per phase, at most 4 requests in flight as with
 # --max-concurrency 4) for the starvation scenario: the server's threads wait for a CPU about half the time they
 # are runnable whatever the load (0.51-0.52 measured with 8 or 4 in flight), while 8 requests in flight on the
@@ -144,16 +156,28 @@ def test_healthy_default_server_under_mixed_traffic_has_nothing_above_low(llm_fp
     # no --model/--gpu: the verdict still has the roofline of the model and device the server names
     assert report.roofline is not None and report.roofline["model"].endswith(".gguf") and "roofline" in report.verdict
     lagged = any(r["client_lag"]["overloaded"] for r in measured.result["runs"])
-    assert above_low in ([], ["client-overload"] if lagged else []), ranked(report)
+    # a starved machine may get its host verdicts (test_live_scenarios._host_verdicts), nothing else
+    assert set(above_low) <= {"degraded-run"} | ({"client-overload"} if lagged else set()), ranked(report)
     roof = doctor(measured, server_config=config, model="smollm2-135m", gpu="cpu")
     assert roof.roofline is not None and roof.roofline["dtype"] == "float32"
     assert "of the float32 roofline" in roof.verdict
 
 
-def test_serve_verify_restarts_with_the_fix_and_prints_before_after() -> None:
+@pytest.fixture(scope="module")
+def verify_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The `--model` and `--load-format` of the verify tests' `kvpilot serve` (see the module docstring)."""
+    config = get_hf_config("smollm2-135m")
+    config["num_hidden_layers"] = VERIFY_LAYERS
+    path = tmp_path_factory.mktemp("verify-model") / "config.json"
+    path.write_text(json.dumps(config))
+    return f"--model {path} --load-format dummy"
+
+
+def test_serve_verify_restarts_with_the_fix_and_prints_before_after(verify_model: str) -> None:
     """`--max-num-seqs 1`: the doctor starts `kvpilot serve`, probes, restarts it with the queueing fix
     and probes again; the trial's before/after numbers are printed and in the JSON."""
-    serve = "kvpilot serve --max-num-seqs 1 --dtype float32 --kv-cache-memory 256MiB --max-model-len 1024"
+    serve = (f"kvpilot serve {verify_model} --max-num-seqs 1 --dtype float32 --kv-cache-memory 256MiB "
+             "--max-model-len 1024")
     # 2-second phases: one sequence at a time queues every request but the first, a finding in any phase length
     proc = _doctor_cli("--serve", serve, "--verify", "--quick", "--json", "--verify-budget", "400", "--phase-seconds",
                        "2", timeout_s=590)
@@ -167,14 +191,14 @@ def test_serve_verify_restarts_with_the_fix_and_prints_before_after() -> None:
     assert "verify: restarting with --max-num-seqs 2 (queueing)" in proc.stderr
 
 
-def test_serve_verify_turns_prefix_caching_on_for_shared_prefix_traffic() -> None:
+def test_serve_verify_turns_prefix_caching_on_for_shared_prefix_traffic(verify_model: str) -> None:
     """`--no-enable-prefix-caching`: the probe's shared-prefix phase re-prefills every prefix; the doctor
     restarts with `--enable-prefix-caching` and keeps it because shared-prefix TTFT falls. Fixes tried
     before it (other findings' flags) must have been withdrawn."""
-    serve = ("kvpilot serve --no-enable-prefix-caching --dtype float32 --kv-cache-memory 256MiB "
+    serve = (f"kvpilot serve {verify_model} --no-enable-prefix-caching --dtype float32 --kv-cache-memory 256MiB "
              "--max-model-len 1024")
-    # the default phases: with 4-second ones the shared-prefix phase sent 8 requests, too few for a reusable
-    # prefix share over the rule's bar in one CI run (the finding, and so the trial, did not come)
+    # the default phases, a send deadline only: each phase stops at its request count long before it on this
+    # model, while a starved box still gets the time to send enough shared-prefix requests for the finding
     proc = _doctor_cli("--serve", serve, "--verify", "--quick", "--json", "--verify-budget", "500", timeout_s=590)
     assert proc.returncode == 1, proc.stderr[-2000:]
     doc = json.loads(proc.stdout)

@@ -201,15 +201,18 @@ def load_inputs(result_paths: list[str], metrics_paths: list[str] | None = None,
 
 def _served_roofline(config: ServerConfig, shape: tuple[int, int, int], dtype: str | None) -> RooflineRef | None:
     """The roofline of the model and device the server named (kvpilot's capacity endpoint), its weights in the
-    format they are served in (int8 / int4 / fp8 quantized at load; a GGUF's own blocks); None when fit
+    format they are served in (int8 / int4 / fp8 quantized at load; a GGUF's own blocks, or the compute dtype
+    when the server reports them dequantized, ``quantization`` "none"); None when fit
     cannot place it here (the model file is on another host, an unknown device) or the server named none (vLLM,
     an older kvpilot): it is a bonus, not an input the user gave."""
     if not (config.fit_model and config.fit_device):
         return None
     quantized = config.quantization if config.quantization not in (None, "none") else None
+    weights = quantized if quantized in ("int8", "int4", "fp8") else None
+    if config.quantization == "none" and dtype and config.fit_model.endswith(".gguf"):
+        weights = dtype  # a GGUF dequantized at load: decode reads dense weights, not the file's blocks
     try:
-        ref = roofline_for(config.fit_model, config.fit_device, *shape, dtype,
-                           weight_dtype=quantized if quantized in ("int8", "int4", "fp8") else None)
+        ref = roofline_for(config.fit_model, config.fit_device, *shape, dtype, weight_dtype=weights)
     except (DoctorInputError, OSError, ValueError):
         return None
     # the verdict names the file or directory, and the weights' format where they are quantized

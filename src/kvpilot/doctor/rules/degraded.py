@@ -8,7 +8,7 @@ Two references say what this machine can do, each judged with a wide margin:
   load; most of the run at a third of it or less is the host, not the configuration (which is the same in
   every window);
 * **the served roofline** (on a CPU, the model and device kvpilot's capacity endpoint names): even the run's
-  fastest requests (p10 TPOT) at a tenth of the roofline's step time at their batch. A roofline given with
+  fastest requests (p10 TPOT) at a twentieth of the roofline's step time at their batch. A roofline given with
   ``--model/--gpu`` is decode-bound's to judge (its efficiency bar is 30%); this rule does not repeat it.
 
 Neither needs the host's /proc, so saved bench files get the verdict too; when the doctor did measure the
