@@ -10,6 +10,7 @@ llama.cpp's `-hf`). Every failure is a ModelLoadError that says what to do.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -121,6 +122,8 @@ def download(hub: HubModel, *, revision: str | None = None, download_dir: str | 
     GGUF file. `revision` overrides the id's `@revision`."""
     from huggingface_hub import snapshot_download
 
+    for name in ("httpx", "httpx2"):  # one INFO line per HTTP request: the progress bar says enough
+        logging.getLogger(name).setLevel(logging.WARNING)
     hub = HubModel(hub.repo_id, revision or hub.revision, hub.quant)
     try:
         files = _list_files(hub, download_dir)
