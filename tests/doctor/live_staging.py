@@ -41,10 +41,12 @@ def engine_args(**overrides: Any) -> EngineArgs:
 
 
 @contextlib.contextmanager
-def kvpilot_server(loaded: Any, **overrides: Any) -> Iterator[BackgroundServer]:
-    """A real kvpilot server on the session's weights (``llm_fp32.loaded``), one engine of its own."""
+def kvpilot_server(loaded: Any, api_key: str | None = None, **overrides: Any) -> Iterator[BackgroundServer]:
+    """A real kvpilot server on the session's weights (``llm_fp32.loaded``), one engine of its own; ``api_key``:
+    the key it requires (None: none)."""
     app = create_app(engine_factory(engine_args(**overrides), loaded, warmup=True),
-                     ServerArgs(served_model_names=(MODEL,), stats_interval=60.0, engine_process=False))
+                     ServerArgs(served_model_names=(MODEL,), stats_interval=60.0, engine_process=False,
+                                api_key=api_key))
     with BackgroundServer(app) as server:
         yield server
 

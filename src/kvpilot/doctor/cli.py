@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, NoReturn
 import typer
 
 from kvpilot.doctor.cli_options import (ApiKeyOpt, FromOpt, GpuOpt, HtmlOpt, JsonOpt, MaxConcurrencyOpt,
-                                        MetricsFileOpt, ModelNameOpt, ModelOpt, PhaseSecondsOpt, QuickOpt, ServeOpt,
-                                        ServeTimeoutOpt, SloOpt, TokenizerOpt, UrlOpt, VerifyBudgetOpt, VerifyOpt,
-                                        WorkloadOpt)
+                                        MetricsFileOpt, ModelNameOpt, ModelOpt, PhaseSecondsOpt, QuickOpt, RequestOpt,
+                                        ServeOpt, ServeTimeoutOpt, SloOpt, TokenizerOpt, UrlOpt, VerifyBudgetOpt,
+                                        VerifyOpt, WorkloadOpt)
 from kvpilot.doctor.errors import DoctorInputError
 
 if TYPE_CHECKING:
@@ -55,6 +55,7 @@ class DoctorFlags:
     serve_timeout: float
     slo: str | None
     workload: str | None
+    request: str | None = None
 
     @property
     def has_files(self) -> bool:
@@ -188,10 +189,32 @@ def _write_html(path: str, report: DoctorReport) -> None:
         raise _fail(f"cannot write --html '{path}': {exc}") from None
 
 
+def _explain_request(flags: DoctorFlags) -> NoReturn:
+    """``--request ID``: the server's timeline of one request and the requests around it, explained; exit 0."""
+    from kvpilot.doctor.request_explain import explain, fetch_timelines  # noqa: PLC0415
+
+    if flags.url is None or flags.has_files or flags.serve is not None:
+        raise _fail("--request explains a request a live kvpilot server served: give --url (and not --from, "
+                    "--metrics-file or --serve)")
+    headers = {"Authorization": f"Bearer {flags.api_key}"} if flags.api_key else {}
+    try:
+        answer = explain(fetch_timelines(flags.url, flags.request or "", headers))
+    except DoctorInputError as exc:
+        raise _fail(str(exc)) from None
+    if flags.as_json:
+        typer.echo(json.dumps(answer.to_json(), indent=1))
+    else:
+        for line in answer.lines:
+            typer.echo(line)
+    raise typer.Exit(0)
+
+
 def _run(flags: DoctorFlags) -> NoReturn:
     """Diagnose what ``flags`` name, print the report, exit with its code (2: unusable input)."""
     from kvpilot.doctor.diagnose import diagnose  # noqa: PLC0415
 
+    if flags.request is not None:
+        _explain_request(flags)
     try:
         probe, inputs = _gather(flags)
     except DoctorInputError as exc:
@@ -223,10 +246,11 @@ def doctor_command(
     serve_timeout: ServeTimeoutOpt = 300.0,
     slo: SloOpt = None,
     workload: WorkloadOpt = None,
+    request: RequestOpt = None,
 ) -> None:
     """Name the bottleneck of a slow deployment, with the evidence, a confidence and the fix."""
     _run(DoctorFlags(
         from_=from_, metrics_file=metrics_file, url=url, quick=quick, max_concurrency=max_concurrency,
         phase_seconds=phase_seconds, api_key=api_key, model_name=model_name, tokenizer=tokenizer, model=model,
         gpu=gpu, as_json=as_json, html=html, serve=serve, verify=verify, verify_budget=verify_budget,
-        serve_timeout=serve_timeout, slo=slo, workload=workload))
+        serve_timeout=serve_timeout, slo=slo, workload=workload, request=request))

@@ -23,6 +23,11 @@ UrlOpt = Annotated[str | None, typer.Option(
     "rising: the saturation knee; 3-5 minutes) and "
     "scrapes /metrics before and after. Not with --from/--metrics-file.")]
 
+RequestOpt = Annotated[str | None, typer.Option(
+    "--request", help="With --url (a kvpilot server): explain one recent request by its id (the `kvpilot` "
+    "field's request_id, or X-Request-Id): where its time went and which other requests it waited behind "
+    "(the server keeps its last finished requests at /v1/kvpilot/requests/ID). No probe is run.")]
+
 # how the live probe runs
 QuickOpt = Annotated[bool, typer.Option("--quick", help="With --url: a smaller probe, under a minute (ramp "
                                         "to 8 in flight, no unique-prefix control).")]

@@ -23,6 +23,7 @@ from kvpilot.server.guards.auth import ApiKeyGuard, open_paths
 from kvpilot.server.guards.body_guard import BodyGuard
 from kvpilot.server.config import ServerArgs
 from kvpilot.server.observe.dashboard import add_dashboard_routes
+from kvpilot.server.observe.request_timelines import add_request_timeline_routes
 from kvpilot.server.core.engine_client import EngineClient, EngineDeadError, EngineQueryError
 from kvpilot.server.core.engine_spec import EngineFactory
 from kvpilot.server.openai.errors import APIError, install_error_handlers
@@ -112,6 +113,7 @@ def create_app(factory: EngineFactory, args: ServerArgs | None = None) -> FastAP
     add_tokenize_routes(app, state)
     _add_ops_routes(app, state)
     add_dashboard_routes(app, state.metrics)
+    add_request_timeline_routes(app, state)  # GET /v1/kvpilot/requests/{id}: `kvpilot doctor --request`
     openapi_contract.install(app, open_paths(args.metrics_public), auth=args.api_key is not None)
     return app
 

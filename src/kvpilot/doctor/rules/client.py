@@ -15,7 +15,7 @@ def _p99(dist: object) -> float:
 
 
 @dataclass(frozen=True)
-class ClientLag:
+class RunClientLag:
     """The load generator's lag in one run, next to the latency it measured there.
 
     ``ttft_ms`` is the run's median client TTFT: the latency a client stall shifts by its whole length (the
@@ -40,15 +40,15 @@ class ClientLag:
         return min(1.0, share) if share is not None else None
 
 
-def worst_client_lag(ctx: RuleContext) -> ClientLag | None:
+def worst_client_lag(ctx: RuleContext) -> RunClientLag | None:
     """The run whose client lagged the most next to its median TTFT, or None. A run counts when its p99 lag
     exceeds ``max_client_lag_ms`` and is at least ``client_lag_share_of_latency`` of that TTFT: milliseconds
     of client delay do not taint second-long latencies."""
     th = ctx.th
-    worst: ClientLag | None = None
+    worst: RunClientLag | None = None
     for run in ctx.inputs.runs:
         lag = run.client_lag or {}
-        found = ClientLag(_p99(lag.get("dispatch_lag_ms")), _p99(lag.get("loop_lag_ms")), run.label,
+        found = RunClientLag(_p99(lag.get("dispatch_lag_ms")), _p99(lag.get("loop_lag_ms")), run.label,
                           median(r.ttft_ms for r in run.ok), run.closed_loop)
         share = found.share
         if found.lag_ms <= th.max_client_lag_ms or (share is not None and share < th.client_lag_share_of_latency):

@@ -1,0 +1,149 @@
+"""``kvpilot doctor --url URL --request ID``: why was one request slow, and which other requests made it so.
+
+kvpilot keeps the timelines of its last finished requests (``GET /v1/kvpilot/requests/{id}``: the request and the
+ones whose life overlapped it; each with its stage timings, prompt and cached tokens, preemptions). From them:
+
+* **where its time went**: the stage that took the most of its E2E (tokenize, queue, prefill, decode);
+* **who it waited behind**: while it waited for a slot or for its first token, which other requests were
+  prefilling (their prefill window overlapped its [arrival, first token]): a long prompt prefilled in the same
+  steps is head-of-line blocking; named by id, longest overlap first, with their prompt and prefill time;
+* **what else happened to it**: preemptions (its KV was freed and its prefill recomputed), and how much of its
+  prompt the prefix cache served (0 of many tokens on a repeated prompt is a miss).
+
+Pure except :func:`fetch_timelines`; :func:`explain` returns an :class:`Explanation` the CLI prints or dumps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from kvpilot.doctor.errors import DoctorInputError
+
+PATH = "/v1/kvpilot/requests/"
+STAGES = ("tokenize", "queue", "prefill", "decode", "serialize")
+MAX_BLOCKERS = 3
+
+
+@dataclass(frozen=True)
+class Window:
+    """One request's stage windows in wall seconds, from its timeline (module docstring of the server route)."""
+
+    request_id: str
+    prompt_tokens: int
+    arrival: float
+    scheduled: float
+    first_token: float
+    end: float
+    prefill_ms: float
+
+    @staticmethod
+    def of(t: dict[str, Any]) -> Window:
+        ms, a = t["timings"], float(t["arrival_unix"])
+        scheduled = a + (ms["tokenize_ms"] + ms["queue_ms"]) / 1000.0
+        return Window(str(t["request_id"]), int(t["num_prompt_tokens"]), a, scheduled,
+                      a + ms["ttft_ms"] / 1000.0, a + ms["e2e_ms"] / 1000.0, float(ms["prefill_ms"]))
+
+
+@dataclass(frozen=True)
+class Blocker:
+    """Another request whose prefill ran while the target waited for its first token."""
+
+    request_id: str
+    prompt_tokens: int
+    prefill_ms: float
+    overlap_ms: float
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """The answer for one request. Invariant: ``stage_ms`` sums to about ``e2e_ms``; ``blockers`` are sorted
+    by overlap, longest first, at most ``MAX_BLOCKERS``."""
+
+    request_id: str
+    e2e_ms: float
+    ttft_ms: float
+    stage_ms: dict[str, float]
+    slowest_stage: str
+    prompt_tokens: int
+    cached_tokens: int
+    preemptions: int
+    blockers: tuple[Blocker, ...]
+    ran_alongside: int
+    lines: tuple[str, ...] = field(default=())
+
+    def to_json(self) -> dict[str, Any]:
+        return {"request_id": self.request_id, "e2e_ms": self.e2e_ms, "ttft_ms": self.ttft_ms,
+                "stage_ms": self.stage_ms, "slowest_stage": self.slowest_stage, "prompt_tokens": self.prompt_tokens,
+                "cached_tokens": self.cached_tokens, "preemptions": self.preemptions,
+                "blockers": [b.__dict__ for b in self.blockers], "ran_alongside": self.ran_alongside,
+                "explanation": list(self.lines)}
+
+
+def fetch_timelines(base_url: str, request_id: str, headers: dict[str, str],
+                    timeout_s: float = 10.0) -> dict[str, Any]:
+    """The server's answer for ``request_id``; DoctorInputError (exit 2) when it has none to give."""
+    url = base_url.rstrip("/").removesuffix("/v1") + PATH + request_id
+    try:
+        resp = httpx.get(url, headers=headers, timeout=timeout_s)
+    except httpx.HTTPError as exc:
+        raise DoctorInputError(f"cannot reach {url}: {type(exc).__name__}: {exc}") from exc
+    if resp.status_code in (401, 403):
+        raise DoctorInputError(f"{url} refused the request (HTTP {resp.status_code}): pass the server's key with "
+                               "--api-key")
+    if resp.status_code == 404:
+        raise DoctorInputError(f"{url}: the server has no timeline for {request_id!r} (it keeps its last finished "
+                               "requests; a server other than kvpilot has none: use the request id of the "
+                               "response's `kvpilot` field)")
+    try:
+        resp.raise_for_status()
+        doc = resp.json()
+    except (httpx.HTTPError, ValueError) as exc:
+        raise DoctorInputError(f"{url}: no request timeline ({type(exc).__name__}: {exc})") from exc
+    return doc
+
+
+def _blockers(target: Window, others: list[Window]) -> list[Blocker]:
+    """Others whose prefill window [scheduled, first token] overlapped the target's [arrival, first token]."""
+    found = []
+    for o in others:
+        overlap = min(target.first_token, o.first_token) - max(target.arrival, o.scheduled)
+        if overlap > 0:
+            found.append(Blocker(o.request_id, o.prompt_tokens, o.prefill_ms, overlap * 1000.0))
+    return sorted(found, key=lambda b: -b.overlap_ms)[:MAX_BLOCKERS]
+
+
+def explain(doc: dict[str, Any]) -> Explanation:
+    """The explanation of ``doc["request"]`` against ``doc["overlapping"]`` (the server route's answer)."""
+    t = doc["request"]
+    ms = t["timings"]
+    target = Window.of(t)
+    others = [Window.of(o) for o in doc.get("overlapping") or []]
+    stage_ms = {s: float(ms[f"{s}_ms"]) for s in STAGES}
+    slowest = max(STAGES, key=lambda s: stage_ms[s])
+    ran = sum(1 for o in others if o.scheduled < target.scheduled and o.end > target.arrival)  # ran while it queued
+    out = Explanation(str(t["request_id"]), float(ms["e2e_ms"]), float(ms["ttft_ms"]), stage_ms, slowest,
+                      int(t["num_prompt_tokens"]), int(t["num_cached_tokens"]), int(t["num_preemptions"]),
+                      tuple(_blockers(target, others)), ran)
+    return Explanation(**{**out.__dict__, "lines": tuple(_lines(out))})
+
+
+def _lines(e: Explanation) -> list[str]:
+    share = e.stage_ms[e.slowest_stage] / e.e2e_ms if e.e2e_ms > 0 else 0.0
+    lines = [f"request {e.request_id}: {e.e2e_ms:,.0f} ms end to end, first token after {e.ttft_ms:,.0f} ms; "
+             f"most of it in {e.slowest_stage} ({e.stage_ms[e.slowest_stage]:,.0f} ms, {share:.0%})"]
+    if e.stage_ms["queue"] > 0 and e.ran_alongside:
+        lines.append(f"it waited {e.stage_ms['queue']:,.0f} ms to be scheduled while {e.ran_alongside} other "
+                     "request(s) were running")
+    for b in e.blockers:
+        lines.append(f"waited behind request {b.request_id}: its {b.prompt_tokens:,}-token prompt was prefilled "
+                     f"({b.prefill_ms:,.0f} ms) during {b.overlap_ms:,.0f} ms of this request's wait for its first "
+                     "token")
+    if e.preemptions:
+        lines.append(f"preempted {e.preemptions} time(s): its KV blocks were freed and its prefill recomputed "
+                     "(the KV pool was full: see kv-cache-pressure)")
+    if e.prompt_tokens:
+        lines.append(f"prefix cache served {e.cached_tokens:,} of its {e.prompt_tokens:,} prompt tokens")
+    return lines
