@@ -56,6 +56,10 @@ def engine_settings(model: str, **overrides: Any) -> dict[str, Any]:
     return settings
 
 
+_RUNNING: dict[str, Any] = {}  # the application deploy() left on "/": {"name": ..., "args": ...}
+PREFIX_PAIR_KEY = "sk-test"
+
+
 def deploy(url: str, name: str, args: dict[str, Any]) -> str:
     """Runs the application (replacing any other on "/"), waits until /health says ok; returns its URL."""
     from ray import serve
@@ -64,12 +68,34 @@ def deploy(url: str, name: str, args: dict[str, Any]) -> str:
 
     for app_name in list(serve.status().applications):
         serve.delete(app_name)
+    _RUNNING.clear()
     serve.run(kvpilot.ray.app({**args, "name": name}), name=name, route_prefix="/")
     deadline = time.monotonic() + 120
     while httpx.get(f"{url}/health", timeout=30).status_code != 200:
         assert time.monotonic() < deadline, "the Ray app did not become healthy in 120 s"
         time.sleep(0.5)
+    _RUNNING.update(name=name, args=args)
     return url
+
+
+def prefix_pair_settings(model: str) -> dict[str, Any]:
+    """2 replicas with prefix routing (the default), engines in the replicas (a faster start), a 5 MiB KV cache
+    each (~1,700 tokens: test_routing's sizing) and an API key: test_routing's prefix-routing deployment and
+    test_serve's, one deployment for both."""
+    return {**engine_settings(model, kv_cache_memory="5MiB"), "num_replicas": 2, "routing": "prefix",
+            "engine_process": False, "api_key": PREFIX_PAIR_KEY}
+
+
+def prefix_pair(url: str, model: str) -> str:
+    """The prefix_pair_settings application, deployed unless deploy() left it running (a replica another test
+    killed has been replaced by then: Serve keeps 2)."""
+    from ray import serve
+
+    settings = prefix_pair_settings(model)
+    if _RUNNING.get("name") == "prefix-pair" and _RUNNING.get("args") == settings \
+            and "prefix-pair" in serve.status().applications:
+        return url
+    return deploy(url, "prefix-pair", settings)
 
 
 def replica_stats(url: str, num_replicas: int, timeout_s: float = 30.0,

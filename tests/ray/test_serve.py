@@ -14,19 +14,20 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.ray.conftest import deploy, engine_settings, replica_stats
+from tests.ray.conftest import PREFIX_PAIR_KEY, prefix_pair, replica_stats
 
 pytestmark = pytest.mark.slow
 ray = pytest.importorskip("ray")
 
 
-AUTH = {"Authorization": "Bearer sk-test"}
+AUTH = {"Authorization": f"Bearer {PREFIX_PAIR_KEY}"}
 
 
 @pytest.fixture(scope="module")
 def two_replicas(ray_serve: str, tiny_model: str) -> str:
-    """2 replicas, prefix routing, an API key: the SDK test, then the kill test (last: it kills one)."""
-    return deploy(ray_serve, "two", {**engine_settings(tiny_model), "num_replicas": 2, "api_key": "sk-test"})
+    """2 replicas, prefix routing, an API key (test_routing's deployment, still up after it): the SDK test, then
+    the kill test (last: it kills one)."""
+    return prefix_pair(ray_serve, tiny_model)
 
 
 def test_openai_sdk_through_ray_matches_the_engine(two_replicas: str, tiny_model: str) -> None:
