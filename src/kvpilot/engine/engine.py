@@ -11,6 +11,7 @@ discarded, so outputs are the same as in synchronous mode.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -33,15 +34,22 @@ logger = logging.getLogger("kvpilot.engine")
 
 @dataclass(frozen=True)
 class StepStats:
-    """One engine step, for metrics and tests: tokens computed, split by kind, and how long it took."""
+    """One engine step, for metrics and tests: tokens computed, split by kind, and how long it took.
+    Speculative decoding (vLLM's spec_decode counters): num_drafts requests verified num_draft_tokens drafts,
+    num_accepted_tokens of them accepted; num_accepted_tokens_per_pos[j]: verifications whose draft j was
+    accepted (with every draft before it)."""
 
     num_batched_tokens: int
     num_prefill_tokens: int
     num_decode_tokens: int
     num_scheduled_seqs: int
     num_preempted: int
-    num_generated_tokens: int  # tokens sampled for requests still running (vLLM's generation tokens)
+    num_generated_tokens: int  # tokens generated for requests (vLLM's generation tokens)
     duration: float
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: tuple[int, ...] = ()
 
 
 class _NoTextDetokenizer:
@@ -222,12 +230,15 @@ class LLMEngine:
             raise StepFailed([step.scheduled], exc, at_launch=False) from exc
         self._failures.completed(step.scheduled)
         outputs = [self._fail_alone(rid, message) for rid, message in result.failed.items()]  # before their tokens
-        updates = self.scheduler.update_from_output(step.scheduled, result.token_ids)  # a failed one's: discarded
+        # a failed request's tokens: discarded
+        updates = self.scheduler.update_from_output(step.scheduled, result.token_ids, result.verified_token_ids)
         logprobs = result.logprobs  # only the requests that asked for logprobs
         outputs.extend(self._process_or_fail(update, logprobs.get(update.request_id) if logprobs else None)
                        for update in updates)
+        duration = self.clock() - step.started
+        self.scheduler.observe_step_time(step.scheduled, duration)
         if self.on_step is not None:
-            self.on_step(_step_stats(step.scheduled, len(updates), self.clock() - step.started))
+            self.on_step(_step_stats(step.scheduled, updates, duration, result.verified_token_ids))
         return outputs
 
     def _recover(self, failure: StepFailed) -> list[RequestOutput | None]:
@@ -287,13 +298,27 @@ class LLMEngine:
             if token_ids[-1] in tracked.request.sampling_params.stop_token_ids:
                 stop_reason = token_ids[-1]
         detokenizer = tracked.detokenizer
+        # several tokens at once (speculation): a stop string among them ends the output where plain decoding
+        # would have stopped, before whatever followed it (later tokens, EOS, max_tokens) in this step
+        many = len(text_ids) > 1 and bool(getattr(detokenizer, "stop", None))
+        num_before = len(detokenizer.token_ids) if many else 0
         delta = detokenizer.push(text_ids)
-        if detokenizer.stop_reason is not None and finish_reason is None:
+        cut = many and detokenizer.stop_reason is not None and len(detokenizer.token_ids) - num_before < len(token_ids)
+        if detokenizer.stop_reason is not None and (finish_reason is None or cut):
+            if cut:
+                token_ids = self._cut_at_stop(tracked.request, token_ids, len(detokenizer.token_ids) - num_before)
             self.scheduler.finish_requests(update.request_id, FinishReason.STOP)
             finish_reason, stop_reason = FinishReason.STOP, detokenizer.stop_reason
         if finish_reason is not None:
             delta += detokenizer.finish()
         return self._output(tracked, delta, token_ids, finish_reason, stop_reason)
+
+    @staticmethod
+    def _cut_at_stop(request: Request, token_ids: list[int], num_consumed: int) -> list[int]:
+        """The step's tokens up to the one that completed a stop string (the detokenizer consumed
+        num_consumed < len(token_ids) of them); the request's output loses the rest."""
+        request.truncate_output(len(request.output_token_ids) - (len(token_ids) - num_consumed))
+        return token_ids[:num_consumed]
 
     def _finish_aborted(self, request_id: str) -> RequestOutput | None:
         tracked = self._tracked.get(request_id)
@@ -323,8 +348,20 @@ class LLMEngine:
                              delta_text=delta, delta_token_ids=delta_ids)
 
 
-def _step_stats(scheduled: SchedulerOutput, num_generated: int, duration: float) -> StepStats:
+def _step_stats(scheduled: SchedulerOutput, updates: list[RequestUpdate], duration: float,
+                verified: dict[str, list[int]]) -> StepStats:
     decode, batched = scheduled.num_decode_tokens, scheduled.num_batched_tokens  # a loop over the chunks, a count
-    return StepStats(num_batched_tokens=batched, num_prefill_tokens=batched - decode, num_decode_tokens=decode,
-                     num_scheduled_seqs=len(scheduled.chunks), num_preempted=len(scheduled.preempted_request_ids),
-                     num_generated_tokens=num_generated, duration=duration)
+    stats = StepStats(num_batched_tokens=batched, num_prefill_tokens=batched - decode, num_decode_tokens=decode,
+                      num_scheduled_seqs=len(scheduled.chunks), num_preempted=len(scheduled.preempted_request_ids),
+                      num_generated_tokens=len(updates), duration=duration)
+    if not scheduled.draft_token_ids:
+        return stats
+    # speculation: updates may carry several tokens each; count them and what the verifications accepted
+    per_pos = [0] * max(map(len, scheduled.draft_token_ids.values()))
+    for tokens in verified.values():
+        for j in range(len(tokens) - 1):
+            per_pos[j] += 1
+    return dataclasses.replace(
+        stats, num_generated_tokens=sum(len(u.new_token_ids) for u in updates), num_drafts=len(verified),
+        num_draft_tokens=sum(len(scheduled.draft_token_ids.get(rid, ())) for rid in verified),
+        num_accepted_tokens=sum(per_pos), num_accepted_tokens_per_pos=tuple(per_pos))

@@ -246,6 +246,24 @@ class KVCacheManager:
             self.pool.cache_block(block, hashes[i], parent, self._block_tokens(request, i))
         table.num_cached_blocks = num_full
 
+    def trim(self, request: Request, num_tokens: int) -> int | None:
+        """Frees the blocks of the request's table past those holding its first num_tokens tokens (after a
+        verification: the blocks only rejected drafts were written to), head of the free queue first (they
+        hold nothing reusable). Returns the blocks kept, or None when nothing was freed. Never frees a block
+        registered in the prefix cache: those hold known tokens only (cache_computed_blocks)."""
+        table = self._tables.get(request.request_id)
+        keep = cdiv(num_tokens, self.block_size)
+        if table is None or len(table.blocks) <= keep:
+            return None
+        if table.num_cached_blocks > keep:
+            raise KVCacheIntegrityError(f"request {request.request_id}: trimming to {keep} blocks would free "
+                                        f"{table.num_cached_blocks - keep} cached ones")
+        freed = table.blocks[keep:]
+        del table.blocks[keep:]
+        del request.block_ids[keep:]
+        self.pool.free([b for b in reversed(freed) if b is not None])
+        return keep
+
     def free(self, request: Request) -> None:
         """Release the request's blocks, last block first, so a sequence's tail is evicted before its head."""
         table = self._tables.pop(request.request_id, None)

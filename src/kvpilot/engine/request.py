@@ -84,6 +84,10 @@ class Request:
         # (tokens are only appended, so they never go stale).
         self.block_hashes: list[int] = []
         self.num_preemptions = 0
+        # speculative decoding: verifications, drafts verified, drafts the target accepted
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
         self.timeline = Timeline(arrival=arrival_time)
 
     def __repr__(self) -> str:
@@ -131,6 +135,16 @@ class Request:
         self._all_token_ids.append(token_id)
         self.timeline.token_times.append(now)
 
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Keeps the first num_output_tokens generated tokens (and their stamps): a stop string matched inside
+        the tokens one speculative step appended, and plain decoding would have stopped there. Only for a
+        request about to finish: blocks and block hashes are not touched."""
+        drop = len(self.output_token_ids) - num_output_tokens
+        if drop > 0:
+            del self.output_token_ids[num_output_tokens:]
+            del self._all_token_ids[len(self._all_token_ids) - drop:]
+            del self.timeline.token_times[len(self.timeline.token_times) - drop:]
+
     def metrics(self) -> RequestMetrics:
         """Per-request metrics derived from the timeline (O(tokens): build it once, when the request ends)."""
         reason = self.finish_reason
@@ -141,4 +155,7 @@ class Request:
             num_cached_tokens=self.num_cached_tokens,
             num_preemptions=self.num_preemptions,
             finish_reason=reason.value if reason else None,
+            num_drafts=self.num_drafts,
+            num_draft_tokens=self.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens,
         )

@@ -5,6 +5,13 @@ order; when blocks run out, the newest running request (policy order: for "prior
 newest) is preempted and recomputed later; (2) if nothing was preempted, waiting requests are admitted in
 policy order while the budget, max_num_seqs and free blocks allow, prompts longer than the remaining budget
 being chunked. A request is never failed for lack of blocks.
+
+Speculative decoding (with a Speculator): a running decode whose tokens are all known may get k drafts
+(speculator.py decides k, the proposer guesses them); its chunk computes 1 + k tokens, within the budget, and
+only if blocks for them are free (speculation never preempts). update_from_output appends what the target
+verified and rolls the rest back: num_computed_tokens returns to the tokens known minus one, and blocks
+only rejected drafts were written to are freed (their new table length goes to the runner as
+SchedulerOutput.trimmed_tables).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from kvpilot.engine.scheduler_output import (NewRequestData, RequestUpdate, Runn
                                              SchedulerOutput)
 from kvpilot.engine.scheduler_integrity import check_scheduler_integrity
 from kvpilot.engine.scheduler_stats import SchedulerStats
+from kvpilot.engine.speculator import Speculator
 from kvpilot.engine.step_builder import StepBuilder
 
 
@@ -44,6 +52,7 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
         *,
         hash_fn: HashFn = chained_block_hash,
+        speculator: Speculator | None = None,
     ) -> None:
         self.config = scheduler_config
         self.cache_config = cache_config
@@ -61,6 +70,8 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self._isolated_id: str | None = None  # see isolate()
         self.num_preemptions = 0
+        self.speculator = speculator
+        self._trimmed: dict[str, int] = {}  # request id -> blocks kept after rejected drafts, for the runner
 
     # ---- requests in and out -------------------------------------------------------------------------
 
@@ -125,6 +136,9 @@ class Scheduler:
         pending = [only] if only is not None else _decodes_first(self._running)
         kv = self.kv
         block_size = kv.block_size
+        # the price of a draft row this step; None: no drafts (no speculator, a probe alone, a large batch)
+        price = self.speculator.step_price(len(self._running)) if self.speculator is not None and only is None \
+            else None
         for request in pending:
             if step.budget == 0:
                 break  # a budget only grows back by preempting, which needs an allocation: none comes now
@@ -136,6 +150,9 @@ class Scheduler:
             num_new = min(request.num_tokens + num_placeholders - request.num_computed_tokens, step.budget)
             if num_new <= 0:
                 continue  # nothing to compute until the tokens in flight are known
+            if price is not None and num_new == 1 and not num_placeholders and \
+                    self._schedule_drafts(step, request, price):
+                continue
             num_blocks_before = len(request.block_ids)
             # first, what KVCacheManager.allocate_slots would find without the call: the last block has room
             if request.num_computed_tokens + num_new <= num_blocks_before * block_size or \
@@ -143,6 +160,25 @@ class Scheduler:
                     self._preempt_until_allocated(request, num_new, step, preempted):
                 step.add(request, self._chunk(request, num_new), num_blocks_before)
         return preempted
+
+    def _schedule_drafts(self, step: StepBuilder, request: Request, price: float) -> bool:
+        """Schedules the decode with the drafts that pay (Speculator.drafts_for), at most what the budget and
+        max_tokens leave room for (the last of them is the target's own token), if blocks for them are free;
+        False (nothing scheduled) when it gets none."""
+        max_drafts = min(step.budget - 1, request.sampling_params.max_tokens - len(request.output_token_ids) - 1)
+        if max_drafts < 1 or self.speculator is None:
+            return False
+        drafts = self.speculator.drafts_for(request, price, max_drafts)
+        if not drafts:
+            return False
+        num_new = 1 + len(drafts)
+        num_blocks_before = len(request.block_ids)
+        if request.num_computed_tokens + num_new > num_blocks_before * self.kv.block_size and \
+                self.kv.allocate_slots(request, num_new) is None:
+            return False  # no free blocks for the drafts: a plain decode instead (speculation never preempts)
+        chunk = ScheduledChunk(request.request_id, request.num_computed_tokens, num_new, True)
+        step.add_drafts(request, chunk, num_blocks_before, drafts)
+        return True
 
     def _preempt_until_allocated(self, request: Request, num_new: int, step: StepBuilder,
                                  preempted: list[Request]) -> bool:
@@ -196,35 +232,47 @@ class Scheduler:
             request.num_output_placeholders += chunk.needs_sample
             num_sampled += chunk.needs_sample
             chunks.append(chunk)
+        trimmed = self._trimmed
+        if trimmed:
+            self._trimmed = {}
         return SchedulerOutput(chunks=chunks, new_requests=new, running_requests=running,
                                preempted_request_ids=preempted_ids, finished_request_ids=finished_ids,
-                               num_batched_tokens=step.num_tokens, num_sampled=num_sampled)
+                               num_batched_tokens=step.num_tokens, num_sampled=num_sampled,
+                               draft_token_ids=step.drafts, trimmed_tables=trimmed if trimmed else {})
 
     # ---- after the model ran -------------------------------------------------------------------------
 
-    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[RequestUpdate]:
+    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: dict[str, int],
+                           verified_token_ids: dict[str, list[int]] | None = None) -> list[RequestUpdate]:
         """Registers the blocks the step filled for prefix reuse, appends each sampled token to its request
-        (one per chunk with needs_sample) and applies token-based stops. Tokens of requests finished or
-        aborted since schedule() are discarded; a request preempted since keeps its token (it was computed
-        before the preemption).
+        (one per chunk with needs_sample; a request that verified drafts: the tokens in verified_token_ids,
+        _append_verified) and applies token-based stops. Tokens of requests finished or aborted since
+        schedule() are discarded; a request preempted since keeps its token (it was computed before the
+        preemption).
 
         Call once per schedule(), in step order. Returns one update per request that got a token.
         """
         now = self.clock()
         updates: list[RequestUpdate] = []
         requests, cache_computed_blocks = self._requests, self.kv.cache_computed_blocks
+        verified = verified_token_ids or None
         for chunk in output.chunks:  # every running request every step: plain attributes, few calls
             request = requests.get(chunk.request_id)
             if request is None:
                 continue
             if request.status is RequestStatus.RUNNING:  # first: a finishing token frees the blocks
-                # (only what this step computed: a later step in flight may have computed more)
+                # (only what this step computed: a later step in flight may have computed more; capped at
+                # the known tokens, so a draft's position is never hashed)
                 cache_computed_blocks(request, chunk.start_position + chunk.num_tokens)
             if not chunk.needs_sample:
                 continue
             if request.num_output_placeholders <= 0:
                 raise ValueError(f"stale output for request {request.request_id!r}: no token of it is in "
                                  f"flight; call update_from_output once per schedule()")
+            if verified is not None and (tokens := verified.get(chunk.request_id)) is not None:
+                updates.append(self._append_verified(request, chunk, tokens,
+                                                     len(output.draft_token_ids.get(chunk.request_id, ())), now))
+                continue
             token_id = sampled_token_ids.get(chunk.request_id)
             if token_id is None:
                 raise ValueError(f"no sampled token for request {chunk.request_id!r}: every chunk with "
@@ -236,6 +284,41 @@ class Scheduler:
                 self._finish(request, reason, now)
             updates.append(RequestUpdate(request.request_id, [token_id], reason))
         return updates
+
+    def _append_verified(self, request: Request, chunk: ScheduledChunk, tokens: list[int], num_drafts: int,
+                         now: float) -> RequestUpdate:
+        """A verification's tokens (accepted drafts, then the target's own), appended one by one with plain
+        decoding's stop checks, so EOS, a stop token or max_tokens among them ends the request exactly there
+        (the rest are dropped). Then the rejected drafts are rolled back: their K/V is not the request's, so
+        num_computed_tokens returns to the tokens known minus one and blocks past the known tokens are freed."""
+        request.num_output_placeholders -= 1
+        num_accepted = len(tokens) - 1
+        request.num_drafts += 1
+        request.num_draft_tokens += num_drafts
+        request.num_accepted_tokens += num_accepted
+        if self.speculator is not None:
+            self.speculator.record(request.request_id, num_drafts, num_accepted)
+        appended: list[int] = []
+        reason = None
+        for token_id in tokens:
+            request.append_output_token(token_id, now)
+            appended.append(token_id)
+            reason = self._stop_reason(request, token_id)
+            if reason is not None:
+                break
+        if reason is not None:
+            self._finish(request, reason, now)
+        elif request.status is RequestStatus.RUNNING:
+            request.num_computed_tokens = chunk.start_position + len(appended)
+            kept = self.kv.trim(request, request.num_tokens)
+            if kept is not None:
+                self._trimmed[request.request_id] = kept
+        return RequestUpdate(request.request_id, appended, reason)
+
+    def observe_step_time(self, output: SchedulerOutput, seconds: float) -> None:
+        """How long a step took, schedule to update (the speculator's cost model learns from it)."""
+        if self.speculator is not None:
+            self.speculator.observe_step(output, seconds)
 
     def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
         """EOS (unless ignore_eos) or a stop token -> stop, not before min_tokens; max_tokens -> length."""
@@ -317,6 +400,7 @@ class Scheduler:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        self._trimmed.pop(request.request_id, None)  # a resumed request sends its whole table
         request.num_preemptions += 1
         request.timeline.preempted_times.append(self.clock())
         self.num_preemptions += 1
@@ -333,6 +417,9 @@ class Scheduler:
         del self._requests[request.request_id]
         del self._order[request.request_id]
         self._finished_ids.append(request.request_id)
+        self._trimmed.pop(request.request_id, None)
+        if self.speculator is not None:
+            self.speculator.forget(request.request_id)
 
     # ---- observability -------------------------------------------------------------------------------
 

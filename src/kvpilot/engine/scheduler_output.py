@@ -72,6 +72,12 @@ class SchedulerOutput:
     number of chunks with needs_sample; len(chunks) <= max_num_seqs. finished_request_ids lists requests
     finished or aborted since the last step and preempted_request_ids those preempted in this one: the runner
     drops their state before running the step.
+
+    Speculative decoding: draft_token_ids maps a running request to its k drafts for this step; its chunk then
+    computes 1 + k tokens (its last known token at start_position, the drafts after it), needs_sample is
+    True, and the runner verifies the drafts (RunnerOutput.verified_token_ids). trimmed_tables maps a request
+    whose block table the KV manager cut after rejected drafts to the blocks it kept: the runner cuts its row
+    to that many before appending this step's new blocks.
     """
 
     chunks: list[ScheduledChunk]
@@ -83,6 +89,8 @@ class SchedulerOutput:
     # its chunks; -1 (a diff built by hand): counted here.
     num_batched_tokens: int = -1
     num_sampled: int = -1
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    trimmed_tables: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.num_batched_tokens < 0:
@@ -98,8 +106,14 @@ class SchedulerOutput:
 
     @property
     def num_decode_tokens(self) -> int:
+        """Decodes' tokens: one per plain decode, 1 + k per verification of k drafts."""
         # ScheduledChunk.is_decode, inlined: this runs over every chunk of every step the server reports
-        return sum(1 for c in self.chunks if c.num_tokens == 1 and c.start_position > 0)
+        plain = sum(1 for c in self.chunks if c.num_tokens == 1 and c.start_position > 0)
+        return plain + len(self.draft_token_ids) + self.num_draft_tokens if self.draft_token_ids else plain
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(map(len, self.draft_token_ids.values())) if self.draft_token_ids else 0
 
 
 @dataclass(slots=True)
@@ -117,19 +131,23 @@ class RunnerOutput:
     by request id; logprobs, by request id, the SampledToken (with its logprob and top alternatives) of those
     of them that asked for logprobs, and no others. Plain ids for the rest: no object per request per step.
     failed: requests the runner failed alone in this step (request id -> why, a bounded message; their grammar
-    failed, model/grammar_state.py): the engine finishes them with reason "error" and discards their tokens."""
+    failed, model/grammar_state.py): the engine finishes them with reason "error" and discards their tokens.
+    verified_token_ids: for each request that had drafts, every token the verification emitted, the accepted
+    drafts then the target's own next token (1 .. k + 1 tokens; token_ids holds the first of them)."""
 
     token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, SampledToken] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
+    verified_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
 class RequestUpdate:
     """What one step did to one request, for the engine to detokenize and emit.
 
-    new_token_ids holds the token sampled this step (stop tokens and EOS included: the detokenizer decides
-    what text they produce); finish_reason is set when the request finished in this step.
+    new_token_ids holds the token sampled this step, or with speculation every token the step emitted up to
+    the first that finished the request (stop tokens and EOS included: the detokenizer decides what text they
+    produce); finish_reason is set when the request finished in this step.
     """
 
     request_id: str

@@ -20,12 +20,14 @@ class StepEntry(NamedTuple):
 
 class StepBuilder:
     """The chunks of the step being built, in scheduling order, and the token budget left (a preempted
-    victim refunds its chunk). One dict entry per request: this runs for every request every step."""
+    victim refunds its chunk). One dict entry per request: this runs for every request every step.
+    drafts: the draft tokens of the chunks that verify some (speculative decoding), by request id."""
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
         self._max_budget = budget
         self.entries: dict[str, StepEntry] = {}
+        self.drafts: dict[str, list[int]] = {}
 
     @property
     def num_tokens(self) -> int:
@@ -36,7 +38,14 @@ class StepBuilder:
         self.entries[chunk.request_id] = StepEntry(request, chunk, num_blocks_before, admitted)
         self.budget -= chunk.num_tokens
 
+    def add_drafts(self, request: Request, chunk: ScheduledChunk, num_blocks_before: int, drafts: list[int]) -> None:
+        """A running request's chunk that computes its last known token and then `drafts`."""
+        self.add(request, chunk, num_blocks_before)
+        self.drafts[chunk.request_id] = drafts
+
     def drop(self, request_id: str) -> None:
         entry = self.entries.pop(request_id, None)
         if entry is not None:
             self.budget += entry.chunk.num_tokens
+        if self.drafts:
+            self.drafts.pop(request_id, None)

@@ -45,6 +45,8 @@ class RequestMetrics:
 
     queue_time: first scheduled - queued (tokenized, else arrival); prefill_time: first token - first scheduled;
     ttft: first token - arrival; decode_time: last token - first token; e2e_latency: finished - arrival.
+    Speculative decoding: num_drafts verifications of num_draft_tokens drafts, num_accepted_tokens of them
+    accepted by the target (all 0 without speculation); tokens accepted in one step share its stamp.
     """
 
     request_id: str
@@ -60,6 +62,14 @@ class RequestMetrics:
     decode_time: float | None
     e2e_latency: float | None
     inter_token_latencies: tuple[float, ...]
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def draft_acceptance_rate(self) -> float | None:
+        """Accepted drafts / drafted tokens; None when the request verified no draft."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
 
     @classmethod
     def from_timeline(
@@ -71,6 +81,9 @@ class RequestMetrics:
         num_cached_tokens: int,
         num_preemptions: int,
         finish_reason: str | None,
+        num_drafts: int = 0,
+        num_draft_tokens: int = 0,
+        num_accepted_tokens: int = 0,
     ) -> RequestMetrics:
         t = timeline
         queued = t.tokenized if t.tokenized is not None else t.arrival
@@ -89,4 +102,7 @@ class RequestMetrics:
             decode_time=_diff(t.last_token, t.first_token),
             e2e_latency=_diff(t.finished, t.arrival),
             inter_token_latencies=tuple(b - a for a, b in zip(times, times[1:])),
+            num_drafts=num_drafts,
+            num_draft_tokens=num_draft_tokens,
+            num_accepted_tokens=num_accepted_tokens,
         )

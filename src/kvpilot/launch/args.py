@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from kvpilot.engine.config import CacheConfig, EngineConfigError, SchedulerConfig
 from kvpilot.engine.kv_events_config import KVEventsConfig
+from kvpilot.engine.spec_config import SpeculativeConfig
 from kvpilot.fit.memory import CPU_DEFAULT_KV_CACHE_BYTES
 from kvpilot.memory_size import parse_memory_size
 from kvpilot.model.choices import ATTENTION_BACKENDS, check_kv_cache_dtype, check_prompt_gemm_dtype, cuda_graph_sizes
@@ -53,6 +54,13 @@ class EngineArgs:
     cuda_graph_sizes: tuple[int, ...] | None = None  # decode batch sizes to capture; None: 1, 2, 4, 8, 16k..
     kv_events_config: KVEventsConfig | None = None  # publish KV-cache events (the engine core process does)
     usage_context: str = "llm"  # "llm" (offline) or "server": picks defaults that differ (step_budget.py)
+    # speculative decoding, vLLM's dict (or its JSON text): {"method": "ngram", "num_speculative_tokens": 4, ...}
+    speculative_config: SpeculativeConfig | dict | str | None = None
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """speculative_config, parsed and checked (EngineConfigError naming the field); None: off."""
+        return SpeculativeConfig.of(self.speculative_config)
 
     def check(self) -> None:
         """Validates what can be checked before loading the model; EngineConfigError names the setting."""
@@ -85,7 +93,17 @@ class EngineArgs:
                 cuda_graph_sizes(self.max_num_seqs, self.cuda_graph_sizes)
             except ValueError as exc:
                 raise EngineConfigError(str(exc)) from exc
+        self._check_speculative()
         CacheConfig(num_blocks=1, block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching)
         SchedulerConfig(max_model_len=1, max_num_seqs=self.max_num_seqs,
                         max_num_batched_tokens=self.max_num_batched_tokens or max(2048, self.max_num_seqs),
                         scheduling_policy=self.scheduling_policy)
+
+    def _check_speculative(self) -> None:
+        if self.speculative is None:
+            return
+        if self.async_scheduling:  # a verification's accepted tokens decide what the next step computes
+            raise EngineConfigError("speculative_config needs synchronous scheduling: leave async_scheduling "
+                                    "unset (--no-async-scheduling is then chosen) or turn speculation off")
+        if self.tensor_parallel_size > 1:
+            raise EngineConfigError("speculative_config with tensor_parallel_size > 1 is not supported yet")
