@@ -132,6 +132,14 @@ class InputBatch:
         self.num_computed[row_array] = computed
         return row_array
 
+    def trim_blocks(self, trimmed: dict[str, int]) -> None:
+        """Cuts held requests' block tables to the blocks the KV manager kept after rejected drafts
+        (SchedulerOutput.trimmed_tables); ids not held are ignored."""
+        for request_id, num_blocks in trimmed.items():
+            row = self.rows.get(request_id)
+            if row is not None:
+                self.num_blocks[row] = min(int(self.num_blocks[row]), num_blocks)
+
     def _append_blocks(self, row: int, running: RunningRequestData) -> None:
         start = int(self.num_blocks[row])
         end = start + len(running.new_block_ids)
@@ -151,6 +159,23 @@ class InputBatch:
             self._free_rows.append(row)
             self.num_removed += 1
         return row
+
+    def write_drafts(self, row: int, drafts: Sequence[int]) -> None:
+        """Puts a verification's drafts after the row's known tokens, where the step reads its input ids; they
+        are not the row's tokens (num_tokens does not move) until append_verified accepts them."""
+        start = int(self.num_tokens[row])
+        if start + len(drafts) > self.token_ids.shape[1]:
+            raise BatchFullError(f"request {self.request_ids[row]!r}: drafts past max_model_len")
+        self.token_ids[row, start:start + len(drafts)] = drafts
+
+    def append_verified(self, row: int, position: int, token_ids: Sequence[int]) -> None:
+        """After commit() wrote a verification's first token at `position`: its further tokens (accepted
+        drafts, then the target's own) follow it, all known on the host."""
+        end = position + 1 + len(token_ids)
+        self.token_ids[row, position + 1:end] = token_ids
+        self.num_output[row] += end - int(self.num_tokens[row])
+        self.num_tokens[row] = end
+        self.num_known[row] = end
 
     def append_placeholders(self, rows: np.ndarray) -> np.ndarray:
         """A token was just sampled for each row (its id still on the device): counts advance now. Returns

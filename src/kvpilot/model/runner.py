@@ -31,6 +31,9 @@ from kvpilot.model.logits_processors import PenaltyState, apply_min_tokens
 from kvpilot.model.sampler import (Logprobs, SamplingBatch, compute_logprobs, greedy_ids_of, sample,
                                    sampled_logprobs)
 from kvpilot.model.step_inputs import PreviousSample, StepInputs, build_step_inputs
+from kvpilot.model.verification import (Verification, expanded_generators, finish_verification,
+                                        plan_verification)
+from kvpilot.model.verify_inputs import build_verify_inputs
 
 if TYPE_CHECKING:
     from kvpilot.model.parallel.group import TPGroup
@@ -48,13 +51,16 @@ class StepResult:
     """A launched step. Its sampled ids (and logprobs) start for the host when it launches (HostCopy);
     result() waits for them, commits them to the persistent batch and returns the RunnerOutput; later calls
     return the same object. `failed`: the requests the runner failed alone in this step (request id -> why),
-    set before result() is first called."""
+    set before result() is first called. `verification`: a step that verified drafts (its sampled ids hold
+    several rows per such request: model/verification.py decides what is accepted)."""
 
     def __init__(self, runner: "ModelRunner | None" = None, request_ids: Sequence[str] = (),
                  rows: np.ndarray | None = None, positions: np.ndarray | None = None,
                  token_ids: torch.Tensor | None = None, num_top: Sequence[int] = (),
-                 logprobs: Logprobs | None = None, num_removed: int | None = None) -> None:
+                 logprobs: Logprobs | None = None, num_removed: int | None = None,
+                 verification: Verification | None = None) -> None:
         self.failed: dict[str, str] = {}
+        self._verification = verification
         self._runner, self._request_ids, self._rows, self._positions = runner, list(request_ids), rows, positions
         self._num_removed = num_removed  # the batch's count of freed rows at launch (InputBatch.commit)
         # num_top: per sampled row, the top-N logprobs it asked for (-1: none); read only with logprobs
@@ -72,12 +78,17 @@ class StepResult:
             assert self._copy is not None and self._positions is not None and self._rows is not None \
                 and self._runner is not None
             host = self._copy.wait()  # the step's one wait for the device
-            ids = host[0].tolist()
-            self._runner.batch.commit(self._request_ids, self._rows, self._positions, host[0].numpy(),
-                                      self._num_removed)
+            ids, verification = host[0].tolist(), self._verification
+            first = host[0].numpy() if verification is None else np.array(
+                [ids[o] for o in verification.offsets], dtype=np.int64)
+            batch = self._runner.batch
+            batch.commit(self._request_ids, self._rows, self._positions, first, self._num_removed)
+            verified = {} if verification is None else finish_verification(
+                batch, verification, self._request_ids, self._rows, self._positions, ids, self._runner.device)
+            ids = ids if verification is None else first.tolist()
             logprobs = sampled_logprobs(self._request_ids, ids, self._num_top, Logprobs(*host[1:])) \
                 if self._has_logprobs else {}
-            self._output = RunnerOutput(dict(zip(self._request_ids, ids)), logprobs, self.failed)
+            self._output = RunnerOutput(dict(zip(self._request_ids, ids)), logprobs, self.failed, verified)
         return self._output
 
 
@@ -152,6 +163,8 @@ class ModelRunner:
         self._drop(output.preempted_request_ids, finished=False)
         for new in output.new_requests:
             self._add(new)
+        if output.trimmed_tables:  # before this step's new blocks are appended
+            self.batch.trim_blocks(output.trimmed_tables)
         running_rows = self.batch.update(output.running_requests)
         if len(running_rows) == len(output.chunks):  # the running requests' chunks, in order (SchedulerOutput)
             return running_rows
@@ -172,15 +185,23 @@ class ModelRunner:
         rows = self.apply_diff(output)
         if not output.chunks:
             return StepResult()
-        inputs = build_step_inputs(self.batch, output.chunks, rows, self._previous, self.device, self._staging,
-                                   decodes=output.is_all_decode)
+        verification = None
+        if output.draft_token_ids:  # speculative decoding: verify the drafts (model/verify_inputs.py)
+            inputs = build_verify_inputs(self.batch, output.chunks, rows, output.draft_token_ids, self.device,
+                                         self._staging)
+            assert inputs.sample_counts is not None
+            verification = plan_verification(inputs.sample_counts, inputs.sample_request_ids,
+                                             output.draft_token_ids, self._generators)
+        else:
+            inputs = build_step_inputs(self.batch, output.chunks, rows, self._previous, self.device, self._staging,
+                                       decodes=output.is_all_decode)
         hidden = self._forward_hidden(inputs)
         if not inputs.sample_request_ids:
             return StepResult()
         sampled = hidden[inputs.sample_rows]
         if self._argmax_only():  # the common case: a few checks instead of nine no-op calls a step
-            return self._greedy(inputs, sampled)
-        return self._sample(inputs, self.model.logits(sampled))
+            return self._greedy(inputs, sampled, verification)
+        return self._sample(inputs, self.model.logits(sampled), verification)
 
     @torch.inference_mode()
     def forward_logits(self, output: SchedulerOutput) -> tuple[list[str], torch.Tensor]:
@@ -218,7 +239,7 @@ class ModelRunner:
             return hidden.new_empty((0, self.vocab_size), dtype=torch.float32)
         return self.model.logits(hidden[inputs.sample_rows])
 
-    def _greedy(self, inputs: StepInputs, hidden: torch.Tensor) -> StepResult:
+    def _greedy(self, inputs: StepInputs, hidden: torch.Tensor, verification: Verification | None) -> StepResult:
         """_argmax_only steps: the output head's argmax of the sampled rows' hidden states, straight from the head
         where it can (a packed tiled head: no [rows, vocab] logits written and read back), else of the logits."""
         token_ids = self.model.greedy_ids(hidden) if self.tp is None else None
@@ -226,16 +247,17 @@ class ModelRunner:
             token_ids = greedy_ids_of(self.model.logits(hidden))
         if self.tp is not None:
             self.tp.broadcast(token_ids)
-        return self._launched(inputs, token_ids)
+        return self._launched(inputs, token_ids, verification=verification)
 
-    def _sample(self, inputs: StepInputs, logits: torch.Tensor) -> StepResult:
-        rows, batch = inputs.sample_batch_rows, self.batch
+    def _sample(self, inputs: StepInputs, logits: torch.Tensor, verification: Verification | None) -> StepResult:
+        """Processors and sampling over the sampled rows (a verification's: one per position, each its
+        request's settings and, seeded, the next uniform of its stream)."""
+        rows, batch = inputs.logit_batch_rows, self.batch
         logits = self.penalties.apply(logits, rows)
         logits = self.logit_bias.apply(logits, rows)
         logits = apply_min_tokens(logits, self._banned(rows))
         logits = self.grammars.apply(logits, rows)  # last: a disallowed token stays -inf whatever the bias
-        generators = {i: self._generators[r] for i, r in enumerate(inputs.sample_request_ids)
-                      if r in self._generators} if self._generators else {}
+        generators = self._row_generators(inputs, verification)
         if batch.num_sampling:
             sampling = SamplingBatch.from_columns(batch.temperature[rows], batch.top_k[rows], batch.top_p[rows],
                                                   batch.min_p[rows], generators, self.vocab_size, self.device,
@@ -245,14 +267,27 @@ class ModelRunner:
         token_ids = sample(logits, sampling)
         if self.tp is not None:  # the ranks' persistent batches must see the same tokens
             self.tp.broadcast(token_ids)
-        self.penalties.record(rows, token_ids)
+        self.penalties.record(rows, token_ids)  # (never a verifying request's: speculator.speculation_eligible)
         self.grammars.record(rows, token_ids)
         if batch.num_with_logprobs:
-            num_top = batch.num_logprobs[rows].tolist()
-            logprobs = compute_logprobs(logits, token_ids, max(num_top)) if max(num_top) >= 0 else None
+            num_top = batch.num_logprobs[inputs.sample_batch_rows].tolist()
+            if verification is not None:  # a request with logprobs has no drafts: its one row is its first
+                first = torch.tensor(verification.offsets, device=logits.device)
+                logits, chosen = logits[first], token_ids[first]
+            else:
+                chosen = token_ids
+            logprobs = compute_logprobs(logits, chosen, max(num_top)) if max(num_top) >= 0 else None
         else:
             num_top, logprobs = [], None
-        return self._launched(inputs, token_ids, num_top, logprobs)
+        return self._launched(inputs, token_ids, num_top, logprobs, verification)
+
+    def _row_generators(self, inputs: StepInputs, verification: Verification | None) -> dict[int, torch.Generator]:
+        """Sampled row -> its request's seeded generator (rows of unseeded requests draw from the global one)."""
+        if not self._generators:
+            return {}
+        if verification is not None:
+            return expanded_generators(verification, inputs.sample_request_ids, self._generators)
+        return {i: self._generators[r] for i, r in enumerate(inputs.sample_request_ids) if r in self._generators}
 
     def _argmax_only(self) -> bool:
         """Every held row greedy, with no penalties, logit bias, min_tokens, grammar or logprobs: the sampled
@@ -262,14 +297,16 @@ class ModelRunner:
                     or self.logit_bias.num_active or self.grammars.num_active)
 
     def _launched(self, inputs: StepInputs, token_ids: torch.Tensor, num_top: Sequence[int] = (),
-                  logprobs: Logprobs | None = None) -> StepResult:
-        """Records the step's sampled tokens as placeholders in the persistent batch; their ids reach the host
+                  logprobs: Logprobs | None = None, verification: Verification | None = None) -> StepResult:
+        """Records the step's sampled tokens as placeholders in the persistent batch (one per request: a
+        verification's further tokens are appended when its result is read); their ids reach the host
         through the returned StepResult."""
         rows, batch = inputs.sample_batch_rows, self.batch
-        self._previous = PreviousSample(token_ids, rows)
+        # a verifying step is never followed by one launched before its result is read (synchronous scheduling)
+        self._previous = PreviousSample(token_ids, rows) if verification is None else None
         positions = batch.append_placeholders(rows)
         return StepResult(self, inputs.sample_request_ids, rows, positions, token_ids, num_top, logprobs,
-                          batch.num_removed)
+                          batch.num_removed, verification)
 
     def _banned(self, rows: np.ndarray) -> list[list[int]]:
         """Per sampled row, the tokens min_tokens forbids now (EOS unless ignore_eos, and stop tokens)."""

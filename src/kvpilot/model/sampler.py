@@ -113,11 +113,22 @@ def _top_p_cutoff(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 
 
 def _uniforms(num_rows: int, generators: dict[int, torch.Generator], device: torch.device) -> torch.Tensor:
-    """One U[0, 1) per row ([N, 1] float64); a seeded row's comes from its own generator."""
+    """One U[0, 1) per row ([N, 1] float64); a seeded row's comes from its own generator, in row order."""
     uniforms = torch.rand(num_rows, 1, dtype=torch.float64, device=device)
     for row, generator in generators.items():
-        uniforms[row] = torch.rand(1, dtype=torch.float64, device=device, generator=generator)
+        uniforms[row] = _seeded_uniform(generator, device)
     return uniforms
+
+
+def _seeded_uniform(generator: torch.Generator, device: torch.device) -> torch.Tensor:
+    return torch.rand(1, dtype=torch.float64, device=device, generator=generator)
+
+
+def advance_generator(generator: torch.Generator, num_draws: int, device: torch.device) -> None:
+    """Moves a seeded stream on by num_draws rows' uniforms, drawn exactly as sampling draws them (a
+    verification rewinds a stream to the tokens it kept: model/verification.py)."""
+    for _ in range(num_draws):
+        _seeded_uniform(generator, device)
 
 
 def _draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

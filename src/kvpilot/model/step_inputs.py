@@ -42,14 +42,24 @@ class PreviousSample:
 @dataclass(frozen=True)
 class StepInputs:
     """Invariant: sample_rows[i] is the last flattened row of the i-th chunk with needs_sample, whose request
-    is sample_request_ids[i] at persistent row sample_batch_rows[i]."""
+    is sample_request_ids[i] at persistent row sample_batch_rows[i]. With drafts to verify (sample_counts set,
+    model/verify_inputs.py) chunk i samples sample_counts[i] consecutive rows of sample_rows instead: its
+    last known token's, then each draft's."""
 
     token_ids: torch.Tensor  # [T] int64 (CPU) or int32 (CUDA: staged), on the device
     positions: torch.Tensor  # [T], the same dtype
     layout: StepLayout
-    sample_rows: torch.Tensor  # [N], the same dtype
+    sample_rows: torch.Tensor  # [N] (with sample_counts: [sum(sample_counts)]), the same dtype
     sample_request_ids: list[str]
     sample_batch_rows: np.ndarray  # [N] int64
+    sample_counts: np.ndarray | None = None  # [N] int64, >= 1
+
+    @property
+    def logit_batch_rows(self) -> np.ndarray:
+        """The persistent row of each sampled row (sample_batch_rows, each repeated sample_counts times)."""
+        if self.sample_counts is None:
+            return self.sample_batch_rows
+        return np.repeat(self.sample_batch_rows, self.sample_counts)
 
 
 class MissingTokenError(RuntimeError):
@@ -83,35 +93,58 @@ def build_step_inputs(batch: InputBatch, chunks: Sequence[ScheduledChunk], rows:
     the step takes the shortest path, with no pass over the chunks to find out."""
     if decodes:
         return _decode_inputs(batch, chunks, rows, previous, device, staging)
-    block_size = batch.limits.block_size
     num_chunks = len(chunks)
     # one pass over the chunks: each gives 2 * num_tokens + needs_sample (this runs for every request every step)
     packed = np.fromiter((2 * c.num_tokens + c.needs_sample for c in chunks), dtype=np.int64, count=num_chunks)
     query_lens, samples = packed >> 1, (packed & 1).astype(bool)
-    starts = batch.num_computed[rows]
-    if int(query_lens.sum()) == num_chunks:  # one token per chunk (a decode step): nothing to repeat
-        query_start = np.arange(num_chunks, dtype=np.int64)
+    flat = flatten_step(batch, rows, batch.num_computed[rows], query_lens, samples, previous, device, staging)
+    if flat.sampled is None:  # every chunk samples (decode steps, whole prompts)
+        sample_request_ids, sample_batch_rows = [c.request_id for c in chunks], rows
+    else:
+        sample_request_ids = [chunks[i].request_id for i in flat.sampled.tolist()]
+        sample_batch_rows = rows[flat.sampled]
+    return StepInputs(token_ids=flat.token_ids, positions=flat.positions, layout=flat.layout,
+                      sample_rows=flat.sample_rows, sample_request_ids=sample_request_ids,
+                      sample_batch_rows=sample_batch_rows)
+
+
+@dataclass(frozen=True)
+class FlatStep:
+    """flatten_step's result: the device inputs, the layout, and which sequences sample (None: all)."""
+
+    token_ids: torch.Tensor
+    positions: torch.Tensor
+    sample_rows: torch.Tensor
+    layout: StepLayout
+    sampled: np.ndarray | None
+
+
+def flatten_step(batch: InputBatch, rows: np.ndarray, starts: np.ndarray, query_lens: np.ndarray,
+                 samples: np.ndarray, previous: PreviousSample | None, device: torch.device,
+                 staging: PackedArrays | None, all_known: bool = False) -> FlatStep:
+    """Sequence i computes query_lens[i] tokens of persistent row rows[i] from position starts[i] and, when
+    samples[i], samples at its last one. Rows may repeat (verify_inputs.py: one sequence per draft).
+    all_known: the caller knows every input id is on the host (drafts sit past a row's known tokens)."""
+    block_size = batch.limits.block_size
+    num_seqs = len(rows)
+    if int(query_lens.sum()) == num_seqs:  # one token per sequence (a decode step): nothing to repeat
+        query_start = np.arange(num_seqs, dtype=np.int64)
         ends, token_rows, positions = query_start + 1, rows, starts
     else:
         ends = np.cumsum(query_lens)
         query_start = ends - query_lens
         token_rows = np.repeat(rows, query_lens)
         positions = np.arange(int(ends[-1]), dtype=np.int64) + np.repeat(starts - query_start, query_lens)
-    if samples.all():  # every chunk samples (decode steps, whole prompts)
-        sampled, sample_request_ids, sample_batch_rows = None, [c.request_id for c in chunks], rows
-    else:
-        sampled = np.flatnonzero(samples)
-        sample_request_ids = [chunks[i].request_id for i in sampled.tolist()]
-        sample_batch_rows = rows[sampled]
+    sampled = None if samples.all() else np.flatnonzero(samples)
     block_ids = batch.block_table[token_rows, positions // block_size]
     slots = block_ids * block_size + positions % block_size
     integers = [batch.token_ids[token_rows, positions], positions, ends - 1 if sampled is None else ends[sampled] - 1]
-    token_ids, positions_t, sample_rows = _integer_inputs(batch, integers, token_rows, previous, staging, device)
+    token_ids, positions_t, sample_rows = _integer_inputs(batch, integers, token_rows, previous, staging, device,
+                                                          all_known)
     max_blocks = int(-(-(starts + query_lens).max() // block_size))
     layout = StepLayout(query_start=query_start, query_lens=query_lens, start_positions=starts,
                         block_tables=batch.block_table[rows, :max_blocks], slot_mapping=slots, block_size=block_size)
-    return StepInputs(token_ids=token_ids, positions=positions_t, layout=layout, sample_rows=sample_rows,
-                      sample_request_ids=sample_request_ids, sample_batch_rows=sample_batch_rows)
+    return FlatStep(token_ids, positions_t, sample_rows, layout, sampled)
 
 
 def _decode_inputs(batch: InputBatch, chunks: Sequence[ScheduledChunk], rows: np.ndarray,
@@ -136,12 +169,13 @@ def _decode_inputs(batch: InputBatch, chunks: Sequence[ScheduledChunk], rows: np
 
 def _integer_inputs(batch: InputBatch, integers: list[np.ndarray], token_rows: np.ndarray,
                     previous: PreviousSample | None, staging: PackedArrays | None,
-                    device: torch.device) -> list[torch.Tensor]:
+                    device: torch.device, all_known: bool = False) -> list[torch.Tensor]:
     """`integers` (token ids, positions, sample rows) on the device; a token whose id is still on the device
     (sampled by the previous step, not yet read back under async scheduling) taken from there."""
     positions = integers[1]
     # tokens sampled by a step whose ids are not committed yet; none while no step is in flight
-    unknown = np.flatnonzero(positions >= batch.num_known[token_rows]) if batch.num_steps_in_flight else _NONE
+    unknown = np.flatnonzero(positions >= batch.num_known[token_rows]) \
+        if batch.num_steps_in_flight and not all_known else _NONE
     if len(unknown):
         integers = [*integers, unknown, _previous_sources(unknown, token_rows, previous)]
     token_ids, positions_t, sample_rows, *from_previous = _to_device(integers, staging, device)
