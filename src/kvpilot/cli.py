@@ -11,7 +11,7 @@ import typer
 from kvpilot.bench.cli import make_bench_command
 from kvpilot.cli_options import (DeviceOpt, DownloadDirOpt, DtypeOpt, GgufFileOpt, KvCacheDtypeOpt,
                                  KvCacheMemoryOpt, LoadFormatOpt, MaxModelLenOpt, ModelOpt, PromptGemmDtypeOpt,
-                                 QuantizationOpt, RevisionOpt, SeedOpt)
+                                 QuantizationOpt, RevisionOpt, SeedOpt, SpeculativeConfigOpt)
 from kvpilot.doctor.bench_section import doctor_report_section
 from kvpilot.doctor.cli import doctor_command
 from kvpilot.fit.cli import fit_command
@@ -55,6 +55,7 @@ def generate(
     kv_cache_dtype: KvCacheDtypeOpt = "auto", seed: SeedOpt = 0, quantization: QuantizationOpt = "auto",
     prompt_gemm_dtype: PromptGemmDtypeOpt = "auto", revision: RevisionOpt = None,
     download_dir: DownloadDirOpt = None, gguf_file: GgufFileOpt = None,
+    speculative_config: SpeculativeConfigOpt = None,
 ) -> None:
     """Generate a completion for one prompt and print it (streamed as it is produced)."""
     from kvpilot.sampling_params import SamplingParams
@@ -63,7 +64,7 @@ def generate(
                            max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
                            kv_cache_dtype=kv_cache_dtype, seed=seed, quantization=quantization,
                            prompt_gemm_dtype=prompt_gemm_dtype, revision=revision, download_dir=download_dir,
-                           gguf_file=gguf_file))
+                           gguf_file=gguf_file, speculative_config=speculative_config))
     params = _sampling_params(SamplingParams, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                               top_k=top_k, seed=sample_seed)
     prompt_ids = llm.tokenizer.encode_chat([{"role": "user", "content": prompt}]) if chat_template else prompt
@@ -92,6 +93,7 @@ def chat(
     kv_cache_dtype: KvCacheDtypeOpt = "auto", seed: SeedOpt = 0, quantization: QuantizationOpt = "auto",
     prompt_gemm_dtype: PromptGemmDtypeOpt = "auto", revision: RevisionOpt = None,
     download_dir: DownloadDirOpt = None, gguf_file: GgufFileOpt = None,
+    speculative_config: SpeculativeConfigOpt = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show the engine's INFO log lines.")] = False,
 ) -> None:
     """Interactive chat in the terminal with line editing and history; replies stream token by token. Ctrl-C
@@ -105,7 +107,7 @@ def chat(
                            max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
                            kv_cache_dtype=kv_cache_dtype, seed=seed, quantization=quantization,
                            prompt_gemm_dtype=prompt_gemm_dtype, revision=revision, download_dir=download_dir,
-                           gguf_file=gguf_file))
+                           gguf_file=gguf_file, speculative_config=speculative_config))
     params = _sampling_params(SamplingParams, max_tokens=max_tokens, temperature=temperature, top_p=top_p)
     run_chat(llm, params, system)
 

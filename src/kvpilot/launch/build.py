@@ -14,7 +14,10 @@ import torch
 from kvpilot.engine.config import (CacheConfig, EngineConfigError, SchedulerConfig, check_model_len_fits,
                                    uniform_sliding_window)
 from kvpilot.engine.engine import LLMEngine
+from kvpilot.engine.ngram_proposer import NgramProposer
 from kvpilot.engine.scheduler import Scheduler
+from kvpilot.engine.spec_config import SpeculativeConfig
+from kvpilot.engine.speculator import Speculator
 from kvpilot.launch.args import DEFAULT_CPU_KV_CACHE_BYTES, EngineArgs
 from kvpilot.launch.tp import TPLaunch, rank_config
 from kvpilot.fit.kv_cache import KvCapacity, format_capacity_line, kv_capacity_for_memory
@@ -136,11 +139,24 @@ def _build(args: EngineArgs, loaded: LoadedModel, tp: TPLaunch | None) -> BuiltE
     runner = tp.executor(spec) if tp is not None else make_runner(loaded, spec)
     if loaded.device.type == "cuda" and not args.enforce_eager:
         _capture_decode_graphs(runner, args, max_num_batched_tokens)
-    scheduler = Scheduler(scheduler_config, cache_config, eos_token_ids)
-    async_scheduling = args.async_scheduling if args.async_scheduling is not None else loaded.device.type == "cuda"
+    speculative = args.speculative
+    scheduler = Scheduler(scheduler_config, cache_config, eos_token_ids, speculator=make_speculator(speculative))
+    # speculation verifies a step's drafts before the next step is scheduled (EngineArgs refuses async with it)
+    async_scheduling = args.async_scheduling if args.async_scheduling is not None else \
+        loaded.device.type == "cuda" and speculative is None
     engine = LLMEngine(scheduler, runner, loaded.tokenizer, loaded.config.vocab_size,
                        async_scheduling=async_scheduling)
     return BuiltEngine(engine, loaded, KVCachePlan(kv_dtype, element_size, budget, capacity))
+
+
+def make_speculator(config: SpeculativeConfig | None) -> Speculator | None:
+    """The scheduler's speculator for speculative_config (None: off); an INFO line says what runs."""
+    if config is None:
+        return None
+    logger.info("speculative decoding: %s, up to %d drafts a step (n-grams of %d..%d tokens, longest first), "
+                "as many as the cost model finds worth their rows", config.method, config.num_speculative_tokens,
+                config.prompt_lookup_min, config.prompt_lookup_max)
+    return Speculator(config, NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max))
 
 
 def _captures_graphs(args: EngineArgs, loaded: LoadedModel, kv_dtype: torch.dtype) -> bool:

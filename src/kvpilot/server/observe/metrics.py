@@ -137,6 +137,33 @@ class MemoryCollector(Collector):
                                     "under kvpilot's prefix.", value=swap.free_bytes)
 
 
+class SpecDecodeCounters:
+    """vLLM's speculative-decoding counters, moved by each step that verified drafts (StepStats): verifications
+    (`vllm:spec_decode_num_drafts`), drafted and accepted tokens, and accepted tokens by draft position
+    (`position` label, 0 = the first draft). No samples until a step speculates."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry) -> None:
+        m = ["model_name"]
+        self._name = model_name
+        self.num_drafts = Counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", m,
+                                  registry=registry)
+        self.num_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", m,
+                                        registry=registry)
+        self.num_accepted_tokens = Counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                                           m, registry=registry)
+        self.accepted_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                        "Accepted tokens per draft position.", ["model_name", "position"],
+                                        registry=registry)
+
+    def observe(self, stats: StepStats) -> None:
+        name = self._name
+        self.num_drafts.labels(name).inc(stats.num_drafts)
+        self.num_draft_tokens.labels(name).inc(stats.num_draft_tokens)
+        self.num_accepted_tokens.labels(name).inc(stats.num_accepted_tokens)
+        for position, count in enumerate(stats.num_accepted_tokens_per_pos):
+            self.accepted_per_pos.labels(name, str(position)).inc(count)
+
+
 class ServerMetrics:
     """All series of one server. Thread-safe (prometheus-client's own locks): the engine thread observes
     steps, the event loop observes requests."""
@@ -182,6 +209,7 @@ class ServerMetrics:
                                        buckets=FAST_BUCKETS, registry=r)
         self.rejected = Counter("kvpilot:requests_rejected", "Requests refused before reaching the engine.",
                                 ["model_name", "reason"], registry=r)
+        self.spec = SpecDecodeCounters(model_name, r)
         r.register(_SchedulerCollector(snapshot, model_name))
         r.register(memory if memory is not None else MemoryCollector())
         r.register(_CacheConfigCollector(info))
@@ -193,6 +221,8 @@ class ServerMetrics:
         self.iteration_tokens.labels(name).observe(stats.num_batched_tokens)
         if stats.num_generated_tokens:
             self.generation_tokens.labels(name).inc(stats.num_generated_tokens)
+        if stats.num_drafts:
+            self.spec.observe(stats)
 
     def observe_prefill_done(self, num_prompt_tokens: int) -> None:
         """Once per request, when its first token arrives (the step that completed its prefill): the whole

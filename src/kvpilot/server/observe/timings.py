@@ -63,7 +63,16 @@ def kvpilot_field(request_id: str, metrics: RequestMetrics | None, num_prompt_to
     return {"request_id": request_id, "prompt_tokens": num_prompt_tokens,
             "cached_tokens": metrics.num_cached_tokens if metrics else 0,
             "num_preemptions": metrics.num_preemptions if metrics else 0,
-            "timings": asdict(timings)}
+            "timings": asdict(timings), **speculation_field(metrics)}
+
+
+def speculation_field(metrics: RequestMetrics | None) -> dict[str, Any]:
+    """{"speculation": {verifications, drafted and accepted tokens}} for a request that verified drafts, else
+    {} (responses without speculation keep their shape)."""
+    if metrics is None or not metrics.num_drafts:
+        return {}
+    return {"speculation": {"num_drafts": metrics.num_drafts, "draft_tokens": metrics.num_draft_tokens,
+                            "accepted_tokens": metrics.num_accepted_tokens}}
 
 
 def access_log_line(*, request_id: str, endpoint: str, status: int, stream: bool, metrics: RequestMetrics | None,
@@ -74,7 +83,8 @@ def access_log_line(*, request_id: str, endpoint: str, status: int, stream: bool
         "finish_reason": metrics.finish_reason if metrics else None, "prompt_tokens": num_prompt_tokens,
         "generation_tokens": metrics.num_generated_tokens if metrics else 0,
         "cached_tokens": metrics.num_cached_tokens if metrics else 0,
-        "num_preemptions": metrics.num_preemptions if metrics else 0, **asdict(timings)}
+        "num_preemptions": metrics.num_preemptions if metrics else 0, **asdict(timings),
+        **speculation_field(metrics)}
     if prompt is not None:
         record["prompt"] = prompt
     return json.dumps(record)
