@@ -16,8 +16,8 @@ from kvpilot.cli_options import (AsyncSchedulingOpt, AttentionBackendOpt, BlockS
                                  DeviceOpt, DownloadDirOpt, DtypeOpt, EnforceEagerOpt, GgufFileOpt, GpuUtilOpt,
                                  KvCacheDtypeOpt, KvCacheMemoryOpt, LoadFormatOpt, MaxBatchedTokensOpt,
                                  MaxModelLenOpt, MaxNumSeqsOpt, ModelOpt, PolicyOpt, PrefixCachingOpt,
-                                 PromptGemmDtypeOpt, QuantizationOpt, RevisionOpt, SeedOpt, TensorParallelOpt,
-                                 parse_cuda_graph_sizes)
+                                 PromptGemmDtypeOpt, QuantizationOpt, RevisionOpt, SeedOpt, SpeculativeConfigOpt,
+                                 TensorParallelOpt, parse_cuda_graph_sizes)
 from kvpilot.server.serve_flags import (ApiKeyOpt, AutoToolChoiceOpt, BodyTimeoutOpt, DrainTimeoutOpt,
                                         EngineProcessOpt, HeaderTimeoutOpt, HostOpt, KeepAliveTimeoutOpt,
                                         KvEventsConfigOpt, LogPromptsOpt, MaxQueuedReqsOpt, MaxQueuedTokensOpt,
@@ -56,7 +56,7 @@ def serve_command(
     enable_prefix_caching: PrefixCachingOpt = True, scheduling_policy: PolicyOpt = "fcfs", seed: SeedOpt = 0,
     attention_backend: AttentionBackendOpt = "auto", async_scheduling: AsyncSchedulingOpt = None,
     enforce_eager: EnforceEagerOpt = False, cuda_graph_sizes: CudaGraphSizesOpt = None,
-    tensor_parallel_size: TensorParallelOpt = 1,
+    tensor_parallel_size: TensorParallelOpt = 1, speculative_config: SpeculativeConfigOpt = None,
     host: HostOpt = "127.0.0.1", port: PortOpt = 8000, served_model_name: ServedModelNameOpt = None,
     api_key: ApiKeyOpt = None, metrics_public: MetricsPublicOpt = False,
     max_num_queued_reqs: MaxQueuedReqsOpt = None, max_num_queued_tokens: MaxQueuedTokensOpt = None,
@@ -87,7 +87,7 @@ def serve_command(
             enable_prefix_caching=enable_prefix_caching, scheduling_policy=scheduling_policy, seed=seed,
             attention_backend=attention_backend, async_scheduling=async_scheduling, enforce_eager=enforce_eager,
             tensor_parallel_size=tensor_parallel_size, cuda_graph_sizes=parse_cuda_graph_sizes(cuda_graph_sizes),
-            kv_events_config=kv_events_config)
+            kv_events_config=kv_events_config, speculative_config=speculative_config)
         _check_tracing(otlp_traces_endpoint)
         server_args = _server_args(
             model, max_num_seqs, host=host, port=port, served_model_name=served_model_name, api_key=api_key,

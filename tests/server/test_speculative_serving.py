@@ -1,9 +1,14 @@
-"""Speculative decoding in /metrics (vLLM's vllm:spec_decode_* counters, moved by each verifying step) and in a
-response's "kvpilot" field (the request's verifications, drafted and accepted tokens)."""
+"""Speculative decoding in the server: `--speculative-config` checked before anything loads, vLLM's
+vllm:spec_decode_* counters in /metrics (moved by each verifying step), and a response's "kvpilot" field (the
+request's verifications, drafted and accepted tokens)."""
 
 from __future__ import annotations
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from typer.testing import CliRunner
+
+from kvpilot.cli import app
 
 from kvpilot.engine.engine import StepStats
 from kvpilot.engine.timeline import RequestMetrics
@@ -53,3 +58,14 @@ def test_a_response_reports_its_requests_speculation():
     assert kvpilot_field("r", spec, 5, timings)["speculation"] == {"num_drafts": 3, "draft_tokens": 12,
                                                                     "accepted_tokens": 5}
     assert spec.draft_acceptance_rate == 5 / 12
+
+
+@pytest.mark.parametrize("config, field", [
+    ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
+    ('{"method": "eagle"}', "method"),
+    ("{ngram}", "not valid JSON"),
+])
+def test_serve_refuses_a_bad_speculative_config_before_loading(config, field):
+    result = CliRunner().invoke(app, ["serve", "--speculative-config", config])
+    assert result.exit_code == 2 and field in result.output, result.output
+
