@@ -134,3 +134,19 @@ def test_seeded_sampling_gives_the_same_tokens(llm_fp32, reference_llm):
         [run_alone(reference_llm, [COPY_PROMPT], p)[0] for p in params]
     assert sum(s.num_accepted_tokens for s in steps) > 0
     assert_no_leak(llm)
+
+
+def test_the_default_model_speculates_token_exactly():
+    """LLM() as shipped (bf16 on a CPU with native bf16: the int8 decode path and fused layers): verifying rows
+    run as decodes, so greedy output with speculation equals plain decoding's here too."""
+    plain = LLM(kv_cache_memory="256MiB", max_model_len=2048)
+    spec = LLM(loaded=plain.loaded, kv_cache_memory="256MiB", max_model_len=2048, speculative_config=NGRAM)
+    spec.engine.scheduler.speculator.step_price = lambda num_running: 0.0
+    chat = plain.tokenizer.encode_chat([{"role": "user", "content": f"Repeat this passage: {PARAGRAPH}"}])
+    prompts = [SECTIONS_PROMPT, COPY_PROMPT, chat]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    want = [plain.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+    outputs = spec.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outputs] == want
+    assert sum(o.metrics.num_accepted_tokens for o in outputs) > 16
+    assert_no_leak(spec)
