@@ -9,7 +9,8 @@ import pytest
 
 from kvpilot import LLM, SamplingParams
 from tests.model.reference import hf_greedy
-from tests.model.test_architectures import _save_random_hf_model, _small_config
+from tests.model.hf_match import save_random_hf_model
+from tests.model.test_architectures import _small_config
 
 WINDOW = 16
 BLOCK_SIZE = 4
@@ -23,7 +24,7 @@ def mistral(tmp_path_factory):
     cfg = _small_config("mistral-7b-v0.1")
     cfg["sliding_window"] = WINDOW
     directory = tmp_path_factory.mktemp("mistral-sliding")
-    hf = _save_random_hf_model(cfg, directory).eval()
+    hf = save_random_hf_model(cfg, directory).model
     return cfg, directory, hf
 
 

@@ -16,7 +16,7 @@ from kvpilot.fit.model_catalog import get_hf_config
 from kvpilot.model.config import from_hf_config
 from kvpilot.model.loader import load_model
 from kvpilot.model.parallel.shard_plan import ShardPlan
-from tests.model.test_architectures import _save_random_hf_model
+from tests.model.hf_match import save_random_hf_model
 from tests.model.test_gguf_types import _write_gguf
 
 SMALL = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "head_dim": 16, "vocab_size": 512,
@@ -32,7 +32,7 @@ def _hf_config(name: str, heads: int, kv_heads: int) -> dict:
 def _model_source(kind: str, tmp_path) -> tuple[str, str]:
     """(model, load_format) of a small model in each format; Qwen2 (qkv bias) for safetensors."""
     if kind == "safetensors":
-        _save_random_hf_model(_hf_config("qwen2.5-72b", 4, 2), tmp_path / "hf")
+        save_random_hf_model(_hf_config("qwen2.5-72b", 4, 2), tmp_path / "hf")
         return str(tmp_path / "hf"), "auto"
     if kind == "gguf":
         path = tmp_path / "tiny.gguf"

@@ -26,7 +26,7 @@ SMALL_BUFFER = [(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BackgroundServer]:
-    config = write_tiny_config(tmp_path_factory.mktemp("push"))
+    config = write_tiny_config(tmp_path_factory.mktemp("push"), narrow=True)  # 1,600 tokens in the slow test
     with tiny_server(config, engine={"max_model_len": 1024}) as running:
         for listener in running.server.servers:
             for sock in listener.sockets:

@@ -4,8 +4,8 @@ body schema, negative data rejected), and the server still answers afterwards. I
 the server accepts, so a schema-valid request is refused (400) only for a reason no JSON schema can state
 (NOT_IN_SCHEMA); any other refusal is a contract failure too.
 
-The server is the real HTTP stack and engine on a 2-layer dummy-weight model with a 48-token context, so a
-valid request generates at most a few dozen tokens; the run is bounded by case count, on loopback only."""
+The server is the real HTTP stack and engine on a 2-layer, 64-wide dummy-weight model with a 48-token context,
+so a valid request generates at most a few dozen tokens; the run is bounded by case count, on loopback only."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ expected-statuses = ["2xx", "400", "401", "404", "429"]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BackgroundServer]:
-    config = write_tiny_config(tmp_path_factory.mktemp("tiny"))
+    config = write_tiny_config(tmp_path_factory.mktemp("tiny"), narrow=True)  # 350 generating requests
     with tiny_server(config, engine={"max_model_len": 48, "kv_cache_memory": "16MiB"}, api_key=KEY,
                      served_model_names=(MODEL,)) as running:
         yield running
