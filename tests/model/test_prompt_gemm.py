@@ -178,3 +178,13 @@ def test_float32_prompt_gemms_take_the_float32_models_first_tokens_but_at_near_t
     flipped = {i: round(tops[i][0][1] - tops[i][1][1], 3) for i, n in enumerate(agree) if n == 0}  # top-2 gaps
     assert all(gap < NEAR_TIE for gap in flipped.values()), (flipped, agree)
     assert "Paris" in f32.generate([chat], params)[0].outputs[0].text
+
+
+@needs_bf16
+def test_the_probe_rates_are_logged_at_debug_level_only(caplog):
+    """The measured rates mean nothing to a user starting a server (and came before a bad --model was refused):
+    nothing at INFO, the rates at DEBUG for a developer."""
+    with caplog.at_level("DEBUG", logger="kvpilot"):
+        resolve_prompt_gemm_dtype("auto", torch.bfloat16, CPU)
+    rates = [r for r in caplog.records if "GFLOP/s" in r.getMessage()]
+    assert [r.levelname for r in rates] == ["DEBUG"]

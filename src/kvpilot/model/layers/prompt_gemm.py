@@ -94,7 +94,7 @@ def _time_probe() -> GemmProbe:
 def resolve_prompt_gemm_dtype(name: str, compute_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The dtype of many-row GEMMs for activations in `compute_dtype` on `device`: compute_dtype itself unless
     they are bf16 on a CPU where oneDNN runs bf16; there "float32" and "bfloat16" are taken as given and "auto"
-    is the probe's faster dtype (logged with both rates)."""
+    is the probe's faster dtype (logged at debug level with both rates)."""
     check_prompt_gemm_dtype(name)
     if not onednn_bf16_applies(compute_dtype, device) or name == "bfloat16":
         return compute_dtype
@@ -102,7 +102,8 @@ def resolve_prompt_gemm_dtype(name: str, compute_dtype: torch.dtype, device: tor
         return torch.float32
     probe = probe_prompt_gemms()
     chosen = probe.faster_dtype()
-    logger.info("prompt GEMMs in %s: float32 %.0f GFLOP/s, bf16 %.0f GFLOP/s on one core here (%.2fx; float32 from "
+    # debug: the rates explain --prompt-gemm-dtype auto's choice to a developer; a user has nothing to act on
+    logger.debug("prompt GEMMs in %s: float32 %.0f GFLOP/s, bf16 %.0f GFLOP/s on one core here (%.2fx; float32 from "
                 "%.1fx); --prompt-gemm-dtype sets it", str(chosen).removeprefix("torch."), probe.float32_gflops,
                 probe.bf16_gflops, probe.float32_speedup, FLOAT32_MIN_SPEEDUP)
     return chosen
