@@ -5,9 +5,13 @@ otherwise (a pipe or a file). Ctrl-C while a reply streams stops that reply only
 checked between engine steps, so an engine step is never cut in half, and the request is aborted (its KV
 blocks freed) before the next prompt. Ctrl-C at the prompt clears the line; Ctrl-D or /exit ends the session.
 
-Invariants: the prompt always starts on a fresh line; `history` alternates user / assistant turns after the
-optional system message (a stopped or cut reply is kept as far as it got); a reply cut at the token limit is
-followed by a notice naming the flag that raises it.
+A stopped reply leaves the history with its question: Ctrl-C usually means the answer went the wrong way, and a
+half answer kept as the model's own turn would steer every later reply (the user asks again, or rephrases).
+
+Invariants: the prompt always starts on a fresh line; no text is printed after Ctrl-C (a token the engine
+finishes meanwhile is dropped); `history` alternates user / assistant turns after the optional system message,
+and holds only replies that ended on their own (a reply cut at the token limit is kept as far as it got, and
+followed by a notice naming the flag that raises it).
 """
 
 from __future__ import annotations
@@ -121,10 +125,11 @@ class ChatSession:
         except ValueError as exc:  # e.g. the conversation no longer fits max_model_len
             self._say(f"error: {exc}\n(/reset clears the history)")
             return None
-        self.history += [{"role": "user", "content": text}, {"role": "assistant", "content": reply.text}]
         if reply.stopped:
-            self._say("(reply stopped)")
-        elif reply.finish_reason == "length":
+            self._say("(reply stopped; it and its question are left out of the history)")
+            return reply
+        self.history += [{"role": "user", "content": text}, {"role": "assistant", "content": reply.text}]
+        if reply.finish_reason == "length":
             self._say(f"(reply cut at the token limit, {reply.num_tokens} tokens: --max-tokens raises it)")
         return reply
 
@@ -135,13 +140,16 @@ class ChatSession:
         with sigint_sets(self.stop_requested):
             try:
                 for output in stream:
+                    if self.stop_requested.is_set() and not output.finished:
+                        stopped = True  # Ctrl-C came during this step: its token is not shown
+                        break
                     completion = output.outputs[0]
                     parts.append(output.delta_text)
                     self.out.write(output.delta_text)
                     self.out.flush()
                     num_tokens, finish_reason = len(completion.token_ids), completion.finish_reason
                     if self.stop_requested.is_set() and not output.finished:
-                        stopped = True
+                        stopped = True  # Ctrl-C came while writing: no need to wait for another step
                         break
             finally:
                 stream.close()  # aborts the request if it is still running

@@ -79,7 +79,8 @@ def test_ctrl_c_mid_reply_stops_that_reply_only(llm: LLM) -> None:
     stopped = session.reply("Tell me a long story about a dragon.")
     assert stopped is not None and stopped.stopped and stopped.finish_reason is None
     assert 0 < stopped.num_tokens < 200  # cut well before the limit
-    assert out.getvalue().endswith("\n(reply stopped)\n")  # the next prompt starts on a fresh line
+    assert out.getvalue().endswith("\n(reply stopped; it and its question are left out of the history)\n")
+    assert session.history == []  # the next prompt starts on a fresh line, the cut exchange forgotten
     assert _idle(llm)  # the request was aborted and its blocks freed
     assert signal.getsignal(signal.SIGINT) is before  # restored: Ctrl-C at the prompt works again
     session.handle("/reset")
@@ -87,6 +88,39 @@ def test_ctrl_c_mid_reply_stops_that_reply_only(llm: LLM) -> None:
     answer = session.reply(QUESTION)
     assert answer is not None and not answer.stopped and "Paris" in answer.text
     assert [m["role"] for m in session.history] == ["user", "assistant"]
+
+
+class SigintDuringStep:
+    """The real LLM, with a real SIGINT sent while the engine computes the step after `num_outputs` outputs: as
+    when the user presses Ctrl-C between two tokens (closing the stream still aborts the real request)."""
+
+    def __init__(self, llm: LLM, num_outputs: int) -> None:
+        self.llm, self.tokenizer, self.num_outputs = llm, llm.tokenizer, num_outputs
+
+    def stream(self, prompt_ids, params):  # type: ignore[no-untyped-def]
+        inner = self.llm.stream(prompt_ids, params)
+        try:
+            for i, output in enumerate(inner):
+                if i == self.num_outputs:
+                    os.kill(os.getpid(), signal.SIGINT)
+                yield output
+        finally:
+            inner.close()
+
+
+def test_ctrl_c_between_tokens_prints_nothing_more_and_forgets_the_exchange(llm: LLM) -> None:
+    long_reply = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    out = io.StringIO()
+    session = ChatSession(llm, GREEDY, "You are terse.", out)
+    assert session.reply(QUESTION) is not None and len(session.history) == 3
+    kept, shown_before = list(session.history), out.getvalue()
+    session.llm, session.params = SigintDuringStep(llm, num_outputs=3), long_reply
+    stopped = session.reply("Tell me a long story about a dragon.")
+    assert stopped is not None and stopped.stopped and stopped.num_tokens == 3  # the 4th token is not shown
+    shown = out.getvalue()[len(shown_before):]
+    assert shown == stopped.text + "\n(reply stopped; it and its question are left out of the history)\n"
+    assert session.history == kept  # system, the first question and its answer
+    assert _idle(llm)
 
 
 def test_a_reply_cut_at_the_limit_says_so_and_the_next_turn_works(llm: LLM) -> None:
