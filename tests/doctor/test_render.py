@@ -4,17 +4,20 @@ test_attribution.py)."""
 from __future__ import annotations
 
 import ast
+import io
 import json
 import re
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
 from kvpilot.doctor import thresholds
 from kvpilot.doctor.diagnose import diagnose
 from kvpilot.doctor.findings import Evidence, Finding, Fix, Severity
 from kvpilot.doctor.inputs import DoctorInputs, load_inputs
 from kvpilot.doctor.prometheus import parse_prometheus_text
+from kvpilot.doctor.render_console import SPLIT_COLUMNS, fmt_ms, print_report
 from kvpilot.doctor.render_html import doctor_html_section
 from tests.doctor.scenarios import SCENARIOS, healthy
 
@@ -65,3 +68,25 @@ def test_every_threshold_documents_its_rationale() -> None:
         doc = body[i + 1] if i + 1 < len(body) else None
         text = doc.value.value if isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) else None
         assert isinstance(text, str) and len(text) > 30, name
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    return {name: diagnose(load_inputs(*make(tmp_path_factory.mktemp(name)))) for name, make in SCENARIOS.items()}
+
+
+@pytest.mark.parametrize("width", [80, 60])
+def test_console_report_cuts_nothing_on_narrow_consoles(reports: dict, width: int) -> None:  # type: ignore[type-arg]
+    """At 80 and 60 columns (a small terminal, a pipe) the latency split becomes a list rather than a table cut
+    to `con…`, and a finding's title moves into its panel rather than being cropped on the frame."""
+    for name, report in reports.items():
+        console = Console(width=width, file=io.StringIO(), record=True)
+        print_report(console, report)
+        text = console.export_text()
+        assert "…" not in text, (name, text)
+        words = set(re.split(r"[\s│┃]+", text))
+        for s in report.splits:
+            cells = [fmt_ms(s.in_flight), *(fmt_ms(getattr(s, key)) for key, _ in SPLIT_COLUMNS), s.label]
+            assert {w for cell in cells for w in cell.split()} <= words, (name, text)  # every number whole
+        for f in report.findings:
+            assert {f"({f.rule_id},", f"{f.confidence:.0%})"} <= words, (name, text)  # the title is not cropped

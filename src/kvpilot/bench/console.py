@@ -1,4 +1,5 @@
-"""Console output: the progress bar while running and the summary tables after (rich)."""
+"""Console output: the progress bar while running and the summary tables after (rich), each printed whole at
+any console width (table_layout.print_table)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from rich.table import Table
 
 from kvpilot.bench.result import Knee, RunResult
 from kvpilot.bench.stats import Distribution
+from kvpilot.bench.table_layout import print_table
 
 
 def make_progress(console: Console, disable: bool = False) -> Progress:
@@ -17,7 +19,9 @@ def make_progress(console: Console, disable: bool = False) -> Progress:
 
 
 def _fmt(v: float | None, digits: int = 1) -> str:
-    return "-" if v is None else f"{v:,.{digits}f}"
+    """`v` to `digits` decimals with thousands separators; a value that rounds to zero prints `0.0`, never `-0.0`
+    (a stage's mean can come out a hair below zero from the server's rounded timings)."""
+    return "-" if v is None else f"{round(v, digits) + 0.0:,.{digits}f}"  # + 0.0 turns -0.0 into 0.0
 
 
 def latency_table(run: RunResult) -> Table:
@@ -116,17 +120,13 @@ def sweep_table(runs: list[RunResult], knee: Knee) -> Table:
 def print_summary(console: Console, runs: list[RunResult], knee: Knee | None) -> None:
     """Tables for the last run (or the sweep), then the client-lag verdict and first errors."""
     if knee is not None:
-        console.print(sweep_table(runs, knee))
+        print_table(console, sweep_table(runs, knee))
         console.print(f"Knee: {knee.reason}")
     last = runs[knee.index if knee is not None and knee.index is not None else -1]
-    console.print(latency_table(last))
-    groups = group_table(last)
-    if groups is not None:
-        console.print(groups)
-    console.print(throughput_table(last))
-    replicas = replica_table(last)
-    if replicas is not None:
-        console.print(replicas)
+    tables = [latency_table(last), group_table(last), throughput_table(last), replica_table(last)]
+    for table in tables:
+        if table is not None:
+            print_table(console, table)
     for r in runs:
         style = "bold red" if r.client_lag.overloaded else "green"
         console.print(f"{r.label}: {r.client_lag.message}", style=style, markup=False)
