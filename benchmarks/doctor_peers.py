@@ -213,8 +213,8 @@ def run_scenario(scenario: Scenario, args: argparse.Namespace, peers: dict, run_
     runs: dict[str, ToolRun] = {}
     print(f"\n[{scenario.name}] $ {' '.join(spec.command)}", flush=True)
     try:
-        with running_server(spec, run_dir / f"{scenario.name}-server.log", args.max_start_s) as base_url:
-            target = Target(base_url, served_model(base_url), run_dir / scenario.name)
+        with running_server(spec, run_dir / f"{scenario.name}-server.log", args.max_start_s) as server:
+            target = Target(server.base_url, served_model(server.base_url), run_dir / scenario.name)
             target.work_dir.mkdir(parents=True, exist_ok=True)
             passive = [t for t in runnable if t.passive]
             if passive:

@@ -1,19 +1,21 @@
-"""kvpilot side by side with llama.cpp and vLLM's CPU build, on the same embedded GGUF (issues 18 and 44).
+"""kvpilot side by side with llama.cpp and vLLM's CPU build, on the same embedded GGUF (issues 18, 44, 50).
 
 Not in CI. Peers are installed once into their own virtual environments under --cache-dir (reused when
 their marker file says the install finished): llama-cpp-python[server] built with this CPU's flags (also
 giving llama.cpp's C++ llama-server, which has parallel slots), and vLLM's CPU build per MACHINE-FACTS.
 Comparisons (peers/comparisons.py): default (kvpilot's defaults against --engines, as always run), bf16
-(kvpilot dense bf16 against vLLM bf16, both from the same GGUF) and q4_0 (a Q4_0 copy of the GGUF, made
-once with llama.cpp's quantizer, served by kvpilot and by llama-server with --parallel equal to each
-workload's concurrency and --kv-unified). Servers run one at a time, alternating kvpilot, peer, kvpilot, ...
-for --passes rounds, each driven by `kvpilot bench` (streaming, ignore_eos, 128 in / 128 out at concurrency
-1, 16, 64; 512-token prefill). Each figure is a median over valid passes with its min-max; a pass with
-failed or short requests is dropped and named (peers/passes.py).
+(kvpilot dense bf16 against vLLM bf16, both from the same GGUF), and q4_0 and q4_k_m (a Q4_0 / Q4_K_M copy
+of the GGUF, made once with llama.cpp's quantizer and its type mix printed, served by kvpilot and by
+llama-server with --parallel equal to each workload's concurrency and --kv-unified). Servers run one at a
+time, alternating kvpilot, peer, kvpilot, ... for --passes rounds, each driven by `kvpilot bench` (streaming,
+ignore_eos, 128 in / 128 out at concurrency 1, 16, 64; 512-token prefill). Each figure is a median over valid
+passes with its min-max; a pass with failed or short requests is dropped and named (peers/passes.py). Each
+row also has the server's peak RSS (its processes' VmHWM, load included), and the report sets every server's
+side by side, so kvpilot on the Q4_K_M copy meets kvpilot on the Q4_0 copy in the same run.
 
     .venv/bin/python benchmarks/peers_cpu.py                         # every comparison and workload, 3 passes
     .venv/bin/python benchmarks/peers_cpu.py --install-only          # only set up the peers (~15 min)
-    .venv/bin/python benchmarks/peers_cpu.py --comparisons q4_0 --workloads c1,c16,c64 --json rows.json
+    .venv/bin/python benchmarks/peers_cpu.py --comparisons q4_k_m,q4_0 --workloads c1,c16,c64 --json rows.json
     .venv/bin/python benchmarks/peers_cpu.py --comparisons default --engines kvpilot --passes 1 --quick \
         --kvpilot-arg=--kv-cache-dtype=bfloat16
 
@@ -28,7 +30,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from kvpilot.model.default_model import default_model_path
@@ -38,9 +40,9 @@ from peers.kvpilot_engine import kvpilot_server_spec, kvpilot_weight_args
 from peers.llamacpp import (KV_UNIFIED_FLAG, has_flag, llama_server_help, llamacpp_py_server_spec,
                             llamacpp_server_spec, llamacpp_venv)
 from peers.passes import MIN_VALID_PASSES
-from peers.quantize import ensure_q4_0_copy
-from peers.report import comparison_lines, describe_machine, rows_table
-from peers.servers import ServerSpec, ServerStartError, free_port, running_server
+from peers.quantize import REQUANTIZED_MIXES, RequantizedCopy, ensure_requantized_copy, read_copy
+from peers.report import comparison_lines, describe_machine, memory_lines, rows_table
+from peers.servers import RunningServer, ServerSpec, ServerStartError, free_port, running_server
 from peers.venvs import DEFAULT_CACHE_DIR, InstallError
 from peers.vllm_cpu import ld_preload, vllm_server_spec, vllm_venv
 from peers.workloads import Row, Workload, bench_has_temperature, default_workloads, run_workload
@@ -53,8 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--comparisons", default=",".join(COMPARISON_NAMES),
                         help="comma-separated, from default (kvpilot's defaults against --engines), bf16 (kvpilot "
-                             "--quantization none against vLLM bf16), q4_0 (kvpilot against llama-server on a Q4_0 "
-                             "copy, fair slots)")
+                             "--quantization none against vLLM bf16), q4_0 and q4_k_m (kvpilot against llama-server "
+                             "on a Q4_0 / Q4_K_M copy made by llama.cpp's quantizer, fair slots)")
     parser.add_argument("--engines", default="kvpilot,llamacpp,vllm",
                         help=f"the default comparison's engines, comma-separated, from {','.join(ENGINES)} "
                              "(llamacpp-py: llama-cpp-python's own server, one request at a time)")
@@ -66,8 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kvpilot-arg", action="append", default=[], help="extra `kvpilot serve` argument for "
                         "every kvpilot contender (repeat; use --kvpilot-arg=--flag=value for flags)")
     parser.add_argument("--json", type=Path, help="write the machine, settings, rows and figures here")
-    parser.add_argument("--install-only", action="store_true", help="set up the selected peers (and the Q4_0 "
-                        "copy), then exit")
+    parser.add_argument("--install-only", action="store_true", help="set up the selected peers (and the "
+                        "requantized copies), then exit")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads for every engine")
     parser.add_argument("--input-len", type=int, default=128, help="prompt tokens of c1/c16/c64")
     parser.add_argument("--output-len", type=int, default=128, help="output tokens of c1/c16/c64")
@@ -94,17 +96,27 @@ def _checked_list(parser: argparse.ArgumentParser, flag: str, value: str, allowe
 
 @dataclass
 class Setup:
-    """What the run can use: peers that could not be installed ({engine or "q4_0": one-line reason}), the
-    Q4_0 copy of the GGUF, and whether this llama-server has --kv-unified."""
+    """What the run can use: peers and copies that could not be made ({engine or copy key: one-line reason}),
+    the requantized copies of the GGUF ({"q4_0": ..., "q4_k_m": ...}), and whether this llama-server has
+    --kv-unified."""
 
     gguf: Path
     failures: dict[str, str] = field(default_factory=dict)
-    q4_0_gguf: Path | None = None
+    copies: dict[str, RequantizedCopy] = field(default_factory=dict)
     kv_unified: bool = False
+
+    def gguf_for(self, weights: str) -> Path:
+        """The GGUF a contender with `weights` serves: its requantized copy, else the embedded GGUF."""
+        if weights not in REQUANTIZED_MIXES:
+            return self.gguf
+        if weights not in self.copies:
+            raise ValueError(f"the {weights} contenders need the {REQUANTIZED_MIXES[weights].name} copy of the "
+                             "GGUF; it was not made")
+        return self.copies[weights].path
 
 
 def set_up(args: argparse.Namespace, gguf: Path, comparisons: list[Comparison]) -> Setup:
-    """Installs the peers the comparisons need (reusing finished installs) and makes the Q4_0 copy."""
+    """Installs the peers the comparisons need (reusing finished installs) and makes the requantized copies."""
     setup = Setup(gguf)
     needed = sorted(set().union(*(c.engines() for c in comparisons)))
     setup.failures = install_peers(needed, args.cache_dir, gguf, num_build_jobs=args.threads)
@@ -114,22 +126,42 @@ def set_up(args: argparse.Namespace, gguf: Path, comparisons: list[Comparison]) 
         missing = ld_preload(vllm_venv(args.cache_dir))[1]
         if missing:
             print(f"# vllm: running without LD_PRELOAD of {', '.join(missing)} (slower)", flush=True)
-    if any(c.name == "q4_0" for c in comparisons) and "llamacpp" not in setup.failures:
+    weights = dict.fromkeys(c.weights for comparison in comparisons for c in comparison.contenders())
+    make_copies(args, setup, [w for w in weights if w in REQUANTIZED_MIXES])
+    if any(p.slots_per_workload for c in comparisons for p in c.peers) and "llamacpp" not in setup.failures:
         try:
-            setup.q4_0_gguf = ensure_q4_0_copy(args.cache_dir, gguf, llamacpp_venv(args.cache_dir), args.threads)
             setup.kv_unified = has_flag(llama_server_help(args.cache_dir), KV_UNIFIED_FLAG)
         except (InstallError, OSError) as error:
-            setup.failures["q4_0"] = str(error)
-            print(f"# q4_0: no Q4_0 copy, the comparison is left out: {error}", flush=True)
-        else:
-            print(f"# q4_0: {setup.q4_0_gguf}; llama-server "
-                  f"{'has' if setup.kv_unified else 'LACKS (runs without it)'} {KV_UNIFIED_FLAG}", flush=True)
+            print(f"# llama-server --help failed ({error}); running without {KV_UNIFIED_FLAG}", flush=True)
+        print(f"# llama-server {'has' if setup.kv_unified else 'LACKS (runs without it)'} {KV_UNIFIED_FLAG}",
+              flush=True)
     return setup
 
 
+def make_copies(args: argparse.Namespace, setup: Setup, keys: list[str]) -> None:
+    """Makes (or reuses) the requantized copies `keys` name with llama.cpp's quantizer and prints each one's
+    type mix; a copy that cannot be made is a failure under its key, which leaves its comparison out."""
+    for key in keys:
+        mix = REQUANTIZED_MIXES[key]
+        if "llamacpp" in setup.failures:
+            setup.failures[key] = f"no {mix.name} copy: llama.cpp's quantizer is not installed"
+            continue
+        try:
+            path = ensure_requantized_copy(args.cache_dir, setup.gguf, mix, llamacpp_venv(args.cache_dir),
+                                           args.threads)
+            setup.copies[key] = read_copy(path)
+        except (InstallError, OSError, ValueError) as error:
+            setup.failures[key] = str(error)
+            print(f"# {key}: no {mix.name} copy, the comparison is left out: {error}", flush=True)
+        else:
+            print(f"# {key}: {setup.copies[key].describe()}", flush=True)
+
+
 def runnable(comparisons: list[Comparison], failures: dict[str, str]) -> list[Comparison]:
-    """The comparisons minus peers that could not be installed (q4_0 goes entirely without its copy)."""
-    kept = [c.without(set(failures)) for c in comparisons if not (c.name == "q4_0" and "q4_0" in failures)]
+    """The comparisons minus peers that could not be installed; one whose requantized copy could not be made
+    goes entirely."""
+    kept = [c.without(set(failures)) for c in comparisons
+            if not any(contender.weights in failures for contender in c.contenders())]
     return [c for c in kept if c.ours is not None or c.peers]
 
 
@@ -140,9 +172,9 @@ def server_spec(contender: Contender, args: argparse.Namespace, setup: Setup,
     max_streams = max(w.concurrency for w in workloads)
     # Tokens one request can hold (bench's prompts may re-encode a few tokens longer), rounded up to 256.
     max_request_len = -(-(max(w.input_len + w.output_len for w in workloads) + 64) // 256) * 256
-    gguf = setup.q4_0_gguf if contender.weights == "q4_0" else setup.gguf
+    gguf = setup.gguf_for(contender.weights)
     if contender.engine == "kvpilot":
-        spec = kvpilot_server_spec(port, args.threads, kvpilot_weight_args(contender.weights, setup.q4_0_gguf)
+        spec = kvpilot_server_spec(port, args.threads, kvpilot_weight_args(contender.weights, gguf)
                                    + args.kvpilot_arg)
     elif contender.engine == "llamacpp":
         spec = llamacpp_server_spec(args.cache_dir, gguf, port, args.threads, max_streams, max_request_len,
@@ -172,21 +204,32 @@ def run_contender(contender: Contender, pass_index: int, args: argparse.Namespac
 
 def run_server(label: str, pass_index: int, spec: ServerSpec, workloads: list[Workload],
                args: argparse.Namespace, log_path: Path) -> list[Row]:
-    """Starts one server (its output to `log_path`), runs the workloads on it, stops it; a row per workload."""
+    """Starts one server (its output to `log_path`), runs the workloads on it, stops it; a row per workload,
+    with the server's peak RSS so far read as the workload ends."""
     rows = []
     started = time.monotonic()
-    with running_server(spec, log_path, args.max_start_s) as base_url:
-        print(f"[{label} pass {pass_index}] ready in {time.monotonic() - started:.0f} s at {base_url}", flush=True)
+    with running_server(spec, log_path, args.max_start_s) as server:
+        print(f"[{label} pass {pass_index}] ready in {time.monotonic() - started:.0f} s at {server.base_url}",
+              flush=True)
         for workload in workloads:
-            seed = args.seed + args.workloads.index(workload.name)  # the same prompts for every engine
-            try:
-                row = run_workload(label, pass_index, base_url, workload, seed, log_path.parent)
-            except (RuntimeError, OSError, KeyError) as error:
-                print(f"[{label} pass {pass_index}] {workload.name}: no result ({error})", flush=True)
+            row = measured_row(label, pass_index, server, workload, args, log_path.parent)
+            if row is None:
                 continue
             rows.append(row)
             print(rows_table([row], {w.name: w for w in workloads})[1], flush=True)
     return rows
+
+
+def measured_row(label: str, pass_index: int, server: RunningServer, workload: Workload,
+                 args: argparse.Namespace, results_dir: Path) -> Row | None:
+    """One workload on the running server (None when bench gave no result), with the server's peak RSS."""
+    seed = args.seed + args.workloads.index(workload.name)  # the same prompts for every engine
+    try:
+        row = run_workload(label, pass_index, server.base_url, workload, seed, results_dir)
+    except (RuntimeError, OSError, KeyError) as error:
+        print(f"[{label} pass {pass_index}] {workload.name}: no result ({error})", flush=True)
+        return None
+    return replace(row, peak_rss_mib=server.peak_rss_mib())
 
 
 def print_settings(args: argparse.Namespace, sequence: list[str], workloads: list[Workload],
@@ -229,13 +272,15 @@ def main(argv: list[str] | None = None) -> int:
         rows += run_contender(contender, pass_index, args, setup, workloads, results_dir)
 
     report = [line for c in comparisons for line in ["", *comparison_lines(c, sequence, rows, workloads)]]
+    report += ["", *memory_lines(sequence, rows, workloads)]
     print("\n" + "\n".join(machine.header_lines()))
     print("\n".join(rows_table(rows, {w.name: w for w in workloads})))
     print("\n".join(report))
     if args.json:
         document = {"machine": asdict(machine), "comparisons": [asdict(c) for c in comparisons],
                     "sequence": sequence, "passes": args.passes, "failures": setup.failures,
-                    "q4_0_gguf": str(setup.q4_0_gguf) if setup.q4_0_gguf else None,
+                    "requantized_copies": {key: {**asdict(copy), "path": str(copy.path)}
+                                           for key, copy in setup.copies.items()},
                     "llama_server_kv_unified": setup.kv_unified, "workloads": [asdict(w) for w in workloads],
                     "kvpilot_args": args.kvpilot_arg, "bench_sends_temperature": bench_has_temperature(),
                     "rows": [r.to_json() for r in rows], "report": report}

@@ -5,9 +5,10 @@
   dequantized to bf16). Mostly a comparison of weight formats at c16/c64, kept for continuity.
 - bf16: kvpilot `--quantization none --dtype bfloat16` (the GGUF dequantized at load) against vLLM on the same
   GGUF dequantized to bf16 by transformers: dense bf16 weights on both sides.
-- q4_0: a Q4_0 copy of the embedded GGUF (one of llama.cpp's repacked x86 fast formats) served by kvpilot
-  with its defaults and by llama.cpp's llama-server started anew for each workload with `--parallel` equal to
-  its concurrency and a unified KV cache (`--kv-unified`).
+- q4_0, q4_k_m: a requantized copy of the embedded GGUF (peers/quantize.py; Q4_0 is one of llama.cpp's repacked
+  x86 fast formats, Q4_K_M the mix most llama.cpp users hold) served by kvpilot with its defaults and by
+  llama.cpp's llama-server started anew for each workload with `--parallel` equal to its concurrency and a
+  unified KV cache (`--kv-unified`).
 
 Invariant: every contender's label is unique across comparisons, so a label names one configuration in the
 rows, and run order within a comparison alternates kvpilot with each peer (kvpilot first and last).
@@ -17,14 +18,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-COMPARISON_NAMES = ("default", "bf16", "q4_0")
+from peers.quantize import REQUANTIZED_MIXES
+
+COMPARISON_NAMES = ("default", "bf16", *REQUANTIZED_MIXES)
 
 
 @dataclass(frozen=True)
 class Contender:
     """One engine configuration: `label` names its rows, `engine` is what starts it (kvpilot, llamacpp,
     llamacpp-py, vllm), `weights` which copy of the model it serves: "embedded" (the GGUF as shipped; vLLM
-    always gets its bf16 HF conversion), "bf16" (kvpilot dequantizes at load) or "q4_0" (the requantized copy).
+    always gets its bf16 HF conversion), "bf16" (kvpilot dequantizes at load) or a key of REQUANTIZED_MIXES
+    ("q4_0", "q4_k_m": that requantized copy).
     `slots_per_workload`: a llama-server started per workload with --parallel = that workload's concurrency."""
 
     label: str
@@ -40,6 +44,9 @@ class Comparison:
     name: str
     ours: Contender | None
     peers: tuple[Contender, ...]
+
+    def contenders(self) -> list[Contender]:
+        return [c for c in (self.ours, *self.peers) if c is not None]
 
     def sequence(self, passes: int) -> list[Contender]:
         """Run order: ours, peer1, ours, peer2, ours, ... repeated `passes` times, so each peer pass has a
@@ -74,9 +81,9 @@ def build_comparisons(names: list[str], engines: list[str]) -> list[Comparison]:
         elif name == "bf16":
             comparisons.append(Comparison("bf16", Contender("kvpilot-bf16", "kvpilot", "bf16"),
                                           (Contender("vllm-bf16", "vllm"),)))
-        elif name == "q4_0":
-            comparisons.append(Comparison("q4_0", Contender("kvpilot-q4_0", "kvpilot", "q4_0"),
-                                          (Contender("llamacpp-q4_0", "llamacpp", "q4_0", slots_per_workload=True),)))
+        elif name in REQUANTIZED_MIXES:
+            comparisons.append(Comparison(name, Contender(f"kvpilot-{name}", "kvpilot", name),
+                                          (Contender(f"llamacpp-{name}", "llamacpp", name, slots_per_workload=True),)))
         else:
             raise ValueError(f"unknown comparison {name!r}; choose from {','.join(COMPARISON_NAMES)}")
     return comparisons

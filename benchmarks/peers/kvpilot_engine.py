@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from peers.quantize import REQUANTIZED_MIXES
 from peers.servers import ServerSpec
 
 
@@ -15,16 +16,17 @@ def kvpilot_server_spec(port: int, num_threads: int, extra_args: list[str]) -> S
     return ServerSpec("kvpilot", command, {"OMP_NUM_THREADS": str(num_threads)}, port, "/health")
 
 
-def kvpilot_weight_args(weights: str, q4_0_gguf: Path | None) -> list[str]:
+def kvpilot_weight_args(weights: str, requantized: Path | None) -> list[str]:
     """`kvpilot serve` arguments for a contender's weights: none for the embedded GGUF as shipped; bf16 is the
-    same GGUF dequantized at load (dense bf16 GEMMs everywhere); q4_0 serves the requantized copy with the
-    defaults (packed Q4_0 blocks)."""
+    same GGUF dequantized at load (dense bf16 GEMMs everywhere); a requantized copy (`requantized`, e.g. the
+    Q4_0 or Q4_K_M file) is served with the defaults (its blocks packed)."""
     if weights == "embedded":
         return []
     if weights == "bf16":
         return ["--quantization", "none", "--dtype", "bfloat16"]
-    if weights == "q4_0":
-        if q4_0_gguf is None:
-            raise ValueError("the q4_0 contender needs the Q4_0 copy of the GGUF; it was not made")
-        return ["--model", str(q4_0_gguf)]
-    raise ValueError(f"unknown weights {weights!r}: embedded, bf16 or q4_0")
+    if weights in REQUANTIZED_MIXES:
+        if requantized is None:
+            raise ValueError(f"the {weights} contender needs the {REQUANTIZED_MIXES[weights].name} copy of the "
+                             "GGUF; it was not made")
+        return ["--model", str(requantized)]
+    raise ValueError(f"unknown weights {weights!r}: embedded, bf16 or one of {', '.join(REQUANTIZED_MIXES)}")

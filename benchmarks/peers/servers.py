@@ -2,12 +2,15 @@
 
 Invariant: `running_server` stops its server's whole process group (vLLM and kvpilot start children) and
 waits for the port to close before it returns, so the next engine never shares the CPU with the last one.
+Its peak memory is read from /proc (VmHWM: each process's own peak resident set since it started), so it
+works for any engine's server.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -17,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import psutil
 
 
 class ServerStartError(RuntimeError):
@@ -38,6 +42,35 @@ class ServerSpec:
         return f"http://127.0.0.1:{self.port}"
 
 
+@dataclass(frozen=True)
+class RunningServer:
+    """A started, ready server: where to reach it and its process (the leader of its process group)."""
+
+    base_url: str
+    pid: int
+
+    def peak_rss_mib(self) -> float | None:
+        """The sum over the server's processes (it and its descendants) of each one's peak RSS since it started
+        (load included), in MiB; None where /proc gives none (not Linux, or the server is gone). Peaks of
+        different processes may fall at different moments: this bounds the tree's peak from above."""
+        try:
+            root = psutil.Process(self.pid)
+            pids = [self.pid, *(child.pid for child in root.children(recursive=True))]
+        except psutil.Error:
+            return None
+        peaks_kib = [peak for peak in map(_vm_hwm_kib, pids) if peak is not None]
+        return sum(peaks_kib) / 1024 if peaks_kib else None
+
+
+def _vm_hwm_kib(pid: int) -> int | None:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:  # exited meanwhile, or no /proc
+        return None
+    found = re.search(r"^VmHWM:\s*(\d+)\s*kB", status, re.MULTILINE)
+    return int(found.group(1)) if found else None
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -45,8 +78,8 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(spec: ServerSpec, log_path: Path, max_start_s: float) -> Iterator[str]:
-    """Starts the server (output to `log_path`), yields its base URL once ready, stops it on exit."""
+def running_server(spec: ServerSpec, log_path: Path, max_start_s: float) -> Iterator[RunningServer]:
+    """Starts the server (output to `log_path`), yields it once ready, stops it on exit."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("w") as log:
         log.write(f"$ {' '.join(spec.command)}\n# env: {spec.env}\n")
@@ -55,7 +88,7 @@ def running_server(spec: ServerSpec, log_path: Path, max_start_s: float) -> Iter
                                    env={**os.environ, **spec.env, "PYTHONUNBUFFERED": "1"})
     try:
         _wait_ready(spec, process, log_path, max_start_s)
-        yield spec.base_url
+        yield RunningServer(spec.base_url, process.pid)
     finally:
         _stop(process)
         _wait_port_closed(spec.port, max_wait_s=30)

@@ -49,6 +49,7 @@ class Row:
     mean_output_tokens: float
     client_overloaded: bool
     min_output_tokens: int = 0  # the shortest successful request's output (a stream that ended early shows here)
+    peak_rss_mib: float | None = None  # the server's peak RSS when the workload ended (servers.RunningServer)
 
     def to_json(self) -> dict:
         return asdict(self)

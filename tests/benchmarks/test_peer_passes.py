@@ -7,7 +7,7 @@ import pytest
 
 from peers.comparisons import Comparison, Contender, build_comparisons
 from peers.passes import RunRows, Spread, engine_spread, ratio_spread, row_problems
-from peers.report import comparison_lines, rows_table
+from peers.report import comparison_lines, memory_lines, rows_table
 from peers.workloads import Row, Workload
 
 C16 = Workload("c16", 16, 128, 128, num_requests=64, num_warmup_requests=16)
@@ -15,12 +15,13 @@ PREFILL = Workload("prefill", 4, 512, 1, num_requests=32, num_warmup_requests=4,
 
 
 def row(engine: str, pass_index: int, out: float, *, workload: Workload = C16, ok: int | None = None,
-        errors: int = 0, min_out: int | None = None, ttft: float | None = 100.0, itl: float | None = 10.0) -> Row:
+        errors: int = 0, min_out: int | None = None, ttft: float | None = 100.0, itl: float | None = 10.0,
+        rss: float | None = None) -> Row:
     ok = workload.num_requests if ok is None else ok
     min_out = workload.output_len if min_out is None else min_out
     return Row(engine, workload.name, pass_index, output_tok_s=out, prompt_tok_s=out * 10, ttft_p50_ms=ttft,
                itl_p50_ms=itl, tpot_p50_ms=itl, num_ok=ok, num_errors=errors, mean_output_tokens=float(min_out),
-               client_overloaded=False, min_output_tokens=min_out)
+               client_overloaded=False, min_output_tokens=min_out, peak_rss_mib=rss)
 
 
 def output(r: Row) -> float:
@@ -110,13 +111,17 @@ def test_rows_of_other_workloads_do_not_count():
 
 
 def test_comparisons_alternate_kvpilot_with_every_peer_for_each_pass():
-    default, bf16, q4_0 = build_comparisons(["default", "bf16", "q4_0"], ["kvpilot", "llamacpp", "vllm"])
+    default, bf16, q4_0, q4_k_m = build_comparisons(["default", "bf16", "q4_0", "q4_k_m"],
+                                                    ["kvpilot", "llamacpp", "vllm"])
     assert [c.label for c in default.sequence(2)] == ["kvpilot", "llamacpp", "kvpilot", "vllm", "kvpilot",
                                                       "llamacpp", "kvpilot", "vllm", "kvpilot"]
     assert [c.label for c in bf16.sequence(3)] == ["kvpilot-bf16", "vllm-bf16"] * 3 + ["kvpilot-bf16"]
     assert (bf16.ours.weights, q4_0.ours.weights, q4_0.peers[0].weights) == ("bf16", "q4_0", "q4_0")
     assert q4_0.peers[0].slots_per_workload and not default.peers[0].slots_per_workload
     assert (bf16.engines(), q4_0.engines(), default.engines()) == ({"vllm"}, {"llamacpp"}, {"llamacpp", "vllm"})
+    assert [(c.label, c.engine, c.weights, c.slots_per_workload) for c in q4_k_m.contenders()] == [
+        ("kvpilot-q4_k_m", "kvpilot", "q4_k_m", False), ("llamacpp-q4_k_m", "llamacpp", "q4_k_m", True)]
+    assert [c.label for c in q4_k_m.sequence(1)] == ["kvpilot-q4_k_m", "llamacpp-q4_k_m", "kvpilot-q4_k_m"]
 
 
 def test_engines_shape_only_the_default_comparison():
@@ -125,12 +130,12 @@ def test_engines_shape_only_the_default_comparison():
     peers_only, = build_comparisons(["default"], ["vllm"])
     assert [c.label for c in peers_only.sequence(2)] == ["vllm", "vllm"]
     assert build_comparisons(["default"], ["kvpilot", "vllm"])[0].without({"vllm"}).peers == ()
-    with pytest.raises(ValueError, match="choose from default,bf16,q4_0"):
+    with pytest.raises(ValueError, match="choose from default,bf16,q4_0,q4_k_m"):
         build_comparisons(["int8"], ["kvpilot"])
 
 
 def test_labels_are_unique_across_comparisons():
-    labels = [c.label for comparison in build_comparisons(["default", "bf16", "q4_0"],
+    labels = [c.label for comparison in build_comparisons(["default", "bf16", "q4_0", "q4_k_m"],
                                                           ["kvpilot", "llamacpp", "llamacpp-py", "vllm"])
               for c in (comparison.ours, *comparison.peers)]
     assert len(labels) == len(set(labels))
@@ -164,8 +169,24 @@ def test_prefill_is_judged_by_prompt_throughput_without_itl():
     assert "prompt tok/s 1.00x (1.00-1.00x, 1 pass)" in lines[3] and "ITL" not in lines[3]
 
 
-def test_rows_table_marks_dropped_rows():
-    lines = rows_table([row("vllm", 1, 500.0, errors=1, ok=63), row("kvpilot", 0, 900.0)], {"c16": C16})
-    assert len(lines) == 3 and "DROPPED" not in lines[1]
+def test_rows_table_marks_dropped_rows_and_shows_peak_rss():
+    lines = rows_table([row("vllm", 1, 500.0, errors=1, ok=63), row("kvpilot", 0, 900.0, rss=1234.5)], {"c16": C16})
+    assert len(lines) == 3 and "DROPPED" not in lines[1] and lines[0].endswith("peak RSS MiB")
+    assert lines[1].endswith(" 1,234.5") and " - " in lines[2]  # no reading: a dash
     assert lines[2].endswith("DROPPED: 1 request errors; 63 of 64 requests ok")
     assert "DROPPED" not in "".join(rows_table([row("vllm", 1, 500.0, errors=1)]))  # no workloads: unjudged
+
+
+def test_memory_lines_set_every_server_s_peak_rss_side_by_side():
+    q4_0, q4_k_m = build_comparisons(["q4_0", "q4_k_m"], [])
+    sequence = [c.label for comparison in (q4_0, q4_k_m) for c in comparison.sequence(1)]
+    rss = {"kvpilot-q4_0": 300.0, "llamacpp-q4_0": 250.0, "kvpilot-q4_k_m": 320.0, "llamacpp-q4_k_m": 260.0}
+    rows = [row(label, i, 100.0, rss=rss[label] + i) for i, label in enumerate(sequence)]
+    rows[1] = row("llamacpp-q4_0", 1, 100.0, rss=None)  # no /proc reading
+    lines = memory_lines(sequence, rows, [C16], required=1)
+    assert lines[0].startswith("# peak RSS, MiB")
+    assert lines[1:] == [
+        f"c16      {'kvpilot-q4_0':<32} 301.0 MiB (300.0-302.0 MiB, 2 passes)",
+        f"c16      {'llamacpp-q4_0':<32} no figure: 0 valid of the 1 passes required",
+        f"c16      {'kvpilot-q4_k_m':<32} 324.0 MiB (323.0-325.0 MiB, 2 passes)",
+        f"c16      {'llamacpp-q4_k_m':<32} 264.0 MiB (264.0-264.0 MiB, 1 pass)"]
