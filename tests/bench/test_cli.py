@@ -107,7 +107,8 @@ def test_unreachable_server() -> None:
 @pytest.mark.parametrize(("args", "message"), [
     (["--slo", "ttft=fast"], "bad SLO"), (["--dataset", "nope"], "--dataset"),
     (["--dataset", "jsonl"], "--dataset-path"), (["--request-rate", "0"], "--request-rate"),
-    (["--endpoint", "embeddings"], "--endpoint"), (["--sweep", "--duration", "5"], "--num-requests")])
+    (["--endpoint", "embeddings"], "--endpoint"), (["--sweep", "--duration", "5"], "--num-requests"),
+    (["--html", "r.html", "--html-plotlyjs", "local"], "'local': use one of directory")])
 def test_bad_options_say_what_to_do(scripted: ScriptedProcess, args: list[str], message: str) -> None:
     count = [] if "--duration" in args else ["--num-requests", "1"]
     code, text = invoke("--base-url", scripted.base_url, "--model", "m", *count, *args)

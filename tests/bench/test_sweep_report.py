@@ -16,6 +16,7 @@ from kvpilot.bench.client import Target
 from kvpilot.bench.datasets import DatasetConfig, build_dataset
 from kvpilot.bench.load import LoadShape
 from kvpilot.bench.records import record_from_json
+from kvpilot.bench.report_html import write_html
 from kvpilot.bench.result import SCHEMA_VERSION, ResultFileError, read_result
 from kvpilot.bench.stats import parse_slo
 from kvpilot.bench.sweep import sweep_rates
@@ -103,6 +104,11 @@ def test_html_carries_the_report_sections(sweep_outcome: tuple[BenchOutcome, Pat
     assert text.count('id="kvpilot-doctor"') == 1
 
 
+def _ticks(dom: str, axis: str) -> list[str]:
+    """The tick labels plotly drew on `axis` ("xtick", "ytick", "y2tick") in a piece of the DOM."""
+    return re.findall(rf'class="{axis}"[^>]*>\s*<text[^>]*>([^<]*)<', dom)
+
+
 def test_html_is_self_contained_and_renders_offline(sweep_outcome: tuple[BenchOutcome, Path],
                                                     tmp_path: Path) -> None:
     if chromium_path() is None:
@@ -120,6 +126,36 @@ def test_html_is_self_contained_and_renders_offline(sweep_outcome: tuple[BenchOu
     assert result.dom.count('class="plot-container plotly"') == 5
     assert "knee" in result.dom and "Per-request latency by stage" in result.dom
     assert 'id="kvpilot-doctor"' in result.dom  # the doctor's diagnosis of the run is part of the report
+    assert 'id="kvpilot-plotly-missing"' not in result.dom  # the notice's element (its script sets p.id)
+    # The stage plot's request-index axis and the timeline's requests axis tick on whole numbers only.
+    stages, timeline = result.dom.split('id="kvpilot-plot-3"')[1].split('id="kvpilot-plot-4"')
+    count_ticks = [*_ticks(stages, "xtick"), *_ticks(timeline, "y2tick")]
+    assert count_ticks and all(re.fullmatch(r"[\d,]+", t) for t in count_ticks), count_ticks
+    assert not all(re.fullmatch(r"[\d,]+", t) for t in _ticks(timeline, "ytick"))  # control: KV usage 0-1
+    alone = tmp_path / "alone.html"  # the report copied without its plotly.js says what is missing
+    alone.write_text(text)
+    missing = probe(alone).dom
+    assert 'id="kvpilot-plotly-missing"' in missing and "The plots need plotly-" in missing
+
+
+def test_html_report_is_small_and_shares_one_plotlyjs(sweep_outcome: tuple[BenchOutcome, Path],
+                                                      tmp_path: Path) -> None:
+    """plotly.js is ~4.7 MB: inlined in every report it was nearly all of it (4.9 MB). By default it is one file
+    beside the reports, written once; --html-plotlyjs inline still makes one self-contained file."""
+    outcome, out_dir = sweep_outcome
+    shared = list(out_dir.glob("plotly-*.min.js"))
+    assert len(shared) == 1 and shared[0].stat().st_size > 3_000_000
+    report = (out_dir / "r.html").read_text()
+    assert len(report) < 300_000 and f'src="{shared[0].name}"' in report
+    written = shared[0].stat().st_mtime_ns
+    write_html(out_dir / "again.html", outcome.runs, outcome.knee)
+    assert list(out_dir.glob("plotly-*.min.js")) == shared and shared[0].stat().st_mtime_ns == written
+    write_html(tmp_path / "inline.html", outcome.runs, outcome.knee, plotlyjs="inline")
+    inline = (tmp_path / "inline.html").read_text()
+    assert list(tmp_path.iterdir()) == [tmp_path / "inline.html"] and len(inline) > 3_000_000
+    assert not re.search(r"<script[^>]+src=", inline)
+    with pytest.raises(ValueError, match="use one of directory, inline, cdn"):
+        write_html(tmp_path / "bad.html", outcome.runs, outcome.knee, plotlyjs="local")
 
 
 def test_read_result_checks_the_schema_version(tmp_path: Path) -> None:

@@ -65,6 +65,7 @@ class BenchConfig:
     json_path: str | None = None
     csv_path: str | None = None
     html_path: str | None = None
+    html_plotlyjs: str = "directory"  # report_html.PLOTLYJS_MODES: a shared file beside the report, inline, cdn
     progress: bool = True
     report_sections: tuple[ReportSection, ...] = ()
     replica_urls: tuple[str, ...] = ()
@@ -189,6 +190,11 @@ def run_bench(cfg: BenchConfig, console: Console | None = None) -> BenchOutcome:
         raise BenchError("--client-processes must be >= 1")
     if cfg.sweep and cfg.load.num_requests is None:
         raise BenchError("--sweep needs --num-requests: its max-throughput run sends them all at once")
+    if cfg.html_path:  # checked before the run, not after it
+        from kvpilot.bench.report_html import PLOTLYJS_MODES  # noqa: PLC0415 - plotly is needed for --html only
+
+        if cfg.html_plotlyjs not in PLOTLYJS_MODES:
+            raise BenchError(f"--html-plotlyjs {cfg.html_plotlyjs!r}: use one of {', '.join(PLOTLYJS_MODES)}")
     target = cfg.target
     if not target.model:
         target = dataclasses.replace(target, model=resolve_model(target.base_url, target.api_key))
@@ -209,6 +215,6 @@ def run_bench(cfg: BenchConfig, console: Console | None = None) -> BenchOutcome:
         extra_html = "".join(section(result, console) for section in cfg.report_sections)
         from kvpilot.bench.report_html import write_html  # noqa: PLC0415 - plotly is needed for --html only
 
-        write_html(cfg.html_path, runs, knee, extra_html=extra_html)
+        write_html(cfg.html_path, runs, knee, extra_html=extra_html, plotlyjs=cfg.html_plotlyjs)
     return BenchOutcome(runs, knee, result)
 

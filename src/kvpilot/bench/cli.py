@@ -14,7 +14,8 @@ import typer
 
 from kvpilot.bench.cli_options import (DEFAULT_BASE_URL, ApiKeyOpt, ArrivalOpt, BaseUrlOpt, BurstinessOpt,
                                        ClientProcessesOpt, ConcurrencyOpt, CsvOpt, DatasetOpt, DatasetPathOpt,
-                                       DurationOpt, EndpointOpt, GoodputTargetOpt, HtmlOpt, IgnoreEosOpt,
+                                       DurationOpt, EndpointOpt, GoodputTargetOpt, HtmlOpt, HtmlPlotlyjsOpt,
+                                       IgnoreEosOpt,
                                        InputLenOpt, LenDistOpt, LongFractionOpt, LongInputLenOpt, MaxClientLagOpt,
                                        MaxConcurrencyOpt, MetricsUrlOpt, ModelOpt, NumPrefixesOpt, NumRequestsOpt,
                                        NumSuffixesOpt, NumTurnsOpt, OutputLenOpt, OutputOpt, PrefixLenOpt,
@@ -84,6 +85,7 @@ class BenchFlags:
     output: str | None
     csv: str | None
     html: str | None
+    html_plotlyjs: str
     progress: bool
 
     @property
@@ -140,6 +142,15 @@ def _load(flags: BenchFlags) -> LoadShape:
                      duration_s=flags.duration, num_warmup=flags.warmup, seed=flags.seed)
 
 
+def _plotlyjs_mode(flags: BenchFlags) -> str:
+    """``--html-plotlyjs``, checked when there is a report to write (plotly is imported for --html only)."""
+    if not flags.html:
+        return flags.html_plotlyjs
+    from kvpilot.bench.report_html import PLOTLYJS_MODES  # noqa: PLC0415
+
+    return _choice(flags.html_plotlyjs, PLOTLYJS_MODES, "--html-plotlyjs")
+
+
 def bench_config(flags: BenchFlags, report_sections: tuple[ReportSection, ...] = ()) -> BenchConfig:
     """The run ``flags`` ask for. Raises typer.BadParameter for a value outside a flag's choices, and bench's
     own errors (LoadShapeError, SloError) for other unusable values."""
@@ -151,7 +162,9 @@ def bench_config(flags: BenchFlags, report_sections: tuple[ReportSection, ...] =
                        goodput_target=flags.goodput_target,
                        metrics_url=flags.metrics_url if flags.scrape_metrics else "",
                        scrape_interval_s=flags.scrape_interval, max_lag_ms=flags.max_client_lag_ms,
-                       json_path=flags.output, csv_path=flags.csv, html_path=flags.html, progress=flags.progress,
+                       json_path=flags.output, csv_path=flags.csv, html_path=flags.html,
+                       html_plotlyjs=_plotlyjs_mode(flags),
+                       progress=flags.progress,
                        report_sections=report_sections, replica_urls=flags.replicas,
                        route_replicas=flags.route_replicas, client_processes=flags.client_processes)
 
@@ -243,6 +256,7 @@ def make_bench_command(report_sections: tuple[ReportSection, ...] = ()) -> Calla
         output: OutputOpt = None,
         csv: CsvOpt = None,
         html: HtmlOpt = None,
+        html_plotlyjs: HtmlPlotlyjsOpt = "directory",
         progress: ProgressOpt = True,
     ) -> None:
         """Load-test an OpenAI-compatible server and split latency into its stages."""
@@ -256,7 +270,8 @@ def make_bench_command(report_sections: tuple[ReportSection, ...] = ()) -> Calla
             prefix_len=prefix_len, long_fraction=long_fraction, long_input_len=long_input_len, num_turns=num_turns,
             tokenizer=tokenizer, seed=seed, slo=slo, goodput_target=goodput_target, metrics_url=metrics_url,
             scrape_metrics=scrape_metrics, scrape_interval=scrape_interval, max_client_lag_ms=max_client_lag_ms,
-            client_processes=client_processes, output=output, csv=csv, html=html, progress=progress)
+            client_processes=client_processes, output=output, csv=csv, html=html, html_plotlyjs=html_plotlyjs,
+            progress=progress)
         _run(flags, report_sections)
 
     return bench_command

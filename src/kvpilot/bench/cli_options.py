@@ -116,5 +116,11 @@ ClientProcessesOpt = Annotated[int, typer.Option(
 OutputOpt = Annotated[str | None, typer.Option(
     "--output", help="Write the full result JSON (schema_version 1, see docs/bench.md) here.")]
 CsvOpt = Annotated[str | None, typer.Option("--csv", help="Write per-request records as CSV here.")]
-HtmlOpt = Annotated[str | None, typer.Option("--html", help="Write a self-contained HTML report with plots here.")]
+HtmlOpt = Annotated[str | None, typer.Option(
+    "--html", help="Write an HTML report with plots here (works offline; see --html-plotlyjs).")]
+HtmlPlotlyjsOpt = Annotated[str, typer.Option(
+    "--html-plotlyjs",
+    help="Where the report's plotly.js comes from: directory (one shared plotly-<version>.min.js beside the "
+         "reports, a report is tens of kB), inline (one self-contained file, ~5 MB) or cdn (loaded from "
+         "plotly's CDN: needs the network).")]
 ProgressOpt = Annotated[bool, typer.Option("--progress/--no-progress", help="Show a progress bar.")]

@@ -1,23 +1,46 @@
-"""``--html report.html``: one self-contained file (plotly.js inlined once) that needs no network.
+"""``--html report.html``: the report's page, which needs no network.
 
 Plots: latency CDFs; per-request stacked stage breakdown; KV usage and queue depth over time; and
 for sweeps, TTFT/TPOT vs load with the knee marked and throughput vs concurrency.
+
+plotly.js (~4.7 MB, most of a report inlined) is by default one shared file beside the reports
+(``plotly-<version>.min.js``, written once per directory), so a report is tens of kB; ``inline`` makes one
+self-contained file, ``cdn`` loads it from plotly's CDN (needs the network). A page whose plotly.js is missing
+says so at the top. Count axes (requests) tick on whole numbers only.
 """
 
 from __future__ import annotations
 
 import html
+import json
+import math
+import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import plotly.graph_objects as go
+from plotly.offline import get_plotlyjs, get_plotlyjs_version
 from plotly.subplots import make_subplots
 
 from kvpilot.bench.breakdown import STAGES, stage_breakdown
 from kvpilot.bench.result import Knee, RunResult
 
 MAX_STACKED_REQUESTS = 300
+PLOTLYJS_MODES = ("directory", "inline", "cdn")  # plotly's own names for these (include_plotlyjs)
+MAX_COUNT_TICKS = 8
 _CONFIG = {"displaylogo": False, "responsive": True}
+_MISSING_PLOTLYJS = ("<script>if(!window.Plotly){{var p=document.createElement('p');p.id='kvpilot-plotly-missing';"
+                     "p.style.color='#c62828';p.textContent={message};document.body.prepend(p)}}</script>")
+
+
+def count_axis(max_count: float) -> dict[str, Any]:
+    """Axis settings for a count (requests): ticks from 0 on whole numbers, 1, 2 or 5 times a power of ten
+    apart, at most MAX_COUNT_TICKS of them (plotly's own ticks would split 0-3 requests into 0.5s)."""
+    wanted = max(1.0, max_count / MAX_COUNT_TICKS) if math.isfinite(max_count) else 1.0
+    power = 10 ** math.floor(math.log10(wanted))
+    step = next(base * power for base in (1, 2, 5, 10) if base * power >= wanted)
+    return {"tick0": 0, "dtick": step, "tickformat": "d", "rangemode": "tozero"}
 
 
 def _cdf(values: list[float]) -> tuple[np.ndarray, np.ndarray]:
@@ -49,6 +72,7 @@ def stage_stack(run: RunResult) -> go.Figure | None:
                      for stage in STAGES])
     fig.update_layout(barmode="relative", title=f"Per-request latency by stage: {run.label}",
                       xaxis_title="request index", yaxis_title="ms")
+    fig.update_xaxes(**count_axis(max(i for i, _ in rows)))
     return fig
 
 
@@ -57,16 +81,18 @@ def server_timeline(run: RunResult) -> go.Figure | None:
     if not samples:
         return None
     fig = make_subplots(specs=[[{"secondary_y": True}]])
+    max_requests = 0.0
     for key, name, secondary in (("kv_usage", "KV cache usage", False), ("waiting", "queue depth", True),
                                  ("running", "running", True)):
         pts = [(s.t_s, s.values[key]) for s in samples if key in s.values]
         if pts:
             fig.add_trace(go.Scatter(x=[p[0] for p in pts], y=[p[1] for p in pts], name=name,
                                      mode="lines+markers"), secondary_y=secondary)
+            max_requests = max(max_requests, *(p[1] for p in pts)) if secondary else max_requests
     fig.update_layout(title=f"Server KV usage and queue depth over time: {run.label}",
                       xaxis_title="time since start (s)")
     fig.update_yaxes(title_text="KV usage (0-1)", secondary_y=False)
-    fig.update_yaxes(title_text="requests", secondary_y=True)
+    fig.update_yaxes(title_text="requests", secondary_y=True, **count_axis(max_requests))
     return fig
 
 
@@ -133,8 +159,9 @@ def _replicas_html(run: RunResult) -> str:
 
 
 def render_html(runs: list[RunResult], knee: Knee | None, title: str = "kvpilot bench report",
-                extra_html: str = "") -> str:
-    """The report as one HTML string; the first figure inlines plotly.js, the rest reuse it.
+                extra_html: str = "", plotlyjs: bool | str = True) -> str:
+    """The report as one HTML string. `plotlyjs` is plotly's include_plotlyjs for the first figure (True:
+    inlined; "cdn"; or the path of a plotly.js file, relative to the page); the rest reuse it.
 
     `extra_html` (already escaped, e.g. the doctor's section) is placed after the summary table.
     """
@@ -143,8 +170,12 @@ def render_html(runs: list[RunResult], knee: Knee | None, title: str = "kvpilot 
     if knee is not None and len(runs) > 1:
         figs += [sweep_latency(runs, knee), throughput_vs_concurrency(runs)]
     figs += [f for f in (stage_stack(shown), server_timeline(shown)) if f is not None]
-    divs = [f.to_html(full_html=False, include_plotlyjs=(i == 0), config=_CONFIG,
+    divs = [f.to_html(full_html=False, include_plotlyjs=plotlyjs if i == 0 else False, config=_CONFIG,
                       div_id=f"kvpilot-plot-{i}") for i, f in enumerate(figs)]
+    if isinstance(plotlyjs, str) and plotlyjs.endswith(".js"):
+        message = (f"The plots need {plotlyjs} beside this file (copy it along, or write the report with "
+                   "--html-plotlyjs inline).")
+        divs.insert(1, _MISSING_PLOTLYJS.format(message=json.dumps(message).replace("</", "<\\/")))
     style = ("body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
              "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}")
     return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
@@ -152,5 +183,24 @@ def render_html(runs: list[RunResult], knee: Knee | None, title: str = "kvpilot 
             f"{_summary_html(runs)}{_replicas_html(shown)}{extra_html}{''.join(divs)}</body></html>")
 
 
-def write_html(path: str | Path, runs: list[RunResult], knee: Knee | None, extra_html: str = "") -> None:
-    Path(path).write_text(render_html(runs, knee, extra_html=extra_html), encoding="utf-8")
+def shared_plotlyjs(directory: Path) -> str:
+    """The name of plotly.js's file in `directory`, written there unless this version already is (reports
+    written side by side share it). Written under a temporary name and renamed: never seen half written."""
+    name = f"plotly-{get_plotlyjs_version()}.min.js"
+    target = directory / name
+    if not target.is_file():
+        partial = directory / f".{name}.{os.getpid()}.partial"
+        partial.write_text(get_plotlyjs(), encoding="utf-8")
+        os.replace(partial, target)
+    return name
+
+
+def write_html(path: str | Path, runs: list[RunResult], knee: Knee | None, extra_html: str = "",
+               plotlyjs: str = "directory") -> None:
+    """Writes the report to `path`; `plotlyjs` is one of PLOTLYJS_MODES (module docstring)."""
+    if plotlyjs not in PLOTLYJS_MODES:
+        raise ValueError(f"--html-plotlyjs {plotlyjs!r}: use one of {', '.join(PLOTLYJS_MODES)}")
+    path = Path(path)
+    include: bool | str = ({"inline": True, "cdn": "cdn"}[plotlyjs] if plotlyjs != "directory"
+                           else shared_plotlyjs(path.parent))
+    path.write_text(render_html(runs, knee, extra_html=extra_html, plotlyjs=include), encoding="utf-8")
