@@ -27,7 +27,7 @@ from kvpilot.bench.breakdown import STAGES, stage_breakdown
 from kvpilot.bench.result import Knee, RunResult
 
 MAX_STACKED_REQUESTS = 300
-PLOTLYJS_MODES = ("directory", "inline", "cdn")  # plotly's own names for these (include_plotlyjs)
+PLOTLYJS_MODES = ("directory", "inline", "cdn")  # as plotly's include_plotlyjs names them (True: inline)
 MAX_COUNT_TICKS = 8
 _CONFIG = {"displaylogo": False, "responsive": True}
 _MISSING_PLOTLYJS = ("<script>if(!window.Plotly){{var p=document.createElement('p');p.id='kvpilot-plotly-missing';"
