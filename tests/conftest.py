@@ -14,6 +14,15 @@ import pytest
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _no_machine_calibration(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """fit and doctor read `kvpilot fit --calibrate`'s profile from kvpilot's cache dir: the suite plans on nominal
+    rates whatever the machine it runs on has measured (tests of calibration point it elsewhere)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("KVPILOT_CACHE_DIR", str(tmp_path_factory.mktemp("kvpilot-cache")))
+        yield
+
+
 @pytest.fixture(scope="session")
 def gguf_path() -> Path:
     from kvpilot.model.default_model import default_model_path

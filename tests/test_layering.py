@@ -32,12 +32,14 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "server": frozenset({"cli_options", "engine", "fit", "kvpilot", "launch", "llm", "model"}),
     # `serve run kvpilot.ray:app`: the short import path of the server's Ray Serve application (server/ray_app)
     "ray": frozenset({"server"}),
+    # `kvpilot fit --calibrate`'s measurements: kvpilot's kernels and engine, stored as fit's profile
+    "calibrate": frozenset({"fit", "llm", "model"}),
     # client tools: talk to any server over HTTP; bench borrows the model's tokenizer, doctor reads bench results
     "bench": frozenset({"fit", "model"}),
     "doctor": frozenset({"bench", "fit"}),
     # the composition root
-    "cli": frozenset({"bench", "chat_session", "cli_options", "doctor", "engine", "fit", "llm", "model",
-                      "server"}),
+    "cli": frozenset({"bench", "calibrate", "chat_session", "cli_options", "doctor", "engine", "fit", "llm",
+                      "model", "server"}),
 }
 
 # server/core (the engine-core process and the HTTP side's handle on it) and the rest of server/ (the HTTP

@@ -14,15 +14,24 @@ from kvpilot.cli_options import (DeviceOpt, DownloadDirOpt, DtypeOpt, GgufFileOp
                                  QuantizationOpt, RevisionOpt, SeedOpt, SpeculativeConfigOpt)
 from kvpilot.doctor.bench_section import doctor_report_section
 from kvpilot.doctor.cli import doctor_command
+from kvpilot.fit.calibration import MachineProfile, set_calibrator
 from kvpilot.fit.cli import fit_command
 from kvpilot.fit.serve_command import set_serve_check
 from kvpilot.model.config import unsupported_reason
 from kvpilot.server.cli import serve_command
 
+
+def _calibrate() -> MachineProfile:
+    from kvpilot.calibrate import calibrate  # torch and the engine load only when measuring
+
+    return calibrate()
+
+
 app = typer.Typer(help="kvpilot: a fast LLM inference server that explains its own speed.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 app.command("serve")(serve_command)
 set_serve_check(unsupported_reason)  # fit prints `kvpilot serve` lines only for models the registry runs
+set_calibrator(_calibrate)  # `kvpilot fit --calibrate` measures with kvpilot's kernels; fit stays torch-free
 app.command("fit")(fit_command)
 app.command("bench")(make_bench_command((doctor_report_section,)))  # the HTML report carries the diagnosis
 app.command("doctor")(doctor_command)

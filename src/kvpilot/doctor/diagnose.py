@@ -13,6 +13,7 @@ from kvpilot.doctor.findings import Finding, Severity
 from kvpilot.doctor.inputs import DoctorInputs, RunData
 from kvpilot.doctor.probe_plan import RampPoint, knee_reason, ramp_level
 from kvpilot.doctor.ranking import rank
+from kvpilot.doctor.roofline_ref import RooflineRef, limit_words
 from kvpilot.doctor.rules import RULES, Rule, RuleContext
 from kvpilot.doctor.rules.prefill import mixing_note, stall_note
 from kvpilot.doctor.rules.routing import replica_lines
@@ -58,7 +59,8 @@ class DoctorReport:
     def verdict(self) -> str:
         roof = ""
         if self.roofline_share is not None and self.roofline is not None:
-            roof = (f"; decode at {self.roofline_share:.0%} of the {_dtype_word(self.roofline.get('dtype'))}roofline "
+            words = limit_words(self.roofline.get("dtype"), self.roofline.get("calibrated"))
+            roof = (f"; decode at {self.roofline_share:.0%} of {words} "
                     f"({self.roofline['model']} on {self.roofline['gpu']})")
         if self.healthy:
             return "healthy: no bottleneck found" + (f" ({len(self.findings)} low-severity notes)"
@@ -79,9 +81,13 @@ class DoctorReport:
                 "engine": self.engine}
 
 
-def _dtype_word(dtype: str | None) -> str:
-    """"float32 " for an explicit dtype; nothing for "auto" (the model's own, bf16 for most)."""
-    return f"{dtype} " if dtype and dtype != "auto" else ""
+def _decode_share_line(roof: RooflineRef, tpot: float, in_flight: float) -> str:
+    """Batch-1 decode against the TPOT floor, saying whether the floor is this machine's measured limit."""
+    measured = f"{roof.decode_step_ms:.1f} ms vs {tpot:.1f} ms measured at {in_flight:.1f} in flight"
+    share = f"decode at {roof.decode_step_ms / tpot:.0%} of {limit_words(roof.dtype, roof.calibrated)}"
+    if roof.calibrated:
+        return f"{share} (TPOT floor {measured}; rates from `kvpilot fit --calibrate`)"
+    return f"{share} TPOT floor ({measured}; nominal rates: `kvpilot fit --calibrate` measures this machine's)"
 
 
 def _roofline_share(ctx: RuleContext) -> float | None:
@@ -111,8 +117,9 @@ def _headroom(ctx: RuleContext) -> list[str]:
     low = ctx.inputs.runs[0] if ctx.inputs.runs else None
     tpot = median(r.tpot_ms for r in low.ok) if low is not None else None
     if roof is not None and low is not None and tpot:
-        lines.append(f"decode at {roof.decode_step_ms / tpot:.0%} of the {_dtype_word(roof.dtype)}roofline TPOT floor "
-                     f"({roof.decode_step_ms:.1f} ms vs {tpot:.1f} ms measured at {low.in_flight:.1f} in flight)")
+        lines.append(_decode_share_line(roof, tpot, low.in_flight))
+    if roof is not None and roof.calibration_note:
+        lines.append(f"note: {roof.calibration_note}")
     if peak is not None:
         lines.append(f"peak output throughput {peak.output_throughput:,.1f} tok/s at "
                      f"{peak.in_flight:.1f} requests in flight")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvpilot.doctor.errors import DoctorInputError
+from kvpilot.fit.calibration import load_profile
 from kvpilot.fit.errors import FitError
 from kvpilot.fit.hardware import parse_device_arg
 from kvpilot.fit.model_source import load_model
@@ -26,18 +27,25 @@ class RooflineRef:
     ttft_ms: float
     aggregate_tokens_per_s: float
     batch_size: int
-    bound: str  # "memory bandwidth" or "compute" at batch 1
+    bound: str  # "memory bandwidth", "compute" or "step overhead" at batch 1
     dtype: str = "auto"  # weight/compute dtype the bound assumes ("auto": the model's own, bf16 for most)
+    calibrated: bool = False  # this machine's measured rates (`kvpilot fit --calibrate`), not nominal ones
+    calibration_note: str | None = None  # why a stored calibration profile was not used
+
+
 
 
 def roofline_for(model: str, gpu: str, input_len: int, output_len: int, concurrency: int,
                  dtype: str | None = None, weight_dtype: str | None = None) -> RooflineRef:
     """``dtype``: what the server computes in (a float32 server reads twice the bytes of a bfloat16 one,
     so its floor is twice as high); ``weight_dtype``: the linear weights' format when quantized (int8, int4,
-    fp8: fit's --weight-dtype; None: the checkpoint's own, a GGUF file's exact bytes). Raises
-    :class:`DoctorInputError` when fit cannot place the model (unknown name, does not fit)."""
+    fp8: fit's --weight-dtype; None: the checkpoint's own, a GGUF file's exact bytes). The device takes this
+    machine's calibration profile when one was measured here (the doctor then judges by what this machine
+    sustains: right for a server on the same host). Raises :class:`DoctorInputError` when fit cannot place the
+    model (unknown name, does not fit)."""
+    lookup = load_profile()
     try:
-        report = build_report(load_model(model), parse_device_arg(gpu),
+        report = build_report(load_model(model), parse_device_arg(gpu, profile=lookup.profile),
                               FitInputs(input_len=max(1, input_len), output_len=max(1, output_len),
                                         concurrency=max(1, concurrency),
                                         dtype=dtype or "auto", weight_dtype=weight_dtype or "auto"))
@@ -51,4 +59,12 @@ def roofline_for(model: str, gpu: str, input_len: int, output_len: int, concurre
                        ttft_ms=rl.ttft_seconds * 1000.0,
                        aggregate_tokens_per_s=rl.decode_at_concurrency.tokens_per_s_aggregate,
                        batch_size=rl.decode_at_concurrency.batch_size, bound=rl.decode_single.bound,
-                       dtype=dtype or "auto")
+                       dtype=dtype or "auto", calibrated=report.group.device.calibrated,
+                       calibration_note=lookup.note)
+
+
+def limit_words(dtype: str | None, calibrated: bool | None) -> str:
+    """How the verdict names the bound: "this machine's calibrated [dtype ]limit" (measured rates) or
+    "the [dtype ]roofline" (nominal ones); the dtype only when explicit (not "auto": the model's own)."""
+    word = f"{dtype} " if dtype and dtype != "auto" else ""
+    return f"this machine's calibrated {word}limit" if calibrated else f"the {word}roofline"

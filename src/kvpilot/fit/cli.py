@@ -10,12 +10,13 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
+from kvpilot.fit.calibration import ProfileLookup, busy_note, load_profile, run_calibrator, save_profile
 from kvpilot.fit.errors import FitError
 from kvpilot.fit.hardware import GPUS, parse_device_arg
 from kvpilot.fit.model_catalog import get_repo_id, list_models
-from kvpilot.fit.model_source import load_model
+from kvpilot.fit.model_source import LoadedModel, load_model
 from kvpilot.fit.plan import build_report, compare_gpus, report_to_json
-from kvpilot.fit.render import render_capacity_comparison, render_comparison, render_report
+from kvpilot.fit.render import render_calibration, render_capacity_comparison, render_comparison, render_report
 from kvpilot.fit.server_capacity import compare_capacity
 from kvpilot.fit.workload import FitInputs
 from kvpilot.memory_size import parse_memory_size
@@ -98,6 +99,44 @@ def _emit_json(payload: Any) -> None:
     print(json.dumps(payload, indent=2))
 
 
+def _calibrate(as_json: bool, console: Console) -> None:
+    """Measures this machine, stores the profile where fit and doctor look for it, prints it."""
+    busy = busy_note()
+    if busy is not None:
+        print(f"kvpilot fit: warning: {busy}", file=sys.stderr)
+    try:
+        profile = run_calibrator()
+        path = save_profile(profile)
+    except (FitError, OSError) as exc:
+        raise _fail(f"calibration failed: {exc}") from None
+    if as_json:
+        _emit_json({**profile.to_json(), "path": str(path)})
+    else:
+        render_calibration(profile, path, console)
+
+
+def _note_calibration(lookup: ProfileLookup, as_json: bool, console: Console) -> None:
+    """Why a stored profile was not used (printed on stderr under --json, so stdout stays one document)."""
+    if lookup.note is None:
+        return
+    if as_json:
+        print(f"kvpilot fit: note: {lookup.note}", file=sys.stderr)
+    else:
+        console.print(f"note: {lookup.note}", style="yellow", markup=False, highlight=False)
+
+
+def _show_report(loaded: LoadedModel, gpu: str, cpu_bandwidth_gbps: float | None, inputs: FitInputs,
+                 as_json: bool, console: Console) -> None:
+    """The plan for one device group, on this machine's calibrated rates where it has them."""
+    lookup = load_profile()
+    report = build_report(loaded, parse_device_arg(gpu, cpu_bandwidth_gbps, lookup.profile), inputs)
+    if as_json:
+        _emit_json(report_to_json(report))
+    else:
+        render_report(report, console)
+    _note_calibration(lookup, as_json, console)
+
+
 def fit_command(
     model: Annotated[str, typer.Argument(
         help="Catalog name or HF repo id (see --list), a config.json or its directory, or a GGUF file."),
@@ -135,11 +174,18 @@ def fit_command(
         help="With --url: the server's key (also read from OPENAI_API_KEY, then KVPILOT_API_KEY).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
     list_catalog: Annotated[bool, typer.Option("--list", help="List catalog models and devices.")] = False,
+    calibrate: Annotated[bool, typer.Option(
+        "--calibrate", help="Measure this machine's memory bandwidth, GEMM rates and per-step overhead with "
+                            "kvpilot's kernels (under a minute) and store them: fit's and doctor's rooflines "
+                            "then use them for the CPU and this machine's GPU.")] = False,
 ) -> None:
     """Plan memory and speed for a model on given hardware: does it fit, KV capacity, roofline, flags."""
     console = Console()
     if list_catalog:
         _print_catalogs(console)
+        return
+    if calibrate:
+        _calibrate(as_json, console)
         return
     if url is not None:
         _show_server_capacity(url, api_key, as_json, console)
@@ -162,10 +208,6 @@ def fit_command(
             else:
                 render_comparison(rows, console)
             return
-        report = build_report(loaded, parse_device_arg(gpu, cpu_bandwidth_gbps), inputs)
+        _show_report(loaded, gpu, cpu_bandwidth_gbps, inputs, as_json, console)
     except FitError as exc:
         raise _fail(str(exc)) from None
-    if as_json:
-        _emit_json(report_to_json(report))
-    else:
-        render_report(report, console)

@@ -8,10 +8,12 @@ chip has no fp8 tensor cores (Ampere).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from kvpilot.fit.calibration import DeviceRates, MachineProfile
 from kvpilot.fit.errors import FitError, UnknownGpuError, suggest
+from kvpilot.fit.fingerprint import catalog_gpu_for
 
 MIB = 2**20
 GIB = 2**30
@@ -22,7 +24,11 @@ CPU_BF16_TFLOPS = 0.165
 
 @dataclass(frozen=True)
 class Device:
-    """One accelerator (or the CPU). Invariant: memory, bandwidth and bf16 FLOP/s are positive."""
+    """One accelerator (or the CPU). Invariant: memory, bandwidth and bf16 FLOP/s are positive.
+
+    Nominal devices carry datasheet peaks and no step overhead; a calibrated one (``calibrated``) carries what
+    this machine measured with kvpilot's kernels (kvpilot.fit.calibration), its float32 GEMM rate and the fixed
+    time an engine step takes besides its reads and FLOPs."""
 
     name: str
     memory_bytes: int
@@ -31,6 +37,9 @@ class Device:
     fp8_flops: float | None
     source: str
     is_gpu: bool = True
+    fp32_flops: float | None = None
+    step_overhead_seconds: float = 0.0
+    calibrated: bool = False
 
 
 @dataclass(frozen=True)
@@ -75,6 +84,11 @@ def get_gpu(name: str) -> Device:
     return GPUS[key]
 
 
+def catalog_name_of(device_name: str) -> str | None:
+    """The catalog GPU a driver's device name is ("NVIDIA H200" -> "h200"); None when the catalog lacks it."""
+    return catalog_gpu_for(device_name, list(GPUS), _GPU_ALIASES)
+
+
 def read_meminfo_bytes(field: str = "MemTotal", path: Path = Path("/proc/meminfo")) -> int | None:
     """A /proc/meminfo field in bytes, or None where the file or field is missing (non-Linux)."""
     try:
@@ -102,8 +116,21 @@ def cpu_device(bandwidth_gbps: float | None = None, memory_bytes: int | None = N
     )
 
 
-def parse_device_arg(arg: str, cpu_bandwidth_gbps: float | None = None) -> DeviceGroup:
-    """`--gpu NAME[:count]`, e.g. 'h100-sxm:8', 'l4', 'cpu'. Count must be a positive integer."""
+def calibrated(device: Device, rates: DeviceRates | None) -> Device:
+    """`device` with this machine's measured rates (its memory stays the catalog's or /proc's); unchanged
+    without rates."""
+    if rates is None:
+        return device
+    return replace(device, bandwidth_bytes_per_s=rates.bandwidth_bytes_per_s, bf16_flops=rates.bf16_flops,
+                   fp32_flops=rates.fp32_flops, step_overhead_seconds=rates.step_overhead_seconds, calibrated=True,
+                   source=f"calibrated on this machine ({rates.name}) with kvpilot's kernels")
+
+
+def parse_device_arg(arg: str, cpu_bandwidth_gbps: float | None = None,
+                     profile: MachineProfile | None = None) -> DeviceGroup:
+    """`--gpu NAME[:count]`, e.g. 'h100-sxm:8', 'l4', 'cpu'. Count must be a positive integer. With this
+    machine's calibration `profile`, the CPU and the catalog GPU it measured get its rates (an explicit
+    --cpu-bandwidth-gbps keeps the nominal CPU)."""
     name, _, count_text = arg.partition(":")
     count = 1
     if count_text:
@@ -113,5 +140,7 @@ def parse_device_arg(arg: str, cpu_bandwidth_gbps: float | None = None) -> Devic
     if name.strip().lower() == "cpu":
         if count != 1:
             raise FitError("--gpu cpu takes no count: the CPU is one device.")
-        return DeviceGroup(cpu_device(cpu_bandwidth_gbps), 1)
-    return DeviceGroup(get_gpu(name), count)
+        cpu = cpu_device(cpu_bandwidth_gbps)
+        return DeviceGroup(cpu if cpu_bandwidth_gbps or profile is None else calibrated(cpu, profile.cpu), 1)
+    device = get_gpu(name)
+    return DeviceGroup(calibrated(device, profile.rates_for(device.name) if profile else None), count)

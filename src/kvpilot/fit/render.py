@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import shlex
+from pathlib import Path
 
 from rich.console import Console, Group
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
 from kvpilot.fit import units
+from kvpilot.fit.calibration import DeviceRates, MachineProfile
 from kvpilot.fit.model_catalog import get_repo_id
 from kvpilot.fit.plan import FitReport, GpuComparison
 from kvpilot.fit.serve_command import kvpilot_serve_commands, unservable_reason
@@ -29,12 +32,17 @@ def _model_table(r: FitReport) -> Table:
     if m.spec.is_moe:
         params += f" total, {units.count(p.num_active)} active"
     t.add_row("parameters", params)
-    t.add_row("weights", f"{units.gb_and_gib(r.memory.weights.num_bytes)}  [{r.memory.weights.format_name}]")
+    t.add_row("weights", escape(f"{units.gb_and_gib(r.memory.weights.num_bytes)}  [{r.memory.weights.format_name}]"))
     t.add_row("KV per token", f"{r.kv_bytes_per_token_unsplit:,} bytes ({r.memory.kv_dtype_bytes}-byte elements)")
     d = r.group.device
     t.add_row("device", f"{r.group.count} x {d.name}: {units.gib(d.memory_bytes)}, "
-              f"{units.bandwidth(d.bandwidth_bytes_per_s)}, {units.flops(d.bf16_flops)} bf16")
+              f"{units.bandwidth(d.bandwidth_bytes_per_s)}, {units.flops(d.bf16_flops)} bf16 ({rates_word(r)})")
     return t
+
+
+def rates_word(r: FitReport) -> str:
+    """"calibrated" (this machine's measured rates) or "nominal" (datasheet / default rates)."""
+    return "calibrated" if r.group.device.calibrated else "nominal"
 
 
 def _memory_table(r: FitReport) -> Table:
@@ -75,7 +83,9 @@ def _roofline_table(r: FitReport) -> Table | None:
     rl = r.roofline
     if rl is None:
         return None
-    t = _table("Roofline (upper bounds)")
+    t = _table(f"Roofline (upper bounds, {rates_word(r)} rates)")
+    if r.group.device.step_overhead_seconds:
+        t.add_row("step overhead (measured)", units.seconds(r.group.device.step_overhead_seconds))
     t.add_row("prefill", f"{units.rate(rl.prefill_tokens_per_s)}; TTFT >= {units.seconds(rl.ttft_seconds)}")
     one, many = rl.decode_single, rl.decode_at_concurrency
     t.add_row("decode, 1 sequence", f"{units.rate(one.tokens_per_s_per_sequence)} ({one.bound})")
@@ -146,3 +156,21 @@ def render_capacity_comparison(c: CapacityComparison, console: Console) -> None:
         style = None if predicted == actual else "red"
         table.add_row(name, f"{predicted:,}", Text(f"{actual:,}", style=style or ""))
     console.print(table)
+
+
+def _rates_rows(t: Table, rates: DeviceRates) -> None:
+    t.add_row(f"{rates.name}: memory bandwidth", units.bandwidth(rates.bandwidth_bytes_per_s))
+    t.add_row("  bf16 GEMM", units.flops(rates.bf16_flops))
+    t.add_row("  float32 GEMM", units.flops(rates.fp32_flops))
+    t.add_row("  engine step overhead", units.seconds(rates.step_overhead_seconds))
+
+
+def render_calibration(profile: MachineProfile, path: Path, console: Console) -> None:
+    console.print(Text(f"Calibrated: {profile.fingerprint.describe()}", style="bold"))
+    t = _table("")
+    _rates_rows(t, profile.cpu)
+    if profile.gpu is not None:
+        _rates_rows(t, profile.gpu)
+        t.add_row("  fit catalog entry", profile.gpu.catalog_name or "none (fit --gpu cannot name it)")
+    console.print(t)
+    console.print(Text(f"stored in {path}: `kvpilot fit` and `kvpilot doctor` use it on this machine"))

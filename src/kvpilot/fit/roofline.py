@@ -10,7 +10,10 @@ FLOPs per token: 2 x the matrix weights a token multiplies + attention 2 * layer
 (MLA decode uses the absorbed latent form: qk = kv_lora_rank + rope dim, v = kv_lora_rank).
 Prefill of P tokens: compute 2 x weights x P + causal attention (half of P^2); memory reads all weights once.
 Compute peak: fp8 tensor cores when weights are fp8 and the device has them, otherwise bf16 (weight-only
-int8/int4/GGUF formats multiply in 16-bit).
+int8/int4/GGUF formats multiply in 16-bit). A calibrated device (kvpilot.fit.calibration) also knows its float32
+GEMM rate: fp32 weights multiply at it, and 16-bit ones at the faster of the two (kvpilot's CPU prompt GEMMs
+run in float32 where that is faster, model/layers/prompt_gemm.py); its measured per-step overhead is added
+to every step (nominal devices have none).
 """
 
 from __future__ import annotations
@@ -36,9 +39,12 @@ class DecodePoint:
     compute_seconds: float
     tokens_per_s_per_sequence: float
     tokens_per_s_aggregate: float
+    overhead_seconds: float = 0.0
 
     @property
     def bound(self) -> str:
+        if self.overhead_seconds >= max(self.compute_seconds, self.memory_seconds):
+            return "step overhead"
         return "compute" if self.compute_seconds >= self.memory_seconds else "memory bandwidth"
 
 
@@ -96,7 +102,11 @@ def _peak_flops(group: DeviceGroup, plan: MemoryPlan) -> float:
     device = group.device
     if plan.weights.format_name == "fp8" and device.fp8_flops is not None:
         return device.fp8_flops * group.count
-    return device.bf16_flops * group.count
+    if device.fp32_flops is None:
+        return device.bf16_flops * group.count
+    if plan.weights.format_name == "fp32":
+        return device.fp32_flops * group.count
+    return max(device.bf16_flops, device.fp32_flops) * group.count
 
 
 def decode_point(model: LoadedModel, group: DeviceGroup, plan: MemoryPlan, batch: int, context: int) -> DecodePoint:
@@ -107,8 +117,9 @@ def decode_point(model: LoadedModel, group: DeviceGroup, plan: MemoryPlan, batch
     weights_per_device = weights_read_bytes(model, plan, batch) / par.num_devices
     memory = (weights_per_device + kv_per_device) / group.device.bandwidth_bytes_per_s
     compute = batch * flops_per_token(model, context) / _peak_flops(group, plan)
-    step = max(memory, compute)
-    return DecodePoint(batch, step, memory, compute, 1 / step, batch / step)
+    overhead = group.device.step_overhead_seconds
+    step = max(memory, compute) + overhead
+    return DecodePoint(batch, step, memory, compute, 1 / step, batch / step, overhead)
 
 
 def compute_bound_batch(model: LoadedModel, group: DeviceGroup, plan: MemoryPlan, context: int) -> int | None:
@@ -129,7 +140,8 @@ def compute_bound_batch(model: LoadedModel, group: DeviceGroup, plan: MemoryPlan
 
 
 def prefill_seconds(model: LoadedModel, group: DeviceGroup, plan: MemoryPlan, prompt_len: int) -> float:
-    """TTFT bound for one prompt on an idle server: max(compute, one read of the weights).
+    """TTFT bound for one prompt on an idle server: max(compute, one read of the weights), plus one step's
+    overhead on a calibrated device.
 
     Prefill attention is not absorbed for MLA: it uses the full q/k (nope + rope) and v head dims."""
     spec, p = model.spec, model.params
@@ -146,7 +158,7 @@ def prefill_seconds(model: LoadedModel, group: DeviceGroup, plan: MemoryPlan, pr
     attention = 2 * spec.num_attention_heads * attended * (qk + v)
     compute = (linear + attention) / _peak_flops(group, plan)
     memory = weights_read_bytes(model, plan, prompt_len) / (group.device.bandwidth_bytes_per_s * group.count)
-    return max(compute, memory)
+    return max(compute, memory) + group.device.step_overhead_seconds
 
 
 def roofline(model: LoadedModel, group: DeviceGroup, plan: MemoryPlan, input_len: int, output_len: int,

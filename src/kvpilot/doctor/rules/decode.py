@@ -90,13 +90,15 @@ def decode_bound(ctx: RuleContext) -> Finding | None:
         return None
     evidence = [Evidence(f"median TPOT at {low.in_flight:.1f} in flight", tpot_low, "ms", "client")]
     if efficiency is not None and roof is not None:
-        evidence += [Evidence(f"roofline TPOT floor ({roof.model} on {roof.gpu}, {roof.bound})",
+        rates = "calibrated" if roof.calibrated else "nominal"
+        evidence += [Evidence(f"roofline TPOT floor ({roof.model} on {roof.gpu}, {roof.bound}, {rates})",
                               roof.decode_step_ms, "ms", "kvpilot fit"),
                      Evidence("decode speed vs roofline", efficiency, "%")]
     if growth is not None:
         evidence += _growth_evidence(growth)
     problem = growth is not None and not ctx.throughput_only and (growth.breaks_slo or growth.inefficient)
-    parts = ([f"decode runs at {efficiency:.0%} of the memory-bandwidth limit"] if slow else []) + (
+    limit = "this machine's calibrated limit" if roof is not None and roof.calibrated else "the memory-bandwidth limit"
+    parts = ([f"decode runs at {efficiency:.0%} of {limit}"] if slow else []) + (
         [f"decode misses the SLO ({format_slos(decode_slos)}) even at {low.in_flight:.1f} in flight"]
         if misses_alone else []) + ([_growth_text(growth, problem)] if growth is not None else [])
     problem = problem or misses_alone
