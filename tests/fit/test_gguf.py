@@ -35,9 +35,21 @@ def test_gguf_weight_bytes_are_the_files_tensor_bytes(embedded_model: LoadedMode
     # Q8_0 embedding: 49152*576 weights in blocks of 32 stored in 34 bytes
     assert g.num_bytes_embedding == 49152 * 576 // 32 * 34
     assert g.num_bytes_lm_head == 0  # tied
-    weights = weight_bytes(embedded_model)
-    assert weights.num_bytes == g.num_bytes
     assert g.num_bytes < gguf_path.stat().st_size < g.num_bytes + 8 * 2**20  # plus header and tokenizer
+
+
+def test_gguf_weight_bytes_are_what_kvpilot_holds(embedded_model: LoadedModel) -> None:
+    """On a CPU in bf16: the Q4_1 layers packed (tiled int8 copies: the blocks' 20 bytes per 32), the tied head a
+    packed Q8_0 copy with a float16 offset per block (36 bytes per 32), the embedding table dense in bf16."""
+    weights = weight_bytes(embedded_model)
+    assert weights.num_bytes_file == embedded_model.gguf.num_bytes
+    assert weights.format_name.endswith("held packed")
+    assert weights.num_bytes_embedding == 49152 * 576 * 2
+    assert weights.num_bytes_lm_head == 49152 * 576 // 32 * 36
+    linear = embedded_model.params.num_linear_total
+    assert weights.num_bytes_layers == linear // 32 * 20 + 2 * embedded_model.params.num_vector  # norms in bf16
+    on_gpu = weight_bytes(embedded_model, on_gpu=True)  # kvpilot dequantizes GGUF weights on GPUs
+    assert on_gpu.num_bytes == 2 * 134_515_008 and "on a GPU it dequantizes them" in on_gpu.notes[0]
 
 
 def test_requantizing_a_gguf_model_uses_the_formula(embedded_model: LoadedModel) -> None:

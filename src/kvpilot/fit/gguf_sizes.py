@@ -13,6 +13,18 @@ _ONE_EXPERT = re.compile(r"^blk\.\d+\.ffn_(gate|up|down)\.\d+\.weight$")
 
 
 @dataclass(frozen=True)
+class GgufTensor:
+    """One tensor as the file stores it. Invariant: num_elements == num_rows * num_cols for matrices."""
+
+    name: str  # GGUF name, e.g. blk.3.attn_v.weight
+    type_name: str  # GGML type name, e.g. Q4_K
+    num_elements: int
+    num_bytes: int
+    num_rows: int  # outputs (1 for a vector)
+    num_cols: int  # values a row (GGUF's first dimension)
+
+
+@dataclass(frozen=True)
 class GgufSizes:
     """Tensor bytes and element counts as stored in the file.
 
@@ -27,6 +39,7 @@ class GgufSizes:
     num_bytes_lm_head: int
     tensor_types: dict[str, int]  # GGML type name -> number of tensors
     num_bytes_expert: int = 0  # one routed expert of one layer (its gate, up and down), on average; 0: dense
+    tensors: tuple[GgufTensor, ...] = ()  # every tensor, in file order
 
     @property
     def bits_per_weight(self) -> float:
@@ -45,7 +58,15 @@ def gguf_sizes(reader: Any) -> GgufSizes:
         num_bytes_lm_head=by_name.get("output.weight", 0),
         tensor_types=dict(Counter(t.tensor_type.name for t in tensors)),
         num_bytes_expert=_bytes_per_expert(tensors),
+        tensors=tuple(_tensor(t) for t in tensors),
     )
+
+
+def _tensor(t: Any) -> GgufTensor:
+    """GGUF lists a tensor's shape innermost first: [cols, rows, (experts)]."""
+    cols = int(t.shape[0]) if len(t.shape) else 1
+    elements = int(t.n_elements)
+    return GgufTensor(t.name, t.tensor_type.name, elements, int(t.n_bytes), elements // max(cols, 1), cols)
 
 
 def _bytes_per_expert(tensors: list[Any]) -> int:

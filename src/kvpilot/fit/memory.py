@@ -142,7 +142,7 @@ def plan_memory(model: LoadedModel, group: DeviceGroup, inputs: FitInputs) -> Me
     spec = model.spec
     par = parallelism_for(spec, group.count)
     tp, pp = par.tensor_parallel_size, par.pipeline_parallel_size
-    weights = weight_bytes(model, inputs.weight_dtype, inputs.dtype)
+    weights = weight_bytes(model, inputs.weight_dtype, inputs.dtype, on_gpu=group.device.is_gpu)
     kvb = kv_dtype_bytes(inputs.kv_cache_dtype, spec, inputs.dtype)
     act = activation_bytes(spec, inputs, dtype_bytes(compute_dtype(spec, inputs.dtype)), tp)
     runtime = RUNTIME_GPU_BYTES if group.device.is_gpu else RUNTIME_CPU_BYTES

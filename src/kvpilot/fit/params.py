@@ -47,7 +47,7 @@ class ParamCounts:
         return self.num_attention_matrix + self.num_dense_mlp_matrix + self.num_router_matrix + self.num_vector
 
 
-def _attention_counts(spec: ModelSpec) -> tuple[int, int]:
+def attention_counts(spec: ModelSpec) -> tuple[int, int]:
     """(matrix, vector) parameters of one layer's attention."""
     h, heads, kv, hd = spec.hidden_size, spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim
     if spec.mla is not None:
@@ -70,7 +70,7 @@ def _attention_counts(spec: ModelSpec) -> tuple[int, int]:
 def count_params(spec: ModelSpec) -> ParamCounts:
     """Exact parameter counts for the architecture (matches the HF checkpoint's tensor sizes)."""
     h, layers = spec.hidden_size, spec.num_hidden_layers
-    attn_matrix, attn_vector = _attention_counts(spec)
+    attn_matrix, attn_vector = attention_counts(spec)
     gated_mlp = 3 * h * spec.intermediate_size
     vector = layers * (attn_vector + spec.norms_per_layer * h) + h  # + final norm
     moe = spec.moe

@@ -51,7 +51,7 @@ def min_devices(model: LoadedModel, group: DeviceGroup, inputs: FitInputs) -> in
 
 
 def _notes(report_plan: MemoryPlan, model: LoadedModel, group: DeviceGroup, inputs: FitInputs) -> list[str]:
-    notes = []
+    notes = list(report_plan.weights.notes)
     if not report_plan.weights_fit:
         notes.append("weights, activations and runtime exceed the memory budget: add devices or quantize.")
     elif not report_plan.max_model_len_fits:

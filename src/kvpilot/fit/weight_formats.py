@@ -9,7 +9,8 @@ Constants and where they come from:
   = 4.15625 bits per weight. Embeddings and lm_head stay 16-bit.
 - GGUF block types (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, ...): bits = 8 * type_size / block_size from
   ggml's block layouts (`gguf.GGML_QUANT_SIZES`); llama.cpp also quantizes the embedding; norms are F32.
-  Real GGUF files mix types per tensor: for a GGUF file the planner uses its exact tensor bytes instead.
+  Real GGUF files mix types per tensor: a GGUF file, and llama.cpp's mixes by name (q4_k_m, q8_0, ...), are
+  sized tensor by tensor instead, as kvpilot holds them (weights.py, gguf_holding.py, gguf_mixes.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvpilot.fit.errors import FitError, suggest
+from kvpilot.fit.gguf_mixes import MIXES
 from kvpilot.fit.model_spec import ModelSpec
 
 _DTYPE_BITS: dict[str, int] = {
@@ -90,7 +92,7 @@ def weight_format(name: str, spec: ModelSpec, dtype: str = "auto") -> WeightForm
     gguf_bits = _gguf_type_bits()
     if key in gguf_bits:
         return WeightFormat(key, gguf_bits[key], gguf_bits[key], 32)
-    choices = ["auto", "fp32", "bf16", "fp16", "fp8", "int8", "int4", *gguf_bits]
+    choices = ["auto", "fp32", "bf16", "fp16", "fp8", "int8", "int4", *MIXES, *gguf_bits]
     raise FitError(suggest(name, choices, "weight dtype"))
 
 

@@ -1,37 +1,68 @@
-"""Weight storage bytes for a model in a given format (exact for GGUF files)."""
+"""Weight bytes a model takes in memory in a given format: for a GGUF file (or a llama.cpp mix of a model without
+one) tensor by tensor as kvpilot holds it (gguf_holding.py), for a pre-quantized HF checkpoint from its
+quantization_config (checkpoint_formats.py), otherwise bits per role x parameter counts (weight_formats.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvpilot.fit.checkpoint_formats import checkpoint_linear_bits
+from kvpilot.fit.gguf_holding import PACKED_FAMILIES, held_gguf
+from kvpilot.fit.gguf_mixes import BASE_TYPES, file_bits_per_weight, mix_tensors
+from kvpilot.fit.gguf_sizes import GgufTensor
 from kvpilot.fit.model_source import LoadedModel
-from kvpilot.fit.weight_formats import weight_format
+from kvpilot.fit.units import gb_and_gib
+from kvpilot.fit.weight_formats import WeightFormat, compute_dtype, dtype_bytes, weight_format
+
+# kvpilot's --quantization int8 / int4 on a CPU: Q8_0 / Q4_1 blocks, the output layer Q8_0 (model/quant/at_load.py)
+AT_LOAD_CPU = {"int8": "q8_0", "int4": "q4_1"}
 
 
 @dataclass(frozen=True)
 class WeightBytes:
-    """Bytes by role. Invariant: num_bytes == embedding + lm_head + layers (all >= 0)."""
+    """Bytes held in memory by role. Invariant: num_bytes == embedding + lm_head + layers (all >= 0).
+    num_bytes_file: the tensors' bytes in the GGUF file (or the llama.cpp mix) when sized tensor by tensor."""
 
     format_name: str
     num_bytes_embedding: int
     num_bytes_lm_head: int
     num_bytes_layers: int  # decoder layers (matrices, experts, norms, biases) + final norm
     num_bytes_expert: int  # one routed expert of one layer (0 for dense models)
+    num_bytes_file: int | None = None
+    notes: tuple[str, ...] = ()  # how the format is held, for the report
 
     @property
     def num_bytes(self) -> int:
         return self.num_bytes_embedding + self.num_bytes_lm_head + self.num_bytes_layers
 
 
-def weight_bytes(model: LoadedModel, weight_dtype: str = "auto", dtype: str = "auto") -> WeightBytes:
-    """`auto` on a GGUF file gives the file's exact tensor bytes; otherwise bits per role x counts."""
-    if model.gguf is not None and weight_dtype == "auto":
-        g = model.gguf
-        layers = g.num_bytes - g.num_bytes_embedding - g.num_bytes_lm_head
-        tensor_mix = ", ".join(f"{n} {t}" for t, n in sorted(g.tensor_types.items()))
-        return WeightBytes(f"gguf ({tensor_mix})", g.num_bytes_embedding, g.num_bytes_lm_head, layers,
-                           g.num_bytes_expert)
-    fmt = weight_format(weight_dtype, model.spec, dtype)
+def weight_bytes(model: LoadedModel, weight_dtype: str = "auto", dtype: str = "auto",
+                 on_gpu: bool = False) -> WeightBytes:
+    """What the weights take in kvpilot's memory on a GPU (`on_gpu`) or a CPU. `auto` is the model's own format:
+    a GGUF file's tensors, a checkpoint's quantization_config, else its dtype; a llama.cpp mix name (q4_k_m,
+    q8_0, ...) sizes the model as a file of that mix; int8 / int4 on a CPU as kvpilot quantizes at load (Q8_0 /
+    Q4_1 blocks); other names are bits per role (weight_formats.py)."""
+    key = weight_dtype.strip().lower()
+    compute_bits = 8 * dtype_bytes(compute_dtype(model.spec, dtype))
+    if model.gguf is not None and key == "auto":
+        mix = ", ".join(f"{n} {t}" for t, n in sorted(model.gguf.tensor_types.items()))
+        return _from_tensors(model, model.gguf.tensors, f"gguf ({mix})", compute_bits, on_gpu)
+    if key in BASE_TYPES:
+        tensors = mix_tensors(model.spec, key)
+        label = f"{key} (llama.cpp mix: {file_bits_per_weight(tensors):.2f} bits a weight in the file)"
+        return _from_tensors(model, tensors, label, compute_bits, on_gpu)
+    if key in AT_LOAD_CPU and not on_gpu and model.spec.model_type in PACKED_FAMILIES:
+        tensors = mix_tensors(model.spec, AT_LOAD_CPU[key], head="Q8_0")
+        label = f"{key} (kvpilot's quantization at load: {AT_LOAD_CPU[key].upper()} blocks, the output layer Q8_0)"
+        return _from_tensors(model, tensors, label, compute_bits, on_gpu, from_file=False)
+    quant = model.hf_config.get("quantization_config")
+    if key == "auto" and isinstance(quant, dict) and quant.get("quant_method"):
+        name, bits, note = checkpoint_linear_bits(quant, on_gpu, compute_bits)
+        return _by_role(model, WeightFormat(name, bits, compute_bits, compute_bits), (note,))
+    return _by_role(model, weight_format(weight_dtype, model.spec, dtype))
+
+
+def _by_role(model: LoadedModel, fmt: WeightFormat, notes: tuple[str, ...] = ()) -> WeightBytes:
     p = model.params
     return WeightBytes(
         format_name=fmt.name,
@@ -39,4 +70,23 @@ def weight_bytes(model: LoadedModel, weight_dtype: str = "auto", dtype: str = "a
         num_bytes_lm_head=round(p.num_lm_head * fmt.bits_embedding / 8),
         num_bytes_layers=round(p.num_linear_total * fmt.bits_linear / 8 + p.num_vector * fmt.bits_vector / 8),
         num_bytes_expert=round(p.num_params_per_expert * fmt.bits_linear / 8),
+        notes=notes,
     )
+
+
+def _from_tensors(model: LoadedModel, tensors: tuple[GgufTensor, ...], label: str, compute_bits: int,
+                  on_gpu: bool, from_file: bool = True) -> WeightBytes:
+    """`from_file`: the tensors are a GGUF's (or a llama.cpp mix's); False: blocks kvpilot quantizes at load."""
+    spec = model.spec
+    held = held_gguf(tensors, spec.model_type, spec.tie_word_embeddings, compute_bits, on_gpu)
+    file_bytes = sum(t.num_bytes for t in tensors) if from_file else None
+    total = held.num_bytes_embedding + held.num_bytes_lm_head + held.num_bytes_layers
+    size = f" ({gb_and_gib(total)} held for {gb_and_gib(file_bytes)} of tensors in the file)" if file_bytes else ""
+    notes = [f"{held.reason}{size}."]
+    if held.packed and compute_bits == 16 and from_file:
+        notes.append("kvpilot serve's default --quantization auto may keep dense copies for prompt GEMMs beside the "
+                     "packed weights (at most a quarter of the free memory); --quantization gguf holds none.")
+    expert = 0 if held.packed else model.params.num_params_per_expert * compute_bits // 8
+    state = "packed" if held.packed else f"dequantized to {compute_bits}-bit"
+    return WeightBytes(f"{label}, held {state}", held.num_bytes_embedding, held.num_bytes_lm_head,
+                       held.num_bytes_layers, expert, file_bytes, tuple(notes))

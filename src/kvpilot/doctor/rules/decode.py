@@ -8,6 +8,7 @@ from kvpilot.doctor.findings import Evidence, Finding, Fix, Severity, clamp01
 from kvpilot.doctor.inputs import RunData
 from kvpilot.doctor.rules.context import RuleContext
 from kvpilot.doctor.rules.deferral import defer_to_host
+from kvpilot.doctor.rules.quantize import quantize_fix
 from kvpilot.doctor.signals import median, ratio
 from kvpilot.doctor.slo import busiest_meeting, format_slos, meets
 
@@ -102,7 +103,7 @@ def decode_bound(ctx: RuleContext) -> Finding | None:
         [f"decode misses the SLO ({format_slos(decode_slos)}) even at {low.in_flight:.1f} in flight"]
         if misses_alone else []) + ([_growth_text(growth, problem)] if growth is not None else [])
     problem = problem or misses_alone
-    quantize = _quantize_fix(ctx)
+    quantize = quantize_fix(ctx)
     on_cpu = ctx.inputs.server_config is not None and ctx.inputs.server_config.fit_device == "cpu"
     fixes = ([quantize] if quantize is not None else []) + ([] if on_cpu else [  # no CUDA graphs on a CPU
         Fix("check the attention/GEMM path: CUDA graphs on, a fused attention backend",
@@ -123,28 +124,6 @@ def decode_bound(ctx: RuleContext) -> Finding | None:
         rule_id="decode-bound", title="Decode is slow per token",
         severity=severity, confidence=0.8 if slow and growth is not None else 0.7, impact=_decode_share(ctx),
         summary=_sentence("; ".join(parts)), evidence=tuple(evidence), fixes=tuple(fixes)))
-
-
-# weights at or under this many bits each are already quantized about as far as the engines go (4-bit
-# blocks with their scales, a GGUF Q4 model with its 8-bit embedding): quantizing again saves no bytes
-QUANTIZED_BITS = 6.0
-
-
-def _quantize_fix(ctx: RuleContext) -> Fix | None:
-    """Quantizing the weights reads fewer bytes a token, unless the server (kvpilot's capacity endpoint)
-    says they already take QUANTIZED_BITS or fewer; 8-bit ones can still go to int4 on a CPU (on a GPU
-    kvpilot's narrowest is fp8)."""
-    cfg = ctx.inputs.server_config
-    bits = cfg.weight_bits if cfg is not None else None
-    device = cfg.fit_device if cfg is not None else None
-    if bits is not None and bits <= QUANTIZED_BITS:
-        return None
-    if bits is not None and bits <= 8:
-        return Fix(f"read fewer bytes per token: the weights take {bits:g} bits each, 4-bit ones half that",
-                   kvpilot="--quantization int4") if device == "cpu" else None
-    kvpilot = {"cpu": "--quantization int4", None: "--quantization fp8 (GPU) or int4 (CPU)"}.get(
-        device, "--quantization fp8")
-    return Fix("read fewer bytes per token: quantize the weights", kvpilot=kvpilot, vllm="--quantization fp8")
 
 
 def _growth_evidence(g: _Growth) -> list[Evidence]:

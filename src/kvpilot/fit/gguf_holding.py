@@ -1,0 +1,107 @@
+"""What kvpilot holds in memory for a GGUF file's tensors, tensor by tensor (torch-free: the loader's rules).
+
+As kvpilot's loader decides (model/loader.py, model/quant/model_pack.py):
+- packed: on a CPU, for a family the packed kernels run (PACKED_FAMILIES), when every linear weight (decoder
+  matrices and the output head) is of a type the kernels compute on (PACKED_TYPES). Each such tensor keeps its
+  GGUF blocks, 8 * type_size / block_size bits a weight (block layouts from `gguf.GGML_QUANT_SIZES`). With bf16
+  activations the int8 path holds a column-tiled copy instead (model/quant/vnni_gemm.py, tiled_kquant.py), the
+  same bytes except that Q4_0 and Q8_0 blocks gain a float16 offset (-8 d, -128 d: 20 bytes per 32 values, 5.0
+  bits, and 36, 9.0 bits; the blocks: 18 and 34) and the K-quants' 6-bit sub-block scales and minimums take a byte
+  each: Q4_K 148 bytes per 256 values (4.625 bits; the block: 144, 4.5), Q5_K 180 (5.625; 176, 5.5); Q4_1, Q5_0,
+  Q5_1 and Q6_K keep their blocks' bytes.
+  The embedding table is held dense in the compute dtype for token lookups; a tied output head keeps a packed
+  copy of the embedding's blocks beside it. Norms and biases: the compute dtype.
+- dequantized: otherwise (a GPU, another family, one linear weight of a type without a kernel, e.g. Q3_K or
+  IQ4_XS) the whole model is dequantized at load: every weight takes the compute dtype, 16 bits in bf16,
+  whatever the file stores.
+Not counted: the hybrid layout's dense copies for many-row GEMMs (`--quantization auto` with bf16 activations,
+when they fit in a quarter of the free memory); `--quantization gguf` holds the packed weights only.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from kvpilot.fit.gguf_sizes import GgufTensor
+
+# GGUF type -> bytes its column-tiled int8 copy adds per block (a float16 offset; the K-quants' 12 bytes of packed
+# 6-bit scales and minimums become 16); the set equals kvpilot.model.quant.formats.PACKED_FORMATS (tests/fit check)
+PACKED_TYPES: dict[str, int] = {"Q8_0": 2, "Q4_0": 2, "Q4_1": 0, "Q5_0": 0, "Q5_1": 0, "Q4_K": 4, "Q5_K": 4,
+                                "Q6_K": 0}
+# HF model types whose GGUF weights stay packed (model/models/registry.py `packed_gguf`; tests/fit check it)
+PACKED_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+TILE_ROWS = 16  # the tiled copy takes whole 16-row tiles; other layers keep the file's blocks
+EMBEDDING, OUTPUT = "token_embd.weight", "output.weight"
+_LINEAR = re.compile(r"^blk\.\d+\.(attn_q|attn_k|attn_v|attn_qkv|attn_output|ffn_gate|ffn_up|ffn_down)\.weight$")
+
+
+@dataclass(frozen=True)
+class HeldGguf:
+    """Bytes kvpilot holds for a GGUF's tensors, by role. Invariant: all >= 0; num_bytes_lm_head is the packed
+    copy of a tied embedding when packed, 0 for a tied head held dequantized (it reads the embedding table)."""
+
+    num_bytes_embedding: int
+    num_bytes_lm_head: int
+    num_bytes_layers: int
+    packed: bool
+    reason: str  # why the weights are held this way, for the report's notes
+
+
+def _block(type_name: str) -> tuple[int, int]:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    return GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+
+
+def packed_bytes(t: GgufTensor, int8_copy: bool) -> int:
+    """Bytes kvpilot's packed layers hold for tensor `t` (its blocks, or their tiled int8 copy)."""
+    block_values, type_size = _block(t.type_name)
+    extra = PACKED_TYPES[t.type_name] if int8_copy and t.num_rows % TILE_ROWS == 0 else 0
+    return t.num_elements // block_values * (type_size + extra)
+
+
+def packed_bits(type_name: str, int8_copy: bool) -> float:
+    """Bits a weight of a packed GGUF type takes in kvpilot's memory."""
+    block_values, type_size = _block(type_name)
+    return 8 * (type_size + (PACKED_TYPES[type_name] if int8_copy else 0)) / block_values
+
+
+def is_linear(t: GgufTensor, tied: bool) -> bool:
+    """A weight the packed kernels multiply: decoder matrices, the output head (the embedding when tied)."""
+    return bool(_LINEAR.match(t.name)) or t.name == OUTPUT or (tied and t.name == EMBEDDING)
+
+
+def packing_problem(tensors: tuple[GgufTensor, ...], model_type: str, tied: bool, on_gpu: bool) -> str | None:
+    """Why kvpilot dequantizes this file at load, or None when it keeps the linear weights packed."""
+    if on_gpu:
+        return "kvpilot runs GGUF weights packed on CPUs only: on a GPU it dequantizes them at load"
+    if model_type not in PACKED_FAMILIES:
+        return f"kvpilot's packed GGUF kernels do not run {model_type} models: it dequantizes them at load"
+    unsupported = sorted({t.type_name for t in tensors if is_linear(t, tied) and t.type_name not in PACKED_TYPES})
+    if unsupported:
+        example = next(t.name for t in tensors if t.type_name == unsupported[0] and is_linear(t, tied))
+        return (f"{', '.join(unsupported)} (e.g. {example}) has no packed kernel in kvpilot, so it dequantizes the "
+                f"whole model at load (packed: {', '.join(PACKED_TYPES)})")
+    return None
+
+
+def held_gguf(tensors: tuple[GgufTensor, ...], model_type: str, tied: bool, compute_bits: int,
+              on_gpu: bool) -> HeldGguf:
+    """What kvpilot holds for `tensors` with activations of `compute_bits` (16: bf16, with the int8 copies)."""
+    dense = {t.name: t.num_elements * compute_bits // 8 for t in tensors}
+    problem = packing_problem(tensors, model_type, tied, on_gpu)
+    embedding = dense.get(EMBEDDING, 0)
+    if problem is not None:
+        return HeldGguf(embedding, dense.get(OUTPUT, 0), sum(dense.values()) - embedding - dense.get(OUTPUT, 0),
+                        False, f"{problem}, {compute_bits} bits a weight")
+    int8_copy = compute_bits == 16
+    held = {t.name: packed_bytes(t, int8_copy) if is_linear(t, tied) else dense[t.name] for t in tensors}
+    head = held.get(OUTPUT, held.get(EMBEDDING, 0) if tied else 0)
+    layers = sum(b for name, b in held.items() if name not in (EMBEDDING, OUTPUT))
+    types = sorted({t.type_name for t in tensors if is_linear(t, tied)})
+    bits = ", ".join(f"{name} {packed_bits(name, int8_copy):.4g}" for name in types)
+    copies = " with the int8 copies" if int8_copy else ""
+    return HeldGguf(embedding, head, layers, True,
+                    f"kvpilot holds the linear weights packed ({bits} bits a weight{copies}) and the embedding table "
+                    f"dense in {compute_bits}-bit for token lookups")
