@@ -143,6 +143,7 @@ def busy_note(fingerprint: MachineFingerprint | None = None) -> str | None:
 
 def new_profile(cpu: DeviceRates, gpu: DeviceRates | None, method: str,
                 fingerprint: MachineFingerprint | None = None) -> MachineProfile:
+    """A profile measured now, on this machine unless `fingerprint` says otherwise."""
     return MachineProfile(fingerprint or current_fingerprint(), cpu, gpu, time.time(), method)
 
 

@@ -116,7 +116,7 @@ def cpu_device(bandwidth_gbps: float | None = None, memory_bytes: int | None = N
     )
 
 
-def calibrated(device: Device, rates: DeviceRates | None) -> Device:
+def with_measured_rates(device: Device, rates: DeviceRates | None) -> Device:
     """`device` with this machine's measured rates (its memory stays the catalog's or /proc's); unchanged
     without rates."""
     if rates is None:
@@ -141,6 +141,7 @@ def parse_device_arg(arg: str, cpu_bandwidth_gbps: float | None = None,
         if count != 1:
             raise FitError("--gpu cpu takes no count: the CPU is one device.")
         cpu = cpu_device(cpu_bandwidth_gbps)
-        return DeviceGroup(cpu if cpu_bandwidth_gbps or profile is None else calibrated(cpu, profile.cpu), 1)
+        keep_nominal = cpu_bandwidth_gbps is not None or profile is None
+        return DeviceGroup(cpu if keep_nominal else with_measured_rates(cpu, profile.cpu), 1)
     device = get_gpu(name)
-    return DeviceGroup(calibrated(device, profile.rates_for(device.name) if profile else None), count)
+    return DeviceGroup(with_measured_rates(device, profile.rates_for(device.name) if profile else None), count)
