@@ -8,7 +8,11 @@ import pytest
 
 from kvpilot.fit.errors import ConfigError
 from kvpilot.fit.model_source import LoadedModel, load_model
+from kvpilot.fit.hardware import parse_device_arg
+from kvpilot.fit.memory import plan_memory
+from kvpilot.fit.roofline import weights_read_bytes
 from kvpilot.fit.weights import weight_bytes
+from kvpilot.fit.workload import FitInputs
 
 pytestmark = pytest.mark.slow
 
@@ -48,6 +52,9 @@ def test_gguf_weight_bytes_are_what_kvpilot_holds(embedded_model: LoadedModel) -
     assert weights.num_bytes_lm_head == 49152 * 576 // 32 * 36
     linear = embedded_model.params.num_linear_total
     assert weights.num_bytes_layers == linear // 32 * 20 + 2 * embedded_model.params.num_vector  # norms in bf16
+    # a decode step reads the packed layers and the packed head, not the dense lookup table
+    plan = plan_memory(embedded_model, parse_device_arg("cpu"), FitInputs())
+    assert weights_read_bytes(embedded_model, plan, 1) == weights.num_bytes_layers + weights.num_bytes_lm_head
     on_gpu = weight_bytes(embedded_model, on_gpu=True)  # kvpilot dequantizes GGUF weights on GPUs
     assert on_gpu.num_bytes == 2 * 134_515_008 and "on a GPU it dequantizes them" in on_gpu.notes[0]
 
