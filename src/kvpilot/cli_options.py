@@ -93,7 +93,8 @@ SpeculativeConfigOpt = Annotated[Optional[str], typer.Option(
     "--speculative-config", help="Speculative decoding, vLLM's JSON, e.g. '{\"method\": \"ngram\", "
     "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 1}': n-gram prompt "
     "lookup drafts tokens the prompt or output already holds and the model verifies them in one step (greedy "
-    "output unchanged, sampling keeps its distribution). A cost model gives each request only the drafts that "
+    "output unchanged, sampling keeps its distribution); '{\"model\": PATH, \"num_speculative_tokens\": 4}' "
+    "drafts with a smaller model of the same tokenizer instead. A cost model gives each request only the drafts that "
     "pay, none on large batches. Runs with synchronous scheduling.")]
 AsyncSchedulingOpt = Annotated[Optional[bool], typer.Option(
     "--async-scheduling/--no-async-scheduling", help="Schedule step N+1 while step N runs on the device "

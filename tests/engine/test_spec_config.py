@@ -21,6 +21,19 @@ def test_the_issue_example_and_vllm_defaults():
     assert SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3}').num_speculative_tokens == 3
 
 
+
+def test_a_draft_model_by_method_or_by_model_alone():
+    """vLLM's two spellings; the model is loaded and checked against the target only when the engine starts."""
+    by_method = SpeculativeConfig.from_dict({"method": "draft_model", "model": "org/draft-1b",
+                                             "num_speculative_tokens": 3})
+    assert (by_method.method, by_method.model, by_method.num_speculative_tokens) == ("draft_model", "org/draft-1b", 3)
+    assert SpeculativeConfig.from_dict({"model": "/models/draft"}) == \
+        SpeculativeConfig(method="draft_model", model="/models/draft")
+    assert SpeculativeConfig.from_dict({"method": "ngram", "model": "org/draft-1b"}).model is None
+    with pytest.raises(EngineConfigError, match=r"speculative_config\.model is for method \"draft_model\""):
+        SpeculativeConfig(method="ngram", model="org/draft-1b")
+
+
 @pytest.mark.parametrize("values, field", [
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": "4"}, "num_speculative_tokens"),
@@ -30,7 +43,8 @@ def test_the_issue_example_and_vllm_defaults():
     ({"method": "eagle"}, "method"),
     ({"method": "lookahead"}, "method"),
     ({"method": "ngram", "disable_by_batch_size": 0}, "disable_by_batch_size"),
-    ({"model": "org/draft-1b", "num_speculative_tokens": 4}, "model"),
+    ({"method": "draft_model", "num_speculative_tokens": 4}, "model"),
+    ({"method": "draft_model", "model": ""}, "model"),
     ({"method": "ngram", "num_speculative_token": 4}, "num_speculative_token"),
 ])
 def test_a_bad_value_names_its_field(values, field):

@@ -1,7 +1,8 @@
 """`speculative_config`: speculative decoding's settings, vLLM's names and JSON (`LLM(speculative_config={...})`,
 `kvpilot serve --speculative-config '{...}'`), validated at start with EngineConfigError naming the field.
 
-Only the n-gram proposer (prompt lookup) exists so far: draft models and EAGLE heads are refused by name.
+Two proposers: "ngram" (prompt lookup) and "draft_model" (a smaller model kvpilot loads, named by "model";
+vLLM's `{"model": PATH}` alone means it too). EAGLE heads and the rest are refused by name.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from typing import Any
 
 from kvpilot.engine.config import EngineConfigError
 
-METHODS = ("ngram",)
-NOT_YET = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "suffix")
+METHODS = ("ngram", "draft_model")
+NOT_YET = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "suffix")
 DEFAULT_LOOKUP = 5  # vLLM's: neither prompt_lookup_min nor _max given -> both 5; one given -> the other equals it
 MAX_SPECULATIVE_TOKENS = 64
 
@@ -30,7 +31,8 @@ def _positive_int(name: str, value: object) -> int:
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Invariants: method is "ngram"; 1 <= num_speculative_tokens <= MAX_SPECULATIVE_TOKENS (the most drafts a
+    """Invariants: method is "ngram" or "draft_model"; model (the draft's path, hub id or dummy name) is set
+    exactly when method is "draft_model"; 1 <= num_speculative_tokens <= MAX_SPECULATIVE_TOKENS (the most drafts a
     request gets in one step; the cost model often gives fewer, or none); 1 <= prompt_lookup_min <=
     prompt_lookup_max (the n-gram lengths matched, longest first); disable_by_batch_size: None, or >= 1 (no
     request speculates in a step where at least this many run: a hard cap on top of the cost model)."""
@@ -40,13 +42,20 @@ class SpeculativeConfig:
     prompt_lookup_max: int = DEFAULT_LOOKUP
     prompt_lookup_min: int = DEFAULT_LOOKUP
     disable_by_batch_size: int | None = None
+    model: str | None = None
 
     def __post_init__(self) -> None:
         if self.method in NOT_YET:
             raise EngineConfigError(f"{_field('method')} {self.method!r} is not supported yet: kvpilot has the "
-                                    f"n-gram proposer only (\"method\": \"ngram\")")
+                                    f"n-gram and draft-model proposers (\"method\": \"ngram\" or \"draft_model\")")
         if self.method not in METHODS:
             raise EngineConfigError(f"{_field('method')} must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if self.method == "draft_model" and not (isinstance(self.model, str) and self.model):
+            raise EngineConfigError(f"{_field('model')} is required with method \"draft_model\": the draft's "
+                                    f"directory, GGUF file or Hub id, got {self.model!r}")
+        if self.method == "ngram" and self.model is not None:
+            raise EngineConfigError(f"{_field('model')} is for method \"draft_model\"; the n-gram proposer takes "
+                                    f"no model, got {self.model!r}")
         _positive_int("num_speculative_tokens", self.num_speculative_tokens)
         if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
             raise EngineConfigError(f"{_field('num_speculative_tokens')} must be <= {MAX_SPECULATIVE_TOKENS}, got "
@@ -61,16 +70,16 @@ class SpeculativeConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> SpeculativeConfig:
-        """vLLM's keys; `"model": "[ngram]"` (its older spelling) means method ngram. Unknown keys are refused
-        by name rather than ignored: a typo must not silently turn speculation into something else."""
+        """vLLM's keys; `"model": "[ngram]"` (its older spelling) means method ngram, any other model without
+        a method means draft_model. Unknown keys are refused by name rather than ignored: a typo must not
+        silently turn speculation into something else."""
         values = dict(values)
         if values.get("model") in ("ngram", "[ngram]") and "method" not in values:
             values["method"] = "ngram"
-        if values.get("model") is not None and values.get("method") == "ngram":
-            values.pop("model")
-        if "model" in values:
-            raise EngineConfigError(f"{_field('model')} (a draft model) is not supported yet: kvpilot has the "
-                                    f"n-gram proposer only (\"method\": \"ngram\")")
+        if values.get("model") is not None and "method" not in values:
+            values["method"] = "draft_model"
+        if values.get("method") == "ngram":
+            values.pop("model", None)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:

@@ -17,8 +17,9 @@ from kvpilot.engine.engine import LLMEngine
 from kvpilot.engine.ngram_proposer import NgramProposer
 from kvpilot.engine.scheduler import Scheduler
 from kvpilot.engine.spec_config import SpeculativeConfig
-from kvpilot.engine.speculator import Speculator
+from kvpilot.engine.speculator import DraftProposer, Speculator
 from kvpilot.launch.args import DEFAULT_CPU_KV_CACHE_BYTES, EngineArgs
+from kvpilot.launch.draft_model import build_draft_proposer, draft_kv_share, load_draft
 from kvpilot.launch.tp import TPLaunch, rank_config
 from kvpilot.fit.kv_cache import KvCapacity, format_capacity_line, kv_capacity_for_memory
 from kvpilot.memory_size import format_bytes, parse_memory_size
@@ -107,7 +108,13 @@ def _build(args: EngineArgs, loaded: LoadedModel, tp: TPLaunch | None) -> BuiltE
     max_num_batched_tokens = args.max_num_batched_tokens or default_max_num_batched_tokens(
         loaded.device, args.max_num_seqs, args.usage_context)
     kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, loaded.dtype)
+    speculative = args.speculative
+    # loaded before the budget is measured: on CUDA its weights come out of it (launch/draft_model.py)
+    draft = load_draft(args, speculative, loaded) if speculative is not None and speculative.method == "draft_model" \
+        else None
     budget = kv_cache_budget_bytes(args, loaded, max_num_batched_tokens, kv_dtype, tp)
+    if draft is not None:  # the draft's cache: its share of the budget, as many blocks as the target's
+        budget -= int(budget * draft_kv_share(loaded, draft, args.block_size, args.kv_cache_dtype))
     element_size = torch.tensor([], dtype=kv_dtype).element_size()
     config = loaded.config
     # only when every layer slides: then the KV manager frees blocks that fell out of the window
@@ -139,8 +146,10 @@ def _build(args: EngineArgs, loaded: LoadedModel, tp: TPLaunch | None) -> BuiltE
     runner = tp.executor(spec) if tp is not None else make_runner(loaded, spec)
     if loaded.device.type == "cuda" and not args.enforce_eager:
         _capture_decode_graphs(runner, args, max_num_batched_tokens)
-    speculative = args.speculative
-    scheduler = Scheduler(scheduler_config, cache_config, eos_token_ids, speculator=make_speculator(speculative))
+    proposer = build_draft_proposer(draft, args, capacity.num_blocks, max_model_len, max_num_batched_tokens) \
+        if draft is not None else None
+    scheduler = Scheduler(scheduler_config, cache_config, eos_token_ids,
+                          speculator=make_speculator(speculative, proposer))
     # speculation verifies a step's drafts before the next step is scheduled (EngineArgs refuses async with it)
     async_scheduling = args.async_scheduling if args.async_scheduling is not None else \
         loaded.device.type == "cuda" and speculative is None
@@ -149,10 +158,13 @@ def _build(args: EngineArgs, loaded: LoadedModel, tp: TPLaunch | None) -> BuiltE
     return BuiltEngine(engine, loaded, KVCachePlan(kv_dtype, element_size, budget, capacity))
 
 
-def make_speculator(config: SpeculativeConfig | None) -> Speculator | None:
-    """The scheduler's speculator for speculative_config (None: off); an INFO line says what runs."""
+def make_speculator(config: SpeculativeConfig | None, proposer: DraftProposer | None = None) -> Speculator | None:
+    """The scheduler's speculator for speculative_config (None: off); `proposer`: the draft model's
+    (launch/draft_model.py), else the n-gram proposer, with an INFO line saying what runs."""
     if config is None:
         return None
+    if proposer is not None:
+        return Speculator(config, proposer)
     logger.info("speculative decoding: %s, up to %d drafts a step (n-grams of %d..%d tokens, longest first), "
                 "as many as the cost model finds worth their rows", config.method, config.num_speculative_tokens,
                 config.prompt_lookup_min, config.prompt_lookup_max)
