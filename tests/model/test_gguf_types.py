@@ -111,3 +111,18 @@ def test_gguf_tensor_type_loads_exactly(qtype, tmp_path):
     out = LLM(loaded=loaded, kv_cache_memory="8MiB", max_model_len=256).generate(
         [[1, 5, 9, 200]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 4 and all(0 <= t < VOCAB for t in out.outputs[0].token_ids)
+
+
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.F16], ids=lambda t: t.name)
+def test_a_dequantized_gguf_warns_with_its_memory_cost(qtype, tmp_path, caplog):
+    path = tmp_path / f"tiny-{qtype.name}.gguf"
+    _write_gguf(path, qtype)
+    with caplog.at_level("WARNING", logger="kvpilot"):
+        load_model(str(path), dtype="float32", max_model_len=256, quantization="none")
+    warned = [r.getMessage() for r in caplog.records if "dequantized at load" in r.getMessage()]
+    if qtype == T.F16:  # dense values already: nothing to warn about
+        assert warned == []
+    else:
+        assert len(warned) == 1 and "Q8_0 tensors" in warned[0]
+        ratio = float(warned[0].split("(")[-1].split("x the memory")[0])
+        assert 3.0 < ratio < 4.5, warned[0]  # float32 (4 bytes) against ~1.06 bytes a weight (norms stay F32)

@@ -126,6 +126,7 @@ def _load_gguf(path: Path, max_model_len: int | None, dtype: torch.dtype, device
     from kvpilot.fit.gguf_metadata import hf_config_from_reader, open_gguf
     from kvpilot.fit.gguf_sizes import gguf_sizes
     from kvpilot.model.gguf_weights import linear_tensor_types, load_gguf_tensors
+    from kvpilot.model.quant.memory_report import warn_dequantized
     from kvpilot.model.quant.model_pack import keeps_dense, pack_linear_layers, packed_names, release_packed_quants
     from kvpilot.model.tokenizer import tokenizer_from_gguf
 
@@ -149,6 +150,8 @@ def _load_gguf(path: Path, max_model_len: int | None, dtype: torch.dtype, device
     model.load_weights(dense, str(path))
     if names:
         release_packed_quants(model, dtype)
+    elif plan is None:  # a rank's shard holds only its part: the whole-file comparison would mislead
+        warn_dequantized(model, reader, path)
     # A GGUF without vocabulary metadata still runs on token ids.
     has_vocab = "tokenizer.ggml.tokens" in reader.fields
     tokenizer = tokenizer_from_gguf(reader, path) if has_vocab else None

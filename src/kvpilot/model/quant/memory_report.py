@@ -70,3 +70,22 @@ def report_packed_memory(model: nn.Module, reader: Any, names: frozenset[str]) -
     memory = packed_memory(model, file_bytes)
     logger.info("%s", memory.summary())
     return memory
+
+
+QUANTIZED_TYPE_PREFIXES = ("Q", "IQ", "TQ", "MXFP")  # GGML block types; F32/F16/BF16 hold dense values already
+
+
+def warn_dequantized(model: nn.Module, reader: Any, path: Any) -> int:
+    """Logs a warning naming the cost when a GGUF's quantized tensors were all dequantized at load (a type or
+    family without a packed kernel, or a GPU): the bytes the model's parameters hold against the file's
+    tensors. Returns the quantized tensors' bytes in the file (0: the file holds none, nothing logged)."""
+    quantized = [t for t in reader.tensors if t.tensor_type.name.startswith(QUANTIZED_TYPE_PREFIXES)]
+    if not quantized:
+        return 0
+    file_bytes = sum(int(t.n_bytes) for t in reader.tensors)
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    types = ", ".join(sorted({t.tensor_type.name for t in quantized}))
+    logger.warning("%s: its %s tensors are dequantized at load: the weights hold %.1f MiB against %.1f MiB in the "
+                   "file (%.1fx the memory, and decode reads that much more a token)", path, types, held / MIB,
+                   file_bytes / MIB, held / file_bytes if file_bytes else 0.0)
+    return sum(int(t.n_bytes) for t in quantized)
