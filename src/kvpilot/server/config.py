@@ -50,8 +50,10 @@ class ServerArgs:
     and tool calls read out of it by `tool_call_parser`, which must then be set (a key of
     tool_parsers.TOOL_CALL_PARSERS); without it "auto" is a 400, as in vLLM.
 
-    reasoning_parser: None (a chat's text is its content) or a key of reasoning_parser.REASONING_PARSERS: a
-    chat's `<think>` block is split off as `reasoning` / `reasoning_content` (openai/chat_output.py).
+    reasoning_parser: None (a chat's text is its content; for a model with harmony's markers, gpt-oss, the
+    harmony reading: ServerState.reasoning_parser) or a key of reasoning_parser.REASONING_PARSERS (a chat's
+    `<think>` block is split off as `reasoning` / `reasoning_content`: openai/chat_output.py) or
+    `openai_gptoss` (gpt-oss's analysis channel is the reasoning: openai/harmony_parser.py).
     """
 
     host: str = "127.0.0.1"
@@ -114,11 +116,17 @@ class ServerArgs:
                                     "it reads the tool calls out of the model's text")
 
     def _check_reasoning_parser(self) -> None:
+        from kvpilot.server.openai.harmony_parser import HARMONY_REASONING_PARSER
         from kvpilot.server.openai.reasoning_parser import REASONING_PARSERS
 
-        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+        known = (*REASONING_PARSERS, HARMONY_REASONING_PARSER)
+        if self.reasoning_parser is not None and self.reasoning_parser not in known:
             raise ServerConfigError(f"--reasoning-parser {self.reasoning_parser!r} is not one kvpilot has: use one "
-                                    f"of {', '.join(REASONING_PARSERS)}")
+                                    f"of {', '.join(known)}")
+        if self.tool_call_parser == "openai" and self.reasoning_parser not in (None, HARMONY_REASONING_PARSER):
+            raise ServerConfigError(f"--tool-call-parser openai reads gpt-oss's harmony messages, which "
+                                    f"--reasoning-parser {self.reasoning_parser} does not: leave the reasoning "
+                                    f"parser out or use {HARMONY_REASONING_PARSER}")
 
     @property
     def auto_tool_parser(self) -> str | None:

@@ -53,11 +53,14 @@ AutoToolChoiceOpt = Annotated[bool, typer.Option(
 ToolCallParserOpt = Annotated[Optional[str], typer.Option(
     "--tool-call-parser", help="How tool calls are read out of the model's text with "
     "--enable-auto-tool-choice: hermes (<tool_call>{\"name\": ..., \"arguments\": ...}</tool_call> "
-    "blocks, as Hermes and Qwen models write them).")]
+    "blocks, as Hermes and Qwen models write them) or openai (gpt-oss's harmony calls: <|channel|>commentary "
+    "to=functions.NAME ...<|message|>{...}<|call|>).")]
 ReasoningParserOpt = Annotated[Optional[str], typer.Option(
     "--reasoning-parser", help="Split a reasoning model's <think>...</think> block off its chat answer, as "
     "`reasoning` and `reasoning_content` (streamed: deltas of those, then content): qwen3 (Qwen3; a reply "
-    "without a block is all answer) or deepseek_r1 (DeepSeek-R1, QwQ: text before </think> is reasoning).")]
+    "without a block is all answer), deepseek_r1 (DeepSeek-R1, QwQ: text before </think> is reasoning) or "
+    "openai_gptoss (gpt-oss's harmony format: the analysis channel is the reasoning, the final channel the "
+    "answer; the default for a model whose tokenizer has harmony's markers).")]
 LogPromptsOpt = Annotated[bool, typer.Option(
     "--log-prompts", help="Include prompt text in the per-request JSON access log.")]
 KvEventsConfigOpt = Annotated[Optional[str], typer.Option(

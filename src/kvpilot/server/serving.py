@@ -95,11 +95,15 @@ async def _prepare_reserved(state: ServerState, body: CompletionRequest | ChatCo
     user_logprobs = body.num_logprobs() if chat else body.logprobs  # type: ignore[union-attr]
     # best_of ranks candidates by cumulative logprob: the engine must report the sampled tokens' logprobs.
     engine_logprobs = 0 if user_logprobs is None and fanout.ranked else user_logprobs
+    output = chat_output_for(body, state.reasoning_parser(),  # type: ignore[arg-type]
+                             prompts[0][0].chat_tail) if chat else None
     messages: list[AddRequest] = []
     for k, rid in enumerate(sub_ids):
         prompt, _ = prompts[fanout.prompt_of(k)]
         if fanout.is_leader(k):
             params = _prompt_params(state, body, prompt, engine_logprobs, limit)
+            if output is not None and output.harmony:  # the reading needs the markers, and strips them all
+                params = dataclasses.replace(params, skip_special_tokens=False)
         sub_params = params if fanout.candidate_of(k) == 0 or params.seed is None else \
             dataclasses.replace(params, seed=sub_seed(params.seed, fanout.candidate_of(k)))
         messages.append(AddRequest(rid, list(prompt.token_ids or ()), sub_params, arrival, body.priority,
@@ -113,8 +117,6 @@ async def _prepare_reserved(state: ServerState, body: CompletionRequest | ChatCo
     shape = ResponseShape(chat, request_id, body.model or state.args.model_name, int(time.time()))
     texts = tuple((p.text or str(body.model_dump().get("messages", ""))) if state.args.log_prompts else None
                   for p, _ in prompts)
-    output = chat_output_for(body, state.args.reasoning_parser,  # type: ignore[arg-type]
-                             prompts[0][0].chat_tail) if chat else None
     return Prepared(shape, tuple(messages), tokenize_s, body.stream, body.include_usage,
                     "/v1/chat/completions" if chat else "/v1/completions", texts[0], fanout=fanout,
                     echo=tuple(text for _, text in prompts), show_logprobs=user_logprobs is not None,

@@ -12,6 +12,7 @@ from kvpilot.server.config import ServerArgs
 from kvpilot.server.core.engine_client import EngineClient
 from kvpilot.server.core.engine_info import EngineInfo
 from kvpilot.server.openai.errors import APIError
+from kvpilot.server.openai.harmony_parser import HARMONY_REASONING_PARSER, harmony_start_note, has_harmony_markers
 from kvpilot.server.observe.metrics import ServerMetrics
 from kvpilot.server.tokenizer_pool import TokenizerPool
 from kvpilot.server.observe.tracing import NullTracer
@@ -64,11 +65,26 @@ class ServerState:
         """GrammarAdmission's one-time set-up, run as the engine turns ready (before /health says 200)."""
         self.grammar_admission().warm()
 
+    def reasoning_parser(self) -> str | None:
+        """--reasoning-parser; without it, openai_gptoss for a model whose tokenizer has harmony's markers
+        (gpt-oss: vLLM reads its channels without a flag too). Read only once the engine is ready."""
+        if self.args.reasoning_parser is None and has_harmony_markers(self.tokenizer):
+            return HARMONY_REASONING_PARSER
+        return self.args.reasoning_parser
+
+    def _note_harmony(self) -> None:
+        """Says once at start which flags apply to a gpt-oss model."""
+        if has_harmony_markers(self.tokenizer):
+            note = harmony_start_note(self.args.reasoning_parser, self.args.tool_call_parser)
+            if note is not None:
+                logger.info("kvpilot serve: %s", note)
+
     def on_engine_ready(self) -> None:
         """Runs as the engine turns ready, just before /health says 200: the grammar set-up, then the one line
         that tells a user the server answers now."""
         try:
             self.warm_grammars()
+            self._note_harmony()
         finally:
             args, info = self.args, self.info
             logger.info("kvpilot serve: ready at http://%s:%d/v1 (model %s, max_model_len %d, %d KV blocks of %d "

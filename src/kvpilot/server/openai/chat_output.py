@@ -1,5 +1,6 @@
 """How a chat choice's text becomes its message when it is more than content: reasoning split off first
-(`--reasoning-parser`: reasoning_parser.py), then tool calls read out of the answer (tool_calls.py).
+(`--reasoning-parser`: reasoning_parser.py, or harmony_parser.py for gpt-oss's `openai_gptoss`), then tool
+calls read out of the answer (tool_calls.py).
 
 Reasoning is sent under both names vLLM has used: `reasoning` (current vLLM) and `reasoning_content` (older
 vLLM, and the clients written for it), null when the model did not reason; the message's content is then the
@@ -14,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvpilot.server.openai.reasoning_parser import REASONING_PARSERS, ReasoningPlan, ReasoningScanner
+from kvpilot.server.openai.harmony_parser import HARMONY_REASONING_PARSER, HarmonyPlan
+from kvpilot.server.openai.reasoning_parser import REASONING_PARSERS, ReasoningPlan
 from kvpilot.server.openai.tool_calls import ToolCallPlan
 
 if TYPE_CHECKING:
@@ -33,7 +35,12 @@ class ChatOutput:
     (a request with neither has no ChatOutput: its text is its content)."""
 
     tools: ToolCallPlan | None = None
-    reasoning: ReasoningPlan | None = None
+    reasoning: ReasoningPlan | HarmonyPlan | None = None
+
+    @property
+    def harmony(self) -> bool:
+        """The output is read as harmony messages: its markers must reach the text (skip_special_tokens off)."""
+        return isinstance(self.reasoning, HarmonyPlan)
 
     def split(self, text: str) -> tuple[str | None, str]:
         """(the reasoning, None without a parser or when empty; the answer's text) of a finished output."""
@@ -63,7 +70,7 @@ class ChoiceStream:
 
     def __init__(self, output: ChatOutput) -> None:
         self._output = output
-        self._scanner = ReasoningScanner(output.reasoning) if output.reasoning is not None else None
+        self._scanner = output.reasoning.scanner() if output.reasoning is not None else None
         self._answer = ""
         self._streamed = 0
 
@@ -105,8 +112,12 @@ class ChoiceStream:
 
 def chat_output_for(body: ChatCompletionRequest, reasoning_parser: str | None, prompt_tail: str) -> ChatOutput | None:
     """The reading of a chat request's output (None: its text is its content). `reasoning_parser`: the
-    server's --reasoning-parser; `prompt_tail`: the end of the rendered prompt (where a block may open)."""
+    server's --reasoning-parser; `prompt_tail`: the end of the rendered prompt (where a block may open). The
+    `openai` tool parser reads the harmony reading's answer, so it brings that reading with it."""
     tools = body.tool_call_plan()
+    harmony_calls = tools is not None and tools.parser == "openai"
+    if reasoning_parser == HARMONY_REASONING_PARSER or harmony_calls:
+        return ChatOutput(tools, HarmonyPlan.for_prompt(prompt_tail, tool_calls=harmony_calls))
     if reasoning_parser is None:
         return ChatOutput(tools) if tools is not None else None
     constrained = body.structured_outputs_constraint() is not None

@@ -76,6 +76,10 @@ class ReasoningPlan:
         ends = (syntax.close, TOOL_CALL_OPEN) if tool_calls and syntax.tool_call_ends else (syntax.close,)
         return cls(syntax, phase, ends, syntax.implicit_open and not constrained)
 
+    def scanner(self) -> ReasoningScanner:
+        """The state of one output read as it grows."""
+        return ReasoningScanner(self)
+
     def split(self, text: str) -> tuple[str, str]:
         """(reasoning, content) of a finished output."""
         piece = ReasoningScanner(self).feed(text, final=True)
