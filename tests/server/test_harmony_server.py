@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import re
 from collections.abc import Iterator
 
@@ -60,6 +61,18 @@ def _harmony(loaded):
     return dataclasses.replace(loaded, tokenizer=tokenizer)
 
 
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+START_LOG = _Lines()  # the server's start-up lines (its logger, from before the engine is ready)
+
+
 @pytest.fixture(scope="module")
 def harmony_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BackgroundServer]:
     config = write_tiny_config(tmp_path_factory.mktemp("harmony"), narrow=True)
@@ -69,8 +82,16 @@ def harmony_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Backgro
     args = ServerArgs(served_model_names=(MODEL,), api_key=API_KEY, engine_process=False,
                       enable_auto_tool_choice=True, tool_call_parser="openai")
     factory = engine_factory(EngineArgs(**settings), _harmony(loaded), warmup=False)  # type: ignore[arg-type]
-    with BackgroundServer(create_app(factory, args)) as server:
-        yield server
+    server_log = logging.getLogger("kvpilot.server")
+    level = server_log.level
+    server_log.addHandler(START_LOG)
+    server_log.setLevel(logging.INFO)
+    try:
+        with BackgroundServer(create_app(factory, args)) as server:
+            yield server
+    finally:
+        server_log.removeHandler(START_LOG)
+        server_log.setLevel(level)
 
 
 @pytest.fixture()
@@ -130,3 +151,10 @@ def test_completions_keep_the_requested_detokenization(client: httpx.Client) -> 
     response = client.post("/v1/completions", json=body)
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["text"] == "analysisThe user asks for the weather.assistantfinalIt is sunny."
+
+
+def test_the_start_up_log_says_once_which_flags_apply(client: httpx.Client) -> None:
+    assert client.get("/health").status_code == 200
+    notes = [line for line in START_LOG.lines if "harmony format" in line]
+    assert len(notes) == 1 and "--reasoning-parser openai_gptoss, on by default" in notes[0]
+    assert "--tool-call-parser openai" not in notes[0]  # given: nothing to say about it
