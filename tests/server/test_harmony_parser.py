@@ -65,7 +65,7 @@ def test_tool_calls_in_every_header_variant(call: str) -> None:
 def test_calls_the_request_did_not_offer_stay_text_without_markers() -> None:
     text = "<|channel|>commentary to=functions.launch<|message|>{}<|end|>" + FINAL
     found = extract_tool_calls(_read(text, tool_calls=True)[1], {"get_weather"})
-    assert found.calls == () and found.content == "{}It is sunny."
+    assert found.calls == () and found.content == "{}\nIt is sunny."
     # without a tool parser a call's body is answer text
     assert _read(CALLS[0].removeprefix("<|start|>assistant"))[1] == ARGS
 
@@ -100,7 +100,9 @@ def _stream(output: ChatOutput, text: str, step: int = 2) -> tuple[list[dict], d
 def test_chat_message_and_stream_shapes() -> None:
     output = ChatOutput(TOOLS, HarmonyPlan.for_prompt(TAIL, tool_calls=True))
     choice = {"index": 0, "message": {"role": "assistant", "content": "raw"}, "finish_reason": "stop"}
-    text = ANALYSIS + "<|start|>assistant<|channel|>commentary<|message|>Checking.<|end|>" + CALLS[0]
+    text = ANALYSIS + "<|start|>assistant<|channel|>commentary<|message|>Checking.<|end|>" + CALLS[2]
+    shaped = output.shape_message(choice, text + FINAL, "stop")  # text on both sides of a call: one per line
+    assert shaped["message"]["content"] == "Checking.\nIt is sunny."
     shaped = output.shape_message(choice, text, "stop")
     message = shaped["message"]
     assert shaped["finish_reason"] == "tool_calls" and message["reasoning_content"] == "The user asks for the weather."

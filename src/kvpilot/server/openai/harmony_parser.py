@@ -13,7 +13,7 @@ the role or after the channel) and the body's type (`<|constrain|>json`, or a ba
   <|message|>ARGUMENTS<|call|>`, which harmony_tool_parser.py reads; without a tool parser its body is text;
 * the answer: `final`, a `commentary` without recipient (a preamble before calls), or no channel.
 
-Messages of one kind are joined by a newline. An output that does not start as a harmony header (a
+Messages are joined by a newline: the reasoning's, and the answer's (a call's text included). An output that does not start as a harmony header (a
 constrained request's JSON, a model that ignores the format) is all answer, as written. The markers are
 special tokens, which detokenizing drops by default: a request read this way is detokenized with
 `skip_special_tokens` false (serving.py), and no marker reaches the reasoning or the content other than
@@ -132,7 +132,7 @@ class HarmonyScanner:
         self._first = plan.header is not None  # the first header may turn out not to be one (plain output)
         self._kind: Kind | None = None
         self._lead = ""  # what goes out before the message's first text: a newline, or a call's form
-        self._wrote: set[Kind] = set()  # kinds with text already: the next message of one starts on a new line
+        self._wrote: set[bool] = set()  # reasoning (True) / answer (False) has text: the next message's starts a line
         if plan.body_header is not None:
             self._open(plan.body_header)
 
@@ -155,10 +155,10 @@ class HarmonyScanner:
 
     def _open(self, header: Header) -> None:
         kind = self._kind = header.kind(self._plan.tool_calls)
-        if kind is Kind.CALL:
+        if kind is Kind.CALL:  # its form delimits it; the answer's text after it starts a line of its own
             self._lead = f"{START}assistant to={header.recipient}{MESSAGE}"
         else:
-            self._lead = "\n" if kind in self._wrote else ""
+            self._lead = "\n" if (kind is Kind.REASONING) in self._wrote else ""
 
     def _header(self, text: str, final: bool) -> None:
         """Reads a header up to `<|message|>`; decides plain output on a first one that cannot be a header."""
@@ -189,7 +189,7 @@ class HarmonyScanner:
             self._kind = None
         if piece or kind is Kind.CALL:
             piece, self._lead = self._lead + piece, ""
-            self._wrote.add(kind)
+            self._wrote.add(kind is Kind.REASONING)
         return piece + (CALL if found and kind is Kind.CALL else "")
 
 
