@@ -111,3 +111,18 @@ def test_python_example_answers_paris(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     first, answer = result.stdout.strip().splitlines()[-2:]
     assert first.endswith(("length", "stop")) and "Paris" in answer
+
+
+@pytest.mark.slow
+def test_openai_sdk_tools_example_runs_as_written(served_port: int, tmp_path: Path) -> None:
+    """Issue 46 item 4: `tools=[...]` without tool_choice is served by default (no 400 asking for flags) and the
+    forced call's arguments follow the tool's schema."""
+    (sdk_example,) = [b for b in _blocks("python") if "from openai import OpenAI" in b]
+    assert "tools=tools" in sdk_example and "tool_choice" not in sdk_example.split("auto = ")[1].split(")")[0]
+    script = tmp_path / "sdk_example.py"
+    script.write_text(sdk_example.replace("127.0.0.1:8000", f"127.0.0.1:{served_port}"))
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                            cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    calls = [line.split(" ", 1) for line in result.stdout.splitlines() if line.startswith("get_weather ")]
+    assert calls and all(json.loads(arguments) == {"city": "Paris"} for _, arguments in calls), result.stdout

@@ -1,8 +1,9 @@
-"""tool_choice "auto" on a server started with --enable-auto-tool-choice --tool-call-parser hermes (real embedded
-model): the output is free, and `<tool_call>` blocks in it become `message.tool_calls` (streamed: text before
-a call's marker as content, the calls in the last chunk); an answer without them is ordinary content; "none"
-parses nothing. The OpenAI SDK round-trips a whole tool conversation: forced call -> tool result -> the next
-answer. The flags are checked at start-up.
+"""tool_choice "auto" on a server started without tool flags (real embedded model: its template renders no tools,
+so "auto" is on by default with the hermes parser, auto_tool_choice.py): the output is free, and `<tool_call>`
+blocks in it become `message.tool_calls` (streamed: text before a call's marker as content, the calls in the
+last chunk); an answer without them is ordinary content; "none" parses nothing. The OpenAI SDK round-trips a
+whole tool conversation: forced call -> tool result -> the next answer. The flags are checked at start-up;
+--no-enable-auto-tool-choice turns "auto" off (a 400 naming the flags).
 
 The 135M model calls a tool by itself after a few turns of history that show it how (the history's calls are
 written into the prompt as `<tool_call>` text by tool_prompt.py, its template having no tool syntax)."""
@@ -51,8 +52,16 @@ ASK_SUM = [*_history(), {"role": "user", "content": "What is 2 + 2?"}]
 @pytest.fixture(scope="module")
 def auto_server(llm_fp32) -> Iterator[BackgroundServer]:
     """The engine core in a thread on the session's float32 weights (the same GGUF, no second load)."""
+    args = ServerArgs(served_model_names=(MODEL,), api_key=API_KEY, engine_process=False)  # no tool flags
+    factory = engine_factory(server_engine_args(), llm_fp32.loaded, warmup=False)
+    with BackgroundServer(create_app(factory, args)) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def off_server(llm_fp32) -> Iterator[BackgroundServer]:
     args = ServerArgs(served_model_names=(MODEL,), api_key=API_KEY, engine_process=False,
-                      enable_auto_tool_choice=True, tool_call_parser="hermes")
+                      enable_auto_tool_choice=False)
     factory = engine_factory(server_engine_args(), llm_fp32.loaded, warmup=False)
     with BackgroundServer(create_app(factory, args)) as server:
         yield server
@@ -134,9 +143,22 @@ def test_openai_sdk_round_trips_a_tool_conversation(sdk) -> None:
         assert made.function.name == "get_weather" and isinstance(json.loads(made.function.arguments), dict)
 
 
+def test_no_enable_auto_tool_choice_makes_auto_a_400_naming_the_flags(off_server: BackgroundServer) -> None:
+    with authed_http(off_server) as http:
+        for fields in ({}, {"tool_choice": "auto"}):
+            body = {"model": MODEL, "messages": ASK_PARIS, "tools": TOOLS, "max_tokens": 4, **fields}
+            response = http.post("/v1/chat/completions", json=body)
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert error["param"] == "tool_choice" and "--no-enable-auto-tool-choice" in error["message"]
+            assert "--enable-auto-tool-choice --tool-call-parser" in error["message"]
+        forced = {"model": MODEL, "messages": ASK_PARIS, "tools": TOOLS, "max_tokens": 60, "temperature": 0,
+                  "tool_choice": "required", "parallel_tool_calls": False}  # forced calls need no parser
+        choice = http.post("/v1/chat/completions", json=forced).json()["choices"][0]
+        assert choice["finish_reason"] == "tool_calls", choice
+
+
 def test_the_flags_are_checked_at_start_up() -> None:
-    assert ServerArgs().auto_tool_parser is None
-    assert ServerArgs(tool_call_parser="hermes").auto_tool_parser is None  # parser alone: "auto" still a 400
     with pytest.raises(ServerConfigError, match="--tool-call-parser 'pythonic' is not one kvpilot has"):
         ServerArgs(enable_auto_tool_choice=True, tool_call_parser="pythonic")
     result = subprocess.run([sys.executable, "-m", "kvpilot.cli", "serve", "--enable-auto-tool-choice"],

@@ -1,7 +1,7 @@
 """Structured outputs, forced tool calls and logit_bias over HTTP, on the live server (real embedded model):
 response_format json_schema / json_object, vLLM's guided_* extras, tool_choice named and "required"
-(non-streaming and streaming), the OpenAI SDK's parse() with a pydantic model, and the 400s that name the
-field for what is malformed or not supported."""
+(non-streaming and streaming; arguments keep to the tool's schema, no key repeated), the OpenAI SDK's parse()
+with a pydantic model, and the 400s that name the field for what is malformed or not supported."""
 
 from __future__ import annotations
 
@@ -102,6 +102,30 @@ def test_streamed_tool_call_arrives_in_the_final_chunk(openai_client) -> None:
     _check_call(last.delta.tool_calls[0].model_dump(), "get_weather", WEATHER)
 
 
+# Issue 46 item 4's shape: a property with a description, no additionalProperties. Left open, the 135M model wrote
+# `"type": ..., "description": ...` into the arguments, call after call, up to max_tokens.
+LOCATION = {"type": "object", "properties": {"location": {"type": "string", "description": "The city and state, "
+                                                          "e.g. San Francisco, CA"}}, "required": ["location"]}
+
+
+def _no_repeated_key(pairs: list[tuple[str, object]]) -> dict:
+    keys = [key for key, _ in pairs]
+    assert len(keys) == len(set(keys)), keys
+    return dict(pairs)
+
+
+def test_required_tool_call_keeps_to_the_schema_and_stops(openai_client) -> None:
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": LOCATION,
+                                               "description": "Get the current weather in a given location"}}]
+    completion = openai_client.chat.completions.create(model=MODEL, messages=ASK, tools=tools, max_tokens=120,
+                                                       temperature=0, tool_choice="required")
+    choice = completion.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice  # "stop", not "length"
+    for call in choice.message.tool_calls:
+        arguments = json.loads(call.function.arguments, object_pairs_hook=_no_repeated_key)
+        assert call.function.name == "get_weather" and set(arguments) == {"location"}, arguments
+
+
 class Item(BaseModel):
     name: str
     price: int
@@ -136,8 +160,6 @@ BAD = [
      "response_format", "does not compile"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format", "schema"),
     ({"response_format": {"type": "yaml"}}, "response_format", ""),
-    ({"tools": TOOLS}, "tool_choice", "--enable-auto-tool-choice"),
-    ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice", "--tool-call-parser"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "nope"),
     ({"tool_choice": "required"}, "tool_choice", "set tools"),
     ({"functions": [{"name": "f"}]}, "functions", "not supported"),

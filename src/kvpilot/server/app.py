@@ -152,7 +152,8 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
-        body.allow_auto_tool_choice(state.args.auto_tool_parser)  # tool_choice "auto": the server's flags
+        if state.client.ready.is_set():  # tool_choice "auto": the flags', else the chat template's parser
+            body.allow_auto_tool_choice(state.auto_tool_choice().parser)
         return await generate(request, body)
 
     @app.get("/v1/models")

@@ -64,7 +64,7 @@ def serve_command(
     header_timeout: HeaderTimeoutOpt = 10.0, body_timeout: BodyTimeoutOpt = 30.0,
     keep_alive_timeout: KeepAliveTimeoutOpt = 5.0, drain_timeout: DrainTimeoutOpt = 30.0,
     max_tokens_default: MaxTokensDefaultOpt = DEFAULT_MAX_TOKENS_DEFAULT,
-    enable_auto_tool_choice: AutoToolChoiceOpt = False, tool_call_parser: ToolCallParserOpt = None,
+    enable_auto_tool_choice: AutoToolChoiceOpt = None, tool_call_parser: ToolCallParserOpt = None,
     reasoning_parser: ReasoningParserOpt = None,
     log_prompts: LogPromptsOpt = False, kv_events_config: KvEventsConfigOpt = None,
     otlp_traces_endpoint: OtlpTracesEndpointOpt = None, engine_process: EngineProcessOpt = True,

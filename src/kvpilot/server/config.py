@@ -46,9 +46,11 @@ class ServerArgs:
     max_tokens_default is None (no cap: a request without max_tokens may fill max_model_len, as in vLLM) or
     >= 1: the most tokens a request that names no max_tokens generates (finish_reason "length" there).
 
-    enable_auto_tool_choice: chat tool_choice "auto" (the default with tools) is served, the output left free
-    and tool calls read out of it by `tool_call_parser`, which must then be set (a key of
-    tool_parsers.TOOL_CALL_PARSERS); without it "auto" is a 400, as in vLLM.
+    enable_auto_tool_choice: whether chat tool_choice "auto" (the default with tools) is served, the output left
+    free and tool calls read out of it by a parser. True needs `tool_call_parser` (a key of
+    tool_parsers.TOOL_CALL_PARSERS); False: "auto" is a 400, as in vLLM without the flag; None (the default):
+    on with `tool_call_parser` when it is set, else as the model's chat template allows (auto_tool_choice.py,
+    decided when the engine is ready).
 
     reasoning_parser: None (a chat's text is its content; for a model with harmony's markers, gpt-oss, the
     harmony reading: ServerState.reasoning_parser) or a key of reasoning_parser.REASONING_PARSERS (a chat's
@@ -73,7 +75,7 @@ class ServerArgs:
     engine_process: bool = True
     otlp_traces_endpoint: str | None = None  # OTLP/HTTP collector for request spans (tracing.py)
     max_tokens_default: int | None = DEFAULT_MAX_TOKENS_DEFAULT
-    enable_auto_tool_choice: bool = False
+    enable_auto_tool_choice: bool | None = None
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
 
@@ -111,7 +113,7 @@ class ServerArgs:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ServerConfigError(f"--tool-call-parser {self.tool_call_parser!r} is not one kvpilot has: use "
                                     f"one of {known}")
-        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+        if self.enable_auto_tool_choice is True and self.tool_call_parser is None:
             raise ServerConfigError(f"--enable-auto-tool-choice needs --tool-call-parser too (one of {known}): "
                                     "it reads the tool calls out of the model's text")
 
@@ -127,11 +129,6 @@ class ServerArgs:
             raise ServerConfigError(f"--tool-call-parser openai reads gpt-oss's harmony messages, which "
                                     f"--reasoning-parser {self.reasoning_parser} does not: leave the reasoning "
                                     f"parser out or use {HARMONY_REASONING_PARSER}")
-
-    @property
-    def auto_tool_parser(self) -> str | None:
-        """The parser of tool_choice "auto", or None when the server refuses "auto"."""
-        return self.tool_call_parser if self.enable_auto_tool_choice else None
 
     @property
     def model_name(self) -> str:

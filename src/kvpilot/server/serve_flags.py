@@ -46,15 +46,17 @@ MaxTokensDefaultOpt = Annotated[int, typer.Option(
     "--max-tokens-default", help="Most tokens generated for a request that sends no max_tokens (chat: "
     "max_completion_tokens); it then ends with finish_reason \"length\". 0: no cap, the room left in "
     "--max-model-len (vLLM's behaviour). A client's own max_tokens is never capped.")]
-AutoToolChoiceOpt = Annotated[bool, typer.Option(
-    "--enable-auto-tool-choice", help="Serve chat tool_choice \"auto\" (the default when a request sends "
-    "tools): the output is left free and tool calls are read out of it by --tool-call-parser. Without it "
-    "\"auto\" is a 400.")]
+AutoToolChoiceOpt = Annotated[Optional[bool], typer.Option(
+    "--enable-auto-tool-choice/--no-enable-auto-tool-choice", help="Serve chat tool_choice \"auto\" (the "
+    "default when a request sends tools): the output is left free and tool calls are read out of it by "
+    "--tool-call-parser. Default: on where the model's chat template renders no tools (kvpilot lists them, "
+    "asking for Hermes blocks) or asks for a format a parser reads, with that parser; the start-up log says "
+    "which. Off: \"auto\" is a 400.")]
 ToolCallParserOpt = Annotated[Optional[str], typer.Option(
-    "--tool-call-parser", help="How tool calls are read out of the model's text with "
-    "--enable-auto-tool-choice: hermes (<tool_call>{\"name\": ..., \"arguments\": ...}</tool_call> "
-    "blocks, as Hermes and Qwen models write them) or openai (gpt-oss's harmony calls: <|channel|>commentary "
-    "to=functions.NAME ...<|message|>{...}<|call|>).")]
+    "--tool-call-parser", help="How tool calls are read out of the model's text for tool_choice \"auto\" "
+    "(turns it on): hermes (<tool_call>{\"name\": ..., \"arguments\": ...}</tool_call> blocks, as Hermes "
+    "and Qwen models write them) or openai (gpt-oss's harmony calls: <|channel|>commentary to=functions.NAME "
+    "...<|message|>{...}<|call|>). Default: the one the chat template asks for.")]
 ReasoningParserOpt = Annotated[Optional[str], typer.Option(
     "--reasoning-parser", help="Split a reasoning model's <think>...</think> block off its chat answer, as "
     "`reasoning` and `reasoning_content` (streamed: deltas of those, then content): qwen3 (Qwen3; a reply "

@@ -11,6 +11,7 @@ from kvpilot.server.admission import AdmissionController
 from kvpilot.server.config import ServerArgs
 from kvpilot.server.core.engine_client import EngineClient
 from kvpilot.server.core.engine_info import EngineInfo
+from kvpilot.server.openai.auto_tool_choice import AutoToolChoice, decide_auto_tool_choice
 from kvpilot.server.openai.errors import APIError
 from kvpilot.server.openai.harmony_parser import HARMONY_REASONING_PARSER, harmony_start_note, has_harmony_markers
 from kvpilot.server.observe.metrics import ServerMetrics
@@ -41,6 +42,7 @@ class ServerState:
     tokenizer_pool: TokenizerPool = field(default_factory=TokenizerPool)  # shut down by the app's lifespan
     tracer: NullTracer = field(default_factory=NullTracer)  # RequestTracer with --otlp-traces-endpoint
     _grammars: GrammarAdmission | None = field(default=None, repr=False)
+    _auto_tool_choice: AutoToolChoice | None = field(default=None, repr=False)
 
     @property
     def info(self) -> EngineInfo:
@@ -65,6 +67,15 @@ class ServerState:
         """GrammarAdmission's one-time set-up, run as the engine turns ready (before /health says 200)."""
         self.grammar_admission().warm()
 
+    def auto_tool_choice(self) -> AutoToolChoice:
+        """Whether chat tool_choice "auto" is served and by which parser: decided on first use, once the engine
+        is ready, from the flags and the model's chat template (auto_tool_choice.py)."""
+        if self._auto_tool_choice is None:
+            args = self.args
+            self._auto_tool_choice = decide_auto_tool_choice(args.enable_auto_tool_choice, args.tool_call_parser,
+                                                             self.tokenizer)
+        return self._auto_tool_choice
+
     def reasoning_parser(self) -> str | None:
         """--reasoning-parser; without it, openai_gptoss for a model whose tokenizer has harmony's markers
         (gpt-oss: vLLM reads its channels without a flag too). Read only once the engine is ready."""
@@ -80,11 +91,12 @@ class ServerState:
                 logger.info("kvpilot serve: %s", note)
 
     def on_engine_ready(self) -> None:
-        """Runs as the engine turns ready, just before /health says 200: the grammar set-up, then the one line
-        that tells a user the server answers now."""
+        """Runs as the engine turns ready, just before /health says 200: the grammar set-up, the tool_choice
+        "auto" decision, then the one line that tells a user the server answers now."""
         try:
             self.warm_grammars()
             self._note_harmony()
+            logger.info("kvpilot serve: %s", self.auto_tool_choice().log_line())
         finally:
             args, info = self.args, self.info
             logger.info("kvpilot serve: ready at http://%s:%d/v1 (model %s, max_model_len %d, %d KV blocks of %d "

@@ -1,7 +1,9 @@
 """StructuredOutputsParams: a request's output constrained to a grammar (vLLM's field names and meaning).
 
 Exactly one of `json` (a JSON schema, as a dict or its text), `json_object` (any JSON object), `regex`,
-`choice` (one of these strings) or `grammar` (Lark, or llama.cpp's GBNF) is set. The spec is plain data:
+`choice` (one of these strings) or `grammar` (Lark, or llama.cpp's GBNF) is set; `disable_additional_properties`
+closes a schema's objects to the keys they list (closed_schema.py: OpenAI's strict mode, used for tool calls and
+response_format with strict true). The spec is plain data:
 it pickles into the engine core and costs nothing until a request uses it. `grammar_text()` turns it into
 an llguidance grammar and `check()` validates that under GrammarLimits (limits.py), without a tokenizer
 (both import llguidance lazily, so this package stays importable without it). With the model's tokenizer,
@@ -16,6 +18,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from kvpilot.structured_outputs.closed_schema import close_schema
 from kvpilot.structured_outputs.limits import GRAMMAR_LIMITS, GrammarLimits, bounded, explain
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -28,19 +31,26 @@ class StructuredOutputsError(ValueError):
 @dataclass(frozen=True)
 class StructuredOutputsParams:
     """Invariants (checked in __post_init__): exactly one kind is set; json is a dict or a JSON text of an
-    object schema; regex and grammar are non-empty strings; choice is a non-empty list of strings."""
+    object schema; regex and grammar are non-empty strings; choice is a non-empty list of strings;
+    disable_additional_properties (vLLM's name) is set only with json or json_object."""
 
     json: str | dict[str, Any] | None = None
     json_object: bool | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    disable_additional_properties: bool = False
 
     def __post_init__(self) -> None:
         given = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
         if len(given) != 1:
             raise StructuredOutputsError(f"structured_outputs: set exactly one of {', '.join(KINDS)}, got "
                                          f"{given or 'none'}")
+        if self.disable_additional_properties not in (True, False):
+            raise StructuredOutputsError("structured_outputs.disable_additional_properties must be true or false")
+        if self.disable_additional_properties and given[0] not in ("json", "json_object"):
+            raise StructuredOutputsError(f"structured_outputs.disable_additional_properties applies to a JSON "
+                                         f"schema: leave it out with {given[0]}")
         if isinstance(self.json, str):
             try:
                 parsed = json.loads(self.json)
@@ -67,10 +77,13 @@ class StructuredOutputsParams:
 
     def cache_key(self) -> tuple[str, str]:
         """(kind, canonical text): equal specs have equal keys. A schema keeps its key order (it is the
-        order the properties are generated in)."""
+        order the properties are generated in); with disable_additional_properties it is the closed schema
+        (what is compiled)."""
         kind = self.kind
         if kind == "json":
             schema = json.loads(self.json) if isinstance(self.json, str) else self.json
+            if self.disable_additional_properties:
+                schema = close_schema(schema)
             return kind, json.dumps(schema, separators=(",", ":"))
         if kind == "json_object":
             return kind, ""

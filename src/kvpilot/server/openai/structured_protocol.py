@@ -5,7 +5,7 @@ pool (serving.py; llguidance needs no torch): a bad or too costly spec is a 400 
 
 Never silently ignored: fields kvpilot does not implement (`functions`, `function_call`,
 `guided_decoding_backend` other than guidance, `guided_whitespace_pattern`, response_format types other than
-text / json_object / json_schema, tool_choice "auto" on a server without --enable-auto-tool-choice) are
+text / json_object / json_schema, tool_choice "auto" where the server has it off: auto_tool_choice.py) are
 400s naming the field.
 """
 
@@ -20,9 +20,12 @@ from kvpilot.server.openai.tool_calls import EMPTY_PARAMETERS, ToolCallPlan
 from kvpilot.structured_outputs import StructuredOutputsError, StructuredOutputsParams
 
 _STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False, populate_by_name=True)
-AUTO_TOOL_CHOICE_MESSAGE = ('tool_choice: "auto" (the default when tools are given) needs a server started with '
-                            '--enable-auto-tool-choice --tool-call-parser hermes; on this one send tool_choice '
-                            '"required", "none" or {"type": "function", "function": {"name": ...}}')
+AUTO_TOOL_CHOICE_MESSAGE = ('tool_choice: "auto" (the default when tools are given) is off on this server (it was '
+                            'started with --no-enable-auto-tool-choice, or its model\'s chat template writes tool '
+                            'calls in a format no tool-call parser reads: its start-up log says which); send '
+                            'tool_choice "required", "none" or {"type": "function", "function": {"name": ...}}, or '
+                            'restart it with --enable-auto-tool-choice --tool-call-parser hermes if the model '
+                            'writes <tool_call> blocks')
 
 
 class JsonSchemaFormat(BaseModel):
@@ -51,6 +54,7 @@ class StructuredOutputsField(BaseModel):
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    disable_additional_properties: bool | None = None
 
 
 class FunctionDefinition(BaseModel):
@@ -139,11 +143,15 @@ class StructuredFields(BaseModel):
             if rf.json_schema is None or rf.json_schema.schema_ is None:
                 raise APIError(400, "response_format: type json_schema needs json_schema.schema (a JSON schema "
                                     "object)", param="response_format")
-            given.append(("response_format", {"json": rf.json_schema.schema_}))
+            # strict: OpenAI's strict mode, objects hold only the keys they list (closed_schema.py)
+            given.append(("response_format", {"json": rf.json_schema.schema_,
+                                              "disable_additional_properties": rf.json_schema.strict is True}))
         if self.structured_outputs is not None:
             so = self.structured_outputs
             given.append(("structured_outputs", {"json": so.json_, "json_object": so.json_object,
-                                                 "regex": so.regex, "choice": so.choice, "grammar": so.grammar}))
+                                                 "regex": so.regex, "choice": so.choice, "grammar": so.grammar,
+                                                 "disable_additional_properties": bool(
+                                                     so.disable_additional_properties)}))
         for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
                            ("guided_grammar", "grammar")):
             if getattr(self, name) is not None:
@@ -169,7 +177,7 @@ class ToolFields(StructuredFields):
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    # The server's --tool-call-parser when it runs with --enable-auto-tool-choice (None: "auto" is a 400).
+    # The parser of tool_choice "auto" on this server (None: "auto" is a 400); auto_tool_choice.py decides.
     _auto_tool_parser: str | None = PrivateAttr(default=None)
 
     def allow_auto_tool_choice(self, parser: str | None) -> None:
@@ -208,4 +216,5 @@ class ToolFields(StructuredFields):
     def _tool_constraint(self) -> list[tuple[str, dict[str, Any]]]:
         plan = self.tool_call_plan()
         spec = plan.spec() if plan is not None else None
-        return [] if spec is None else [("tools", {"json": spec.json})]
+        return [] if spec is None else [("tools", {"json": spec.json, "disable_additional_properties":
+                                                   spec.disable_additional_properties})]

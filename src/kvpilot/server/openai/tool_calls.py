@@ -3,11 +3,13 @@
 vLLM's conventions: a named function (`{"type": "function", "function": {"name": ...}}`) constrains the
 output to that function's `parameters` schema, so the text *is* the call's arguments; "required"
 constrains it to a JSON array of one or more `{"name": ..., "parameters": {...}}` objects, one of the
-tools each (at most one with parallel_tool_calls false). A call that ran to completion is answered with
-content null, `tool_calls` and finish_reason "tool_calls"; one cut short by max_tokens keeps
+tools each (at most one with parallel_tool_calls false). The arguments hold only the keys their schema lists,
+each at most once, as OpenAI's strict mode has it (disable_additional_properties: an object schema that lists
+`properties` admits no other key unless it says so with `additionalProperties`). A call that ran to completion
+is answered with content null, `tool_calls` and finish_reason "tool_calls"; one cut short by max_tokens keeps
 finish_reason "length" (its arguments are then incomplete JSON, as OpenAI's are).
 
-"auto" (with the server's --enable-auto-tool-choice --tool-call-parser hermes) constrains nothing: the
+"auto" (on by default where the chat template allows it: auto_tool_choice.py) constrains nothing: the
 parser reads the calls out of the finished text (hermes_tool_parser.py). With calls, the answer has
 `tool_calls`, the text around them as content (null when there is none) and finish_reason "tool_calls";
 without, it is an ordinary answer. A stream sends the text as content until a call's opening marker (or
@@ -45,7 +47,7 @@ class ToolCallPlan:
         if self.parser is not None:
             return None
         if self.named is not None:
-            return StructuredOutputsParams(json=self.parameters[self.named])
+            return StructuredOutputsParams(json=self.parameters[self.named], disable_additional_properties=True)
         choices = [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]},
                                                      "parameters": schema},
                     "required": ["name", "parameters"], "additionalProperties": False}
@@ -54,7 +56,7 @@ class ToolCallPlan:
                                   "items": choices[0] if len(choices) == 1 else {"anyOf": choices}}
         if not self.parallel:
             schema["maxItems"] = 1
-        return StructuredOutputsParams(json=schema)
+        return StructuredOutputsParams(json=schema, disable_additional_properties=True)
 
     def calls(self, text: str) -> list[dict[str, Any]] | None:
         """The tool_calls entries of a finished forced output; None when the text holds none (cut short)."""
