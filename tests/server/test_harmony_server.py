@@ -23,6 +23,7 @@ from kvpilot.launch.args import EngineArgs
 from kvpilot.server import ServerArgs, create_app, engine_factory
 from kvpilot.server.background import BackgroundServer
 from kvpilot.server.openai.harmony_parser import MARKERS
+from tests.server.chat_requests import chat_choice, streamed_choices
 from tests.server.conftest import API_KEY, MODEL, authed_http
 from tests.server.tiny_server import write_tiny_config
 
@@ -101,22 +102,11 @@ def client(harmony_server: BackgroundServer) -> Iterator[httpx.Client]:
 
 
 def _chat(client: httpx.Client, **fields) -> dict:
-    body = {"model": MODEL, "messages": ASK, "max_tokens": 60, "temperature": 0, **fields}
-    response = client.post("/v1/chat/completions", json=body)
-    assert response.status_code == 200, response.text
-    return response.json()["choices"][0]
+    return chat_choice(client, {"model": MODEL, "messages": ASK, "max_tokens": 60, "temperature": 0, **fields})
 
 
 def _stream(client: httpx.Client, **fields) -> list[dict]:
-    """The choices of every chunk after the role chunk."""
-    body = {"model": MODEL, "messages": ASK, "max_tokens": 60, "temperature": 0, "stream": True, **fields}
-    choices = []
-    with client.stream("POST", "/v1/chat/completions", json=body) as response:
-        assert response.status_code == 200
-        for line in response.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                choices += json.loads(line[len("data: "):])["choices"]
-    return choices[1:]
+    return streamed_choices(client, {"model": MODEL, "messages": ASK, "max_tokens": 60, "temperature": 0, **fields})
 
 
 def test_analysis_is_reasoning_content_and_final_the_content(client: httpx.Client) -> None:

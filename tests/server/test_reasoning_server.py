@@ -22,6 +22,7 @@ from kvpilot.server.openai.chat_output import chat_output_for
 from kvpilot.server.openai.protocol import ChatCompletionRequest
 from kvpilot.server.openai.reasoning_parser import Phase
 from kvpilot.server.prompt_tokens import tokenize_request
+from tests.server.chat_requests import chat_choice, streamed_choices
 from tests.server.conftest import API_KEY, MODEL, authed_http, openai_sdk, server_engine_args
 
 pytestmark = pytest.mark.slow
@@ -70,22 +71,11 @@ def client(reasoning_server: BackgroundServer) -> Iterator[httpx.Client]:
 
 
 def _chat(client: httpx.Client, **fields) -> dict:
-    body = {"model": MODEL, "messages": ASK, "max_tokens": 60, "temperature": 0, **fields}
-    response = client.post("/v1/chat/completions", json=body)
-    assert response.status_code == 200, response.text
-    return response.json()["choices"][0]
+    return chat_choice(client, {"model": MODEL, "messages": ASK, "max_tokens": 60, "temperature": 0, **fields})
 
 
 def _stream(client: httpx.Client, **fields) -> list[dict]:
-    """The choices of every chunk after the role chunk."""
-    body = {"model": MODEL, "messages": ASK, "max_tokens": 60, "temperature": 0, "stream": True, **fields}
-    choices = []
-    with client.stream("POST", "/v1/chat/completions", json=body) as response:
-        assert response.status_code == 200
-        for line in response.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                choices += json.loads(line[len("data: "):])["choices"]
-    return choices[1:]
+    return streamed_choices(client, {"model": MODEL, "messages": ASK, "max_tokens": 60, "temperature": 0, **fields})
 
 
 def test_reasoning_is_split_off_the_answer(client: httpx.Client) -> None:
