@@ -124,3 +124,28 @@ def test_flags_and_the_start_up_note() -> None:
     assert note is not None and "--reasoning-parser openai_gptoss" in note and "--tool-call-parser openai" in note
     assert harmony_start_note("openai_gptoss", "openai") is None
     assert not has_harmony_markers(None)
+
+
+# gpt-oss's template, cut to what the tool probe reads: tools listed as a `functions` namespace, past calls
+# written back in harmony form, tool results as messages from the function
+GPT_OSS_TEMPLATE = (
+    "{%- if tools %}{{ '<|start|>developer<|message|># Tools\\nnamespace functions {' }}{%- for tool in tools %}"
+    "{{ 'type ' + tool.function.name + ' = () => any;' }}{%- endfor %}{{ '}<|end|>' }}{%- endif %}"
+    "{%- for m in messages %}{%- if m.role == 'assistant' and m.tool_calls %}{%- for c in m.tool_calls %}"
+    "{{ '<|start|>assistant to=' }}{{ 'functions.' + c.function.name + '<|channel|>commentary json<|message|>' }}"
+    "{{ c.function.arguments | tojson + '<|call|>' }}{%- endfor %}"
+    "{%- elif m.role == 'tool' %}{{ '<|start|>functions.' + (m.name or 'tool') + ' to=assistant<|channel|>"
+    "commentary<|message|>' + m.content + '<|end|>' }}"
+    "{%- else %}{{ '<|start|>' + m.role + '<|message|>' + (m.content or '') + '<|end|>' }}{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{ '<|start|>assistant' }}{%- endif %}")
+
+
+def test_gpt_oss_template_turns_auto_tool_choice_on_with_the_openai_parser() -> None:
+    from tokenizers import Tokenizer as BackendTokenizer, models
+
+    from kvpilot.model.tokenizer import Tokenizer
+    from kvpilot.server.openai.auto_tool_choice import decide_auto_tool_choice
+
+    tokenizer = Tokenizer(BackendTokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")),
+                          chat_template=GPT_OSS_TEMPLATE)
+    assert decide_auto_tool_choice(None, None, tokenizer).parser == "openai"

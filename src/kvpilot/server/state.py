@@ -86,7 +86,7 @@ class ServerState:
     def _note_harmony(self) -> None:
         """Says once at start which flags apply to a gpt-oss model."""
         if has_harmony_markers(self.tokenizer):
-            note = harmony_start_note(self.args.reasoning_parser, self.args.tool_call_parser)
+            note = harmony_start_note(self.args.reasoning_parser, self.auto_tool_choice().parser)
             if note is not None:
                 logger.info("kvpilot serve: %s", note)
 

@@ -201,7 +201,8 @@ def has_harmony_markers(tokenizer: object) -> bool:
 
 
 def harmony_start_note(reasoning_parser: str | None, tool_call_parser: str | None) -> str | None:
-    """The start-up line for a gpt-oss model served with these flags (None: nothing to say)."""
+    """The start-up line for a gpt-oss model served with --reasoning-parser `reasoning_parser` and tool_choice
+    "auto" read by `tool_call_parser` (None: "auto" is off); None: nothing to say."""
     notes = []
     if reasoning_parser is None:
         notes.append(f"its analysis channel is sent as reasoning_content (--reasoning-parser "
