@@ -107,31 +107,46 @@ def test_seeded_sampled_requests_give_plain_decodings_tokens(models, plain):
     _assert_no_leak(llm)
 
 
+def _drafts(proposer, requests: list[Request], num_drafts: int) -> list[list[int]]:
+    """What a step does: the scheduler's propose() per request (placeholders), then the runner's fill()."""
+    placeholders = {r.request_id: proposer.propose(r, num_drafts) for r in requests}
+    proposer.fill(placeholders)
+    return [placeholders[r.request_id] for r in requests]
+
+
 def test_the_drafts_cache_rolls_back_to_what_the_target_accepted(models, plain):
-    """Driven directly: after a partly rejected round, the next drafts are still the draft's (here: the
-    target's) greedy continuation of the request's tokens, so the K/V of rejected drafts was not kept."""
+    """Driven directly, two requests drafted together, catch-ups in rounds of 8 tokens: after a partly
+    rejected round, the next drafts are still the draft's (here: the target's) greedy continuation of each
+    request's tokens, so the K/V of rejected drafts was not kept."""
     llm = _spec_llm(plain, models.target)
     proposer = llm.engine.scheduler.speculator.proposer
-    request = Request("r", list(PROMPTS[2]), GREEDY, arrival_time=0.0)
-    first = proposer.propose(request, 4)
-    assert first == models.hf(PROMPTS[2], 4)
+    proposer.max_chunk_tokens = 8
+    requests = [Request(f"r{i}", list(PROMPTS[i]), GREEDY, arrival_time=0.0) for i in (2, 3)]
+    first = _drafts(proposer, requests, 4)
+    assert first == [models.hf(r.all_token_ids, 4) for r in requests]
     # the target "accepts" one draft and emits a token other than the second draft, then two plain decodes (no
     # drafts asked for): positions the rejected drafts' K/V took are now behind the request's last token
-    for token in (first[0], (first[1] + 1) % VOCAB, 7, 8):
-        request.append_output_token(token, time.monotonic())
-    assert proposer.propose(request, 3) == models.hf(request.all_token_ids, 3)
-    assert proposer.num_requests == 1
-    proposer.forget("r")
+    for request, drafts in zip(requests, first):
+        for token in (drafts[0], (drafts[1] + 1) % VOCAB, 7, 8):
+            request.append_output_token(token, time.monotonic())
+    assert _drafts(proposer, requests, 3) == [models.hf(r.all_token_ids, 3) for r in requests]
+    assert proposer.num_requests == 2
+    for request in requests:
+        proposer.forget(request.request_id)
     assert proposer.num_requests == 0 and proposer.num_free_blocks == proposer.runner.num_blocks
-    # a draft step that raises (a token id past the embedding) costs that request its drafts, nothing more
-    assert proposer.propose(Request("bad", [1, 10 * VOCAB], GREEDY, arrival_time=0.0), 2) == []
-    assert proposer.num_requests == 0 and proposer.propose(request, 3) == models.hf(request.all_token_ids, 3)
+    # a draft step that raises (a token id past the embedding) leaves placeholders, which verification rejects
+    assert _drafts(proposer, [Request("bad", [1, 10 * VOCAB], GREEDY, arrival_time=0.0)], 2) == [[0, 0]]
+    assert proposer.num_requests == 0
+    assert _drafts(proposer, requests[:1], 3) == [models.hf(requests[0].all_token_ids, 3)]
 
 
 def test_a_draft_of_another_vocabulary_is_refused(models, plain):
     with pytest.raises(EngineConfigError, match=r"speculative_config\.model: the draft's vocabulary has 256 "
                                                 r"tokens, the target's 512"):
         _spec_llm(plain, models.small_vocab)
+    with pytest.raises(EngineConfigError, match=r"speculative_config\.model: the draft model could not be loaded: "
+                                                r".*no such file or directory"):
+        _spec_llm(plain, models.target + "-missing")
 
 
 def test_a_draft_with_another_tokenizer_is_refused():

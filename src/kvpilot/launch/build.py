@@ -148,6 +148,8 @@ def _build(args: EngineArgs, loaded: LoadedModel, tp: TPLaunch | None) -> BuiltE
         _capture_decode_graphs(runner, args, max_num_batched_tokens)
     proposer = build_draft_proposer(draft, args, capacity.num_blocks, max_model_len, max_num_batched_tokens) \
         if draft is not None else None
+    if proposer is not None:  # its drafts are computed when the target's step runs (model/draft_proposer.py)
+        runner.drafter = proposer
     scheduler = Scheduler(scheduler_config, cache_config, eos_token_ids,
                           speculator=make_speculator(speculative, proposer))
     # speculation verifies a step's drafts before the next step is scheduled (EngineArgs refuses async with it)

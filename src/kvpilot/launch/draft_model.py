@@ -18,6 +18,7 @@ from kvpilot.engine.spec_config import SpeculativeConfig
 from kvpilot.fit.kv_cache import kv_cache_bytes_per_block
 from kvpilot.launch.args import EngineArgs
 from kvpilot.launch.tp import rank_config
+from kvpilot.model.choices import cuda_graph_sizes
 from kvpilot.model.draft_proposer import DraftModelProposer
 from kvpilot.model.errors import ModelLoadError
 from kvpilot.model.hub import resolve_model
@@ -71,17 +72,20 @@ def _bytes_per_block(loaded: LoadedModel, block_size: int, kv_cache_dtype: str) 
 
 def build_draft_proposer(draft: LoadedModel, args: EngineArgs, num_blocks: int, max_model_len: int,
                          max_num_batched_tokens: int) -> DraftModelProposer:
-    """The draft's runner (one request at a time, num_blocks blocks) in a DraftModelProposer; on CUDA without
-    --enforce-eager its one-row decode step is captured as a CUDA graph (eager if capture fails)."""
+    """The draft's runner (the target's max_num_seqs, num_blocks blocks) in a DraftModelProposer; on CUDA
+    without --enforce-eager its decode steps are captured as CUDA graphs at the target's sizes (eager if the
+    capture fails)."""
     config = args.speculative
     assert config is not None
     # +drafts: the draft writes K/V for its own drafts past the request's known tokens
-    limits = RunnerLimits(max_num_seqs=1, max_model_len=max_model_len + config.num_speculative_tokens)
+    limits = RunnerLimits(max_num_seqs=args.max_num_seqs,
+                          max_model_len=max_model_len + config.num_speculative_tokens)
     runner = ModelRunner(draft, num_blocks, args.block_size, resolve_kv_cache_dtype(args.kv_cache_dtype, draft.dtype),
                          limits=limits, attention_backend=args.attention_backend)
     if draft.device.type == "cuda" and not args.enforce_eager and runner.attention.name == "triton":
         try:
-            runner.capture_decode_graphs([1], max_num_batched_tokens)
+            runner.capture_decode_graphs(cuda_graph_sizes(args.max_num_seqs, args.cuda_graph_sizes),
+                                         max_num_batched_tokens)
         except RuntimeError as exc:
             runner.graphs = None
             logger.warning("the draft model's CUDA graph capture failed, its decodes run eagerly: %s", exc)

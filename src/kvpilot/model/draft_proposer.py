@@ -1,20 +1,27 @@
 """DraftModelProposer: speculative decoding's draft-model proposer (speculative_config method "draft_model"), a
 speculator.DraftProposer that runs a second, smaller model in the engine-core process on the target's device.
 
-The seam: the scheduler (torch-free) asks the proposer for drafts through the DraftProposer protocol only;
-this module, on the model side, owns everything with tensors: the draft's ModelRunner (same loader, same
-runner code, its own paged KV cache and, on CUDA, its own decode graph) and the draft's block allocation,
-which is its own and never the KV manager's. launch/draft_model.py builds it and hands it to the Speculator.
+The seam, in two halves: the scheduler (torch-free) asks for drafts through the DraftProposer protocol, and
+propose() only reserves the draft's blocks and returns k placeholder ids; the target's ModelRunner, handed the
+proposer as its `drafter`, calls fill() with the step's SchedulerOutput.draft_token_ids before it runs the
+step, and fill() computes every speculating request's drafts in one batch and writes them into those lists
+in place. So the draft runs batched across requests, and the scheduler never waits on a model. This module
+owns everything with tensors: the draft's ModelRunner (same loader, same runner code, its own paged KV cache
+and, on CUDA, its own decode graphs) and the draft's block allocation, its own, never the KV manager's.
+launch/draft_model.py builds it. Placeholders that are never filled (a draft failure) are merely rejected
+by verification: the target's output does not depend on the drafts.
 
-Per request asked for drafts: the draft catches up on the tokens it has not computed (the tokens the target
-accepted or emitted since, as one prefill chunk), then decodes greedily until it has k drafts. Draft K/V at
-positions the target rejected is simply overwritten: the next call starts the catch-up at the first position
-where the draft's fed tokens and the request's known tokens differ (its length rolled back).
+Per step: each request catches up on the tokens its draft K/V does not hold (what the target accepted or
+emitted since; prefill chunks, all requests' together within max_chunk_tokens a round), the last chunk's
+logits give its first draft, then all decode greedily together until each has its k drafts. Draft K/V at
+positions the target rejected is overwritten: the next catch-up starts at the first position where the
+drafts fed and the request's known tokens differ (its length rolled back).
 
-Invariants: a request's draft K/V is valid for its first `num_valid` positions, and its blocks cover them;
+Invariants: a request's draft K/V is valid for its first `_num_valid` positions, and its blocks cover them;
 blocks are held only for requests asked about and not forgotten (evicted, least recently asked first, when
-another request needs them: an evicted request starts again from its first token). The draft runner holds
-at most one request's row at a time (re-added each call, so its token row is always the request's own).
+another request needs them, unless proposed for the same step: an evicted request starts again from its first
+token). The draft runner's rows
+are re-added each step (so a row's tokens are always its request's own known tokens).
 """
 
 from __future__ import annotations
@@ -43,8 +50,8 @@ class _DraftState:
 
 class DraftModelProposer:
     """Greedy drafts from a draft model (the module docstring). `runner` is the draft's ModelRunner, built with
-    max_num_seqs 1 over num_blocks blocks of block_size tokens; a catch-up runs in chunks of at most
-    max_chunk_tokens (the target's max_num_batched_tokens: no draft step is larger than a target step)."""
+    the target's max_num_seqs over num_blocks blocks of block_size tokens; catch-ups run in rounds of at most
+    max_chunk_tokens tokens (the target's max_num_batched_tokens: no draft step is larger than a target step)."""
 
     def __init__(self, runner: ModelRunner, max_chunk_tokens: int) -> None:
         if max_chunk_tokens < 1:
@@ -54,7 +61,8 @@ class DraftModelProposer:
         self.block_size = runner.block_size
         self._free_blocks = list(range(runner.num_blocks - 1, -1, -1))
         self._states: dict[str, _DraftState] = {}  # in order of last use: the first is evicted first
-        self._held: str | None = None  # the request whose row the runner holds
+        self._pending: dict[str, Request] = {}  # proposed since the last fill()
+        self._held: list[str] = []  # the requests whose rows the draft runner holds
 
     @property
     def num_requests(self) -> int:
@@ -65,37 +73,51 @@ class DraftModelProposer:
         return len(self._free_blocks)
 
     def propose(self, request: Request, max_drafts: int) -> list[int]:
-        """Up to max_drafts greedy drafts after the request's known tokens; [] when the draft's cache cannot
-        hold the request's tokens and drafts even after evicting every other request."""
+        """max_drafts placeholder ids, filled with the draft's greedy tokens by fill() before the step runs;
+        [] when the draft's cache cannot hold the request's tokens and drafts even after evicting every other
+        request."""
         if max_drafts < 1:
             return []
         rid = request.request_id
-        known = request.all_token_ids
         state = self._states.pop(rid, None) or _DraftState()
         self._states[rid] = state  # now the most recently used
-        start = _num_valid(state, known)
-        if not self._reserve(rid, state, len(known) + max_drafts - 1):
+        if not self._reserve(rid, state, request.num_tokens + max_drafts - 1):
             self.forget(rid)
             return []
-        try:
-            drafts = self._run(rid, state, known, start, max_drafts)
-        except Exception:  # noqa: BLE001 - drafts are optional: a draft failure must not fail the target's step
-            logger.exception("the draft model failed for request %r: it decodes without drafts this step", rid)
-            self.forget(rid)  # (the runner's row, if it took one, is dropped with the next call's diff)
-            return []
-        state.num_known, state.fed_draft_ids = len(known), drafts[:-1]
-        return drafts
+        self._pending[rid] = request
+        return [0] * max_drafts
 
     def forget(self, request_id: str) -> None:
+        self._pending.pop(request_id, None)
         state = self._states.pop(request_id, None)
         if state is not None:
             self._free_blocks.extend(reversed(state.block_ids))
 
+    def fill(self, draft_token_ids: dict[str, list[int]]) -> None:
+        """Writes the drafts of every request proposed since the last call and scheduled in this step (a key of
+        draft_token_ids) into its list, in place. A draft failure leaves the placeholders (logged)."""
+        requests = [r for rid, r in self._pending.items() if rid in draft_token_ids]
+        self._pending.clear()
+        if not requests:
+            return
+        try:
+            drafts = self._draft(requests, [len(draft_token_ids[r.request_id]) for r in requests])
+        except Exception:  # noqa: BLE001 - drafts are optional: a draft failure must not fail the target's step
+            logger.exception("the draft model failed: %d requests verify placeholder drafts this step", len(requests))
+            for request in requests:
+                self.forget(request.request_id)
+            return
+        for request, tokens in zip(requests, drafts):
+            draft_token_ids[request.request_id][:] = tokens
+            state = self._states[request.request_id]
+            state.num_known, state.fed_draft_ids = request.num_tokens, tokens[:-1]
+
     def _reserve(self, request_id: str, state: _DraftState, num_tokens: int) -> bool:
-        """Blocks for num_tokens positions, evicting the least recently asked other requests as needed."""
+        """Blocks for num_tokens positions, evicting the least recently asked other requests as needed (never
+        one proposed for this step: its drafts are still to be computed)."""
         num_needed = -(-num_tokens // self.block_size) - len(state.block_ids)
         while num_needed > len(self._free_blocks):
-            victim = next((r for r in self._states if r != request_id), None)
+            victim = next((r for r in self._states if r != request_id and r not in self._pending), None)
             if victim is None:
                 return False
             self.forget(victim)
@@ -103,32 +125,52 @@ class DraftModelProposer:
             state.block_ids.append(self._free_blocks.pop())
         return True
 
-    def _run(self, request_id: str, state: _DraftState, known: list[int], start: int, num_drafts: int) -> list[int]:
-        """The catch-up (known[start:], in chunks; the last samples the first draft), then num_drafts - 1
-        decodes of the drafts."""
-        dropped = [self._held] if self._held is not None else []
-        self._held = request_id
-        new = NewRequestData(request_id, list(known), [], _GREEDY, list(state.block_ids), start)
-        end = min(start + self.max_chunk_tokens, len(known))
-        output = SchedulerOutput([ScheduledChunk(request_id, start, end - start, end == len(known))],
-                                 new_requests=[new], finished_request_ids=dropped)
-        while True:
-            token_ids = self.runner.execute_model(output).result().token_ids
-            if end == len(known):
-                break
-            start, end = end, min(end + self.max_chunk_tokens, len(known))
-            output = _running_step(request_id, start, end - start, end == len(known))
-        drafts = [token_ids[request_id]]
-        for position in range(len(known), len(known) + num_drafts - 1):
-            drafts.append(self.runner.execute_model(_running_step(request_id, position, 1, True)
-                                                    ).result().token_ids[request_id])
-        return drafts
+    def _draft(self, requests: list[Request], num_drafts: list[int]) -> list[list[int]]:
+        """The requests' drafts: their catch-ups (the last chunk of each samples its first draft), then decodes
+        of all requests still short of their num_drafts, together."""
+        ids = [r.request_id for r in requests]
+        known = [r.all_token_ids for r in requests]
+        starts = [_num_valid(self._states[rid], tokens) for rid, tokens in zip(ids, known)]
+        new = [NewRequestData(rid, list(tokens), [], _GREEDY, list(self._states[rid].block_ids), start)
+               for rid, tokens, start in zip(ids, known, starts)]
+        dropped, self._held = self._held, ids
+        drafts: list[list[int]] = [[] for _ in ids]
+        positions = list(starts)
+        first = True
+        while any(p < len(t) for p, t in zip(positions, known)):  # catch-up rounds
+            chunks = self._catch_up_chunks(ids, known, positions)
+            output = SchedulerOutput(chunks, new_requests=new, finished_request_ids=dropped) if first else \
+                SchedulerOutput(chunks, running_requests=[RunningRequestData(c.request_id, [], c.start_position)
+                                                          for c in chunks])
+            first = False
+            sampled = self.runner.execute_model(output).result().token_ids
+            for i, rid in enumerate(ids):
+                if rid in sampled:
+                    drafts[i].append(sampled[rid])
+        while True:  # decode rounds: each request's latest draft in, its next draft out
+            rows = [i for i in range(len(ids)) if len(drafts[i]) < num_drafts[i]]
+            if not rows:
+                return drafts
+            chunks = [ScheduledChunk(ids[i], len(known[i]) + len(drafts[i]) - 1, 1, True) for i in rows]
+            output = SchedulerOutput(chunks, running_requests=[RunningRequestData(c.request_id, [], c.start_position)
+                                                               for c in chunks])
+            sampled = self.runner.execute_model(output).result().token_ids
+            for i in rows:
+                drafts[i].append(sampled[ids[i]])
 
-
-def _running_step(request_id: str, start: int, num_tokens: int, needs_sample: bool) -> SchedulerOutput:
-    """A step of the one request the draft runner holds: num_tokens from start (its blocks are all known)."""
-    return SchedulerOutput([ScheduledChunk(request_id, start, num_tokens, needs_sample)],
-                           running_requests=[RunningRequestData(request_id, [], start)])
+    def _catch_up_chunks(self, ids: list[str], known: list[list[int]], positions: list[int]) -> list[ScheduledChunk]:
+        """One round's chunks: each request's next piece of its catch-up, within max_chunk_tokens in all (at
+        least one token: every round makes progress); `positions` advanced past them."""
+        chunks: list[ScheduledChunk] = []
+        budget = self.max_chunk_tokens
+        for i, rid in enumerate(ids):
+            num_tokens = min(len(known[i]) - positions[i], budget)
+            if num_tokens <= 0:
+                continue
+            end = positions[i] + num_tokens
+            chunks.append(ScheduledChunk(rid, positions[i], num_tokens, end == len(known[i])))
+            positions[i], budget = end, budget - num_tokens
+        return chunks
 
 
 def _num_valid(state: _DraftState, known: list[int]) -> int:

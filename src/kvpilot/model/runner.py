@@ -9,7 +9,7 @@ next step (async scheduling): the next step takes those ids on the device.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -45,6 +45,13 @@ class RunnerLimits:
 
     max_num_seqs: int = 256
     max_model_len: int | None = None  # None: the model's max_position_embeddings
+
+
+class DraftFiller(Protocol):
+    """A model-side proposer whose drafts are computed when the step runs (model/draft_proposer.py): fill()
+    writes them into the step's SchedulerOutput.draft_token_ids lists, in place, before the verification."""
+
+    def fill(self, draft_token_ids: dict[str, list[int]]) -> None: ...
 
 
 class StepResult:
@@ -130,6 +137,7 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}  # per-request seeded streams
         self._previous: PreviousSample | None = None
         self.graphs: DecodeGraphs | None = None  # set by capture_decode_graphs (CUDA)
+        self.drafter: DraftFiller | None = None  # the draft model's proposer (speculative_config draft_model)
         self.tp = tp
         # CUDA: a step's integer inputs travel in one asynchronous copy (no wait for the step before)
         self._staging = PackedArrays(loaded.device) if loaded.device.type == "cuda" else None
@@ -187,6 +195,8 @@ class ModelRunner:
             return StepResult()
         verification = None
         if output.draft_token_ids:  # speculative decoding: verify the drafts (model/verify_inputs.py)
+            if self.drafter is not None:
+                self.drafter.fill(output.draft_token_ids)
             inputs = build_verify_inputs(self.batch, output.chunks, rows, output.draft_token_ids, self.device,
                                          self._staging)
             assert inputs.sample_counts is not None
