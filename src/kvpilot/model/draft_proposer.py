@@ -95,7 +95,10 @@ class DraftModelProposer:
 
     def fill(self, draft_token_ids: dict[str, list[int]]) -> None:
         """Writes the drafts of every request proposed since the last call and scheduled in this step (a key of
-        draft_token_ids) into its list, in place. A draft failure leaves the placeholders (logged)."""
+        draft_token_ids) into its list, in place; the other proposals are dropped. Called for every step (so
+        the pending proposals are always the current step's). A draft failure leaves the placeholders (logged)."""
+        if not self._pending:
+            return
         requests = [r for rid, r in self._pending.items() if rid in draft_token_ids]
         self._pending.clear()
         if not requests:

@@ -194,9 +194,9 @@ class ModelRunner:
         if not output.chunks:
             return StepResult()
         verification = None
+        if self.drafter is not None:  # every step: proposals the scheduler did not schedule are dropped too
+            self.drafter.fill(output.draft_token_ids)
         if output.draft_token_ids:  # speculative decoding: verify the drafts (model/verify_inputs.py)
-            if self.drafter is not None:
-                self.drafter.fill(output.draft_token_ids)
             inputs = build_verify_inputs(self.batch, output.chunks, rows, output.draft_token_ids, self.device,
                                          self._staging)
             assert inputs.sample_counts is not None
