@@ -5,6 +5,7 @@ Every scenario returns the arguments of ``load_inputs``: (result paths, metrics 
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -235,6 +236,29 @@ def replica_imbalance(tmp: Path) -> Scenario:
                                        replica_samples=reps)])], [], None, None
 
 
+def speculation_costs(tmp: Path) -> Scenario:
+    """N-gram speculation on a busy server: 16 clients, each verification of 4 drafts accepting 0.6 of them, so
+    the verify rows cost more decode time than the accepted drafts save."""
+    rng = random.Random(21)
+
+    def make(i: int, t: float) -> RequestRecord:
+        rec = req(i, t, itl=jitter(rng, 20, 0.05))
+        assert rec.server is not None
+        return dataclasses.replace(rec, server=dataclasses.replace(
+            rec.server, num_drafts=10, num_draft_tokens=40, num_accepted_tokens=6))
+
+    recs = closed_loop(48, 16, make)
+    return [write(tmp / "r.json", [run("concurrency=16", recs, concurrency=16)])], [], None, None
+
+
+def prompt_copying(tmp: Path) -> Scenario:
+    """One stream of edit requests whose answers repeat 70% of their words from the prompt; no speculation."""
+    rng = random.Random(22)
+    recs = closed_loop(10, 1, lambda i, t: dataclasses.replace(
+        req(i, t, itl=jitter(rng, 20, 0.05)), num_output_words=100, num_copied_words=70))
+    return [write(tmp / "r.json", [run("concurrency=1", recs, concurrency=1)])], [], None, None
+
+
 SCENARIOS: dict[str, Callable[[Path], Scenario]] = {
     "queueing": queueing, "tokenization": tokenization, "kv-cache-pressure": kv_pressure,
     "prefill-bound": prefill_bound, "decode-bound": decode_bound, "static-batching": static_batching,
@@ -242,4 +266,5 @@ SCENARIOS: dict[str, Callable[[Path], Scenario]] = {
     "prefix-cache-miss": prefix_cache_miss, "network-overhead": network_overhead,
     "client-overload": client_overload, "memory-spillover": memory_spillover, "slo-floor": slo_floor,
     "prefix-blind-routing": prefix_blind_routing, "degraded-run": degraded_run, "replica-imbalance": replica_imbalance,
+    "speculation-costs": speculation_costs, "prompt-copying": prompt_copying,
 }

@@ -1,7 +1,8 @@
 """Join kvpilot's per-request server timings with the client's own into a per-stage split.
 
 The server reports ``{"kvpilot": {"request_id", "prompt_tokens", "cached_tokens", "num_preemptions",
-"timings": {queue_ms, tokenize_ms, prefill_ms, ttft_ms, decode_ms, serialize_ms, e2e_ms}}}`` on the
+"timings": {queue_ms, tokenize_ms, prefill_ms, ttft_ms, decode_ms, serialize_ms, e2e_ms}}}`` (and, when the
+request verified drafts, ``"speculation": {num_drafts, draft_tokens, accepted_tokens}``) on the
 final JSON / last SSE chunk, and non-streaming responses carry a ``Server-Timing`` header.
 """
 
@@ -23,6 +24,7 @@ def parse_kvpilot_field(payload: Mapping[str, Any]) -> ServerTimings | None:
     if not isinstance(field, Mapping) or not isinstance(field.get("timings"), Mapping):
         return None
     t = field["timings"]
+    spec = field.get("speculation") if isinstance(field.get("speculation"), Mapping) else {}
     try:
         values = {k: float(t.get(k, 0.0) or 0.0) for k in _TIMING_KEYS}
         return ServerTimings(
@@ -30,7 +32,9 @@ def parse_kvpilot_field(payload: Mapping[str, Any]) -> ServerTimings | None:
             num_prompt_tokens=int(field.get("prompt_tokens", 0) or 0),
             num_cached_tokens=int(field.get("cached_tokens", 0) or 0),
             num_preemptions=int(field.get("num_preemptions", 0) or 0),
-            **values,
+            **values, num_drafts=int(spec.get("num_drafts", 0) or 0),
+            num_draft_tokens=int(spec.get("draft_tokens", 0) or 0),
+            num_accepted_tokens=int(spec.get("accepted_tokens", 0) or 0),
         )
     except (TypeError, ValueError):
         return None

@@ -53,6 +53,11 @@ class ServerTimings:
     decode_ms: float
     serialize_ms: float
     e2e_ms: float
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    """Speculative decoding (the field's ``"speculation"`` object, absent when the request verified no drafts):
+    verifications, tokens drafted, drafts accepted."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,10 @@ class RequestRecord:
     replica: str | None = None
     """The replica that served it: the ``x-kvpilot-replica`` response header, else the replica URL bench sent
     it to when it spreads the load itself (``--replica-url`` without ``--base-url``); None otherwise."""
+    num_output_words: int = 0
+    num_copied_words: int = 0
+    """Words of the answer, and those that continue a span of the prompt the client sent (bench.prompt_copy):
+    what an n-gram drafter could have proposed."""
 
     @property
     def tpot_ms(self) -> float | None:

@@ -17,6 +17,7 @@ import numpy as np
 from kvpilot.bench.arrivals import arrival_times
 from kvpilot.bench.client import Outcome, Target, build_payload, execute
 from kvpilot.bench.load import LoadShape
+from kvpilot.bench.prompt_copy import count_copied
 from kvpilot.bench.records import RequestRecord, WorkItem
 from kvpilot.bench.replicas import replica_id
 from kvpilot.bench.tokens import Tokenizer, count_tokens
@@ -35,6 +36,7 @@ def _record(idx: int, item: WorkItem, turn_idx: int, out: Outcome, t0: float, sc
         num_out, source = count_tokens(tok, out.text), tok.name
     chunks = out.chunk_times
     ttft = (chunks[0] - out.t_sent) * 1000 if chunks else None
+    copy = count_copied(prompt_text, out.text) if out.ok else None
     return RequestRecord(
         request_index=idx, item_id=item.item_id, turn_index=turn_idx, group_id=item.group_id,
         ok=out.ok, status=out.status, error_kind=out.error_kind, error=out.error,
@@ -47,6 +49,7 @@ def _record(idx: int, item: WorkItem, turn_idx: int, out: Outcome, t0: float, sc
         num_output_tokens=num_out if out.ok else 0, output_tokens_source=source,
         num_chunks=len(chunks), retry_after_s=out.retry_after_s, server=out.server,
         output_text=out.text, replica=out.replica or routed_to,
+        num_output_words=copy.num_output_words if copy else 0, num_copied_words=copy.num_copied_words if copy else 0,
     )
 
 

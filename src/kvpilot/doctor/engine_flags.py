@@ -10,12 +10,19 @@ do. Every target flag was checked against the engine's own flag list: SGLang's s
 ``--cache-type-k``/``-v``) and ``text-generation-launcher --help`` (``--max-batch-size``, ``--max-total-tokens``,
 ``--max-batch-prefill-tokens``, ``--num-shard``, ``--quantize``).
 
+Speculation (``--speculative-config '{"method": "ngram", "num_speculative_tokens": k, ...}'``): SGLang's
+``--speculative-algorithm NGRAM --speculative-num-draft-tokens k`` (its speculative-decoding docs),
+llama-server's ``--spec-type ngram-simple --draft-max k`` (its docs/speculative.md) and TGI's ``--speculate k``
+(n-gram speculation when the model has no Medusa heads). None of them has vLLM's ``disable_by_batch_size``,
+so a fix that sets it gets no line there.
+
 llama-server splits ``--ctx-size`` over its ``--parallel`` slots, so more slots need a larger context to keep
 each slot's: the translation multiplies by the per-slot context its ``/props`` reported.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -51,6 +58,22 @@ def _llamacpp_context(value: str | None, cfg: ServerConfig | None) -> str:
     return f"--ctx-size {int(value) * slots}" if slots else f"--ctx-size {value} x --parallel"
 
 
+def _speculation(template: str) -> Translate:
+    """An n-gram ``--speculative-config`` as ``template`` filled with its num_speculative_tokens ("" for
+    another method or a field the engine has no flag for)."""
+    def translate(value: str | None, _cfg: ServerConfig | None) -> str:
+        try:
+            config = json.loads(value or "")
+        except json.JSONDecodeError:
+            return ""
+        extra = set(config) - {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"} \
+            if isinstance(config, dict) else {"?"}
+        if extra or config.get("method") != "ngram" or not isinstance(config.get("num_speculative_tokens"), int):
+            return ""
+        return template.format(k=config["num_speculative_tokens"])
+    return translate
+
+
 # engine -> vLLM flag -> that engine's flags for it
 TRANSLATIONS: dict[str, dict[str, Translate]] = {
     SGLANG: {
@@ -61,17 +84,20 @@ TRANSLATIONS: dict[str, dict[str, Translate]] = {
         "--kv-cache-dtype": _text("--kv-cache-dtype fp8_e5m2"), "--tensor-parallel-size": _to("--tp-size"),
         "--data-parallel-size": _to("--dp-size"), "--quantization": _to("--quantization"),
         "--gpu-memory-utilization": _to("--mem-fraction-static"),
+        "--speculative-config": _speculation("--speculative-algorithm NGRAM --speculative-num-draft-tokens {k}"),
     },
     LLAMACPP: {
         "--max-num-seqs": _llamacpp_slots, "--max-model-len": _llamacpp_context,
         "--max-num-batched-tokens": _to("--batch-size"), "--enable-prefix-caching": _text("--cache-prompt"),
         "--kv-cache-dtype": _text("--cache-type-k q8_0 --cache-type-v q8_0"),
         "--quantization": _text("(load a quantized GGUF, e.g. Q4_K_M)"),
+        "--speculative-config": _speculation("--spec-type ngram-simple --draft-max {k}"),
     },
     TGI: {
         "--max-num-seqs": _to("--max-batch-size"), "--max-model-len": _to("--max-total-tokens"),
         "--max-num-batched-tokens": _to("--max-batch-prefill-tokens"), "--tensor-parallel-size": _to("--num-shard"),
         "--quantization": _to("--quantize"),
+        "--speculative-config": _speculation("--speculate {k}"),
     },
 }
 
@@ -82,7 +108,8 @@ def translate(fix: Fix, engine: str, cfg: ServerConfig | None) -> str:
     flags = plain_flags(fix.vllm) if table is not None else None
     if not table or not flags or any(name not in table for name, _ in flags):
         return ""
-    return " ".join(table[name](value, cfg) for name, value in flags)
+    parts = [table[name](value, cfg) for name, value in flags]
+    return " ".join(parts) if all(parts) else ""
 
 
 def localize_fixes(findings: list[Finding], engine: str | None, cfg: ServerConfig | None) -> list[Finding]:

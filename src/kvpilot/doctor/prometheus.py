@@ -21,6 +21,8 @@ from kvpilot.doctor.engines import LLAMACPP, SGLANG, TGI, engine_from_metrics
 from kvpilot.doctor.errors import DoctorInputError
 
 KV_BLOCKS_TOTAL = "kvpilot:kv_cache_blocks{state=total}"  # one labelled sample of the blocks gauge
+SPEC_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+SPEC_POS_KEY = "spec_accepted_pos_"  # + the draft position (0 = the first draft): accepted tokens there
 
 # Normalised key -> sample names, newest first: the bench's scrape table (one list of vLLM V0/V1 names for
 # both tools), plus what only the diagnosis needs.
@@ -38,10 +40,14 @@ SCALARS: dict[str, tuple[str, ...]] = {
     "rejected": ("kvpilot:requests_rejected_total",),
     "kv_blocks_total": (KV_BLOCKS_TOTAL,),
     "process_cpu": ("process_cpu_seconds_total",),
+    # speculative decoding (vLLM's names, kvpilot's too): verifications, drafted and accepted tokens
+    "spec_drafts": ("vllm:spec_decode_num_drafts_total",),
+    "spec_draft_tokens": ("vllm:spec_decode_num_draft_tokens_total",),
+    "spec_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens_total",),
 }
 COUNTERS = frozenset({"preemptions", "prefix_queries", "prefix_hits", "num_finished", "prompt_tokens",
                       "generation_tokens", "rejected", "major_faults", "process_cpu", "cached_prompt_tokens",
-                      "decode_seconds"})
+                      "decode_seconds", "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens"})
 RATIOS = RATIO_KEYS | {"cpu_kv_usage"}
 # Histogram key -> base names (samples are <base>_sum / <base>_count), newest first. Seconds.
 HISTOGRAMS: dict[str, tuple[str, ...]] = {
@@ -109,6 +115,13 @@ class MetricsSnapshot:
         return None if flag is None else flag.lower() == "true"
 
     @property
+    def spec_accepted_per_pos(self) -> tuple[float, ...]:
+        """Accepted draft tokens by draft position (0 first), from ``vllm:spec_decode_num_accepted_tokens_per_pos``;
+        empty when the server does not report it."""
+        found = {int(k[len(SPEC_POS_KEY):]): v for k, v in self.values.items() if k.startswith(SPEC_POS_KEY)}
+        return tuple(found.get(i, 0.0) for i in range(max(found) + 1)) if found else ()
+
+    @property
     def flavor(self) -> str:
         """Which naming the server used: "vllm-v0" (old names), "vllm-v1" (kvpilot uses these), or another
         engine's ("sglang", "llama.cpp", "tgi")."""
@@ -135,6 +148,9 @@ def _sample_sums(text: str) -> tuple[dict[str, float], dict[str, int], dict[str,
             if s.name == "kvpilot:kv_cache_blocks" and s.labels.get("state") == "total":
                 sums[KV_BLOCKS_TOTAL] = sums.get(KV_BLOCKS_TOTAL, 0.0) + float(s.value)
                 counts[KV_BLOCKS_TOTAL] = counts.get(KV_BLOCKS_TOTAL, 0) + 1
+            if s.name == SPEC_PER_POS and str(s.labels.get("position", "")).isdigit():
+                key = SPEC_POS_KEY + s.labels["position"]
+                sums[key] = sums.get(key, 0.0) + float(s.value)
             sums[s.name] = sums.get(s.name, 0.0) + float(s.value)
             counts[s.name] = counts.get(s.name, 0) + 1
     return sums, counts, info
@@ -157,6 +173,7 @@ def parse_prometheus_text(text: str) -> MetricsSnapshot:
         if base is not None:
             histograms[key] = HistogramSum(sums[base + "_count"], sums.get(base + "_sum", 0.0))
             names[key] = base
+    values.update({k: v for k, v in sums.items() if k.startswith(SPEC_POS_KEY)})
     if not values and not histograms:
         raise DoctorInputError("the metrics text has no series the doctor knows (e.g. vllm:num_requests_waiting, "
                                "sglang:num_queue_reqs, llamacpp:requests_deferred, tgi_queue_size): is it the "
@@ -181,7 +198,8 @@ def _llamacpp_derived(values: dict[str, float], histograms: dict[str, HistogramS
 def metrics_delta(before: MetricsSnapshot, after: MetricsSnapshot) -> MetricsSnapshot:
     """Counters and histograms over the interval between two scrapes; gauges as of ``after``."""
     values = dict(after.values)
-    for key in COUNTERS & after.values.keys() & before.values.keys():
+    positions = {k for k in after.values if k.startswith(SPEC_POS_KEY)}
+    for key in (COUNTERS | positions) & after.values.keys() & before.values.keys():
         values[key] = after.values[key] - before.values[key]
     histograms = dict(after.histograms)
     for key in after.histograms.keys() & before.histograms.keys():

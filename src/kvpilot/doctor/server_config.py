@@ -40,6 +40,7 @@ class ServerConfig:
     quantization: str | None = None  # how the weights are held ("none", "gguf", "int8", "int4", "fp8": kvpilot)
     weight_bits: float | None = None  # bits a weight takes as the decode reads it (kvpilot's capacity endpoint)
     engine: str | None = None  # the engine that reported these (kvpilot.doctor.engines), None: not told
+    speculative_config: str | None = None  # the --speculative-config JSON a --serve command runs with
 
     @property
     def num_kv_tokens(self) -> int | None:
@@ -132,7 +133,8 @@ def from_serve_flags(argv: list[str]) -> ServerConfig:
     return ServerConfig(source="--serve flags", max_model_len=_int(values.get("max-model-len")),
                         max_num_seqs=_int(values.get("max-num-seqs")),
                         max_num_batched_tokens=_int(values.get("max-num-batched-tokens")),
-                        block_size=_int(values.get("block-size")), enable_prefix_caching=caching)
+                        block_size=_int(values.get("block-size")), enable_prefix_caching=caching,
+                        speculative_config=values.get("speculative-config"))
 
 
 def merge(*configs: ServerConfig | None) -> ServerConfig | None:

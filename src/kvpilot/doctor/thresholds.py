@@ -220,3 +220,17 @@ class Thresholds:
     path a 4-5x margin for a busy host and catalog figures. The served roofline (kvpilot's capacity endpoint) is
     judged this way only on a CPU, where small models reach it (on a GPU a small model's step is per-step
     overhead, far above the bandwidth floor)."""
+
+    speculation_net_loss: float = 0.05
+    """Speculation costs: speculating requests at the measured load making at least this share fewer tokens
+    per unit of step time than plain decoding would (the engine's cost model, docs/doctor.md): a few percent is
+    within the model's error; more is a setting to change."""
+
+    copy_share_min: float = 0.3
+    """Prompt copying: at least this share of the output words continue a span of the prompt (bench's
+    ``num_copied_words``) before n-gram speculation is worth suggesting. A chat answer copies a few percent
+    (quoted names, a restated question); an edit or a summary with quotes copies half or more."""
+
+    copy_max_in_flight: float = 2.0
+    """Prompt copying: the lowest load measured must have at most this many requests in flight, where a decode
+    step reads the weights for one or two rows and drafts ride along almost free (memory-bound decode)."""

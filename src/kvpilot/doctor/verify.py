@@ -50,6 +50,19 @@ def _top_ramp(inputs: DoctorInputs) -> RunData | None:
     return max(inputs.runs, key=lambda r: r.in_flight, default=None)
 
 
+def _low_ramp(inputs: DoctorInputs) -> RunData | None:
+    """The probe's lowest ramp point (its baseline, one stream), else the least busy run."""
+    ramps = [r for r in inputs.runs if ramp_level(r.source) is not None]
+    if ramps:
+        return min(ramps, key=lambda r: ramp_level(r.source) or 0)
+    return min(inputs.runs, key=lambda r: r.in_flight, default=None)
+
+
+def _low_tpot(inputs: DoctorInputs) -> float | None:
+    run = _low_ramp(inputs)
+    return median(r.tpot_ms for r in run.ok) if run is not None else None
+
+
 def _peak(inputs: DoctorInputs, key: str) -> float | None:
     run = _top_ramp(inputs)
     return median(getattr(r, key) for r in run.ok) if run is not None else None
@@ -85,6 +98,9 @@ METRICS: dict[str, Metric] = {
     "long-short-mixing": Metric("median TTFT of short requests beside long ones", "ms", True, _shorts_ttft),
     "prefill-interrupts-decode": Metric("median TPOT beside long prompts", "ms", True,
                                         lambda i: _phase(i, "long-short", "tpot_ms")),
+    # speculation is judged where it acts: the busiest load (costs) and one stream (n-gram copying)
+    "speculation-costs": THROUGHPUT,
+    "prompt-copying": Metric("median TPOT at the lowest load", "ms", True, _low_tpot),
 }
 DEFAULT_METRIC = Metric("median E2E at the highest load", "ms", True, lambda i: _peak(i, "e2e_ms"))
 

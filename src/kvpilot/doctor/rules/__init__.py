@@ -14,10 +14,12 @@ from kvpilot.doctor.rules.decode import decode_bound, static_batching
 from kvpilot.doctor.rules.degraded import degraded_run
 from kvpilot.doctor.rules.kv_cache import kv_pressure, prefix_cache_miss
 from kvpilot.doctor.rules.spillover import memory_spillover
+from kvpilot.doctor.rules.prompt_copying import prompt_copying
 from kvpilot.doctor.rules.prefill import long_short_mixing, prefill_bound, prefill_interrupts_decode
 from kvpilot.doctor.rules.queueing import queueing, tokenization
 from kvpilot.doctor.rules.routing import prefix_blind_routing, replica_imbalance
 from kvpilot.doctor.rules.slo_floor import slo_floor
+from kvpilot.doctor.rules.speculation import speculation_costs
 from kvpilot.doctor.rules.starvation import cpu_starvation
 from kvpilot.doctor.rules.workload import workload_tuning
 
@@ -27,8 +29,8 @@ RECOMMENDATIONS: tuple[Rule, ...] = (workload_tuning,)
 RULES: tuple[Rule, ...] = (
     cpu_starvation, memory_spillover, degraded_run, kv_pool_too_small, seqs_over_kv, token_budget_below_seqs,
     prefix_caching_off, client_overload, network_overhead, queueing, tokenization, kv_pressure, prefill_bound,
-    slo_floor, decode_bound, static_batching, prefill_interrupts_decode, prefix_cache_miss, prefix_blind_routing,
-    replica_imbalance, long_short_mixing, *RECOMMENDATIONS,
+    slo_floor, speculation_costs, decode_bound, static_batching, prefill_interrupts_decode, prefix_cache_miss,
+    prefix_blind_routing, replica_imbalance, long_short_mixing, prompt_copying, *RECOMMENDATIONS,
 )
 
 __all__ = ["RECOMMENDATIONS", "RULES", "Rule", "RuleContext"]
