@@ -20,6 +20,7 @@ from kvpilot.doctor.findings import Finding, Fix, Severity
 from kvpilot.doctor.inputs import DoctorInputs, load_inputs
 from kvpilot.doctor.prometheus import metrics_delta, parse_prometheus_text
 from kvpilot.doctor.rules.prompt_copying import estimated_speedup
+from kvpilot.doctor.server_config import ServerConfig
 from kvpilot.doctor.verify import apply_flags, fix_flags, metric_for
 from tests.doctor.builders import closed_loop, jitter, req, run, write
 
@@ -97,16 +98,23 @@ def _finding(inputs: DoctorInputs, rule_id: str) -> Finding | None:
 
 def test_speculation_that_costs_at_a_busy_load_is_found_with_a_batch_cap(tmp_path: Path) -> None:
     """16 in flight, 6 of 40 drafts accepted: with the engine's prior a row costs 16/24 of a token, so a
-    verification of 4 drafts takes 3.7 rows' time for 1.6 tokens."""
+    verification of 4 drafts takes 3.7 rows' time for 1.6 tokens. The geometric fit puts the first draft at
+    38%, which a row costs from 0.38 / (1/8 x 0.62) = 4.9 requests on: drafting stops from 4."""
     f = _finding(_spec_inputs(tmp_path, 16, accepted=6), "speculation-costs")
     assert f is not None and f.severity is Severity.HIGH
     numbers = {e.name: e.value for e in f.evidence}
     assert numbers["accepted tokens per verification"] == pytest.approx(0.6)
     assert numbers["tokens per step time vs plain decoding"] == pytest.approx(1.6 / (1 + 4 * 16 / 24), rel=0.05)
-    flags = [fix.kvpilot for fix in f.fixes]
-    assert any('"disable_by_batch_size": ' in x for x in flags)
-    assert fix_flags(f.fixes[0], "kvpilot") is not None  # a concrete flag --verify can apply
+    assert f.fixes[0].kvpilot == "--speculative-config '{<your fields>, \"disable_by_batch_size\": 4}'"
+    assert fix_flags(f.fixes[0], "kvpilot") is None  # the server's own config is not known: a placeholder
     assert "drop --speculative-config" in f.fixes[-1].action
+    served = _spec_inputs(tmp_path, 16, accepted=6)  # as `--serve "... --speculative-config {...}"` reports it
+    served = dataclasses.replace(served, server_config=ServerConfig("--serve flags", speculative_config=NGRAM))
+    fixed = _finding(served, "speculation-costs")
+    assert fixed is not None and fixed.fixes[0].kvpilot == (
+        '--speculative-config \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+        '"disable_by_batch_size": 4}\'')
+    assert fix_flags(fixed.fixes[0], "kvpilot") is not None  # a concrete flag --verify can apply
 
 
 def test_per_position_acceptance_cuts_the_drafts_to_those_that_pay(tmp_path: Path) -> None:
@@ -117,7 +125,7 @@ def test_per_position_acceptance_cuts_the_drafts_to_those_that_pay(tmp_path: Pat
     assert f is not None
     rates = [e.value for e in f.evidence if e.name.startswith("acceptance at draft position")]
     assert rates == pytest.approx([0.9, 0.1])
-    assert any('"num_speculative_tokens": 1' in fix.kvpilot for fix in f.fixes)
+    assert f.fixes[0].kvpilot == "--speculative-config '{<your fields>, \"num_speculative_tokens\": 1}'"
 
 
 def test_speculation_that_pays_or_is_off_is_quiet(tmp_path: Path) -> None:

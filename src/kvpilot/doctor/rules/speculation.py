@@ -28,7 +28,7 @@ from kvpilot.doctor.signals import median
 PRIOR_ROW_FRACTION = 1 / 8
 """The engine's starting guess (kvpilot.engine.spec_cost): one row costs this share of a step's fixed cost."""
 DEFAULT_NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
-"""The n-gram configuration suggested when the server's own is not known (vLLM's documented example)."""
+"""The n-gram configuration prompt-copying suggests (vLLM's documented example)."""
 
 
 @dataclass(frozen=True)
@@ -135,15 +135,15 @@ def speculation_on(ctx: RuleContext) -> bool:
             or (cfg is not None and cfg.speculative_config is not None))
 
 
-def current_config(ctx: RuleContext) -> dict[str, Any]:
-    """The server's speculative config as a dict (from --serve flags), else the n-gram default."""
+def current_config(ctx: RuleContext) -> dict[str, Any] | None:
+    """The server's speculative config as a dict (from --serve flags); None when not known."""
     cfg = ctx.inputs.server_config
     text = cfg.speculative_config if cfg is not None else None
     try:
         values = json.loads(text) if text else None
     except json.JSONDecodeError:
         values = None
-    return dict(values) if isinstance(values, dict) else dict(DEFAULT_NGRAM)
+    return dict(values) if isinstance(values, dict) else None
 
 
 def config_flag(values: dict[str, Any]) -> str:
@@ -227,24 +227,27 @@ def _evidence(v: _Verdict, at: str) -> list[Evidence]:
 def _fixes(ctx: RuleContext, v: _Verdict) -> list[Fix]:
     """Fewer drafts (the positions that pay at this load), a batch size above which none are drafted,
     and switching it off."""
-    cur = current_config(ctx)
-    cfg = ctx.inputs.server_config
-    # without the server's own config the fix shows the defaults it is built on: the user keeps their fields
-    keep = "" if cfg is not None and cfg.speculative_config else " (keep your other speculative_config fields)"
-    configured = int(cur.get("num_speculative_tokens") or max(len(v.rates), round(v.acc.drafted)))
+    known = current_config(ctx)
+    configured = int((known or {}).get("num_speculative_tokens") or max(len(v.rates), round(v.acc.drafted)))
+
+    def flag(name: str, value: int) -> str:
+        # a server whose config is not known (--url, saved files) gets a placeholder: nothing to restart with as is
+        return (config_flag({**known, name: value}) if known is not None else
+                f"--speculative-config '{{<your fields>, \"{name}\": {value}}}'")
+
     paying = sum(1 for a in v.rates if a > v.price)
     fixes = []
     if 1 <= paying < configured:
-        flag = config_flag({**cur, "num_speculative_tokens": paying})
+        text = flag("num_speculative_tokens", paying)
         fixes.append(Fix(f"draft only the first {paying} position(s), whose acceptance beats the row cost at this "
-                         f"load{keep}", kvpilot=flag, vllm=flag))
+                         "load", kvpilot=text, vllm=text))
     first = v.rates[0] if v.rates else 0.0
     at_price = v.cost.batch_at_price(first)
     limit = int(at_price) if first > 0 and at_price < v.run.in_flight else 0
     if 2 <= limit < v.run.in_flight:
-        flag = config_flag({**cur, "disable_by_batch_size": limit})
+        text = flag("disable_by_batch_size", limit)
         fixes.append(Fix(f"stop drafting from {limit} requests running (where a row starts to cost more than "
-                         f"the first draft's {first:.0%} acceptance earns){keep}", kvpilot=flag, vllm=flag))
+                         f"the first draft's {first:.0%} acceptance earns)", kvpilot=text, vllm=text))
     fixes.append(Fix("turn speculation off for this traffic: drop --speculative-config (llama.cpp: the draft "
                      "model / --spec-type; SGLang: --speculative-algorithm; TGI: --speculate)"))
     return fixes
