@@ -186,3 +186,34 @@ def test_verify_applies_the_config_and_judges_copying_at_one_stream(tmp_path: Pa
     assert metric.lower_is_better and metric.measure(inputs) == pytest.approx(20.0, rel=0.06)
     assert metric_for("speculation-costs").name == "output throughput at the highest load"
 
+
+
+def test_vllm_counters_alone_show_the_cost_and_that_speculation_is_on(tmp_path: Path) -> None:
+    """A vLLM server: no per-request field, only the spec_decode counters (1000 verifications of 2 drafts,
+    30% then 5% accepted) at 16 in flight; answers that copy are then not told to turn it on."""
+    rng = random.Random(9)
+    recs = closed_loop(40, 16, lambda i, t: dataclasses.replace(
+        req(i, t, itl=jitter(rng, 20, 0.05), server=False), num_output_words=100, num_copied_words=70))
+    inputs = load_inputs([write(tmp_path / "vllm.json", [run("c16", recs, concurrency=16)])])
+    inputs = dataclasses.replace(inputs, metrics=parse_prometheus_text(_spec_metrics(1000, 300, 50)))
+    f = _finding(inputs, "speculation-costs")
+    assert f is not None and f.evidence[0].source == "vllm:spec_decode_* counters"
+    assert {e.name: e.value for e in f.evidence}["accepted tokens per verification"] == pytest.approx(0.35)
+    assert _finding(inputs, "prompt-copying") is None
+
+
+def test_the_roofline_prices_draft_rows_when_given(tmp_path: Path) -> None:
+    """Llama-3.1-8B on an H100, measured at 1 and 8 in flight (the roofline's line runs through its batch-1 step
+    and its step at the peak load): one stream's step is a weight read, so a row is nearly free, and the copying
+    estimate says the roofline priced it. (With one load only, the roofline has no second point: the prior.)"""
+    rng = random.Random(10)
+
+    def make(i: int, t: float) -> RequestRecord:
+        return dataclasses.replace(req(i, t, itl=jitter(rng, 20, 0.05)), num_output_words=100, num_copied_words=70)
+
+    runs = [run("c1", closed_loop(10, 1, make), concurrency=1), run("c8", closed_loop(24, 8, make), concurrency=8)]
+    path = write(tmp_path / "copy.json", runs)
+    f = _finding(load_inputs([path], model="llama-3.1-8b", gpu="h100-sxm"), "prompt-copying")
+    assert f is not None
+    price = next(e for e in f.evidence if e.name.startswith("cost of one draft row"))
+    assert "roofline of llama-3.1-8b on h100-sxm" in price.source and price.value < 1 / 9
