@@ -19,7 +19,6 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator, model_validator
 
-from kvpilot.model.chat_template import RESERVED_TEMPLATE_VARIABLES
 from kvpilot.sampling_params import (MAX_LOGPROBS, MAX_REPETITION_PENALTY, MAX_SEED, MAX_TOP_K, MIN_REPETITION_PENALTY,
                                      SamplingParams)
 from kvpilot.server.openai.chat_messages import ChatMessages, template_messages
@@ -62,6 +61,11 @@ def reject_lone_surrogates(data: Any) -> Any:
 
 def check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
     """APIError 400 naming chat_template_kwargs when it would set a variable the server sets itself."""
+    if not kwargs:
+        return
+    # imported here: the HTTP process's modules import no kvpilot.model module until a chat is rendered
+    from kvpilot.model.chat_template import RESERVED_TEMPLATE_VARIABLES
+
     clash = sorted(RESERVED_TEMPLATE_VARIABLES.intersection(kwargs or {}))
     if clash:
         raise APIError(400, f"chat_template_kwargs: {', '.join(clash)} cannot be set here: send them as the "
