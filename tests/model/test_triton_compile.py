@@ -1,6 +1,7 @@
-"""Every Triton kernel (attention, and the fused small ops) compiles for Hopper (sm_90) with no GPU: what the interpreter cannot
-check (the compiler's typing, fp8 conversions, dot shapes, shared memory). Bfloat16 queries over a bf16
-and an fp8 cache at head dim 128, in a separate process (the interpreter must be off there);
+"""Every Triton kernel (attention, plain and with the soft-cap/sinks/window variants, and the fused small ops)
+compiles for Hopper (sm_90) with no GPU: what the interpreter cannot check (the compiler's typing, fp8
+conversions, dot shapes, shared memory). Bfloat16 queries over a bf16 and an fp8 cache at head dim 128, in a separate
+process (the interpreter must be off there);
 `python tests/model/triton_sm90_compile.py --fp8-kv` compiles every dtype and head dim (minutes)."""
 
 from __future__ import annotations
@@ -36,11 +37,12 @@ def test_kernels_compile_for_hopper():
     assert done.returncode == 0, done.stderr[-2000:]
     records = [json.loads(line) for line in done.stdout.splitlines()]
     assert {(r["kernel"], r["kv_dtype"]) for r in records} == {
-        (k, kv) for k in ("decode_split", "decode_single", "decode_reduce", "prefill", "kv_write")
+        (k, kv) for k in ("decode_split", "decode_single", "decode_reduce", "prefill", "kv_write", "decode_split_features",
+                          "decode_single_features", "decode_reduce_sinks", "prefill_features")
         for kv in ("bf16", "fp8e4nv")} | {(k, "bf16") for k in ("rms_norm", "rotary", "silu_mul", "quantize_fp8")}
     failed = [(r["kernel"], r["kv_dtype"], r.get("error")) for r in records if not r["compiled"]]
     assert not failed
     assert all(r["shared"] <= H100_MAX_SHARED for r in records)
     # the block-table width changes every step: a kernel specialized on it would compile again and again
     assert {r["kernel"] for r in records if "stride_bt" in r["unspecialized"]} == {
-        "decode_split", "decode_single", "prefill"}
+        "decode_split", "decode_single", "prefill", "decode_split_features", "decode_single_features", "prefill_features"}

@@ -26,7 +26,9 @@ from kvpilot.model.layers import triton_small_ops
 HOPPER = GPUTarget("cuda", 90, 32)
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 FLOAT_SCALARS = {"qk_scale", "cached_qk_scale", "v_scale", "inv_k_scale", "inv_v_scale", "eps", "fp8_max",
-                 "min_scale"}
+                 "min_scale", "cap_log2"}
+PLAIN = {"SOFTCAP": False, "SINKS": False}  # a Llama-like layer; FEATURES: Gemma 2's soft-cap, gpt-oss's sinks
+FEATURES = {"SOFTCAP": True, "SINKS": True}
 INDEX_POINTERS = {"decode_seqs_ptr", "prefill_seqs_ptr", "query_start_ptr", "seq_lens_ptr", "block_tables_ptr",
                   "slot_ptr"}
 
@@ -83,13 +85,19 @@ def variants(head_dim: int, dtype: str, kv_dtype: str) -> list[tuple]:
     fp8 = kv_dtype.startswith("fp8")
     decode = {"GROUP": 4, "BLOCK_G": 16, "BLOCK_D": head_dim, "BLOCK_N": triton_decode.key_tile(head_dim, torch_dtype),
               "PRECISION": precision, "WIDE": False}
+    prefill = {"GROUP": 4, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": head_dim, "V_SCALED": fp8,
+               "PRECISION": precision, "WIDE": False}
+    tiles = {"num_warps": warps, "num_stages": stages}
     return [
-        ("decode_split", triton_decode._decode_split_kernel, {**decode, "SINGLE": False}, {}),
-        ("decode_single", triton_decode._decode_split_kernel, {**decode, "SINGLE": True}, {}),
-        ("decode_reduce", triton_decode._decode_reduce_kernel, {"BLOCK_S": 64, "BLOCK_D": head_dim}, {}),
-        ("prefill", triton_prefill._prefill_kernel,
-         {"GROUP": 4, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": head_dim, "V_SCALED": fp8,
-          "PRECISION": precision, "WIDE": False}, {"num_warps": warps, "num_stages": stages}),
+        ("decode_split", triton_decode._decode_split_kernel, {**decode, **PLAIN, "SINGLE": False}, {}),
+        ("decode_single", triton_decode._decode_split_kernel, {**decode, **PLAIN, "SINGLE": True}, {}),
+        ("decode_reduce", triton_decode._decode_reduce_kernel, {"BLOCK_S": 64, "BLOCK_D": head_dim, "SINKS": False}, {}),
+        ("prefill", triton_prefill._prefill_kernel, {**prefill, **PLAIN, "WINDOW": False}, tiles),
+        ("decode_split_features", triton_decode._decode_split_kernel, {**decode, **FEATURES, "SINGLE": False}, {}),
+        ("decode_single_features", triton_decode._decode_split_kernel, {**decode, **FEATURES, "SINGLE": True}, {}),
+        ("decode_reduce_sinks", triton_decode._decode_reduce_kernel, {"BLOCK_S": 64, "BLOCK_D": head_dim, "SINKS": True},
+         {}),
+        ("prefill_features", triton_prefill._prefill_kernel, {**prefill, **FEATURES, "WINDOW": True}, tiles),
         ("kv_write", triton_kv_write._write_kv_kernel, {"BLOCK_H": 8, "BLOCK_D": head_dim, "SCALED": fp8}, {}),
     ]
 
