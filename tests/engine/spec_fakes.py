@@ -98,9 +98,11 @@ class SpecRun:
     outputs: list[SchedulerOutput]
 
 
-def run_verifying(scheduler: Scheduler, model: FakeVerifyingModel, max_steps: int = 3000) -> SpecRun:
+def run_verifying(scheduler: Scheduler, model: FakeVerifyingModel, max_steps: int = 3000,
+                  draft_seconds: float = 0.0) -> SpecRun:
     """Synchronous engine loop over the fake; after each step: integrity, and each running request's runner
-    table equals the KV manager's (a stale trimmed table would write through freed blocks)."""
+    table equals the KV manager's (a stale trimmed table would write through freed blocks). `draft_seconds`:
+    what each step's drafting took in the runner, as a draft model's RunnerOutput reports it."""
     tokens: dict[str, list[int]] = {}
     reasons: dict[str, str] = {}
     outputs: list[SchedulerOutput] = []
@@ -108,7 +110,7 @@ def run_verifying(scheduler: Scheduler, model: FakeVerifyingModel, max_steps: in
         assert len(outputs) < max_steps, "no completion: the scheduler is stuck"
         output = scheduler.schedule()
         sampled, verified = model.run_verifying(output)
-        for update in scheduler.update_from_output(output, sampled, verified):
+        for update in scheduler.update_from_output(output, sampled, verified, draft_seconds):
             tokens.setdefault(update.request_id, []).extend(update.new_token_ids)
             if update.finish_reason is not None:
                 reasons[update.request_id] = update.finish_reason.value

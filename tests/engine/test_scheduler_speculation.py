@@ -69,6 +69,22 @@ def test_the_ngram_proposer_end_to_end():
     assert sum(map(len, (d for o in run.outputs for d in o.draft_token_ids.values()))) > 50
 
 
+@pytest.mark.parametrize("runner_seconds", [0.0, 0.25])
+def test_each_request_is_charged_the_time_its_drafts_took(runner_seconds):
+    """n-grams: the proposer's own time in the scheduler; a draft model: its steps in the runner, each charged
+    whole to every request it drafted for. The request's metrics carry the sum (the response's draft_ms)."""
+    scheduler = make_scheduler(block_size=4, num_blocks=100, max_model_len=200)
+    always_speculate(scheduler, NgramProposer(1, 3), num_drafts=3)
+    requests = [make_request(f"r{i}", [VOCAB_OFFSET + (7 * i + j) % 9 for j in range(20)], 12) for i in range(2)]
+    for request in requests:
+        scheduler.add_request(request)
+    run_verifying(scheduler, FakeVerifyingModel(4, scheduler.kv.pool), draft_seconds=runner_seconds)
+    for request in requests:
+        assert request.num_drafts > 0 and request.draft_time > runner_seconds * request.num_drafts
+        assert request.metrics().draft_time == request.draft_time
+        assert request.draft_time < runner_seconds * request.num_drafts + 1.0  # n-gram lookups: microseconds
+
+
 def test_rejected_drafts_roll_back_and_tell_the_runner():
     scheduler = make_scheduler(block_size=4, num_blocks=50, max_model_len=100)
     always_speculate(scheduler, OracleProposer(0.0), num_drafts=7)  # every first draft rejected

@@ -1,6 +1,6 @@
 """Speculative decoding in the server: `--speculative-config` checked before anything loads, vLLM's
 vllm:spec_decode_* counters in /metrics (moved by each verifying step), and a response's "kvpilot" field (the
-request's verifications, drafted and accepted tokens)."""
+request's verifications, drafted and accepted tokens, acceptance rate and drafting time)."""
 
 from __future__ import annotations
 
@@ -54,9 +54,11 @@ def test_a_response_reports_its_requests_speculation():
     timings = RequestTimings.build(arrival=0.0, tokenize_s=0.0, metrics=None, end=0.1)
     plain = kvpilot_field("r", RequestMetrics(**base), 5, timings)  # type: ignore[arg-type]
     assert "speculation" not in plain
-    spec = RequestMetrics(**base, num_drafts=3, num_draft_tokens=12, num_accepted_tokens=5)  # type: ignore[arg-type]
+    spec = RequestMetrics(**base, num_drafts=3, num_draft_tokens=12, num_accepted_tokens=5,  # type: ignore[arg-type]
+                          draft_time=0.0123456)
     assert kvpilot_field("r", spec, 5, timings)["speculation"] == {"num_drafts": 3, "draft_tokens": 12,
-                                                                    "accepted_tokens": 5}
+                                                                    "accepted_tokens": 5, "acceptance_rate": 0.4167,
+                                                                    "draft_ms": 12.346}
     assert spec.draft_acceptance_rate == 5 / 12
 
 

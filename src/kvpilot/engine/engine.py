@@ -231,7 +231,8 @@ class LLMEngine:
         self._failures.completed(step.scheduled)
         outputs = [self._fail_alone(rid, message) for rid, message in result.failed.items()]  # before their tokens
         # a failed request's tokens: discarded
-        updates = self.scheduler.update_from_output(step.scheduled, result.token_ids, result.verified_token_ids)
+        updates = self.scheduler.update_from_output(step.scheduled, result.token_ids, result.verified_token_ids,
+                                                    result.draft_seconds)
         logprobs = result.logprobs  # only the requests that asked for logprobs
         outputs.extend(self._process_or_fail(update, logprobs.get(update.request_id) if logprobs else None)
                        for update in updates)

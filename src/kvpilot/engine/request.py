@@ -88,6 +88,8 @@ class Request:
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        # seconds spent computing this request's drafts: its n-gram lookups, the draft model's steps that made them
+        self.draft_time = 0.0
         self.timeline = Timeline(arrival=arrival_time)
 
     def __repr__(self) -> str:
@@ -158,4 +160,5 @@ class Request:
             num_drafts=self.num_drafts,
             num_draft_tokens=self.num_draft_tokens,
             num_accepted_tokens=self.num_accepted_tokens,
+            draft_time=self.draft_time,
         )

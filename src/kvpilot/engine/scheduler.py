@@ -243,10 +243,11 @@ class Scheduler:
     # ---- after the model ran -------------------------------------------------------------------------
 
     def update_from_output(self, output: SchedulerOutput, sampled_token_ids: dict[str, int],
-                           verified_token_ids: dict[str, list[int]] | None = None) -> list[RequestUpdate]:
+                           verified_token_ids: dict[str, list[int]] | None = None,
+                           draft_seconds: float = 0.0) -> list[RequestUpdate]:
         """Registers the blocks the step filled for prefix reuse, appends each sampled token to its request
         (one per chunk with needs_sample; a request that verified drafts: the tokens in verified_token_ids,
-        _append_verified) and applies token-based stops. Tokens of requests finished or aborted since
+        _append_verified; each is charged the runner's draft_seconds) and applies token-based stops. Tokens of requests finished or aborted since
         schedule() are discarded; a request preempted since keeps its token (it was computed before the
         preemption).
 
@@ -270,6 +271,7 @@ class Scheduler:
                 raise ValueError(f"stale output for request {request.request_id!r}: no token of it is in "
                                  f"flight; call update_from_output once per schedule()")
             if verified is not None and (tokens := verified.get(chunk.request_id)) is not None:
+                request.draft_time += draft_seconds
                 updates.append(self._append_verified(request, chunk, tokens,
                                                      len(output.draft_token_ids.get(chunk.request_id, ())), now))
                 continue

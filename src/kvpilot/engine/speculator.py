@@ -8,6 +8,7 @@ chunk (its last known token, then the drafts), which count against max_num_batch
 
 from __future__ import annotations
 
+import time
 from typing import Protocol
 
 from kvpilot.engine.request import Request
@@ -69,7 +70,10 @@ class Speculator:
         if k == 0:
             self.acceptance.passed_over(rid)
             return []
-        return self.proposer.propose(request, k)
+        start = time.perf_counter()
+        drafts = self.proposer.propose(request, k)
+        request.draft_time += time.perf_counter() - start
+        return drafts
 
     def record(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         self.acceptance.record(request_id, num_drafts, num_accepted)

@@ -46,7 +46,9 @@ class RequestMetrics:
     queue_time: first scheduled - queued (tokenized, else arrival); prefill_time: first token - first scheduled;
     ttft: first token - arrival; decode_time: last token - first token; e2e_latency: finished - arrival.
     Speculative decoding: num_drafts verifications of num_draft_tokens drafts, num_accepted_tokens of them
-    accepted by the target (all 0 without speculation); tokens accepted in one step share its stamp.
+    accepted by the target (all 0 without speculation), draft_time the seconds spent computing its drafts
+    (n-gram lookups; a draft model's steps, each counted whole for every request it drafted for); tokens
+    accepted in one step share its stamp.
     """
 
     request_id: str
@@ -65,6 +67,7 @@ class RequestMetrics:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    draft_time: float = 0.0
 
     @property
     def draft_acceptance_rate(self) -> float | None:
@@ -84,6 +87,7 @@ class RequestMetrics:
         num_drafts: int = 0,
         num_draft_tokens: int = 0,
         num_accepted_tokens: int = 0,
+        draft_time: float = 0.0,
     ) -> RequestMetrics:
         t = timeline
         queued = t.tokenized if t.tokenized is not None else t.arrival
@@ -105,4 +109,5 @@ class RequestMetrics:
             num_drafts=num_drafts,
             num_draft_tokens=num_draft_tokens,
             num_accepted_tokens=num_accepted_tokens,
+            draft_time=draft_time,
         )

@@ -8,6 +8,7 @@ next step (async scheduling): the next step takes those ids on the device.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, Sequence
 
@@ -67,6 +68,7 @@ class StepResult:
                  logprobs: Logprobs | None = None, num_removed: int | None = None,
                  verification: Verification | None = None) -> None:
         self.failed: dict[str, str] = {}
+        self.draft_seconds = 0.0  # what the draft model's fill took in this step (RunnerOutput.draft_seconds)
         self._verification = verification
         self._runner, self._request_ids, self._rows, self._positions = runner, list(request_ids), rows, positions
         self._num_removed = num_removed  # the batch's count of freed rows at launch (InputBatch.commit)
@@ -80,7 +82,7 @@ class StepResult:
 
     def result(self) -> RunnerOutput:
         if self._output is None and not self._request_ids:
-            self._output = RunnerOutput(failed=self.failed)
+            self._output = RunnerOutput(failed=self.failed, draft_seconds=self.draft_seconds)
         if self._output is None:
             assert self._copy is not None and self._positions is not None and self._rows is not None \
                 and self._runner is not None
@@ -95,7 +97,8 @@ class StepResult:
             ids = ids if verification is None else first.tolist()
             logprobs = sampled_logprobs(self._request_ids, ids, self._num_top, Logprobs(*host[1:])) \
                 if self._has_logprobs else {}
-            self._output = RunnerOutput(dict(zip(self._request_ids, ids)), logprobs, self.failed, verified)
+            self._output = RunnerOutput(dict(zip(self._request_ids, ids)), logprobs, self.failed, verified,
+                                        self.draft_seconds)
         return self._output
 
 
@@ -185,8 +188,10 @@ class ModelRunner:
     def execute_model(self, output: SchedulerOutput) -> StepResult:
         """Applies the diff and launches the step (on CPU it runs to completion here). Requests whose grammar
         failed in it are failed alone (StepResult.failed), not raised: their step mates go on."""
+        self._draft_seconds = 0.0
         step = self._execute(output)
         step.failed = self.grammars.take_failures()
+        step.draft_seconds = self._draft_seconds
         return step
 
     def _execute(self, output: SchedulerOutput) -> StepResult:
@@ -195,7 +200,9 @@ class ModelRunner:
             return StepResult()
         verification = None
         if self.drafter is not None:  # every step: proposals the scheduler did not schedule are dropped too
+            start = time.perf_counter()
             self.drafter.fill(output.draft_token_ids)
+            self._draft_seconds = time.perf_counter() - start
         if output.draft_token_ids:  # speculative decoding: verify the drafts (model/verify_inputs.py)
             inputs = build_verify_inputs(self.batch, output.chunks, rows, output.draft_token_ids, self.device,
                                          self._staging)

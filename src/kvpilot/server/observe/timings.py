@@ -67,12 +67,14 @@ def kvpilot_field(request_id: str, metrics: RequestMetrics | None, num_prompt_to
 
 
 def speculation_field(metrics: RequestMetrics | None) -> dict[str, Any]:
-    """{"speculation": {verifications, drafted and accepted tokens}} for a request that verified drafts, else
-    {} (responses without speculation keep their shape)."""
+    """{"speculation": {verifications, drafted and accepted tokens, acceptance rate, ms spent drafting}} for a
+    request that verified drafts, else {} (responses without speculation keep their shape)."""
     if metrics is None or not metrics.num_drafts:
         return {}
     return {"speculation": {"num_drafts": metrics.num_drafts, "draft_tokens": metrics.num_draft_tokens,
-                            "accepted_tokens": metrics.num_accepted_tokens}}
+                            "accepted_tokens": metrics.num_accepted_tokens,
+                            "acceptance_rate": round(metrics.draft_acceptance_rate or 0.0, 4),
+                            "draft_ms": round(metrics.draft_time * 1000.0, 3)}}
 
 
 def access_log_line(*, request_id: str, endpoint: str, status: int, stream: bool, metrics: RequestMetrics | None,
