@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from kvpilot import LLM, SamplingParams
 from kvpilot.fit.model_catalog import get_hf_config
@@ -34,11 +35,15 @@ def _model_config(tmp_path, name: str, heads: int, kv_heads: int) -> ModelConfig
 
 
 def _greedy(path: str, tp: int) -> list[list[int]]:
+    """Greedy tokens of PROMPTS; a tensor-parallel engine is shut down after, and rank 0's share of the CPU's
+    threads (os.cpu_count() // tp) was the engine's only: the process has its thread count back."""
+    threads = torch.get_num_threads()
     llm = LLM(path, load_format="dummy", dtype="float32", tensor_parallel_size=tp, kv_cache_memory="64MiB",
               max_model_len=128, max_num_seqs=4)
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     if tp > 1:
         llm.engine.runner.shutdown()
+    assert torch.get_num_threads() == threads
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
@@ -95,7 +100,8 @@ def test_a_start_that_fails_after_loading_stops_the_ranks(tmp_path):
     import torch.distributed
 
     path = _config(tmp_path, "llama-3.1-8b", 4, 2)
+    threads = torch.get_num_threads()
     with pytest.raises(EngineConfigError, match="holds no block"):
         LLM(path, load_format="dummy", dtype="float32", tensor_parallel_size=2, kv_cache_memory="1KiB")
-    assert not torch.distributed.is_initialized()
+    assert not torch.distributed.is_initialized() and torch.get_num_threads() == threads
     assert _greedy(path, 2) == _greedy(path, 1)

@@ -36,11 +36,13 @@ def rank_config(loaded: LoadedModel) -> ModelConfig:
 
 @dataclass
 class TPLaunch:
-    """Rank 0's side of a start: the workers (loaded), the group, rank 0's shard. `abort` undoes it all."""
+    """Rank 0's side of a start: the workers (loaded), the group, rank 0's shard, and the process's torch thread
+    count before rank 0 took its share (put back at shutdown). `abort` undoes it all."""
 
     workers: WorkerPool
     group: TPGroup
     loaded: LoadedModel
+    num_threads_before: int
 
     @classmethod
     def start(cls, args: EngineArgs, loaded: LoadedModel | None) -> TPLaunch:
@@ -63,15 +65,16 @@ class TPLaunch:
                           device=args.device, num_threads=threads)
         workers = WorkerPool(spec)
         group = None
+        num_threads_before = torch.get_num_threads()
         try:
             workers.wait_alive()
             torch.set_num_threads(threads)
             group, loaded = load_rank(spec)
             workers.gather("loaded", "loading its shard")
         except BaseException:
-            _abort(workers, group)
+            _abort(workers, group, num_threads_before)
             raise
-        return cls(workers, group, loaded)
+        return cls(workers, group, loaded, num_threads_before)
 
     def kv_budget(self, request: KVBudgetRequest) -> int:
         """CUDA: every rank's budget from its own GPU, measured at once; the smallest (every rank's cache holds
@@ -84,13 +87,14 @@ class TPLaunch:
         self.workers.send_all("build", spec)
         runner = build_rank(self.loaded, self.group, spec)
         self.workers.gather("ready", "building its runner")
-        return TensorParallelExecutor(runner, self.workers, self.group)
+        return TensorParallelExecutor(runner, self.workers, self.group, self.num_threads_before)
 
     def abort(self) -> None:
-        _abort(self.workers, self.group)
+        _abort(self.workers, self.group, self.num_threads_before)
 
 
-def _abort(workers: WorkerPool, group: TPGroup | None) -> None:
+def _abort(workers: WorkerPool, group: TPGroup | None, num_threads_before: int) -> None:
     workers.kill()
     if group is not None:
         group.leave()
+    torch.set_num_threads(num_threads_before)

@@ -16,6 +16,8 @@ import socket
 import time
 from typing import Any
 
+import torch
+
 from kvpilot.engine.scheduler_output import SchedulerOutput
 from kvpilot.model.errors import ModelLoadError
 from kvpilot.model.parallel.worker import WorkerSpec, worker_main
@@ -92,11 +94,13 @@ class WorkerPool:
 
 
 class TensorParallelExecutor:
-    """execute_model like a ModelRunner's; `runner` is rank 0's (its model and persistent batch)."""
+    """execute_model like a ModelRunner's; `runner` is rank 0's (its model and persistent batch). Shutdown puts
+    back the process's torch thread count from before rank 0 took its share (num_threads_before)."""
 
-    def __init__(self, runner: Any, workers: WorkerPool, group: Any) -> None:
+    def __init__(self, runner: Any, workers: WorkerPool, group: Any, num_threads_before: int | None = None) -> None:
         self.runner = runner
         self._workers, self._group = workers, group
+        self._num_threads_before = num_threads_before
         atexit.register(self.shutdown)
 
     def execute_model(self, output: SchedulerOutput):
@@ -108,6 +112,10 @@ class TensorParallelExecutor:
         if self._group is not None:
             self._group.leave()  # the process-wide default group: the next tensor-parallel engine makes its own
             self._group = None
+        if self._num_threads_before is not None:
+            # a process that goes on without the ranks (an LLM user, a test session) gets its whole CPU back
+            torch.set_num_threads(self._num_threads_before)
+            self._num_threads_before = None
 
 
 def _receive(connection, process, timeout_s: float) -> tuple[str, Any] | None:
