@@ -158,7 +158,7 @@ def _health_latencies(url: str, stop: threading.Event, out: list[float]) -> None
 def test_a_server_whose_outputs_nobody_reads_keeps_serving(tmp_path: Path) -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    command = [sys.executable, "-m", "kvpilot.server", "--model", str(write_tiny_config(tmp_path)),
+    command = [sys.executable, "-m", "kvpilot.server", "--model", str(write_tiny_config(tmp_path, narrow=True)),
                "--load-format", "dummy", "--dtype", "float32", "--max-model-len", "2048",
                "--kv-cache-memory", "64MiB", "--port", str(port), "--served-model-name", "tiny", "--log-prompts"]
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # never read
