@@ -34,7 +34,7 @@ def test_generate_prints_the_greedy_completion():
 
 @pytest.mark.slow
 def test_chat_keeps_history_and_streams_replies():
-    result = _run("chat", "--temperature", "0", "--max-tokens", "24", "--dtype", "float32", "--kv-cache-memory",
+    result = _run("chat", "--temperature", "0", "--max-tokens", "16", "--dtype", "float32", "--kv-cache-memory",
                   "512MiB", "--max-model-len", "1024",
                   stdin="What is the capital of France?\nAnd what did I just ask you?\n/exit\n")
     assert result.returncode == 0, result.stderr
