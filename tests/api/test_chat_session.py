@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from prompt_toolkit.input import create_pipe_input
@@ -19,6 +20,7 @@ from prompt_toolkit.output import DummyOutput
 from kvpilot.chat_session import BANNER, ChatSession, TerminalLines, run_chat
 from kvpilot.llm import LLM
 from kvpilot.sampling_params import SamplingParams
+from tests.server.tiny_server import write_tiny_config
 
 QUESTION = "What is the capital of France?"
 GREEDY = SamplingParams(temperature=0, max_tokens=48)
@@ -174,11 +176,13 @@ def test_terminal_input_edits_lines_and_recalls_history(pipe) -> None:  # type: 
 
 
 @pytest.mark.slow
-def test_chat_command_logs_nothing_unless_verbose() -> None:
-    args = [sys.executable, "-m", "kvpilot.cli", "chat", "--temperature", "0", "--max-tokens", "16", "--dtype",
+def test_chat_command_logs_nothing_unless_verbose(tmp_path: Path) -> None:
+    chat = [sys.executable, "-m", "kvpilot.cli", "chat", "--temperature", "0", "--max-tokens", "16", "--dtype",
             "float32", "--kv-cache-memory", "256MiB", "--max-model-len", "1024"]
-    quiet = subprocess.run(args, input=QUESTION + "\n", capture_output=True, text=True, timeout=300)
+    quiet = subprocess.run(chat, input=QUESTION + "\n", capture_output=True, text=True, timeout=300)
     assert quiet.returncode == 0, quiet.stderr
     assert "Paris" in quiet.stdout and "INFO" not in quiet.stderr
-    verbose = subprocess.run([*args, "-v"], input="", capture_output=True, text=True, timeout=300)
+    # -v needs no answer, only the log lines: a tiny dummy model loads in a fraction of the real one's time
+    tiny = ["--model", str(write_tiny_config(tmp_path, narrow=True)), "--load-format", "dummy"]
+    verbose = subprocess.run([*chat, *tiny, "-v"], input="", capture_output=True, text=True, timeout=300)
     assert verbose.returncode == 0 and "INFO" in verbose.stderr
