@@ -67,9 +67,9 @@ def _doctor_cli(*args: str, timeout_s: float = 400) -> subprocess.CompletedProce
 def test_quick_probe_names_a_pool_too_small_for_its_context_first(llm_fp32) -> None:
     """`--kv-cache-memory 24MiB --max-model-len 512` (float32): 34 blocks, about one request of 512 tokens.
     The configuration says it, whatever pressure the probe's requests put on the pool, so 2-second phases
-    (every phase of --quick still runs) are enough; the verify test below runs --quick's own 8-second ones."""
+    (every phase of --quick still runs) and at most 4 requests in flight are enough."""
     with kvpilot_server(llm_fp32.loaded, kv_cache_memory="24MiB", max_model_len=512) as server:
-        proc = _doctor_cli("--url", server.url, "--quick", "--json", "--phase-seconds", "2")
+        proc = _doctor_cli("--url", server.url, "--quick", "--json", "--phase-seconds", "2", "--max-concurrency", "4")
     assert proc.returncode == 1, proc.stderr[-2000:]
     doc = json.loads(proc.stdout)
     ids = [(f["rule_id"], f["severity"]) for f in doc["findings"]]
@@ -81,14 +81,18 @@ def test_quick_probe_names_a_pool_too_small_for_its_context_first(llm_fp32) -> N
     assert doc["server_config"]["num_blocks"] == 34 and doc["server_config"]["max_model_len"] == 512
 
 
-# Three --quick probes (2-second phases) of one server from one process: issue #51's repeatability check.
+# Three probes of the quick phases (2-second phases, at most 4 requests in flight, long prompts of 256 tokens) of
+# one server from one process: issue #51's repeatability check. One sequence at a time drains a phase's requests
+# one after another, so the phase lasts about as many request times as it has in flight: 4 instead of --quick's 8
+# (and shorter long prompts) make each probe about a third shorter, while 3 requests still wait ahead of each one,
+# seconds against the client's stalls of milliseconds.
 THREE_PROBES = (
     "import json, sys; from dataclasses import replace; from rich.console import Console; "
     "from kvpilot.doctor.diagnose import diagnose; from kvpilot.doctor.probe import check_endpoint, probe_endpoint; "
     "from kvpilot.doctor.probe_plan import QUICK\n"
+    "limits = replace(QUICK, phase_s=2.0, max_long_len=256).capped(4)\n"
     "for seed in (1, 2, 3):\n"
-    "    s = probe_endpoint(check_endpoint(sys.argv[1]), replace(QUICK, phase_s=2.0), Console(stderr=True),\n"
-    "                       seed=seed)\n"
+    "    s = probe_endpoint(check_endpoint(sys.argv[1]), limits, Console(stderr=True), seed=seed)\n"
     "    print(json.dumps([(f.rule_id, f.severity.value) for f in diagnose(s.inputs()).findings]))")
 
 
@@ -178,9 +182,10 @@ def test_serve_verify_restarts_with_the_fix_and_prints_before_after(verify_model
     and probes again; the trial's before/after numbers are printed and in the JSON."""
     serve = (f"kvpilot serve {verify_model} --max-num-seqs 1 --dtype float32 --kv-cache-memory 256MiB "
              "--max-model-len 1024")
-    # 2-second phases: one sequence at a time queues every request but the first, a finding in any phase length
+    # 2-second phases, at most 4 in flight: one sequence at a time queues every request but the first, a finding
+    # in any phase length, and each probe drains half of --quick's 8 in flight one after another
     proc = _doctor_cli("--serve", serve, "--verify", "--quick", "--json", "--verify-budget", "400", "--phase-seconds",
-                       "2", timeout_s=590)
+                       "2", "--max-concurrency", "4", timeout_s=590)
     assert proc.returncode == 1, proc.stderr[-2000:]
     doc = json.loads(proc.stdout)
     trials = doc["verify"]["trials"]
