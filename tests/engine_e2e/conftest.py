@@ -1,5 +1,6 @@
 """Fixtures for engine tests on the real embedded model: a reference that runs each prompt alone (no prefix
-cache), and 32 prompts of mixed lengths."""
+cache), 32 prompts of mixed lengths and two waves sharing a prefix, with their outputs alone (computed once a
+session for the batching and speculative tests)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from tests.model.reference import long_text
 
 NUM_NEW_TOKENS = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
-PROMPT_LENGTHS = [3, 17, 40, 64, 90, 120, 150, 200, 260, 330, 400, 5, 33, 48, 75, 100,
-                  130, 170, 220, 290, 360, 9, 25, 56, 80, 110, 140, 185, 240, 310, 12, 70]
+# 1 to 200 tokens (1 to 13 blocks of 16): prefill is most of a CPU run's cost, and batching, chunking and
+# preemption do the same with prompts twice as long
+PROMPT_LENGTHS = [1, 8, 20, 32, 45, 60, 75, 100, 130, 165, 200, 2, 16, 24, 37, 50,
+                  65, 85, 110, 145, 180, 4, 12, 28, 40, 55, 70, 92, 120, 155, 6, 35]
 
 
 @pytest.fixture(scope="session")
@@ -38,6 +41,20 @@ def run_alone(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREED
 @pytest.fixture(scope="session")
 def mixed_alone(reference_llm, mixed_prompts) -> list[list[int]]:
     return run_alone(reference_llm, mixed_prompts)
+
+
+def prefix_waves(corpus_ids: list[int]) -> tuple[list[list[int]], list[list[int]]]:
+    """Two waves of prompts sharing a 150-token prefix (9 full blocks of 16, then 6 tokens): 3, then 5 that
+    should each find the 9 blocks cached."""
+    shared = corpus_ids[:150]
+    first = [shared + corpus_ids[400 + 10 * i: 405 + 10 * i] for i in range(3)]
+    second = [shared + corpus_ids[600 + 10 * i: 608 + 10 * i] for i in range(5)]
+    return first, second
+
+
+@pytest.fixture(scope="session")
+def second_wave_alone(reference_llm, corpus_ids) -> list[list[int]]:
+    return run_alone(reference_llm, prefix_waves(corpus_ids)[1])
 
 
 def assert_no_leak(llm: LLM) -> None:

@@ -17,12 +17,12 @@ MAX_NUM_BATCHED_TOKENS = 64
 
 
 def _workload(corpus_ids: list[int], mixed_prompts: list[list[int]], tokenizer) -> tuple[list, list]:
-    """32 mixed prompts (the e2e mixed prompts cut to a quarter: 1 to 100 tokens; greedy, ignore_eos) + 32
+    """32 mixed prompts (the e2e mixed prompts cut to half: 1 to 100 tokens; greedy, ignore_eos) + 32
     sharing a 64-token prefix (4 blocks), half of them with stop strings (" the", ",", "."; they do stop: the
     test counts them), the rest stopping at EOS or max_tokens. Prefill is most of the cost on a CPU, so the
     prompts are short; the KV cache is sized to them so that requests are still preempted."""
     shared = corpus_ids[:64]
-    prompts = [p[:max(1, len(p) // 4)] for p in mixed_prompts]
+    prompts = [p[:max(1, len(p) // 2)] for p in mixed_prompts]
     prompts += [shared + corpus_ids[300 + 9 * i: 304 + 9 * i] for i in range(32)]
     params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * 32
     for i in range(32):

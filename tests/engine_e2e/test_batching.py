@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvpilot import LLM, SamplingParams
-from tests.engine_e2e.conftest import GREEDY, assert_no_leak, run_alone
+from tests.engine_e2e.conftest import GREEDY, assert_no_leak, prefix_waves
 
 pytestmark = pytest.mark.slow
 
@@ -38,18 +38,16 @@ def test_chunked_prefill_with_small_budget(llm_fp32, mixed_prompts, mixed_alone)
     assert_no_leak(llm)
 
 
-def test_second_wave_hits_the_prefix_cache(llm_fp32, reference_llm, corpus_ids):
-    shared = corpus_ids[:300]  # 18 full blocks of 16 and 12 tokens
-    first = [shared + corpus_ids[400 + 10 * i: 405 + 10 * i] for i in range(3)]
-    second = [shared + corpus_ids[600 + 10 * i: 608 + 10 * i] for i in range(5)]
+def test_second_wave_hits_the_prefix_cache(llm_fp32, corpus_ids, second_wave_alone):
+    first, second = prefix_waves(corpus_ids)
     llm = LLM(loaded=llm_fp32.loaded, kv_cache_memory="256MiB", max_model_len=2048)
     llm.generate(first, GREEDY)
     outputs = llm.generate(second, GREEDY)
-    assert [o.outputs[0].token_ids for o in outputs] == run_alone(reference_llm, second)
-    assert [o.num_cached_tokens for o in outputs] == [288] * 5  # all 18 full blocks of the shared prefix
-    assert all(o.metrics.num_cached_tokens == 288 for o in outputs)
+    assert [o.outputs[0].token_ids for o in outputs] == second_wave_alone
+    assert [o.num_cached_tokens for o in outputs] == [144] * 5  # all 9 full blocks of the shared prefix
+    assert all(o.metrics.num_cached_tokens == 144 for o in outputs)
     stats = llm.engine.scheduler.make_stats()
-    assert stats.prefix_cache_hits >= 5 * 288
+    assert stats.prefix_cache_hits >= 5 * 144
     assert_no_leak(llm)
 
 

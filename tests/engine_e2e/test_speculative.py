@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from kvpilot import LLM, SamplingParams
-from tests.engine_e2e.conftest import GREEDY, assert_no_leak, run_alone
+from tests.engine_e2e.conftest import GREEDY, assert_no_leak, prefix_waves, run_alone
 from tests.model.reference import PARAGRAPH, long_text
 
 pytestmark = pytest.mark.slow
@@ -38,9 +38,16 @@ def _generate(llm: LLM, prompts, params=GREEDY):
         llm.engine.on_step = None
 
 
-def test_a_copying_prompt_accepts_drafts_and_matches_plain_decoding(llm_fp32, reference_llm):
+@pytest.fixture(scope="module")
+def sections_plain(reference_llm):
+    """SECTIONS_PROMPT's 32 greedy tokens without speculation (and the text of them)."""
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    want = run_alone(reference_llm, [SECTIONS_PROMPT], params)[0]
+    return reference_llm.generate([SECTIONS_PROMPT], params)[0].outputs[0]
+
+
+def test_a_copying_prompt_accepts_drafts_and_matches_plain_decoding(llm_fp32, sections_plain):
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    want = sections_plain.token_ids
     # the cost model as shipped: a lone stream starts out speculating (what it keeps doing depends on timings)
     shipped = _spec_llm(llm_fp32, always=False, kv_cache_memory="256MiB", max_model_len=2048)
     (output,), _ = _generate(shipped, [SECTIONS_PROMPT], params)
@@ -81,15 +88,13 @@ def test_chunked_prefill_with_small_budget(llm_fp32, mixed_prompts, mixed_alone)
     assert_no_leak(llm)
 
 
-def test_second_wave_hits_the_prefix_cache(llm_fp32, reference_llm, corpus_ids):
-    shared = corpus_ids[:300]
-    first = [shared + corpus_ids[400 + 10 * i: 405 + 10 * i] for i in range(3)]
-    second = [shared + corpus_ids[600 + 10 * i: 608 + 10 * i] for i in range(5)]
+def test_second_wave_hits_the_prefix_cache(llm_fp32, corpus_ids, second_wave_alone):
+    first, second = prefix_waves(corpus_ids)
     llm = _spec_llm(llm_fp32, num_drafts=2, kv_cache_memory="256MiB", max_model_len=2048)
     llm.generate(first, GREEDY)
     outputs = llm.generate(second, GREEDY)
-    assert [o.outputs[0].token_ids for o in outputs] == run_alone(reference_llm, second)
-    assert [o.num_cached_tokens for o in outputs] == [288] * 5
+    assert [o.outputs[0].token_ids for o in outputs] == second_wave_alone
+    assert [o.num_cached_tokens for o in outputs] == [144] * 5
     assert sum(o.metrics.num_draft_tokens for o in outputs) > 0
     assert_no_leak(llm)
 
@@ -104,10 +109,9 @@ def test_preemption_under_kv_pressure(llm_fp32, mixed_prompts, mixed_alone):
     assert_no_leak(llm)
 
 
-def test_stops_inside_accepted_drafts_cut_where_plain_decoding_does(llm_fp32, reference_llm):
+def test_stops_inside_accepted_drafts_cut_where_plain_decoding_does(llm_fp32, reference_llm, sections_plain):
     llm = _spec_llm(llm_fp32, kv_cache_memory="256MiB", max_model_len=2048)
-    plain = reference_llm.generate([SECTIONS_PROMPT], SamplingParams(temperature=0, max_tokens=28,
-                                                                      ignore_eos=True))[0].outputs[0]
+    plain = sections_plain
     stop_token = plain.token_ids[17]
     cases = [SamplingParams(temperature=0, max_tokens=28, stop=[plain.text[50:56]]),
              SamplingParams(temperature=0, max_tokens=28, stop_token_ids=[stop_token], ignore_eos=True),
