@@ -31,6 +31,10 @@ PLAIN = {"SOFTCAP": False, "SINKS": False}  # a Llama-like layer; FEATURES: Gemm
 FEATURES = {"SOFTCAP": True, "SINKS": True}
 INDEX_POINTERS = {"decode_seqs_ptr", "prefill_seqs_ptr", "query_start_ptr", "seq_lens_ptr", "block_tables_ptr",
                   "slot_ptr"}
+# the variants whose code changes with an fp8 cache, each built over one once: the reduce reads no cache, and the
+# soft-cap, sinks and window act on tiles already widened to the query dtype (decode's loads, prefill's
+# _cached_tile), so their fp8 builds would compile plain decode's and prefill's fp8 code again
+FP8_DISTINCT = {"decode_split", "decode_single", "prefill", "kv_write"}
 
 
 def _signature(fn, dtype: str, kv_dtype: str, constexprs: dict) -> dict[str, str]:
@@ -88,7 +92,7 @@ def variants(head_dim: int, dtype: str, kv_dtype: str) -> list[tuple]:
     prefill = {"GROUP": 4, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": head_dim, "V_SCALED": fp8,
                "PRECISION": precision, "WIDE": False}
     tiles = {"num_warps": warps, "num_stages": stages}
-    return [
+    every = [
         ("decode_split", triton_decode._decode_split_kernel, {**decode, **PLAIN, "SINGLE": False}, {}),
         ("decode_single", triton_decode._decode_split_kernel, {**decode, **PLAIN, "SINGLE": True}, {}),
         ("decode_reduce", triton_decode._decode_reduce_kernel, {"BLOCK_S": 64, "BLOCK_D": head_dim, "SINKS": False}, {}),
@@ -100,6 +104,7 @@ def variants(head_dim: int, dtype: str, kv_dtype: str) -> list[tuple]:
         ("prefill_features", triton_prefill._prefill_kernel, {**prefill, **FEATURES, "WINDOW": True}, tiles),
         ("kv_write", triton_kv_write._write_kv_kernel, {"BLOCK_H": 8, "BLOCK_D": head_dim, "SCALED": fp8}, {}),
     ]
+    return [v for v in every if not fp8 or v[0] in FP8_DISTINCT]
 
 
 def small_op_variants(dtype: str) -> list[tuple]:
