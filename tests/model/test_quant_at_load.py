@@ -57,11 +57,17 @@ def _perplexity(loaded, token_ids: list[int], prompt: bool = True) -> float:
     return math.exp(F.cross_entropy(model.logits(hidden[:-1]).float(), ids[1:]).item())
 
 
-def test_perplexity_of_quantized_weights():
+@pytest.fixture(scope="module")
+def fp32_reference() -> tuple[list[int], float]:
+    """TEXT's token ids and the float32 dense model's perplexity on them (one load for the module)."""
     reference = load_model(None, dtype="float32", quantization="none", max_model_len=1024)
     token_ids = reference.tokenizer.encode(TEXT)
+    return token_ids, _perplexity(reference, token_ids)
+
+
+def test_perplexity_of_quantized_weights(fp32_reference):
+    token_ids, fp32 = fp32_reference
     assert 200 < len(token_ids) < 1024
-    fp32 = _perplexity(reference, token_ids)
     assert 1 < fp32 < 100, fp32  # the model reads this text as language
     for quantization, tolerance in (("int8", 0.01), ("int4", 0.05)):
         loaded = load_model(None, dtype="float32", quantization="none", max_model_len=1024)
@@ -80,13 +86,11 @@ def test_dummy_model_quantized_at_load_generates():
 
 
 @pytest.mark.skipif(not has_vnni(), reason="no AVX-512 VNNI on this CPU")
-def test_bf16_quantized_at_load_takes_the_int8_path():
+def test_bf16_quantized_at_load_takes_the_int8_path(fp32_reference):
     """Every projection keeps only its tiled copy (the blocks; no dense copy, no packed quants); prompt steps
     dequantize it into the shared scratch matrix, decode steps take int8 activations, the output layer ungated.
     Both stay within 1% of float32 perplexity (measured 2026-11-26: +0.29% and +0.70% for int8)."""
-    reference = load_model(None, dtype="float32", quantization="none", max_model_len=1024)
-    token_ids = reference.tokenizer.encode(TEXT)
-    fp32 = _perplexity(reference, token_ids)
+    token_ids, fp32 = fp32_reference
     loaded = load_model(None, dtype="bfloat16", quantization="int8", max_model_len=1024)
     model = loaded.model
     layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
