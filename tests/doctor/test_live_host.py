@@ -82,10 +82,9 @@ def test_quick_probe_names_a_pool_too_small_for_its_context_first(llm_fp32) -> N
 
 
 # Three probes of the quick phases (2-second phases, at most 4 requests in flight, long prompts of 256 tokens) of
-# one server from one process: issue #51's repeatability check. One sequence at a time drains a phase's requests
-# one after another, so the phase lasts about as many request times as it has in flight: 4 instead of --quick's 8
-# (and shorter long prompts) make each probe about a third shorter, while 3 requests still wait ahead of each one,
-# seconds against the client's stalls of milliseconds.
+# one server from one process: issue #51's repeatability check. One sequence at a time drains the requests in
+# flight at a phase's deadline one after another: 4 instead of --quick's 8 (and shorter long prompts) are less to
+# drain, while 3 requests still wait ahead of each one, seconds against the client's stalls of milliseconds.
 THREE_PROBES = (
     "import json, sys; from dataclasses import replace; from rich.console import Console; "
     "from kvpilot.doctor.diagnose import diagnose; from kvpilot.doctor.probe import check_endpoint, probe_endpoint; "
