@@ -57,6 +57,16 @@ def second_wave_alone(reference_llm, corpus_ids) -> list[list[int]]:
     return run_alone(reference_llm, prefix_waves(corpus_ids)[1])
 
 
+def generate_with_steps(llm: LLM, prompts, params: SamplingParams = GREEDY):
+    """(llm.generate's outputs, the StepStats of every step it ran)."""
+    steps = []
+    llm.engine.on_step = steps.append
+    try:
+        return llm.generate(prompts, params), steps
+    finally:
+        llm.engine.on_step = None
+
+
 def assert_no_leak(llm: LLM) -> None:
     """Idle engine: invariants hold and no block is still in use."""
     scheduler = llm.engine.scheduler

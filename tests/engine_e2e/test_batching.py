@@ -6,23 +6,14 @@ from __future__ import annotations
 import pytest
 
 from kvpilot import LLM, SamplingParams
-from tests.engine_e2e.conftest import GREEDY, assert_no_leak, prefix_waves
+from tests.engine_e2e.conftest import GREEDY, assert_no_leak, generate_with_steps, prefix_waves
 
 pytestmark = pytest.mark.slow
 
 
-def _generate(llm: LLM, prompts, params=GREEDY):
-    steps = []
-    llm.engine.on_step = steps.append
-    try:
-        return llm.generate(prompts, params), steps
-    finally:
-        llm.engine.on_step = None
-
-
 def test_32_concurrent_mixed_lengths(llm_fp32, mixed_prompts, mixed_alone):
     llm = LLM(loaded=llm_fp32.loaded, enable_prefix_caching=False, kv_cache_memory="256MiB", max_model_len=2048)
-    outputs, steps = _generate(llm, mixed_prompts)
+    outputs, steps = generate_with_steps(llm, mixed_prompts)
     assert [o.outputs[0].token_ids for o in outputs] == mixed_alone
     assert max(s.num_scheduled_seqs for s in steps) == 32  # all 32 really ran in one batch
     assert_no_leak(llm)
@@ -31,7 +22,7 @@ def test_32_concurrent_mixed_lengths(llm_fp32, mixed_prompts, mixed_alone):
 def test_chunked_prefill_with_small_budget(llm_fp32, mixed_prompts, mixed_alone):
     llm = LLM(loaded=llm_fp32.loaded, enable_prefix_caching=False, kv_cache_memory="256MiB", max_model_len=2048,
               max_num_batched_tokens=64, max_num_seqs=32)
-    outputs, steps = _generate(llm, mixed_prompts)
+    outputs, steps = generate_with_steps(llm, mixed_prompts)
     assert [o.outputs[0].token_ids for o in outputs] == mixed_alone
     assert max(s.num_batched_tokens for s in steps) == 64
     assert any(s.num_decode_tokens and s.num_prefill_tokens for s in steps)  # decodes ran beside prefill chunks

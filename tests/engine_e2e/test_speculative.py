@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from kvpilot import LLM, SamplingParams
-from tests.engine_e2e.conftest import GREEDY, assert_no_leak, prefix_waves, run_alone
+from tests.engine_e2e.conftest import GREEDY, assert_no_leak, generate_with_steps, prefix_waves, run_alone
 from tests.model.reference import PARAGRAPH, long_text
 
 pytestmark = pytest.mark.slow
@@ -29,15 +29,6 @@ def _spec_llm(llm_fp32: LLM, *, always: bool = True, num_drafts: int = 4, **sett
     return llm
 
 
-def _generate(llm: LLM, prompts, params=GREEDY):
-    steps = []
-    llm.engine.on_step = steps.append
-    try:
-        return llm.generate(prompts, params), steps
-    finally:
-        llm.engine.on_step = None
-
-
 @pytest.fixture(scope="module")
 def sections_plain(reference_llm):
     """SECTIONS_PROMPT's 32 greedy tokens without speculation (and the text of them)."""
@@ -50,10 +41,10 @@ def test_a_copying_prompt_accepts_drafts_and_matches_plain_decoding(llm_fp32, se
     want = sections_plain.token_ids
     # the cost model as shipped: a lone stream starts out speculating (what it keeps doing depends on timings)
     shipped = _spec_llm(llm_fp32, always=False, kv_cache_memory="256MiB", max_model_len=2048)
-    (output,), _ = _generate(shipped, [SECTIONS_PROMPT], params)
+    (output,), _ = generate_with_steps(shipped, [SECTIONS_PROMPT], params)
     assert output.outputs[0].token_ids == want and output.metrics.num_drafts > 0
     llm = _spec_llm(llm_fp32, kv_cache_memory="256MiB", max_model_len=2048)
-    (output,), steps = _generate(llm, [SECTIONS_PROMPT], params)
+    (output,), steps = generate_with_steps(llm, [SECTIONS_PROMPT], params)
     assert output.outputs[0].token_ids == want
     metrics = output.metrics
     assert metrics.num_accepted_tokens > 16 and metrics.draft_acceptance_rate > 0.5
@@ -71,7 +62,7 @@ def test_a_copying_prompt_accepts_drafts_and_matches_plain_decoding(llm_fp32, se
 def test_32_concurrent_mixed_lengths(llm_fp32, mixed_prompts, mixed_alone):
     llm = _spec_llm(llm_fp32, num_drafts=2, enable_prefix_caching=False, kv_cache_memory="256MiB",
                     max_model_len=2048)
-    outputs, steps = _generate(llm, mixed_prompts)
+    outputs, steps = generate_with_steps(llm, mixed_prompts)
     assert [o.outputs[0].token_ids for o in outputs] == mixed_alone
     assert max(s.num_drafts for s in steps) > 8  # many requests verified drafts in one step
     assert sum(o.metrics.num_accepted_tokens for o in outputs) > 0
@@ -81,7 +72,7 @@ def test_32_concurrent_mixed_lengths(llm_fp32, mixed_prompts, mixed_alone):
 def test_chunked_prefill_with_small_budget(llm_fp32, mixed_prompts, mixed_alone):
     llm = _spec_llm(llm_fp32, num_drafts=2, enable_prefix_caching=False, kv_cache_memory="256MiB",
                     max_model_len=2048, max_num_batched_tokens=64, max_num_seqs=16)
-    outputs, steps = _generate(llm, mixed_prompts[:16])
+    outputs, steps = generate_with_steps(llm, mixed_prompts[:16])
     assert [o.outputs[0].token_ids for o in outputs] == mixed_alone[:16]
     assert max(s.num_batched_tokens for s in steps) <= 64
     assert any(s.num_drafts and s.num_prefill_tokens for s in steps)  # verifications beside prompt chunks
@@ -118,7 +109,7 @@ def test_stops_inside_accepted_drafts_cut_where_plain_decoding_does(llm_fp32, re
              SamplingParams(temperature=0, max_tokens=21, ignore_eos=True)]
     for params in cases:
         want = reference_llm.generate([SECTIONS_PROMPT], params)[0].outputs[0]
-        (got,), steps = _generate(llm, [SECTIONS_PROMPT], params)
+        (got,), steps = generate_with_steps(llm, [SECTIONS_PROMPT], params)
         completion = got.outputs[0]
         assert (completion.token_ids, completion.text, completion.finish_reason, completion.stop_reason) == \
             (want.token_ids, want.text, want.finish_reason, want.stop_reason), params
@@ -133,7 +124,7 @@ def test_seeded_sampling_gives_the_same_tokens(llm_fp32, reference_llm):
     llm = _spec_llm(llm_fp32, kv_cache_memory="256MiB", max_model_len=2048)
     params = [SamplingParams(temperature=t, top_p=p, seed=s, max_tokens=24, ignore_eos=True)
               for t, p, s in ((0.8, 0.95, 1), (0.3, 1.0, 2), (1.0, 0.9, 3))]
-    outputs, steps = _generate(llm, [COPY_PROMPT] * 3, params)
+    outputs, steps = generate_with_steps(llm, [COPY_PROMPT] * 3, params)
     assert [o.outputs[0].token_ids for o in outputs] == \
         [run_alone(reference_llm, [COPY_PROMPT], p)[0] for p in params]
     assert sum(s.num_accepted_tokens for s in steps) > 0
