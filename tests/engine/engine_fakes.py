@@ -78,6 +78,9 @@ class FakePagedModel:
         self.slots: dict[int, tuple[int, int]] = {}
         self.rows: dict[str, _FakeRow] = {}
         self.num_steps = 0
+        # KV offload tiers, as the runner keeps them: slot -> the block's slots' contents (None: never written)
+        self.host: dict[int, list[tuple[int, int] | None]] = {}
+        self.disk: dict[int, list[tuple[int, int] | None]] = {}
 
     def _slot(self, block_ids: list[int], position: int) -> int:
         if position // self.block_size >= len(block_ids):
@@ -99,8 +102,34 @@ class FakePagedModel:
                                      f"{running.num_computed_tokens}")
             row.block_ids.extend(running.new_block_ids)
 
+    def _block(self, block_id: int) -> list[tuple[int, int] | None]:
+        return [self.slots.get(block_id * self.block_size + i) for i in range(self.block_size)]
+
+    def _write_block(self, block_id: int, contents: list[tuple[int, int] | None]) -> None:
+        for i, content in enumerate(contents):
+            slot = block_id * self.block_size + i
+            if content is None:
+                self.slots.pop(slot, None)
+            else:
+                self.slots[slot] = content
+
+    def _copy(self, output: SchedulerOutput) -> None:
+        """The step's offload copy orders, in the runner's order, each list read before it is written (as a
+        batched copy does: engine/kv_offload.py says why no list reads what it writes)."""
+        orders = output.offload
+        if orders is None:
+            return
+        self.disk.update({d: list(self.host[h]) for h, d in orders.demotes})
+        self.host.update({slot: self._block(block) for block, slot in orders.saves})
+        self.disk.update({slot: self._block(block) for block, slot in orders.disk_saves})
+        loads = [(block, self.host[slot]) for slot, block in orders.loads] + \
+            [(block, self.disk[slot]) for slot, block in orders.disk_loads]
+        for block, contents in loads:
+            self._write_block(block, list(contents))
+
     def run(self, output: SchedulerOutput) -> dict[str, int]:
         self.num_steps += 1
+        self._copy(output)
         self._apply_diff(output)
         for chunk in output.chunks:
             row = self.rows[chunk.request_id]
@@ -158,9 +187,12 @@ def make_scheduler(
     hash_fn: HashFn = chained_block_hash,
     enable_kv_cache_events: bool = False,
     sliding_window: int | None = None,
+    num_offload_blocks: int = 0,
+    num_disk_offload_blocks: int = 0,
 ) -> Scheduler:
     cache = CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching,
-                        enable_kv_cache_events=enable_kv_cache_events, sliding_window=sliding_window)
+                        enable_kv_cache_events=enable_kv_cache_events, sliding_window=sliding_window,
+                        num_offload_blocks=num_offload_blocks, num_disk_offload_blocks=num_disk_offload_blocks)
     sched = SchedulerConfig(
         max_model_len=max_model_len or block_size * num_blocks,
         max_num_seqs=max_num_seqs,

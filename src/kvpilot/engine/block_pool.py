@@ -54,11 +54,13 @@ class BlockPool:
     """
 
     def __init__(self, num_blocks: int, *, hash_fn: HashFn = chained_block_hash,
-                 events: KVEventLog | None = None) -> None:
-        """`events`, when given, records every block that gains or loses a cached hash (kv_events.py)."""
+                 events: KVEventLog | None = None, on_evict: Callable[[KVBlock], None] | None = None) -> None:
+        """`events`, when given, records every block that gains or loses a cached hash (kv_events.py);
+        `on_evict` sees each cached block just before its hash is dropped to reuse it (KV offload saves it)."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.events = events
+        self.on_evict = on_evict
         self.blocks = [KVBlock(block_id=i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.hash_fn = hash_fn
@@ -162,6 +164,8 @@ class BlockPool:
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is None:
             return
+        if self.on_evict is not None:
+            self.on_evict(block)
         del self._cached[block.block_hash]
         if self.events is not None:
             self.events.removed(block.block_hash)

@@ -44,6 +44,10 @@ class CacheConfig:
     request's blocks that lie wholly before that window (kv_manager.py). A model with any full-attention
     layer (Gemma 2/3, gpt-oss interleave) passes None: one pool shared by all layers cannot free a block a
     full layer still reads (that needs a pool per layer group).
+
+    KV offload (kv_offload.py): num_offload_blocks > 0 keeps evicted prefix blocks in a host-memory tier of that
+    many blocks, num_disk_offload_blocks > 0 in a local-disk tier below it (only with a host tier). Both need
+    prefix caching (a tier is keyed by block hashes); the KV manager ignores them under a sliding window.
     """
 
     num_blocks: int
@@ -51,6 +55,8 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     enable_kv_cache_events: bool = False
     sliding_window: int | None = None
+    num_offload_blocks: int = 0
+    num_disk_offload_blocks: int = 0
 
     def __post_init__(self) -> None:
         _require_int("block_size", self.block_size, 1)
@@ -64,6 +70,18 @@ class CacheConfig:
             raise EngineConfigError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         if self.sliding_window is not None:
             _require_int("sliding_window", self.sliding_window, 1)
+        _require_int("num_offload_blocks", self.num_offload_blocks, 0)
+        _require_int("num_disk_offload_blocks", self.num_disk_offload_blocks, 0)
+        if self.num_disk_offload_blocks and not self.num_offload_blocks:
+            raise EngineConfigError("a disk offload tier sits below the host tier: give kv_offloading_size too")
+        if self.num_offload_blocks and not self.enable_prefix_caching:
+            raise EngineConfigError("KV offload keeps prefix blocks by their hashes: it needs prefix caching "
+                                    "(drop --no-enable-prefix-caching, or kv_offloading_size)")
+
+    @property
+    def offload_enabled(self) -> bool:
+        """Whether evicted prefix blocks go to an offload tier (never under a sliding window: kv_manager.py)."""
+        return self.num_offload_blocks > 0 and self.enable_prefix_caching and self.sliding_window is None
 
     @property
     def num_tokens(self) -> int:

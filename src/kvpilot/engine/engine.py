@@ -215,7 +215,8 @@ class LLMEngine:
         started = self.clock()
         self._failures.before_schedule()
         scheduled = self._failures.prepare(self.scheduler.schedule())
-        if not (scheduled.chunks or scheduled.finished_request_ids or scheduled.preempted_request_ids):
+        if not (scheduled.chunks or scheduled.finished_request_ids or scheduled.preempted_request_ids
+                or scheduled.offload):
             return None
         try:
             handle = self.runner.execute_model(scheduled)  # also releases finished requests' runner state

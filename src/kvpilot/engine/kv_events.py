@@ -4,7 +4,10 @@ An external router (llm-d's KV-cache indexer, a Ray Serve request router) subscr
 replica already has a prompt's leading blocks. The block pool records an event when it registers a full
 block for prefix reuse (BlockStored) and when such a block loses its hash (BlockRemoved: evicted for new
 data, or dropped by a prefix-cache reset). Replaying the events in order gives exactly the pool's set of
-cached hashes. Hashes are the pool's own chained block hashes (block_pool.chained_block_hash: sha256 of the
+cached hashes. With KV offload (kv_offload.py) the tiers record theirs too, each event naming where the block
+is in vLLM's `medium` field: "GPU" for the pool's own blocks (vLLM's name for its primary tier, on a CPU engine
+too), "CPU" for the host-memory tier, "DISK" for the local-disk tier; replaying one medium's events gives that
+tier's hashes. Hashes are the pool's own chained block hashes (block_pool.chained_block_hash: sha256 of the
 parent hash and the token ids), equal across processes and restarts.
 
 Torch- and transport-free: the engine core drains the log after each step and a publisher (server/) sends it.
@@ -13,6 +16,8 @@ Torch- and transport-free: the engine core drains the log after each step and a 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+POOL_MEDIUM = "GPU"
 
 
 @dataclass(slots=True)
@@ -25,13 +30,15 @@ class BlockStored:
     parent_block_hash: int | None
     token_ids: list[int]
     block_size: int
+    medium: str = POOL_MEDIUM
 
 
 @dataclass(slots=True)
 class BlockRemoved:
-    """These blocks no longer hold a reusable prefix."""
+    """These blocks no longer hold a reusable prefix (in `medium`)."""
 
     block_hashes: list[int]
+    medium: str = POOL_MEDIUM
 
 
 @dataclass(slots=True)
@@ -45,25 +52,28 @@ KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
 @dataclass
 class KVEventLog:
     """Events in the order they happened, merged where that keeps them equivalent: a stored block whose parent
-    is the last block of the previous BlockStored extends it; removals in a row become one BlockRemoved."""
+    is the last block of the previous BlockStored of the same medium extends it; removals in a row from one
+    medium become one BlockRemoved."""
 
     block_size: int
     events: list[KVCacheEvent] = field(default_factory=list)
 
-    def stored(self, block_hash: int, parent_hash: int | None, token_ids: tuple[int, ...]) -> None:
+    def stored(self, block_hash: int, parent_hash: int | None, token_ids: tuple[int, ...],
+               medium: str = POOL_MEDIUM) -> None:
         last = self.events[-1] if self.events else None
-        if isinstance(last, BlockStored) and parent_hash is not None and last.block_hashes[-1] == parent_hash:
+        if isinstance(last, BlockStored) and parent_hash is not None and last.block_hashes[-1] == parent_hash \
+                and last.medium == medium:
             last.block_hashes.append(block_hash)
             last.token_ids.extend(token_ids)
             return
-        self.events.append(BlockStored([block_hash], parent_hash, list(token_ids), self.block_size))
+        self.events.append(BlockStored([block_hash], parent_hash, list(token_ids), self.block_size, medium))
 
-    def removed(self, block_hash: int) -> None:
+    def removed(self, block_hash: int, medium: str = POOL_MEDIUM) -> None:
         last = self.events[-1] if self.events else None
-        if isinstance(last, BlockRemoved):
+        if isinstance(last, BlockRemoved) and last.medium == medium:
             last.block_hashes.append(block_hash)
             return
-        self.events.append(BlockRemoved([block_hash]))
+        self.events.append(BlockRemoved([block_hash], medium))
 
     def take(self) -> list[KVCacheEvent]:
         """The events since the last take, oldest first; the log is empty afterwards."""

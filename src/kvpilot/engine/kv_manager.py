@@ -33,6 +33,7 @@ from kvpilot.engine.block_pool import (
 from kvpilot.engine.config import CacheConfig, cdiv
 from kvpilot.engine.kv_block import KVBlock
 from kvpilot.engine.kv_events import KVEventLog
+from kvpilot.engine.kv_offload import OffloadOrders, OffloadTiers, TierHit
 from kvpilot.engine.request import Request
 
 # The block id a request's table holds where a block fell out of its sliding window (module docstring).
@@ -44,16 +45,24 @@ class PrefixHit:
     """Result of a prefix-cache lookup: the leading cached blocks and the tokens they cover (a block multiple).
 
     With a sliding window the leading entries may be None: blocks wholly before the window of the first
-    token to compute, which the request never reads (placeholders, NULL_BLOCK_ID in block_ids).
+    token to compute, which the request never reads (placeholders, NULL_BLOCK_ID in block_ids). With KV
+    offload, `tier_hits` lists (index, TierHit) for the blocks found in an offload tier instead of the pool
+    (None in `blocks` until allocate_slots loads them into new pool blocks); they count in num_tokens.
     """
 
     blocks: tuple[KVBlock | None, ...] = ()
     num_tokens: int = 0
     num_query_tokens: int = 0
+    tier_hits: tuple[tuple[int, TierHit], ...] = ()
 
     @property
     def block_ids(self) -> list[int]:
+        """The pool blocks' ids (NULL_BLOCK_ID for placeholders and for blocks still in a tier)."""
         return [NULL_BLOCK_ID if b is None else b.block_id for b in self.blocks]
+
+    @property
+    def num_tier_blocks(self) -> int:
+        return len(self.tier_hits)
 
 
 @dataclass
@@ -92,8 +101,13 @@ class KVCacheManager:
         self.sliding_window = cache_config.sliding_window
         self.enable_prefix_caching = cache_config.enable_prefix_caching
         events = KVEventLog(cache_config.block_size) if cache_config.enable_kv_cache_events else None
-        self.pool = BlockPool(cache_config.num_blocks, hash_fn=hash_fn, events=events)
-        self.prefix_stats = PrefixCacheStats()
+        # KV offload (kv_offload.py): evicted prefix blocks are saved to a host tier, found there by later hits
+        self.offload = OffloadTiers(cache_config.num_offload_blocks, cache_config.num_disk_offload_blocks,
+                                    events) if cache_config.offload_enabled else None
+        self.pool = BlockPool(cache_config.num_blocks, hash_fn=hash_fn, events=events,
+                              on_evict=self._save_evicted if self.offload is not None else None)
+        self.prefix_stats = PrefixCacheStats()  # the pool's own hits
+        self.offload_prefix_stats = PrefixCacheStats()  # hits copied back from an offload tier
         self._tables: dict[str, _Table] = {}
 
     @property
@@ -123,15 +137,21 @@ class KVCacheManager:
         if self.sliding_window is not None:
             hit = self._windowed_hit(request, hashes[:max_blocks])
             return PrefixHit(tuple(hit), len(hit) * self.block_size, request.num_tokens)
-        found: list[KVBlock] = []
+        found: list[KVBlock | None] = []
+        tier_hits: list[tuple[int, TierHit]] = []
         parent = ROOT_PARENT_HASH
+        offload = self.offload
         for i, block_hash in enumerate(hashes[:max_blocks]):
-            block = self.pool.lookup(block_hash, parent, self._block_tokens(request, i))
-            if block is None:
-                break
+            tokens = self._block_tokens(request, i)
+            block = self.pool.lookup(block_hash, parent, tokens)
+            if block is None:  # with offload: maybe in a tier, to be copied back (allocate_slots)
+                tier_hit = offload.lookup(block_hash, parent, tokens) if offload is not None else None
+                if tier_hit is None:
+                    break
+                tier_hits.append((i, tier_hit))
             found.append(block)
             parent = block_hash
-        return PrefixHit(tuple(found), len(found) * self.block_size, request.num_tokens)
+        return PrefixHit(tuple(found), len(found) * self.block_size, request.num_tokens, tuple(tier_hits))
 
     def _windowed_hit(self, request: Request, hashes: list[int]) -> list[KVBlock | None]:
         """The longest hit of n blocks whose window blocks, [num_outside_window(n * block_size), n), are all
@@ -178,7 +198,8 @@ class KVCacheManager:
             return []  # the common decode step: the last block still has room
         if self.sliding_window is not None and len(table.blocks) > table.num_null_blocks:
             self._release_outside_window(request, table)
-        hit = prefix_hit.blocks if prefix_hit is not None else ()
+        hit = list(prefix_hit.blocks) if prefix_hit is not None else []
+        tier_hits = prefix_hit.tier_hits if prefix_hit is not None else ()
         num_hit_tokens = prefix_hit.num_tokens if prefix_hit is not None else 0
         total_tokens = request.num_computed_tokens + num_hit_tokens + num_new_tokens
         num_new_blocks = max(0, cdiv(total_tokens, self.block_size) - len(table.blocks) - len(hit))
@@ -186,24 +207,57 @@ class KVCacheManager:
             return []  # the common decode step: the last block still has room
         held = [b for b in hit if b is not None]  # a windowed hit leads with placeholders
         num_revived = sum(1 for b in held if b.ref_cnt == 0)  # these leave the free queue when touched
-        if num_new_blocks > self.pool.num_free_blocks - num_revived:
+        if num_new_blocks + len(tier_hits) > self.pool.num_free_blocks - num_revived:
             return None
         self._tables[request.request_id] = table
         self.pool.touch(held)
+        table.num_null_blocks += len(hit) - len(held) - len(tier_hits)  # a hit only ever starts an empty table
+        if tier_hits:
+            self._load_tier_hits(hit, tier_hits)
         new_blocks = self.pool.allocate(num_new_blocks)
-        table.num_null_blocks += len(hit) - len(held)  # a hit only ever starts an empty table
         table.blocks.extend(hit)
         table.blocks.extend(new_blocks)
         table.num_cached_blocks = max(table.num_cached_blocks, len(hit))
         if prefix_hit is not None and self.enable_prefix_caching:
-            self.prefix_stats.num_queries += prefix_hit.num_query_tokens
-            self.prefix_stats.num_hits += num_hit_tokens
+            self._count_hit(prefix_hit)
         new_ids = [b.block_id for b in new_blocks]
         # in place: O(new blocks), not a copy of the whole table every time a decode crosses a block boundary
         if prefix_hit is not None:
-            request.block_ids.extend(prefix_hit.block_ids)
+            request.block_ids.extend(NULL_BLOCK_ID if b is None else b.block_id for b in hit)
         request.block_ids.extend(new_ids)
         return new_ids
+
+    def _load_tier_hits(self, hit: list[KVBlock | None], tier_hits: tuple[tuple[int, TierHit], ...]) -> None:
+        """Allocates a pool block for each block of the hit found in an offload tier, orders its K/V copied
+        back and registers it under its hash at once (the copy runs before this step's forward, and any later
+        reader's step after it), filling `hit` in place. The tier entries are pinned first, so the saves these
+        allocations cause never evict them."""
+        assert self.offload is not None
+        for _, tier_hit in tier_hits:
+            self.offload.pin(tier_hit)
+        for (index, tier_hit), block in zip(tier_hits, self.pool.allocate(len(tier_hits))):
+            self.offload.load(tier_hit, block.block_id)
+            self.pool.cache_block(block, tier_hit.block_hash, tier_hit.parent_hash, tier_hit.token_ids)
+            hit[index] = block
+
+    def _count_hit(self, prefix_hit: PrefixHit) -> None:
+        """vLLM's counters, in tokens: prefix_cache_queries/_hits for the pool, and with offload
+        external_prefix_cache_queries/_hits for the tiers (every admission queries both)."""
+        num_tier_tokens = prefix_hit.num_tier_blocks * self.block_size
+        self.prefix_stats.num_queries += prefix_hit.num_query_tokens
+        self.prefix_stats.num_hits += prefix_hit.num_tokens - num_tier_tokens
+        if self.offload is not None:
+            self.offload_prefix_stats.num_queries += prefix_hit.num_query_tokens
+            self.offload_prefix_stats.num_hits += num_tier_tokens
+
+    def _save_evicted(self, block: KVBlock) -> None:
+        """The pool's eviction hook: the cached block is about to be reused, so its K/V goes to the host tier."""
+        assert self.offload is not None and block.block_hash is not None and block.parent_hash is not None
+        self.offload.save(block.block_id, block.block_hash, block.parent_hash, block.token_ids)
+
+    def take_offload_orders(self) -> OffloadOrders | None:
+        """The copy orders of the step being scheduled (None without offload or when nothing moved)."""
+        return self.offload.take_orders() if self.offload is not None else None
 
     def _release_outside_window(self, request: Request, table: _Table) -> None:
         """Put placeholders where the table's blocks lie wholly before the window of the request's next
@@ -274,6 +328,8 @@ class KVCacheManager:
     def check_integrity(self, requests: list[Request] | None = None) -> None:
         """Pool invariants, plus: ref counts equal table references, and given requests mirror their tables."""
         self.pool.check_integrity()
+        if self.offload is not None:
+            self.offload.check_integrity()
         refs = [0] * self.pool.num_blocks
         for table in self._tables.values():
             for block in table.blocks:

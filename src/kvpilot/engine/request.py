@@ -79,6 +79,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_output_placeholders = 0
         self.num_cached_tokens = 0
+        self.num_tier_cached_tokens = 0  # of num_cached_tokens, those copied back from a KV offload tier
         self.block_ids: list[int] = []
         # Chained hashes of the full blocks of all_token_ids, extended by the KV manager as tokens arrive
         # (tokens are only appended, so they never go stale).
@@ -155,6 +156,7 @@ class Request:
             request_id=self.request_id,
             num_prompt_tokens=self.num_prompt_tokens,
             num_cached_tokens=self.num_cached_tokens,
+            num_tier_cached_tokens=self.num_tier_cached_tokens,
             num_preemptions=self.num_preemptions,
             finish_reason=reason.value if reason else None,
             num_drafts=self.num_drafts,

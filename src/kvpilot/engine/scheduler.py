@@ -29,7 +29,7 @@ from kvpilot.engine.request_queue import make_request_queue
 from kvpilot.engine.scheduler_output import (NewRequestData, RequestUpdate, RunningRequestData, ScheduledChunk,
                                              SchedulerOutput)
 from kvpilot.engine.scheduler_integrity import check_scheduler_integrity
-from kvpilot.engine.scheduler_stats import SchedulerStats
+from kvpilot.engine.scheduler_stats import SchedulerStats, offload_stats
 from kvpilot.engine.speculator import Speculator
 from kvpilot.engine.step_builder import StepBuilder
 
@@ -203,7 +203,7 @@ class Scheduler:
             if self.kv.allocate_slots(request, num_new, hit) is None:
                 break  # head-of-line: admitting a later request first would starve this one
             self._waiting.pop()
-            self._admit(request, hit.num_tokens)
+            self._admit(request, hit.num_tokens, hit.num_tier_blocks * self.kv.block_size)
             step.add(request, self._chunk(request, num_new), 0, admitted=True)
 
     @staticmethod
@@ -238,7 +238,8 @@ class Scheduler:
         return SchedulerOutput(chunks=chunks, new_requests=new, running_requests=running,
                                preempted_request_ids=preempted_ids, finished_request_ids=finished_ids,
                                num_batched_tokens=step.num_tokens, num_sampled=num_sampled,
-                               draft_token_ids=step.drafts, trimmed_tables=trimmed if trimmed else {})
+                               draft_token_ids=step.drafts, trimmed_tables=trimmed if trimmed else {},
+                               offload=self.kv.take_offload_orders())
 
     # ---- after the model ran -------------------------------------------------------------------------
 
@@ -373,7 +374,7 @@ class Scheduler:
             self._preempt(victim)
             preempted.append(victim)
         self._waiting.remove(request)
-        self._admit(request, hit.num_tokens)
+        self._admit(request, hit.num_tokens, hit.num_tier_blocks * self.kv.block_size)
         step.add(request, self._chunk(request, num_new), 0, admitted=True)
         return preempted
 
@@ -385,13 +386,15 @@ class Scheduler:
             return (request.priority, order)
         return (order,)
 
-    def _admit(self, request: Request, num_hit_tokens: int) -> None:
+    def _admit(self, request: Request, num_hit_tokens: int, num_tier_tokens: int = 0) -> None:
+        """num_hit_tokens: the prefix hit, of which num_tier_tokens copied back from an offload tier."""
         now = self.clock()
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_hit_tokens
         if request.timeline.first_scheduled is None:
             request.timeline.first_scheduled = now
             request.num_cached_tokens = num_hit_tokens
+            request.num_tier_cached_tokens = num_tier_tokens
         else:
             request.timeline.resumed_times.append(now)
         bisect.insort(self._running, request, key=self._key)
@@ -427,6 +430,7 @@ class Scheduler:
 
     def make_stats(self) -> SchedulerStats:
         counts = self.kv.block_counts()
+        offload = self.kv.offload
         return SchedulerStats(
             num_running=len(self._running),
             num_waiting=len(self._waiting),
@@ -438,6 +442,7 @@ class Scheduler:
             num_cached_blocks=counts.num_cached,
             num_used_blocks=counts.num_used,
             num_total_blocks=counts.num_total,
+            **(offload_stats(self.kv) if offload is not None else {}),
         )
 
     def check_integrity(self) -> None:

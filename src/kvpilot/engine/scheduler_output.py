@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvpilot.engine.kv_offload import OffloadOrders
 from kvpilot.engine.request import FinishReason
 from kvpilot.sampling_params import SamplingParams
 
@@ -78,6 +79,10 @@ class SchedulerOutput:
     True, and the runner verifies the drafts (RunnerOutput.verified_token_ids). trimmed_tables maps a request
     whose block table the KV manager cut after rejected drafts to the blocks it kept: the runner cuts its row
     to that many before appending this step's new blocks.
+
+    KV offload: `offload` carries the step's copy orders between the pool and the offload tiers
+    (engine/kv_offload.py: saves of blocks about to be reused, loads of blocks a prefix hit found in a tier);
+    the runner executes them before anything else of the step (None: nothing to copy).
     """
 
     chunks: list[ScheduledChunk]
@@ -91,6 +96,7 @@ class SchedulerOutput:
     num_sampled: int = -1
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     trimmed_tables: dict[str, int] = field(default_factory=dict)
+    offload: OffloadOrders | None = None
 
     def __post_init__(self) -> None:
         if self.num_batched_tokens < 0:

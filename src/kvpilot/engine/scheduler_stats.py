@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvpilot.engine.kv_manager import KVCacheManager
 
 
 @dataclass(frozen=True)
@@ -11,6 +15,11 @@ class SchedulerStats:
 
     Invariants: num_free_blocks + num_cached_blocks + num_used_blocks == num_total_blocks;
     0 <= kv_cache_usage <= 1; prefix_cache_hits <= prefix_cache_queries (both in tokens, like vLLM).
+
+    KV offload (engine/kv_offload.py; all 0 without it): offload_prefix_cache_queries / _hits count, in tokens,
+    the prefix hits copied back from an offload tier (vLLM's external_prefix_cache_queries / _hits; the pool's
+    own hits stay in prefix_cache_hits); the tiers' sizes and fill in blocks; cumulative block copies: saved to
+    the host tier, loaded back from it, demoted to the disk tier, loaded back from disk, and saves dropped.
     """
 
     num_running: int
@@ -23,7 +32,34 @@ class SchedulerStats:
     num_cached_blocks: int
     num_used_blocks: int
     num_total_blocks: int
+    offload_prefix_cache_queries: int = 0
+    offload_prefix_cache_hits: int = 0
+    num_offload_blocks: int = 0
+    num_offload_used_blocks: int = 0
+    num_disk_offload_blocks: int = 0
+    num_disk_offload_used_blocks: int = 0
+    num_offload_saved_blocks: int = 0
+    num_offload_loaded_blocks: int = 0
+    num_offload_demoted_blocks: int = 0
+    num_offload_disk_loaded_blocks: int = 0
+    num_offload_dropped_blocks: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+def offload_stats(kv: KVCacheManager) -> dict[str, Any]:
+    """The offload fields of SchedulerStats for a KV manager with offload tiers."""
+    tiers = kv.offload
+    assert tiers is not None
+    traffic, disk = tiers.stats, tiers.disk
+    return dict(offload_prefix_cache_queries=kv.offload_prefix_stats.num_queries,
+                offload_prefix_cache_hits=kv.offload_prefix_stats.num_hits,
+                num_offload_blocks=tiers.host.num_slots, num_offload_used_blocks=len(tiers.host),
+                num_disk_offload_blocks=disk.num_slots if disk is not None else 0,
+                num_disk_offload_used_blocks=len(disk) if disk is not None else 0,
+                num_offload_saved_blocks=traffic.num_saved, num_offload_loaded_blocks=traffic.num_loaded,
+                num_offload_demoted_blocks=traffic.num_demoted,
+                num_offload_disk_loaded_blocks=traffic.num_disk_loaded,
+                num_offload_dropped_blocks=traffic.num_dropped)

@@ -48,7 +48,8 @@ class RequestMetrics:
     Speculative decoding: num_drafts verifications of num_draft_tokens drafts, num_accepted_tokens of them
     accepted by the target (all 0 without speculation), draft_time the seconds spent computing its drafts
     (n-gram lookups; a draft model's steps, each counted whole for every request it drafted for); tokens
-    accepted in one step share its stamp.
+    accepted in one step share its stamp. num_tier_cached_tokens: of num_cached_tokens (the prefix hit at
+    first admission), those copied back from a KV offload tier rather than found in the pool.
     """
 
     request_id: str
@@ -68,6 +69,7 @@ class RequestMetrics:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     draft_time: float = 0.0
+    num_tier_cached_tokens: int = 0
 
     @property
     def draft_acceptance_rate(self) -> float | None:
@@ -84,6 +86,7 @@ class RequestMetrics:
         num_cached_tokens: int,
         num_preemptions: int,
         finish_reason: str | None,
+        num_tier_cached_tokens: int = 0,
         num_drafts: int = 0,
         num_draft_tokens: int = 0,
         num_accepted_tokens: int = 0,
@@ -110,4 +113,5 @@ class RequestMetrics:
             num_draft_tokens=num_draft_tokens,
             num_accepted_tokens=num_accepted_tokens,
             draft_time=draft_time,
+            num_tier_cached_tokens=num_tier_cached_tokens,
         )
