@@ -3,12 +3,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The ray extra: tests/ray start a local Ray cluster (replicas, prefix routing, lanes).
-bash scripts/install.sh test,ray
+# The test-gpu extra: with a CPU build of torch the Triton kernel tests run in Triton's interpreter, which needs
+# triton (a ~200 MB wheel); a CUDA build of torch ships its own triton: leave it alone. One pip resolve for all.
 PY="${KVPILOT_VENV:-.venv}/bin/python"
-# The Triton kernel tests: with a CPU build of torch they run in Triton's interpreter, which needs the
-# test-gpu extra (triton, a ~200 MB wheel); a CUDA build of torch ships its own triton: leave it alone.
-if "$PY" -c "import sys, torch; sys.exit(0 if torch.version.cuda is None else 1)"; then
-    "$PY" -m pip install -q -e ".[test,test-gpu,ray]"
+EXTRAS="test,test-gpu,ray"
+if [ -x "$PY" ] && "$PY" -c "import torch" 2>/dev/null; then   # a torch already there decides
+    if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.version.cuda is None else 1)"; then EXTRAS="test,ray"; fi
+elif [ "$(bash scripts/install.sh --print-torch-plan)" = "cuda" ]; then
+    EXTRAS="test,ray"
 fi
+bash scripts/install.sh "$EXTRAS"
 bash scripts/install_chromium.sh   # headless Chromium for the bench HTML report test
-exec "${KVPILOT_VENV:-.venv}/bin/python" -m pytest "$@"
+exec "$PY" -m pytest "$@"

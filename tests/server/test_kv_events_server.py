@@ -1,12 +1,16 @@
-"""KV-cache events through the server: a ZMQ subscriber written against vLLM's wire format (its own msgspec
-types, as a router would declare them) decodes every batch, and replaying them gives the engine's own set of
-cached block hashes after a mixed workload with evictions. Hashes match ones computed from the prompt alone."""
+"""KV-cache events through the server, read by a subscriber written the way vLLM documents one
+(tests/server/vllm_kv_subscriber.py: its own copies of vLLM's msgspec types, a SUB socket and a replay socket),
+in both of vLLM's socket modes: the publisher binds a wildcard endpoint and the subscriber connects, or the
+subscriber binds and the publisher connects (llm-d's centralized KV-cache manager). Replaying the events gives
+the engine's own set of cached block hashes after a mixed workload with evictions; hashes match ones computed
+from the prompt alone. The subscriber then stops, the engine keeps publishing, and the restarted subscriber
+gets exactly the batches it missed from the replay socket, in order, and nothing else."""
 
 from __future__ import annotations
 
 import socket
-import threading
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -18,84 +22,28 @@ from kvpilot.engine.block_pool import ROOT_PARENT_HASH, chained_block_hash
 from kvpilot.engine.kv_events_config import KVEventsConfig
 from kvpilot.server import ServerArgs, create_app, engine_factory
 from kvpilot.server.background import BackgroundServer
+from kvpilot.server.core import kv_event_publisher
 from tests.model.reference import long_text
 from tests.server.conftest import server_engine_args
+from tests.server.vllm_kv_subscriber import Subscriber
 
 MODEL = "smollm2-kv-events"
-TOPIC = "kv-events"
+TOPIC = "kv@10.0.0.7@smollm2-kv-events"  # llm-d's topic: kv@<pod>@<model>
 
 
-# ---- a subscriber's view of the format: declared here, independently of kvpilot's publisher ------------------
-class Event(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    pass
+class _CountingPublisher(kv_event_publisher.ZmqKVEventPublisher):
+    """kvpilot's publisher, counting the batches the engine core queued (the test's view of "published")."""
 
+    instances: list[_CountingPublisher] = []
 
-class BlockStored(Event):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
+    def __init__(self, config: KVEventsConfig) -> None:
+        super().__init__(config)
+        self.num_queued = 0
+        self.instances.append(self)
 
-
-class BlockRemoved(Event):
-    block_hashes: list[int]
-    medium: str | None
-
-
-class AllBlocksCleared(Event):
-    pass
-
-
-class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-
-
-class Subscriber:
-    """Receives on a thread; `held` is the replayed set of cached hashes, `seqs` the sequence numbers seen."""
-
-    def __init__(self, endpoint: str) -> None:
-        self.context = zmq.Context()
-        self.socket = self.context.socket(zmq.SUB)
-        self.socket.setsockopt_string(zmq.SUBSCRIBE, TOPIC)
-        self.socket.connect(endpoint)
-        self.decoder = msgspec.msgpack.Decoder(KVEventBatch)
-        self.held: set[int] = set()
-        self.stored: list[BlockStored] = []
-        self.seqs: list[int] = []
-        self.num_removed = 0
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while not self.stop.is_set():
-            if not self.socket.poll(50):
-                continue
-            topic, seq, payload = self.socket.recv_multipart()
-            assert topic == TOPIC.encode()
-            self.seqs.append(int.from_bytes(seq, "big"))
-            for event in self.decoder.decode(payload).events:
-                self._apply(event)
-
-    def _apply(self, event: Event) -> None:
-        if isinstance(event, BlockStored):
-            assert event.medium == "GPU" and len(event.token_ids) == event.block_size * len(event.block_hashes)
-            self.stored.append(event)
-            self.held.update(event.block_hashes)
-        elif isinstance(event, BlockRemoved):
-            self.num_removed += len(event.block_hashes)
-            self.held.difference_update(event.block_hashes)
-        else:
-            self.held.clear()
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(5)
-        self.socket.close(linger=0)
-        self.context.term()
+    def publish(self, events) -> None:
+        self.num_queued += bool(events)
+        super().publish(events)
 
 
 def _free_port() -> int:
@@ -108,56 +56,135 @@ def _prompts() -> list[str]:
     words = long_text(3).split()
     shared = " ".join(words[:60])
     return [shared + " " + " ".join(words[60 + 7 * i: 60 + 7 * i + 20]) if i % 2 else " ".join(words[5 * i: 5 * i + 90])
-            for i in range(16)]
+            for i in range(17)]
 
 
-@pytest.mark.slow
-def test_replayed_events_equal_the_engines_cached_blocks(llm_fp32) -> None:
-    endpoint = f"tcp://127.0.0.1:{_free_port()}"
-    config = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint, topic=TOPIC)
+def _wait_until(condition: Callable[[], bool], timeout_s: float = 15) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return condition()
+
+
+def _complete(http: httpx.Client, prompts: list[str]) -> None:
+    bodies = [{"model": MODEL, "prompt": p, "max_tokens": 8, "temperature": 0} for p in prompts]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        assert all(r.status_code == 200 for r in pool.map(lambda b: http.post("/v1/completions", json=b), bodies))
+
+
+class _Witness:
+    """A plain SUB socket that never stops (bind mode only: a connecting publisher has one peer), keeping every
+    payload the PUB socket sent, by sequence number."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.SUB)
+        self.socket.setsockopt_string(zmq.SUBSCRIBE, TOPIC)
+        self.socket.connect(endpoint)
+        self.payloads: dict[int, bytes] = {}
+
+    def drain(self) -> dict[int, bytes]:
+        while self.socket.poll(200):
+            _, seq, payload = self.socket.recv_multipart()
+            self.payloads[int.from_bytes(seq, "big")] = payload
+        return self.payloads
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+        self.context.term()
+
+
+@pytest.fixture()
+def served(llm_fp32, monkeypatch, request) -> Iterator[tuple[str, KVEventsConfig, list, httpx.Client]]:
+    """A server publishing KV events in `request.param` mode ("bind" or "connect"), its engine core in a thread
+    (the test reads the engine's pool and the publisher): (subscriber endpoint, config, [engine], client)."""
+    port = _free_port()
+    binds = request.param == "bind"
+    endpoint = f"tcp://*:{port}" if binds else f"tcp://127.0.0.1:{port}"
+    config = KVEventsConfig.parse(msgspec.json.encode({
+        "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint,
+        "replay_endpoint": f"tcp://127.0.0.1:{_free_port()}", "buffer_steps": 1000, "topic": TOPIC}).decode())
+    assert config.binds == binds
+    monkeypatch.setattr(kv_event_publisher, "ZmqKVEventPublisher", _CountingPublisher)
+    _CountingPublisher.instances.clear()
     # 32 MiB holds 44 blocks of 16 tokens (float32): 16 prompts of ~100 tokens evict each other's blocks
     spec = engine_factory(server_engine_args(kv_cache_memory="32MiB", max_model_len=256, kv_events_config=config),
                           llm_fp32.loaded, warmup=False)
     built = []
 
-    def factory():  # the core runs in a thread here, so the test can read the engine's own pool at the end
+    def factory():
         built.append(spec())
         return built[-1]
 
     app = create_app(factory, ServerArgs(served_model_names=(MODEL,)))
-    subscriber = None
+    with BackgroundServer(app, timeout_s=120) as server, httpx.Client(base_url=server.url, timeout=120) as http:
+        yield f"tcp://127.0.0.1:{port}", config, built, http
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("served", ["bind", "connect"], indirect=True)
+def test_a_vllm_subscriber_tracks_the_engine_and_catches_up_after_a_restart(served, llm_fp32) -> None:
+    endpoint, config, built, http = served
+    publisher = _CountingPublisher.instances[0]
+    pool = built[0].engine.scheduler.kv.pool
+    witness = None if not config.binds else _Witness(endpoint)
+    subscriber = Subscriber(endpoint, config.replay_endpoint, TOPIC, bind=not config.binds)
+    restarted = None
     try:
-        with BackgroundServer(app, timeout_s=120) as server, httpx.Client(base_url=server.url, timeout=120) as http:
-            subscriber = Subscriber(endpoint.replace("127.0.0.1", "localhost"))
-            time.sleep(0.5)  # ZMQ's slow joiner: a subscription takes a moment to reach the publisher
-            bodies = [{"model": MODEL, "prompt": p, "max_tokens": 8, "temperature": 0} for p in _prompts()]
-            with ThreadPoolExecutor(max_workers=4) as pool:
-                assert all(r.status_code == 200 for r in pool.map(lambda b: http.post("/v1/completions", json=b),
-                                                                  bodies))
-            tokens = http.post("/v1/completions", json={"model": MODEL, "prompt": _prompts()[1], "max_tokens": 1,
-                                                        "temperature": 0}).json()["usage"]["prompt_tokens"]
-            deadline = time.monotonic() + 10
-            pool_hashes = built[0].engine.scheduler.kv.pool.cached_hashes
-            while subscriber.held != pool_hashes and time.monotonic() < deadline:
-                time.sleep(0.05)
-        assert subscriber.held == pool_hashes and pool_hashes
-        assert subscriber.num_removed > 0  # blocks were evicted and reported
-        assert subscriber.seqs == list(range(subscriber.seqs[0], subscriber.seqs[0] + len(subscriber.seqs)))
-        prompt_ids = llm_fp32.tokenizer.encode(_prompts()[1])
-        assert len(prompt_ids) == tokens
-        parent = ROOT_PARENT_HASH
-        first = chained_block_hash(parent, tuple(prompt_ids[:16]))
-        assert any(e.parent_block_hash is None and e.block_hashes[0] == first for e in subscriber.stored)
+        time.sleep(0.5)  # ZMQ's slow joiner: a subscription (or the publisher's connection) takes a moment
+        _complete(http, _prompts()[:8])
+        first_block = _first_block_hash(llm_fp32, http)
+        assert _wait_until(lambda: subscriber.held == pool.cached_hashes), subscriber.errors
+        assert pool.cached_hashes and not subscriber.errors
+        assert any(e.parent_block_hash is None and e.block_hashes[0] == first_block for e in subscriber.stored)
+
+        # The subscriber stops; the engine publishes meanwhile (with evictions).
+        last_seen, held = subscriber.next_seq - 1, set(subscriber.held)
+        subscriber.close()
+        _complete(http, _prompts()[8:16])
+        assert _wait_until(lambda: publisher.num_sent == publisher.num_queued)
+        missed = list(range(last_seen + 1, publisher.num_sent))
+        assert missed
+
+        # Restarted, it asks the replay socket for last_seen + 1 on: exactly the missed batches, in order.
+        restarted = Subscriber(endpoint, config.replay_endpoint, TOPIC, bind=not config.binds,
+                               resume_from=last_seen + 1, held=held)
+        assert _wait_until(lambda: restarted.next_seq == publisher.num_sent), restarted.errors
+        assert restarted.replayed == missed and restarted.live == [] and not restarted.errors
+        assert restarted.held == pool.cached_hashes
+        assert restarted.num_removed > 0  # the cache was full: the missed batches carried evictions
+        if witness is not None:  # the same bytes the PUB socket sent
+            assert {seq: witness.drain()[seq] for seq in missed} == {seq: restarted.payloads[seq] for seq in missed}
+
+        # Live again: the next batch follows the last replayed one, with no gap and no second replay.
+        time.sleep(0.5)
+        _complete(http, _prompts()[16:])
+        assert _wait_until(lambda: restarted.live and restarted.held == pool.cached_hashes), restarted.errors
+        assert restarted.live[0] == missed[-1] + 1 and restarted.replayed == missed and not restarted.errors
     finally:
-        if subscriber is not None:
-            subscriber.close()
+        for closing in (subscriber, restarted, witness):
+            if closing is not None:
+                closing.close()
+
+
+def _first_block_hash(llm_fp32, http: httpx.Client) -> int:
+    """The hash of a prompt's first block computed from its tokens alone (the prompt is served once more, so
+    the engine announces it if it was evicted); the server counts the same prompt tokens."""
+    prompt = _prompts()[1]
+    tokens = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1,
+                                                "temperature": 0}).json()["usage"]["prompt_tokens"]
+    prompt_ids = llm_fp32.tokenizer.encode(prompt)
+    assert len(prompt_ids) == tokens
+    return chained_block_hash(ROOT_PARENT_HASH, tuple(prompt_ids[:16]))
 
 
 def test_a_bad_kv_events_config_names_the_problem() -> None:
     with pytest.raises(ValueError, match="unsupported keys"):
-        KVEventsConfig.parse('{"enable_kv_cache_events": true, "replay_endpoint": "tcp://*:5558"}')
+        KVEventsConfig.parse('{"enable_kv_cache_events": true, "replay_endpoints": "tcp://*:5558"}')
     with pytest.raises(ValueError, match="publisher"):
         KVEventsConfig.parse('{"publisher": "kafka"}')
+    with pytest.raises(ValueError, match="buffer_steps must be an integer >= 0"):
+        KVEventsConfig.parse('{"enable_kv_cache_events": true, "buffer_steps": -1}')
     assert KVEventsConfig.parse('{"enable_kv_cache_events": true, "publisher": "zmq"}').publishes
 
 

@@ -182,8 +182,8 @@ def _say_ready(served: ServedEngine, core: EngineCore, endpoint: Endpoint) -> bo
 
 
 def _start_kv_events(config: KVEventsConfig | None) -> ZmqKVEventPublisher | None:
-    """The publisher the engine was configured with, or None; OSError when its endpoint cannot be bound.
-    Its first batch says AllBlocksCleared: this engine holds nothing yet."""
+    """The publisher the engine was configured with, or None; OSError when an endpoint cannot be bound (or
+    connected to: a malformed address). Its first batch says AllBlocksCleared: this engine holds nothing yet."""
     if config is None or not config.publishes:
         return None
     from kvpilot.engine.kv_events import AllBlocksCleared
