@@ -2,14 +2,18 @@
 Qwen3-MoE as `qwen3moe` (Q/K as HF stores them), Mixtral as `llama` with an expert count (Q/K permuted for
 llama.cpp's interleaved rotary); the router as ffn_gate_inp and every expert of a layer in one tensor each
 (ffn_gate_exps, ffn_up_exps [E, I, H], ffn_down_exps [E, H, I]), or, with `per_expert`, as older Mixtral files
-did (blk.N.ffn_gate.E.weight ...); float32 tensors; the metadata keys llama.cpp reads for the experts."""
+did (blk.N.ffn_gate.E.weight ...); float32 tensors, or with `types` the matrices quantized to GGUF blocks
+(tests/model/kquant_blocks.py); the metadata keys llama.cpp reads for the experts."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from gguf import GGUFWriter
+from gguf import GGMLQuantizationType, GGUFWriter
+
+from tests.model.kquant_blocks import quantize_blocks
 
 _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
@@ -61,9 +65,21 @@ def _layer_tensors(name: str, values: np.ndarray, arch: str, config, per_expert:
     return [(f"blk.{layer}.{_LAYER[module]}.{kind}", values)]
 
 
-def write_moe_gguf(model, path: Path, arch: str, per_expert: bool = False) -> None:
+def _add(writer: GGUFWriter, name: str, array: np.ndarray, type_name: str | None) -> None:
+    """A tensor as float32, or quantized to `type_name` (matrices and stacked experts: rows of the last axis)."""
+    array = np.ascontiguousarray(array, dtype=np.float32)
+    if type_name is None or array.ndim < 2:
+        writer.add_tensor(name, array)
+        return
+    raw = quantize_blocks(array.reshape(-1, array.shape[-1]), type_name)
+    writer.add_tensor(name, raw.reshape(*array.shape[:-1], -1), raw_dtype=GGMLQuantizationType[type_name])
+
+
+def write_moe_gguf(model, path: Path, arch: str, per_expert: bool = False,
+                   types: Callable[[str], str | None] | None = None) -> None:
     """`model`: an HF Qwen3MoeForCausalLM ("qwen3moe") or MixtralForCausalLM ("llama"), float32, every layer
-    a mixture of experts (llama.cpp has no dense layers in these architectures)."""
+    a mixture of experts (llama.cpp has no dense layers in these architectures). `types`: GGUF tensor name -> the
+    GGUF type to quantize that matrix to (None: float32); the router stays float32 as llama.cpp keeps it."""
     writer = GGUFWriter(str(path), arch)
     _add_metadata(writer, model.config, arch)
     for hf_name, tensor in model.state_dict().items():
@@ -71,7 +87,8 @@ def write_moe_gguf(model, path: Path, arch: str, per_expert: bool = False) -> No
         pairs = [(_GLOBAL[hf_name], values)] if hf_name in _GLOBAL else \
             _layer_tensors(hf_name, values, arch, model.config, per_expert)
         for name, array in pairs:
-            writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+            quantized = types is not None and "ffn_gate_inp" not in name and name != "token_embd.weight"
+            _add(writer, name, array, types(name) if quantized else None)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

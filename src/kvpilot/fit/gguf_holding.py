@@ -10,7 +10,10 @@ As kvpilot's loader decides (model/loader.py, model/quant/model_pack.py):
   each: Q4_K 148 bytes per 256 values (4.625 bits; the block: 144, 4.5), Q5_K 180 (5.625; 176, 5.5); Q4_1, Q5_0,
   Q5_1 and Q6_K keep their blocks' bytes.
   The embedding table is held dense in the compute dtype for token lookups; a tied output head keeps a packed
-  copy of the embedding's blocks beside it. Norms and biases: the compute dtype.
+  copy of the embedding's blocks beside it. Norms, biases and MoE routers: the compute dtype. Routed experts
+  (ffn_{gate,up,down}_exps, or older Mixtral files' ffn_{gate,up,down}.E) are linear weights like the others:
+  packed the same way (model/quant/packed_experts.py: their blocks, or with bf16 activations one tiled int8 copy per
+  stacked tensor), never with a dense copy.
 - dequantized: otherwise (a GPU, another family, one linear weight of a type without a kernel, e.g. Q3_K or
   IQ4_XS) the whole model is dequantized at load: every weight takes the compute dtype, 16 bits in bf16,
   whatever the file stores.
@@ -30,10 +33,11 @@ from kvpilot.fit.gguf_sizes import GgufTensor
 PACKED_TYPES: dict[str, int] = {"Q8_0": 2, "Q4_0": 2, "Q4_1": 0, "Q5_0": 0, "Q5_1": 0, "Q4_K": 4, "Q5_K": 4,
                                 "Q6_K": 0}
 # HF model types whose GGUF weights stay packed (model/models/registry.py `packed_gguf`; tests/fit check it)
-PACKED_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+PACKED_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral"})
 TILE_ROWS = 16  # the tiled copy takes whole 16-row tiles; other layers keep the file's blocks
 EMBEDDING, OUTPUT = "token_embd.weight", "output.weight"
 _LINEAR = re.compile(r"^blk\.\d+\.(attn_q|attn_k|attn_v|attn_qkv|attn_output|ffn_gate|ffn_up|ffn_down)\.weight$")
+_EXPERTS = re.compile(r"^blk\.\d+\.ffn_(gate|up|down)(_exps|\.\d+)\.weight$")
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,13 @@ class HeldGguf:
     num_bytes_layers: int
     packed: bool
     reason: str  # why the weights are held this way, for the report's notes
+    # the routed experts' share of num_bytes_layers, and their weights' count (0, 0: a dense model)
+    num_bytes_experts: int = 0
+    num_expert_elements: int = 0
+
+    def bytes_per_expert_weight(self) -> float:
+        """Bytes an expert's weight takes as held (0.0 for a dense model)."""
+        return self.num_bytes_experts / self.num_expert_elements if self.num_expert_elements else 0.0
 
 
 def _block(type_name: str) -> tuple[int, int]:
@@ -68,8 +79,14 @@ def packed_bits(type_name: str, int8_copy: bool) -> float:
 
 
 def is_linear(t: GgufTensor, tied: bool) -> bool:
-    """A weight the packed kernels multiply: decoder matrices, the output head (the embedding when tied)."""
-    return bool(_LINEAR.match(t.name)) or t.name == OUTPUT or (tied and t.name == EMBEDDING)
+    """A weight the packed kernels multiply: decoder matrices, routed experts, the output head (the embedding when
+    tied)."""
+    return bool(_LINEAR.match(t.name)) or is_expert(t) or t.name == OUTPUT or (tied and t.name == EMBEDDING)
+
+
+def is_expert(t: GgufTensor) -> bool:
+    """Routed experts' matrices: a layer's stacked ones, or one expert's."""
+    return bool(_EXPERTS.match(t.name))
 
 
 def packing_problem(tensors: tuple[GgufTensor, ...], model_type: str, tied: bool, on_gpu: bool) -> str | None:
@@ -92,9 +109,12 @@ def held_gguf(tensors: tuple[GgufTensor, ...], model_type: str, tied: bool, comp
     dense = {t.name: t.num_elements * compute_bits // 8 for t in tensors}
     problem = packing_problem(tensors, model_type, tied, on_gpu)
     embedding = dense.get(EMBEDDING, 0)
+    experts = [t for t in tensors if is_expert(t)]
+    expert_elements = sum(t.num_elements for t in experts)
     if problem is not None:
         return HeldGguf(embedding, dense.get(OUTPUT, 0), sum(dense.values()) - embedding - dense.get(OUTPUT, 0),
-                        False, f"{problem}, {compute_bits} bits a weight")
+                        False, f"{problem}, {compute_bits} bits a weight",
+                        sum(dense[t.name] for t in experts), expert_elements)
     int8_copy = compute_bits == 16
     held = {t.name: packed_bytes(t, int8_copy) if is_linear(t, tied) else dense[t.name] for t in tensors}
     head = held.get(OUTPUT, held.get(EMBEDDING, 0) if tied else 0)
@@ -102,6 +122,8 @@ def held_gguf(tensors: tuple[GgufTensor, ...], model_type: str, tied: bool, comp
     types = sorted({t.type_name for t in tensors if is_linear(t, tied)})
     bits = ", ".join(f"{name} {packed_bits(name, int8_copy):.4g}" for name in types)
     copies = " with the int8 copies" if int8_copy else ""
+    what = "linear weights and experts" if experts else "linear weights"
     return HeldGguf(embedding, head, layers, True,
-                    f"kvpilot holds the linear weights packed ({bits} bits a weight{copies}) and the embedding table "
-                    f"dense in {compute_bits}-bit for token lookups")
+                    f"kvpilot holds the {what} packed ({bits} bits a weight{copies}) and the embedding table "
+                    f"dense in {compute_bits}-bit for token lookups", sum(held[t.name] for t in experts),
+                    expert_elements)

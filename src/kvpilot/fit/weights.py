@@ -51,7 +51,8 @@ def weight_bytes(model: LoadedModel, weight_dtype: str = "auto", dtype: str = "a
         tensors = mix_tensors(model.spec, key)
         label = f"{key} (llama.cpp mix: {file_bits_per_weight(tensors):.2f} bits a weight in the file)"
         return _from_tensors(model, tensors, label, compute_bits, on_gpu)
-    if key in AT_LOAD_CPU and not on_gpu and model.spec.model_type in PACKED_FAMILIES:
+    # (the loader quantizes no mixture-of-experts model at load: those fall through to bits per role)
+    if key in AT_LOAD_CPU and not on_gpu and model.spec.model_type in PACKED_FAMILIES and model.spec.moe is None:
         tensors = mix_tensors(model.spec, AT_LOAD_CPU[key], head="Q8_0")
         label = f"{key} (kvpilot's quantization at load: {AT_LOAD_CPU[key].upper()} blocks, the output layer Q8_0)"
         return _from_tensors(model, tensors, label, compute_bits, on_gpu, from_file=False)
@@ -86,7 +87,8 @@ def _from_tensors(model: LoadedModel, tensors: tuple[GgufTensor, ...], label: st
     if held.packed and compute_bits == 16 and from_file:
         notes.append("kvpilot serve's default --quantization auto may keep dense copies for prompt GEMMs beside the "
                      "packed weights (at most a quarter of the free memory); --quantization gguf holds none.")
-    expert = 0 if held.packed else model.params.num_params_per_expert * compute_bits // 8
+    per_weight = held.bytes_per_expert_weight() if held.packed else compute_bits / 8
+    expert = round(model.params.num_params_per_expert * per_weight)
     state = "packed" if held.packed else f"dequantized to {compute_bits}-bit"
     return WeightBytes(f"{label}, held {state}", held.num_bytes_embedding, held.num_bytes_lm_head,
                        held.num_bytes_layers, expert, file_bytes, tuple(notes))

@@ -116,8 +116,14 @@ def _unpermute_qk(array: np.ndarray, name: str, config: ModelConfig) -> np.ndarr
 
 
 def is_linear_weight(hf_name: str) -> bool:
-    """Whether the HF-named tensor is a matrix the model multiplies by (a projection or the output layer)."""
-    return hf_name.endswith("_proj.weight") or hf_name in ("lm_head.weight", "model.embed_tokens.weight")
+    """Whether the HF-named tensor is a matrix the model multiplies by (a projection, experts, the output layer)."""
+    return hf_name.endswith(("_proj.weight", "_exps.weight")) or hf_name in ("lm_head.weight",
+                                                                            "model.embed_tokens.weight")
+
+
+def is_expert_weight(hf_name: str) -> bool:
+    """Whether the HF-named tensor holds routed experts' matrices (stacked, or one expert's)."""
+    return ".mlp.experts." in hf_name
 
 
 def linear_tensor_types(reader: Any) -> dict[str, str]:
@@ -134,11 +140,13 @@ def load_gguf_tensors(reader: Any, path: str | Path, config: ModelConfig, packed
                       take: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
                       ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(dense, packed): tensors named in `packed_names` come back as PackedWeight (their GGUF blocks, Q/K
-    rows unpermuted), every other tensor kvpilot uses dequantized to float32. The embedding table is
+    rows unpermuted) or, for routed experts, as quant.packed_experts.ExpertBlocks (views of the file's blocks, copied
+    by the layer that takes them), every other tensor kvpilot uses dequantized to float32. The embedding table is
     always dense as well (token lookup), and packed too when asked (a tied output layer). `take` (a
     tensor-parallel rank's ShardPlan.take) keeps the rank's part of each dense tensor as it is read."""
     from kvpilot.model.quant.formats import packed_format
     from kvpilot.model.quant.packed import PackedWeight
+    from kvpilot.model.quant.packed_experts import ExpertBlocks
 
     path = Path(path)
     dense: dict[str, torch.Tensor] = {}
@@ -152,6 +160,12 @@ def load_gguf_tensors(reader: Any, path: str | Path, config: ModelConfig, packed
             if fmt is None:
                 raise ModelLoadError(f"{path}: tensor {tensor.name} has type {tensor.tensor_type.name}, which "
                                      "the packed kernels do not support")
+            if is_expert_weight(name):  # [E, rows, cols] stacked (GGUF lists it [cols, rows, E]) or one expert's
+                row_bytes = int(tensor.shape[0]) // fmt.block_values * fmt.block_bytes
+                experts = int(tensor.shape[-1]) if len(tensor.shape) == 3 else 1
+                packed[name] = ExpertBlocks.stacked(np.asarray(tensor.data, dtype=np.uint8).reshape(-1, row_bytes),
+                                                    fmt, experts)
+                continue
             raw = np.asarray(tensor.data, dtype=np.uint8).reshape(int(tensor.shape[-1]), -1)
             packed[name] = PackedWeight.from_blocks(_unpermute_qk(raw, name, config), fmt)
             if name != "model.embed_tokens.weight":

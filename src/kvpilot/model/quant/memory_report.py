@@ -3,6 +3,7 @@
 The figure the loader reports (LoadedModel.packed_memory, logged at load): a packed-only model holds its blocks
 (or their int8 copies) in about the file's bytes, K-quants ~1.03x (a 6-bit sub-scale takes a byte); the hybrid
 layout adds dense copies for many-row GEMMs, and the embedding table is dense for token lookups either way.
+Packed mixture-of-experts layers (PackedExperts) count with the packed bytes (they never hold a dense copy).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 from torch import nn
 
 from kvpilot.model.quant.linear import PackedLinear
+from kvpilot.model.quant.packed_experts import PackedExperts
 
 logger = logging.getLogger("kvpilot")
 MIB = 2 ** 20
@@ -23,12 +25,14 @@ MIB = 2 ** 20
 @dataclass(frozen=True)
 class PackedMemory:
     """file_bytes: the packed tensors' bytes in the file; packed_bytes: the blocks and int8 copies held for them;
-    dense_bytes: dense copies kept beside them (hybrid layout); embedding_bytes: the dense lookup table."""
+    dense_bytes: dense copies kept beside them (hybrid layout); embedding_bytes: the dense lookup table;
+    expert_bytes: the part of packed_bytes held for routed experts (0 for a dense model)."""
 
     file_bytes: int
     packed_bytes: int
     dense_bytes: int
     embedding_bytes: int
+    expert_bytes: int = 0
 
     @property
     def ratio(self) -> float:
@@ -38,8 +42,9 @@ class PackedMemory:
     def summary(self) -> str:
         dense = f", plus {self.dense_bytes / MIB:.1f} MiB of dense copies for many-row GEMMs" \
             if self.dense_bytes else ""
-        return (f"packed weights: {self.packed_bytes / MIB:.1f} MiB held for {self.file_bytes / MIB:.1f} MiB of "
-                f"quantized tensors in the file ({self.ratio:.3f}x){dense}; embedding table "
+        experts = f" (experts {self.expert_bytes / MIB:.1f} MiB)" if self.expert_bytes else ""
+        return (f"packed weights: {self.packed_bytes / MIB:.1f} MiB{experts} held for {self.file_bytes / MIB:.1f} MiB "
+                f"of quantized tensors in the file ({self.ratio:.3f}x){dense}; embedding table "
                 f"{self.embedding_bytes / MIB:.1f} MiB dense")
 
 
@@ -52,9 +57,10 @@ def packed_memory(model: nn.Module, file_bytes: int) -> PackedMemory:
             quantized += module.int8_weight.nbytes_beside(module.parts[0])
         packed += quantized
         dense += module.nbytes - quantized
+    experts = sum(m.nbytes for m in model.modules() if isinstance(m, PackedExperts))
     embed = getattr(model, "embed_tokens", None)
     embedding = 0 if embed is None else embed.weight.numel() * embed.weight.element_size()
-    return PackedMemory(file_bytes, packed, dense, embedding)
+    return PackedMemory(file_bytes, packed + experts, dense, embedding, experts)
 
 
 def _packed_linears(modules: Iterable[nn.Module]) -> list[PackedLinear]:
@@ -63,7 +69,7 @@ def _packed_linears(modules: Iterable[nn.Module]) -> list[PackedLinear]:
 
 def report_packed_memory(model: nn.Module, reader: Any, names: frozenset[str]) -> PackedMemory:
     """packed_memory of `model`, whose packed layers hold the GGUF `reader`'s tensors with HF names `names` (linear
-    weights: their names are the same in every family); logged."""
+    weights and experts: their names are the same in every family); logged."""
     from kvpilot.model.gguf_weights import hf_tensor_name
 
     file_bytes = sum(int(t.n_bytes) for t in reader.tensors if hf_tensor_name(t.name) in names)

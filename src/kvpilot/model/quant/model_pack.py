@@ -25,6 +25,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -37,6 +38,7 @@ from kvpilot.model.quant.formats import SUPPORTED_NAMES, packed_format
 from kvpilot.model.quant.kernel import best_isa, has_vnni
 from kvpilot.model.quant.linear import DenseScratch, Int8Gate, PackedLinear
 from kvpilot.model.quant.packed import PackedWeight
+from kvpilot.model.quant.packed_experts import ExpertBlocks, PackedExperts, expert_blocks_of_layer
 
 logger = logging.getLogger("kvpilot")
 
@@ -82,6 +84,22 @@ def _packing_problem(device: torch.device, types: dict[str, str], path: Path) ->
                 f"kernel; the packed kernels support {SUPPORTED_NAMES}")
     if best_isa() < 0:
         return f"{path}: the CPU quantized-linear kernel could not be built (see the warning above)"
+    mixed = _mixed_expert_formats(types)
+    if mixed is not None:
+        return f"{path}: the experts of {mixed} are of different types; packed experts take one type a layer"
+    return None
+
+
+_ONE_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.\d+\.(\w+)_proj\.weight$")
+
+
+def _mixed_expert_formats(types: dict[str, str]) -> str | None:
+    """Older Mixtral files keep one tensor per expert: 'layer N's KIND' where those differ in type, else None."""
+    seen: dict[tuple[str, str], str] = {}
+    for name, type_name in types.items():
+        match = _ONE_EXPERT.match(name)
+        if match is not None and seen.setdefault(match.groups(), type_name) != type_name:
+            return f"layer {match.group(1)}'s {match.group(2)}"
     return None
 
 
@@ -98,9 +116,9 @@ def keeps_dense(quantization: str, compute_dtype: torch.dtype, packed: dict[str,
     if quantization != "auto" or compute_dtype == torch.float32 or not packed:
         return False
     gemm_dtype = gemm_dtype or compute_dtype
-    # a tied output head's many-row path reads the embedding table itself: it builds no copy
-    dense_bytes = sum(w.out_features * w.in_features for name, w in packed.items() if name != EMBED) * \
-        gemm_dtype.itemsize
+    # a tied output head's many-row path reads the embedding table itself: it builds no copy; experts keep none
+    dense_bytes = sum(w.out_features * w.in_features for name, w in packed.items()
+                      if name != EMBED and isinstance(w, PackedWeight)) * gemm_dtype.itemsize
     if dense_bytes > HYBRID_MAX_MEMORY_SHARE * available_bytes:
         logger.info("packed weights only: their dense %s copy for many-row GEMMs would take %.1f GiB of the "
                     "%.1f GiB available", str(gemm_dtype).removeprefix("torch."), dense_bytes / 2**30,
@@ -117,10 +135,12 @@ def install_int8_gate(model: nn.Module, compute_dtype: torch.dtype) -> Int8Gate 
     return model.int8_gate
 
 
-def pack_linear_layers(model: nn.Module, packed: dict[str, PackedWeight], config: ModelConfig,
+def pack_linear_layers(model: nn.Module, packed: dict[str, PackedWeight | ExpertBlocks], config: ModelConfig,
                        keep_dense: bool = False, compute_dtype: torch.dtype = torch.float32,
                        gemm_dtype: torch.dtype | None = None) -> None:
-    """Replaces the model's projections (and output layer) with PackedLinear modules over `packed`;
+    """Replaces the model's projections (and output layer) with PackedLinear modules over `packed`, and the
+    routed experts of mixture-of-experts layers with PackedExperts (int8 tiled copies where the int8 path applies,
+    else the blocks; never a dense copy);
     `keep_dense`: each also keeps the dense copy its many-row path builds (the hybrid layout), in `gemm_dtype`
     for bf16 activations (layers/prompt_gemm.py; default compute_dtype). With bf16 `compute_dtype` on a VNNI
     CPU, decode steps take the int8 path, hybrid or packed only.
@@ -143,6 +163,10 @@ def pack_linear_layers(model: nn.Module, packed: dict[str, PackedWeight], config
         attn, mlp = layer.self_attn, layer.mlp
         attn.qkv_proj = make([f"{prefix}self_attn.{p}_proj.weight" for p in "qkv"], bias=config.attention_bias)
         attn.o_proj = make([f"{prefix}self_attn.o_proj.weight"])
+        experts = expert_blocks_of_layer(packed, i)
+        if experts is not None:  # a SparseMoeBlock's experts (its router stays dense: GGUF keeps it F32)
+            mlp.experts = PackedExperts(*experts, isa=isa, int8=gate is not None)
+            continue
         mlp.gate_up_proj = make([f"{prefix}mlp.gate_proj.weight", f"{prefix}mlp.up_proj.weight"])
         mlp.down_proj = make([f"{prefix}mlp.down_proj.weight"])
     # The output layer is not gated: its int8 rows are the sampled positions' final hidden states, each rounded
