@@ -20,15 +20,17 @@ import zmq
 
 from kvpilot.engine.block_pool import ROOT_PARENT_HASH, chained_block_hash
 from kvpilot.engine.kv_events_config import KVEventsConfig
+from kvpilot.launch.args import EngineArgs
 from kvpilot.server import ServerArgs, create_app, engine_factory
 from kvpilot.server.background import BackgroundServer
 from kvpilot.server.core import kv_event_publisher
 from tests.model.reference import long_text
-from tests.server.conftest import server_engine_args
+from tests.server.tiny_server import write_tiny_config
 from tests.server.vllm_kv_subscriber import Subscriber
 
 MODEL = "smollm2-kv-events"
 TOPIC = "kv@10.0.0.7@smollm2-kv-events"  # llm-d's topic: kv@<pod>@<model>
+BLOCK_BYTES = 2 * 2 * 1 * 32 * 16 * 4  # a block of the narrow tiny model: 2 layers x (K, V) x 1 head x 32 x 16 x 4 B
 
 
 class _CountingPublisher(kv_event_publisher.ZmqKVEventPublisher):
@@ -56,7 +58,7 @@ def _prompts() -> list[str]:
     words = long_text(3).split()
     shared = " ".join(words[:60])
     return [shared + " " + " ".join(words[60 + 7 * i: 60 + 7 * i + 20]) if i % 2 else " ".join(words[5 * i: 5 * i + 90])
-            for i in range(17)]
+            for i in range(9)]
 
 
 def _wait_until(condition: Callable[[], bool], timeout_s: float = 15) -> bool:
@@ -67,7 +69,7 @@ def _wait_until(condition: Callable[[], bool], timeout_s: float = 15) -> bool:
 
 
 def _complete(http: httpx.Client, prompts: list[str]) -> None:
-    bodies = [{"model": MODEL, "prompt": p, "max_tokens": 8, "temperature": 0} for p in prompts]
+    bodies = [{"model": MODEL, "prompt": p, "max_tokens": 2, "temperature": 0} for p in prompts]
     with ThreadPoolExecutor(max_workers=4) as pool:
         assert all(r.status_code == 200 for r in pool.map(lambda b: http.post("/v1/completions", json=b), bodies))
 
@@ -95,9 +97,10 @@ class _Witness:
 
 
 @pytest.fixture()
-def served(llm_fp32, monkeypatch, request) -> Iterator[tuple[str, KVEventsConfig, list, httpx.Client]]:
-    """A server publishing KV events in `request.param` mode ("bind" or "connect"), its engine core in a thread
-    (the test reads the engine's pool and the publisher): (subscriber endpoint, config, [engine], client)."""
+def served(tmp_path, monkeypatch, request) -> Iterator[tuple[str, KVEventsConfig, list, httpx.Client]]:
+    """A server publishing KV events in `request.param` mode ("bind" or "connect"): a real engine on a 2-layer
+    dummy-weight SmolLM2 (the embedded tokenizer), its core in a thread (the test reads the engine's pool and
+    the publisher). Yields (the subscriber's endpoint, config, [engine], client)."""
     port = _free_port()
     binds = request.param == "bind"
     endpoint = f"tcp://*:{port}" if binds else f"tcp://127.0.0.1:{port}"
@@ -107,23 +110,23 @@ def served(llm_fp32, monkeypatch, request) -> Iterator[tuple[str, KVEventsConfig
     assert config.binds == binds
     monkeypatch.setattr(kv_event_publisher, "ZmqKVEventPublisher", _CountingPublisher)
     _CountingPublisher.instances.clear()
-    # 32 MiB holds 44 blocks of 16 tokens (float32): 16 prompts of ~100 tokens evict each other's blocks
-    spec = engine_factory(server_engine_args(kv_cache_memory="32MiB", max_model_len=256, kv_events_config=config),
-                          llm_fp32.loaded, warmup=False)
+    # 22 blocks of 16 tokens: 4 prompts of ~100 tokens evict each other's blocks
+    args = EngineArgs(model=str(write_tiny_config(tmp_path, narrow=True)), load_format="dummy", dtype="float32",
+                      max_model_len=256, kv_cache_memory=f"{22 * BLOCK_BYTES}", kv_events_config=config)
+    spec = engine_factory(args, warmup=False)
     built = []
 
     def factory():
         built.append(spec())
         return built[-1]
 
-    app = create_app(factory, ServerArgs(served_model_names=(MODEL,)))
+    app = create_app(factory, ServerArgs(served_model_names=(MODEL,), engine_process=False))
     with BackgroundServer(app, timeout_s=120) as server, httpx.Client(base_url=server.url, timeout=120) as http:
         yield f"tcp://127.0.0.1:{port}", config, built, http
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("served", ["bind", "connect"], indirect=True)
-def test_a_vllm_subscriber_tracks_the_engine_and_catches_up_after_a_restart(served, llm_fp32) -> None:
+def test_a_vllm_subscriber_tracks_the_engine_and_catches_up_after_a_restart(served) -> None:
     endpoint, config, built, http = served
     publisher = _CountingPublisher.instances[0]
     pool = built[0].engine.scheduler.kv.pool
@@ -132,8 +135,8 @@ def test_a_vllm_subscriber_tracks_the_engine_and_catches_up_after_a_restart(serv
     restarted = None
     try:
         time.sleep(0.5)  # ZMQ's slow joiner: a subscription (or the publisher's connection) takes a moment
-        _complete(http, _prompts()[:8])
-        first_block = _first_block_hash(llm_fp32, http)
+        _complete(http, _prompts()[:4])
+        first_block = _first_block_hash(http)
         assert _wait_until(lambda: subscriber.held == pool.cached_hashes), subscriber.errors
         assert pool.cached_hashes and not subscriber.errors
         assert any(e.parent_block_hash is None and e.block_hashes[0] == first_block for e in subscriber.stored)
@@ -141,7 +144,7 @@ def test_a_vllm_subscriber_tracks_the_engine_and_catches_up_after_a_restart(serv
         # The subscriber stops; the engine publishes meanwhile (with evictions).
         last_seen, held = subscriber.next_seq - 1, set(subscriber.held)
         subscriber.close()
-        _complete(http, _prompts()[8:16])
+        _complete(http, _prompts()[4:8])
         assert _wait_until(lambda: publisher.num_sent == publisher.num_queued)
         missed = list(range(last_seen + 1, publisher.num_sent))
         assert missed
@@ -158,7 +161,7 @@ def test_a_vllm_subscriber_tracks_the_engine_and_catches_up_after_a_restart(serv
 
         # Live again: the next batch follows the last replayed one, with no gap and no second replay.
         time.sleep(0.5)
-        _complete(http, _prompts()[16:])
+        _complete(http, _prompts()[8:])
         assert _wait_until(lambda: restarted.live and restarted.held == pool.cached_hashes), restarted.errors
         assert restarted.live[0] == missed[-1] + 1 and restarted.replayed == missed and not restarted.errors
     finally:
@@ -167,13 +170,13 @@ def test_a_vllm_subscriber_tracks_the_engine_and_catches_up_after_a_restart(serv
                 closing.close()
 
 
-def _first_block_hash(llm_fp32, http: httpx.Client) -> int:
+def _first_block_hash(http: httpx.Client) -> int:
     """The hash of a prompt's first block computed from its tokens alone (the prompt is served once more, so
     the engine announces it if it was evicted); the server counts the same prompt tokens."""
     prompt = _prompts()[1]
     tokens = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1,
                                                 "temperature": 0}).json()["usage"]["prompt_tokens"]
-    prompt_ids = llm_fp32.tokenizer.encode(prompt)
+    prompt_ids = http.post("/tokenize", json={"model": MODEL, "prompt": prompt}).json()["tokens"]
     assert len(prompt_ids) == tokens
     return chained_block_hash(ROOT_PARENT_HASH, tuple(prompt_ids[:16]))
 
