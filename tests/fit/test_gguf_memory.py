@@ -132,3 +132,38 @@ def test_fit_knows_what_kvpilot_runs_packed() -> None:
     """fit is torch-free, so it keeps its own copy of the loader's facts: they must agree."""
     assert set(PACKED_TYPES) == set(PACKED_FORMATS)
     assert PACKED_FAMILIES == {f.name for f in FAMILIES if f.packed_gguf and "gguf" in f.formats}
+
+
+@pytest.mark.skipif(get_quant_kernel() is None, reason="no C++ compiler for the CPU kernels")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_predicted_weight_bytes_match_a_packed_moe_gguf(tmp_path: Path, dtype: str) -> None:
+    """A tiny Qwen3-MoE GGUF (8 experts, top-2) in a Q4_K_M-like mix: the loader keeps its experts packed (bf16 on a
+    VNNI CPU: their int8 copies), and fit predicts the whole of what it holds, experts and router included."""
+    pytest.importorskip("transformers")
+    import json
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from kvpilot.fit.model_catalog import get_hf_config
+    from kvpilot.model.quant.packed_experts import PackedExperts
+    from tests.model.moe_gguf import write_moe_gguf
+
+    cfg = {**get_hf_config("qwen3-30b-a3b"), "num_hidden_layers": 2, "hidden_size": 256, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "head_dim": 64, "vocab_size": VOCAB, "num_experts": 8,
+           "moe_intermediate_size": 256, "num_experts_per_tok": 2, "mlp_only_layers": [], "bos_token_id": 1,
+           "eos_token_id": 2}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp_path), dtype=torch.float32)
+    path = tmp_path / "tiny-moe-Q4_K_M.gguf"
+    write_moe_gguf(hf, path, "qwen3moe", types=lambda name: "Q6_K" if "down" in name or "attn_v" in name
+                   or name == "output.weight" else "Q4_K")
+    predicted = weight_bytes(fit_load(str(path)), dtype="bf16" if dtype == "bfloat16" else "fp32")
+    held, quantization = _held_by_loader(path, dtype, "gguf")
+    assert quantization == "gguf" and predicted.format_name.endswith("held packed")
+    assert predicted.num_bytes == pytest.approx(held, rel=0.03), predicted.notes
+    loaded = load_model(str(path), dtype=dtype, quantization="gguf", max_model_len=128)
+    experts = sum(m.nbytes for m in loaded.model.modules() if isinstance(m, PackedExperts))
+    assert experts == loaded.packed_memory.expert_bytes > 0
+    # the decode roofline's routed expert: what the loader holds for one, on average
+    assert predicted.num_bytes_expert == pytest.approx(experts / (2 * 8), rel=0.01)

@@ -18,6 +18,9 @@ per expert output and their own gated activation; such experts run the Triton ke
 biases and compute that activation) and the grouped torch path on CPU, oneDNN-prepacked in bf16 (the C++
 kernel computes neither biases nor another activation). The default experts' paths are unchanged by them.
 
+A quantized GGUF's experts take quant/packed_experts.PackedExperts in place of `Experts` (same forward: x, router
+weights, ids), which computes them on the packed blocks, grouped the same way.
+
 Invariants: 0 < top_k <= num_experts; the output has x's shape and dtype.
 """
 
