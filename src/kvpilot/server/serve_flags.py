@@ -66,9 +66,10 @@ ReasoningParserOpt = Annotated[Optional[str], typer.Option(
 LogPromptsOpt = Annotated[bool, typer.Option(
     "--log-prompts", help="Include prompt text in the per-request JSON access log.")]
 KvEventsConfigOpt = Annotated[Optional[str], typer.Option(
-    "--kv-events-config", help="Publish KV-cache events (blocks stored / removed) for prefix-aware routers, "
-    "in vLLM's format, e.g. '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": "
-    "\"tcp://*:5557\", \"topic\": \"kv-events\"}' (docs/server.md).")]
+    "--kv-events-config", help="Publish KV-cache events (blocks stored / removed) for prefix-aware routers "
+    "(llm-d), in vLLM's format and JSON keys, e.g. '{\"enable_kv_cache_events\": true, \"endpoint\": "
+    "\"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", \"topic\": \"kv-events\"}': a wildcard "
+    "endpoint is bound, tcp://host:port is connected to (docs/server.md).")]
 OtlpTracesEndpointOpt = Annotated[Optional[str], typer.Option(
     "--otlp-traces-endpoint", help="Send one OpenTelemetry span per finished request (stages as child spans, "
     "the client's W3C traceparent as parent) to this OTLP/HTTP collector, e.g. "
