@@ -6,6 +6,7 @@ Torch-free, so the HTTP process validates a server's flags without importing the
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from kvpilot.engine.config import CacheConfig, EngineConfigError, SchedulerConfig
@@ -18,6 +19,8 @@ from kvpilot.model.choices import ATTENTION_BACKENDS, check_kv_cache_dtype, chec
 # Like vLLM's VLLM_CPU_KVCACHE_SPACE (4 GiB there), 2 GiB here: RSS matters on small boxes. Defined in `fit`
 # so the planner and the engine use one number.
 DEFAULT_CPU_KV_CACHE_BYTES = CPU_DEFAULT_KV_CACHE_BYTES
+DEFAULT_KV_OFFLOAD_DIR_SIZE = "10GiB"  # --kv-offload-dir without --kv-offload-dir-size
+_PLAIN_NUMBER = re.compile(r"^[0-9]*\.?[0-9]+$")  # --kv-offloading-size 8: GiB, as vLLM reads it
 USAGE_CONTEXTS = ("llm", "server")  # offline LLM(), or a server (kvpilot serve, Ray lanes): model/step_budget.py
 
 
@@ -56,6 +59,28 @@ class EngineArgs:
     usage_context: str = "llm"  # "llm" (offline) or "server": picks defaults that differ (step_budget.py)
     # speculative decoding, vLLM's dict (or its JSON text): {"method": "ngram", "num_speculative_tokens": 4, ...}
     speculative_config: SpeculativeConfig | dict | str | None = None
+    # KV offload (vLLM's flags): a host-memory tier for evicted prefix blocks, in GiB (a number, as vLLM) or
+    # with a unit ("512MiB"); None: off. Backend "native" only (vLLM's other one, lmcache, is not built in).
+    kv_offloading_size: float | str | None = None
+    kv_offloading_backend: str = "native"
+    # a local-disk tier below the host tier: its folder, and its size (DEFAULT_KV_OFFLOAD_DIR_SIZE if None)
+    kv_offload_dir: str | None = None
+    kv_offload_dir_size: str | int | None = None
+
+    def kv_offload_bytes(self) -> tuple[int, int]:
+        """(host tier bytes, disk tier bytes), 0 where off; ValueError naming the flag for a bad size."""
+        host = 0
+        if self.kv_offloading_size is not None:
+            size = self.kv_offloading_size
+            if isinstance(size, str) and _PLAIN_NUMBER.match(size.strip()):
+                size = float(size)
+            host = parse_memory_size(size * 2**30 if isinstance(size, (int, float)) and not isinstance(size, bool)
+                                     else size, "kv_offloading_size")
+        disk = 0
+        if self.kv_offload_dir is not None:
+            disk = parse_memory_size(self.kv_offload_dir_size if self.kv_offload_dir_size is not None
+                                     else DEFAULT_KV_OFFLOAD_DIR_SIZE, "kv_offload_dir_size")
+        return host, disk
 
     @property
     def speculative(self) -> SpeculativeConfig | None:
@@ -94,10 +119,28 @@ class EngineArgs:
             except ValueError as exc:
                 raise EngineConfigError(str(exc)) from exc
         self._check_speculative()
+        self._check_offload()
         CacheConfig(num_blocks=1, block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching)
         SchedulerConfig(max_model_len=1, max_num_seqs=self.max_num_seqs,
                         max_num_batched_tokens=self.max_num_batched_tokens or max(2048, self.max_num_seqs),
                         scheduling_policy=self.scheduling_policy)
+
+    def _check_offload(self) -> None:
+        if self.kv_offloading_backend != "native":
+            raise EngineConfigError(f"kv_offloading_backend {self.kv_offloading_backend!r} is not supported: "
+                                    "kvpilot has its own ('native'); LMCache is not built in")
+        try:
+            host, disk = self.kv_offload_bytes()
+        except ValueError as exc:
+            raise EngineConfigError(str(exc)) from exc
+        if self.kv_offload_dir_size is not None and self.kv_offload_dir is None:
+            raise EngineConfigError("kv_offload_dir_size sizes the disk tier: give kv_offload_dir too")
+        if disk and not host:
+            raise EngineConfigError("the disk tier (kv_offload_dir) sits below the host tier: give "
+                                    "kv_offloading_size too")
+        if host and not self.enable_prefix_caching:
+            raise EngineConfigError("KV offload keeps prefix blocks by their hashes: it needs prefix caching "
+                                    "(drop --no-enable-prefix-caching, or --kv-offloading-size)")
 
     def _check_speculative(self) -> None:
         if self.speculative is None:

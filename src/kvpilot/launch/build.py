@@ -20,6 +20,8 @@ from kvpilot.engine.spec_config import SpeculativeConfig
 from kvpilot.engine.speculator import DraftProposer, Speculator
 from kvpilot.launch.args import DEFAULT_CPU_KV_CACHE_BYTES, EngineArgs
 from kvpilot.launch.draft_model import build_draft_proposer, draft_kv_share, load_draft
+from kvpilot.launch.eagle import build_eagle_proposer, load_eagle
+from kvpilot.launch.offload_plan import OffloadPlan, plan_offload
 from kvpilot.launch.tp import TPLaunch, rank_config
 from kvpilot.fit.kv_cache import KvCapacity, format_capacity_line, kv_capacity_for_memory
 from kvpilot.memory_size import format_bytes, parse_memory_size
@@ -49,6 +51,7 @@ class KVCachePlan:
     dtype_bytes: int
     budget_bytes: int
     capacity: KvCapacity
+    offload: OffloadPlan | None = None  # KV offload tiers (--kv-offloading-size, --kv-offload-dir)
 
 
 @dataclass(frozen=True)
@@ -110,8 +113,9 @@ def _build(args: EngineArgs, loaded: LoadedModel, tp: TPLaunch | None) -> BuiltE
     kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, loaded.dtype)
     speculative = args.speculative
     # loaded before the budget is measured: on CUDA its weights come out of it (launch/draft_model.py)
-    draft = load_draft(args, speculative, loaded) if speculative is not None and speculative.method == "draft_model" \
-        else None
+    method = speculative.method if speculative is not None else None
+    draft = load_draft(args, speculative, loaded) if method == "draft_model" else \
+        load_eagle(args, speculative, loaded) if method in ("eagle", "eagle3") else None  # launch/eagle.py
     budget = kv_cache_budget_bytes(args, loaded, max_num_batched_tokens, kv_dtype, tp)
     if draft is not None:  # the draft's cache: its share of the budget, as many blocks as the target's
         budget -= int(budget * draft_kv_share(loaded, draft, args.block_size, args.kv_cache_dtype))
@@ -126,10 +130,12 @@ def _build(args: EngineArgs, loaded: LoadedModel, tp: TPLaunch | None) -> BuiltE
         raise EngineConfigError(f"the KV cache budget of {format_bytes(budget)} holds no block of "
                                 f"{format_bytes(capacity.bytes_per_block)}: raise kv_cache_memory")
     events = args.kv_events_config
+    offload = plan_offload(args, capacity.bytes_per_block, window, pinned=loaded.device.type == "cuda")
     cache_config = CacheConfig(num_blocks=capacity.num_blocks, block_size=args.block_size,
                                enable_prefix_caching=args.enable_prefix_caching,
                                enable_kv_cache_events=events is not None and events.publishes,
-                               sliding_window=window)
+                               sliding_window=window, num_offload_blocks=offload.num_host_blocks if offload else 0,
+                               num_disk_offload_blocks=offload.num_disk_blocks if offload else 0)
     context_fits = cache_config.max_blocks_per_request(
         config.max_position_embeddings, max_num_batched_tokens) <= cache_config.num_blocks
     max_model_len = default_max_model_len(args.max_model_len, config.max_position_embeddings, capacity,
@@ -142,11 +148,14 @@ def _build(args: EngineArgs, loaded: LoadedModel, tp: TPLaunch | None) -> BuiltE
     logger.info("%s; KV stored as %s", format_capacity_line(capacity), kv_dtype_name(kv_dtype))
     eos_token_ids = eos_token_ids_of(loaded)
     spec = RunnerSpec(kv_dtype, capacity.num_blocks, args.block_size, args.max_num_seqs, max_model_len,
-                      args.attention_backend, tuple(eos_token_ids))
+                      args.attention_backend, tuple(eos_token_ids), offload.spec if offload else None)
     runner = tp.executor(spec) if tp is not None else make_runner(loaded, spec)
-    if loaded.device.type == "cuda" and not args.enforce_eager:
+    if loaded.device.type == "cuda" and not args.enforce_eager and method == "eagle3":
+        logger.info("CUDA graphs off: the EAGLE-3 head reads the target's aux layers, which a graph does not leave")
+    elif loaded.device.type == "cuda" and not args.enforce_eager:
         _capture_decode_graphs(runner, args, max_num_batched_tokens)
-    proposer = build_draft_proposer(draft, args, capacity.num_blocks, max_model_len, max_num_batched_tokens) \
+    build_proposer = build_eagle_proposer if method in ("eagle", "eagle3") else build_draft_proposer
+    proposer = build_proposer(draft, args, capacity.num_blocks, max_model_len, max_num_batched_tokens) \
         if draft is not None else None
     if proposer is not None:  # its drafts are computed when the target's step runs (model/draft_proposer.py)
         runner.drafter = proposer
@@ -157,7 +166,7 @@ def _build(args: EngineArgs, loaded: LoadedModel, tp: TPLaunch | None) -> BuiltE
         loaded.device.type == "cuda" and speculative is None
     engine = LLMEngine(scheduler, runner, loaded.tokenizer, loaded.config.vocab_size,
                        async_scheduling=async_scheduling)
-    return BuiltEngine(engine, loaded, KVCachePlan(kv_dtype, element_size, budget, capacity))
+    return BuiltEngine(engine, loaded, KVCachePlan(kv_dtype, element_size, budget, capacity, offload))
 
 
 def make_speculator(config: SpeculativeConfig | None, proposer: DraftProposer | None = None) -> Speculator | None:

@@ -26,6 +26,7 @@ from kvpilot.model.grammar_state import GrammarState
 from kvpilot.model.host_copy import HostCopy
 from kvpilot.model.input_batch import BatchLimits, InputBatch
 from kvpilot.model.kv_cache import allocate_kv_cache
+from kvpilot.model.kv_offload import KVOffloadStore, OffloadSpec
 from kvpilot.model.loader import LoadedModel
 from kvpilot.model.logit_bias import LogitBiasState
 from kvpilot.model.logits_processors import PenaltyState, apply_min_tokens
@@ -50,7 +51,9 @@ class RunnerLimits:
 
 class DraftFiller(Protocol):
     """A model-side proposer whose drafts are computed when the step runs (model/draft_proposer.py): fill()
-    writes them into the step's SchedulerOutput.draft_token_ids lists, in place, before the verification."""
+    writes them into the step's SchedulerOutput.draft_token_ids lists, in place, before the verification. One
+    with an observe(chunks, draft_token_ids, hidden, aux_hidden) method (model/eagle_proposer.py) is also
+    handed each step's hidden states after the forward."""
 
     def fill(self, draft_token_ids: dict[str, list[int]]) -> None: ...
 
@@ -113,9 +116,10 @@ class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int,
                  kv_dtype: torch.dtype | None = None, *, limits: RunnerLimits = RunnerLimits(),
                  attention_backend: str = "auto", eos_token_ids: Sequence[int] = (),
-                 tp: "TPGroup | None" = None) -> None:
+                 tp: "TPGroup | None" = None, offload: OffloadSpec | None = None) -> None:
         """kv_dtype: how K/V are stored (None: the model's dtype). eos_token_ids: masked until min_tokens.
-        tp: the tensor-parallel group of a sharded model: every rank takes rank 0's sampled ids."""
+        tp: the tensor-parallel group of a sharded model: every rank takes rank 0's sampled ids.
+        offload: the KV offload tiers to allocate (model/kv_offload.py; each TP rank its own share)."""
         self.loaded = loaded
         self.model = loaded.model
         self.device = loaded.device
@@ -129,6 +133,7 @@ class ModelRunner:
         config = loaded.config
         shape = self.attention.kv_cache_shape(num_blocks, block_size, config.num_key_value_heads, config.head_dim)
         self.kv_caches = allocate_kv_cache(shape, config.num_hidden_layers, self.kv_dtype, loaded.device)
+        self.offload = KVOffloadStore(self.kv_caches, offload) if offload is not None else None
         max_model_len = limits.max_model_len or config.max_position_embeddings
         self.batch = InputBatch(BatchLimits(limits.max_num_seqs, max_model_len, block_size))
         self.penalties = PenaltyState(limits.max_num_seqs, self.vocab_size, loaded.device)
@@ -189,6 +194,7 @@ class ModelRunner:
         """Applies the diff and launches the step (on CPU it runs to completion here). Requests whose grammar
         failed in it are failed alone (StepResult.failed), not raised: their step mates go on."""
         self._draft_seconds = 0.0
+        self._copy_offload(output)
         step = self._execute(output)
         step.failed = self.grammars.take_failures()
         step.draft_seconds = self._draft_seconds
@@ -213,6 +219,9 @@ class ModelRunner:
             inputs = build_step_inputs(self.batch, output.chunks, rows, self._previous, self.device, self._staging,
                                        decodes=output.is_all_decode)
         hidden = self._forward_hidden(inputs)
+        observe = getattr(self.drafter, "observe", None)
+        if observe is not None:  # an EAGLE head drafts from the target's hidden states (model/eagle_proposer.py)
+            observe(output.chunks, output.draft_token_ids, hidden, getattr(self.model, "aux_hidden", None))
         if not inputs.sample_request_ids:
             return StepResult()
         sampled = hidden[inputs.sample_rows]
@@ -220,10 +229,20 @@ class ModelRunner:
             return self._greedy(inputs, sampled, verification)
         return self._sample(inputs, self.model.logits(sampled), verification)
 
+    def _copy_offload(self, output: SchedulerOutput) -> None:
+        """The step's KV offload copies (saves of blocks about to be reused, loads of prefix hits found in a
+        tier), before anything of the step writes or reads the cache."""
+        if output.offload is None:
+            return
+        if self.offload is None:
+            raise RuntimeError("the scheduler ordered KV offload copies, but this runner has no offload tier")
+        self.offload.execute(self.kv_caches, output.offload)
+
     @torch.inference_mode()
     def forward_logits(self, output: SchedulerOutput) -> tuple[list[str], torch.Tensor]:
         """Applies the diff and runs the forward only: (request ids needing a sample, float32 logits [N, V]).
         For tests and memory profiling; the sampled tokens are not recorded."""
+        self._copy_offload(output)
         rows = self.apply_diff(output)
         inputs = build_step_inputs(self.batch, output.chunks, rows, self._previous, self.device, self._staging)
         return inputs.sample_request_ids, self._forward_logits(inputs)

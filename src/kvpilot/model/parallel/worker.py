@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from kvpilot.model.kv_offload import OffloadSpec
 from kvpilot.model.parallel.group import TPGroup, rank_device
 from kvpilot.model.parallel.shard import parallelize
 from kvpilot.model.runner import ModelRunner, RunnerLimits
@@ -49,6 +50,7 @@ class RunnerSpec:
     max_model_len: int
     attention_backend: str
     eos_token_ids: tuple[int, ...] = ()
+    offload: OffloadSpec | None = None  # KV offload tiers (model/kv_offload.py): each rank holds its share
 
 
 @dataclass(frozen=True)
@@ -89,7 +91,8 @@ def build_rank(loaded, group: TPGroup, spec: RunnerSpec) -> ModelRunner:
 def make_runner(loaded, spec: RunnerSpec, tp: TPGroup | None = None) -> ModelRunner:
     return ModelRunner(loaded, spec.num_blocks, spec.block_size, spec.kv_dtype,
                        limits=RunnerLimits(spec.max_num_seqs, spec.max_model_len),
-                       attention_backend=spec.attention_backend, eos_token_ids=spec.eos_token_ids, tp=tp)
+                       attention_backend=spec.attention_backend, eos_token_ids=spec.eos_token_ids, tp=tp,
+                       offload=spec.offload)
 
 
 def rank_kv_budget(loaded, request: KVBudgetRequest) -> int:
