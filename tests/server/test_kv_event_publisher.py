@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import msgspec
 import pytest
@@ -20,13 +19,6 @@ from tests.server.vllm_kv_subscriber import END_SEQ, BlockStored, KVEventBatch, 
 
 TOPIC = "kv@pod-a@tiny"
 H1, H2 = 2**64 - 1, 12345  # block hashes are unsigned 64-bit: msgpack's uint64 form for the first
-
-
-@dataclass(slots=True)
-class _TierStored(kv_events.BlockStored):
-    """An engine event that names its tier (the offload tier's), passed through as vLLM's `medium`."""
-
-    medium: str = "CPU"
 
 
 @pytest.fixture()
@@ -59,7 +51,8 @@ def test_a_batch_is_vllms_positional_envelope_of_tagged_maps(publisher, context)
     sub.setsockopt_string(zmq.SUBSCRIBE, TOPIC)
     sub.connect(publisher.config.endpoint)
     events = [kv_events.BlockStored([H1, H2], None, [1, 2, 3, 4], 2), kv_events.BlockRemoved([H1]),
-              kv_events.AllBlocksCleared(), _TierStored([7], H2, [5, 6], 2)]
+              kv_events.AllBlocksCleared(),
+              kv_events.BlockStored([7], H2, [5, 6], 2, medium="CPU")]  # an offload tier's block
     frames = None
     for _ in range(100):  # ZMQ's slow joiner: what is sent before the subscription arrives is dropped
         publisher.publish(events)

@@ -158,6 +158,8 @@ class Subscriber:
         self.next_seq = seq + 1
 
     def close(self) -> None:
+        if self.context.closed:
+            return
         self.stop.set()
         self.thread.join(10)
         self.socket.close(linger=0)
