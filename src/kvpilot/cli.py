@@ -10,7 +10,8 @@ import typer
 
 from kvpilot.bench.cli import make_bench_command
 from kvpilot.cli_options import (DeviceOpt, DownloadDirOpt, DtypeOpt, GgufFileOpt, KvCacheDtypeOpt,
-                                 KvCacheMemoryOpt, LoadFormatOpt, MaxModelLenOpt, ModelOpt, PromptGemmDtypeOpt,
+                                 KvCacheMemoryOpt, KvOffloadDirOpt, KvOffloadDirSizeOpt, KvOffloadingSizeOpt,
+                                 LoadFormatOpt, MaxModelLenOpt, ModelOpt, PromptGemmDtypeOpt,
                                  QuantizationOpt, RevisionOpt, SeedOpt, SpeculativeConfigOpt)
 from kvpilot.doctor.bench_section import doctor_report_section
 from kvpilot.doctor.cli import doctor_command
@@ -102,7 +103,8 @@ def chat(
     kv_cache_dtype: KvCacheDtypeOpt = "auto", seed: SeedOpt = 0, quantization: QuantizationOpt = "auto",
     prompt_gemm_dtype: PromptGemmDtypeOpt = "auto", revision: RevisionOpt = None,
     download_dir: DownloadDirOpt = None, gguf_file: GgufFileOpt = None,
-    speculative_config: SpeculativeConfigOpt = None,
+    speculative_config: SpeculativeConfigOpt = None, kv_offloading_size: KvOffloadingSizeOpt = None,
+    kv_offload_dir: KvOffloadDirOpt = None, kv_offload_dir_size: KvOffloadDirSizeOpt = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show the engine's INFO log lines.")] = False,
 ) -> None:
     """Interactive chat in the terminal with line editing and history; replies stream token by token. Ctrl-C
@@ -116,7 +118,9 @@ def chat(
                            max_model_len=max_model_len, kv_cache_memory=kv_cache_memory,
                            kv_cache_dtype=kv_cache_dtype, seed=seed, quantization=quantization,
                            prompt_gemm_dtype=prompt_gemm_dtype, revision=revision, download_dir=download_dir,
-                           gguf_file=gguf_file, speculative_config=speculative_config))
+                           gguf_file=gguf_file, speculative_config=speculative_config,
+                           kv_offloading_size=kv_offloading_size, kv_offload_dir=kv_offload_dir,
+                           kv_offload_dir_size=kv_offload_dir_size))
     params = _sampling_params(SamplingParams, max_tokens=max_tokens, temperature=temperature, top_p=top_p)
     run_chat(llm, params, system)
 

@@ -51,6 +51,21 @@ MaxBatchedTokensOpt = Annotated[Optional[int], typer.Option(
 KvCacheMemoryOpt = Annotated[Optional[str], typer.Option(
     "--kv-cache-memory", help="KV cache size, bytes or with a unit (512MiB, 4GiB). Default on CPU: 2GiB; "
     "on CUDA from --gpu-memory-utilization.")]
+KvOffloadingSizeOpt = Annotated[Optional[str], typer.Option(
+    "--kv-offloading-size", help="KV offload (as vLLM's): a host-memory tier of this size for prefix blocks "
+    "the KV cache evicts, in GiB (a number, as vLLM) or with a unit (512MiB); a later request whose prompt "
+    "starts with them gets them copied back instead of recomputed (long multi-turn sessions keep their KV). "
+    "Pinned memory on CUDA, RAM beside --kv-cache-memory on CPU; with tensor parallelism the total of all "
+    "ranks. Needs prefix caching. Default: off.")]
+KvOffloadingBackendOpt = Annotated[str, typer.Option(
+    "--kv-offloading-backend", help="KV offload backend: native (kvpilot's own; vLLM's other, lmcache, is not "
+    "built in).")]
+KvOffloadDirOpt = Annotated[Optional[str], typer.Option(
+    "--kv-offload-dir", help="KV offload: a local-disk tier below the host tier (needs --kv-offloading-size), "
+    "in a file in this folder, removed at exit; blocks the host tier evicts go there.")]
+KvOffloadDirSizeOpt = Annotated[Optional[str], typer.Option(
+    "--kv-offload-dir-size", help="Size of the --kv-offload-dir tier, bytes or with a unit (default 10GiB; "
+    "refused at start-up if the folder has less free).")]
 KvCacheDtypeOpt = Annotated[str, typer.Option(
     "--kv-cache-dtype", help="How K/V are stored: auto (the model dtype), float32, bfloat16, float16 or fp8 "
     "(e4m3). 2-byte or 1-byte KV holds 2-4x the tokens in the same memory and speeds up CPU decode; outputs "

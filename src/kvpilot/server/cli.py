@@ -14,7 +14,8 @@ import typer
 
 from kvpilot.cli_options import (AsyncSchedulingOpt, AttentionBackendOpt, BlockSizeOpt, CudaGraphSizesOpt,
                                  DeviceOpt, DownloadDirOpt, DtypeOpt, EnforceEagerOpt, GgufFileOpt, GpuUtilOpt,
-                                 KvCacheDtypeOpt, KvCacheMemoryOpt, LoadFormatOpt, MaxBatchedTokensOpt,
+                                 KvCacheDtypeOpt, KvCacheMemoryOpt, KvOffloadDirOpt, KvOffloadDirSizeOpt,
+                                 KvOffloadingBackendOpt, KvOffloadingSizeOpt, LoadFormatOpt, MaxBatchedTokensOpt,
                                  MaxModelLenOpt, MaxNumSeqsOpt, ModelOpt, PolicyOpt, PrefixCachingOpt,
                                  PromptGemmDtypeOpt, QuantizationOpt, RevisionOpt, SeedOpt, SpeculativeConfigOpt,
                                  TensorParallelOpt, parse_cuda_graph_sizes)
@@ -52,7 +53,9 @@ def serve_command(
     max_model_len: MaxModelLenOpt = None, max_num_seqs: MaxNumSeqsOpt = 256,
     max_num_batched_tokens: MaxBatchedTokensOpt = None, kv_cache_memory: KvCacheMemoryOpt = None,
     kv_cache_dtype: KvCacheDtypeOpt = "auto", gpu_memory_utilization: GpuUtilOpt = 0.9,
-    block_size: BlockSizeOpt = 16,
+    block_size: BlockSizeOpt = 16, kv_offloading_size: KvOffloadingSizeOpt = None,
+    kv_offloading_backend: KvOffloadingBackendOpt = "native", kv_offload_dir: KvOffloadDirOpt = None,
+    kv_offload_dir_size: KvOffloadDirSizeOpt = None,
     enable_prefix_caching: PrefixCachingOpt = True, scheduling_policy: PolicyOpt = "fcfs", seed: SeedOpt = 0,
     attention_backend: AttentionBackendOpt = "auto", async_scheduling: AsyncSchedulingOpt = None,
     enforce_eager: EnforceEagerOpt = False, cuda_graph_sizes: CudaGraphSizesOpt = None,
@@ -87,7 +90,9 @@ def serve_command(
             enable_prefix_caching=enable_prefix_caching, scheduling_policy=scheduling_policy, seed=seed,
             attention_backend=attention_backend, async_scheduling=async_scheduling, enforce_eager=enforce_eager,
             tensor_parallel_size=tensor_parallel_size, cuda_graph_sizes=parse_cuda_graph_sizes(cuda_graph_sizes),
-            kv_events_config=kv_events_config, speculative_config=speculative_config)
+            kv_events_config=kv_events_config, speculative_config=speculative_config,
+            kv_offloading_size=kv_offloading_size, kv_offloading_backend=kv_offloading_backend,
+            kv_offload_dir=kv_offload_dir, kv_offload_dir_size=kv_offload_dir_size)
         _check_tracing(otlp_traces_endpoint)
         server_args = _server_args(
             model, max_num_seqs, host=host, port=port, served_model_name=served_model_name, api_key=api_key,

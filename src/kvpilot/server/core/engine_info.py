@@ -27,6 +27,8 @@ class KVCacheInfo:
     num_hidden_layers: int
     num_key_value_heads: int
     head_dim: int
+    num_offload_blocks: int = 0  # KV offload's host tier (vLLM's num_cpu_blocks); 0: off
+    num_disk_offload_blocks: int = 0
 
 
 @dataclass(frozen=True)

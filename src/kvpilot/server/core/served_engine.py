@@ -37,7 +37,9 @@ def describe(built: BuiltEngine) -> EngineInfo:
     kv = KVCacheInfo(dtype=kv_dtype_name(plan.dtype), dtype_bytes=plan.dtype_bytes, block_size=cache.block_size,
                      num_blocks=cache.num_blocks, bytes_per_block=plan.capacity.bytes_per_block,
                      budget_bytes=plan.budget_bytes, num_hidden_layers=config.num_hidden_layers,
-                     num_key_value_heads=config.num_key_value_heads, head_dim=config.head_dim)
+                     num_key_value_heads=config.num_key_value_heads, head_dim=config.head_dim,
+                     num_offload_blocks=cache.num_offload_blocks if cache.offload_enabled else 0,
+                     num_disk_offload_blocks=cache.num_disk_offload_blocks if cache.offload_enabled else 0)
     return EngineInfo(model=built.loaded.name, max_model_len=limits.max_model_len,
                       max_num_batched_tokens=limits.max_num_batched_tokens,
                       vocab_size=engine.vocab_size, kv=kv, max_num_seqs=limits.max_num_seqs,

@@ -82,6 +82,39 @@ class _SchedulerCollector(Collector):
                              ("used", stats.num_used_blocks), ("total", stats.num_total_blocks)):
             blocks.add_metric([self._model, state], value)
         yield blocks
+        if stats.num_offload_blocks:
+            yield from self._offload(stats)
+
+    def _offload(self, stats: SchedulerStats) -> Iterator[Metric]:
+        """KV offload (--kv-offloading-size): vLLM's external prefix-cache counters (the tiers' hits, apart from
+        the pool's own prefix_cache_hits), the tiers' fill, and the blocks copied each way."""
+        model = [self._model]
+        for name, doc, value in (
+                ("vllm:external_prefix_cache_queries", "External prefix cache queries from the KV offload "
+                 "tiers, in tokens.", stats.offload_prefix_cache_queries),
+                ("vllm:external_prefix_cache_hits", "External prefix cache hits: prompt tokens whose KV was "
+                 "copied back from a KV offload tier.", stats.offload_prefix_cache_hits)):
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric(model, value)
+            yield family
+        tiers = GaugeMetricFamily("kvpilot:kv_offload_blocks", "KV offload tier blocks by tier and state.",
+                                  labels=["model_name", "tier", "state"])
+        for tier, used, total in (("cpu", stats.num_offload_used_blocks, stats.num_offload_blocks),
+                                  ("disk", stats.num_disk_offload_used_blocks, stats.num_disk_offload_blocks)):
+            if total:
+                tiers.add_metric([self._model, tier, "used"], used)
+                tiers.add_metric([self._model, tier, "total"], total)
+        yield tiers
+        copies = CounterMetricFamily("kvpilot:kv_offload_copied_blocks", "KV blocks copied between the cache "
+                                     "and the offload tiers: save (cache to host), load (host to cache), demote "
+                                     "(to disk), disk_load (disk to cache), dropped (no tier slot free).",
+                                     labels=["model_name", "direction"])
+        for direction, value in (("save", stats.num_offload_saved_blocks), ("load", stats.num_offload_loaded_blocks),
+                                 ("demote", stats.num_offload_demoted_blocks),
+                                 ("disk_load", stats.num_offload_disk_loaded_blocks),
+                                 ("dropped", stats.num_offload_dropped_blocks)):
+            copies.add_metric([self._model, direction], value)
+        yield copies
 
 
 class _CacheConfigCollector(Collector):
@@ -97,7 +130,7 @@ class _CacheConfigCollector(Collector):
         if info is None:
             return
         labels = {"block_size": str(info.kv.block_size), "num_gpu_blocks": str(info.kv.num_blocks),
-                  "num_cpu_blocks": "0", "cache_dtype": info.kv.dtype,
+                  "num_cpu_blocks": str(info.kv.num_offload_blocks), "cache_dtype": info.kv.dtype,
                   "enable_prefix_caching": str(info.enable_prefix_caching),
                   "kv_cache_memory_bytes": str(info.kv.budget_bytes)}
         family = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine's CacheConfig.",

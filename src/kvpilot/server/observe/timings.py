@@ -61,9 +61,17 @@ def kvpilot_field(request_id: str, metrics: RequestMetrics | None, num_prompt_to
                   timings: RequestTimings) -> dict[str, Any]:
     """The top-level `"kvpilot"` field of the final body / last SSE chunk (the bench parses exactly this)."""
     return {"request_id": request_id, "prompt_tokens": num_prompt_tokens,
-            "cached_tokens": metrics.num_cached_tokens if metrics else 0,
+            "cached_tokens": metrics.num_cached_tokens if metrics else 0, **tier_field(metrics),
             "num_preemptions": metrics.num_preemptions if metrics else 0,
             "timings": asdict(timings), **speculation_field(metrics)}
+
+
+def tier_field(metrics: RequestMetrics | None) -> dict[str, Any]:
+    """{"tier_cached_tokens": n}: of cached_tokens, those copied back from a KV offload tier (--kv-offloading-
+    size) rather than found in the KV cache; {} when none (responses without offload keep their shape)."""
+    if metrics is None or not metrics.num_tier_cached_tokens:
+        return {}
+    return {"tier_cached_tokens": metrics.num_tier_cached_tokens}
 
 
 def speculation_field(metrics: RequestMetrics | None) -> dict[str, Any]:
@@ -84,7 +92,7 @@ def access_log_line(*, request_id: str, endpoint: str, status: int, stream: bool
         "event": "request", "request_id": request_id, "endpoint": endpoint, "status": status, "stream": stream,
         "finish_reason": metrics.finish_reason if metrics else None, "prompt_tokens": num_prompt_tokens,
         "generation_tokens": metrics.num_generated_tokens if metrics else 0,
-        "cached_tokens": metrics.num_cached_tokens if metrics else 0,
+        "cached_tokens": metrics.num_cached_tokens if metrics else 0, **tier_field(metrics),
         "num_preemptions": metrics.num_preemptions if metrics else 0, **asdict(timings),
         **speculation_field(metrics)}
     if prompt is not None:
