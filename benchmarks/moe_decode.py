@@ -193,6 +193,7 @@ def main_packed_gguf(args: argparse.Namespace) -> None:
     print(f"Qwen3-30B-A3B layer shapes x {args.layers} layers as {args.gguf_type} GGUF ({path.stat().st_size / 2**20:.0f} "
           f"MiB), vocab {args.vocab_size}, context ~{args.context}, {engines['packed'].loaded.dtype}, "
           f"{torch.get_num_threads()} threads:")
+    experts_alone(engines, args)
     for batch in (1, 16):
         for llm in engines.values():
             grow(llm, batch, args)
@@ -203,7 +204,33 @@ def main_packed_gguf(args: argparse.Namespace) -> None:
                 times[name] += step_seconds(llm, args.steps)
         print(f" batch {batch}:")
         packed, dequantized = (report(name, times[name], batch) for name in ("packed", "dequantized"))
-        print(f"  packed / dequantized: {packed / dequantized:.2f}x")
+        fastest = min(times["dequantized"]) / min(times["packed"])
+        print(f"  packed / dequantized: {packed / dequantized:.2f}x (medians), {fastest:.2f}x (fastest steps)")
+
+
+def experts_alone(engines: dict[str, LLM], args: argparse.Namespace) -> None:
+    """Layer 0's experts by themselves (router weights from its own router on random rows), the engines alternating:
+    the part of a step the packing changes, without attention, the head or the engine around it."""
+    from kvpilot.model.layers.moe import route
+
+    calls = max(4, args.rounds * args.steps // 2)
+    print(" layer 0's experts alone (ms a call: median, fastest):")
+    for rows in (1, 16):
+        x = torch.randn(rows, engines["packed"].loaded.config.hidden_size, generator=torch.Generator().manual_seed(0))
+        times: dict[str, list[float]] = {name: [] for name in engines}
+        with torch.no_grad():
+            blocks = {name: llm.loaded.model.layers[0].mlp for name, llm in engines.items()}
+            inputs = {name: x.to(llm.loaded.dtype) for name, llm in engines.items()}
+            routed = {name: route(block.gate(inputs[name]), block.top_k, block.renormalize)
+                      for name, block in blocks.items()}
+            for _ in range(calls):
+                for name, block in blocks.items():
+                    t0 = time.perf_counter()
+                    block.experts(inputs[name], *routed[name])
+                    times[name].append(time.perf_counter() - t0)
+        line = ", ".join(f"{name} {statistics.median(t) * 1e3:.2f} / {min(t) * 1e3:.2f}" for name, t in times.items())
+        ratio = min(times["dequantized"]) / min(times["packed"])
+        print(f"  {rows:2d} rows: {line}; packed {ratio:.2f}x faster (fastest calls)")
 
 
 def main() -> None:
