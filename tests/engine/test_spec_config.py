@@ -30,8 +30,16 @@ def test_a_draft_model_by_method_or_by_model_alone():
     assert SpeculativeConfig.from_dict({"model": "/models/draft"}) == \
         SpeculativeConfig(method="draft_model", model="/models/draft")
     assert SpeculativeConfig.from_dict({"method": "ngram", "model": "org/draft-1b"}).model is None
-    with pytest.raises(EngineConfigError, match=r"speculative_config\.model is for method \"draft_model\""):
+    with pytest.raises(EngineConfigError, match=r"speculative_config\.model is for methods draft_model, eagle, "
+                                                r"eagle3; the n-gram proposer takes no model"):
         SpeculativeConfig(method="ngram", model="org/draft-1b")
+
+
+def test_eagle_heads_by_method():
+    """vLLM's EAGLE spellings: the head's checkpoint is read and checked against the target at start."""
+    for method in ("eagle", "eagle3"):
+        config = SpeculativeConfig.parse(f'{{"method": "{method}", "model": "org/head", "num_speculative_tokens": 3}}')
+        assert (config.method, config.model, config.num_speculative_tokens) == (method, "org/head", 3)
 
 
 @pytest.mark.parametrize("values, field", [
@@ -40,7 +48,9 @@ def test_a_draft_model_by_method_or_by_model_alone():
     ({"method": "ngram", "num_speculative_tokens": 1000}, "num_speculative_tokens"),
     ({"method": "ngram", "prompt_lookup_min": 0}, "prompt_lookup_min"),
     ({"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min"),
-    ({"method": "eagle"}, "method"),
+    ({"method": "medusa"}, "method"),
+    ({"method": "eagle"}, "model"),
+    ({"method": "eagle3", "model": ""}, "model"),
     ({"method": "lookahead"}, "method"),
     ({"method": "ngram", "disable_by_batch_size": 0}, "disable_by_batch_size"),
     ({"method": "draft_model", "num_speculative_tokens": 4}, "model"),

@@ -1,8 +1,9 @@
 """`speculative_config`: speculative decoding's settings, vLLM's names and JSON (`LLM(speculative_config={...})`,
 `kvpilot serve --speculative-config '{...}'`), validated at start with EngineConfigError naming the field.
 
-Two proposers: "ngram" (prompt lookup) and "draft_model" (a smaller model kvpilot loads, named by "model";
-vLLM's `{"model": PATH}` alone means it too). EAGLE heads and the rest are refused by name.
+Three proposers: "ngram" (prompt lookup), "draft_model" (a smaller model kvpilot loads, named by "model";
+vLLM's `{"model": PATH}` alone means it too) and EAGLE draft heads, "eagle" (EAGLE-1) and "eagle3" (EAGLE-3),
+whose checkpoint "model" names (model/models/eagle.py). Medusa, MTP and the rest are refused by name.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from typing import Any
 
 from kvpilot.engine.config import EngineConfigError
 
-METHODS = ("ngram", "draft_model")
-NOT_YET = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "suffix")
+METHODS = ("ngram", "draft_model", "eagle", "eagle3")
+MODEL_METHODS = ("draft_model", "eagle", "eagle3")  # the methods whose drafts come from weights "model" names
+NOT_YET = ("medusa", "mlp_speculator", "mtp", "suffix")
 DEFAULT_LOOKUP = 5  # vLLM's: neither prompt_lookup_min nor _max given -> both 5; one given -> the other equals it
 MAX_SPECULATIVE_TOKENS = 64
 
@@ -31,11 +33,12 @@ def _positive_int(name: str, value: object) -> int:
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Invariants: method is "ngram" or "draft_model"; model (the draft's path, hub id or dummy name) is set
-    exactly when method is "draft_model"; 1 <= num_speculative_tokens <= MAX_SPECULATIVE_TOKENS (the most drafts a
-    request gets in one step; the cost model often gives fewer, or none); 1 <= prompt_lookup_min <=
-    prompt_lookup_max (the n-gram lengths matched, longest first); disable_by_batch_size: None, or >= 1 (no
-    request speculates in a step where at least this many run: a hard cap on top of the cost model)."""
+    """Invariants: method is one of METHODS; model (the draft's or EAGLE head's path, hub id or, for a draft,
+    dummy name) is set exactly when method is in MODEL_METHODS; 1 <= num_speculative_tokens <=
+    MAX_SPECULATIVE_TOKENS (the most drafts a request gets in one step; the cost model often gives fewer, or
+    none); 1 <= prompt_lookup_min <= prompt_lookup_max (the n-gram lengths matched, longest first);
+    disable_by_batch_size: None, or >= 1 (no request speculates in a step where at least this many run: a hard
+    cap on top of the cost model)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
@@ -47,15 +50,18 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method in NOT_YET:
             raise EngineConfigError(f"{_field('method')} {self.method!r} is not supported yet: kvpilot has the "
-                                    f"n-gram and draft-model proposers (\"method\": \"ngram\" or \"draft_model\")")
+                                    f"n-gram, draft-model and EAGLE proposers (\"method\": one of "
+                                    f"{', '.join(METHODS)})")
         if self.method not in METHODS:
             raise EngineConfigError(f"{_field('method')} must be one of {', '.join(METHODS)}, got {self.method!r}")
-        if self.method == "draft_model" and not (isinstance(self.model, str) and self.model):
-            raise EngineConfigError(f"{_field('model')} is required with method \"draft_model\": the draft's "
-                                    f"directory, GGUF file or Hub id, got {self.model!r}")
+        if self.method in MODEL_METHODS and not (isinstance(self.model, str) and self.model):
+            what = "the draft's directory, GGUF file or Hub id" if self.method == "draft_model" else \
+                "the EAGLE head's directory (config.json and safetensors) or Hub id"
+            raise EngineConfigError(f"{_field('model')} is required with method \"{self.method}\": {what}, got "
+                                    f"{self.model!r}")
         if self.method == "ngram" and self.model is not None:
-            raise EngineConfigError(f"{_field('model')} is for method \"draft_model\"; the n-gram proposer takes "
-                                    f"no model, got {self.model!r}")
+            raise EngineConfigError(f"{_field('model')} is for methods {', '.join(MODEL_METHODS)}; the n-gram "
+                                    f"proposer takes no model, got {self.model!r}")
         _positive_int("num_speculative_tokens", self.num_speculative_tokens)
         if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
             raise EngineConfigError(f"{_field('num_speculative_tokens')} must be <= {MAX_SPECULATIVE_TOKENS}, got "

@@ -22,6 +22,10 @@ blocks are held only for requests asked about and not forgotten (evicted, least 
 another request needs them, unless proposed for the same step: an evicted request starts again from its first
 token). The draft runner's rows
 are re-added each step (so a row's tokens are always its request's own known tokens).
+
+model/eagle_proposer.py runs an EAGLE head on this machinery through three hooks: `_known` (the tokens a row
+holds), `_run` (one draft step: where the head's hidden inputs are handed over) and `_remember` (what the
+draft K/V holds after a fill).
 """
 
 from __future__ import annotations
@@ -112,8 +116,20 @@ class DraftModelProposer:
             return
         for request, tokens in zip(requests, drafts):
             draft_token_ids[request.request_id][:] = tokens
-            state = self._states[request.request_id]
-            state.num_known, state.fed_draft_ids = request.num_tokens, tokens[:-1]
+            self._remember(request, self._states[request.request_id], tokens)
+
+    def _remember(self, request: Request, state: _DraftState, drafts: list[int]) -> None:
+        """After a fill: what the request's draft K/V now holds (its known tokens, then all drafts but the last)."""
+        state.num_known, state.fed_draft_ids = request.num_tokens, drafts[:-1]
+
+    def _known(self, request: Request) -> list[int]:
+        """The tokens the draft runner's row holds for a request (at draft positions 0, 1, ...)."""
+        return request.all_token_ids
+
+    def _run(self, output: SchedulerOutput, num_known: dict[str, int]) -> dict[str, int]:
+        """One draft step (num_known: each request's count of known tokens, where its drafts start): its
+        sampled ids by request."""
+        return self.runner.execute_model(output).result().token_ids
 
     def _reserve(self, request_id: str, state: _DraftState, num_tokens: int) -> bool:
         """Blocks for num_tokens positions, evicting the least recently asked other requests as needed (never
@@ -132,7 +148,8 @@ class DraftModelProposer:
         """The requests' drafts: their catch-ups (the last chunk of each samples its first draft), then decodes
         of all requests still short of their num_drafts, together."""
         ids = [r.request_id for r in requests]
-        known = [r.all_token_ids for r in requests]
+        known = [self._known(r) for r in requests]
+        num_known = {rid: len(tokens) for rid, tokens in zip(ids, known)}
         starts = [_num_valid(self._states[rid], tokens) for rid, tokens in zip(ids, known)]
         new = [NewRequestData(rid, list(tokens), [], _GREEDY, list(self._states[rid].block_ids), start)
                for rid, tokens, start in zip(ids, known, starts)]
@@ -146,7 +163,7 @@ class DraftModelProposer:
                 SchedulerOutput(chunks, running_requests=[RunningRequestData(c.request_id, [], c.start_position)
                                                           for c in chunks])
             first = False
-            sampled = self.runner.execute_model(output).result().token_ids
+            sampled = self._run(output, num_known)
             for i, rid in enumerate(ids):
                 if rid in sampled:
                     drafts[i].append(sampled[rid])
@@ -157,7 +174,7 @@ class DraftModelProposer:
             chunks = [ScheduledChunk(ids[i], len(known[i]) + len(drafts[i]) - 1, 1, True) for i in rows]
             output = SchedulerOutput(chunks, running_requests=[RunningRequestData(c.request_id, [], c.start_position)
                                                                for c in chunks])
-            sampled = self.runner.execute_model(output).result().token_ids
+            sampled = self._run(output, num_known)
             for i in rows:
                 drafts[i].append(sampled[ids[i]])
 

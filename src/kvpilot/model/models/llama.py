@@ -155,6 +155,10 @@ class LlamaForCausalLM(nn.Module):
         self.fused_decode: FusedDecode | None = None
         # set by the packed-weight loader with the int8 path (quant.linear.Int8Gate): open for decode steps only
         self.int8_gate: Int8Gate | None = None
+        # set for an EAGLE-3 head (launch/eagle.py): the layers whose inputs each forward leaves, concatenated
+        # in this order, in aux_hidden [T, len * hidden] (the plain layer loop then runs: bit for bit the same)
+        self.aux_hidden_layers: tuple[int, ...] = ()
+        self.aux_hidden: torch.Tensor | None = None
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn: StepAttention) -> torch.Tensor:
@@ -162,6 +166,8 @@ class LlamaForCausalLM(nn.Module):
             self.int8_gate.open = not getattr(attn.meta, "prefills", ())
         x = self.embed(token_ids)
         cos, sin = self.rotary.tables(positions, x.dtype)
+        if self.aux_hidden_layers:
+            return self._forward_keeping_aux(x, cos, sin, kv_caches, attn)
         if self.fused_decode is not None and self.fused_decode.applies(x, kv_caches, attn):
             return self.norm(self.fused_decode(x, cos, sin, kv_caches, attn))
         gpu = small_ops_for(x) if x.dim() == 2 and x.stride(-1) == 1 and self.layer_class.supports_deferred_add \
@@ -174,6 +180,17 @@ class LlamaForCausalLM(nn.Module):
                 else self.norm(x)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, kv_cache, attn)
+        return self.norm(x)
+
+    def _forward_keeping_aux(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                             kv_caches: list[torch.Tensor], attn: StepAttention) -> torch.Tensor:
+        """forward()'s layer loop, leaving the inputs of the aux_hidden_layers in aux_hidden."""
+        inputs: dict[int, torch.Tensor] = {}
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            if i in self.aux_hidden_layers:
+                inputs[i] = x
+            x = layer(x, cos, sin, kv_cache, attn)
+        self.aux_hidden = torch.cat([inputs[i] for i in self.aux_hidden_layers], dim=-1)
         return self.norm(x)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:

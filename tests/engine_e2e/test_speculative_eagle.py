@@ -1,0 +1,199 @@
+"""Speculative decoding with EAGLE heads (speculative_config method "eagle" and "eagle3") on a tiny random-weight
+Llama target in float32, each head random too and saved the way published checkpoints are laid out (EAGLE-1:
+fc, layers.0.*; EAGLE-3: fc over three aux states, midlayer.*, norm, lm_head over a draft vocabulary, d2t):
+greedy output is token for token HF transformers' under continuous batching and preemption, seeded sampled
+requests give plain decoding's tokens, and a head that does not fit the target is refused naming the field.
+Random heads accept next to nothing; an EAGLE-1 head built to pass the target's hidden state through checks the
+features' alignment and the chain: its drafts are always the last known token."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from kvpilot import LLM, SamplingParams
+from kvpilot.engine.config import EngineConfigError
+from tests.engine_e2e.conftest import assert_no_leak
+from tests.model.hf_match import prompt_ids, save_random_hf_model
+from tests.model.test_architectures import _small_config
+
+pytestmark = pytest.mark.slow
+
+CFG = {**_small_config("llama-3.2-1b"), "num_hidden_layers": 4}  # EAGLE-3's default aux layers: 2, 2, 1
+VOCAB, HIDDEN = CFG["vocab_size"], CFG["hidden_size"]
+PROMPTS = prompt_ids([1, 9, 20, 31, 47], VOCAB)
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+DRAFT_VOCAB = 384
+
+
+def save_eagle_head(kind: str, directory: Path, hidden: int = HIDDEN, vocab: int = VOCAB, seed: int = 0,
+                    identity: bool = False) -> str:
+    """A random EAGLE head of `kind` for a target of `hidden`/`vocab`, in its checkpoint layout. identity
+    (EAGLE-1): fc passes the target's state through and the layer adds nothing, so the head's logits are the
+    target's."""
+    g = torch.Generator().manual_seed(seed)
+    heads, kv_heads, head_dim, inter = CFG["num_attention_heads"], CFG["num_key_value_heads"], CFG["head_dim"], \
+        CFG["intermediate_size"]
+    attn_in = hidden if kind == "eagle" else 2 * hidden
+
+    def rand(*shape: int, std: float = 0.08, base: float = 0.0) -> torch.Tensor:
+        return base + std * torch.randn(*shape, generator=g)
+
+    layer = "layers.0." if kind == "eagle" else "midlayer."
+    state = {
+        f"{layer}self_attn.q_proj.weight": rand(heads * head_dim, attn_in),
+        f"{layer}self_attn.k_proj.weight": rand(kv_heads * head_dim, attn_in),
+        f"{layer}self_attn.v_proj.weight": rand(kv_heads * head_dim, attn_in),
+        f"{layer}self_attn.o_proj.weight": rand(hidden, heads * head_dim),
+        f"{layer}mlp.gate_proj.weight": rand(inter, hidden),
+        f"{layer}mlp.up_proj.weight": rand(inter, hidden),
+        f"{layer}mlp.down_proj.weight": rand(hidden, inter),
+        f"{layer}input_layernorm.weight": rand(hidden, std=0.3, base=1.0),
+        f"{layer}post_attention_layernorm.weight": rand(hidden, std=0.3, base=1.0),
+    }
+    config = {**CFG, "hidden_size": hidden, "vocab_size": vocab, "num_hidden_layers": 1}
+    if kind == "eagle":
+        state["fc.weight"], state["fc.bias"] = rand(hidden, 2 * hidden), rand(hidden)
+        if identity:
+            state["fc.weight"] = torch.cat([torch.zeros(hidden, hidden), torch.eye(hidden)], dim=1)
+            state["fc.bias"] = torch.zeros(hidden)
+            state[f"{layer}self_attn.o_proj.weight"].zero_()
+            state[f"{layer}mlp.down_proj.weight"].zero_()
+        config["architectures"] = ["LlamaForCausalLM"]  # as the EAGLE-1 checkpoints on the Hub say
+    else:
+        targets = torch.randperm(vocab, generator=g)[:DRAFT_VOCAB].sort().values
+        state.update({"fc.weight": rand(hidden, 3 * hidden), f"{layer}hidden_norm.weight": rand(hidden, std=0.3,
+                                                                                                     base=1.0),
+                      "norm.weight": rand(hidden, std=0.3, base=1.0), "lm_head.weight": rand(DRAFT_VOCAB, hidden),
+                      "d2t": targets - torch.arange(DRAFT_VOCAB),
+                      "t2d": torch.zeros(vocab, dtype=torch.bool).index_fill_(0, targets, True)})
+        config.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=DRAFT_VOCAB)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    save_file({k: v.contiguous() for k, v in state.items()}, str(directory / "model.safetensors"))
+    return str(directory)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eagle")
+    hf = save_random_hf_model(CFG, root / "target")
+    return SimpleNamespace(
+        want=[hf(p, 24) for p in PROMPTS], target=str(root / "target"),
+        eagle=save_eagle_head("eagle", root / "eagle"), eagle3=save_eagle_head("eagle3", root / "eagle3"),
+        identity=save_eagle_head("eagle", root / "identity", identity=True),
+        narrow=save_eagle_head("eagle", root / "narrow", hidden=HIDDEN // 2),
+        small_vocab=save_eagle_head("eagle3", root / "small_vocab", vocab=VOCAB // 2 + 200))
+
+
+@pytest.fixture(scope="module")
+def plain(models) -> LLM:
+    return LLM(model=models.target, dtype="float32", kv_cache_memory="4MiB", max_model_len=256)
+
+
+def _spec_llm(plain: LLM, method: str, head: str, kv_cache_memory: str = "4MiB", num_drafts: int = 4,
+              max_model_len: int = 256) -> LLM:
+    """The target's weights with an EAGLE head; draft rows priced at nothing, so every decode verifies drafts."""
+    llm = LLM(loaded=plain.loaded, kv_cache_memory=kv_cache_memory, max_model_len=max_model_len,
+              enable_prefix_caching=False,
+              speculative_config={"method": method, "model": head, "num_speculative_tokens": num_drafts})
+    llm.engine.scheduler.speculator.step_price = lambda num_running: 0.0
+    return llm
+
+
+def _assert_no_leak(llm: LLM) -> None:
+    assert_no_leak(llm)
+    proposer = llm.engine.scheduler.speculator.proposer
+    assert proposer.num_requests == 0 and proposer.num_free_blocks == proposer.runner.num_blocks
+    assert proposer.num_featured_requests == 0
+
+
+def _drafted(outputs) -> tuple[int, int]:
+    return sum(o.metrics.num_draft_tokens for o in outputs), sum(o.metrics.num_accepted_tokens for o in outputs)
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_greedy_output_is_the_targets(models, plain, method):
+    llm = _spec_llm(plain, method, getattr(models, method))
+    outputs = llm.generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outputs] == models.want
+    assert _drafted(outputs)[0] > 0
+    _assert_no_leak(llm)
+    if method == "eagle3":  # the draft vocabulary's argmax, as target ids: the logits' argmax
+        head = llm.engine.scheduler.speculator.proposer.head
+        hidden = torch.randn(6, HIDDEN)
+        assert torch.equal(head.greedy_ids(hidden), head.logits(hidden).argmax(dim=-1))
+        assert set(head.greedy_ids(hidden).tolist()) <= set(head.draft_to_target.tolist())
+        plain.loaded.model.aux_hidden_layers = ()  # the head set them on the shared target model
+        assert plain.loaded.model.aux_hidden is not None
+
+
+def test_an_identity_head_drafts_the_last_token_throughout(models, plain):
+    """fc passes the target's state through and the layer adds nothing, so head position p outputs the target's
+    state at p, whose greedy token is the request's token p + 1: from the last known token's position (state
+    at n - 2) the first draft is the last known token, and feeding that state forward the chain repeats it.
+    Any misalignment of features, positions or the token shift, or a chain fed anything else, breaks that."""
+    llm = _spec_llm(plain, "eagle", models.identity, num_drafts=3)
+    proposer = llm.engine.scheduler.speculator.proposer
+    seen: list[tuple[int, list[int]]] = []
+    pending: dict[str, int] = {}
+    propose, fill = proposer.propose, proposer.fill
+
+    def recording_propose(request, max_drafts):
+        pending[request.request_id] = request.all_token_ids[-1]
+        return propose(request, max_drafts)
+
+    def recording_fill(draft_token_ids):
+        fill(draft_token_ids)
+        seen.extend((pending[rid], list(drafts)) for rid, drafts in draft_token_ids.items())
+
+    proposer.propose, proposer.fill = recording_propose, recording_fill
+    outputs = llm.generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outputs] == models.want
+    assert len(seen) > 20
+    assert all(drafts == [last] * len(drafts) for last, drafts in seen)
+    _assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_preemption_under_kv_pressure(models, plain, method):
+    # 1 KiB a token for the target's 4 layers, 256 B for the head's one: ~80 tokens each, 228 needed at once
+    llm = _spec_llm(plain, method, getattr(models, method), kv_cache_memory="100KiB", num_drafts=3,
+                    max_model_len=80)
+    outputs = llm.generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outputs] == models.want
+    assert sum(o.metrics.num_preemptions for o in outputs) > 0
+    _assert_no_leak(llm)
+    plain.loaded.model.aux_hidden_layers = ()
+
+
+def test_seeded_sampled_requests_give_plain_decodings_tokens(models, plain):
+    params = [SamplingParams(temperature=t, top_p=p, seed=s, max_tokens=20, ignore_eos=True)
+              for t, p, s in ((0.8, 0.95, 1), (0.3, 1.0, 2), (1.0, 0.9, 3))]
+    want = [plain.generate([PROMPTS[i]], params[i])[0].outputs[0].token_ids for i in range(3)]
+    llm = _spec_llm(plain, "eagle3", models.eagle3, num_drafts=3)  # verification is the same for both kinds
+    outputs = llm.generate(PROMPTS[:3], params)
+    assert [o.outputs[0].token_ids for o in outputs] == want
+    _assert_no_leak(llm)
+    plain.loaded.model.aux_hidden_layers = ()
+
+
+def test_a_head_that_does_not_fit_the_target_is_refused(models, plain):
+    with pytest.raises(EngineConfigError, match=r"speculative_config\.model: the EAGLE head's hidden size is 32, "
+                                                r"the target's 64"):
+        _spec_llm(plain, "eagle", models.narrow)
+    with pytest.raises(EngineConfigError, match=r"speculative_config\.model: the EAGLE head's vocabulary has 456 "
+                                                r"tokens, the target's 512"):
+        _spec_llm(plain, "eagle3", models.small_vocab)
+    with pytest.raises(EngineConfigError, match=r"speculative_config\.model: the EAGLE head could not be loaded: "
+                                                r".*not an EAGLE-1 head"):
+        _spec_llm(plain, "eagle", models.eagle3)
+    with pytest.raises(EngineConfigError, match=r"speculative_config\.model: the EAGLE head could not be loaded: "
+                                                r".*no such directory"):
+        _spec_llm(plain, "eagle3", models.eagle3 + "-missing")
+    assert plain.loaded.model.aux_hidden_layers == ()
