@@ -6,7 +6,9 @@ giving llama.cpp's C++ llama-server, which has parallel slots), and vLLM's CPU b
 Comparisons (peers/comparisons.py): default (kvpilot's defaults against --engines, as always run), bf16
 (kvpilot dense bf16 against vLLM bf16, both from the same GGUF), and q4_0 and q4_k_m (a Q4_0 / Q4_K_M copy
 of the GGUF, made once with llama.cpp's quantizer and its type mix printed, served by kvpilot and by
-llama-server with --parallel equal to each workload's concurrency and --kv-unified). Servers run one at a
+llama-server with --parallel equal to each workload's concurrency: its own default with an explicit --parallel,
+one KV buffer per slot, the "high-throughput mode" of llama.cpp PR 14363; --llama-kv-unified gives it one shared
+buffer instead, whose attention spans every slot's tokens and so slows many streams). Servers run one at a
 time, alternating kvpilot, peer, kvpilot, ... for --passes rounds, each driven by `kvpilot bench` (streaming,
 ignore_eos, 128 in / 128 out at concurrency 1, 16, 64; 512-token prefill). Each figure is a median over valid
 passes with its min-max; a pass with failed or short requests is dropped and named (peers/passes.py). Each
@@ -77,6 +79,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prefill-concurrency", type=int, default=4, help="streams in the prefill workload")
     parser.add_argument("--max-start-s", type=float, default=900, help="longest wait for a server to be ready")
     parser.add_argument("--seed", type=int, default=0, help="prompt seed of the first workload")
+    parser.add_argument("--llama-kv-unified", action="store_true",
+                        help="llama-server with slots per workload also gets --kv-unified (one KV buffer for all "
+                             "slots; without it each slot has its own, llama.cpp's default with --parallel N)")
     args = parser.parse_args(argv)
     args.comparisons = _checked_list(parser, "--comparisons", args.comparisons, COMPARISON_NAMES)
     args.engines = _checked_list(parser, "--engines", args.engines, ENGINES)
@@ -98,7 +103,7 @@ def _checked_list(parser: argparse.ArgumentParser, flag: str, value: str, allowe
 class Setup:
     """What the run can use: peers and copies that could not be made ({engine or copy key: one-line reason}),
     the requantized copies of the GGUF ({"q4_0": ..., "q4_k_m": ...}), and whether this llama-server has
-    --kv-unified."""
+    --kv-unified and the run asked for it (--llama-kv-unified)."""
 
     gguf: Path
     failures: dict[str, str] = field(default_factory=dict)
@@ -128,7 +133,8 @@ def set_up(args: argparse.Namespace, gguf: Path, comparisons: list[Comparison]) 
             print(f"# vllm: running without LD_PRELOAD of {', '.join(missing)} (slower)", flush=True)
     weights = dict.fromkeys(c.weights for comparison in comparisons for c in comparison.contenders())
     make_copies(args, setup, [w for w in weights if w in REQUANTIZED_MIXES])
-    if any(p.slots_per_workload for c in comparisons for p in c.peers) and "llamacpp" not in setup.failures:
+    if args.llama_kv_unified and any(p.slots_per_workload for c in comparisons for p in c.peers) \
+            and "llamacpp" not in setup.failures:
         try:
             setup.kv_unified = has_flag(llama_server_help(args.cache_dir), KV_UNIFIED_FLAG)
         except (InstallError, OSError) as error:

@@ -259,6 +259,9 @@ def test_llama_server_slots_follow_the_workload_on_a_requantized_copy(tmp_path, 
     assert c16[c16.index("--parallel") + 1] == "16" and c16[c16.index("--ctx-size") + 1] == str(16 * 512)
     assert c16[c16.index("--model") + 1] == f"/c/model.{file_type}.gguf" and c16[-1] == KV_UNIFIED_FLAG
     assert KV_UNIFIED_FLAG not in spec(fair, tmp_path, ("c16",), kv_unified=False).command
+    # per-slot KV buffers (llama.cpp's own default with --parallel N) unless the run asks for one shared buffer
+    assert not peers_cpu.parse_args([]).llama_kv_unified
+    assert peers_cpu.parse_args(["--llama-kv-unified"]).llama_kv_unified
     default = spec(Contender("llamacpp", "llamacpp"), tmp_path).command
     assert default[default.index("--parallel") + 1] == "64" and KV_UNIFIED_FLAG not in default
     assert default[default.index("--model") + 1] == "/e/model.Q4_1.gguf"
