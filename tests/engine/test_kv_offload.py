@@ -84,7 +84,8 @@ def _run_all(sched, model, requests: list[Request], pipelined: bool = False) -> 
     return {r.request_id: list(r.output_token_ids) for r in requests}
 
 
-def _multi_turn(num_offload_blocks: int, num_disk_offload_blocks: int = 0) -> tuple[object, list[Request]]:
+def _multi_turn(num_offload_blocks: int, num_disk_offload_blocks: int = 0, fail_first: bool = False
+                ) -> tuple[object, list[Request]]:
     """A first turn of 21 prompt tokens, then two other sessions that take the whole pool (8 blocks of 4),
     then the first session's second turn: its first turn's 5 full blocks were evicted from the pool."""
     rng = random.Random(3)
@@ -98,7 +99,17 @@ def _multi_turn(num_offload_blocks: int, num_disk_offload_blocks: int = 0) -> tu
         _run_all(sched, model, [make_request(name, [rng.randrange(1, 90) for _ in range(25)], max_tokens=3)])
     turn1 = first + generate_alone(first, 3)
     second = make_request("t2", turn1 + [rng.randrange(1, 90) for _ in range(4)], max_tokens=4)
-    outputs = _run_all(sched, model, [second])
+    if fail_first:  # the step that loads its prefix fails to launch: its copies never run
+        sched.add_request(second)
+        failed = sched.schedule()
+        assert failed.offload is not None and failed.offload.loads
+        sched.kv.discard_offload(failed.offload)
+        sched.roll_back(["t2"])
+        sched.check_integrity()
+        outputs = _run_all(sched, model, [])
+        outputs = {"t2": list(second.output_token_ids)}
+    else:
+        outputs = _run_all(sched, model, [second])
     assert outputs["t2"] == generate_alone(second.prompt_token_ids, 4)
     return sched, [second]
 
@@ -122,6 +133,12 @@ def test_a_prefix_demoted_to_disk_comes_back_from_there() -> None:
     stats = sched.make_stats()
     assert warm.num_tier_cached_tokens == 20
     assert stats.num_offload_disk_loaded_blocks > 0 and stats.num_offload_demoted_blocks > 0
+
+
+def test_a_step_that_failed_to_launch_forgets_what_its_copies_were_to_fill() -> None:
+    sched, [warm] = _multi_turn(16, fail_first=True)  # outputs checked inside: loaded again, then right
+    assert sched.make_stats().num_offload_loaded_blocks == 10  # 5 blocks ordered twice
+    sched.check_integrity()
 
 
 def _workload(rng: random.Random, n: int) -> list[Request]:

@@ -172,6 +172,18 @@ class BlockPool:
         block.clear_hash()
         self.num_evictions += 1
 
+    def drop_hash(self, block: KVBlock) -> None:
+        """Forgets the block's cached hash without offering it to on_evict (its K/V is not what the hash says:
+        a KV offload load that never ran); an idle block stays in the free queue, as free."""
+        if block.block_hash is None:
+            return
+        if block.ref_cnt == 0:
+            self._num_idle_cached -= 1
+        del self._cached[block.block_hash]
+        if self.events is not None:
+            self.events.removed(block.block_hash)
+        block.clear_hash()
+
     @property
     def cached_hashes(self) -> set[int]:
         """Every hash the prefix cache holds now (blocks in use or idle): what replaying the KV events gives."""

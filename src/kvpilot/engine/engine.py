@@ -221,6 +221,8 @@ class LLMEngine:
         try:
             handle = self.runner.execute_model(scheduled)  # also releases finished requests' runner state
         except Exception as exc:  # noqa: BLE001 - judged by step_failures: one request's fault or none
+            if scheduled.offload is not None:  # its KV offload copies may not have run: forget what they fill
+                self.scheduler.kv.discard_offload(scheduled.offload)
             raise StepFailed([scheduled], exc, at_launch=True) from exc
         return _InFlight(scheduled, handle, started) if scheduled.chunks else None
 

@@ -255,6 +255,15 @@ class KVCacheManager:
         assert self.offload is not None and block.block_hash is not None and block.parent_hash is not None
         self.offload.save(block.block_id, block.block_hash, block.parent_hash, block.token_ids)
 
+    def discard_offload(self, orders: OffloadOrders) -> None:
+        """The step carrying these copy orders failed to launch, so they may not have run: tier slots they were
+        to fill are forgotten, and so are the hashes of the pool blocks they were to load (their requests are
+        rolled back and recompute them)."""
+        assert self.offload is not None
+        self.offload.discard(orders)
+        for _, block_id in orders.loads + orders.disk_loads:
+            self.pool.drop_hash(self.pool.blocks[block_id])
+
     def take_offload_orders(self) -> OffloadOrders | None:
         """The copy orders of the step being scheduled (None without offload or when nothing moved)."""
         return self.offload.take_orders() if self.offload is not None else None

@@ -144,6 +144,15 @@ class OffloadTier:
     def unpin_all(self) -> None:
         self._pinned.clear()
 
+    def drop_slots(self, slots: set[int]) -> None:
+        """Forgets the hashes held in these slots (their copies never ran), freeing the slots."""
+        for block_hash in [h for h, e in self._entries.items() if e.slot in slots]:
+            entry = self._entries.pop(block_hash)
+            self._free_slots.append(entry.slot)
+            self._pinned.discard(block_hash)
+            if self.events is not None:
+                self.events.removed(block_hash, self.medium)
+
     @property
     def num_pinned(self) -> int:
         return len(self._pinned)
@@ -245,6 +254,13 @@ class OffloadTiers:
         if self.disk is not None:
             self.disk.unpin_all()
         return orders
+
+    def discard(self, orders: OffloadOrders) -> None:
+        """A step whose copies may not have run (its launch failed): the tier entries they were to fill are
+        forgotten (the pool's loaded blocks are the KV manager's to forget)."""
+        self.host.drop_slots({slot for _, slot in orders.saves})
+        if self.disk is not None:
+            self.disk.drop_slots({slot for _, slot in orders.demotes + orders.disk_saves})
 
     def check_integrity(self) -> None:
         """Both tiers consistent, and (between steps) nothing pinned and no order pending."""
