@@ -24,7 +24,7 @@ from tests.model.moe_gguf import write_moe_gguf
 
 pytestmark = pytest.mark.skipif(get_quant_kernel() is None, reason="no C++ compiler for the CPU kernels")
 
-NEW_TOKENS = 12
+NEW_TOKENS = 8
 # hidden and expert width 256: whole K-quant super-blocks in every row
 SMALL = {"num_hidden_layers": 2, "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
          "head_dim": 64, "vocab_size": 512, "max_position_embeddings": 4096, "bos_token_id": 1, "eos_token_id": 2,
@@ -183,3 +183,23 @@ def test_bf16_greedy_runs_packed_through_the_engine(gguf_files):
     reference = [o.outputs[0].token_ids for o in dense.generate(_prompts(), params)]
     assert [len(tokens) for tokens in batch] == [NEW_TOKENS] * 3
     assert [tokens[0] for tokens in batch] == [tokens[0] for tokens in reference], (batch, reference)
+
+
+def test_experts_of_one_layer_in_different_types_dequantize(tmp_path):
+    """Older Mixtral files keep one tensor per expert, which llama.cpp's quantizer may give different types: packed
+    experts take one type a layer and kind, so such a file is dequantized (auto) or refused (gguf)."""
+    from kvpilot.model.config import from_hf_config
+    from kvpilot.model.errors import ModelLoadError
+    from kvpilot.model.quant.model_pack import packed_names
+
+    name, family = FAMILY["llama"]
+    config = from_hf_config({**get_hf_config(name), **SMALL, **family}, "tiny")
+    expert = "model.layers.{}.mlp.experts.{}.down_proj.weight"
+    types = {"lm_head.weight": "Q6_K", expert.format(0, 0): "Q4_K", expert.format(0, 1): "Q4_K",
+             expert.format(1, 0): "Q4_K", expert.format(1, 1): "Q6_K"}
+    device = torch.device("cpu")
+    assert packed_names("auto", device, dict(list(types.items())[:4]), config, tmp_path) == frozenset(types) - {
+        expert.format(1, 1)}
+    assert packed_names("auto", device, types, config, tmp_path) == frozenset()
+    with pytest.raises(ModelLoadError, match="experts of layer 1's down are of different types"):
+        packed_names("gguf", device, types, config, tmp_path)
