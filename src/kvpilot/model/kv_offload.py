@@ -139,14 +139,22 @@ def _runs(slots: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
+def _index(ids: list[int], device: torch.device) -> torch.Tensor:
+    """ids on `device`; on CUDA through pinned memory, queued on the stream (no wait for the step in flight)."""
+    index = torch.tensor(ids, dtype=torch.int64)
+    if device.type != "cuda":
+        return index
+    return index.pin_memory().to(device, non_blocking=True)
+
+
 def _gather(kv_caches: Sequence[torch.Tensor], block_ids: list[int]) -> torch.Tensor:
     """[n, num_layers, 2, kv_heads, block_size, head_dim]: the blocks' K/V of every layer (a view of a copy)."""
-    index = torch.tensor(block_ids, device=kv_caches[0].device)
+    index = _index(block_ids, kv_caches[0].device)
     return torch.stack([cache.index_select(2, index) for cache in kv_caches]).permute(3, 0, 1, 2, 4, 5)
 
 
 def _scatter(kv_caches: Sequence[torch.Tensor], block_ids: list[int], data: torch.Tensor) -> None:
     """Writes data [n, num_layers, 2, kv_heads, block_size, head_dim] into the blocks of every layer's cache."""
-    index = torch.tensor(block_ids, device=kv_caches[0].device)
+    index = _index(block_ids, kv_caches[0].device)
     for layer, cache in enumerate(kv_caches):
         cache.index_copy_(2, index, data[:, layer].permute(1, 2, 0, 3, 4))
