@@ -8,6 +8,7 @@ from dataclasses import replace
 from kvpilot.engine.scheduler_stats import SchedulerStats
 from kvpilot.engine.timeline import RequestMetrics, Timeline
 from kvpilot.server.observe.metrics import ServerMetrics
+from kvpilot.server.observe.stats_logger import TokenTotals, status_line
 from kvpilot.server.observe.timings import RequestTimings, kvpilot_field
 
 PLAIN = SchedulerStats(num_running=0, num_waiting=0, kv_cache_usage=0.0, prefix_cache_queries=100,
@@ -39,3 +40,10 @@ def test_the_response_names_tier_hits_only_when_there_are_some() -> None:
     assert "tier_cached_tokens" not in kvpilot_field("r", metrics, 80, timings)
     field = kvpilot_field("r", replace(metrics, num_tier_cached_tokens=48), 80, timings)
     assert field["cached_tokens"] == 64 and field["tier_cached_tokens"] == 48
+
+
+def test_the_status_line_adds_the_tiers_hit_rate_with_offload() -> None:
+    totals = TokenTotals(0.0, 0.0)
+    assert "External" not in status_line(PLAIN, totals, totals, 1.0)
+    offload = replace(PLAIN, num_offload_blocks=90, offload_prefix_cache_queries=100, offload_prefix_cache_hits=64)
+    assert status_line(offload, totals, totals, 1.0).endswith("External prefix cache hit rate: 64.0%")

@@ -33,7 +33,16 @@ def status_line(stats: SchedulerStats, before: TokenTotals, now: TokenTotals, el
     return (f"Avg prompt throughput: {prompt_tps:.1f} tokens/s, Avg generation throughput: {gen_tps:.1f} "
             f"tokens/s, Running: {stats.num_running} reqs, Waiting: {stats.num_waiting} reqs, "
             f"KV cache usage: {stats.kv_cache_usage * 100:.1f}%, Prefix cache hit rate: "
-            f"{stats.prefix_cache_hit_rate * 100:.1f}%")
+            f"{stats.prefix_cache_hit_rate * 100:.1f}%{_external(stats)}")
+
+
+def _external(stats: SchedulerStats) -> str:
+    """vLLM's ", External prefix cache hit rate: x%" with KV offload: prompt tokens copied back from a tier."""
+    if not stats.num_offload_blocks:
+        return ""
+    queries = stats.offload_prefix_cache_queries
+    rate = stats.offload_prefix_cache_hits / queries if queries else 0.0
+    return f", External prefix cache hit rate: {rate * 100:.1f}%"
 
 
 async def log_stats_forever(read_stats, read_totals, interval_s: float) -> None:
