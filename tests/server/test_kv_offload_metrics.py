@@ -47,3 +47,23 @@ def test_the_status_line_adds_the_tiers_hit_rate_with_offload() -> None:
     assert "External" not in status_line(PLAIN, totals, totals, 1.0)
     offload = replace(PLAIN, num_offload_blocks=90, offload_prefix_cache_queries=100, offload_prefix_cache_hits=64)
     assert status_line(offload, totals, totals, 1.0).endswith("External prefix cache hit rate: 64.0%")
+
+
+def test_serve_checks_the_offload_flags_before_anything_starts(monkeypatch) -> None:
+    from typer.testing import CliRunner
+
+    from kvpilot.cli import app
+    from kvpilot.server import cli as serve_cli
+
+    for flags, message in ((["--kv-offloading-backend", "lmcache"], "not supported"),
+                           (["--kv-offload-dir", "/tmp"], "give kv_offloading_size too"),
+                           (["--kv-offloading-size", "1", "--no-enable-prefix-caching"], "needs prefix caching"),
+                           (["--kv-offloading-size", "lots"], "is not a size")):
+        result = CliRunner().invoke(app, ["serve", *flags])
+        assert result.exit_code == 2 and message in result.output, (flags, result.output)
+    seen = {}
+    monkeypatch.setattr(serve_cli, "_serve", lambda engine_args, *rest: seen.setdefault("args", engine_args) and 0)
+    result = CliRunner().invoke(app, ["serve", "--kv-offloading-size", "8", "--kv-offload-dir", "/tmp/kv",
+                                      "--kv-offload-dir-size", "1GiB"])
+    args = seen["args"]
+    assert args.kv_offload_bytes() == (8 * 2**30, 2**30) and args.kv_offload_dir == "/tmp/kv", result.output
