@@ -153,11 +153,13 @@ torch::Tensor quant_moe_tiled(torch::Tensor x, std::vector<torch::Tensor> w, std
   for (const MoeGroup& grp : groups) most = std::max(most, grp.end - grp.begin);
   const float* wp = weights.data_ptr<float>();
   const bool bf16_out = out.scalar_type() == torch::kBFloat16;
-  const int64_t down_chunks = (TH + kMoeTileChunk - 1) / kMoeTileChunk;
+  // chunks of 2 to 8 tiles: at least ~4 a thread where H allows (many threads, one region), pairs of tiles kept
+  const int64_t chunk = std::max<int64_t>(2, std::min<int64_t>(kMoeTileChunk, TH / (4 * at::get_num_threads())));
+  const int64_t down_chunks = (TH + chunk - 1) / chunk;
   at::parallel_for(0, down_chunks, 1, [&](int64_t c0, int64_t c1) {
-    std::vector<float> acc(T * kMoeTileChunk * 16), part(most * kMoeTileChunk * 16);
+    std::vector<float> acc(T * chunk * 16), part(most * chunk * 16);
     for (int64_t c = c0; c < c1; ++c) {
-      const int64_t h0 = c * kMoeTileChunk, h1 = std::min(TH, h0 + kMoeTileChunk), width = (h1 - h0) * 16;
+      const int64_t h0 = c * chunk, h1 = std::min(TH, h0 + chunk), width = (h1 - h0) * 16;
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (const MoeGroup& grp : groups) {
         const int64_t n = grp.end - grp.begin;
