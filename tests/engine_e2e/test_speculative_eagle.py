@@ -3,8 +3,10 @@ Llama target in float32, each head random too and saved the way published checkp
 fc, layers.0.*; EAGLE-3: fc over three aux states, midlayer.*, norm, lm_head over a draft vocabulary, d2t):
 greedy output is token for token HF transformers' under continuous batching and preemption, seeded sampled
 requests give plain decoding's tokens, and a head that does not fit the target is refused naming the field.
-Random heads accept next to nothing; an EAGLE-1 head built to pass the target's hidden state through checks the
-features' alignment and the chain: its drafts are always the last known token."""
+Random heads accept next to nothing, so two checks look at the drafts themselves: driven with HF's hidden
+states, the proposer's chain equals one computed from scratch in plain torch from the checkpoint's tensors (vLLM's
+formulas), across a catch-up; and an EAGLE-1 head built to pass the target's hidden state through drafts the last
+known token throughout, which checks the alignment of the features the target's runner hands over."""
 
 from __future__ import annotations
 
@@ -84,7 +86,7 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("eagle")
     hf = save_random_hf_model(CFG, root / "target")
     return SimpleNamespace(
-        want=[hf(p, 24) for p in PROMPTS], target=str(root / "target"),
+        want=[hf(p, 24) for p in PROMPTS], hf_model=hf, target=str(root / "target"),
         eagle=save_eagle_head("eagle", root / "eagle"), eagle3=save_eagle_head("eagle3", root / "eagle3"),
         identity=save_eagle_head("eagle", root / "identity", identity=True),
         narrow=save_eagle_head("eagle", root / "narrow", hidden=HIDDEN // 2),
@@ -197,3 +199,99 @@ def test_a_head_that_does_not_fit_the_target_is_refused(models, plain):
                                                 r".*no such directory"):
         _spec_llm(plain, "eagle3", models.eagle3 + "-missing")
     assert plain.loaded.model.aux_hidden_layers == ()
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + CFG["rms_norm_eps"]) * weight
+
+
+def _reference_drafts(kind: str, weights: dict[str, torch.Tensor], hf, tokens: list[int], k: int) -> list[int]:
+    """The EAGLE chain computed from scratch with plain torch from the head's checkpoint tensors and HF's
+    hidden states of the target (output_hidden_states: entry i is layer i's input, the last the normed output):
+    vLLM's formulas, full causal attention recomputed for every draft."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    model = hf.model
+    with torch.no_grad():
+        states = model(torch.tensor([tokens]), output_hidden_states=True).hidden_states
+        if kind == "eagle":
+            features = states[-1][0]
+        else:
+            aux = (2, 2, 1)  # vLLM's default for 4 layers: (2, L // 2, L - 3)
+            features = torch.cat([states[i][0] for i in aux], dim=-1) @ weights["fc.weight"].T
+        layer = "layers.0." if kind == "eagle" else "midlayer."
+        w = {name[len(layer):]: t for name, t in weights.items() if name.startswith(layer)}
+        heads, kv_heads, head_dim = CFG["num_attention_heads"], CFG["num_key_value_heads"], CFG["head_dim"]
+        ids, hidden, drafts = list(tokens[1:]), list(features[:len(tokens) - 1]), []
+        for _ in range(k):
+            n = len(ids)
+            embeds = model.model.embed_tokens(torch.tensor(ids))
+            h = torch.stack(hidden)
+            if kind == "eagle":
+                residual = torch.cat([embeds, h], dim=-1) @ weights["fc.weight"].T + weights["fc.bias"]
+                x_in = residual
+            else:
+                residual = h
+                x_in = torch.cat([_rms(embeds, w["input_layernorm.weight"]), _rms(h, w["hidden_norm.weight"])], -1)
+            q = (x_in @ w["self_attn.q_proj.weight"].T).view(n, heads, head_dim).transpose(0, 1)[None]
+            key = (x_in @ w["self_attn.k_proj.weight"].T).view(n, kv_heads, head_dim).transpose(0, 1)[None]
+            v = (x_in @ w["self_attn.v_proj.weight"].T).view(n, kv_heads, head_dim).transpose(0, 1)[None]
+            cos, sin = model.model.rotary_emb(q, torch.arange(n)[None])
+            q, key = apply_rotary_pos_emb(q, key, cos, sin)
+            key, v = key.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1)
+            attn = torch.nn.functional.scaled_dot_product_attention(q, key, v, is_causal=True)
+            x = residual + attn[0].transpose(0, 1).reshape(n, -1) @ w["self_attn.o_proj.weight"].T
+            m = _rms(x, w["post_attention_layernorm.weight"])
+            x = x + (torch.nn.functional.silu(m @ w["mlp.gate_proj.weight"].T) * (m @ w["mlp.up_proj.weight"].T)) \
+                @ w["mlp.down_proj.weight"].T
+            if kind == "eagle":
+                token = int(model.lm_head(x[-1]).argmax())
+            else:
+                draft = int((_rms(x[-1], weights["norm.weight"]) @ weights["lm_head.weight"].T).argmax())
+                token = draft + int(weights["d2t"][draft])
+            drafts.append(token)
+            ids.append(token)
+            hidden.append(x[-1])
+    return drafts
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_the_chain_is_eagles_from_scratch(models, plain, method):
+    """Driven directly with HF's hidden states as the target's: the proposer's drafts equal the reference
+    chain's, at the first fill (a whole prompt's catch-up) and after the target 'accepted' one draft and
+    emitted another token (a catch-up of the new positions only, the drafts' K/V recomputed)."""
+    from safetensors.torch import load_file
+
+    from kvpilot.engine.request import Request
+    from kvpilot.engine.scheduler_output import ScheduledChunk
+
+    weights = load_file(str(Path(getattr(models, method)) / "model.safetensors"))
+    llm = _spec_llm(plain, method, getattr(models, method))
+    proposer = llm.engine.scheduler.speculator.proposer
+    hf = models.hf_model
+
+    def observe(request_id: str, tokens: list[int], start: int) -> None:
+        with torch.no_grad():
+            states = hf.model(torch.tensor([tokens]), output_hidden_states=True).hidden_states
+        rows = slice(start, len(tokens))
+        aux = torch.cat([states[i][0] for i in (2, 2, 1)], dim=-1)[rows] if method == "eagle3" else None
+        chunk = ScheduledChunk(request_id, start, len(tokens) - start, True)
+        proposer.observe([chunk], {}, states[-1][0][rows], aux)
+
+    for i, prompt in enumerate(PROMPTS[1:4]):
+        request = Request(f"r{i}", list(prompt), GREEDY, arrival_time=0.0)
+        request.append_output_token(models.want[i + 1][0], 0.0)
+        observe(request.request_id, request.all_token_ids[:-1], 0)  # the prefill: every prompt position
+        drafts = proposer.propose(request, 3)
+        proposer.fill({request.request_id: drafts})
+        assert drafts == _reference_drafts(method, weights, hf, request.all_token_ids, 3)
+        before = request.num_tokens - 1
+        for token in (drafts[0], (drafts[1] + 1) % VOCAB):  # one accepted, then the target's own token
+            request.append_output_token(token, 0.0)
+        observe(request.request_id, request.all_token_ids[:-1], before)  # the verification's rows
+        drafts = proposer.propose(request, 2)
+        proposer.fill({request.request_id: drafts})
+        assert drafts == _reference_drafts(method, weights, hf, request.all_token_ids, 2)
+        proposer.forget(request.request_id)
+    _assert_no_leak(llm)
+    plain.loaded.model.aux_hidden_layers = ()
