@@ -19,7 +19,9 @@ class LLM:
     """`LLM(model=None)` loads the embedded SmolLM2-135M-Instruct; keyword arguments are EngineArgs fields
     (max_model_len, max_num_seqs, max_num_batched_tokens, kv_cache_memory, gpu_memory_utilization, block_size,
     enable_prefix_caching, scheduling_policy, dtype, load_format, device, seed, attention_backend,
-    async_scheduling, speculative_config: vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 4})."""
+    async_scheduling, speculative_config: vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 4},
+    kv_offloading_size: KV offload's host tier, GiB or "512MiB", kv_offload_dir / kv_offload_dir_size: its disk
+    tier; docs/server.md, "KV offload")."""
 
     def __init__(self, model: str | None = None, *, loaded: LoadedModel | None = None, **engine_kwargs: Any) -> None:
         """`loaded` reuses the weights of another LLM (`other.loaded`) with different engine settings."""
