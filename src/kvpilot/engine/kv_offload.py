@@ -21,8 +21,8 @@ or without one is dropped: the block is then simply forgotten, as without offloa
 block loaded back stays in its tier, so evicting it from the pool again costs no copy.
 
 Events (kv_events.py, vLLM's `medium` field): a tier records BlockStored when it takes a hash and BlockRemoved
-when it drops one, under its medium ("CPU" for the host tier, "DISK" for the disk tier); replaying the events
-of one medium gives exactly that tier's hashes.
+when it drops one, under its medium ("CPU" for the host tier, "STORAGE" for the disk tier, as vLLM names a
+storage tier); replaying the events of one medium gives exactly that tier's hashes.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from kvpilot.engine.block_pool import ROOT_PARENT_HASH
 from kvpilot.engine.kv_events import KVEventLog
 
 HOST_MEDIUM = "CPU"  # vLLM's name for its CPU offload tier (the pool's own blocks are "GPU", on CPU engines too)
-DISK_MEDIUM = "DISK"
+DISK_MEDIUM = "STORAGE"
 
 
 class OffloadIntegrityError(RuntimeError):
