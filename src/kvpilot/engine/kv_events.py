@@ -7,8 +7,8 @@ data, or dropped by a prefix-cache reset). Replaying the events in order gives e
 cached hashes. With KV offload (kv_offload.py) the tiers record theirs too, each event naming where the block
 is in vLLM's `medium` field: "GPU" for the pool's own blocks (vLLM's name for its primary tier, on a CPU engine
 too), "CPU" for the host-memory tier, "STORAGE" for the local-disk tier (vLLM's name for a storage tier);
-replaying one medium's events gives that tier's hashes. Hashes are the pool's own chained block hashes (block_pool.chained_block_hash: sha256 of the
-parent hash and the token ids), equal across processes and restarts.
+replaying one medium's events gives that tier's hashes. Hashes are the pool's own chained block hashes
+(block_pool.chained_block_hash: sha256 of the parent hash and the token ids), equal across processes and restarts.
 
 Torch- and transport-free: the engine core drains the log after each step and a publisher (server/) sends it.
 """
