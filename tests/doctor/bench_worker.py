@@ -10,44 +10,28 @@ list one token per word, and the server reports exact counts in ``usage`` anyway
 
 from __future__ import annotations
 
+import contextlib
 import io
 import multiprocessing
-import sys
-import threading
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 from kvpilot.bench.api import BenchConfig
+from tests.doctor.fault_staging import gil_hog
 
 
 def bench_result(cfg: BenchConfig, busy_client: bool = False) -> dict[str, Any]:
     """Runs in the worker: the bench result document (schema_version 1), summary not printed.
 
-    ``busy_client`` stages a load generator that shares its process with CPU-bound Python work (a
-    thread spinning for the whole run; a 30 ms GIL switch interval, as long-running C extensions hold
-    it): the bench's event loop then runs late, which is what its lag detector must catch."""
+    ``busy_client`` stages a load generator that shares its process with CPU-bound Python work
+    (fault_staging.gil_hog: a thread spinning for the whole run, a 30 ms GIL switch interval): the bench's
+    event loop then runs late, which is what its lag detector must catch."""
     from rich.console import Console  # noqa: PLC0415
 
     from kvpilot.bench.api import run_bench  # noqa: PLC0415
 
-    if not busy_client:
+    with gil_hog(0.03) if busy_client else contextlib.nullcontext():
         return run_bench(cfg, Console(file=io.StringIO())).result
-    done = threading.Event()
-
-    def spin() -> None:
-        while not done.is_set():
-            sum(i * i for i in range(10_000))
-
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(0.03)
-    hog = threading.Thread(target=spin, daemon=True)
-    hog.start()
-    try:
-        return run_bench(cfg, Console(file=io.StringIO())).result
-    finally:
-        done.set()
-        hog.join()
-        sys.setswitchinterval(interval)
 
 
 class BenchWorker:

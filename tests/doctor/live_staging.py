@@ -1,17 +1,15 @@
 """Honest faults for the doctor's live scenarios on the real kvpilot server (tests only).
 
 Each helper changes what a real deployment could get wrong, never the engine's own code path: the
-server's settings (engine args, server args), a slow tokenizer installed into the running server, and
-a TCP proxy that delays every byte like a long network path. The real engine computes every token.
+server's settings (engine args, server args) and a slow tokenizer installed into the running server. The
+faults staged around a server (a delaying TCP proxy, busy processes, a busy client, other traffic) are in
+fault_staging.py, shared with benchmarks/doctor_matrix.py. The real engine computes every token.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
-import asyncio
 import contextlib
-import threading
+import dataclasses
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -86,69 +84,6 @@ def slow_tokenizer(server: BackgroundServer, delay_s: float) -> Iterator[None]:
         yield
     finally:
         client.tokenizer = original
-
-
-class DelayProxy:
-    """A TCP proxy on 127.0.0.1 that delivers every chunk ``delay_s`` late in each direction (order
-    kept), like a gateway on a long network path. Runs its own event loop in a daemon thread."""
-
-    def __init__(self, upstream_port: int, delay_s: float) -> None:
-        self.upstream_port, self.delay_s = upstream_port, delay_s
-        self.port = 0
-        self._loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name="delay-proxy", daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    async def _pipe(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
-        queue: asyncio.Queue[tuple[float, bytes] | None] = asyncio.Queue()
-
-        async def deliver() -> None:
-            while (item := await queue.get()) is not None:
-                due, data = item
-                await asyncio.sleep(max(0.0, due - self._loop.time()))
-                dst.write(data)
-                await dst.drain()
-            dst.close()
-
-        sender = asyncio.create_task(deliver())
-        try:
-            while data := await src.read(65536):
-                queue.put_nowait((self._loop.time() + self.delay_s, data))
-        except ConnectionError:
-            pass
-        queue.put_nowait(None)
-        with contextlib.suppress(ConnectionError):
-            await sender
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
-        await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
-
-    def _serve(self) -> None:
-        asyncio.set_event_loop(self._loop)
-
-        async def start() -> asyncio.AbstractServer:
-            server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
-            self.port = server.sockets[0].getsockname()[1]
-            self._ready.set()
-            return server
-
-        self._server = self._loop.run_until_complete(start())
-        self._loop.run_forever()
-
-    def __enter__(self) -> DelayProxy:
-        self._thread.start()
-        self._ready.wait(10)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._loop.call_soon_threadsafe(self._server.close)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(5)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -35,6 +34,7 @@ from kvpilot.doctor.findings import Severity
 from kvpilot.doctor.server_config import fetch_capacity
 from kvpilot.fit.model_catalog import get_hf_config
 from tests.doctor.bench_worker import BenchWorker
+from tests.doctor.fault_staging import spinners
 from tests.doctor.live_staging import bench, doctor, kvpilot_server, ranked
 
 pytestmark = pytest.mark.slow
@@ -114,19 +114,8 @@ def test_one_sequence_at_a_time_probed_three_times_is_queueing_every_time(llm_fp
 def busy_host() -> Iterator[list[int]]:
     """Two processes spinning on the CPU, detached from this test process (another job on the host,
     not the server's child); killed by pid afterwards."""
-    pids = []
-    for _ in range(2):
-        out = subprocess.run(["sh", "-c", f"{sys.executable} -c 'while True: pass' >/dev/null 2>&1 & echo $!"],
-                             capture_output=True, text=True, check=True)
-        pids.append(int(out.stdout.strip()))
-    try:
+    with spinners(2) as pids:
         yield pids
-    finally:
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
 
 def test_busy_host_is_cpu_starvation_not_client_overload(llm_fp32, busy_host: list[int]) -> None:

@@ -32,8 +32,8 @@ from kvpilot.doctor.thresholds import Thresholds
 from kvpilot.fit.kv_cache import kv_cache_bytes_per_block
 from kvpilot.server.background import BackgroundServer
 from tests.doctor.bench_worker import BenchWorker
-from tests.doctor.live_staging import (DelayProxy, Measured, bench, doctor, kvpilot_server, ranked,
-                                       slow_tokenizer)
+from tests.doctor.fault_staging import DelayProxy
+from tests.doctor.live_staging import Measured, bench, doctor, kvpilot_server, ranked, slow_tokenizer
 from tests.doctor.openai_gateway import openai_gateway
 
 pytestmark = pytest.mark.slow
