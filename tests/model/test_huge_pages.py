@@ -41,6 +41,21 @@ def test_the_cpu_kv_cache_is_zeroed_and_shaped_as_asked() -> None:
     assert all(c.dtype == torch.bfloat16 and c.is_contiguous() and not c.any() for c in caches)
 
 
+def test_the_cpu_kv_cache_takes_memory_only_where_it_is_written() -> None:
+    status = Path("/proc/self/status")
+    if not status.exists():
+        pytest.skip("no /proc here")
+
+    def resident_mib() -> float:
+        return int(re.search(r"VmRSS:\s+(\d+) kB", status.read_text()).group(1)) / 1024
+
+    before = resident_mib()
+    caches = allocate_kv_cache((2, 3, 4096, 16, 64), 4, torch.bfloat16, torch.device("cpu"))  # 4 x 48 MiB
+    assert resident_mib() - before < 16  # start-up writes none of it
+    caches[0][:, :, :64].fill_(1.0)  # the first 64 blocks of one layer (~1.5 MiB, plus its huge pages)
+    assert 1 <= resident_mib() - before < 40 and not caches[1].any()
+
+
 def test_where_linux_takes_the_advice_the_cache_gets_huge_pages() -> None:
     thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     if not sys.platform.startswith("linux") or not thp.exists() or "[never]" in thp.read_text():
@@ -51,6 +66,7 @@ def test_where_linux_takes_the_advice_the_cache_gets_huge_pages() -> None:
 
     before = huge_kib()
     caches = allocate_kv_cache((2, 1, 2048, 16, 128), 1, torch.float32, torch.device("cpu"))  # 32 MiB
+    caches[0].fill_(1.0)  # pages are given at the first write
     # the kernel may find no free huge page (fragmented memory): at least it must not have refused the advice
     assert huge_kib() > before or advise_huge_pages(torch.empty(8 * HUGE_PAGE_BYTES, dtype=torch.uint8))
     del caches
