@@ -151,19 +151,20 @@ def _streamed_ttft_s(url: str, body: dict) -> float | None:
     return first
 
 
-def measure_ttft_s(url: str, concurrency: int = 4, rounds: int = 2) -> float:
-    """Median TTFT of 64-word streamed completions, ``concurrency`` at a time: the scale of the delays to plant.
-    Under load, as most of the quick probe's requests are: sized from a request alone (~0.1 s on a busy box), a
-    proxy's delay was a small share of the probe's median TTFT and `network-overhead` stayed quiet."""
+def measure_ttft_s(url: str, concurrency: int = 4, rounds: int = 3) -> float:
+    """Median TTFT of 64-word streamed completions, ``concurrency`` at a time, after a first round that warms the
+    server up: the scale of the delays to plant. Under load, as most of the quick probe's requests are: sized from
+    a request alone (~0.1 s on a busy box), a proxy's delay was a small share of the probe's median TTFT and
+    `network-overhead` stayed quiet."""
     from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
 
     body = {"model": served_model(url), "prompt": "the first time of the world " * 10 + "city school",
             "max_tokens": 8, "stream": True, "temperature": 0, "ignore_eos": True}
     with ThreadPoolExecutor(concurrency) as pool:
-        ttfts = [t for _ in range(rounds) for t in pool.map(lambda _: _streamed_ttft_s(url, body), range(concurrency))
-                 if t is not None]
+        measured = [list(pool.map(lambda _: _streamed_ttft_s(url, body), range(concurrency))) for _ in range(rounds)]
+    ttfts = [t for batch in measured[1:] for t in batch if t is not None]
     if not ttfts:
-        raise httpx.HTTPError(f"{url}: no streamed token in {concurrency * rounds} completions")
+        raise httpx.HTTPError(f"{url}: no streamed token in {concurrency * (rounds - 1)} completions")
     return statistics.median(ttfts)
 
 
@@ -215,7 +216,7 @@ def staged(fault: Fault, server_url: str, port: int, placement: Placement, log_d
         if fault.client_stall_ttfts:
             interval = min(MAX_DELAY_S, max(MIN_DELAY_S, fault.client_stall_ttfts * ttft))
             stage.cli = [*placement.client_prefix(), *hogged_cli(interval)]
-            stage.notes["client_switch_interval_s"] = round(interval, 4)
+            stage.notes["client_stall_s"] = round(interval, 4)
         yield stage
 
 

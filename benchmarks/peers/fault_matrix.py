@@ -82,7 +82,7 @@ class Fault:
     """The probe goes through a proxy delaying every chunk by this many server TTFTs (measured moments before, 4
     short requests at a time: doctor_matrix.measure_ttft_s) in each direction."""
     client_stall_ttfts: float = 0.0
-    """The doctor runs beside a thread hogging its GIL, switch interval this many server TTFTs."""
+    """The doctor's probe phases run beside a thread that holds its GIL this many server TTFTs once a second."""
 
     def cell(self, engine: str) -> Cell:
         return self.cells[engine]
@@ -121,8 +121,8 @@ class Fault:
         if self.proxy_delay_ttfts:
             out.append(f"probe through a TCP proxy delaying each chunk {self.proxy_delay_ttfts:g} server TTFTs each way")
         if self.client_stall_ttfts:
-            out.append(f"the doctor's process shares its GIL with a spinning thread (switch interval "
-                       f"{self.client_stall_ttfts:g} server TTFTs)")
+            out.append(f"the doctor's probe shares its GIL with a thread holding it {self.client_stall_ttfts:g} server "
+                       "TTFTs once a second")
         return out
 
 

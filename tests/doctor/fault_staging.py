@@ -134,15 +134,58 @@ def gil_hog(switch_interval_s: float = 0.03) -> Iterator[None]:
         sys.setswitchinterval(interval)
 
 
-HOGGED_CLI = ("import sys; sys.path.insert(0, {root!r}); from tests.doctor.fault_staging import gil_hog; "
-              "from kvpilot.cli import main\nwith gil_hog({interval!r}):\n    main()")
-"""``python -c HOGGED_CLI.format(root=..., interval=...) doctor --url ...``: the kvpilot CLI in a process whose
-GIL a spinning thread shares (a slow client: the doctor's own probe is the load generator)."""
+@contextlib.contextmanager
+def gil_stalls(stall_s: float, every_s: float = 1.0) -> Iterator[None]:
+    """A thread of this process that, every ``every_s``, runs one C-level loop holding the GIL for about ``stall_s``
+    (as a JSON parse of a large body or a synchronous logging call would): the event loop of a load generator in
+    this process stalls that long now and then, and runs at full speed in between (unlike :func:`gil_hog`, whose
+    every wake-up waits, which slows a whole probe several-fold)."""
+    started = time.perf_counter()
+    sum(range(1_000_000))  # calibrate: a C loop the interpreter never interrupts
+    n = max(1, int(1_000_000 * stall_s / max(time.perf_counter() - started, 1e-6)))
+    done = threading.Event()
+
+    def stall() -> None:
+        while not done.wait(every_s):
+            sum(range(n))
+
+    thread = threading.Thread(target=stall, name="gil-stalls", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
-def hogged_cli(switch_interval_s: float) -> list[str]:
-    """argv prefix running the kvpilot CLI beside a :func:`gil_hog` (append ``doctor --url ...``)."""
-    return [sys.executable, "-c", HOGGED_CLI.format(root=str(REPO_ROOT), interval=switch_interval_s)]
+HOGGED_CLI = """import sys
+sys.path.insert(0, {root!r})
+import kvpilot.doctor.probe as probe
+from kvpilot.cli import main
+from tests.doctor.fault_staging import gil_stalls
+{preload}
+unhogged = probe.run_phase
+
+def hogged(*args, **kwargs):
+    with gil_stalls({interval!r}):
+        return unhogged(*args, **kwargs)
+
+probe.run_phase = hogged
+main()
+"""
+"""``python -c HOGGED_CLI.format(root=..., interval=..., preload=...) doctor --url ...``: the kvpilot CLI whose probe
+phases (`kvpilot.doctor.probe.run_phase`: the bench, the doctor's load generator) run beside :func:`gil_stalls` of
+``interval`` s once a second: a slow client. Only the phases, and stalls rather than :func:`gil_hog`: with a hog of a
+0.4 s switch interval from the start, every file read gave the GIL away for a whole interval (the doctor was still
+importing its modules after 7 minutes; around the whole probe its /proc scan for the server took minutes)."""
+HOG_PRELOAD = "import aiohttp, numpy, kvpilot.bench.api, kvpilot.doctor.diagnose, kvpilot.doctor.render_console"
+"""Imported before the probe too (what the probe and the report might import lazily)."""
+
+
+def hogged_cli(stall_s: float) -> list[str]:
+    """argv prefix running the kvpilot CLI with its probe phases beside :func:`gil_stalls` of ``stall_s`` (append
+    ``doctor --url ...``)."""
+    return [sys.executable, "-c", HOGGED_CLI.format(root=str(REPO_ROOT), interval=stall_s, preload=HOG_PRELOAD)]
 
 
 # ---- other users' traffic beside the probe -------------------------------------------------------------------
