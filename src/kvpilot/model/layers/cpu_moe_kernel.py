@@ -18,8 +18,9 @@ import torch
 
 from kvpilot.model.layers.cpp_build import CppKernel, build_cpp_kernel
 
+_SOURCE_NAMES = ("moe_groups.h", "moe_experts_cpu.cpp")  # one translation unit, in this order
 _KERNEL = CppKernel(label="CPU MoE experts kernel", name_prefix="kvpilot_cpu_moe_",
-                    sources=(Path(__file__).parent / "csrc" / "moe_experts_cpu.cpp",),
+                    sources=tuple(Path(__file__).parent / "csrc" / name for name in _SOURCE_NAMES),
                     functions=("moe_experts_bf16", "moe_kernel_available"), cflags=("-O3", "-march=native"),
                     serial="mixture-of-experts decode steps run on one thread",
                     fallback="using oneDNN GEMMs per expert")

@@ -22,7 +22,7 @@ SOURCE_NAMES = ("quant_common.h", "quant_blocks.h", "quant_avx512.h", "quant_avx
                 "quant_vnni_gemm.h", "quant_tiled_kq.h", "quant_linear_cpu.cpp", "quant_tiled_cpu.cpp",
                 "quant_tiled_set_cpu.cpp")
 # this module's alone (the fused decode kernel builds SOURCE_NAMES and needs none of it): packed GGUF experts
-MOE_SOURCE_NAMES = ("quant_moe_cpu.cpp",)
+MOE_SOURCE_NAMES = ("moe_groups.h", "quant_moe_cpu.cpp")
 SOURCE_PATHS = tuple(_CSRC / name for name in SOURCE_NAMES + MOE_SOURCE_NAMES)
 FUNCTIONS = ["quant_matmul", "quant_dequantize", "cpu_isa", "quant_parallel_width", "quant_matmul_interleaved",
              "quant_matmul_tiled", "quant_dequantize_tiled", "quant_argmax_tiled", "has_vnni",

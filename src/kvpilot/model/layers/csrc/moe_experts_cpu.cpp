@@ -35,27 +35,6 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch's .
 
 inline float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
 
-// The pairs of one expert: `pairs[begin:end]` of the expert-sorted order.
-struct Group {
-  int64_t expert, begin, end;
-};
-
-// Pairs p = t * k + j sorted by (expert, token); the groups of equal experts, experts increasing.
-std::vector<Group> group_pairs(const int64_t* ids, int64_t num_pairs, int64_t num_experts,
-                               std::vector<int64_t>& order) {
-  order.resize(num_pairs);
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return ids[a] < ids[b]; });
-  std::vector<Group> groups;
-  for (int64_t i = 0; i < num_pairs; ++i) {
-    const int64_t e = ids[order[i]];
-    TORCH_CHECK(e >= 0 && e < num_experts, "expert id ", e, " outside 0..", num_experts - 1);
-    if (groups.empty() || groups.back().expert != e) groups.push_back({e, i, i});
-    groups.back().end = i + 1;
-  }
-  return groups;
-}
-
 #if defined(__AVX512BF16__)
 constexpr bool kAvailable = true;
 
@@ -90,12 +69,12 @@ inline float dot(const uint16_t* x, const uint16_t* a, int64_t n) {
 constexpr int64_t kRowBlock = 16;  // expert rows a task computes (gate/up and down alike)
 
 // act[i, r] (i: a pair's place in the sorted order) = bf16(silu(bf16(gate . x)) * bf16(up . x)), r < I.
-void gate_up_rows(const uint16_t* x, const uint16_t* w13, uint16_t* act, const std::vector<Group>& groups,
+void gate_up_rows(const uint16_t* x, const uint16_t* w13, uint16_t* act, const std::vector<ExpertGroup>& groups,
                   const std::vector<int64_t>& order, int64_t top_k, int64_t H, int64_t I) {
   const int64_t blocks = (I + kRowBlock - 1) / kRowBlock;
   at::parallel_for(0, static_cast<int64_t>(groups.size()) * blocks, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t task = t0; task < t1; ++task) {
-      const Group& g = groups[task / blocks];
+      const ExpertGroup& g = groups[task / blocks];
       const int64_t r0 = (task % blocks) * kRowBlock, r1 = std::min(I, r0 + kRowBlock);
       const uint16_t* w = w13 + g.expert * 2 * I * H;
       for (int64_t r = r0; r < r1; ++r) {
@@ -113,14 +92,14 @@ void gate_up_rows(const uint16_t* x, const uint16_t* w13, uint16_t* act, const s
 
 // out[t, h] = bf16(sum over t's pairs, experts increasing, of weight * bf16(act[pair] . down[e, h])).
 void down_rows(const uint16_t* act, const uint16_t* w2, const float* weights, uint16_t* out,
-               const std::vector<Group>& groups, const std::vector<int64_t>& order, int64_t T, int64_t top_k,
+               const std::vector<ExpertGroup>& groups, const std::vector<int64_t>& order, int64_t T, int64_t top_k,
                int64_t H, int64_t I) {
   at::parallel_for(0, (H + kRowBlock - 1) / kRowBlock, 1, [&](int64_t b0, int64_t b1) {
     std::vector<float> acc(T * kRowBlock);
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t h0 = b * kRowBlock, h1 = std::min(H, h0 + kRowBlock);
       std::fill(acc.begin(), acc.end(), 0.0f);
-      for (const Group& g : groups) {
+      for (const ExpertGroup& g : groups) {
         for (int64_t h = h0; h < h1; ++h) {
           const uint16_t* w = w2 + (g.expert * H + h) * I;
           for (int64_t i = g.begin; i < g.end; ++i) {
@@ -162,7 +141,7 @@ torch::Tensor moe_experts_bf16(torch::Tensor x, torch::Tensor gate_up, torch::Te
 #if defined(__AVX512BF16__)
   const int64_t top_k = ids.size(1);
   std::vector<int64_t> order;
-  const std::vector<Group> groups = group_pairs(ids.data_ptr<int64_t>(), T * top_k, E, order);
+  const std::vector<ExpertGroup> groups = group_by_expert(ids.data_ptr<int64_t>(), T * top_k, E, order);
   std::vector<uint16_t> act(T * top_k * I);
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   gate_up_rows(xp, reinterpret_cast<const uint16_t*>(gate_up.data_ptr()), act.data(), groups, order, top_k, H, I);

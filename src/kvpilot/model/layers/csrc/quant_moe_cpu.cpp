@@ -19,26 +19,6 @@ namespace {
 
 constexpr int64_t kMoeTileChunk = 8;  // weight tiles (128 output columns) a task computes
 
-// Pairs p = t * k + j sorted by (expert, token): the begin of each expert's run in `order`, experts increasing.
-struct MoeGroup {
-  int64_t expert, begin, end;
-};
-
-std::vector<MoeGroup> moe_groups(const int64_t* ids, int64_t num_pairs, int64_t num_experts,
-                                 std::vector<int64_t>& order) {
-  order.resize(num_pairs);
-  for (int64_t i = 0; i < num_pairs; ++i) order[i] = i;
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return ids[a] < ids[b]; });
-  std::vector<MoeGroup> groups;
-  for (int64_t i = 0; i < num_pairs; ++i) {
-    const int64_t e = ids[order[i]];
-    TORCH_CHECK(e >= 0 && e < num_experts, "expert id ", e, " outside 0..", num_experts - 1);
-    if (groups.empty() || groups.back().expert != e) groups.push_back({e, i, i});
-    groups.back().end = i + 1;
-  }
-  return groups;
-}
-
 // int8 rows (values, block scales, scaled sums, and for Q6_K the 16-value sums) as raw arrays
 struct Q8View {
   const int8_t* q;
@@ -98,7 +78,7 @@ torch::Tensor quant_moe_tiled(torch::Tensor x, std::vector<torch::Tensor> w, std
   if (P == 0) return out;
 
   std::vector<int64_t> order;
-  const std::vector<MoeGroup> groups = moe_groups(ids.data_ptr<int64_t>(), P, E, order);
+  const std::vector<ExpertGroup> groups = group_by_expert(ids.data_ptr<int64_t>(), P, E, order);
   // x's int8 rows, one per pair in the sorted order (a group's rows contiguous)
   const Q8Rows xq = quantize_rows_q8(x, KBh);
   const bool q6_in = gate.fmt == kQ6_K || up.fmt == kQ6_K;
@@ -120,7 +100,7 @@ torch::Tensor quant_moe_tiled(torch::Tensor x, std::vector<torch::Tensor> w, std
   const int64_t num_groups = static_cast<int64_t>(groups.size());
   at::parallel_for(0, num_groups * 2 * chunks, 1, [&](int64_t a0, int64_t a1) {
     for (int64_t task = a0; task < a1; ++task) {
-      const MoeGroup& grp = groups[task / (2 * chunks)];
+      const ExpertGroup& grp = groups[task / (2 * chunks)];
       const bool is_up = (task / chunks) % 2 == 1;
       const int64_t c = task % chunks, c0 = c * kMoeTileChunk, c1 = std::min(TI, c0 + kMoeTileChunk);
       const Q8View rows{pq.data() + grp.begin * H, pd.data() + grp.begin * KBh, ps.data() + grp.begin * KBh,
@@ -150,7 +130,7 @@ torch::Tensor quant_moe_tiled(torch::Tensor x, std::vector<torch::Tensor> w, std
   // down: per chunk of H's tiles, every group in increasing expert order, each result row times its router weight
   // added into its token's float32 row
   int64_t most = 0;
-  for (const MoeGroup& grp : groups) most = std::max(most, grp.end - grp.begin);
+  for (const ExpertGroup& grp : groups) most = std::max(most, grp.end - grp.begin);
   const float* wp = weights.data_ptr<float>();
   const bool bf16_out = out.scalar_type() == torch::kBFloat16;
   // chunks of 2 to 8 tiles: at least ~4 a thread where H allows (many threads, one region), pairs of tiles kept
@@ -161,7 +141,7 @@ torch::Tensor quant_moe_tiled(torch::Tensor x, std::vector<torch::Tensor> w, std
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t h0 = c * chunk, h1 = std::min(TH, h0 + chunk), width = (h1 - h0) * 16;
       std::fill(acc.begin(), acc.end(), 0.0f);
-      for (const MoeGroup& grp : groups) {
+      for (const ExpertGroup& grp : groups) {
         const int64_t n = grp.end - grp.begin;
         const Q8View rows{aq.q.data() + grp.begin * I, aq.d.data() + grp.begin * KBi, aq.s.data() + grp.begin * KBi,
                           q6_down ? a32.data() + grp.begin * (I / 16) : nullptr};
