@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
-from peers.doctor_tools import run_command
+from peers.doctor_tools import checked_subset, run_command
 from peers.fault_matrix import (ENGINES, FAULT_NAMES, FAULTS, SMOKE_FAULTS, VERIFY_ENGINES, EngineSetup, Fault,
                                 Load, Row, confusion_json, confusion_lines, first_finding, first_past_host, is_right,
                                 serve_command_line, server_spec)
@@ -84,8 +84,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.engines, args.faults, args.repeats = "kvpilot", ",".join(SMOKE_FAULTS), 1
         args.phase_seconds = args.phase_seconds or 2.0
         args.max_concurrency = args.max_concurrency or 4
-    args.engines = _subset(parser, "--engines", args.engines, list(ENGINES))
-    args.faults = _subset(parser, "--faults", args.faults, list(FAULT_NAMES))
+    args.engines = checked_subset(parser, "--engines", args.engines, list(ENGINES))
+    args.faults = checked_subset(parser, "--faults", args.faults, list(FAULT_NAMES))
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
     if args.placement == "split" and (os.cpu_count() or 1) < 2:
@@ -93,12 +93,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.cache_dir = args.cache_dir.expanduser()
     return args
 
-
-def _subset(parser: argparse.ArgumentParser, flag: str, value: str, allowed: list[str]) -> list[str]:
-    items = [item.strip() for item in value.split(",") if item.strip()]
-    if not items or any(item not in allowed for item in items):
-        parser.error(f"{flag}: choose from {','.join(allowed)}")
-    return items
 
 
 @dataclass(frozen=True)

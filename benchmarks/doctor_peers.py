@@ -47,6 +47,7 @@ from peers.doctor_tools import (
     Target,
     ToolOutputError,
     ToolRun,
+    checked_subset,
     install_tool,
     judge,
     keyword_matcher,
@@ -98,16 +99,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR, help="venvs go to <dir>/doctor-tools")
     parser.add_argument("--json", type=Path, help="write commands, exit codes, output tails and verdicts here")
     args = parser.parse_args(argv)
-    args.scenarios = _subset(parser, "--scenarios", args.scenarios, [s.name for s in SCENARIOS])
-    args.tools = _subset(parser, "--tools", args.tools, list(TOOL_NAMES))
+    args.scenarios = checked_subset(parser, "--scenarios", args.scenarios, [s.name for s in SCENARIOS])
+    args.tools = checked_subset(parser, "--tools", args.tools, list(TOOL_NAMES))
     return args
 
-
-def _subset(parser: argparse.ArgumentParser, flag: str, value: str, allowed: list[str]) -> list[str]:
-    items = [item.strip() for item in value.split(",") if item.strip()]
-    if not items or any(item not in allowed for item in items):
-        parser.error(f"{flag}: choose from {','.join(allowed)}")
-    return items
 
 
 def install_peers(names: list[str], cache_dir: Path) -> dict[str, dict]:

@@ -17,6 +17,7 @@ its standard background load is running.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -212,3 +213,11 @@ def judge(statements: list[Statement], named: Callable[[str], bool] | None) -> t
 
 def keyword_matcher(cause: str) -> Callable[[str], bool]:
     return lambda headline: re.search(CAUSE_KEYWORDS[cause], headline, re.IGNORECASE) is not None
+
+
+def checked_subset(parser: argparse.ArgumentParser, flag: str, value: str, allowed: list[str]) -> list[str]:
+    """The comma-separated items of `value`, each one of `allowed` (else the parser's usage error)."""
+    items = [item.strip() for item in value.split(",") if item.strip()]
+    if not items or any(item not in allowed for item in items):
+        parser.error(f"{flag}: choose from {','.join(allowed)}")
+    return items
