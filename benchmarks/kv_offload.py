@@ -137,7 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     passes = args.passes
     if args.smoke:
         shape, passes = Shape(3, 2, 48, 8, 4, 3.0), 1
-    base = LLM(model=args.model, dtype=args.dtype, kv_cache_memory="16MiB", max_model_len=256, max_num_seqs=1)
+    # the engines reuse these weights; its max_model_len sizes the rotary tables their longest request needs
+    base = LLM(model=args.model, dtype=args.dtype, kv_cache_memory="64MiB",
+               max_model_len=shape.pool_tokens(args.block_size), max_num_seqs=1)
     # a tier that holds every session's whole context, twice over
     offload_bytes = 2 * shape.sessions * (shape.context_tokens + shape.answer_tokens) * _bytes_per_token(base)
     print(f"{shape.sessions} sessions x {shape.turns} turns, contexts up to {shape.context_tokens} tokens, "

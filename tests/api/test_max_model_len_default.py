@@ -40,3 +40,13 @@ def test_named_max_model_len_that_does_not_fit_names_the_largest(tiny_config: Pa
     with pytest.raises(EngineConfigError, match=f"the largest max_model_len that fits is {FITTING_LEN}"):
         LLM(str(tiny_config), load_format="dummy", dtype="float32", kv_cache_memory="4MiB",
             max_model_len=FITTING_LEN + 16)
+
+
+def test_reused_weights_refuse_a_longer_max_model_len_than_their_rotary_tables(tiny_config: Path) -> None:
+    """LLM(loaded=...) shares weights built for one max_model_len: a longer one would index past the rotary
+    tables mid-request (an IndexError in the step); it is refused at start, naming what to do."""
+    base = LLM(str(tiny_config), load_format="dummy", dtype="float32", kv_cache_memory="4MiB", max_model_len=256)
+    with pytest.raises(EngineConfigError, match=r"max_model_len 512 .* 256 positions .* max_model_len >= 512"):
+        LLM(loaded=base.loaded, kv_cache_memory="4MiB", max_model_len=512)
+    shorter = LLM(loaded=base.loaded, kv_cache_memory="4MiB", max_model_len=128)
+    assert shorter.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=2))[0].outputs[0].token_ids

@@ -27,6 +27,7 @@ from kvpilot.bench.sse import SseParser
 
 Endpoint = Literal["completions", "chat"]
 MAX_ERROR_BODY = 300
+MAX_RESENDS = 3  # sends of a request whose connection broke before any answer, after the first
 REPLICA_HEADER = "x-kvpilot-replica"  # names the replica that served a response (kvpilot's Ray Serve app)
 
 
@@ -178,11 +179,13 @@ async def _read_json(resp: aiohttp.ClientResponse, out: Outcome) -> None:
 async def execute(session: aiohttp.ClientSession, target: Target, payload: dict[str, Any]) -> Outcome:
     """POST ``payload`` and measure it. Never raises for server or network faults. A request whose connection
     broke before any answer (a kept-alive connection the server had closed: llama.cpp's server does so under
-    load) is sent once more on another connection, as httpx did; its times still count from the first send."""
+    load, several at once at 64 streams) is sent again, at most MAX_RESENDS times, each on the next connection
+    the pool gives; its times still count from the first send."""
     out = Outcome(t_sent=time.perf_counter())
-    if await _exchange(session, target, payload, out):
+    for resend in range(MAX_RESENDS + 1):
+        if not await _exchange(session, target, payload, out) or resend == MAX_RESENDS:
+            break
         out.error_kind = out.error = None
-        await _exchange(session, target, payload, out)
     if out.t_end is None:
         out.t_end = time.perf_counter()
     return out

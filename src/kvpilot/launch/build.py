@@ -28,6 +28,7 @@ from kvpilot.memory_size import format_bytes, parse_memory_size
 from kvpilot.model.attention.triton_support import triton_unusable_reason
 from kvpilot.model.choices import cuda_graph_sizes
 from kvpilot.model.kv_dtype import kv_dtype_name, resolve_kv_cache_dtype
+from kvpilot.model.layers.rope import RotaryEmbedding
 from kvpilot.model.hub import resolve_model
 from kvpilot.model.loader import LoadedModel, load_model
 from kvpilot.model.onednn_caches import bound_onednn_caches
@@ -141,6 +142,7 @@ def _build(args: EngineArgs, loaded: LoadedModel, tp: TPLaunch | None) -> BuiltE
     max_model_len = default_max_model_len(args.max_model_len, config.max_position_embeddings, capacity,
                                           context_fits)
     capacity = dataclasses.replace(capacity, max_model_len=max_model_len)
+    _check_positions(loaded, max_model_len)
     scheduler_config = SchedulerConfig(
         max_model_len=max_model_len, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         scheduling_policy=args.scheduling_policy)
@@ -206,6 +208,16 @@ def _capture_decode_graphs(runner: ModelRunner, args: EngineArgs, max_num_batche
         runner.graphs = None
         logger.warning("CUDA graph capture failed, decode steps run eagerly (--enforce-eager skips the "
                        "capture): %s", exc)
+
+
+def _check_positions(loaded: LoadedModel, max_model_len: int) -> None:
+    """Weights reused from another engine (LLM(loaded=...)) keep the rotary tables their load sized: a longer
+    max_model_len would index past them mid-request. Refused here, with what to do."""
+    sizes = [m.max_positions for m in loaded.model.modules() if isinstance(m, RotaryEmbedding)]
+    if sizes and min(sizes) < max_model_len:
+        raise EngineConfigError(f"max_model_len {max_model_len} is longer than the {min(sizes)} positions the "
+                                "loaded model's rotary tables hold (its load's max_model_len): load the model with "
+                                f"max_model_len >= {max_model_len}, or ask for at most {min(sizes)}")
 
 
 def default_max_model_len(requested: int | None, model_context: int, capacity: KvCapacity,
