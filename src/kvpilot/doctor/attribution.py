@@ -8,7 +8,10 @@ that view:
   ``client_lag_share_most`` of the delay the other findings measured (the largest ``explains.part_ms`` of a
   server-side finding above low severity; without one, the highest steady load's median TTFT). Below that
   it becomes a low-severity caveat when another finding leads, or when the client shares the server's
-  machine (a co-located client competes for the same cores, so some lag is expected there).
+  machine (a co-located client competes for the same cores, so some lag is expected there). Unless the
+  client's own delay is most of what was measured: where the server timed its requests (kvpilot), the time
+  clients saw beyond the server's own TTFT at p90 is at least half their p90 TTFT and the client's stalls
+  account for it (:func:`client_tail`). Then nothing the server did explains the latency and the client leads.
 * **Deferrals.** A finding that defers to another (``defers_to``) ranks below causes and takes at most its
   cause's severity; when the finding it names is not in the report, it stands on its own.
 """
@@ -19,6 +22,7 @@ from dataclasses import replace
 
 from kvpilot.doctor.findings import Finding, LatencyShare, Severity
 from kvpilot.doctor.rules.context import RuleContext
+from kvpilot.doctor.signals import quantile
 
 CLIENT_RULE = "client-overload"
 
@@ -52,11 +56,52 @@ def _as_caveat(client: Finding, delay: LatencyShare, co_located: bool) -> Findin
                  f"explain it, so the findings above stand.{where}"))
 
 
+def stall_duty(client_lag: dict | None) -> float:
+    """Share of a run's time its event loop was stalled: the late time of bench's loop-lag samples (one per
+    10 ms tick, evenly thinned on long runs) over the time they span (0 without samples)."""
+    lags = [float(s[1]) for s in (client_lag or {}).get("loop_lag_samples") or () if len(s) == 2]
+    late = sum(lags)
+    return late / (late + 10.0 * len(lags)) if lags else 0.0
+
+
+def client_tail(ctx: RuleContext, lag_ms: float) -> LatencyShare | None:
+    """The client-side part of the slowest requests' TTFT, when the client explains most of it: over the runs
+    with server timings, p90 of (client TTFT - server TTFT) against p90 client TTFT, kept when that gap is at
+    least ``client_lag_share_most`` of the TTFT and the client's stalls account for it: ``lag_ms`` (p99) is at
+    least that share of the gap, or the loop was stalled ``client_stall_duty`` of the run's time (several
+    stalls per request). Else a network hop could fill the gap (network-overhead's). None without timings."""
+    th = ctx.th
+    best: LatencyShare | None = None
+    for run in ctx.inputs.runs:
+        pairs = [(r.ttft_ms, r.server.ttft_ms) for r in run.with_server if r.ttft_ms is not None and r.server]
+        if len(pairs) < th.min_requests:
+            continue
+        gap, ttft = quantile([c - s for c, s in pairs], 0.9), quantile([c for c, _ in pairs], 0.9)
+        if gap is None or not ttft or gap < th.client_lag_share_most * ttft:
+            continue
+        if lag_ms < th.client_lag_share_most * gap and stall_duty(run.client_lag) < th.client_stall_duty:
+            continue
+        if best is None or gap / ttft > best.share:
+            best = LatencyShare(gap, ttft, f"client TTFT p90 in run '{run.label}', beyond the server's own")
+    return best
+
+
+def _as_headline(client: Finding, tail: LatencyShare) -> Finding:
+    """``client`` as the first finding: it explains ``tail``, most of the slowest requests' TTFT."""
+    return replace(client, severity=Severity.HIGH, impact=tail.share, explains=tail, summary=(
+        client.summary + f" The clients saw the slowest requests' first token {tail.part_ms:,.0f} ms after the "
+        f"server sent it ({tail.share:.0%} of their {tail.whole_ms:,.0f} ms p90 TTFT): the load generator's own "
+        "delay, not the server's, is most of the latency measured."))
+
+
 def judge_client(findings: list[Finding], ctx: RuleContext) -> list[Finding]:
     """``findings`` with client-overload judged against the diagnosed delay (see the module docstring)."""
     client = next((f for f in findings if f.rule_id == CLIENT_RULE), None)
     if client is None or client.explains is None or client.defers_to:
         return findings
+    tail = client_tail(ctx, client.explains.part_ms)
+    if tail is not None:
+        return [_as_headline(f, tail) if f is client else f for f in findings]
     delay = _diagnosed_delay(findings, ctx)
     if delay is None or delay.part_ms <= 0 or client.explains.part_ms >= ctx.th.client_lag_share_most * delay.part_ms:
         return findings

@@ -144,6 +144,12 @@ class Thresholds:
     latency a stall shifts by its whole length) to taint what it measured: a 14 ms stall next to a 1,400 ms
     TTFT changes nothing anyone reads."""
 
+    client_stall_duty: float = 0.2
+    """Client limits: the load generator's event loop was stalled at least this share of a run's time (its
+    loop-lag samples: late time over elapsed time). Stalls that often land in most requests, several per
+    slow request, so a client-side gap many times one stall is still the client's (a network hop stalls no loop).
+    """
+
     client_lag_share_most: float = 0.5
     """Client limits: the lag explains "most of the time" at or above this share of a delay. Against its
     run's median TTFT it makes client-overload high; against the delay the other findings diagnose (their
