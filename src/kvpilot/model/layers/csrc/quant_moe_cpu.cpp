@@ -2,8 +2,8 @@
 // expert's gate, up and down projections computed from the column-tiled int8 copies of its blocks (quant_vnni_gemm.h
 // for Q8_0 / Q4_0 / Q4_1, quant_tiled_kq.h for Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K) times int8-quantized activations,
 // in two parallel regions a layer: gate and up of every group, then down with the router weights. A batch-1 decode
-// reads only its top-k experts' tiles. Built after quant_tiled_set_cpu.cpp (TiledPart, tiled_part, Q8Rows,
-// quantize_rows_q8, sums_of_16); kvpilot/model/quant/packed_experts.py holds the copies and calls it.
+// reads only its top-k experts' tiles. Built after quant_tiled_set_cpu.cpp (TiledPart, tiled_part, Q8Rows, Q8View,
+// part_rows, quantize_rows_q8, sums_of_16); kvpilot/model/quant/packed_experts.py holds the copies and calls it.
 //
 // The copies: one column-tiled copy per stacked GGUF tensor (ffn_gate_exps [E * I, H], ffn_up_exps [E * I, H],
 // ffn_down_exps [E * H, I], rows expert after expert), so expert e's tiles are [e * I / 16, (e + 1) * I / 16) of gate
@@ -18,32 +18,6 @@
 namespace {
 
 constexpr int64_t kMoeTileChunk = 8;  // weight tiles (128 output columns) a task computes
-
-// int8 rows (values, block scales, scaled sums, and for Q6_K the 16-value sums) as raw arrays
-struct Q8View {
-  const int8_t* q;
-  const float *d, *s;
-  const int32_t* x32;
-};
-
-// Part p's tiles [t0, t1) times the M rows of x: part_rows of quant_tiled_set_cpu.cpp, x given as a view (a group's
-// rows inside the step's gathered rows). float32 out only.
-void moe_part_rows(const TiledPart& p, int64_t KB, int64_t t0, int64_t t1, const Q8View& x, int64_t M, float* out,
-                   int64_t ldo) {
-  const int8_t* q = x.q;
-  const float *d = x.d, *s = x.s;
-  const int32_t* x32 = x.x32;
-  switch (p.fmt) {
-    case kQ8_0: return tiled_rows<true>(p.tq, p.td, p.to, KB, t0, t1, q, d, s, M, out, nullptr, ldo);
-    case kQ4_0:
-    case kQ4_1: return tiled_rows<false>(p.tq, p.td, p.to, KB, t0, t1, q, d, s, M, out, nullptr, ldo);
-    case kQ5_0: return ktiled_rows<kQ5_0>(p.tq, p.td, p.ts, KB, t0, t1, q, d, s, x32, M, out, nullptr, ldo);
-    case kQ5_1: return ktiled_rows<kQ5_1>(p.tq, p.td, p.ts, KB, t0, t1, q, d, s, x32, M, out, nullptr, ldo);
-    case kQ4_K: return ktiled_rows<kQ4_K>(p.tq, p.td, p.ts, KB, t0, t1, q, d, s, x32, M, out, nullptr, ldo);
-    case kQ5_K: return ktiled_rows<kQ5_K>(p.tq, p.td, p.ts, KB, t0, t1, q, d, s, x32, M, out, nullptr, ldo);
-    default: return ktiled_rows<kQ6_K>(p.tq, p.td, p.ts, KB, t0, t1, q, d, s, x32, M, out, nullptr, ldo);
-  }
-}
 
 // silu(g) * u in float32; silu(g) = g / (1 + exp(-g)), written so that exp never overflows
 inline float moe_silu_mul(float g, float u) {
@@ -106,8 +80,8 @@ torch::Tensor quant_moe_tiled(torch::Tensor x, std::vector<torch::Tensor> w, std
       const Q8View rows{pq.data() + grp.begin * H, pd.data() + grp.begin * KBh, ps.data() + grp.begin * KBh,
                         q6_in ? p32.data() + grp.begin * (H / 16) : nullptr};
       float* dst = (is_up ? u.data() : g.data()) + grp.begin * I + c0 * 16;
-      moe_part_rows(is_up ? up : gate, KBh, grp.expert * TI + c0, grp.expert * TI + c1, rows, grp.end - grp.begin,
-                    dst, I);
+      part_rows(is_up ? up : gate, KBh, grp.expert * TI + c0, grp.expert * TI + c1, rows, grp.end - grp.begin, dst,
+                nullptr, I);
     }
   });
   // the activations' int8 rows for down
@@ -145,7 +119,7 @@ torch::Tensor quant_moe_tiled(torch::Tensor x, std::vector<torch::Tensor> w, std
         const int64_t n = grp.end - grp.begin;
         const Q8View rows{aq.q.data() + grp.begin * I, aq.d.data() + grp.begin * KBi, aq.s.data() + grp.begin * KBi,
                           q6_down ? a32.data() + grp.begin * (I / 16) : nullptr};
-        moe_part_rows(down, KBi, grp.expert * TH + h0, grp.expert * TH + h1, rows, n, part.data(), width);
+        part_rows(down, KBi, grp.expert * TH + h0, grp.expert * TH + h1, rows, n, part.data(), nullptr, width);
         for (int64_t i = 0; i < n; ++i) {
           const int64_t pair = order[grp.begin + i];
           const float weight = wp[pair];

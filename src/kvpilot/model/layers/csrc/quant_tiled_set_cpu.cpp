@@ -75,11 +75,21 @@ std::vector<int32_t> sums_of_16(const Q8Rows& x, int64_t M, int64_t K) {
   return sums;
 }
 
-// Part p's tiles [t0, t1) times every x row: as tiled_rows / ktiled_rows, from tile t0's column of out (or out_bf16)
-void part_rows(const TiledPart& p, int64_t KB, int64_t t0, int64_t t1, const Q8Rows& x, const int32_t* x32, int64_t M,
-               float* out, uint16_t* out_bf16, int64_t ldo) {
-  const int8_t* q = x.q.data();
-  const float *d = x.d.data(), *s = x.s.data();
+// int8 rows (values, block scales, scaled sums, and for Q6_K the 16-value sums) as raw arrays: a Q8Rows, or a run of
+// rows inside one (quant_moe_cpu.cpp: an expert group's rows of the step's gathered rows)
+struct Q8View {
+  const int8_t* q;
+  const float *d, *s;
+  const int32_t* x32;
+};
+
+// Part p's tiles [t0, t1) times the M rows of x: as tiled_rows / ktiled_rows, from tile t0's column of out (or
+// out_bf16). The one switch over the formats for every caller (the tiled set here, the experts of quant_moe_cpu.cpp).
+void part_rows(const TiledPart& p, int64_t KB, int64_t t0, int64_t t1, const Q8View& x, int64_t M, float* out,
+               uint16_t* out_bf16, int64_t ldo) {
+  const int8_t* q = x.q;
+  const float *d = x.d, *s = x.s;
+  const int32_t* x32 = x.x32;
   switch (p.fmt) {
     case kQ8_0: return tiled_rows<true>(p.tq, p.td, p.to, KB, t0, t1, q, d, s, M, out, out_bf16, ldo);
     case kQ4_0:
@@ -127,13 +137,14 @@ void quant_matmul_tiled_set(torch::Tensor out, torch::Tensor x, std::vector<torc
   TORCH_CHECK(float_or_bf16(out) && out.is_contiguous() && out.size(0) == M && out.size(1) == N, "out: [M, ", N, "]");
   const Q8Rows xq = quantize_rows_q8(x, set.KB);
   const std::vector<int32_t> x32 = set.q6 ? sums_of_16(xq, M, K) : std::vector<int32_t>();
+  const Q8View xv{xq.q.data(), xq.d.data(), xq.s.data(), x32.data()};
   const bool bf16_out = out.scalar_type() == torch::kBFloat16;
   float* op = bf16_out ? nullptr : out.data_ptr<float>();
   uint16_t* ob = bf16_out ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr;
   at::parallel_for(0, set.tiles(), 1, [&](int64_t g0, int64_t g1) {
     for_parts_in(set, g0, g1, [&](const TiledPart& p, int64_t t0, int64_t t1, int64_t g) {
-      part_rows(p, set.KB, t0, t1, xq, x32.data(), M, op == nullptr ? nullptr : op + g * 16,
-                ob == nullptr ? nullptr : ob + g * 16, N);
+      part_rows(p, set.KB, t0, t1, xv, M, op == nullptr ? nullptr : op + g * 16, ob == nullptr ? nullptr : ob + g * 16,
+                N);
     });
   });
 }
@@ -163,9 +174,10 @@ torch::Tensor quant_argmax_tiled_set(torch::Tensor x, std::vector<torch::Tensor>
   TORCH_CHECK(float_or_bf16(x) && x.is_contiguous() && x.dim() == 2 && x.size(1) == K, "x: contiguous [M, ", K, "]");
   const Q8Rows xq = quantize_rows_q8(x, set.KB);
   const std::vector<int32_t> x32 = set.q6 ? sums_of_16(xq, M, K) : std::vector<int32_t>();
+  const Q8View xv{xq.q.data(), xq.d.data(), xq.s.data(), x32.data()};
   return argmax_over_tiles(set.tiles(), M, [&](int64_t t, int64_t te, float* block, int64_t width) {
     for_parts_in(set, t, te, [&](const TiledPart& p, int64_t t0, int64_t t1, int64_t g) {
-      part_rows(p, set.KB, t0, t1, xq, x32.data(), M, block + (g - t) * 16, nullptr, width);
+      part_rows(p, set.KB, t0, t1, xv, M, block + (g - t) * 16, nullptr, width);
     });
   });
 }
