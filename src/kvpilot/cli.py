@@ -1,4 +1,4 @@
-"""The `kvpilot` command: serve, generate, chat, bench, fit, doctor."""
+"""The `kvpilot` command: serve, generate, chat, bench, fit, doctor, proxy."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from kvpilot.fit.cli import fit_command
 from kvpilot.fit.serve_command import set_serve_check
 from kvpilot.model.config import unsupported_reason
 from kvpilot.server.cli import serve_command
+from kvpilot.server.disagg.cli import proxy_command
 
 
 def _calibrate() -> MachineProfile:
@@ -36,6 +37,7 @@ set_calibrator(_calibrate)  # `kvpilot fit --calibrate` measures with kvpilot's 
 app.command("fit")(fit_command)
 app.command("bench")(make_bench_command((doctor_report_section,)))  # the HTML report carries the diagnosis
 app.command("doctor")(doctor_command)
+app.command("proxy")(proxy_command)
 
 
 def _build_llm(kwargs: dict[str, object]):
