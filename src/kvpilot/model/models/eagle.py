@@ -33,7 +33,8 @@ from kvpilot.model.config import ModelConfig
 from kvpilot.model.errors import ModelLoadError
 from kvpilot.model.layers.norm import RMSNorm
 from kvpilot.model.layers.rope import RotaryEmbedding
-from kvpilot.model.models.llama import Attention, DecoderLayer, LlamaForCausalLM, fuse_hf_state_dict
+from kvpilot.model.models.llama import (Attention, DecoderLayer, LlamaForCausalLM, copy_fused_weights,
+                                        fuse_hf_state_dict)
 
 KINDS = ("eagle", "eagle3")
 
@@ -180,18 +181,7 @@ class EagleHead(nn.Module):
         if self.kind == "eagle":
             state.pop("layers.0.input_layernorm.weight", None)  # trained checkpoints carry one; EAGLE-1 skips it
             state.pop("norm.weight", None)
-        fused = fuse_hf_state_dict(state, self.config)
-        params = dict(self.named_parameters())
-        missing = sorted(set(params) - set(fused))
-        if missing:
-            raise ModelLoadError(f"{source}: missing weights {missing[:4]}{' ...' if len(missing) > 4 else ''} for "
-                                 f"an {self.kind} head")
-        for name, param in params.items():
-            tensor = fused[name]
-            if tuple(tensor.shape) != tuple(param.shape):
-                raise ModelLoadError(f"{source}: weight {name} has shape {tuple(tensor.shape)}, the head's "
-                                     f"config implies {tuple(param.shape)}")
-            param.copy_(tensor.to(param.dtype))
+        copy_fused_weights(self, fuse_hf_state_dict(state, self.config), source, f"an {self.kind} head")
         if self.kind == "eagle3":
             size = self.draft_to_target.shape[0]
             offsets = torch.zeros(size, dtype=torch.long) if d2t is None else d2t.to(torch.long).cpu()

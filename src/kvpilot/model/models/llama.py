@@ -218,23 +218,30 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def load_weights(self, state: dict[str, torch.Tensor], source: str) -> None:
         """Copies HF-named weights in (fusing q/k/v and gate/up); every parameter must be present, right-shaped."""
-        fused = self.hf_state_dict(state)
-        params = dict(self.named_parameters())
-        missing = sorted(set(params) - set(fused))
-        if missing:
-            raise ModelLoadError(f"{source}: missing weights {missing[:4]}{' ...' if len(missing) > 4 else ''} "
-                                 f"({len(missing)} in all) for a {self.config.architecture} model")
-        for name, param in params.items():
-            tensor = fused[name]
-            if tuple(tensor.shape) != tuple(param.shape):
-                raise ModelLoadError(f"{source}: weight {name} has shape {tuple(tensor.shape)} but the config "
-                                     f"implies {tuple(param.shape)}: config and weights do not match")
-            param.copy_(tensor.to(param.dtype))
-
+        copy_fused_weights(self, self.hf_state_dict(state), source, f"a {self.config.architecture} model")
 
     def hf_state_dict(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """HF-named weights -> this module's names (families with other names or fusions override this)."""
         return fuse_hf_state_dict(state, self.config)
+
+
+def copy_fused_weights(module: nn.Module, fused: dict[str, torch.Tensor], source: str, what: str) -> None:
+    """Copies `fused` (this module's names, as fuse_hf_state_dict gives them) into every parameter of `module`,
+    cast to its dtype; checks all before copying any. ModelLoadError naming `source` when a parameter has no
+    weight (the first few names, `what` the module is: "a Qwen3ForCausalLM model", "an eagle3 head") or one of
+    another shape (config and weights do not match). Extra weights are ignored."""
+    params = dict(module.named_parameters())
+    missing = sorted(set(params) - set(fused))
+    if missing:
+        raise ModelLoadError(f"{source}: missing weights {missing[:4]}{' ...' if len(missing) > 4 else ''} "
+                             f"({len(missing)} in all) for {what}")
+    for name, param in params.items():
+        tensor = fused[name]
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise ModelLoadError(f"{source}: weight {name} has shape {tuple(tensor.shape)} but the config "
+                                 f"implies {tuple(param.shape)}: config and weights of {what} do not match")
+    for name, param in params.items():
+        param.copy_(fused[name].to(param.dtype))
 
 
 def _strip_model_prefix(name: str) -> str:
