@@ -8,9 +8,11 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+from kvpilot.bench.datasets import DatasetConfig
 from kvpilot.doctor.diagnose import DoctorReport, diagnose
 from kvpilot.doctor.inputs import load_inputs
 from tests.doctor.builders import closed_loop, jitter, req, run, samples, write
+from tests.doctor.host_scenarios import capacity_json
 
 
 def _ids(report: DoctorReport) -> list[tuple[str, str]]:
@@ -45,3 +47,53 @@ def test_a_client_whose_stalls_are_most_of_the_latency_leads(tmp_path: Path) -> 
     assert first.explains is not None and first.explains.share > 0.5 and "beyond the server" in first.explains.of
     mild = diagnose(load_inputs(_slow_client(tmp_path, 15.0, (0.0, 1.0))))
     assert all(f.severity.value == "low" for f in mild.findings), _ids(mild)
+
+
+def _tiny_pool(tmp: Path, kv: float, hits: float) -> list[str]:
+    """The tiny-kv-pool cell's shared-prefix phase: `--kv-cache-memory 48MiB --max-model-len 256` (68 blocks of 16
+    float32 tokens: 1,088) while other users' 200-token prompts keep it ``kv`` full; 4 prefix groups of 96 of 128
+    tokens, ``hits`` of prompt tokens served from the cache."""
+    rng = random.Random(12)
+    recs = closed_loop(40, 4, lambda i, t: req(i, t, prompt=128, prefill=jitter(rng, 60), num_out=8,
+                                               group=f"prefix-{i % 4}"))
+    dataset = DatasetConfig(kind="shared-prefix", input_len=128, prefix_len=96, num_prefixes=4, num_suffixes=10)
+    metrics = samples(3, running=10, waiting=0, kv=kv, prefix_queries=40 * 128, prefix_hits=hits * 40 * 128)
+    return [write(tmp / f"tiny-{kv:g}-{hits:g}.json", [run("shared-prefix", recs, metrics=metrics)],
+                  dataset=dataset, capacity=capacity_json(48, 256))]
+
+
+def test_a_full_pool_outranks_the_prefix_miss_it_causes(tmp_path: Path) -> None:
+    """The tiny-kv-pool cell: the pool 86% full, no preemption, 6% prefix hits where ~70% were reusable. The miss
+    is the full pool's symptom: kv-cache-pressure leads with the numbers (hit vs achievable, room left at the peak)
+    and the offload fix; prefix-cache-miss follows, deferring to it. A roomy pool with the same misses is a cache
+    problem: prefix-cache-miss leads and kv-cache-pressure is absent."""
+    report = diagnose(load_inputs(_tiny_pool(tmp_path, 0.86, 0.06)))
+    ids = [f.rule_id for f in report.findings]
+    assert _ids(report)[0] == ("kv-cache-pressure", "high"), _ids(report)
+    first = report.findings[0]
+    assert "evicted the traffic's cached prompt prefixes" in first.summary and "6%" in first.summary
+    names = {e.name: e.value for e in first.evidence}
+    assert names["measured prefix-cache hit rate"] < 0.1 and names["achievable hit rate"] > 0.5
+    assert names["KV tokens free or cached at the peak"] < 0.15 * 1088 < 4 * 96  # room for less than the 4 prefixes
+    assert "--kv-offloading-size" in first.fixes[0].kvpilot
+    miss = report.findings[ids.index("prefix-cache-miss")]
+    assert miss.defers_to == "kv-cache-pressure" and ids.index("prefix-cache-miss") > 0
+    roomy = diagnose(load_inputs(_tiny_pool(tmp_path, 0.3, 0.06)))
+    assert _ids(roomy)[0] == ("prefix-cache-miss", "high") and "kv-cache-pressure" not in [
+        f.rule_id for f in roomy.findings]
+
+
+def test_the_snapshot_reads_kvpilots_pool_occupancy() -> None:
+    """kvpilot's own /metrics text (ServerMetrics over a scheduler snapshot): free and cached blocks reach the
+    engine-neutral snapshot beside the total and vLLM's usage gauge."""
+    from kvpilot.doctor.prometheus import parse_prometheus_text  # noqa: PLC0415
+    from kvpilot.engine.scheduler_stats import SchedulerStats  # noqa: PLC0415
+    from kvpilot.server.observe.metrics import ServerMetrics  # noqa: PLC0415
+
+    stats = SchedulerStats(num_running=6, num_waiting=0, kv_cache_usage=60 / 68, prefix_cache_queries=5120,
+                           prefix_cache_hits=307, num_preemptions=0, num_free_blocks=6, num_cached_blocks=2,
+                           num_used_blocks=60, num_total_blocks=68)
+    text = ServerMetrics("m", lambda: stats, memory=None).render().decode()
+    snap = parse_prometheus_text(text)
+    assert (snap.get("kv_blocks_free"), snap.get("kv_blocks_cached"), snap.get("kv_blocks_total")) == (6, 2, 68)
+    assert abs((snap.get("kv_usage") or 0) - 60 / 68) < 1e-9

@@ -20,7 +20,8 @@ from kvpilot.bench.scrape import METRIC_NAMES, RATIO_KEYS, host_swap_used, swap_
 from kvpilot.doctor.engines import LLAMACPP, SGLANG, TGI, engine_from_metrics
 from kvpilot.doctor.errors import DoctorInputError
 
-KV_BLOCKS_TOTAL = "kvpilot:kv_cache_blocks{state=total}"  # one labelled sample of the blocks gauge
+KV_BLOCKS = "kvpilot:kv_cache_blocks{state=%s}"  # one labelled sample of the blocks gauge (free/cached/used/total)
+KV_BLOCKS_TOTAL = KV_BLOCKS % "total"
 SPEC_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 SPEC_POS_KEY = "spec_accepted_pos_"  # + the draft position (0 = the first draft): accepted tokens there
 
@@ -39,6 +40,10 @@ SCALARS: dict[str, tuple[str, ...]] = {
     "kv_tokens_total": ("sglang:max_total_num_tokens",),
     "rejected": ("kvpilot:requests_rejected_total",),
     "kv_blocks_total": (KV_BLOCKS_TOTAL,),
+    # pool occupancy (kvpilot): blocks no request holds, and those of them still holding a cached prefix (a
+    # full pool evicts these first); vLLM's kv_cache_usage_perc counts both as free, as kvpilot's does
+    "kv_blocks_free": (KV_BLOCKS % "free",),
+    "kv_blocks_cached": (KV_BLOCKS % "cached",),
     "process_cpu": ("process_cpu_seconds_total",),
     # speculative decoding (vLLM's names, kvpilot's too): verifications, drafted and accepted tokens
     "spec_drafts": ("vllm:spec_decode_num_drafts_total",),
@@ -145,9 +150,10 @@ def _sample_sums(text: str) -> tuple[dict[str, float], dict[str, int], dict[str,
                 continue
             if s.name in INFO_NAMES:
                 info.update({k: str(v) for k, v in s.labels.items()})
-            if s.name == "kvpilot:kv_cache_blocks" and s.labels.get("state") == "total":
-                sums[KV_BLOCKS_TOTAL] = sums.get(KV_BLOCKS_TOTAL, 0.0) + float(s.value)
-                counts[KV_BLOCKS_TOTAL] = counts.get(KV_BLOCKS_TOTAL, 0) + 1
+            if s.name == "kvpilot:kv_cache_blocks" and s.labels.get("state"):
+                key = KV_BLOCKS % s.labels["state"]
+                sums[key] = sums.get(key, 0.0) + float(s.value)
+                counts[key] = counts.get(key, 0) + 1
             if s.name == SPEC_PER_POS and str(s.labels.get("position", "")).isdigit():
                 key = SPEC_POS_KEY + s.labels["position"]
                 sums[key] = sums.get(key, 0.0) + float(s.value)
