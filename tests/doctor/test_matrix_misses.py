@@ -11,6 +11,7 @@ from pathlib import Path
 from kvpilot.bench.datasets import DatasetConfig
 from kvpilot.doctor.diagnose import DoctorReport, diagnose
 from kvpilot.doctor.inputs import load_inputs
+from kvpilot.model.default_model import default_model_path
 from tests.doctor.builders import closed_loop, jitter, req, run, samples, write
 from tests.doctor.host_scenarios import capacity_json
 
@@ -97,3 +98,60 @@ def test_the_snapshot_reads_kvpilots_pool_occupancy() -> None:
     snap = parse_prometheus_text(text)
     assert (snap.get("kv_blocks_free"), snap.get("kv_blocks_cached"), snap.get("kv_blocks_total")) == (6, 2, 68)
     assert abs((snap.get("kv_usage") or 0) - 60 / 68) < 1e-9
+
+
+def _server_metrics(tmp: Path, name: str, prompts: list[tuple[int, float]], steps: list[int]) -> str:
+    """kvpilot's /metrics text (its own ServerMetrics, vLLM's names and buckets) after requests of (prompt tokens,
+    prefill seconds) and engine steps of those token counts."""
+    from kvpilot.server.observe.metrics import ServerMetrics  # noqa: PLC0415
+
+    m = ServerMetrics("m", lambda: None, memory=None)
+    for tokens, prefill_s in prompts:
+        m.request_prompt_tokens.labels("m").observe(tokens)
+        m.prefill.labels("m").observe(prefill_s)
+    for tokens in steps:
+        m.iteration_tokens.labels("m").observe(tokens)
+    path = tmp / name
+    path.write_bytes(m.render())
+    return str(path)
+
+
+def _long_prompts(tmp: Path, num_foreign: int) -> tuple[list[str], list[str]]:
+    """The long-prompts cell: the probe's 48 short chats (64 tokens, 8 out) at 8 in flight decode a token every
+    ~600 ms on a default kvpilot server (the embedded GGUF on a CPU), while another client's ``num_foreign``
+    2,000-token prompts are each prefilled in one 1.2 s step. The probe sees none of them; the server's two
+    scrapes (before and after) count them."""
+    rng = random.Random(13)
+    recs = closed_loop(48, 8, lambda i, t: req(i, t, prompt=64, prefill=jitter(rng, 100), num_out=8,
+                                               itl=[jitter(rng, 600, 0.3) for _ in range(7)]))
+    capacity = capacity_json(2048, 8192, fit_model=str(default_model_path()), fit_device="cpu", dtype="bfloat16",
+                             quantization="gguf", weight_bits=5.74, max_num_batched_tokens=4096)
+    result = write(tmp / f"long-{num_foreign}.json", [run("ramp-8", recs, concurrency=8)], capacity=capacity)
+    before = _server_metrics(tmp, "before.txt", [(64, 0.05)] * 5, [64] * 5)
+    probe = [(64, 0.1)] * 48
+    foreign = [(2000, 1.2)] * num_foreign
+    steps = [8 + 64] * 48 + [8] * 300 + [2000 + 8] * num_foreign
+    after = _server_metrics(tmp, f"after-{num_foreign}.txt", [(64, 0.05)] * 5 + probe + foreign,
+                            [64] * 5 + steps)
+    return [result], [before, after]
+
+
+def test_other_clients_long_prompts_are_named_from_the_servers_metrics(tmp_path: Path) -> None:
+    """The long-prompts cell ranked degraded-run ("something else had the machine"): the something else is in the
+    server's prompt-token and step histograms. Named first with the numbers and the running engine's fixes (cap
+    the chunk; disaggregate prefill and decode), degraded-run deferring to it. Without the foreign prompts the
+    same probe has no such finding."""
+    results, metrics = _long_prompts(tmp_path, 12)
+    report = diagnose(load_inputs(results, metrics))
+    first = report.findings[0]
+    assert (first.rule_id, first.title) == ("prefill-interrupts-decode", "Long prompts stall decodes"), _ids(report)
+    names = {e.name: e.value for e in first.evidence}
+    assert names["prompts longer than any measured request's"] == 12
+    assert abs(names["their mean length (estimated)"] - 2000) < 1 and names["steps over 1024 tokens"] == 12
+    assert first.explains is not None and first.explains.share >= 0.3
+    assert first.fixes[0].kvpilot == "--max-num-batched-tokens 512"
+    assert "--long-prefill-token-threshold" in first.fixes[0].vllm and "--kv-role prefill" in first.fixes[1].kvpilot
+    degraded = [f for f in report.findings if f.rule_id == "degraded-run"]
+    assert all(f.defers_to == "prefill-interrupts-decode" for f in degraded)
+    quiet = diagnose(load_inputs(*_long_prompts(tmp_path, 0)))
+    assert "Long prompts stall decodes" not in [f.title for f in quiet.findings]

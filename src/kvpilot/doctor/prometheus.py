@@ -66,20 +66,37 @@ HISTOGRAMS: dict[str, tuple[str, ...]] = {
     "decode": ("vllm:request_decode_time_seconds",),
     "tokenize": ("kvpilot:tokenization_time_seconds",),
     "iteration_tokens": ("vllm:iteration_tokens_total",),
+    "request_prompt_tokens": ("vllm:request_prompt_tokens",),
 }
+TOKEN_HISTOGRAMS = frozenset({"iteration_tokens", "request_prompt_tokens"})
+"""Histograms of token counts, not seconds (no mean_ms)."""
 INFO_NAMES = ("vllm:cache_config_info",)
 
 
 @dataclass(frozen=True)
 class HistogramSum:
-    """Count and sum of one histogram (summed over label sets)."""
+    """Count and sum of one histogram (summed over label sets); ``buckets``: (upper bound, cumulative count)
+    in ascending order, +Inf last (empty when the text had none)."""
 
     count: float
     total: float
+    buckets: tuple[tuple[float, float], ...] = ()
 
     @property
     def mean(self) -> float | None:
         return self.total / self.count if self.count > 0 else None
+
+    def count_above(self, value: float) -> float | None:
+        """Observations above the smallest bucket bound >= ``value`` (a lower bound of those above ``value``);
+        None without buckets or such a bound."""
+        cum = next((c for le, c in self.buckets if le >= value), None)
+        return None if cum is None else self.count - cum
+
+    def minus(self, before: HistogramSum) -> HistogramSum:
+        """This histogram over the interval since ``before`` (buckets by bound)."""
+        prior = dict(before.buckets)
+        return HistogramSum(self.count - before.count, self.total - before.total,
+                            tuple((le, c - prior.get(le, 0.0)) for le, c in self.buckets))
 
 
 @dataclass(frozen=True)
@@ -102,7 +119,7 @@ class MetricsSnapshot:
         """Mean of a seconds histogram in ms (None when absent or empty)."""
         h = self.histograms.get(key)
         mean = h.mean if h is not None else None
-        return None if mean is None or key == "iteration_tokens" else mean * 1000.0
+        return None if mean is None or key in TOKEN_HISTOGRAMS else mean * 1000.0
 
     @property
     def swap_used_bytes(self) -> float | None:
@@ -135,7 +152,9 @@ class MetricsSnapshot:
         return "vllm-v0" if self.names.get("kv_usage") == "vllm:gpu_cache_usage_perc" else "vllm-v1"
 
 
-def _sample_sums(text: str) -> tuple[dict[str, float], dict[str, int], dict[str, str]]:
+def _sample_sums(text: str) -> tuple[dict[str, float], dict[str, int], dict[str, str],
+                                      dict[str, dict[float, float]]]:
+    buckets: dict[str, dict[float, float]] = {}  # histogram base -> upper bound -> cumulative count
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
     info: dict[str, str] = {}
@@ -154,18 +173,22 @@ def _sample_sums(text: str) -> tuple[dict[str, float], dict[str, int], dict[str,
                 key = KV_BLOCKS % s.labels["state"]
                 sums[key] = sums.get(key, 0.0) + float(s.value)
                 counts[key] = counts.get(key, 0) + 1
+            if s.name.endswith("_bucket") and "le" in s.labels:
+                by_le = buckets.setdefault(s.name[:-len("_bucket")], {})
+                le = float(s.labels["le"])
+                by_le[le] = by_le.get(le, 0.0) + float(s.value)
             if s.name == SPEC_PER_POS and str(s.labels.get("position", "")).isdigit():
                 key = SPEC_POS_KEY + s.labels["position"]
                 sums[key] = sums.get(key, 0.0) + float(s.value)
             sums[s.name] = sums.get(s.name, 0.0) + float(s.value)
             counts[s.name] = counts.get(s.name, 0) + 1
-    return sums, counts, info
+    return sums, counts, info, buckets
 
 
 def parse_prometheus_text(text: str) -> MetricsSnapshot:
     """Raises :class:`DoctorInputError` for text that is not Prometheus exposition format or that
     holds none of the known series."""
-    sums, counts, info = _sample_sums(text)
+    sums, counts, info, buckets = _sample_sums(text)
     values: dict[str, float] = {}
     names: dict[str, str] = {}
     for key, candidates in SCALARS.items():
@@ -177,7 +200,8 @@ def parse_prometheus_text(text: str) -> MetricsSnapshot:
     for key, bases in HISTOGRAMS.items():
         base = next((b for b in bases if b + "_count" in sums), None)
         if base is not None:
-            histograms[key] = HistogramSum(sums[base + "_count"], sums.get(base + "_sum", 0.0))
+            histograms[key] = HistogramSum(sums[base + "_count"], sums.get(base + "_sum", 0.0),
+                                           tuple(sorted(buckets.get(base, {}).items())))
             names[key] = base
     values.update({k: v for k, v in sums.items() if k.startswith(SPEC_POS_KEY)})
     if not values and not histograms:
@@ -209,7 +233,6 @@ def metrics_delta(before: MetricsSnapshot, after: MetricsSnapshot) -> MetricsSna
         values[key] = after.values[key] - before.values[key]
     histograms = dict(after.histograms)
     for key in after.histograms.keys() & before.histograms.keys():
-        a, b = after.histograms[key], before.histograms[key]
-        histograms[key] = HistogramSum(a.count - b.count, a.total - b.total)
+        histograms[key] = after.histograms[key].minus(before.histograms[key])
     return MetricsSnapshot(values, histograms, {**before.info, **after.info}, {**before.names, **after.names},
                            interval=True, engine=after.engine or before.engine)

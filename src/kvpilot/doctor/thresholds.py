@@ -90,6 +90,11 @@ class Thresholds:
     """Interactivity: share of stalls that coincide with another request's long prefill needed to
     blame prefill batching; random stalls (GC, network) coincide far less often."""
 
+    long_prefill_share: float = 0.3
+    """Long prompts stall decodes (seen in the server's metrics, rules/foreign_prefill.py): long prompts the
+    measured clients did not send took at least this share of the engine's time over the measurement, so every
+    decode step sharing a step with them waited that much longer; high from ``client_lag_share_most``."""
+
     min_num_spikes: int = 3
     """Interactivity: fewer stalls than this are noise."""
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from kvpilot.doctor.findings import Evidence, Finding, Fix, Severity, clamp01
 from kvpilot.doctor.inputs import RunData
 from kvpilot.doctor.rules.context import RuleContext
+from kvpilot.doctor.rules.foreign_prefill import measure_foreign_prefill
 from kvpilot.doctor.rules.spillover import server_in_swap
 from kvpilot.doctor.rules.starvation import host_starved
 from kvpilot.doctor.signals import quantile
@@ -97,8 +98,15 @@ def _roofline_shortfall(ctx: RuleContext) -> Shortfall | None:
 
 
 def _cause(ctx: RuleContext) -> str:
-    """A host cause the doctor measured, which explains the shortfall ("" when none was measured)."""
-    return "cpu-starvation" if host_starved(ctx) else "memory-spillover" if server_in_swap(ctx) else ""
+    """A cause the doctor measured, which explains the shortfall ("" when none was measured): the host, or
+    other clients' long prompts prefilled in the measured decodes' steps (seen in the server's metrics)."""
+    if host_starved(ctx):
+        return "cpu-starvation"
+    if server_in_swap(ctx):
+        return "memory-spillover"
+    foreign = measure_foreign_prefill(ctx)
+    return "prefill-interrupts-decode" if foreign is not None and foreign.engine_share >= ctx.th.long_prefill_share \
+        else ""
 
 
 def degraded_run(ctx: RuleContext) -> Finding | None:

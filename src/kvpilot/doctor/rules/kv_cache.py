@@ -19,7 +19,7 @@ def pool_explains_pressure(ctx: RuleContext) -> float | None:
 
 
 OFFLOAD_FIX = Fix("keep the prefix blocks the pool evicts in host memory and copy them back on reuse (KV offload)",
-                  kvpilot="--kv-offloading-size 4", vllm="--kv-offloading-size 4")
+                  kvpilot="--kv-offloading-size 2", vllm="--kv-offloading-size 2")
 
 
 def kv_pressure(ctx: RuleContext) -> Finding | None:

@@ -9,6 +9,7 @@ from kvpilot.bench.records import RequestRecord
 from kvpilot.doctor.findings import Evidence, Finding, Fix, Severity, clamp01
 from kvpilot.doctor.rules.context import RuleContext
 from kvpilot.doctor.rules.deferral import defer_to_host
+from kvpilot.doctor.rules.foreign_prefill import long_prompts_stall_decodes
 from kvpilot.doctor.thresholds import Thresholds
 from kvpilot.doctor.signals import (
     gap_ends,
@@ -245,11 +246,13 @@ def stall_note(ctx: RuleContext) -> str | None:
 
 def prefill_interrupts_decode(ctx: RuleContext) -> Finding | None:
     """Inter-token stalls that coincide with other requests' long prefills: batching hurts interactivity.
-    Not a finding when each stall is one unsplittable step: :func:`stall_note` says so."""
+    Not a finding when each stall is one unsplittable step: :func:`stall_note` says so. Long prompts of
+    clients the doctor did not measure are seen in the server's metrics instead (foreign_prefill.py)."""
     th = ctx.th
     s = measure_stalls(ctx)
     if s is None or s.share < th.spike_overlap_share or s.inherent(th):
-        return None
+        foreign = long_prompts_stall_decodes(ctx)
+        return defer_to_host(ctx, foreign) if foreign is not None else None
     share, num, med, stall_ms, affected, label = s.share, s.num, s.normal_ms, s.stall_ms, s.affected, s.label
     return defer_to_host(ctx, Finding(
         rule_id="prefill-interrupts-decode", title="Long prefills stall other requests' token stream",

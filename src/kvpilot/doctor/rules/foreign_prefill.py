@@ -1,0 +1,113 @@
+"""Long prompts the doctor did not send, stalling the decodes it measured: seen in the server's metrics.
+
+Another client's 2,000-token prompts are invisible to the probe's records, but not to the server: over the
+measured interval (two scrapes) ``vllm:request_prompt_tokens`` counts prompts longer than any the measured
+runs sent, ``vllm:iteration_tokens_total`` counts steps that carried more tokens than a chunk (a long prompt
+prefilled in one step), and ``vllm:request_prefill_time_seconds`` over the prompt tokens gives the prefill rate.
+Every decode step that shares a step with such a prefill waits for it, so the engine time those prefills took,
+over the time measured, is the share of each decode step they explain (an estimate: it assumes the decodes
+ran throughout). kvpilot and vLLM export all three; other engines lack the prompt histogram and get no finding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvpilot.doctor.findings import Evidence, Finding, Fix, LatencyShare, Severity
+from kvpilot.doctor.rules.context import RuleContext
+from kvpilot.doctor.signals import median
+
+CHUNK_TOKENS = 512
+DISAGG_FIX = Fix("run prefill and decode on separate workers so no decode step waits for a long prompt "
+                 "(disaggregated prefill/decode: the structural fix; docs/disaggregation.md)",
+                 kvpilot="kvpilot serve --kv-role prefill (one worker) and --kv-role decode (another), behind "
+                         "the disaggregating proxy",
+                 vllm="--kv-transfer-config '{\"kv_connector\": \"NixlConnector\", \"kv_role\": \"kv_both\"}' "
+                      "on a prefill and a decode instance, behind a P/D proxy")
+CAP_FIX = Fix("cap the prefill tokens of one step so long prompts are chunked between decode steps",
+              kvpilot=f"--max-num-batched-tokens {CHUNK_TOKENS}",
+              vllm=f"--max-num-batched-tokens {CHUNK_TOKENS} --long-prefill-token-threshold {CHUNK_TOKENS // 2} "
+                   "--max-num-partial-prefills 2")
+
+
+@dataclass(frozen=True)
+class ForeignPrefill:
+    """Long prompts other clients sent during the measured interval and what they cost the measured decodes.
+
+    ``num_long``: prompts longer than the longest the measured runs sent; ``long_tokens`` their mean length
+    (the foreign prompt tokens over the foreign requests); ``num_big_steps`` steps with more than
+    ``step_bound`` tokens (None: no step histogram); ``prefill_ms`` the estimated time to prefill one;
+    ``engine_share`` the estimated share of the measured time the engine spent on them."""
+
+    num_long: float
+    long_tokens: float
+    num_big_steps: float | None
+    step_bound: float
+    prefill_ms: float
+    engine_share: float
+
+
+def _measured_seconds(ctx: RuleContext) -> float:
+    """The runs' spans (first send to last answer), summed: the time the measured decodes ran."""
+    total = 0.0
+    for run in ctx.inputs.runs:
+        ok = [r for r in run.ok if r.e2e_ms is not None]
+        if ok:
+            total += max(r.sent_s + (r.e2e_ms or 0.0) / 1000.0 for r in ok) - min(r.sent_s for r in ok)
+    return total
+
+
+def measure_foreign_prefill(ctx: RuleContext) -> ForeignPrefill | None:
+    """None unless an interval of server metrics shows at least ``min_num_spikes`` prompts longer than both the
+    measured runs' longest and ``long_prompt_ratio`` x their median, with a prefill rate to price them."""
+    snap, th = ctx.inputs.metrics, ctx.th
+    prompts = snap.histograms.get("request_prompt_tokens") if snap is not None and snap.interval else None
+    prefill = snap.histograms.get("prefill") if snap is not None else None
+    ours = [float(r.num_prompt_tokens or 0) for r in ctx.inputs.ok_records]
+    if prompts is None or prefill is None or not ours or prompts.total <= 0:
+        return None
+    bound = max(max(ours), th.long_prompt_ratio * (median(ours) or 0.0))
+    num_long = prompts.count_above(bound)
+    foreign_n, foreign_tokens = prompts.count - len(ours), prompts.total - sum(ours)
+    wall = _measured_seconds(ctx)
+    if num_long is None or num_long < th.min_num_spikes or foreign_n <= 0 or foreign_tokens <= 0 or wall <= 0:
+        return None
+    per_token_ms = prefill.total * 1000.0 / prompts.total  # the long prompts dominate the token count
+    long_tokens = foreign_tokens / foreign_n
+    steps = snap.histograms.get("iteration_tokens") if snap is not None else None
+    step_bound = max(2.0 * CHUNK_TOKENS, bound)
+    big = steps.count_above(step_bound) if steps is not None else None
+    share = min(1.0, foreign_tokens * per_token_ms / 1000.0 / wall)
+    return ForeignPrefill(num_long, long_tokens, big, step_bound, long_tokens * per_token_ms, share)
+
+
+def long_prompts_stall_decodes(ctx: RuleContext) -> Finding | None:
+    """Other clients' long prompts, prefilled in the steps the measured requests decode in, explain at least
+    ``long_prefill_share`` of their TPOT (high from ``client_lag_share_most``); see the module docstring."""
+    th, f = ctx.th, measure_foreign_prefill(ctx)
+    peak = ctx.inputs.peak_run
+    tpot = median(r.tpot_ms for r in peak.ok) if peak is not None else None
+    if f is None or f.engine_share < th.long_prefill_share or not tpot:
+        return None
+    unchunked = f.num_big_steps is not None and f.num_big_steps > 0
+    evidence = [Evidence("prompts longer than any measured request's", f.num_long, "", "vllm:request_prompt_tokens"),
+                Evidence("their mean length (estimated)", f.long_tokens, "tokens", "vllm:request_prompt_tokens"),
+                Evidence("prefill of one (estimated)", f.prefill_ms, "ms", "vllm:request_prefill_time_seconds"),
+                Evidence("engine time in those prefills", f.engine_share, "%")]
+    if f.num_big_steps is not None:
+        evidence.append(Evidence(f"steps over {f.step_bound:.0f} tokens", f.num_big_steps, "",
+                                 "vllm:iteration_tokens_total"))
+    evidence.append(Evidence("median TPOT at the highest load", tpot, "ms", "client"))
+    part = f.engine_share * tpot
+    return Finding(
+        rule_id="prefill-interrupts-decode", title="Long prompts stall decodes",
+        severity=Severity.HIGH if f.engine_share >= th.client_lag_share_most else Severity.MEDIUM,
+        confidence=0.8 if unchunked else 0.6, impact=f.engine_share,
+        summary=(f"{f.num_long:.0f} prompts of ~{f.long_tokens:,.0f} tokens that the measured clients did not send "
+                 f"were prefilled during the measurement (~{f.prefill_ms:,.0f} ms each"
+                 + (f", {f.num_big_steps:.0f} steps of over {f.step_bound:.0f} tokens: unchunked" if unchunked
+                    else "") + f"): about {f.engine_share:.0%} of the engine's time, and every decode step sharing "
+                 f"a step with them waited, so they explain ~{part:,.0f} of the {tpot:,.0f} ms median TPOT. Cap the "
+                 "prefill per step, or disaggregate prefill and decode."),
+        evidence=tuple(evidence), fixes=(CAP_FIX, DISAGG_FIX),
+        explains=LatencyShare(part, tpot, "median TPOT at the highest load (estimated from the server's metrics)"))
