@@ -66,6 +66,22 @@ KvOffloadDirOpt = Annotated[Optional[str], typer.Option(
 KvOffloadDirSizeOpt = Annotated[Optional[str], typer.Option(
     "--kv-offload-dir-size", help="Size of the --kv-offload-dir tier, bytes or with a unit (default 10GiB; "
     "refused at start-up if the folder has less free).")]
+KvRoleOpt = Annotated[Optional[str], typer.Option(
+    "--kv-role", help="Prefill/decode disaggregation (docs/disaggregation.md): prefill (serves requests with "
+    "kv_transfer_params.do_remote_decode and holds their KV for a decode worker), decode (pulls it for requests "
+    "with do_remote_prefill) or both. Requests without kv_transfer_params are served as usual. Default: off.")]
+KvTransferConfigOpt = Annotated[Optional[str], typer.Option(
+    "--kv-transfer-config", help="vLLM's form of --kv-role, as JSON: {\"kv_connector\": \"KvpilotConnector\", "
+    "\"kv_role\": \"kv_producer\"|\"kv_consumer\"|\"kv_both\", \"kv_ip\": ..., \"kv_port\": ...}.")]
+KvTransferPortOpt = Annotated[Optional[int], typer.Option(
+    "--kv-transfer-port", help="Disaggregation: the TCP port this worker's KV sender listens on (0 or unset: a "
+    "free one, advertised in each prefill response).")]
+KvTransferHostOpt = Annotated[Optional[str], typer.Option(
+    "--kv-transfer-host", help="Disaggregation: the address the KV sender binds and advertises (default: --host "
+    "unless it is a wildcard, else 127.0.0.1).")]
+KvTransferTimeoutOpt = Annotated[float, typer.Option(
+    "--kv-transfer-timeout", help="Disaggregation: seconds a prefill worker holds a request's KV blocks for a "
+    "decode worker to pull before freeing them.")]
 KvCacheDtypeOpt = Annotated[str, typer.Option(
     "--kv-cache-dtype", help="How K/V are stored: auto (the model dtype), float32, bfloat16, float16 or fp8 "
     "(e4m3). 2-byte or 1-byte KV holds 2-4x the tokens in the same memory and speeds up CPU decode; outputs "

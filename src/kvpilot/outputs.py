@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -50,3 +51,5 @@ class RequestOutput:
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
     error: str | None = None  # set on the final output when finish_reason is "error"
+    # a prefill request of disaggregation (engine/kv_transfer.py): where a decode worker pulls its KV (final only)
+    kv_transfer_params: dict[str, Any] | None = None

@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence
 from kvpilot.engine.config import CacheConfig, SchedulerConfig
 from kvpilot.engine.detokenizer import IncrementalDetokenizer
 from kvpilot.engine.executor import Executor, StepHandle
+from kvpilot.engine.kv_transfer import KVTransferRequest, PulledKV
 from kvpilot.engine.request import FinishReason, Request
 from kvpilot.engine.scheduler import Scheduler
 from kvpilot.engine.scheduler_output import RequestUpdate, SampledToken, SchedulerOutput
@@ -111,6 +112,9 @@ class LLMEngine:
         self._pending_aborts: list[str] = []  # aborted since the last step: their final outputs are owed
         self.on_step = on_step  # observer of every step (metrics, tests)
         self._failures = StepFailures(scheduler, lambda rid: rid in self._tracked)  # a step that raises
+        # disaggregation: where this engine's KV sender listens (remote_engine_id, remote_host, remote_port),
+        # added to a prefill request's kv_transfer_params (set by the engine core's connector)
+        self.kv_transfer_address: dict[str, Any] = {}
 
     # ---- requests in ---------------------------------------------------------------------------------
 
@@ -130,7 +134,8 @@ class LLMEngine:
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams, *, request_id: str | None = None,
                     priority: int = 0, arrival_time: float | None = None,
-                    prompt_token_ids: list[int] | None = None) -> str:
+                    prompt_token_ids: list[int] | None = None, kv_transfer: KVTransferRequest | None = None,
+                    remote_kv: PulledKV | None = None) -> str:
         """Tokenizes (timed on the request's timeline) and queues a request; returns its id.
 
         Raises PromptError / ValueError (too long for max_model_len or the cache; SamplingParamsError for a stop
@@ -147,6 +152,9 @@ class LLMEngine:
         token_ids = prompt_token_ids if prompt_token_ids is not None else self.tokenize(prompt)
         request = Request(request_id, token_ids, params, arrival_time=arrival, priority=priority)
         request.timeline.tokenized = self.clock()
+        # disaggregation: hold the blocks once finished (a prefill request), or start from pulled K/V
+        request.hold_kv = kv_transfer is not None and kv_transfer.do_remote_decode
+        request.remote_kv = remote_kv
         self.scheduler.add_request(request)
         detokenizer = IncrementalDetokenizer(self.tokenizer, stop=list(params.stop),
                                              skip_special_tokens=params.skip_special_tokens) \
@@ -187,6 +195,10 @@ class LLMEngine:
     def check_integrity(self) -> None:
         """Checks the scheduler's and the KV cache's invariants; raises naming the first one broken."""
         self.scheduler.check_integrity()
+
+    def release_held(self, request_id: str) -> bool:
+        """Frees the blocks a finished prefill request held for a decode worker; False when none are held."""
+        return self.scheduler.kv.release_held(request_id)
 
     def take_kv_events(self) -> list[Any]:
         """The KV-cache events (kv_events.py) recorded since the last call; [] when they are not recorded."""
@@ -349,7 +361,17 @@ class LLMEngine:
         return RequestOutput(request_id=request.request_id, prompt=tracked.prompt,
                              prompt_token_ids=request.prompt_token_ids, outputs=[completion], finished=True,
                              metrics=request.metrics(), num_cached_tokens=request.num_cached_tokens,
-                             delta_text=delta, delta_token_ids=delta_ids)
+                             delta_text=delta, delta_token_ids=delta_ids,
+                             kv_transfer_params=self._held_params(request, finish_reason))
+
+    def _held_params(self, request: Request, finish_reason: FinishReason) -> dict[str, Any] | None:
+        """A prefill request's kv_transfer_params (vLLM's names): the blocks it holds for a decode worker."""
+        if not request.hold_kv or finish_reason not in (FinishReason.STOP, FinishReason.LENGTH) \
+                or not request.block_ids:
+            return None
+        return {"do_remote_prefill": True, "do_remote_decode": False, **self.kv_transfer_address,
+                "remote_request_id": request.request_id, "remote_block_ids": list(request.block_ids),
+                "num_remote_tokens": request.num_prompt_tokens}
 
 
 def _step_stats(scheduled: SchedulerOutput, updates: list[RequestUpdate], duration: float,

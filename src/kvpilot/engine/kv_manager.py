@@ -34,6 +34,7 @@ from kvpilot.engine.config import CacheConfig, cdiv
 from kvpilot.engine.kv_block import KVBlock
 from kvpilot.engine.kv_events import KVEventLog
 from kvpilot.engine.kv_offload import OffloadOrders, OffloadTiers, TierHit
+from kvpilot.engine.kv_transfer import KVLoad, PulledKV
 from kvpilot.engine.request import Request
 
 # The block id a request's table holds where a block fell out of its sliding window (module docstring).
@@ -54,6 +55,7 @@ class PrefixHit:
     num_tokens: int = 0
     num_query_tokens: int = 0
     tier_hits: tuple[tuple[int, TierHit], ...] = ()
+    remote: PulledKV | None = None  # disaggregation: num_tokens pulled from a prefill worker, in new blocks
 
     @property
     def block_ids(self) -> list[int]:
@@ -109,6 +111,10 @@ class KVCacheManager:
         self.prefix_stats = PrefixCacheStats()  # the pool's own hits
         self.offload_prefix_stats = PrefixCacheStats()  # hits copied back from an offload tier
         self._tables: dict[str, _Table] = {}
+        # disaggregation (engine/kv_transfer.py): finished requests' tables kept for a decode worker to pull,
+        # and this step's copies of pulled K/V into new blocks
+        self._held: dict[str, _Table] = {}
+        self._kv_loads: list[KVLoad] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -130,6 +136,8 @@ class KVCacheManager:
         needs only the blocks the first token to compute (position n * block_size) reads, so the earlier
         ones may have been evicted (_windowed_hit).
         """
+        if request.remote_kv is not None and not request.num_computed_tokens:
+            return self._remote_hit(request, request.remote_kv)
         if not self.enable_prefix_caching or request.num_computed_tokens:
             return PrefixHit(num_query_tokens=request.num_tokens)
         hashes = self._block_hashes(request, request.num_tokens)
@@ -152,6 +160,13 @@ class KVCacheManager:
             found.append(block)
             parent = block_hash
         return PrefixHit(tuple(found), len(found) * self.block_size, request.num_tokens, tuple(tier_hits))
+
+    def _remote_hit(self, request: Request, remote: PulledKV) -> PrefixHit:
+        """The pulled tokens as a hit whose blocks are all new (allocate_slots orders the K/V copied in); one
+        token short of the prompt at most, so there are logits to sample."""
+        num_tokens = min(remote.num_tokens, request.num_tokens - 1)
+        return PrefixHit((), num_tokens, request.num_tokens, remote=remote) if num_tokens > 0 else \
+            PrefixHit(num_query_tokens=request.num_tokens)
 
     def _windowed_hit(self, request: Request, hashes: list[int]) -> list[KVBlock | None]:
         """The longest hit of n blocks whose window blocks, [num_outside_window(n * block_size), n), are all
@@ -218,9 +233,11 @@ class KVCacheManager:
         table.blocks.extend(hit)
         table.blocks.extend(new_blocks)
         table.num_cached_blocks = max(table.num_cached_blocks, len(hit))
-        if prefix_hit is not None and self.enable_prefix_caching:
-            self._count_hit(prefix_hit)
         new_ids = [b.block_id for b in new_blocks]
+        if prefix_hit is not None and prefix_hit.remote is not None:
+            self._load_remote(request, prefix_hit, new_ids)
+        elif prefix_hit is not None and self.enable_prefix_caching:
+            self._count_hit(prefix_hit)
         # in place: O(new blocks), not a copy of the whole table every time a decode crosses a block boundary
         if prefix_hit is not None:
             request.block_ids.extend(NULL_BLOCK_ID if b is None else b.block_id for b in hit)
@@ -239,6 +256,48 @@ class KVCacheManager:
             self.offload.load(tier_hit, block.block_id)
             self.pool.cache_block(block, tier_hit.block_hash, tier_hit.parent_hash, tier_hit.token_ids)
             hit[index] = block
+
+    def _load_remote(self, request: Request, prefix_hit: PrefixHit, new_ids: list[int]) -> None:
+        """Orders the pulled K/V copied into the first new blocks (before this step's forward) and consumes it:
+        a request preempted later recomputes its tokens like any other."""
+        remote = prefix_hit.remote
+        assert remote is not None
+        num_blocks = cdiv(prefix_hit.num_tokens, self.block_size)
+        bytes_per_block = len(remote.data) // remote.num_blocks
+        self._kv_loads.append(KVLoad(tuple(new_ids[:num_blocks]), remote.data[:num_blocks * bytes_per_block]))
+        request.remote_kv = None
+        request.num_kv_transfer_tokens = prefix_hit.num_tokens
+        request.kv_transfer_time = remote.transfer_s
+
+    def take_kv_loads(self) -> tuple[KVLoad, ...]:
+        """The step's copies of pulled K/V into pool blocks (disaggregation), () when none."""
+        if not self._kv_loads:
+            return ()
+        loads, self._kv_loads = tuple(self._kv_loads), []
+        return loads
+
+    def hold(self, request: Request) -> list[int]:
+        """Keeps a finishing request's blocks (ref counts and all) for a decode worker to pull: they are
+        neither evicted nor reused until release_held. Returns their ids."""
+        table = self._tables.pop(request.request_id, None)
+        request.block_ids = []
+        if table is None:
+            return []
+        self.release_held(request.request_id)  # an id reused while its old blocks wait: those are given up
+        self._held[request.request_id] = table
+        return [b.block_id for b in table.blocks if b is not None]
+
+    def release_held(self, request_id: str) -> bool:
+        """Frees the blocks held for request_id (pulled, failed or timed out); False when none are held."""
+        table = self._held.pop(request_id, None)
+        if table is None:
+            return False
+        self.pool.free([b for b in reversed(table.blocks) if b is not None])
+        return True
+
+    @property
+    def num_held_blocks(self) -> int:
+        return sum(len(t.blocks) for t in self._held.values())
 
     def _count_hit(self, prefix_hit: PrefixHit) -> None:
         """vLLM's counters, in tokens: prefix_cache_queries/_hits for the pool, and with offload
@@ -340,7 +399,7 @@ class KVCacheManager:
         if self.offload is not None:
             self.offload.check_integrity()
         refs = [0] * self.pool.num_blocks
-        for table in self._tables.values():
+        for table in [*self._tables.values(), *self._held.values()]:
             for block in table.blocks:
                 if block is not None:
                     refs[block.block_id] += 1

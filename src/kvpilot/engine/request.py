@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 
+from kvpilot.engine.kv_transfer import PulledKV
 from kvpilot.engine.timeline import RequestMetrics, Timeline
 from kvpilot.sampling_params import SamplingParams
 
@@ -80,6 +81,12 @@ class Request:
         self.num_output_placeholders = 0
         self.num_cached_tokens = 0
         self.num_tier_cached_tokens = 0  # of num_cached_tokens, those copied back from a KV offload tier
+        # disaggregation (engine/kv_transfer.py): hold the blocks for a decode worker once finished; K/V pulled
+        # from a prefill worker, loaded at first admission (then None), and the tokens and seconds it saved
+        self.hold_kv = False
+        self.remote_kv: PulledKV | None = None
+        self.num_kv_transfer_tokens = 0
+        self.kv_transfer_time = 0.0
         self.block_ids: list[int] = []
         # Chained hashes of the full blocks of all_token_ids, extended by the KV manager as tokens arrive
         # (tokens are only appended, so they never go stale).
@@ -157,6 +164,8 @@ class Request:
             num_prompt_tokens=self.num_prompt_tokens,
             num_cached_tokens=self.num_cached_tokens,
             num_tier_cached_tokens=self.num_tier_cached_tokens,
+            num_kv_transfer_tokens=self.num_kv_transfer_tokens,
+            kv_transfer_time=self.kv_transfer_time,
             num_preemptions=self.num_preemptions,
             finish_reason=reason.value if reason else None,
             num_drafts=self.num_drafts,

@@ -239,7 +239,7 @@ class Scheduler:
                                preempted_request_ids=preempted_ids, finished_request_ids=finished_ids,
                                num_batched_tokens=step.num_tokens, num_sampled=num_sampled,
                                draft_token_ids=step.drafts, trimmed_tables=trimmed if trimmed else {},
-                               offload=self.kv.take_offload_orders())
+                               offload=self.kv.take_offload_orders(), kv_loads=self.kv.take_kv_loads())
 
     # ---- after the model ran -------------------------------------------------------------------------
 
@@ -416,7 +416,10 @@ class Scheduler:
             self._running.remove(request)
         else:
             self._waiting.remove(request)
-        self.kv.free(request)
+        if request.hold_kv and reason in (FinishReason.STOP, FinishReason.LENGTH):
+            request.block_ids = self.kv.hold(request)  # kept for a decode worker (engine/kv_transfer.py)
+        else:
+            self.kv.free(request)
         request.status = RequestStatus.finished_with(reason)
         request.timeline.finished = now
         del self._requests[request.request_id]

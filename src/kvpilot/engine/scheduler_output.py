@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvpilot.engine.kv_offload import OffloadOrders
+from kvpilot.engine.kv_transfer import KVLoad
 from kvpilot.engine.request import FinishReason
 from kvpilot.sampling_params import SamplingParams
 
@@ -82,7 +83,9 @@ class SchedulerOutput:
 
     KV offload: `offload` carries the step's copy orders between the pool and the offload tiers
     (engine/kv_offload.py: saves of blocks about to be reused, loads of blocks a prefix hit found in a tier);
-    the runner executes them before anything else of the step (None: nothing to copy).
+    the runner executes them before anything else of the step (None: nothing to copy). Disaggregation:
+    `kv_loads` carries K/V pulled from a prefill worker into new blocks (engine/kv_transfer.py), copied by the
+    runner right after the offload orders.
     """
 
     chunks: list[ScheduledChunk]
@@ -97,6 +100,7 @@ class SchedulerOutput:
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     trimmed_tables: dict[str, int] = field(default_factory=dict)
     offload: OffloadOrders | None = None
+    kv_loads: tuple[KVLoad, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_batched_tokens < 0:

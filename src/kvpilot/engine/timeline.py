@@ -49,7 +49,9 @@ class RequestMetrics:
     accepted by the target (all 0 without speculation), draft_time the seconds spent computing its drafts
     (n-gram lookups; a draft model's steps, each counted whole for every request it drafted for); tokens
     accepted in one step share its stamp. num_tier_cached_tokens: of num_cached_tokens (the prefix hit at
-    first admission), those copied back from a KV offload tier rather than found in the pool.
+    first admission), those copied back from a KV offload tier rather than found in the pool;
+    num_kv_transfer_tokens: of num_cached_tokens, those pulled from a prefill worker (disaggregation), in
+    kv_transfer_time seconds.
     """
 
     request_id: str
@@ -70,6 +72,8 @@ class RequestMetrics:
     num_accepted_tokens: int = 0
     draft_time: float = 0.0
     num_tier_cached_tokens: int = 0
+    num_kv_transfer_tokens: int = 0
+    kv_transfer_time: float = 0.0
 
     @property
     def draft_acceptance_rate(self) -> float | None:
@@ -87,6 +91,8 @@ class RequestMetrics:
         num_preemptions: int,
         finish_reason: str | None,
         num_tier_cached_tokens: int = 0,
+        num_kv_transfer_tokens: int = 0,
+        kv_transfer_time: float = 0.0,
         num_drafts: int = 0,
         num_draft_tokens: int = 0,
         num_accepted_tokens: int = 0,
@@ -114,4 +120,6 @@ class RequestMetrics:
             num_accepted_tokens=num_accepted_tokens,
             draft_time=draft_time,
             num_tier_cached_tokens=num_tier_cached_tokens,
+            num_kv_transfer_tokens=num_kv_transfer_tokens,
+            kv_transfer_time=kv_transfer_time,
         )

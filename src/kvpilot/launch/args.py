@@ -6,11 +6,13 @@ Torch-free, so the HTTP process validates a server's flags without importing the
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 
 from kvpilot.engine.config import CacheConfig, EngineConfigError, SchedulerConfig
 from kvpilot.engine.kv_events_config import KVEventsConfig
+from kvpilot.engine.kv_transfer import KVTransferConfig, KVTransferParamsError, role_of_vllm_config
 from kvpilot.engine.spec_config import SpeculativeConfig
 from kvpilot.fit.memory import CPU_DEFAULT_KV_CACHE_BYTES
 from kvpilot.memory_size import parse_memory_size
@@ -66,6 +68,14 @@ class EngineArgs:
     # a local-disk tier below the host tier: its folder, and its size (DEFAULT_KV_OFFLOAD_DIR_SIZE if None)
     kv_offload_dir: str | None = None
     kv_offload_dir_size: str | int | None = None
+    # prefill/decode disaggregation (engine/kv_transfer.py): this worker's role (None: off), or vLLM's
+    # --kv-transfer-config dict/JSON mapped onto it; the KV sender's port (0: a free one), the address it
+    # advertises (None: kv_transfer_config's kv_ip, else 127.0.0.1), and how long held blocks wait for a pull
+    kv_role: str | None = None
+    kv_transfer_config: dict | str | None = None
+    kv_transfer_port: int | None = None
+    kv_transfer_host: str | None = None
+    kv_transfer_timeout: float = 120.0
 
     def kv_offload_bytes(self) -> tuple[int, int]:
         """(host tier bytes, disk tier bytes), 0 where off; ValueError naming the flag for a bad size."""
@@ -81,6 +91,26 @@ class EngineArgs:
             disk = parse_memory_size(self.kv_offload_dir_size if self.kv_offload_dir_size is not None
                                      else DEFAULT_KV_OFFLOAD_DIR_SIZE, "kv_offload_dir_size")
         return host, disk
+
+    def kv_transfer(self) -> KVTransferConfig | None:
+        """The disaggregation settings, None when off; EngineConfigError naming what is accepted."""
+        role, host, port = self.kv_role, self.kv_transfer_host, self.kv_transfer_port
+        config = self.kv_transfer_config
+        try:
+            if config is not None:
+                parsed = json.loads(config) if isinstance(config, str) else config
+                if not isinstance(parsed, dict):
+                    raise KVTransferParamsError("kv_transfer_config must be a JSON object")
+                vllm_role, ip, vllm_port = role_of_vllm_config(parsed)
+                if role is not None and role != vllm_role:
+                    raise KVTransferParamsError(f"kv_role {role!r} contradicts kv_transfer_config's "
+                                                f"{parsed['kv_role']!r}: give one of them")
+                role, host, port = vllm_role, host or ip, port if port is not None else vllm_port
+            if role is None:
+                return None
+            return KVTransferConfig(role, host or "127.0.0.1", port or 0, float(self.kv_transfer_timeout))
+        except (KVTransferParamsError, ValueError) as exc:
+            raise EngineConfigError(str(exc)) from exc
 
     @property
     def speculative(self) -> SpeculativeConfig | None:
@@ -120,6 +150,8 @@ class EngineArgs:
                 raise EngineConfigError(str(exc)) from exc
         self._check_speculative()
         self._check_offload()
+        if self.kv_transfer() is not None and self.tensor_parallel_size > 1:  # the sender reads one rank's cache
+            raise EngineConfigError("kv_role (disaggregation) with tensor_parallel_size > 1 is not supported yet")
         CacheConfig(num_blocks=1, block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching)
         SchedulerConfig(max_model_len=1, max_num_seqs=self.max_num_seqs,
                         max_num_batched_tokens=self.max_num_batched_tokens or max(2048, self.max_num_seqs),

@@ -27,6 +27,7 @@ from kvpilot.model.host_copy import HostCopy
 from kvpilot.model.input_batch import BatchLimits, InputBatch
 from kvpilot.model.kv_cache import allocate_kv_cache
 from kvpilot.model.kv_offload import KVOffloadStore, OffloadSpec
+from kvpilot.model.kv_transfer import write_blocks
 from kvpilot.model.loader import LoadedModel
 from kvpilot.model.logit_bias import LogitBiasState
 from kvpilot.model.logits_processors import PenaltyState, apply_min_tokens
@@ -231,12 +232,14 @@ class ModelRunner:
 
     def _copy_offload(self, output: SchedulerOutput) -> None:
         """The step's KV offload copies (saves of blocks about to be reused, loads of prefix hits found in a
-        tier), before anything of the step writes or reads the cache."""
-        if output.offload is None:
-            return
-        if self.offload is None:
-            raise RuntimeError("the scheduler ordered KV offload copies, but this runner has no offload tier")
-        self.offload.execute(self.kv_caches, output.offload)
+        tier), then K/V pulled from a prefill worker (disaggregation, model/kv_transfer.py: after the saves,
+        which read what its new blocks held), before anything of the step writes or reads the cache."""
+        if output.offload is not None:
+            if self.offload is None:
+                raise RuntimeError("the scheduler ordered KV offload copies, but this runner has no offload tier")
+            self.offload.execute(self.kv_caches, output.offload)
+        for load in output.kv_loads:
+            write_blocks(self.kv_caches, load.block_ids, load.data)
 
     @torch.inference_mode()
     def forward_logits(self, output: SchedulerOutput) -> tuple[list[str], torch.Tensor]:

@@ -15,7 +15,8 @@ import typer
 from kvpilot.cli_options import (AsyncSchedulingOpt, AttentionBackendOpt, BlockSizeOpt, CudaGraphSizesOpt,
                                  DeviceOpt, DownloadDirOpt, DtypeOpt, EnforceEagerOpt, GgufFileOpt, GpuUtilOpt,
                                  KvCacheDtypeOpt, KvCacheMemoryOpt, KvOffloadDirOpt, KvOffloadDirSizeOpt,
-                                 KvOffloadingBackendOpt, KvOffloadingSizeOpt, LoadFormatOpt, MaxBatchedTokensOpt,
+                                 KvOffloadingBackendOpt, KvOffloadingSizeOpt, KvRoleOpt, KvTransferConfigOpt,
+                                 KvTransferHostOpt, KvTransferPortOpt, KvTransferTimeoutOpt, LoadFormatOpt, MaxBatchedTokensOpt,
                                  MaxModelLenOpt, MaxNumSeqsOpt, ModelOpt, PolicyOpt, PrefixCachingOpt,
                                  PromptGemmDtypeOpt, QuantizationOpt, RevisionOpt, SeedOpt, SpeculativeConfigOpt,
                                  TensorParallelOpt, parse_cuda_graph_sizes)
@@ -55,7 +56,9 @@ def serve_command(
     kv_cache_dtype: KvCacheDtypeOpt = "auto", gpu_memory_utilization: GpuUtilOpt = 0.9,
     block_size: BlockSizeOpt = 16, kv_offloading_size: KvOffloadingSizeOpt = None,
     kv_offloading_backend: KvOffloadingBackendOpt = "native", kv_offload_dir: KvOffloadDirOpt = None,
-    kv_offload_dir_size: KvOffloadDirSizeOpt = None,
+    kv_offload_dir_size: KvOffloadDirSizeOpt = None, kv_role: KvRoleOpt = None,
+    kv_transfer_config: KvTransferConfigOpt = None, kv_transfer_port: KvTransferPortOpt = None,
+    kv_transfer_host: KvTransferHostOpt = None, kv_transfer_timeout: KvTransferTimeoutOpt = 120.0,
     enable_prefix_caching: PrefixCachingOpt = True, scheduling_policy: PolicyOpt = "fcfs", seed: SeedOpt = 0,
     attention_backend: AttentionBackendOpt = "auto", async_scheduling: AsyncSchedulingOpt = None,
     enforce_eager: EnforceEagerOpt = False, cuda_graph_sizes: CudaGraphSizesOpt = None,
@@ -92,7 +95,10 @@ def serve_command(
             tensor_parallel_size=tensor_parallel_size, cuda_graph_sizes=parse_cuda_graph_sizes(cuda_graph_sizes),
             kv_events_config=kv_events_config, speculative_config=speculative_config,
             kv_offloading_size=kv_offloading_size, kv_offloading_backend=kv_offloading_backend,
-            kv_offload_dir=kv_offload_dir, kv_offload_dir_size=kv_offload_dir_size)
+            kv_offload_dir=kv_offload_dir, kv_offload_dir_size=kv_offload_dir_size, kv_role=kv_role,
+            kv_transfer_config=kv_transfer_config, kv_transfer_port=kv_transfer_port,
+            kv_transfer_host=kv_transfer_host or (host if host not in ("0.0.0.0", "::", "") else None),
+            kv_transfer_timeout=kv_transfer_timeout)
         _check_tracing(otlp_traces_endpoint)
         server_args = _server_args(
             model, max_num_seqs, host=host, port=port, served_model_name=served_model_name, api_key=api_key,

@@ -17,6 +17,7 @@ from typing import AsyncIterator, Awaitable, Callable
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.types import Send
 
+from kvpilot.engine.kv_transfer import KVTransferParamsError, KVTransferRequest, check_role, parse_kv_transfer_params
 from kvpilot.outputs import RequestOutput
 from kvpilot.sampling_params import SamplingParams
 from kvpilot.server.observe.collector import Collector
@@ -53,6 +54,7 @@ async def prepare(state: ServerState, body: CompletionRequest | ChatCompletionRe
     body.check_fields()
     fanout = FanoutShape(num_prompts(body), body.n, body.candidates_per_prompt())
     check_size(fanout, state.admission.limits.max_num_queued_reqs)
+    _kv_transfer(state, body, fanout)  # 400 before anything is reserved
     request_id = engine_request_id(chat, client_id)
     sub_ids = [fanout.sub_request_id(request_id, k) for k in range(fanout.size)]
     if any(state.client.has_request(rid) for rid in {request_id, *sub_ids}):
@@ -107,7 +109,7 @@ async def _prepare_reserved(state: ServerState, body: CompletionRequest | ChatCo
         sub_params = params if fanout.candidate_of(k) == 0 or params.seed is None else \
             dataclasses.replace(params, seed=sub_seed(params.seed, fanout.candidate_of(k)))
         messages.append(AddRequest(rid, list(prompt.token_ids or ()), sub_params, arrival, body.priority,
-                                   prompt.text))
+                                   prompt.text, _kv_transfer(state, body, fanout)))
     try:
         for message in messages:
             state.admission.commit(message.request_id, len(message.prompt_token_ids))
@@ -121,6 +123,21 @@ async def _prepare_reserved(state: ServerState, body: CompletionRequest | ChatCo
                     "/v1/chat/completions" if chat else "/v1/completions", texts[0], fanout=fanout,
                     echo=tuple(text for _, text in prompts), show_logprobs=user_logprobs is not None,
                     stage_followers=state.info.enable_prefix_caching, prompt_texts=texts, chat_output=output)
+
+
+def _kv_transfer(state: ServerState, body: CompletionRequest | ChatCompletionRequest,
+                 fanout: FanoutShape) -> KVTransferRequest | None:
+    """The request's kv_transfer_params, parsed and allowed by this worker's --kv-role; 400 naming the field."""
+    try:
+        transfer = parse_kv_transfer_params(body.kv_transfer_params)
+        if transfer is not None:
+            check_role(transfer, state.info.kv_role or None)
+    except KVTransferParamsError as exc:
+        raise APIError(400, str(exc), param="kv_transfer_params") from None
+    if transfer is not None and fanout.size > 1:
+        raise APIError(400, "kv_transfer_params serves one prompt and one choice: send n=1 and a single prompt",
+                       param="kv_transfer_params")
+    return transfer
 
 
 async def _admit_grammar(state: ServerState, body: CompletionRequest | ChatCompletionRequest) -> None:
@@ -211,6 +228,8 @@ async def respond_whole(state: ServerState, prepared: Prepared,
         output = prepared.chat_output
         choices.append(output.shape_message(choice, out.text, out.finish_reason) if output else choice)
     body = shape.body(choices, usage, field)
+    if finals[0].kv_transfer_params is not None:  # a prefill request: where the decode worker pulls its KV
+        body["kv_transfer_params"] = finals[0].kv_transfer_params
     collector.log(200)
     return JSONResponse(body, headers={"Server-Timing": timings.server_timing_header(), "X-Request-Id": rid})
 

@@ -55,6 +55,7 @@ class EngineInfo:
     prompt_gemm_dtype: str = ""
     quantization: str = ""
     weight_bits: float = 0.0
+    kv_role: str = ""  # disaggregation: --kv-role ("": off), so the HTTP side checks kv_transfer_params
 
     @property
     def capacity(self) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from typing import Any
 from kvpilot.engine.engine import StepStats
 from kvpilot.engine.scheduler_stats import SchedulerStats
 from kvpilot.sampling_params import SamplingParams
+from kvpilot.engine.kv_transfer import KVTransferRequest
 from kvpilot.server.core.engine_info import EngineInfo
 from kvpilot.server.core.output_delta import OutputDelta
 
@@ -34,6 +35,7 @@ class AddRequest:
     arrival_time: float
     priority: int = 0
     prompt: str | None = None
+    kv_transfer: KVTransferRequest | None = None  # disaggregation (engine/kv_transfer.py)
 
 
 @dataclass(frozen=True)

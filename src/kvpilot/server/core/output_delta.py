@@ -29,6 +29,7 @@ class OutputDelta:
     num_cached_tokens: int
     metrics: object | None = None
     error: str | None = None  # why the engine failed this request (finish_reason "error")
+    kv_transfer_params: dict | None = None  # a finished prefill request's, for the decode worker (final only)
 
     @property
     def finished(self) -> bool:
@@ -53,7 +54,7 @@ def delta_of(output: RequestOutput) -> OutputDelta:
         new_logprobs = completion.logprobs[first_new:]
     return OutputDelta(output.request_id, list(output.delta_token_ids), output.delta_text, new_logprobs,
                        completion.finish_reason, completion.stop_reason, output.num_cached_tokens, output.metrics,
-                       output.error)
+                       output.error, output.kv_transfer_params)
 
 
 class OutputAssembly:
@@ -83,4 +84,4 @@ class OutputAssembly:
         completion = CompletionOutput(0, self.text, self.token_ids, finish_reason, delta.stop_reason, self.logprobs)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [completion],
                              finish_reason is not None, delta.metrics, delta.num_cached_tokens, delta.new_text,
-                             delta.new_token_ids, delta.error)
+                             delta.new_token_ids, delta.error, delta.kv_transfer_params)

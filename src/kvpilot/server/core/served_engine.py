@@ -6,10 +6,12 @@ With fit_names.py, the server modules that import torch and kvpilot.model: the H
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from kvpilot.engine.engine import LLMEngine
 from kvpilot.engine.kv_events_config import KVEventsConfig
+from kvpilot.engine.kv_transfer import KVTransferConfig
 from kvpilot.launch.args import EngineArgs
 from kvpilot.launch.build import BuiltEngine, build_engine
 from kvpilot.model.kv_dtype import kv_dtype_name
@@ -27,6 +29,7 @@ class ServedEngine:
     engine: LLMEngine
     info: EngineInfo
     kv_events: KVEventsConfig | None = None
+    kv_transfer: KVTransferConfig | None = None  # disaggregation: the engine core starts a KV connector
 
 
 def describe(built: BuiltEngine) -> EngineInfo:
@@ -69,4 +72,8 @@ def build_served_engine(args: EngineArgs, loaded: LoadedModel | None = None, war
     built = build_engine(args, loaded)
     if warmup:
         warm_up(built.engine)
-    return ServedEngine(built.engine, describe(built), args.kv_events_config)
+    transfer = args.kv_transfer()
+    info = describe(built)
+    if transfer is not None:
+        info = dataclasses.replace(info, kv_role=transfer.role)
+    return ServedEngine(built.engine, info, args.kv_events_config, transfer)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import time
 from contextlib import suppress
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -26,10 +27,13 @@ from kvpilot.server.core.messages import (Abort, AddRequest, CapacityQuery, Core
 if TYPE_CHECKING:
     from kvpilot.engine.engine import LLMEngine
     from kvpilot.engine.kv_events_config import KVEventsConfig
+    from kvpilot.engine.kv_transfer import PulledKV
+    from kvpilot.server.core.kv_connector import KVConnector
     from kvpilot.server.core.kv_event_publisher import ZmqKVEventPublisher
     from kvpilot.server.core.served_engine import ServedEngine
 
 logger = logging.getLogger("kvpilot.server")
+CONNECTOR_IDLE_S = 0.005  # the loop's nap while only KV transfers are pending (no request to step)
 GONE = (EOFError, BrokenPipeError, ConnectionResetError)  # the server closed its side, or died
 
 
@@ -38,7 +42,8 @@ def _integrity(engine: LLMEngine) -> dict[str, Any]:
     stats = engine.stats()
     return {"ok": True, "num_running": stats.num_running, "num_waiting": stats.num_waiting,
             "num_used_blocks": stats.num_used_blocks, "num_free_blocks": stats.num_free_blocks,
-            "num_cached_blocks": stats.num_cached_blocks, "num_total_blocks": stats.num_total_blocks}
+            "num_cached_blocks": stats.num_cached_blocks, "num_total_blocks": stats.num_total_blocks,
+            "num_held_blocks": engine.scheduler.kv.num_held_blocks}  # disaggregation: kept for a decode worker
 
 
 def _capacity(engine: LLMEngine) -> EngineCapacity:
@@ -64,10 +69,13 @@ class EngineCore:
     rejection) unless the core dies; every query exactly one QueryReply; messages are handled in the order
     sent, between steps; a StepResult is sent whenever outputs, step stats or the scheduler snapshot changed."""
 
-    def __init__(self, engine: LLMEngine, endpoint: Endpoint, kv_events: ZmqKVEventPublisher | None = None) -> None:
+    def __init__(self, engine: LLMEngine, endpoint: Endpoint, kv_events: ZmqKVEventPublisher | None = None,
+                 kv_connector: KVConnector | None = None) -> None:
         """`kv_events` gets the block pool's KV-cache events after every step (the pool records them only when
-        the engine was built with them enabled)."""
+        the engine was built with them enabled); `kv_connector` moves KV between disaggregated workers
+        (kv_connector.py): the loop ticks it between steps."""
         self.engine, self.endpoint, self.kv_events = engine, endpoint, kv_events
+        self.kv_connector = kv_connector
         self._live: set[str] = set()  # added and not yet finished: what Shutdown aborts
         self._step_stats: list[StepStats] = []
         self._rejected: list[tuple[str, str]] = []
@@ -77,15 +85,31 @@ class EngineCore:
     def run(self) -> None:
         """Serves until Shutdown; raises EOFError/OSError when the server side is gone."""
         while True:
-            if not self._handle(self._receive(block=not self.engine.has_unfinished_requests())):
+            idle = not self.engine.has_unfinished_requests()
+            connector = self.kv_connector
+            if not self._handle(self._receive(block=idle and (connector is None or not connector.busy))):
                 return
+            if connector is not None:
+                self._tick(connector)
             self._step_and_publish()
 
     def _receive(self, block: bool) -> list[ToCore]:
         messages = [self.endpoint.recv()] if block else []  # sleep when idle
         while self.endpoint.poll():
             messages.append(self.endpoint.recv())
+        if not block and not messages and not self.engine.has_unfinished_requests():
+            time.sleep(CONNECTOR_IDLE_S)  # only KV transfers pending: wait for them without spinning
         return messages
+
+    def _tick(self, connector: KVConnector) -> None:
+        """Frees held blocks whose pull ended or expired; adds the requests whose KV pull ended (a failed pull
+        fails its request alone; a cancelled one, aborted meanwhile, ends as aborted)."""
+        for message, result in connector.tick():
+            if isinstance(result, str):
+                self._live.discard(message.request_id)
+                self._rejected.append((message.request_id, result or "aborted while its KV was being pulled"))
+            else:
+                self._add(message, result)
 
     def _handle(self, messages: list[ToCore]) -> bool:
         """Processes the messages in order; False on Shutdown (after aborting and publishing what was live)."""
@@ -93,7 +117,9 @@ class EngineCore:
             if isinstance(message, AddRequest):
                 self._add(message)
             elif isinstance(message, Abort):
-                self.engine.abort_request(list(message.request_ids))
+                ids = list(message.request_ids)
+                pulling = self.kv_connector.cancel(ids) if self.kv_connector is not None else []
+                self.engine.abort_request([rid for rid in ids if rid not in pulling])
             elif isinstance(message, Shutdown):
                 self.engine.abort_request(sorted(self._live))
                 self._step_and_publish()
@@ -102,11 +128,21 @@ class EngineCore:
                 self.endpoint.send(self._answer(message))
         return True
 
-    def _add(self, message: AddRequest) -> None:
+    def _add(self, message: AddRequest, remote_kv: PulledKV | None = None) -> None:
+        transfer = message.kv_transfer
+        if transfer is not None and transfer.source is not None and remote_kv is None:
+            if self.kv_connector is None:
+                self._rejected.append((message.request_id, "kv_transfer_params.do_remote_prefill needs a worker "
+                                                            "started with --kv-role decode or both"))
+                return
+            self.kv_connector.start_pull(message, transfer.source)  # added once its KV is here (_tick)
+            self._live.add(message.request_id)
+            return
         try:
             self.engine.add_request(message.prompt, message.params, request_id=message.request_id,
                                     priority=message.priority, arrival_time=message.arrival_time,
-                                    prompt_token_ids=message.prompt_token_ids)
+                                    prompt_token_ids=message.prompt_token_ids, kv_transfer=transfer,
+                                    remote_kv=remote_kv)
             self._live.add(message.request_id)
         except ValueError as exc:  # too long for the cache, duplicate id: the request's own fault
             self._rejected.append((message.request_id, str(exc)))
@@ -125,6 +161,8 @@ class EngineCore:
         if self.kv_events is not None:
             self.kv_events.publish(self.engine.take_kv_events())
         self._live.difference_update(o.request_id for o in outputs if o.finished)
+        if self.kv_connector is not None:
+            self.kv_connector.register(outputs)
         failed = [(o.request_id, o.error) for o in outputs if o.error is not None]
         if failed:  # failed alone by the engine (engine/step_failures.py): their clients get the error
             outputs = [o for o in outputs if o.error is None]
@@ -194,18 +232,31 @@ def _start_kv_events(config: KVEventsConfig | None) -> ZmqKVEventPublisher | Non
     return publisher
 
 
+def _start_kv_connector(served: ServedEngine) -> KVConnector | None:
+    """The KV connector of a disaggregated worker (--kv-role), None otherwise; OSError when its port is taken."""
+    if served.kv_transfer is None:
+        return None
+    from kvpilot.model.kv_transfer import kv_layout, read_blocks
+    from kvpilot.server.core.kv_connector import KVConnector
+
+    caches = served.engine.runner.kv_caches  # type: ignore[attr-defined]  # one rank (EngineArgs refuses TP)
+    return KVConnector(served.engine, served.kv_transfer, kv_layout(caches), lambda ids: read_blocks(caches, ids))
+
+
 def run_core(build: Callable[[], ServedEngine], endpoint: Endpoint) -> None:
     """Builds the engine, sends Ready (or LoadFailed), serves until Shutdown or until the server side is
     gone, and closes the endpoint. Never raises for the server's absence: there is no one left to tell."""
     kv_events: ZmqKVEventPublisher | None = None
+    connector: KVConnector | None = None
     try:
         try:
             served = build()
             kv_events = _start_kv_events(served.kv_events)
+            connector = _start_kv_connector(served)
         except BaseException as exc:  # reported through /health and every request
             endpoint.send(LoadFailed(_load_error_message(exc)))
             return
-        core = EngineCore(served.engine, endpoint, kv_events)
+        core = EngineCore(served.engine, endpoint, kv_events, connector)
         if not _say_ready(served, core, endpoint):
             return
         try:
@@ -221,5 +272,7 @@ def run_core(build: Callable[[], ServedEngine], endpoint: Endpoint) -> None:
     finally:
         if kv_events is not None:
             kv_events.close()
+        if connector is not None:
+            connector.close()
         with suppress(OSError):
             endpoint.close()

@@ -68,10 +68,16 @@ def kvpilot_field(request_id: str, metrics: RequestMetrics | None, num_prompt_to
 
 def tier_field(metrics: RequestMetrics | None) -> dict[str, Any]:
     """{"tier_cached_tokens": n}: of cached_tokens, those copied back from a KV offload tier (--kv-offloading-
-    size) rather than found in the KV cache; {} when none (responses without offload keep their shape)."""
-    if metrics is None or not metrics.num_tier_cached_tokens:
-        return {}
-    return {"tier_cached_tokens": metrics.num_tier_cached_tokens}
+    size) rather than found in the KV cache; {"kv_transfer_tokens": n, "kv_transfer_ms": t}: of cached_tokens,
+    those pulled from a prefill worker (disaggregation) and the pull's time; {} when neither (responses
+    without offload or disaggregation keep their shape)."""
+    field: dict[str, Any] = {}
+    if metrics is not None and metrics.num_tier_cached_tokens:
+        field["tier_cached_tokens"] = metrics.num_tier_cached_tokens
+    if metrics is not None and metrics.num_kv_transfer_tokens:  # disaggregation: pulled from a prefill worker
+        field["kv_transfer_tokens"] = metrics.num_kv_transfer_tokens
+        field["kv_transfer_ms"] = round(metrics.kv_transfer_time * 1000.0, 3)
+    return field
 
 
 def speculation_field(metrics: RequestMetrics | None) -> dict[str, Any]:

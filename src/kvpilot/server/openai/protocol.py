@@ -111,6 +111,9 @@ class _Sampling(StructuredFields):
     stream_options: StreamOptions | None = None
     priority: Int = 0
     user: str | None = None
+    # prefill/decode disaggregation (vLLM's field; engine/kv_transfer.py parses it): {"do_remote_decode": true}
+    # on a prefill worker, the prefill response's kv_transfer_params on a decode worker
+    kv_transfer_params: dict[str, Any] | None = None
 
     def logit_bias_ids(self) -> list[int]:
         """The token ids logit_bias names (APIError 400 for a key that is not one in ASCII digits)."""

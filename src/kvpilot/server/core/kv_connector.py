@@ -1,0 +1,302 @@
+"""The KV connector of disaggregated prefill/decode (engine/kv_transfer.py; wire format: docs/disaggregation.md).
+
+Runs in the engine-core process, beside the step loop, on threads of its own: a prefill worker's sender accepts
+pulls on its TCP port and streams held blocks out of the KV cache; a decode worker pulls a request's blocks into
+bytes before the step loop adds the request. Only the step-loop thread touches the engine: the threads hand
+their results over through queues that `tick` drains between steps (freeing held blocks, adding pulled requests).
+
+Invariants: a held request is pulled at most once (a pull claims it); held blocks are freed exactly once, when
+their pull ends (sent, failed or the decode side gone) or, unclaimed, when kv_transfer_timeout passes; a claimed
+entry never times out, so the sender never reads a block that was freed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+from kvpilot.engine.kv_transfer import KVTransferConfig, PulledKV, RemoteKVSource, tokens_digest
+
+if TYPE_CHECKING:
+    from kvpilot.engine.engine import LLMEngine
+    from kvpilot.outputs import RequestOutput
+
+logger = logging.getLogger("kvpilot.server")
+PROTOCOL = "kvpilot-kv/1"
+CONNECT_TIMEOUT_S = 5.0
+RECV_POLL_S = 0.2  # a pull checks for cancellation this often
+MAX_HEADER_BYTES = 1 << 20
+
+
+class KVPullError(Exception):
+    """A pull that failed: the message says why and what to do (it becomes the request's error)."""
+
+
+@dataclass
+class _Held:
+    block_ids: list[int]
+    num_tokens: int
+    digest: str
+    deadline: float
+    claimed: bool = False
+
+
+@dataclass
+class KVTransferStats:
+    """Cumulative counters (exported as kvpilot:kv_transfer_* metrics)."""
+
+    num_sent: int = 0
+    num_sent_bytes: int = 0
+    num_send_failures: int = 0
+    num_timeouts: int = 0
+    num_pulled: int = 0
+    num_pulled_bytes: int = 0
+    num_pull_failures: int = 0
+
+
+@dataclass
+class _Pull:
+    message: Any  # the AddRequest
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+class KVConnector:
+    """One engine core's sender (roles prefill/both) and puller (decode/both)."""
+
+    def __init__(self, engine: LLMEngine, config: KVTransferConfig, layout: dict[str, Any],
+                 read_blocks: Callable[[list[int]], bytes], bind_host: str | None = None) -> None:
+        self.engine, self.config, self.layout, self._read = engine, config, layout, read_blocks
+        self.engine_id = f"kvpilot-{uuid.uuid4().hex[:12]}"
+        self.stats = KVTransferStats()
+        self._lock = threading.Lock()
+        self._held: dict[str, _Held] = {}
+        self._released: queue.SimpleQueue[tuple[str, bool]] = queue.SimpleQueue()  # (request id, sent)
+        self._pulls: dict[str, _Pull] = {}
+        self._pulled: queue.SimpleQueue[tuple[Any, PulledKV | str]] = queue.SimpleQueue()
+        self._closed = threading.Event()
+        self._listener: socket.socket | None = None
+        if config.sends:
+            self._listener = socket.create_server((bind_host or config.host, config.port))
+            self.port = self._listener.getsockname()[1]
+            threading.Thread(target=self._accept, name="kvpilot-kv-sender", daemon=True).start()
+            engine.kv_transfer_address = {"remote_engine_id": self.engine_id, "remote_host": config.host,
+                                          "remote_port": self.port}
+            logger.info("KV sender of %s (--kv-role %s) on %s:%d", self.engine_id, config.role, config.host,
+                        self.port)
+
+    @property
+    def busy(self) -> bool:
+        """Pulls in flight or blocks held: the step loop must keep ticking even with no request to step."""
+        return bool(self._pulls or self._held)
+
+    # ---- the step loop's side ------------------------------------------------------------------------
+
+    def register(self, outputs: list[RequestOutput]) -> None:
+        """Finished prefill requests' held blocks, open for one pull until the timeout."""
+        deadline = time.monotonic() + self.config.timeout_s
+        for output in outputs:
+            params = output.kv_transfer_params
+            if params is None or not output.finished:
+                continue
+            num_tokens = params["num_remote_tokens"]
+            with self._lock:
+                self._held[output.request_id] = _Held(list(params["remote_block_ids"]), num_tokens,
+                                                      tokens_digest(output.prompt_token_ids[:num_tokens]), deadline)
+
+    def tick(self) -> list[tuple[Any, PulledKV | str]]:
+        """Frees blocks whose pull ended or whose time ran out; returns the pulls that ended since the last tick
+        as (AddRequest, PulledKV or the error, "" when cancelled)."""
+        while not self._released.empty():
+            rid, _ = self._released.get()
+            self.engine.release_held(rid)
+        now = time.monotonic()
+        with self._lock:
+            expired = [rid for rid, h in self._held.items() if not h.claimed and h.deadline <= now]
+            for rid in expired:
+                del self._held[rid]
+        for rid in expired:
+            self.stats.num_timeouts += 1
+            logger.warning("no decode worker pulled the KV of request %r in %.0f s: its blocks are freed", rid,
+                           self.config.timeout_s)
+            self.engine.release_held(rid)
+        ended = []
+        while not self._pulled.empty():
+            message, result = self._pulled.get()
+            self._pulls.pop(message.request_id, None)
+            ended.append((message, result))
+        return ended
+
+    def start_pull(self, message: Any, source: RemoteKVSource) -> None:
+        pull = _Pull(message)
+        self._pulls[message.request_id] = pull
+        threading.Thread(target=self._pull, args=(pull, source), name="kvpilot-kv-pull", daemon=True).start()
+
+    def cancel(self, request_ids: list[str]) -> list[str]:
+        """Cancels the pulls of these requests (they end as cancelled); returns the ids that had one."""
+        found = [rid for rid in request_ids if rid in self._pulls]
+        for rid in found:
+            self._pulls[rid].cancelled.set()
+        return found
+
+    def close(self) -> None:
+        self._closed.set()
+        for pull in self._pulls.values():
+            pull.cancelled.set()
+        if self._listener is not None:
+            self._listener.close()
+
+    # ---- the sender's threads ------------------------------------------------------------------------
+
+    def _accept(self) -> None:
+        assert self._listener is not None
+        while not self._closed.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(target=self._serve, args=(conn,), name="kvpilot-kv-send", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            conn.settimeout(30.0)
+            try:
+                ask = json.loads(_read_line(conn))
+            except (OSError, ValueError, KVPullError) as exc:
+                logger.warning("a KV pull sent no valid request: %s", exc)
+                return
+            rid = str(ask.get("remote_request_id"))
+            held, error = self._claim(ask, rid)
+            if held is None:
+                _send_line(conn, {"ok": False, "error": error})
+                return
+            try:
+                data = self._read(held.block_ids)
+                _send_line(conn, {"ok": True, "num_blocks": len(held.block_ids),
+                                  "bytes_per_block": self.layout["bytes_per_block"]})
+                conn.sendall(data)
+                self.stats.num_sent += 1
+                self.stats.num_sent_bytes += len(data)
+            except OSError as exc:
+                self.stats.num_send_failures += 1
+                logger.warning("sending the KV of request %r failed: %s", rid, exc)
+            finally:
+                self._released.put((rid, True))
+
+    def _claim(self, ask: dict[str, Any], rid: str) -> tuple[_Held | None, str]:
+        """The held entry the pull asks for, claimed (removed from the registry); or None and why not. A pull
+        that names held blocks but fails a check frees them: the decode side gives the request up."""
+        if ask.get("protocol") != PROTOCOL:
+            return None, f"unknown protocol {ask.get('protocol')!r}: this worker speaks {PROTOCOL}"
+        if ask.get("engine_id") != self.engine_id:
+            return None, (f"remote_engine_id {ask.get('engine_id')!r} is not this worker ({self.engine_id}): it "
+                          "restarted since the prefill, or the address is another worker's")
+        with self._lock:
+            held = self._held.pop(rid, None)
+        if held is None:
+            return None, f"remote_request_id {rid!r} holds no KV here: unknown, already pulled or expired"
+        mismatch = _mismatch(self.layout, ask.get("layout") or {})
+        error = mismatch or ("" if ask.get("block_ids") == held.block_ids and ask.get("tokens_digest") == held.digest
+                             else "remote_block_ids or the prompt differ from what the prefill worker holds")
+        if error:
+            self._released.put((rid, False))
+            return None, error
+        return held, ""
+
+    # ---- the puller's threads ------------------------------------------------------------------------
+
+    def _pull(self, pull: _Pull, source: RemoteKVSource) -> None:
+        started = time.monotonic()
+        try:
+            data = self._fetch(pull, source)
+            result: PulledKV | str = PulledKV(source.num_tokens, len(source.block_ids), data,
+                                              time.monotonic() - started)
+            self.stats.num_pulled += 1
+            self.stats.num_pulled_bytes += len(data)
+        except KVPullError as exc:
+            result = "" if pull.cancelled.is_set() else str(exc)
+            self.stats.num_pull_failures += 0 if pull.cancelled.is_set() else 1
+        except OSError as exc:
+            result = "" if pull.cancelled.is_set() else \
+                f"pulling the KV from {source.host}:{source.port} failed ({exc}): resend the request to a prefill worker"
+            self.stats.num_pull_failures += 0 if pull.cancelled.is_set() else 1
+        self._pulled.put((pull.message, result))
+
+    def _fetch(self, pull: _Pull, source: RemoteKVSource) -> bytes:
+        prompt = pull.message.prompt_token_ids
+        if len(prompt) < source.num_tokens:
+            raise KVPullError(f"the prompt has {len(prompt)} tokens but the prefill worker held {source.num_tokens}: "
+                              "send the same prompt to both workers")
+        with socket.create_connection((source.host, source.port), timeout=CONNECT_TIMEOUT_S) as conn:
+            _send_line(conn, {"protocol": PROTOCOL, "engine_id": source.engine_id,
+                              "remote_request_id": source.request_id, "block_ids": list(source.block_ids),
+                              "tokens_digest": tokens_digest(prompt[:source.num_tokens]), "layout": self.layout})
+            conn.settimeout(RECV_POLL_S)
+            reply = json.loads(_read_line(conn, pull.cancelled))
+            if not reply.get("ok"):
+                raise KVPullError(f"the prefill worker refused the KV pull: {reply.get('error')}")
+            size = int(reply["num_blocks"]) * int(reply["bytes_per_block"])
+            if int(reply["bytes_per_block"]) != self.layout["bytes_per_block"]:
+                raise KVPullError("the prefill worker's block size in bytes differs from this worker's")
+            return _read_exact(conn, size, pull.cancelled)
+
+
+def _mismatch(ours: dict[str, Any], theirs: dict[str, Any]) -> str:
+    """'' when the KV layouts agree, else which field differs (block size, layers, heads, dtype...)."""
+    for key, value in ours.items():
+        if theirs.get(key) != value:
+            return (f"KV layout mismatch: {key} is {value!r} on the prefill worker, {theirs.get(key)!r} on the "
+                    "decode worker: run both with the same model, dtype, kv_cache_dtype and block_size")
+    return ""
+
+
+def _send_line(conn: socket.socket, obj: dict[str, Any]) -> None:
+    conn.sendall(json.dumps(obj).encode() + b"\n")
+
+
+def _read_line(conn: socket.socket, cancelled: threading.Event | None = None) -> str:
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = _recv(conn, 1, cancelled)
+        data += chunk
+        if len(data) > MAX_HEADER_BYTES:
+            raise KVPullError("the KV transfer header is too long")
+    return data.decode()
+
+
+def _read_exact(conn: socket.socket, size: int, cancelled: threading.Event) -> bytes:
+    buffer = bytearray(size)
+    view, got = memoryview(buffer), 0
+    while got < size:
+        try:
+            n = conn.recv_into(view[got:], min(size - got, 1 << 20))
+        except socket.timeout:
+            n = -1
+        if cancelled.is_set():
+            raise KVPullError("cancelled")
+        if n == 0:
+            raise KVPullError(f"the prefill worker closed the connection after {got} of {size} bytes: it stopped "
+                              "or failed; resend the request")
+        got += max(n, 0)
+    return bytes(buffer)
+
+
+def _recv(conn: socket.socket, size: int, cancelled: threading.Event | None) -> bytes:
+    while True:
+        try:
+            chunk = conn.recv(size)
+        except socket.timeout:
+            if cancelled is None:
+                raise
+            if cancelled.is_set():
+                raise KVPullError("cancelled") from None
+            continue
+        if not chunk:
+            raise KVPullError("the prefill worker closed the connection before answering: resend the request")
+        return chunk

@@ -1,0 +1,166 @@
+"""Prefill/decode disaggregation over HTTP (issue #49 item 2, docs/disaggregation.md): a prefill worker and a decode
+worker on the real embedded model (float32, engine cores in threads sharing the session's weights) move a request's
+KV over TCP; greedy output matches the decode worker's own (also under preemption), bad kv_transfer_params are
+400s, and no block is left held or used on either side after pulls, failures, disconnects and timeouts."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import random
+import threading
+import time
+
+import httpx
+import pytest
+
+from kvpilot.server import ServerArgs, create_app, engine_factory
+from kvpilot.server.background import BackgroundServer
+from tests.server.conftest import API_KEY, authed_http, server_engine_args
+
+MODEL = "disagg-test"
+# fp32 KV of the embedded model: 737,280 bytes a block of 16 tokens; 6MiB is a pool of 8 blocks
+TINY_POOL = dict(kv_cache_memory="6MiB", max_model_len=128, max_num_seqs=4)
+
+
+def _server(llm_fp32, **engine) -> BackgroundServer:
+    args = server_engine_args(enable_prefix_caching=False, **engine)
+    app = create_app(engine_factory(args, loaded=llm_fp32.loaded, warmup=False),
+                     ServerArgs(served_model_names=(MODEL,), api_key=API_KEY, engine_process=False))
+    return BackgroundServer(app)
+
+
+@pytest.fixture(scope="module")
+def corpus_ids() -> list[int]:
+    """Token ids to build prompts from (any ids of the vocabulary do for greedy comparisons)."""
+    rng = random.Random(49)
+    return [rng.randrange(100, 20000) for _ in range(400)]
+
+
+@pytest.fixture(scope="module")
+def workers(llm_fp32):
+    """(prefill worker, decode worker with a pool of 8 blocks, a `both` worker with a 2 s hold timeout)."""
+    with _server(llm_fp32, kv_role="prefill") as prefill, _server(llm_fp32, kv_role="decode", **TINY_POOL) as decode, \
+            _server(llm_fp32, kv_role="both", kv_transfer_timeout=2.0) as both:
+        yield prefill, decode, both
+
+
+def _body(prompt: list[int], max_tokens: int, **extra) -> dict:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            **extra}
+
+
+def _prefill(server: BackgroundServer, prompt: list[int]) -> dict:
+    with authed_http(server) as http:
+        reply = http.post("/v1/completions", json=_body(prompt, 1, kv_transfer_params={"do_remote_decode": True}))
+    assert reply.status_code == 200, reply.text
+    return reply.json()["kv_transfer_params"]
+
+
+def _complete(server: BackgroundServer, prompt: list[int], max_tokens: int, params: dict | None = None) -> httpx.Response:
+    extra = {"kv_transfer_params": params} if params is not None else {}
+    with authed_http(server) as http:
+        return http.post("/v1/completions", json=_body(prompt, max_tokens, **extra))
+
+
+def _integrity(server: BackgroundServer) -> dict:
+    with authed_http(server) as http:
+        return http.get("/v1/kvpilot/integrity").json()
+
+
+def _assert_idle_and_clean(*servers: BackgroundServer, timeout_s: float = 10.0) -> None:
+    """Each server's invariants hold and, within timeout_s, no block is used or held."""
+    for server in servers:
+        deadline = time.monotonic() + timeout_s
+        state = _integrity(server)
+        while (state["num_used_blocks"] or state["num_held_blocks"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+            state = _integrity(server)
+        assert state["ok"] and state["num_used_blocks"] == 0 and state["num_held_blocks"] == 0, state
+
+
+def test_decode_on_another_worker_gives_the_same_greedy_output(workers, corpus_ids):
+    prefill, decode, _ = workers
+    prompt = corpus_ids[:70]  # 5 blocks of 16, the last one partial
+    reference = _complete(decode, prompt, 12).json()
+    params = _prefill(prefill, prompt)
+    assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+    assert params["num_remote_tokens"] == 70 and len(params["remote_block_ids"]) == 5
+    assert _integrity(prefill)["num_held_blocks"] == 5  # held until pulled
+    reply = _complete(decode, prompt, 12, params)
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert body["choices"][0]["text"] == reference["choices"][0]["text"]
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 69  # all but the last prompt token
+    assert body["kvpilot"]["kv_transfer_tokens"] == 69 and body["kvpilot"]["kv_transfer_ms"] > 0
+    _assert_idle_and_clean(prefill, decode)
+    # pulled once: a second pull of the same request names it unknown, as a 400, and frees nothing twice
+    again = _complete(decode, prompt, 4, params)
+    assert again.status_code == 400 and "remote_request_id" in again.json()["error"]["message"]
+
+
+def test_the_decode_worker_under_preemption_matches_too(workers, corpus_ids):
+    prefill, decode, _ = workers
+    prompts = [corpus_ids[100 * i:100 * i + 50] for i in range(3)]  # 4 blocks each, 6 with 40 tokens: 18 > 8
+    references = [_complete(decode, p, 40).json()["choices"][0]["text"] for p in prompts]
+    params = [_prefill(prefill, p) for p in prompts]
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        replies = list(pool.map(lambda pair: _complete(decode, pair[0], 40, pair[1]), zip(prompts, params)))
+    bodies = [r.json() for r in replies]
+    assert [b["choices"][0]["text"] for b in bodies] == references
+    assert sum(b["kvpilot"]["num_preemptions"] for b in bodies) > 0
+    _assert_idle_and_clean(prefill, decode)
+
+
+def test_bad_kv_transfer_params_are_400s(workers, corpus_ids):
+    prefill, decode, both = workers
+    prompt = corpus_ids[:40]
+    good = _prefill(both, prompt)
+    cases = [
+        (decode, {"do_remote_decode": "yes"}, "boolean"),
+        (decode, {**good, "remote_port": "x"}, "remote_port"),
+        (decode, {**good, "remote_block_ids": []}, "remote_block_ids"),
+        (decode, {"do_remote_decode": True}, "--kv-role prefill or both"),  # a decode worker does not prefill
+        (prefill, good, "--kv-role decode or both"),
+        (decode, {**good, "remote_request_id": "nobody"}, "holds no KV here"),
+        (decode, {**good, "remote_engine_id": "kvpilot-gone"}, "is not this worker"),
+    ]
+    for server, params, message in cases:
+        reply = _complete(server, prompt, 4, params)
+        assert reply.status_code == 400 and message in reply.json()["error"]["message"], (params, reply.text)
+    # the held request is untouched by the refused pulls: a `both` worker serves it to itself
+    reply = _complete(both, prompt, 4, good)
+    assert reply.status_code == 200 and reply.json()["kvpilot"]["kv_transfer_tokens"] == 39, reply.text
+    _assert_idle_and_clean(prefill, decode, both)
+
+
+def test_held_blocks_are_freed_when_no_decode_worker_comes(workers, corpus_ids):
+    *_, both = workers
+    params = _prefill(both, corpus_ids[:50])
+    assert _integrity(both)["num_held_blocks"] == 4
+    _assert_idle_and_clean(both, timeout_s=6.0)  # the 2 s timeout frees them
+    assert _complete(both, corpus_ids[:50], 4, params).status_code == 400  # expired
+
+
+def test_a_disconnect_storm_on_the_decode_side_leaks_nothing(workers, corpus_ids):
+    prefill, decode, _ = workers
+    prompts = [corpus_ids[50 * i:50 * i + 60] for i in range(6)]
+    params = [_prefill(prefill, p) for p in prompts]
+
+    def cancelled(pair, after_s: float) -> None:
+        try:
+            with authed_http(decode) as http:
+                with http.stream("POST", "/v1/completions",
+                                 json=_body(pair[0], 60, stream=True, kv_transfer_params=pair[1])) as reply:
+                    deadline = time.monotonic() + after_s
+                    for _ in reply.iter_lines():
+                        if time.monotonic() > deadline:
+                            break
+        except httpx.HTTPError:
+            pass
+
+    threads = [threading.Thread(target=cancelled, args=(pair, 0.05 * i)) for i, pair in enumerate(zip(prompts, params))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    _assert_idle_and_clean(prefill, decode)
