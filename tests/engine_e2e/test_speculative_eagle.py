@@ -295,3 +295,39 @@ def test_the_chain_is_eagles_from_scratch(models, plain, method):
         proposer.forget(request.request_id)
     _assert_no_leak(llm)
     plain.loaded.model.aux_hidden_layers = ()
+
+
+def test_kept_features_are_bounded(models, plain):
+    """Target features a catch-up may still read are bounded: a request decoding without drafts keeps its newest
+    max_chunk_tokens rows, and all requests together at most max_feature_rows, taken from prompts before
+    drafting requests, oldest positions first."""
+    from kvpilot.engine.scheduler_output import ScheduledChunk
+
+    llm = _spec_llm(plain, "eagle", models.eagle)
+    proposer = llm.engine.scheduler.speculator.proposer
+    window, cap = proposer.max_chunk_tokens, proposer.max_feature_rows
+    prompt = torch.randn(window + 10, HIDDEN)
+    proposer.observe([ScheduledChunk("idle", 0, window + 10, True)], {}, prompt, None)
+    assert proposer.num_feature_rows == window + 10
+    decoded = torch.randn(1, HIDDEN)
+    proposer.observe([ScheduledChunk("idle", window + 10, 1, True)], {}, decoded, None)  # no drafts: not speculating
+    assert proposer.num_feature_rows == window
+    kept = proposer._features_at("idle", 0, window + 11)
+    assert torch.equal(kept[-window:], torch.cat([prompt[11:], decoded]))
+    assert not kept[:11].any()  # the oldest positions went: a later catch-up reads zeros there
+    proposer.forget("idle")
+
+    drafting = torch.randn(3, HIDDEN)
+    proposer.observe([ScheduledChunk("drafting", 5, 3, True)], {"drafting": [1, 2]}, drafting, None)
+    size = cap // 2 + 1
+    prompts = [torch.randn(size, HIDDEN) for _ in range(2)]
+    for i, rows in enumerate(prompts):
+        proposer.observe([ScheduledChunk(f"prompt{i}", 0, size, False)], {}, rows, None)
+    assert proposer.num_feature_rows == cap
+    assert torch.equal(proposer._features_at("drafting", 5, 3), drafting)  # a speculating request's rows stay
+    assert torch.equal(proposer._features_at("prompt1", 0, size), prompts[1])  # the last observed prompt's too
+    first, dropped = proposer._features_at("prompt0", 0, size), 3 + 2 * size - cap
+    assert torch.equal(first[dropped:], prompts[0][dropped:]) and not first[:dropped].any()
+    for rid in ("drafting", "prompt0", "prompt1"):
+        proposer.forget(rid)
+    _assert_no_leak(llm)

@@ -19,11 +19,20 @@ What differs from a draft model:
 
 A position whose feature the target never computed (a prefix-cache hit, or one consumed before an eviction of
 the head's cache) takes zeros: worse drafts, never a different output (verification decides what is kept).
+
+Bounded features: a finished request's are dropped (forget()); a request that decodes without drafts (not
+speculating that step) keeps only its newest max_chunk_tokens rows (one catch-up round's worth: what a resumed
+catch-up reads just before its drafts); and after every observe() the rows kept over all requests are at most
+max_feature_rows (by default the positions the head's KV cache holds: no fill's catch-ups read more), taken
+first from requests not speculating, then from ones still in their prompt, then from speculating ones, least
+recently observed first, each losing its oldest positions first (a later catch-up takes zeros there).
 """
 
 from __future__ import annotations
 
 import torch
+
+from enum import IntEnum
 
 from kvpilot.engine.request import Request
 from kvpilot.engine.scheduler_output import ScheduledChunk, SchedulerOutput
@@ -32,20 +41,39 @@ from kvpilot.model.models.eagle import EagleHead
 from kvpilot.model.runner import ModelRunner
 
 
-class EagleProposer(DraftModelProposer):
-    """Greedy drafts from an EAGLE head (the module docstring); `runner` runs the head (an EagleHead)."""
+class _Use(IntEnum):
+    """What a request did at its last observed step; the bound on features drops rows of the lowest first."""
 
-    def __init__(self, runner: ModelRunner, max_chunk_tokens: int) -> None:
+    idle = 0  # decoded without drafts
+    prompt = 1  # a prompt chunk
+    drafting = 2  # verified drafts
+
+
+class EagleProposer(DraftModelProposer):
+    """Greedy drafts from an EAGLE head (the module docstring); `runner` runs the head (an EagleHead);
+    max_feature_rows: the most target feature rows kept over all requests (None: the head cache's positions)."""
+
+    def __init__(self, runner: ModelRunner, max_chunk_tokens: int, max_feature_rows: int | None = None) -> None:
         super().__init__(runner, max_chunk_tokens)
         assert isinstance(runner.model, EagleHead)
         self.head: EagleHead = runner.model
-        # per request: segments (first position, [n, feature]) of the target's features not yet consumed
+        self.max_feature_rows = runner.num_blocks * runner.block_size if max_feature_rows is None else max_feature_rows
+        if self.max_feature_rows < 1:
+            raise ValueError(f"max_feature_rows must be >= 1, got {self.max_feature_rows}")
+        # per request, least recently observed first: segments (first position, [n, feature]) of the target's
+        # features not yet consumed, in increasing positions
         self._features: dict[str, list[tuple[int, torch.Tensor]]] = {}
+        self._use: dict[str, _Use] = {}  # per request with features: what it did at its last observed step
         self._fed: dict[str, torch.Tensor] = {}  # per request: the head's last hidden state [1, H] of this fill
 
     @property
     def num_featured_requests(self) -> int:
         return len(self._features)
+
+    @property
+    def num_feature_rows(self) -> int:
+        """The target feature rows kept over all requests (at most max_feature_rows after each observe())."""
+        return sum(_num_rows(segments) for segments in self._features.values())
 
     # ---- the target's side ------------------------------------------------------------------------------
 
@@ -60,14 +88,22 @@ class EagleProposer(DraftModelProposer):
         for chunk in chunks:
             drafts = draft_token_ids.get(chunk.request_id)
             num_rows = len(drafts) + 1 if drafts else chunk.num_tokens
-            self._drop_from(chunk.request_id, chunk.start_position)
-            self._features.setdefault(chunk.request_id, []).append(
-                (chunk.start_position, states[offset:offset + num_rows].clone()))
+            rid = chunk.request_id
+            self._drop_from(rid, chunk.start_position)
+            segments = self._features.pop(rid, [])  # re-inserted: now the most recently observed
+            segments.append((chunk.start_position, states[offset:offset + num_rows].clone()))
+            self._features[rid] = segments
+            use = _Use.drafting if drafts else _Use.idle if chunk.is_decode else _Use.prompt
+            self._use[rid] = use
+            if use == _Use.idle:
+                self._keep_newest(rid, self.max_chunk_tokens)
             offset += num_rows
+        self._bound()
 
     def forget(self, request_id: str) -> None:
         super().forget(request_id)
         self._features.pop(request_id, None)
+        self._use.pop(request_id, None)
         self._fed.pop(request_id, None)
 
     # ---- the proposer's hooks ---------------------------------------------------------------------------
@@ -137,3 +173,32 @@ class EagleProposer(DraftModelProposer):
         kept = [(max(first, position), tensor[max(position - first, 0):]) for first, tensor in segments
                 if first + tensor.shape[0] > position]
         self._features[request_id] = kept
+
+    def _keep_newest(self, request_id: str, num_rows: int) -> None:
+        """Drops a request's oldest feature rows until at most num_rows are left."""
+        segments = self._features[request_id]
+        excess = _num_rows(segments) - num_rows
+        while excess > 0 and segments:
+            first, tensor = segments[0]
+            if tensor.shape[0] <= excess:
+                segments.pop(0)
+                excess -= tensor.shape[0]
+            else:
+                segments[0] = (first + excess, tensor[excess:])
+                excess = 0
+
+    def _bound(self) -> None:
+        """Drops rows until at most max_feature_rows are kept (the order of the module docstring)."""
+        excess = self.num_feature_rows - self.max_feature_rows
+        if excess <= 0:
+            return
+        for rid in sorted(self._features, key=lambda r: self._use[r]):  # stable: least recently observed first
+            held = _num_rows(self._features[rid])
+            self._keep_newest(rid, max(held - excess, 0))
+            excess -= held - _num_rows(self._features[rid])
+            if excess <= 0:
+                return
+
+
+def _num_rows(segments: list[tuple[int, torch.Tensor]]) -> int:
+    return sum(int(tensor.shape[0]) for _, tensor in segments)
