@@ -259,6 +259,34 @@ def prompt_copying(tmp: Path) -> Scenario:
     return [write(tmp / "r.json", [run("concurrency=1", recs, concurrency=1)])], [], None, None
 
 
+def multi_turn_sessions(tmp: Path, *, cached_share: float, tier: bool, kv: float) -> list[str]:
+    """`kvpilot bench --dataset multi-turn`: 8 sessions of 4 turns (64 words a turn, 16 out) at 4 in flight; each
+    returning turn resends its history. The server reports ``cached_share`` of that history cached (with
+    ``tier``: copied back from the offload tier) and prefills 0.5 ms a computed token."""
+    rows: list[RequestRecord] = []
+    t = 0.0
+    for turn in range(4):
+        for s in range(8):
+            prompt = 64 + turn * 80
+            history = prompt - 64
+            cached = int(history * cached_share)
+            r = req(len(rows), t, prompt=prompt, cached=cached, prefill=0.5 * (prompt - cached), num_out=16,
+                    group=f"session-{s}")
+            server = dataclasses.replace(r.server, num_tier_cached_tokens=cached if tier else 0)
+            rows.append(dataclasses.replace(r, item_id=s, turn_index=turn, server=server,
+                                            num_usage_cached_tokens=cached))
+            t += 0.05
+    dataset = DatasetConfig(kind="multi-turn", input_len=64, output_len=16, num_turns=4)
+    metrics = samples(3, running=4, waiting=0, kv=kv)
+    return [write(tmp / f"mt-{cached_share:g}-{tier}-{kv:g}.json", [run("multi-turn", rows, metrics=metrics)],
+                  dataset=dataset)]
+
+
+def prefix_recomputed(tmp: Path) -> Scenario:
+    """Multi-turn sessions recomputing their whole history on a 95%-full pool with no KV offload tier."""
+    return multi_turn_sessions(tmp, cached_share=0.0, tier=False, kv=0.95), [], None, None
+
+
 SCENARIOS: dict[str, Callable[[Path], Scenario]] = {
     "queueing": queueing, "tokenization": tokenization, "kv-cache-pressure": kv_pressure,
     "prefill-bound": prefill_bound, "decode-bound": decode_bound, "static-batching": static_batching,
@@ -266,5 +294,5 @@ SCENARIOS: dict[str, Callable[[Path], Scenario]] = {
     "prefix-cache-miss": prefix_cache_miss, "network-overhead": network_overhead,
     "client-overload": client_overload, "memory-spillover": memory_spillover, "slo-floor": slo_floor,
     "prefix-blind-routing": prefix_blind_routing, "degraded-run": degraded_run, "replica-imbalance": replica_imbalance,
-    "speculation-costs": speculation_costs, "prompt-copying": prompt_copying,
+    "speculation-costs": speculation_costs, "prompt-copying": prompt_copying, "prefix-recomputed": prefix_recomputed,
 }

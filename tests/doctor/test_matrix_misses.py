@@ -14,6 +14,7 @@ from kvpilot.doctor.inputs import load_inputs
 from kvpilot.model.default_model import default_model_path
 from tests.doctor.builders import closed_loop, jitter, req, run, samples, write
 from tests.doctor.host_scenarios import capacity_json
+from tests.doctor.scenarios import multi_turn_sessions
 
 
 def _ids(report: DoctorReport) -> list[tuple[str, str]]:
@@ -155,3 +156,30 @@ def test_other_clients_long_prompts_are_named_from_the_servers_metrics(tmp_path:
     assert all(f.defers_to == "prefill-interrupts-decode" for f in degraded)
     quiet = diagnose(load_inputs(*_long_prompts(tmp_path, 0)))
     assert "Long prompts stall decodes" not in [f.title for f in quiet.findings]
+
+
+def test_recomputed_history_names_the_offload_saving(tmp_path: Path) -> None:
+    """Issue #49 item 4: returning turns recomputed their whole history on a full pool without an offload tier:
+    "prefix recomputed: KV offload would save X s of prefill", X from the recomputed tokens and the measured
+    prefill rate, with --kv-offloading-size (kvpilot's and vLLM's flag). Not with a tier serving them, nor when
+    the history was cached, nor on a pool with room (then nothing evicted it)."""
+    report = diagnose(load_inputs(multi_turn_sessions(tmp_path, cached_share=0.0, tier=False, kv=0.95)))
+    found = next(f for f in report.findings if f.rule_id == "prefix-recomputed")
+    recomputed = sum(80 * turn for turn in range(4)) * 8  # every returning turn's history, 8 sessions
+    names = {e.name: e.value for e in found.evidence}
+    assert names["recomputed prefix tokens"] == recomputed and names["returning turns"] == 24
+    assert abs(names["estimated prefill saved"] - recomputed * 0.5) < 1
+    assert found.title == f"Prefix recomputed: KV offload would save {recomputed * 0.5 / 1000:,.1f} s of prefill"
+    assert found.fixes[0].kvpilot == found.fixes[0].vllm == "--kv-offloading-size 2"
+    for quiet in (dict(cached_share=1.0, tier=True, kv=0.95), dict(cached_share=0.9, tier=False, kv=0.95),
+                  dict(cached_share=0.0, tier=False, kv=0.2)):
+        other = diagnose(load_inputs(multi_turn_sessions(tmp_path, **quiet)))
+        assert "prefix-recomputed" not in [f.rule_id for f in other.findings], (quiet, _ids(other))
+
+
+def test_verify_judges_an_offload_fix_by_the_turns_that_reuse_a_prefix() -> None:
+    from kvpilot.doctor.verify import REUSE_TTFT, metric_for  # noqa: PLC0415
+
+    assert metric_for("prefix-recomputed") is REUSE_TTFT
+    assert metric_for("kv-cache-pressure", None, ["--kv-offloading-size", "2"]) is REUSE_TTFT
+    assert metric_for("kv-cache-pressure").name == "median TTFT at the highest load"

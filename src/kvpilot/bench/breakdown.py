@@ -35,6 +35,7 @@ def parse_kvpilot_field(payload: Mapping[str, Any]) -> ServerTimings | None:
             **values, num_drafts=int(spec.get("num_drafts", 0) or 0),
             num_draft_tokens=int(spec.get("draft_tokens", 0) or 0),
             num_accepted_tokens=int(spec.get("accepted_tokens", 0) or 0),
+            num_tier_cached_tokens=int(field.get("tier_cached_tokens", 0) or 0),
         )
     except (TypeError, ValueError):
         return None

@@ -7,6 +7,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from kvpilot.bench.cache_hits import cache_hits
 from kvpilot.bench.result import Knee, RunResult
 from kvpilot.bench.stats import Distribution
 from kvpilot.bench.table_layout import print_table
@@ -72,6 +73,11 @@ def throughput_table(run: RunResult) -> Table:
         table.add_row("server queue depth max / mean", f"{_fmt(m.waiting_max, 0)} / {_fmt(m.waiting_mean, 1)}")
         table.add_row("server preemptions", _fmt(m.num_preemptions, 0))
         table.add_row("prefix cache hit rate", _fmt(m.prefix_cache_hit_rate, 3))
+    hits = cache_hits(run.output.records, m)
+    if hits is not None and hits.returning.num_requests:  # multi-turn: reuse of the sessions' history
+        for line in hits.lines():
+            name, _, value = line.partition(": ")
+            table.add_row(f"cache, {name}", value)
     return table
 
 

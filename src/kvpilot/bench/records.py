@@ -58,6 +58,9 @@ class ServerTimings:
     num_accepted_tokens: int = 0
     """Speculative decoding (the field's ``"speculation"`` object, absent when the request verified no drafts):
     verifications, tokens drafted, drafts accepted."""
+    num_tier_cached_tokens: int = 0
+    """Of ``num_cached_tokens``, those copied back from a KV offload tier (the field's ``tier_cached_tokens``,
+    absent without offload) rather than found in the KV cache."""
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,9 @@ class RequestRecord:
     num_copied_words: int = 0
     """Words of the answer, and those that continue a span of the prompt the client sent (bench.prompt_copy):
     what an n-gram drafter could have proposed."""
+    num_usage_cached_tokens: int | None = None
+    """Prompt tokens the server's prefix cache served, from the response's OpenAI ``usage.prompt_tokens_details.
+    cached_tokens`` (vLLM with --enable-prompt-tokens-details, kvpilot); None when the usage does not say."""
 
     @property
     def tpot_ms(self) -> float | None:

@@ -50,7 +50,15 @@ def _record(idx: int, item: WorkItem, turn_idx: int, out: Outcome, t0: float, sc
         num_chunks=len(chunks), retry_after_s=out.retry_after_s, server=out.server,
         output_text=out.text, replica=out.replica or routed_to,
         num_output_words=copy.num_output_words if copy else 0, num_copied_words=copy.num_copied_words if copy else 0,
+        num_usage_cached_tokens=usage_cached_tokens(usage),
     )
+
+
+def usage_cached_tokens(usage: dict) -> int | None:
+    """OpenAI's ``usage.prompt_tokens_details.cached_tokens``; None when absent."""
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return cached if isinstance(cached, int) else None
 
 
 class RequestLoop:

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from kvpilot.bench.cache_hits import cache_hits
 from kvpilot.bench.breakdown import STAGES, stage_breakdown
 from kvpilot.bench.clientlag import ClientLag, judge_client_lag
 from kvpilot.bench.replica_report import ReplicaReport, build_report
@@ -61,6 +62,7 @@ class RunResult:
                 "error": self.output.metrics_error,
             },
             "replicas": self.replicas.to_json() if self.replicas is not None else None,
+            "cache": hits.to_json() if (hits := cache_hits(self.output.records, self.metrics_summary)) else None,
             "requests": [r.to_json() for r in self.output.records],
         }
 

@@ -27,6 +27,9 @@ METRIC_NAMES: dict[str, tuple[str, ...]] = {
     "prefix_queries": ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total"),
     "prefix_hits": ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total"),
     "prefix_hit_rate": ("vllm:gpu_prefix_cache_hit_rate", "sglang:cache_hit_rate"),
+    # KV offload tiers (vLLM's connector counters; kvpilot's --kv-offloading-size), apart from the pool's hits
+    "external_prefix_queries": ("vllm:external_prefix_cache_queries_total",),
+    "external_prefix_hits": ("vllm:external_prefix_cache_hits_total",),
     "process_resident": ("kvpilot:process_resident_bytes",),
     "process_swap": ("kvpilot:process_swap_bytes",),
     "major_faults": ("kvpilot:process_major_page_faults_total",),
@@ -102,6 +105,11 @@ class MetricsSummary:
     process_swap_share_max: float | None = None
     major_faults: float | None = None
     host_swap_used_max: float | None = None
+    prefix_cache_hits: float | None = None
+    external_prefix_cache_hits: float | None = None
+    external_prefix_cache_queries: float | None = None
+    """Prompt tokens over the run (after minus before): served by the KV pool's prefix cache, and looked up in /
+    copied back from a KV offload tier (vLLM's external_prefix_cache_* counters; None: not exported)."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -154,6 +162,8 @@ def summarize(samples: list[MetricsSample]) -> MetricsSummary:
         process_swap_max=max_present(_series(samples, "process_swap")),
         process_swap_share_max=max_present([swap_share(s.values) for s in samples]),
         major_faults=delta("major_faults"), host_swap_used_max=max_present([host_swap_used(s.values) for s in samples]),
+        prefix_cache_hits=hits, external_prefix_cache_hits=delta("external_prefix_hits"),
+        external_prefix_cache_queries=delta("external_prefix_queries"),
     )
 
 

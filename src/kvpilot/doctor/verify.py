@@ -89,7 +89,19 @@ THROUGHPUT = Metric("output throughput at the highest load", "tok/s", False, _pe
 TTFT_AT_PEAK = Metric("median TTFT at the highest load", "ms", True, lambda i: _peak(i, "ttft_ms"))
 SHARED_PREFIX_TTFT = Metric("median TTFT of shared-prefix requests", "ms", True,
                             lambda i: _phase(i, "shared-prefix", "ttft_ms"))
+
+
+def _reuse_ttft(inputs: DoctorInputs) -> float | None:
+    """Median TTFT of requests that could reuse a cached prefix: multi-turn sessions' returning turns, else the
+    probe's shared-prefix phase (what a KV offload tier speeds up)."""
+    returning = [r.ttft_ms for run in inputs.runs for r in run.ok if r.turn_index > 0]
+    return median(returning) if returning else _phase(inputs, "shared-prefix", "ttft_ms")
+
+
+REUSE_TTFT = Metric("median TTFT of requests reusing a prefix", "ms", True, _reuse_ttft)
+OFFLOAD_FLAG = "--kv-offloading-size"
 METRICS: dict[str, Metric] = {
+    "prefix-recomputed": REUSE_TTFT,
     "queueing": THROUGHPUT, "static-batching": THROUGHPUT, "kv-cache-pressure": TTFT_AT_PEAK,
     "kv-pool-too-small": TTFT_AT_PEAK, "max-num-seqs-over-kv": TTFT_AT_PEAK,
     "token-budget-below-seqs": Metric("median TPOT at the highest load", "ms", True, lambda i: _peak(i, "tpot_ms")),
@@ -114,10 +126,13 @@ def _within_slos(inputs: DoctorInputs) -> float | None:
 WITHIN_SLOS = Metric("share of requests within the SLOs at the highest load", "", False, _within_slos)
 
 
-def metric_for(rule_id: str, workload: str | None = None) -> Metric:
-    """What a trial of ``rule_id``'s fix is judged by; workload tuning by its goal (throughput for batch)."""
+def metric_for(rule_id: str, workload: str | None = None, flags: tuple[str, ...] | list[str] = ()) -> Metric:
+    """What a trial of ``rule_id``'s fix (``flags``) is judged by; workload tuning by its goal (throughput for
+    batch); a KV offload tier by the requests that reuse a prefix, whichever finding proposed it."""
     if rule_id == "workload-tuning":
         return THROUGHPUT if workload == "batch" else WITHIN_SLOS
+    if OFFLOAD_FLAG in flags:
+        return REUSE_TTFT
     return METRICS.get(rule_id, DEFAULT_METRIC)
 
 
@@ -247,7 +262,7 @@ def run_verify(command: list[str], limits: ProbeLimits, console: Console, seed: 
         if time.monotonic() - started + round_s > budget_s:
             result.stopped = f"time budget of {budget_s:.0f} s reached"
             break
-        metric = metric_for(finding.rule_id, goal.workload)
+        metric = metric_for(finding.rule_id, goal.workload, flags)
         result.finding, result.metric = finding, metric
         t0 = time.monotonic()
         console.print(f"verify: restarting with {' '.join(flags)} ({finding.rule_id})", markup=False)

@@ -13,6 +13,7 @@ from kvpilot.doctor.rules.context import Rule, RuleContext
 from kvpilot.doctor.rules.decode import decode_bound, static_batching
 from kvpilot.doctor.rules.degraded import degraded_run
 from kvpilot.doctor.rules.kv_cache import kv_pressure, prefix_cache_miss
+from kvpilot.doctor.rules.offload import prefix_recomputed
 from kvpilot.doctor.rules.spillover import memory_spillover
 from kvpilot.doctor.rules.prompt_copying import prompt_copying
 from kvpilot.doctor.rules.prefill import long_short_mixing, prefill_bound, prefill_interrupts_decode
@@ -30,7 +31,7 @@ RULES: tuple[Rule, ...] = (
     cpu_starvation, memory_spillover, degraded_run, kv_pool_too_small, seqs_over_kv, token_budget_below_seqs,
     prefix_caching_off, client_overload, network_overhead, queueing, tokenization, kv_pressure, prefill_bound,
     slo_floor, speculation_costs, decode_bound, static_batching, prefill_interrupts_decode, prefix_cache_miss,
-    prefix_blind_routing, replica_imbalance, long_short_mixing, prompt_copying, *RECOMMENDATIONS,
+    prefix_recomputed, prefix_blind_routing, replica_imbalance, long_short_mixing, prompt_copying, *RECOMMENDATIONS,
 )
 
 __all__ = ["RECOMMENDATIONS", "RULES", "Rule", "RuleContext"]
