@@ -6,7 +6,9 @@ KV over TCP; greedy output matches the decode worker's own (also under preemptio
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import random
+import socket
 import threading
 import time
 
@@ -14,7 +16,7 @@ import httpx
 import pytest
 
 from kvpilot.server import ServerArgs, create_app, engine_factory
-from kvpilot.server.background import BackgroundServer
+from kvpilot.server.background import BackgroundServer, free_port
 from tests.server.conftest import API_KEY, authed_http, server_engine_args
 
 MODEL = "disagg-test"
@@ -164,3 +166,103 @@ def test_a_disconnect_storm_on_the_decode_side_leaks_nothing(workers, corpus_ids
     for thread in threads:
         thread.join(60)
     _assert_idle_and_clean(prefill, decode)
+
+
+class _Relay:
+    """A TCP relay between a decode worker and a prefill worker's KV sender, standing in for the network: it can
+    hold the reply back `delay_s` (a slow link: pulls cancelled mid-pull) or cut both connections after
+    `cut_after` reply bytes (the prefill worker gone mid-transfer)."""
+
+    def __init__(self, upstream_port: int, cut_after: int | None = None, delay_s: float = 0.0) -> None:
+        self.upstream_port, self.cut_after, self.delay_s = upstream_port, cut_after, delay_s
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            threading.Thread(target=self._pipe, args=(client, upstream, None, 0.0), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(upstream, client, self.cut_after, self.delay_s),
+                             daemon=True).start()
+
+    @staticmethod
+    def _pipe(source: socket.socket, sink: socket.socket, cut_after: int | None, delay_s: float) -> None:
+        time.sleep(delay_s)
+        sent = 0
+        try:
+            while cut_after is None or sent < cut_after:
+                data = source.recv(min(1 << 16, cut_after - sent) if cut_after is not None else 1 << 16)
+                if not data:
+                    break
+                sink.sendall(data)
+                sent += len(data)
+        except OSError:
+            pass
+        for sock in (source, sink):  # either side gone, or the cut: both connections end
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def _metric(server: BackgroundServer, line_start: str) -> float:
+    with authed_http(server) as http:
+        text = http.get("/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(line_start))
+
+
+def test_a_transfer_cut_midway_is_recomputed_and_frees_both_sides(workers, corpus_ids):
+    prefill, decode, _ = workers
+    prompt = corpus_ids[200:270]
+    reference = _complete(decode, prompt, 8).json()["choices"][0]["text"]
+    params = _prefill(prefill, prompt)
+    failures = _metric(decode, 'kvpilot:kv_transfer_failures_total{direction="pull"')
+    relay = _Relay(params["remote_port"], cut_after=1_000_000)  # of 5 blocks, 3.7 MB
+    try:
+        reply = _complete(decode, prompt, 8, {**params, "remote_port": relay.port})
+    finally:
+        relay.close()
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert body["choices"][0]["text"] == reference and "kv_transfer_tokens" not in body["kvpilot"]
+    assert _metric(decode, 'kvpilot:kv_transfer_failures_total{direction="pull"') == failures + 1
+    # nothing listens there (a prefill worker that is gone): recomputed as well
+    reply = _complete(decode, prompt, 8, {**params, "remote_port": free_port("127.0.0.1")})
+    assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == reference
+    _assert_idle_and_clean(prefill, decode)
+    assert _metric(prefill, "kvpilot:kv_transfer_held_blocks") == 0
+
+
+def test_a_decode_worker_gone_mid_pull_frees_the_prefill_side(workers, corpus_ids):
+    """Requests cancelled by their clients while their pull waits on a slow link: the decode worker drops the
+    pulls (nothing allocated), the prefill worker frees the blocks when the connection ends."""
+    prefill, decode, _ = workers
+    prompts = [corpus_ids[30 * i:30 * i + 64] for i in range(4)]
+    params = [_prefill(prefill, p) for p in prompts]
+    assert _integrity(prefill)["num_held_blocks"] == 4 * 4
+    relay = _Relay(params[0]["remote_port"], delay_s=1.5)
+
+    def cancelled(pair) -> None:
+        try:
+            with authed_http(decode) as http:
+                http.post("/v1/completions", json=_body(pair[0], 8, kv_transfer_params={**pair[1], "remote_port":
+                                                                                          relay.port}), timeout=0.3)
+        except httpx.TimeoutException:
+            pass
+
+    threads = [threading.Thread(target=cancelled, args=(pair,)) for pair in zip(prompts, params)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    _assert_idle_and_clean(prefill, decode)
+    relay.close()
+    # the decode worker serves on
+    assert _complete(decode, prompts[0], 4).status_code == 200

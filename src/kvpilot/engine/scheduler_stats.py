@@ -43,6 +43,18 @@ class SchedulerStats:
     num_offload_demoted_blocks: int = 0
     num_offload_disk_loaded_blocks: int = 0
     num_offload_dropped_blocks: int = 0
+    # disaggregation (engine/kv_transfer.py; the engine core's connector fills them): on or off, blocks held for
+    # decode workers, and cumulative transfers, bytes and failures each way (send: prefill side, pull: decode
+    # side), and held requests freed by the timeout
+    kv_transfer: bool = False
+    num_kv_held_blocks: int = 0
+    num_kv_transfers_sent: int = 0
+    num_kv_transfer_sent_bytes: int = 0
+    num_kv_transfer_send_failures: int = 0
+    num_kv_transfers_pulled: int = 0
+    num_kv_transfer_pulled_bytes: int = 0
+    num_kv_transfer_pull_failures: int = 0
+    num_kv_transfer_timeouts: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

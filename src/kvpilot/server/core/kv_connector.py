@@ -36,7 +36,16 @@ MAX_HEADER_BYTES = 1 << 20
 
 
 class KVPullError(Exception):
-    """A pull that failed: the message says why and what to do (it becomes the request's error)."""
+    """A pull that failed in transport (refused connection, the prefill worker gone mid-transfer): the decode
+    worker recomputes the prompt itself, as vLLM's connectors do by default."""
+
+
+class KVPullRefused(KVPullError):
+    """The prefill worker refused the pull (unknown or expired request, layout or prompt mismatch): the caller's
+    kv_transfer_params are wrong, so the request fails with this message (a 400)."""
+
+
+RECOMPUTE = None  # a pull's result when the decode worker computes the prompt itself
 
 
 @dataclass
@@ -79,7 +88,7 @@ class KVConnector:
         self._held: dict[str, _Held] = {}
         self._released: queue.SimpleQueue[tuple[str, bool]] = queue.SimpleQueue()  # (request id, sent)
         self._pulls: dict[str, _Pull] = {}
-        self._pulled: queue.SimpleQueue[tuple[Any, PulledKV | str]] = queue.SimpleQueue()
+        self._pulled: queue.SimpleQueue[tuple[Any, PulledKV | str | None]] = queue.SimpleQueue()
         self._closed = threading.Event()
         self._listener: socket.socket | None = None
         if config.sends:
@@ -90,6 +99,15 @@ class KVConnector:
                                           "remote_port": self.port}
             logger.info("KV sender of %s (--kv-role %s) on %s:%d", self.engine_id, config.role, config.host,
                         self.port)
+
+    def stats_fields(self) -> dict[str, Any]:
+        """The kv_transfer fields of SchedulerStats."""
+        s = self.stats
+        return dict(kv_transfer=True, num_kv_held_blocks=self.engine.scheduler.kv.num_held_blocks,
+                    num_kv_transfers_sent=s.num_sent, num_kv_transfer_sent_bytes=s.num_sent_bytes,
+                    num_kv_transfer_send_failures=s.num_send_failures, num_kv_transfers_pulled=s.num_pulled,
+                    num_kv_transfer_pulled_bytes=s.num_pulled_bytes,
+                    num_kv_transfer_pull_failures=s.num_pull_failures, num_kv_transfer_timeouts=s.num_timeouts)
 
     @property
     def busy(self) -> bool:
@@ -110,9 +128,10 @@ class KVConnector:
                 self._held[output.request_id] = _Held(list(params["remote_block_ids"]), num_tokens,
                                                       tokens_digest(output.prompt_token_ids[:num_tokens]), deadline)
 
-    def tick(self) -> list[tuple[Any, PulledKV | str]]:
+    def tick(self) -> list[tuple[Any, PulledKV | str | None]]:
         """Frees blocks whose pull ended or whose time ran out; returns the pulls that ended since the last tick
-        as (AddRequest, PulledKV or the error, "" when cancelled)."""
+        as (AddRequest, result): the PulledKV; RECOMPUTE (None) after a transport failure; or a str, the error
+        the request fails with ("" when it was cancelled, aborted meanwhile)."""
         while not self._released.empty():
             rid, _ = self._released.get()
             self.engine.release_held(rid)
@@ -213,25 +232,24 @@ class KVConnector:
 
     def _pull(self, pull: _Pull, source: RemoteKVSource) -> None:
         started = time.monotonic()
+        result: PulledKV | str | None
         try:
             data = self._fetch(pull, source)
-            result: PulledKV | str = PulledKV(source.num_tokens, len(source.block_ids), data,
-                                              time.monotonic() - started)
+            result = PulledKV(source.num_tokens, len(source.block_ids), data, time.monotonic() - started)
             self.stats.num_pulled += 1
             self.stats.num_pulled_bytes += len(data)
-        except KVPullError as exc:
-            result = "" if pull.cancelled.is_set() else str(exc)
-            self.stats.num_pull_failures += 0 if pull.cancelled.is_set() else 1
-        except OSError as exc:
-            result = "" if pull.cancelled.is_set() else \
-                f"pulling the KV from {source.host}:{source.port} failed ({exc}): resend the request to a prefill worker"
-            self.stats.num_pull_failures += 0 if pull.cancelled.is_set() else 1
+        except (KVPullError, OSError, ValueError) as exc:  # ValueError: a reply that is not the protocol's JSON
+            result = "" if pull.cancelled.is_set() else str(exc) if isinstance(exc, KVPullRefused) else RECOMPUTE
+            if not pull.cancelled.is_set():
+                self.stats.num_pull_failures += 1
+                logger.warning("pulling the KV of request %r from %s:%d failed (%s)%s", pull.message.request_id,
+                               source.host, source.port, exc, "" if result else ": it is recomputed here")
         self._pulled.put((pull.message, result))
 
     def _fetch(self, pull: _Pull, source: RemoteKVSource) -> bytes:
         prompt = pull.message.prompt_token_ids
         if len(prompt) < source.num_tokens:
-            raise KVPullError(f"the prompt has {len(prompt)} tokens but the prefill worker held {source.num_tokens}: "
+            raise KVPullRefused(f"the prompt has {len(prompt)} tokens but the prefill worker held {source.num_tokens}: "
                               "send the same prompt to both workers")
         with socket.create_connection((source.host, source.port), timeout=CONNECT_TIMEOUT_S) as conn:
             _send_line(conn, {"protocol": PROTOCOL, "engine_id": source.engine_id,
@@ -240,10 +258,10 @@ class KVConnector:
             conn.settimeout(RECV_POLL_S)
             reply = json.loads(_read_line(conn, pull.cancelled))
             if not reply.get("ok"):
-                raise KVPullError(f"the prefill worker refused the KV pull: {reply.get('error')}")
+                raise KVPullRefused(f"the prefill worker refused the KV pull: {reply.get('error')}")
             size = int(reply["num_blocks"]) * int(reply["bytes_per_block"])
             if int(reply["bytes_per_block"]) != self.layout["bytes_per_block"]:
-                raise KVPullError("the prefill worker's block size in bytes differs from this worker's")
+                raise KVPullRefused("the prefill worker's block size in bytes differs from this worker's")
             return _read_exact(conn, size, pull.cancelled)
 
 

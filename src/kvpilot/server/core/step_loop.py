@@ -8,6 +8,7 @@ message between steps, and sends one StepResult per step, so a step never waits 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import pickle
 import time
@@ -80,7 +81,13 @@ class EngineCore:
         self._step_stats: list[StepStats] = []
         self._rejected: list[tuple[str, str]] = []
         engine.on_step = self._step_stats.append  # collected per step, sent with the step's outputs
-        self.stats: SchedulerStats = engine.stats()
+        self.stats: SchedulerStats = self._engine_stats()
+
+    def _engine_stats(self) -> SchedulerStats:
+        stats = self.engine.stats()
+        if self.kv_connector is not None:
+            stats = dataclasses.replace(stats, **self.kv_connector.stats_fields())
+        return stats
 
     def run(self) -> None:
         """Serves until Shutdown; raises EOFError/OSError when the server side is gone."""
@@ -102,14 +109,15 @@ class EngineCore:
         return messages
 
     def _tick(self, connector: KVConnector) -> None:
-        """Frees held blocks whose pull ended or expired; adds the requests whose KV pull ended (a failed pull
-        fails its request alone; a cancelled one, aborted meanwhile, ends as aborted)."""
+        """Frees held blocks whose pull ended or expired; adds the requests whose KV pull ended (with the pulled
+        K/V, or to recompute it after a transport failure); a refused pull fails its request alone, a cancelled
+        one (aborted meanwhile) ends as rejected too, nothing allocated for it."""
         for message, result in connector.tick():
             if isinstance(result, str):
                 self._live.discard(message.request_id)
                 self._rejected.append((message.request_id, result or "aborted while its KV was being pulled"))
             else:
-                self._add(message, result)
+                self._add(message, result, pulled=True)
 
     def _handle(self, messages: list[ToCore]) -> bool:
         """Processes the messages in order; False on Shutdown (after aborting and publishing what was live)."""
@@ -128,9 +136,9 @@ class EngineCore:
                 self.endpoint.send(self._answer(message))
         return True
 
-    def _add(self, message: AddRequest, remote_kv: PulledKV | None = None) -> None:
+    def _add(self, message: AddRequest, remote_kv: PulledKV | None = None, pulled: bool = False) -> None:
         transfer = message.kv_transfer
-        if transfer is not None and transfer.source is not None and remote_kv is None:
+        if transfer is not None and transfer.source is not None and not pulled:
             if self.kv_connector is None:
                 self._rejected.append((message.request_id, "kv_transfer_params.do_remote_prefill needs a worker "
                                                             "started with --kv-role decode or both"))
@@ -167,7 +175,7 @@ class EngineCore:
         if failed:  # failed alone by the engine (engine/step_failures.py): their clients get the error
             outputs = [o for o in outputs if o.error is None]
         # Snapshot before sending: a client that got its final output then scrapes sees the state after.
-        stats = self.engine.stats()
+        stats = self._engine_stats()
         if outputs or failed or self._step_stats or self._rejected or stats != self.stats:
             self._send_step(StepResult([delta_of(o) for o in outputs], list(self._step_stats),
                                        list(self._rejected), stats, failed))

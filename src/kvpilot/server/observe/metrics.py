@@ -84,6 +84,32 @@ class _SchedulerCollector(Collector):
         yield blocks
         if stats.num_offload_blocks:
             yield from self._offload(stats)
+        if stats.kv_transfer:
+            yield from self._kv_transfer(stats)
+
+    def _kv_transfer(self, stats: SchedulerStats) -> Iterator[Metric]:
+        """Disaggregation (--kv-role): blocks held for decode workers, and transfers, bytes and failures by
+        direction (send: this prefill worker's sender; pull: this decode worker's pulls), timeouts."""
+        held = GaugeMetricFamily("kvpilot:kv_transfer_held_blocks", "KV blocks held for a decode worker's pull.",
+                                 labels=["model_name"])
+        held.add_metric([self._model], stats.num_kv_held_blocks)
+        yield held
+        for name, doc, send, pull in (
+                ("kvpilot:kv_transfers", "KV transfers completed.", stats.num_kv_transfers_sent,
+                 stats.num_kv_transfers_pulled),
+                ("kvpilot:kv_transfer_bytes", "KV bytes transferred.", stats.num_kv_transfer_sent_bytes,
+                 stats.num_kv_transfer_pulled_bytes),
+                ("kvpilot:kv_transfer_failures", "KV transfers that failed (a failed pull is recomputed or, "
+                 "refused by the prefill worker, fails its request).", stats.num_kv_transfer_send_failures,
+                 stats.num_kv_transfer_pull_failures)):
+            family = CounterMetricFamily(name, doc, labels=["model_name", "direction"])
+            family.add_metric([self._model, "send"], send)
+            family.add_metric([self._model, "pull"], pull)
+            yield family
+        timeouts = CounterMetricFamily("kvpilot:kv_transfer_timeouts", "Held KV freed because no decode worker "
+                                       "pulled it within --kv-transfer-timeout.", labels=["model_name"])
+        timeouts.add_metric([self._model], stats.num_kv_transfer_timeouts)
+        yield timeouts
 
     def _offload(self, stats: SchedulerStats) -> Iterator[Metric]:
         """KV offload (--kv-offloading-size): vLLM's external prefix-cache counters (the tiers' hits, apart from
