@@ -266,3 +266,25 @@ def test_a_decode_worker_gone_mid_pull_frees_the_prefill_side(workers, corpus_id
     relay.close()
     # the decode worker serves on
     assert _complete(decode, prompts[0], 4).status_code == 200
+
+
+def test_serve_maps_vllm_kv_transfer_config_and_refuses_what_it_lacks(monkeypatch) -> None:
+    from typer.testing import CliRunner
+
+    from kvpilot.cli import app
+    from kvpilot.server import cli as serve_cli
+
+    for flags, message in ((["--kv-transfer-config", '{"kv_connector": "NixlConnector", "kv_role": "kv_both"}'],
+                            "KvpilotConnector or TcpConnector"),
+                           (["--kv-transfer-config", '{"kv_connector": "TcpConnector", "kv_role": "kv_sender"}'],
+                            "kv_producer, kv_consumer, kv_both"),
+                           (["--kv-role", "router"], "prefill, decode, both"),
+                           (["--kv-role", "decode", "--tensor-parallel-size", "2"], "not supported yet")):
+        result = CliRunner().invoke(app, ["serve", *flags])
+        assert result.exit_code == 2 and message in result.output, (flags, result.output)
+    seen = {}
+    monkeypatch.setattr(serve_cli, "_serve", lambda engine_args, *rest: seen.setdefault("args", engine_args) and 0)
+    CliRunner().invoke(app, ["serve", "--host", "10.0.0.5", "--kv-transfer-config",
+                             '{"kv_connector": "KvpilotConnector", "kv_role": "kv_producer", "kv_port": 14579}'])
+    config = seen["args"].kv_transfer()
+    assert (config.role, config.host, config.port) == ("prefill", "10.0.0.5", 14579)

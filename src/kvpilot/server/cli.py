@@ -97,7 +97,7 @@ def serve_command(
             kv_offloading_size=kv_offloading_size, kv_offloading_backend=kv_offloading_backend,
             kv_offload_dir=kv_offload_dir, kv_offload_dir_size=kv_offload_dir_size, kv_role=kv_role,
             kv_transfer_config=kv_transfer_config, kv_transfer_port=kv_transfer_port,
-            kv_transfer_host=kv_transfer_host or (host if host not in ("0.0.0.0", "::", "") else None),
+            kv_transfer_host=_kv_transfer_host(kv_transfer_host, kv_transfer_config, host),
             kv_transfer_timeout=kv_transfer_timeout)
         _check_tracing(otlp_traces_endpoint)
         server_args = _server_args(
@@ -114,6 +114,20 @@ def serve_command(
         raise typer.Exit(2) from exc
     ray_flags = RayFlags(ray, num_replicas, ray_config, routing, ray_address)
     raise typer.Exit(_serve(engine_args, server_args, ray_flags, uvicorn_log_level))
+
+
+def _kv_transfer_host(flag: str | None, transfer_config: str | None, host: str) -> str | None:
+    """--kv-transfer-host, else kv_transfer_config's kv_ip, else --host unless a wildcard (None: 127.0.0.1)."""
+    import json
+
+    if flag is not None:
+        return flag
+    try:
+        if transfer_config and (json.loads(transfer_config) or {}).get("kv_ip"):
+            return None  # EngineArgs.kv_transfer takes it from the config
+    except (ValueError, AttributeError):
+        return None  # EngineArgs.kv_transfer names the malformed config
+    return host if host not in ("0.0.0.0", "::", "") else None
 
 
 def _engine_args(kv_events_config: str | None, **flags: Any) -> EngineArgs:
