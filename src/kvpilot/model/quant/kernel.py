@@ -1,5 +1,6 @@
 """The C++ packed quantized-linear kernel (layers/csrc/quant_*: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants Q4_K,
-Q5_K, Q6_K; and quant_moe_cpu.cpp, packed GGUF experts grouped by expert), built once with
+Q5_K, Q6_K; quant_moe_cpu.cpp, packed GGUF experts grouped by expert; quant_tile_blocks_cpu.cpp, GGUF blocks to
+int8 tiles at load), built once with
 torch's cpp_extension like the decode-attention kernel (JIT, cached on disk by torch, source hash in the name).
 
 One build serves every x86 CPU: the AVX-512 and AVX2 paths carry target attributes and `cpu_isa()` picks
@@ -21,12 +22,14 @@ _CSRC = Path(__file__).resolve().parent.parent / "layers" / "csrc"
 SOURCE_NAMES = ("quant_common.h", "quant_blocks.h", "quant_avx512.h", "quant_avx2.h", "quant_vnni.h",
                 "quant_vnni_gemm.h", "quant_tiled_kq.h", "quant_linear_cpu.cpp", "quant_tiled_cpu.cpp",
                 "quant_tiled_set_cpu.cpp")
-# this module's alone (the fused decode kernel builds SOURCE_NAMES and needs none of it): packed GGUF experts
-MOE_SOURCE_NAMES = ("moe_groups.h", "quant_moe_cpu.cpp")
+# this module's alone (the fused decode kernel builds SOURCE_NAMES and needs none of it): packed GGUF experts and
+# the conversion of their blocks to int8 tiles at load
+MOE_SOURCE_NAMES = ("moe_groups.h", "quant_moe_cpu.cpp", "quant_tile_blocks_cpu.cpp")
 SOURCE_PATHS = tuple(_CSRC / name for name in SOURCE_NAMES + MOE_SOURCE_NAMES)
 FUNCTIONS = ["quant_matmul", "quant_dequantize", "cpu_isa", "quant_parallel_width", "quant_matmul_interleaved",
              "quant_matmul_tiled", "quant_dequantize_tiled", "quant_argmax_tiled", "has_vnni",
-             "quant_matmul_tiled_set", "quant_dequantize_tiled_set", "quant_argmax_tiled_set", "quant_moe_tiled"]
+             "quant_matmul_tiled_set", "quant_dequantize_tiled_set", "quant_argmax_tiled_set", "quant_moe_tiled",
+             "quant_tile_blocks"]
 ISA_NAMES = ("portable", "avx2", "avx512")
 
 _KERNEL = CppKernel(label="CPU quantized-linear kernel", name_prefix="kvpilot_cpu_quant_", sources=SOURCE_PATHS,

@@ -5,10 +5,10 @@ SparseMoeBlock of a packed GGUF model (model_pack.pack_linear_layers).
 Two ways to hold and run them, chosen at load:
 - int8 (bf16 activations on a CPU with AVX-512 VNNI: the model's Int8Gate exists): one column-tiled int8 copy per
   stacked GGUF tensor (vnni_gemm.py / tiled_kquant.py: gate [E * I, H], up [E * I, H], down [E * H, I], expert after
-  expert), built one expert at a time and the blocks dropped (the copy is the only one). Every step runs the C++
-  grouped kernel (layers/csrc/quant_moe_cpu.cpp): the pairs sorted by expert, each chosen expert's gate and up tiles
-  times its tokens' int8 rows in one parallel region, down with the router weights in a second; a batch-1 decode
-  reads only its top-k experts' tiles. Steps with prompt tokens take it too (the dense layers' Int8Gate does not
+  expert), written by the kernel from the file's blocks into tensors allocated once (tile_blocks.py) and the blocks
+  dropped (the copy is the only one). Every step runs the C++ grouped kernel (layers/csrc/quant_moe_cpu.cpp): the
+  pairs sorted by expert, each chosen expert's gate and up tiles times its tokens' int8 rows in one parallel region,
+  down with the router weights in a second; a batch-1 decode reads only its top-k experts' tiles. Steps with prompt tokens take it too (the dense layers' Int8Gate does not
   apply): an expert sees only about T * k / E rows of a step, so dequantizing its weights for a bf16 GEMM would cost
   more than the GEMM itself, for every expert a prompt touches.
 - blocks (float32 activations, a CPU without VNNI, or widths of no whole 16-row tiles): the blocks as PackedWeight,
@@ -32,8 +32,9 @@ from kvpilot.model.layers.moe import grouped_experts, silu_mul
 from kvpilot.model.quant.formats import QuantFormat
 from kvpilot.model.quant.kernel import require_quant_kernel
 from kvpilot.model.quant.packed import PackedWeight
-from kvpilot.model.quant.tiled_kquant import KTiledWeight, ktile
-from kvpilot.model.quant.vnni_gemm import TILE_ROWS, TiledWeight, tile
+from kvpilot.model.quant.tile_blocks import tile_blocks
+from kvpilot.model.quant.tiled_kquant import KTiledWeight
+from kvpilot.model.quant.vnni_gemm import TILE_ROWS, TiledWeight
 
 KINDS = ("gate", "up", "down")
 # HF names gguf_weights gives the stacked expert tensors (ffn_{gate,up,down}_exps) of layer i
@@ -96,26 +97,6 @@ def expert_blocks_of_layer(packed: dict, layer: int) -> tuple[ExpertBlocks, Expe
     return kinds[0], kinds[1], kinds[2]
 
 
-def _int8_copy(blocks: ExpertBlocks) -> TiledWeight | KTiledWeight:
-    """The column-tiled copy of every expert's rows, expert after expert, built one expert at a time into tensors
-    allocated once (no second copy of the layer)."""
-    held: list[torch.Tensor] = []
-    first: TiledWeight | KTiledWeight | None = None
-    count = len(blocks.experts)
-    for e, raw in enumerate(blocks.experts):
-        weight = PackedWeight.from_blocks(raw, blocks.format)
-        piece = ktile(weight) if blocks.format.kept_as_blocks else tile(weight)
-        if first is None:
-            first = piece
-            held = [t.new_empty((count * t.shape[0], *t.shape[1:])) if t.numel() else t for t in _tensors(piece)]
-        for whole, part in zip(held, _tensors(piece)):
-            if part.numel():
-                whole[e * part.shape[0]:(e + 1) * part.shape[0]] = part
-    if isinstance(first, KTiledWeight):
-        return KTiledWeight(first.format, *held)
-    return TiledWeight(*held)
-
-
 def _tensors(copy: TiledWeight | KTiledWeight) -> list[torch.Tensor]:
     return list(copy.tensors()) if isinstance(copy, KTiledWeight) else [copy.tq, copy.td, copy.to]
 
@@ -145,7 +126,7 @@ class PackedExperts(nn.Module):
         self.int8_copies: tuple[TiledWeight | KTiledWeight, ...] | None = None
         self.blocks: tuple[PackedWeight, ...] | None = None
         if int8 and tiles:
-            self.int8_copies = tuple(_int8_copy(k) for k in (gate, up, down))
+            self.int8_copies = tuple(tile_blocks(k.experts, k.format) for k in (gate, up, down))
             self._kernel_tensors = [t for copy in self.int8_copies for t in _tensors(copy)]
             self._codes = [f.code for f in self.formats]
         else:
