@@ -18,6 +18,8 @@ from kvpilot.doctor.rules.context import RuleContext
 from kvpilot.doctor.signals import median
 
 CHUNK_TOKENS = 512
+"""The prefill chunk the fixes propose (kvpilot's and vLLM's --max-num-batched-tokens): short enough that a
+decode step sharing it waits a fraction of a long prompt's prefill."""
 DISAGG_FIX = Fix("run prefill and decode on separate workers so no decode step waits for a long prompt "
                  "(disaggregated prefill/decode: the structural fix; docs/disaggregation.md)",
                  kvpilot="kvpilot serve --kv-role prefill (one worker) and --kv-role decode (another), behind "

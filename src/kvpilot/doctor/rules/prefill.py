@@ -9,7 +9,7 @@ from kvpilot.bench.records import RequestRecord
 from kvpilot.doctor.findings import Evidence, Finding, Fix, Severity, clamp01
 from kvpilot.doctor.rules.context import RuleContext
 from kvpilot.doctor.rules.deferral import defer_to_host
-from kvpilot.doctor.rules.foreign_prefill import long_prompts_stall_decodes
+from kvpilot.doctor.rules.foreign_prefill import CHUNK_TOKENS, long_prompts_stall_decodes
 from kvpilot.doctor.thresholds import Thresholds
 from kvpilot.doctor.signals import (
     gap_ends,
@@ -23,7 +23,6 @@ from kvpilot.doctor.signals import (
     slope,
 )
 
-CHUNK_TOKENS = 512
 CHUNK_FIX = Fix("bound the prefill work per step so other requests are scheduled between chunks",
                 kvpilot=f"--max-num-batched-tokens {CHUNK_TOKENS}",
                 vllm="--max-num-batched-tokens 512 --long-prefill-token-threshold 256 --max-num-partial-prefills 2")
