@@ -201,6 +201,19 @@ def test_a_head_that_does_not_fit_the_target_is_refused(models, plain):
     assert plain.loaded.model.aux_hidden_layers == ()
 
 
+def test_a_head_missing_a_weight_is_refused_naming_the_field(plain, tmp_path):
+    from safetensors.torch import load_file
+
+    directory = Path(save_eagle_head("eagle", tmp_path / "eagle"))
+    state = load_file(str(directory / "model.safetensors"))
+    del state["layers.0.mlp.down_proj.weight"]
+    save_file(state, str(directory / "model.safetensors"))
+    with pytest.raises(EngineConfigError, match=r"speculative_config\.model: the EAGLE head could not be loaded: .*"
+                                                r"missing weights \['layers\.0\.mlp\.down_proj\.weight'\] \(1 in "
+                                                r"all\) for an eagle head"):
+        _spec_llm(plain, "eagle", str(directory))
+
+
 def _rms(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + CFG["rms_norm_eps"]) * weight
 
