@@ -94,6 +94,13 @@ def test_decode_on_another_worker_gives_the_same_greedy_output(workers, corpus_i
     assert body["choices"][0]["text"] == reference["choices"][0]["text"]
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 69  # all but the last prompt token
     assert body["kvpilot"]["kv_transfer_tokens"] == 69 and body["kvpilot"]["kv_transfer_ms"] > 0
+    # the prefill worker frees the blocks once sent, with no other message to wake its loop (/metrics sends none)
+    deadline = time.monotonic() + 5.0
+    while _metric(prefill, "kvpilot:kv_transfer_held_blocks") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _metric(prefill, "kvpilot:kv_transfer_held_blocks") == 0
+    assert _metric(prefill, 'kvpilot:kv_transfers_total{direction="send"') == 1
+    assert _metric(decode, 'kvpilot:kv_transfer_bytes_total{direction="pull"') == 5 * 737_280
     _assert_idle_and_clean(prefill, decode)
     # pulled once: a second pull of the same request names it unknown, as a 400, and frees nothing twice
     again = _complete(decode, prompt, 4, params)

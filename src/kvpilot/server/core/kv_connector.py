@@ -86,6 +86,7 @@ class KVConnector:
         self.stats = KVTransferStats()
         self._lock = threading.Lock()
         self._held: dict[str, _Held] = {}
+        self._num_sending = 0  # claimed and not yet released: the step loop must keep ticking to free them
         self._released: queue.SimpleQueue[tuple[str, bool]] = queue.SimpleQueue()  # (request id, sent)
         self._pulls: dict[str, _Pull] = {}
         self._pulled: queue.SimpleQueue[tuple[Any, PulledKV | str | None]] = queue.SimpleQueue()
@@ -111,8 +112,8 @@ class KVConnector:
 
     @property
     def busy(self) -> bool:
-        """Pulls in flight or blocks held: the step loop must keep ticking even with no request to step."""
-        return bool(self._pulls or self._held)
+        """Pulls in flight, blocks held or being sent: the step loop must keep ticking with no request to step."""
+        return bool(self._pulls or self._held or self._num_sending or not self._released.empty())
 
     # ---- the step loop's side ------------------------------------------------------------------------
 
@@ -206,7 +207,7 @@ class KVConnector:
                 self.stats.num_send_failures += 1
                 logger.warning("sending the KV of request %r failed: %s", rid, exc)
             finally:
-                self._released.put((rid, True))
+                self._release(rid)
 
     def _claim(self, ask: dict[str, Any], rid: str) -> tuple[_Held | None, str]:
         """The held entry the pull asks for, claimed (removed from the registry); or None and why not. A pull
@@ -218,15 +219,23 @@ class KVConnector:
                           "restarted since the prefill, or the address is another worker's")
         with self._lock:
             held = self._held.pop(rid, None)
+            self._num_sending += held is not None
         if held is None:
             return None, f"remote_request_id {rid!r} holds no KV here: unknown, already pulled or expired"
         mismatch = _mismatch(self.layout, ask.get("layout") or {})
         error = mismatch or ("" if ask.get("block_ids") == held.block_ids and ask.get("tokens_digest") == held.digest
                              else "remote_block_ids or the prompt differ from what the prefill worker holds")
         if error:
-            self._released.put((rid, False))
+            self._release(rid)
             return None, error
         return held, ""
+
+    def _release(self, rid: str) -> None:
+        """Hands a claimed request's blocks back to the step loop to free (queued before the count drops, so
+        `busy` never reads False in between)."""
+        self._released.put((rid, True))
+        with self._lock:
+            self._num_sending -= 1
 
     # ---- the puller's threads ------------------------------------------------------------------------
 
