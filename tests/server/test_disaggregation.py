@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import json
 import random
 import socket
 import threading
@@ -123,7 +124,11 @@ def test_the_decode_worker_under_preemption_matches_too(workers, corpus_ids):
 def test_bad_kv_transfer_params_are_400s(workers, corpus_ids):
     prefill, decode, both = workers
     prompt = corpus_ids[:40]
-    good = _prefill(both, prompt)
+    with authed_http(both) as http:  # a prefill request may stream: its last chunk carries the params
+        events = http.post("/v1/completions", json=_body(prompt, 1, stream=True,
+                                                         kv_transfer_params={"do_remote_decode": True})).text
+    good = json.loads([e for e in events.split("\n\n") if "kv_transfer_params" in e][0].removeprefix("data: "))[
+        "kv_transfer_params"]
     cases = [
         (decode, {"do_remote_decode": "yes"}, "boolean"),
         (decode, {**good, "remote_port": "x"}, "remote_port"),

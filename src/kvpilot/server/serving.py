@@ -284,11 +284,13 @@ async def _events(state: ServerState, prepared: Prepared, subs: SubRequests,
                 yield shape.chunk([choice])
                 continue
             timings, usage, field = collector.finish()
+            # a prefill request sent with stream: true gets its kv_transfer_params in the last chunk
+            transfer = {"kv_transfer_params": item.kv_transfer_params} if item.kv_transfer_params else {}
             if prepared.include_usage:
                 yield shape.chunk([choice])
-                yield shape.chunk([], usage=usage, kvpilot=field)
+                yield shape.chunk([], usage=usage, kvpilot=field, **transfer)
             else:
-                yield shape.chunk([choice], kvpilot=field)
+                yield shape.chunk([choice], kvpilot=field, **transfer)
             yield SSE_DONE
             collector.log(200)
     finally:
