@@ -7,6 +7,8 @@ Shape (every key optional; docs/ray.md):
     engine: {EngineArgs fields}                        # shared by every lane
     lanes: [{name, num_replicas, max_prompt_chars, priorities, engine: {...}, autoscaling_config: {...},
              cpus_per_replica, max_ongoing_requests, engine_process}]
+A lane whose engine has kv_role prefill makes the application disaggregated: generate requests are prefilled
+there, then answered by a serving lane of kv_role decode workers (docs/disaggregation.md).
 Flat keys (the `serve run` form, values as strings) are EngineArgs fields or fields of the single lane.
 """
 
@@ -69,6 +71,22 @@ class RayAppConfig:
     def lane(self, name: str) -> LaneConfig:
         return next(lane for lane in self.lanes if lane.name == name)
 
+    @property
+    def prefill_lane(self) -> str | None:
+        """The lane of prefill workers (engine kv_role "prefill"): set, the application serves disaggregated
+        (each generate request prefilled there, then answered by a serving lane); None otherwise."""
+        return next((lane.name for lane in self.lanes if _role(lane) == "prefill"), None)
+
+    @property
+    def serving_lanes(self) -> tuple[LaneConfig, ...]:
+        """The lanes that answer requests: every lane but the prefill lane."""
+        return tuple(lane for lane in self.lanes if _role(lane) != "prefill")
+
+
+def _role(lane: LaneConfig) -> str | None:
+    transfer = lane.engine_args().kv_transfer()
+    return transfer.role if transfer is not None else None
+
 
 def parse_app_config(args: Mapping[str, Any]) -> RayAppConfig:
     """From a builder's args (nested, or flat `key=value` strings); `config` names a file merged under them."""
@@ -124,14 +142,30 @@ def check_app_config(config: RayAppConfig) -> None:
     names = [lane.name for lane in config.lanes]
     if len(set(names)) != len(names) or not all(names):
         raise RayConfigError(f"lane names must be unique and non-empty, got {names}")
-    if sum(lane.max_prompt_chars is None for lane in config.lanes) > 1:
-        raise RayConfigError("only one lane may leave max_prompt_chars out (the catch-all lane): give the others "
-                             "a max_prompt_chars")
     for lane in config.lanes:
         try:
             lane.engine_args().check()
         except (TypeError, EngineConfigError) as exc:
             raise RayConfigError(f"lane {lane.name!r}: {exc}") from exc
+    if sum(lane.max_prompt_chars is None for lane in config.serving_lanes) > 1:
+        raise RayConfigError("only one lane may leave max_prompt_chars out (the catch-all lane): give the others "
+                             "a max_prompt_chars")
+    _check_disaggregation(config)
+
+
+def _check_disaggregation(config: RayAppConfig) -> None:
+    """At most one prefill lane, and then a serving lane of decode workers to pull its KV."""
+    roles = {lane.name: _role(lane) for lane in config.lanes}
+    prefill = [name for name, role in roles.items() if role == "prefill"]
+    if len(prefill) > 1:
+        raise RayConfigError(f"lanes {prefill} all have kv_role prefill: give one prefill lane (scale it with "
+                             "num_replicas)")
+    if prefill and not any(role in ("decode", "both") for role in roles.values()):
+        raise RayConfigError(f"lane {prefill[0]!r} prefills for decode workers, but no lane has them: add a lane "
+                             "with engine: {kv_role: decode}")
+    if not prefill and any(role == "decode" for role in roles.values()):
+        raise RayConfigError("a lane has kv_role decode but no lane prefills for it: add a lane with "
+                             "engine: {kv_role: prefill}")
 
 
 _LANE_FIELDS = {f.name: f for f in dataclasses.fields(LaneConfig)}
@@ -150,6 +184,10 @@ def _lane(raw: Mapping[str, Any], shared_engine: Mapping[str, Any], index: int) 
         raise RayConfigError(f"lanes[{index}] has unknown keys {unknown}: a lane takes {sorted(_LANE_FIELDS)} "
                              "and EngineArgs fields (under engine:)")
     engine = {**shared_engine, **dict(raw.get("engine") or {}), **{k: v for k, v in raw.items() if _is_engine(k)}}
+    not_engine = sorted(set(engine) - set(_ENGINE_FIELDS))
+    if not_engine:
+        raise RayConfigError(f"lane {raw.get('name', index)!r}: {not_engine} are not EngineArgs fields: "
+                             "app keys (served_model_name, api_key, ...) go at the top level")
     lane = {k: _coerce(k, v, _LANE_FIELDS[k].type) for k, v in raw.items() if k in _LANE_FIELDS and k != "engine"}
     lane["engine"] = {k: _coerce(k, v, _ENGINE_FIELDS[k].type) for k, v in engine.items()}
     if "name" not in lane:

@@ -5,11 +5,15 @@ which); it also serves /health, /metrics (aggregated), /metrics/replicas and /v1
 Invariants: a client sees exactly what a kvpilot replica answered (status, headers, body), plus
 `x-kvpilot-replica` and `x-kvpilot-lane`; a replica that dies before answering costs the client nothing
 (the request is retried once on another replica), one that dies mid-stream ends that stream with an
-OpenAI error event; every failure the client can see is OpenAI-shaped JSON.
+OpenAI error event; every failure the client can see is OpenAI-shaped JSON. With a prefill lane
+(disaggregated serving, docs/disaggregation.md) a generate request is first prefilled on a replica of that
+lane, then answered by a serving lane's decode replica, which pulls the prompt's KV (plus the header
+`x-kvpilot-prefill-replica`).
 """
 
 # No `from __future__ import annotations` here: Ray's ingress rewrites the route methods, and FastAPI must see
 # `request: Request` as a type, not a string, to inject the request.
+import dataclasses
 import hmac
 import json
 import logging
@@ -20,6 +24,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 
+from kvpilot.server.disagg.handoff import (GENERATE_PATHS, HandoffError, decode_body, parse_request, prefill_body,
+                                           transfer_params)
 from kvpilot.server.openai.errors import APIError, install_error_handlers
 from kvpilot.server.ray_app.config import RayAppConfig
 from kvpilot.server.ray_app.forward import ForwardedRequest, ResponseStart, end_to_end
@@ -75,6 +81,7 @@ async def _rest(stream: Any, sse: bool, replica_id: str) -> AsyncIterator[bytes]
 class KvpilotIngress:
     def __init__(self, config: RayAppConfig, lanes: dict[str, Any]) -> None:
         self.config, self.lanes = config, lanes
+        self.prefill_lane, self.serving_lanes = config.prefill_lane, config.serving_lanes
         self.hub = get_hub(config.name)
 
     @api.get("/health")
@@ -114,12 +121,15 @@ class KvpilotIngress:
         try:
             self._check_key(request)
             fwd, lane = await self._forwarded(request)
+            prefilled_by = {}
+            if self.prefill_lane is not None and fwd.method == "POST" and fwd.path in GENERATE_PATHS:
+                fwd, prefilled_by = await self._prefilled(fwd)
             start, stream = await self._call(lane, fwd)
         except APIError as exc:
             return exc.response()
         # x-request-id: Ray's proxy sets it on every response (the id it passed in, which kvpilot kept).
         headers = {**{k: v for k, v in start.headers if k != "x-request-id"},
-                   "x-kvpilot-replica": start.replica_id, "x-kvpilot-lane": lane}
+                   "x-kvpilot-replica": start.replica_id, "x-kvpilot-lane": lane, **prefilled_by}
         sse = headers.get("content-type", "").startswith("text/event-stream")
         return StreamingResponse(_rest(stream, sse, start.replica_id), status_code=start.status, headers=headers)
 
@@ -140,13 +150,40 @@ class KvpilotIngress:
             parsed = None  # the replica answers the 400 with kvpilot's own message
         prompt = prompt_text(parsed)
         try:
-            lane = choose_lane(self.config.lanes, request.headers, parsed, prompt_chars(prompt))
+            lane = choose_lane(self.serving_lanes, request.headers, parsed, prompt_chars(prompt))
         except UnknownLaneError as exc:
             raise APIError(400, str(exc), param="X-Lane") from exc
         key = route_key(prompt) if self.config.routing == "prefix" else ()
         headers = tuple((k, v) for k, v in end_to_end(request.headers.items()) if k != "authorization")
         return ForwardedRequest(request.method, request.url.path, request.url.query.encode(), headers, body,
                                 key), lane
+
+    async def _prefilled(self, fwd: ForwardedRequest) -> tuple[ForwardedRequest, dict[str, str]]:
+        """Disaggregated serving: prefills the request on the prefill lane (handoff.py) and returns it
+        carrying the kv_transfer_params a decode replica pulls the KV with; a prefill replica's error is
+        returned to the client as that replica gave it."""
+        assert self.prefill_lane is not None
+        try:
+            body = parse_request(fwd.body)
+        except HandoffError as exc:
+            raise APIError(exc.status, exc.message, code=exc.code) from exc
+        start, stream = await self._call(self.prefill_lane, dataclasses.replace(
+            fwd, body=json.dumps(prefill_body(body)).encode()))
+        payload = b"".join([chunk async for chunk in stream])
+        try:
+            answer = json.loads(payload)
+        except ValueError:
+            answer = None
+        if start.status >= 400:
+            error = answer.get("error", {}) if isinstance(answer, dict) else {}
+            raise APIError(start.status, str(error.get("message", "the prefill replica failed")),
+                           code=error.get("type"))
+        try:
+            params = transfer_params(answer)
+        except HandoffError as exc:
+            raise APIError(exc.status, exc.message, code=exc.code) from exc
+        return (dataclasses.replace(fwd, body=json.dumps(decode_body(body, params)).encode()),
+                {"x-kvpilot-prefill-replica": start.replica_id})
 
     async def _call(self, lane: str, fwd: ForwardedRequest) -> tuple[ResponseStart, Any]:
         """The replica's ResponseStart and the rest of its stream; a replica gone before answering: one retry."""

@@ -42,7 +42,7 @@ class KvpilotReplica:
 
         self.lane = lane
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        engine_args = lane.engine_args()
+        engine_args = _advertised(lane.engine_args())
         names = served_model_names or served_names(None, engine_args.model)
         # No api key or body limit here: the ingress checks them before a request reaches a replica.
         args = ServerArgs(served_model_names=names, engine_process=lane.engine_process,
@@ -99,6 +99,18 @@ class KvpilotReplica:
         with contextlib.suppress(Exception):
             await self.hub.goodbye.remote(self.replica_id)
         await self._lifespan.__aexit__(None, None, None)
+
+
+def _advertised(engine_args: Any) -> Any:
+    """A disaggregated worker advertises its node's address for KV pulls (not 127.0.0.1: the decode replica
+    may run on another node), unless the lane names one."""
+    if engine_args.kv_transfer() is None or engine_args.kv_transfer_host is not None:
+        return engine_args
+    import dataclasses
+
+    import ray
+
+    return dataclasses.replace(engine_args, kv_transfer_host=ray.util.get_node_ip_address())
 
 
 def _text(rendered: bytes | str) -> str:
