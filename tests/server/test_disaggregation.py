@@ -110,11 +110,11 @@ def test_decode_on_another_worker_gives_the_same_greedy_output(workers, corpus_i
 
 def test_the_decode_worker_under_preemption_matches_too(workers, corpus_ids):
     prefill, decode, _ = workers
-    prompts = [corpus_ids[100 * i:100 * i + 50] for i in range(3)]  # 4 blocks each, 6 with 40 tokens: 18 > 8
-    references = [_complete(decode, p, 40).json()["choices"][0]["text"] for p in prompts]
+    prompts = [corpus_ids[100 * i:100 * i + 50] for i in range(3)]  # 4 blocks each, 6 with 32 tokens: 18 > 8
+    references = [_complete(decode, p, 32).json()["choices"][0]["text"] for p in prompts]
     params = [_prefill(prefill, p) for p in prompts]
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
-        replies = list(pool.map(lambda pair: _complete(decode, pair[0], 40, pair[1]), zip(prompts, params)))
+        replies = list(pool.map(lambda pair: _complete(decode, pair[0], 32, pair[1]), zip(prompts, params)))
     bodies = [r.json() for r in replies]
     assert [b["choices"][0]["text"] for b in bodies] == references
     assert sum(b["kvpilot"]["num_preemptions"] for b in bodies) > 0

@@ -89,7 +89,7 @@ class KVConnector:
         self._num_sending = 0  # claimed and not yet released: the step loop must keep ticking to free them
         self._released: queue.SimpleQueue[tuple[str, bool]] = queue.SimpleQueue()  # (request id, sent)
         self._pulls: dict[str, _Pull] = {}
-        self._pulled: queue.SimpleQueue[tuple[Any, PulledKV | str | None]] = queue.SimpleQueue()
+        self._pulled: queue.SimpleQueue[tuple[_Pull, PulledKV | str | None]] = queue.SimpleQueue()
         self._closed = threading.Event()
         self._listener: socket.socket | None = None
         if config.sends:
@@ -148,9 +148,10 @@ class KVConnector:
             self.engine.release_held(rid)
         ended = []
         while not self._pulled.empty():
-            message, result = self._pulled.get()
-            self._pulls.pop(message.request_id, None)
-            ended.append((message, result))
+            pull, result = self._pulled.get()
+            self._pulls.pop(pull.message.request_id, None)
+            # aborted after its bytes came in, before this tick: dropped all the same
+            ended.append((pull.message, "" if pull.cancelled.is_set() else result))
         return ended
 
     def start_pull(self, message: Any, source: RemoteKVSource) -> None:
@@ -253,7 +254,7 @@ class KVConnector:
                 self.stats.num_pull_failures += 1
                 logger.warning("pulling the KV of request %r from %s:%d failed (%s)%s", pull.message.request_id,
                                source.host, source.port, exc, "" if result else ": it is recomputed here")
-        self._pulled.put((pull.message, result))
+        self._pulled.put((pull, result))
 
     def _fetch(self, pull: _Pull, source: RemoteKVSource) -> bytes:
         prompt = pull.message.prompt_token_ids
