@@ -32,6 +32,7 @@ logger = logging.getLogger("kvpilot.server")
 PROTOCOL = "kvpilot-kv/1"
 CONNECT_TIMEOUT_S = 5.0
 RECV_POLL_S = 0.2  # a pull checks for cancellation this often
+PULL_STALL_S = 30.0  # a pull that receives nothing this long gives up (the prefill worker hangs): recomputed
 MAX_HEADER_BYTES = 1 << 20
 
 
@@ -301,11 +302,15 @@ def _read_line(conn: socket.socket, cancelled: threading.Event | None = None) ->
 def _read_exact(conn: socket.socket, size: int, cancelled: threading.Event) -> bytes:
     buffer = bytearray(size)
     view, got = memoryview(buffer), 0
+    last = time.monotonic()
     while got < size:
         try:
             n = conn.recv_into(view[got:], min(size - got, 1 << 20))
+            last = time.monotonic()
         except socket.timeout:
             n = -1
+            if time.monotonic() - last > PULL_STALL_S:
+                raise KVPullError(f"the prefill worker sent nothing for {PULL_STALL_S:.0f} s") from None
         if cancelled.is_set():
             raise KVPullError("cancelled")
         if n == 0:
@@ -316,11 +321,14 @@ def _read_exact(conn: socket.socket, size: int, cancelled: threading.Event) -> b
 
 
 def _recv(conn: socket.socket, size: int, cancelled: threading.Event | None) -> bytes:
+    """`size` bytes at most; the sender's side (no `cancelled`) raises on its socket's timeout, a pull polls for
+    cancellation and gives up after PULL_STALL_S without a byte."""
+    started = time.monotonic()
     while True:
         try:
             chunk = conn.recv(size)
         except socket.timeout:
-            if cancelled is None:
+            if cancelled is None or time.monotonic() - started > PULL_STALL_S:
                 raise
             if cancelled.is_set():
                 raise KVPullError("cancelled") from None
