@@ -264,7 +264,8 @@ class KVCacheManager:
         assert remote is not None
         num_blocks = cdiv(prefix_hit.num_tokens, self.block_size)
         bytes_per_block = len(remote.data) // remote.num_blocks
-        self._kv_loads.append(KVLoad(tuple(new_ids[:num_blocks]), remote.data[:num_blocks * bytes_per_block]))
+        data = remote.data if num_blocks == remote.num_blocks else remote.data[:num_blocks * bytes_per_block]
+        self._kv_loads.append(KVLoad(tuple(new_ids[:num_blocks]), data))
         request.remote_kv = None
         request.num_kv_transfer_tokens = prefix_hit.num_tokens
         request.kv_transfer_time = remote.transfer_s

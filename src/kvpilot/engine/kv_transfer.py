@@ -55,7 +55,7 @@ class PulledKV:
 
     num_tokens: int
     num_blocks: int
-    data: bytes
+    data: bytes | bytearray
     transfer_s: float
 
 
@@ -64,7 +64,7 @@ class KVLoad:
     """A copy order of one step: `data` (num blocks in the wire layout) into pool blocks `block_ids`."""
 
     block_ids: tuple[int, ...]
-    data: bytes
+    data: bytes | bytearray
 
 
 def tokens_digest(token_ids: list[int]) -> str:

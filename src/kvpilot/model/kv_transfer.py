@@ -27,17 +27,18 @@ def kv_layout(kv_caches: Sequence[torch.Tensor]) -> dict[str, Any]:
 
 
 @torch.inference_mode()
-def read_blocks(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int]) -> bytes:
-    """The blocks' K/V of every layer, in the wire layout."""
+def read_blocks(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int]) -> memoryview:
+    """The blocks' K/V of every layer, in the wire layout (a view of one host copy, for socket.sendall)."""
     data = _gather(kv_caches, list(block_ids)).contiguous().cpu()
-    return data.view(torch.uint8).numpy().tobytes()
+    return memoryview(data.view(torch.uint8).reshape(-1).numpy())
 
 
 @torch.inference_mode()
-def write_blocks(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int], data: bytes) -> None:
+def write_blocks(kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int], data: bytes | bytearray) -> None:
     """Writes len(block_ids) blocks of wire-layout bytes into those blocks of every layer's cache."""
     first = kv_caches[0]
     two, heads, _, block_size, head_dim = first.shape
-    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(first.dtype)
+    writable = data if isinstance(data, bytearray) else bytearray(data)  # frombuffer wants a writable buffer
+    raw = torch.frombuffer(writable, dtype=torch.uint8).view(first.dtype)
     blocks = raw.reshape(len(block_ids), len(kv_caches), two, heads, block_size, head_dim)
     _scatter(kv_caches, list(block_ids), blocks.to(first.device))

@@ -81,7 +81,7 @@ class KVConnector:
     """One engine core's sender (roles prefill/both) and puller (decode/both)."""
 
     def __init__(self, engine: LLMEngine, config: KVTransferConfig, layout: dict[str, Any],
-                 read_blocks: Callable[[list[int]], bytes], bind_host: str | None = None) -> None:
+                 read_blocks: Callable[[list[int]], memoryview], bind_host: str | None = None) -> None:
         self.engine, self.config, self.layout, self._read = engine, config, layout, read_blocks
         self.engine_id = f"kvpilot-{uuid.uuid4().hex[:12]}"
         self.stats = KVTransferStats()
@@ -204,7 +204,7 @@ class KVConnector:
                                   "bytes_per_block": self.layout["bytes_per_block"]})
                 conn.sendall(data)
                 self.stats.num_sent += 1
-                self.stats.num_sent_bytes += len(data)
+                self.stats.num_sent_bytes += data.nbytes
             except OSError as exc:
                 self.stats.num_send_failures += 1
                 logger.warning("sending the KV of request %r failed: %s", rid, exc)
@@ -257,7 +257,7 @@ class KVConnector:
                                source.host, source.port, exc, "" if result else ": it is recomputed here")
         self._pulled.put((pull, result))
 
-    def _fetch(self, pull: _Pull, source: RemoteKVSource) -> bytes:
+    def _fetch(self, pull: _Pull, source: RemoteKVSource) -> bytearray:
         prompt = pull.message.prompt_token_ids
         if len(prompt) < source.num_tokens:
             raise KVPullRefused(f"the prompt has {len(prompt)} tokens but the prefill worker held {source.num_tokens}: "
@@ -299,7 +299,7 @@ def _read_line(conn: socket.socket, cancelled: threading.Event | None = None) ->
     return data.decode()
 
 
-def _read_exact(conn: socket.socket, size: int, cancelled: threading.Event) -> bytes:
+def _read_exact(conn: socket.socket, size: int, cancelled: threading.Event) -> bytearray:
     buffer = bytearray(size)
     view, got = memoryview(buffer), 0
     last = time.monotonic()
@@ -317,7 +317,7 @@ def _read_exact(conn: socket.socket, size: int, cancelled: threading.Event) -> b
             raise KVPullError(f"the prefill worker closed the connection after {got} of {size} bytes: it stopped "
                               "or failed; resend the request")
         got += max(n, 0)
-    return bytes(buffer)
+    return buffer
 
 
 def _recv(conn: socket.socket, size: int, cancelled: threading.Event | None) -> bytes:
