@@ -129,6 +129,10 @@ class EngineCore:
                 pulling = self.kv_connector.cancel(ids) if self.kv_connector is not None else []
                 self.engine.abort_request([rid for rid in ids if rid not in pulling])
             elif isinstance(message, Shutdown):
+                if self.kv_connector is not None:  # pulls in flight: their requests end now, as rejected
+                    for rid in self.kv_connector.cancel(sorted(self._live)):
+                        self._live.discard(rid)
+                        self._rejected.append((rid, "the server is shutting down"))
                 self.engine.abort_request(sorted(self._live))
                 self._step_and_publish()
                 return False
