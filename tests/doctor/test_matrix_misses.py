@@ -148,7 +148,7 @@ def test_other_clients_long_prompts_are_named_from_the_servers_metrics(tmp_path:
     assert (first.rule_id, first.title) == ("prefill-interrupts-decode", "Long prompts stall decodes"), _ids(report)
     names = {e.name: e.value for e in first.evidence}
     assert names["prompts longer than any measured request's"] == 12
-    assert abs(names["their mean length (estimated)"] - 2000) < 1 and names["steps over 1024 tokens"] == 12
+    assert abs(names["their mean length (estimated)"] - 2000) < 1 and names["steps over 1000 tokens"] == 12
     assert first.explains is not None and first.explains.share >= 0.3
     assert first.fixes[0].kvpilot == "--max-num-batched-tokens 512"
     assert "--long-prefill-token-threshold" in first.fixes[0].vllm and "--kv-role prefill" in first.fixes[1].kvpilot

@@ -92,6 +92,11 @@ class HistogramSum:
         cum = next((c for le, c in self.buckets if le >= value), None)
         return None if cum is None else self.count - cum
 
+    def edge_at_most(self, value: float) -> float | None:
+        """The largest bucket bound <= ``value`` (None: none), so that :meth:`count_above` of it counts every
+        observation above ``value`` (and some just below it)."""
+        return max((le for le, _ in self.buckets if le <= value), default=None)
+
     def minus(self, before: HistogramSum) -> HistogramSum:
         """This histogram over the interval since ``before`` (buckets by bound)."""
         prior = dict(before.buckets)

@@ -38,7 +38,7 @@ class ForeignPrefill:
 
     ``num_long``: prompts longer than the longest the measured runs sent; ``long_tokens`` their mean length
     (the foreign prompt tokens over the foreign requests); ``num_big_steps`` steps with more than
-    ``step_bound`` tokens (None: no step histogram); ``prefill_ms`` the estimated time to prefill one;
+    ``step_bound`` tokens, a bucket bound at or below two chunks (None: no step histogram); ``prefill_ms`` the estimated time to prefill one;
     ``engine_share`` the estimated share of the measured time the engine spent on them."""
 
     num_long: float
@@ -77,8 +77,9 @@ def measure_foreign_prefill(ctx: RuleContext) -> ForeignPrefill | None:
     per_token_ms = prefill.total * 1000.0 / prompts.total  # the long prompts dominate the token count
     long_tokens = foreign_tokens / foreign_n
     steps = snap.histograms.get("iteration_tokens") if snap is not None else None
-    step_bound = max(2.0 * CHUNK_TOKENS, bound)
-    big = steps.count_above(step_bound) if steps is not None else None
+    edge = steps.edge_at_most(max(2.0 * CHUNK_TOKENS, bound)) if steps is not None else None
+    big = steps.count_above(edge) if steps is not None and edge is not None else None
+    step_bound = edge if edge is not None else 2.0 * CHUNK_TOKENS
     share = min(1.0, foreign_tokens * per_token_ms / 1000.0 / wall)
     return ForeignPrefill(num_long, long_tokens, big, step_bound, long_tokens * per_token_ms, share)
 
