@@ -12,6 +12,7 @@ entry never times out, so the sender never reads a block that was freed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import queue
@@ -55,7 +56,6 @@ class _Held:
     num_tokens: int
     digest: str
     deadline: float
-    claimed: bool = False
 
 
 @dataclass
@@ -139,7 +139,7 @@ class KVConnector:
             self.engine.release_held(rid)
         now = time.monotonic()
         with self._lock:
-            expired = [rid for rid, h in self._held.items() if not h.claimed and h.deadline <= now]
+            expired = [rid for rid, h in self._held.items() if h.deadline <= now]  # a claimed one has left
             for rid in expired:
                 del self._held[rid]
         for rid in expired:
@@ -172,6 +172,8 @@ class KVConnector:
         for pull in self._pulls.values():
             pull.cancelled.set()
         if self._listener is not None:
+            with contextlib.suppress(OSError):  # wakes the accept() blocked on it (close alone does not)
+                self._listener.shutdown(socket.SHUT_RDWR)
             self._listener.close()
 
     # ---- the sender's threads ------------------------------------------------------------------------
@@ -196,7 +198,8 @@ class KVConnector:
             rid = str(ask.get("remote_request_id"))
             held, error = self._claim(ask, rid)
             if held is None:
-                _send_line(conn, {"ok": False, "error": error})
+                with contextlib.suppress(OSError):  # the decode side may be gone already
+                    _send_line(conn, {"ok": False, "error": error})
                 return
             try:
                 data = self._read(held.block_ids)
@@ -205,7 +208,8 @@ class KVConnector:
                 conn.sendall(data)
                 self.stats.num_sent += 1
                 self.stats.num_sent_bytes += data.nbytes
-            except OSError as exc:
+            except Exception as exc:  # noqa: BLE001 - the decode side gone, or reading the cache failed: the
+                # decode worker recomputes; the blocks are freed either way
                 self.stats.num_send_failures += 1
                 logger.warning("sending the KV of request %r failed: %s", rid, exc)
             finally:
