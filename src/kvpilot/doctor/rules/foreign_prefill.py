@@ -22,8 +22,8 @@ CHUNK_TOKENS = 512
 decode step sharing it waits a fraction of a long prompt's prefill."""
 DISAGG_FIX = Fix("run prefill and decode on separate workers so no decode step waits for a long prompt "
                  "(disaggregated prefill/decode: the structural fix; docs/disaggregation.md)",
-                 kvpilot="kvpilot serve --kv-role prefill (one worker) and --kv-role decode (another), behind "
-                         "the disaggregating proxy",
+                 kvpilot="kvpilot serve --kv-role prefill (one worker), kvpilot serve --kv-role decode (another), "
+                         "kvpilot proxy --prefill URL --decode URL in front",
                  vllm="--kv-transfer-config '{\"kv_connector\": \"NixlConnector\", \"kv_role\": \"kv_both\"}' "
                       "on a prefill and a decode instance, behind a P/D proxy")
 CAP_FIX = Fix("cap the prefill tokens of one step so long prompts are chunked between decode steps",
