@@ -8,8 +8,12 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import json
+import os
 import random
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -185,8 +189,12 @@ class _Relay:
     hold the reply back `delay_s` (a slow link: pulls cancelled mid-pull) or cut both connections after
     `cut_after` reply bytes (the prefill worker gone mid-transfer)."""
 
-    def __init__(self, upstream_port: int, cut_after: int | None = None, delay_s: float = 0.0) -> None:
-        self.upstream_port, self.cut_after, self.delay_s = upstream_port, cut_after, delay_s
+    def __init__(self, upstream_port: int, cut_after: int | None = None, delay_s: float = 0.0,
+                 hold_s: float = 0.0) -> None:
+        """hold_s: after cut_after bytes, keep both connections open this long (set `cut` first) before
+        cutting them."""
+        self.upstream_port, self.cut_after, self.delay_s, self.hold_s = upstream_port, cut_after, delay_s, hold_s
+        self.cut = threading.Event()
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         threading.Thread(target=self._accept, daemon=True).start()
@@ -202,8 +210,7 @@ class _Relay:
             threading.Thread(target=self._pipe, args=(upstream, client, self.cut_after, self.delay_s),
                              daemon=True).start()
 
-    @staticmethod
-    def _pipe(source: socket.socket, sink: socket.socket, cut_after: int | None, delay_s: float) -> None:
+    def _pipe(self, source: socket.socket, sink: socket.socket, cut_after: int | None, delay_s: float) -> None:
         time.sleep(delay_s)
         sent = 0
         try:
@@ -215,6 +222,9 @@ class _Relay:
                 sent += len(data)
         except OSError:
             pass
+        if cut_after is not None and sent >= cut_after:
+            self.cut.set()
+            time.sleep(self.hold_s)
         for sock in (source, sink):  # either side gone, or the cut: both connections end
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
@@ -300,3 +310,47 @@ def test_serve_maps_vllm_kv_transfer_config_and_refuses_what_it_lacks(monkeypatc
                              '{"kv_connector": "KvpilotConnector", "kv_role": "kv_producer", "kv_port": 14579}'])
     config = seen["args"].kv_transfer()
     assert (config.role, config.host, config.port) == ("prefill", "10.0.0.5", 14579)
+
+
+def test_killing_the_prefill_worker_mid_transfer(workers, corpus_ids, tmp_path):
+    """A real `kvpilot serve --kv-role prefill` process killed (SIGKILL) while a pull has received part of the
+    blocks (a relay holds the rest back meanwhile): the decode worker recomputes, same output, nothing leaked."""
+    _, decode, _ = workers
+    port = free_port("127.0.0.1")
+    log = open(tmp_path / "prefill.log", "w")
+    worker = subprocess.Popen([sys.executable, "-m", "kvpilot.cli", "serve", "--port", str(port), "--dtype",
+                               "float32", "--kv-cache-memory", "64MiB", "--max-model-len", "512", "--kv-role",
+                               "prefill", "--api-key", API_KEY, "--served-model-name", MODEL],
+                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        prefill = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {API_KEY}"},
+                               timeout=60)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                if prefill.get("/health").status_code == 200:
+                    break
+            time.sleep(0.2)
+        prompt = corpus_ids[:70]
+        reference = _complete(decode, prompt, 8).json()["choices"][0]["text"]
+        params = prefill.post("/v1/completions", json=_body(prompt, 1, kv_transfer_params={"do_remote_decode": True})
+                              ).json()["kv_transfer_params"]
+        relay = _Relay(params["remote_port"], cut_after=1_000_000, delay_s=0.0, hold_s=1.0)
+        result: list[httpx.Response] = []
+        pulling = threading.Thread(target=lambda: result.append(
+            _complete(decode, prompt, 8, {**params, "remote_port": relay.port})))
+        pulling.start()
+        relay.cut.wait(30)  # the decode worker has part of the blocks; the relay holds the rest
+        os.killpg(worker.pid, signal.SIGKILL)
+        worker.wait(30)
+        pulling.join(60)
+        relay.close()
+    finally:
+        if worker.poll() is None:
+            os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait(30)
+        log.close()
+    assert result and result[0].status_code == 200, result
+    assert result[0].json()["choices"][0]["text"] == reference
+    assert "kv_transfer_tokens" not in result[0].json()["kvpilot"]
+    _assert_idle_and_clean(decode)
