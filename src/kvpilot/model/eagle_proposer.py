@@ -30,9 +30,9 @@ recently observed first, each losing its oldest positions first (a later catch-u
 
 from __future__ import annotations
 
-import torch
-
 from enum import IntEnum
+
+import torch
 
 from kvpilot.engine.request import Request
 from kvpilot.engine.scheduler_output import ScheduledChunk, SchedulerOutput
