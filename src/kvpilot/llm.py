@@ -32,6 +32,9 @@ class LLM:
         if engine_kwargs.get("kv_events_config") is not None:  # nothing would drain the events offline
             raise TypeError("LLM() does not publish KV-cache events: pass kv_events_config to `kvpilot serve` "
                             "(--kv-events-config), whose engine core publishes them")
+        if any(engine_kwargs.get(k) is not None for k in ("kv_role", "kv_transfer_config")):  # no connector here
+            raise TypeError("LLM() does not serve or pull KV transfers: pass kv_role / kv_transfer_config to "
+                            "`kvpilot serve` (--kv-role), whose engine core runs the KV connector")
         built = build_engine(EngineArgs(model=model, **engine_kwargs), loaded)
         self.engine, self.loaded = built.engine, built.loaded
         self.tokenizer = self.loaded.tokenizer

@@ -80,3 +80,12 @@ def test_a_decode_request_starts_from_the_pulled_kv() -> None:
     assert scheduler.kv.prefix_stats.num_hits == 0  # not a prefix-cache hit
     scheduler.update_from_output(output, {"d": 7})
     assert scheduler.schedule().kv_loads == ()
+
+
+def test_llm_refuses_a_kv_role_it_could_not_serve() -> None:
+    from kvpilot import LLM
+
+    with pytest.raises(TypeError, match="--kv-role"):
+        LLM(kv_role="prefill")
+    with pytest.raises(TypeError, match="kvpilot serve"):
+        LLM(kv_transfer_config={"kv_connector": "KvpilotConnector", "kv_role": "kv_consumer"})
