@@ -36,7 +36,7 @@ def test_ray_prefills_on_one_lane_and_decodes_on_the_other(ray_serve: str, tiny_
     from kvpilot import LLM, SamplingParams
 
     url = deploy(ray_serve, "disaggregated", {
-        **engine_settings(tiny_model),
+        **engine_settings(tiny_model), "max_local_prefill_tokens": 0,
         "lanes": [{"name": "prefill", "engine_process": False, "engine": {"kv_role": "prefill"}},
                   {"name": "decode", "engine_process": False, "engine": {"kv_role": "decode"}}]})
     prompt = "The harbor at dawn was quiet, and the boats rocked on a grey sea while the gulls"

@@ -23,7 +23,8 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 def deployment(llm_fp32):
     """(proxy URL, prefill worker, decode worker, a worker without a kv role)."""
     with _server(llm_fp32, kv_role="prefill") as prefill, _server(llm_fp32, kv_role="decode") as decode, \
-            running_proxy(ProxyConfig(prefill_urls=(prefill.url,), decode_urls=(decode.url,))) as url:
+            running_proxy(ProxyConfig(prefill_urls=(prefill.url,), decode_urls=(decode.url,),
+                                      max_local_prefill_tokens=0)) as url:
         yield url, prefill, decode
 
 
@@ -69,8 +70,8 @@ def test_chat_through_the_proxy_equals_one_worker_alone(deployment) -> None:
 
 def test_a_prefill_refusal_reaches_the_client_and_a_left_stream_leaves_no_block(deployment, llm_fp32) -> None:
     url, prefill, decode = deployment
-    with _server(llm_fp32) as plain, running_proxy(ProxyConfig(prefill_urls=(plain.url,),
-                                                               decode_urls=(decode.url,))) as wrong:
+    with _server(llm_fp32) as plain, running_proxy(ProxyConfig(prefill_urls=(plain.url,), decode_urls=(decode.url,),
+                                                               max_local_prefill_tokens=0)) as wrong:
         refused = httpx.post(f"{wrong}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
                              headers=AUTH, timeout=60)
     assert refused.status_code == 400 and "kv-role" in refused.json()["error"]["message"]
@@ -84,3 +85,18 @@ def test_a_prefill_refusal_reaches_the_client_and_a_left_stream_leaves_no_block(
     _assert_idle_and_clean(prefill, decode)
     with authed_http(decode) as http:
         assert http.get("/health").status_code == 200
+
+
+def test_a_short_prompt_is_prefilled_on_its_decode_worker(deployment) -> None:
+    _, prefill, decode = deployment
+    with running_proxy(ProxyConfig(prefill_urls=(prefill.url,), decode_urls=(decode.url,),
+                                   max_local_prefill_tokens=64)) as url:
+        body = {"model": MODEL, "prompt": _prompt(40, 3), "max_tokens": 4, "temperature": 0}
+        short = httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=120)
+        long = httpx.post(f"{url}/v1/completions", json={**body, "prompt": _prompt(80, 4)}, headers=AUTH,
+                          timeout=120)
+        stats = httpx.get(f"{url}/v1/kvpilot/proxy").json()
+    assert short.status_code == long.status_code == 200
+    assert "x-kvpilot-prefill-worker" not in short.headers and "kv_transfer_tokens" not in _kvpilot_field(short.json())
+    assert long.headers["x-kvpilot-prefill-worker"] == prefill.url
+    assert stats["num_local_prefills"] == 1 and stats["num_handoffs"] == 1

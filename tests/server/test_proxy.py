@@ -17,7 +17,7 @@ import uvicorn
 
 from kvpilot.server.background import BackgroundServer, free_port
 from kvpilot.server.disagg.handoff import (KV_TRANSFER_FIELD, HandoffError, WorkerPool, decode_body,
-                                           parse_request, prefill_body, transfer_params)
+                                           parse_request, prefill_body, prompt_tokens_estimate, transfer_params)
 from kvpilot.server.disagg.proxy import ProxyConfig, create_proxy_app
 from tests.server.conftest import API_KEY, MODEL
 
@@ -42,6 +42,14 @@ def running_proxy(config: ProxyConfig) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+def test_prompt_tokens_are_exact_for_ids_and_estimated_for_text() -> None:
+    assert prompt_tokens_estimate({"prompt": [1, 2, 3]}) == 3
+    assert prompt_tokens_estimate({"prompt": [[1, 2], [3]]}) == 3
+    assert prompt_tokens_estimate({"prompt": "x" * 40}) == 10
+    assert prompt_tokens_estimate({"messages": [{"role": "user", "content": "x" * 20},
+                                                {"role": "user", "content": [{"type": "text", "text": "y" * 20}]}]}) == 10
 
 
 def test_prefill_body_is_one_greedy_unstreamed_token_and_leaves_the_client_body_alone() -> None:
@@ -96,7 +104,8 @@ def test_mixed_proxy_passes_requests_and_streams_through(live_server: Background
 def test_a_dead_prefill_worker_is_a_503_and_nothing_reaches_the_decode_worker(live_server: BackgroundServer) -> None:
     dead = f"http://127.0.0.1:{free_port()}"
     before = _finished_requests(live_server.url)
-    with running_proxy(ProxyConfig(prefill_urls=(dead,), decode_urls=(live_server.url,))) as url:
+    with running_proxy(ProxyConfig(prefill_urls=(dead,), decode_urls=(live_server.url,),
+                                   max_local_prefill_tokens=0)) as url:
         answer = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 4},
                             headers=AUTH, timeout=60)
         assert answer.status_code == 503 and dead in answer.json()["error"]["message"]
@@ -121,3 +130,5 @@ def test_proxy_config_refuses_half_a_deployment() -> None:
         ProxyConfig(prefill_urls=("http://a",), decode_urls=("http://b",), worker_urls=("http://c",)).check()
     with pytest.raises(ValueError, match="give the workers"):
         ProxyConfig().check()
+    with pytest.raises(ValueError, match="must be >= 0"):
+        ProxyConfig(worker_urls=("http://a",), max_local_prefill_tokens=-1).check()

@@ -6,6 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from kvpilot.server.disagg.handoff import DEFAULT_MAX_LOCAL_PREFILL_TOKENS
 from kvpilot.server.serve_flags import HostOpt, PortOpt
 
 _URLS = "a worker's base URL, e.g. http://10.0.0.5:8000 (repeat for each)"
@@ -20,6 +21,10 @@ def proxy_command(
                                                         f"request whole to the least busy one): {_URLS}.")] = None,
     timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait for a worker to connect or to "
                                            "send its next bytes.")] = 600.0,
+    max_local_prefill_tokens: Annotated[int, typer.Option(
+        "--max-local-prefill-tokens", help="Prompts up to this many tokens (estimated: 4 characters a token for "
+        "text) skip the prefill worker: their decode worker prefills them itself. 0: every prompt is handed "
+        "off.")] = DEFAULT_MAX_LOCAL_PREFILL_TOKENS,
     host: HostOpt = "127.0.0.1", port: PortOpt = 8000,
 ) -> None:
     """Route OpenAI requests to kvpilot workers: prefill on one, decode on another (or least-busy mixed)."""
@@ -30,7 +35,7 @@ def proxy_command(
     from kvpilot.server.guards.slow_clients import header_timeout_protocol
 
     config = ProxyConfig(prefill_urls=_urls(prefill), decode_urls=_urls(decode), worker_urls=_urls(worker),
-                         timeout_s=timeout)
+                         timeout_s=timeout, max_local_prefill_tokens=max_local_prefill_tokens)
     try:
         config.check()
         listener = bind_listener(host, port)

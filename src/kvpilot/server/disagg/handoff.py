@@ -8,8 +8,10 @@ Disaggregated serving in vLLM's and SGLang's flow, over kvpilot's HTTP contract 
   2. the router sends the client's own request, plus those `kv_transfer_params`, to a decode worker
      (`--kv-role decode`), which pulls the blocks, computes what is left of the prompt and generates; its
      response (streamed or not) goes to the client as it is.
-This module is the pure part (bodies in, bodies out, which worker next); the standalone proxy (proxy.py) and
-the Ray Serve ingress do the I/O. Invariant: the client's body is never modified in place.
+A prompt no longer than max_local_prefill_tokens skips step 1 (conditional disaggregation, as NVIDIA Dynamo
+does): the decode worker prefills it itself, a chunk too small to stall its streams, and the prefill workers'
+steps are left to the long prompts that would. This module is the pure part (bodies in, bodies out, which
+worker next); the standalone proxy (proxy.py) and the Ray Serve ingress do the I/O. Invariant: the client's body is never modified in place.
 """
 
 from __future__ import annotations
@@ -49,6 +51,40 @@ def parse_request(raw: bytes) -> dict[str, Any]:
         raise HandoffError(400, f"{KV_TRANSFER_FIELD} is set by the router: leave it out of requests sent to it",
                            "invalid_request_error")
     return body
+
+
+# Prompts up to this many tokens are prefilled on their decode worker (0: every prompt goes to a prefill worker,
+# as vLLM's proxy does): a short prefill costs the decode worker's streams less than the hop and the pull.
+DEFAULT_MAX_LOCAL_PREFILL_TOKENS = 256
+CHARS_PER_TOKEN = 4  # a text prompt's length in tokens, estimated without a tokenizer (English BPE: ~4)
+
+
+def prompt_tokens_estimate(body: dict[str, Any]) -> int:
+    """The prompt's length in tokens: exact for token-id prompts, else characters / CHARS_PER_TOKEN."""
+    if "messages" in body:
+        return _chars(body["messages"]) // CHARS_PER_TOKEN
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return len(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
+        return sum(len(p) for p in prompt)
+    return _chars(prompt) // CHARS_PER_TOKEN
+
+
+def _chars(value: Any) -> int:
+    """The characters of the text in a prompt or messages (content strings and text parts)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, list):
+        return sum(_chars(item) for item in value)
+    if isinstance(value, dict):
+        return _chars(value.get("content")) + _chars(value.get("text"))
+    return 0
+
+
+def prefills_locally(body: dict[str, Any], max_local_prefill_tokens: int) -> bool:
+    """Whether the decode worker prefills this prompt itself (0: never; see the module docstring)."""
+    return max_local_prefill_tokens > 0 and prompt_tokens_estimate(body) <= max_local_prefill_tokens
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:

@@ -29,8 +29,9 @@ import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvpilot.server.disagg.handoff import (GENERATE_PATHS, HandoffError, WorkerPool, decode_body, parse_request,
-                                           prefill_body, transfer_params)
+from kvpilot.server.disagg.handoff import (DEFAULT_MAX_LOCAL_PREFILL_TOKENS, GENERATE_PATHS, HandoffError,
+                                           WorkerPool, decode_body, parse_request, prefill_body, prefills_locally,
+                                           transfer_params)
 from kvpilot.server.openai.errors import APIError, install_error_handlers
 
 logger = logging.getLogger("kvpilot.proxy")
@@ -48,6 +49,7 @@ class ProxyConfig:
     decode_urls: tuple[str, ...] = ()
     worker_urls: tuple[str, ...] = ()
     timeout_s: float = 600.0
+    max_local_prefill_tokens: int = DEFAULT_MAX_LOCAL_PREFILL_TOKENS
 
     def check(self) -> None:
         disaggregated = bool(self.prefill_urls) or bool(self.decode_urls)
@@ -56,6 +58,8 @@ class ProxyConfig:
                              "(mixed), not both")
         if disaggregated and not (self.prefill_urls and self.decode_urls):
             raise ValueError("disaggregated serving needs at least one --prefill and one --decode worker")
+        if self.max_local_prefill_tokens < 0:
+            raise ValueError(f"--max-local-prefill-tokens must be >= 0, got {self.max_local_prefill_tokens}")
         if not disaggregated and not self.worker_urls:
             raise ValueError("give the workers: --prefill URL --decode URL (disaggregated) or --worker URL "
                              "(mixed)")
@@ -74,6 +78,7 @@ class _Router:
         self.decode = WorkerPool(config.decode_urls if config.disaggregated else config.worker_urls)
         self.session: aiohttp.ClientSession | None = None
         self.num_handoffs = 0
+        self.num_local_prefills = 0  # prompts short enough to prefill on their decode worker
         self.prefill_seconds = 0.0
 
     def open(self) -> None:
@@ -162,6 +167,8 @@ def create_proxy_app(config: ProxyConfig) -> FastAPI:
     @app.get("/v1/kvpilot/proxy")
     async def proxy_stats() -> dict[str, Any]:
         return {"disaggregated": config.disaggregated, "num_handoffs": router.num_handoffs,
+                "num_local_prefills": router.num_local_prefills,
+                "max_local_prefill_tokens": config.max_local_prefill_tokens,
                 "prefill_seconds": round(router.prefill_seconds, 6),
                 "in_flight": {**(router.prefill.in_flight if router.prefill else {}), **router.decode.in_flight}}
 
@@ -173,12 +180,15 @@ def create_proxy_app(config: ProxyConfig) -> FastAPI:
         if config.disaggregated and request.method == "POST" and request.url.path in GENERATE_PATHS:
             try:
                 body = parse_request(raw)
-                params, prefill_url = await router.prefill_params(body, headers)
+                if not prefills_locally(body, config.max_local_prefill_tokens):
+                    params, prefill_url = await router.prefill_params(body, headers)
+                    raw = json.dumps(decode_body(body, params)).encode()
+                    router.num_handoffs += 1
+                    extra["x-kvpilot-prefill-worker"] = prefill_url
+                else:
+                    router.num_local_prefills += 1
             except HandoffError as exc:
                 return APIError(exc.status, exc.message, code=exc.code).response()
-            raw = json.dumps(decode_body(body, params)).encode()
-            router.num_handoffs += 1
-            extra["x-kvpilot-prefill-worker"] = prefill_url
         return await _send(router, request, raw, {**headers, "content-type": "application/json"}, extra)
 
     return app

@@ -3,7 +3,7 @@ YAML/JSON file (`config=FILE`, `kvpilot serve --ray --ray-config FILE`) or from 
 
 Shape (every key optional; docs/ray.md):
     routing: prefix | round_robin | power_of_two      load_factor: 1.25
-    served_model_name: [names]   api_key: KEY   max_request_body_bytes: N
+    served_model_name: [names]   api_key: KEY   max_request_body_bytes: N   max_local_prefill_tokens: N
     engine: {EngineArgs fields}                        # shared by every lane
     lanes: [{name, num_replicas, max_prompt_chars, priorities, engine: {...}, autoscaling_config: {...},
              cpus_per_replica, max_ongoing_requests, engine_process}]
@@ -23,11 +23,12 @@ from typing import Any, Mapping
 from kvpilot.engine.config import EngineConfigError
 from kvpilot.engine.kv_events_config import KVEventsConfig
 from kvpilot.launch.args import EngineArgs
+from kvpilot.server.disagg.handoff import DEFAULT_MAX_LOCAL_PREFILL_TOKENS
 
 ROUTINGS = ("prefix", "round_robin", "power_of_two")
 DEFAULT_LANE = "default"
 _APP_KEYS = {"routing", "load_factor", "served_model_name", "api_key", "max_request_body_bytes", "engine",
-             "lanes", "config", "name"}
+             "lanes", "config", "name", "max_local_prefill_tokens"}
 
 
 class RayConfigError(ValueError):
@@ -67,6 +68,7 @@ class RayAppConfig:
     api_key: str | None = None
     max_request_body_bytes: int = 32 * 1024 * 1024
     name: str = "kvpilot"
+    max_local_prefill_tokens: int = DEFAULT_MAX_LOCAL_PREFILL_TOKENS  # with a prefill lane (disagg/handoff.py)
 
     def lane(self, name: str) -> LaneConfig:
         return next(lane for lane in self.lanes if lane.name == name)
@@ -105,7 +107,9 @@ def parse_app_config(args: Mapping[str, Any]) -> RayAppConfig:
                           load_factor=float(values.get("load_factor", 1.25)),
                           served_model_names=_names(values.get("served_model_name")),
                           api_key=values.get("api_key") or None, name=str(values.get("name", "kvpilot")),
-                          max_request_body_bytes=int(values.get("max_request_body_bytes", 32 * 1024 * 1024)))
+                          max_request_body_bytes=int(values.get("max_request_body_bytes", 32 * 1024 * 1024)),
+                          max_local_prefill_tokens=int(values.get("max_local_prefill_tokens",
+                                                                  DEFAULT_MAX_LOCAL_PREFILL_TOKENS)))
     check_app_config(config)
     return config
 

@@ -25,7 +25,7 @@ from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from kvpilot.server.disagg.handoff import (GENERATE_PATHS, HandoffError, decode_body, parse_request, prefill_body,
-                                           transfer_params)
+                                           prefills_locally, transfer_params)
 from kvpilot.server.openai.errors import APIError, install_error_handlers
 from kvpilot.server.ray_app.config import RayAppConfig
 from kvpilot.server.ray_app.forward import ForwardedRequest, ResponseStart, end_to_end
@@ -167,6 +167,8 @@ class KvpilotIngress:
             body = parse_request(fwd.body)
         except HandoffError as exc:
             raise APIError(exc.status, exc.message, code=exc.code) from exc
+        if prefills_locally(body, self.config.max_local_prefill_tokens):
+            return fwd, {}  # short: its decode replica prefills it (handoff.py)
         start, stream = await self._call(self.prefill_lane, dataclasses.replace(
             fwd, body=json.dumps(prefill_body(body)).encode()))
         payload = b"".join([chunk async for chunk in stream])
