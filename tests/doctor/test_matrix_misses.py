@@ -21,20 +21,21 @@ def _ids(report: DoctorReport) -> list[tuple[str, str]]:
     return [(f.rule_id, f.severity.value) for f in report.findings]
 
 
-def _stalls(stall_ms: float, seconds: float) -> list[tuple[float, float]]:
-    """Event-loop lag every 10 ms with a ``stall_ms`` stall every half second."""
-    return [(k * 0.01, stall_ms if k % 50 == 0 else 0.4) for k in range(int(seconds * 100))]
+def _stalls(stall_ms: float, seconds: float, every: int = 50) -> list[tuple[float, float]]:
+    """Event-loop lag of one sample per 10 ms tick, with a ``stall_ms`` stall every ``every`` ticks (half a
+    second by default)."""
+    return [(k * 0.01, stall_ms if k % every == 0 else 0.4) for k in range(int(seconds * 100))]
 
 
-def _slow_client(tmp: Path, stall_ms: float, stalls: tuple[float, float]) -> list[str]:
-    """A healthy server on 127.0.0.1 probed by a client that stalls ``stall_ms`` every half second: each first
+def _slow_client(tmp: Path, stall_ms: float, stalls: tuple[float, float], every: int = 50) -> list[str]:
+    """A healthy server on 127.0.0.1 probed by a client that stalls ``stall_ms`` every ``every`` ticks: each first
     token waits in the socket through ``stalls`` (low, high) of them (client TTFT = server TTFT + that)."""
     rng = random.Random(11)
     recs = closed_loop(40, 4, lambda i, t: req(i, t, prefill=jitter(rng, 40), num_out=8,
                                                net=2.0 + stall_ms * rng.uniform(*stalls)))
-    return [write(tmp / f"slow-client-{stall_ms:g}.json",
-                  [run("ramp-4", recs, loop_lag=_stalls(stall_ms, 8), metrics=samples(4, running=4, waiting=0,
-                                                                                      kv=0.1))])]
+    return [write(tmp / f"slow-client-{stall_ms:g}-{every}.json",
+                  [run("ramp-4", recs, loop_lag=_stalls(stall_ms, 8, every),
+                       metrics=samples(4, running=4, waiting=0, kv=0.1))])]
 
 
 def test_a_client_whose_stalls_are_most_of_the_latency_leads(tmp_path: Path) -> None:
@@ -49,6 +50,19 @@ def test_a_client_whose_stalls_are_most_of_the_latency_leads(tmp_path: Path) -> 
     assert first.explains is not None and first.explains.share > 0.5 and "beyond the server" in first.explains.of
     mild = diagnose(load_inputs(_slow_client(tmp_path, 15.0, (0.0, 1.0))))
     assert all(f.severity.value == "low" for f in mild.findings), _ids(mild)
+
+
+def test_rare_long_stalls_are_not_hidden_by_a_per_tick_p99(tmp_path: Path) -> None:
+    """The live slow-client cell (issue #51): a GIL-holding thread stalls the probe's loop ~300 ms once a second
+    while its ticks run a little slow, so one tick in ~120 is late (under 1%: the per-tick p99 said 5 ms and
+    client-overload never fired). The loop is stalled a fifth of the time: judged at p99 of the run's time, the
+    stall is seen and leads where it is most of the latency. Short rare stalls on a healthy server stay clean."""
+    report = diagnose(load_inputs(_slow_client(tmp_path, 300.0, (1.0, 2.0), every=120)))
+    first = report.findings[0]
+    assert (first.rule_id, first.severity.value) == ("client-overload", "high"), _ids(report)
+    assert "300 ms" in first.summary
+    quiet = diagnose(load_inputs(_slow_client(tmp_path, 25.0, (0.0, 0.3), every=120)))
+    assert all(f.severity.value == "low" for f in quiet.findings), _ids(quiet)
 
 
 def _tiny_pool(tmp: Path, kv: float, hits: float) -> list[str]:
