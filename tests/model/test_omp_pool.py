@@ -29,3 +29,32 @@ def test_release_keeps_every_thread_working() -> None:
         assert get_kernel().parallel_width() == 2  # a new pool on this thread
     finally:
         torch.set_num_threads(before)
+
+
+def test_an_engine_core_thread_hands_its_workers_back_whenever_it_goes_idle(llm_fp32, monkeypatch) -> None:
+    """An engine core in a thread (tests, Ray replicas) must not keep an idle pool beside other threads' pools:
+    libgomp then throttles every thread's regions to wake-ups (the module docstring of omp_pool.py)."""
+    import time
+
+    import httpx
+
+    from kvpilot.server import ServerArgs, create_app, engine_factory
+    from kvpilot.server.background import BackgroundServer
+    from kvpilot.server.core import step_loop
+    from tests.server.conftest import server_engine_args
+
+    calls: list[str] = []
+    real = step_loop.release_omp_pool
+    monkeypatch.setattr(step_loop, "release_omp_pool",
+                        lambda: calls.append(threading.current_thread().name) or real())
+    app = create_app(engine_factory(server_engine_args(), loaded=llm_fp32.loaded, warmup=False),
+                     ServerArgs(served_model_names=("m",), engine_process=False))
+    with BackgroundServer(app) as server:
+        idle_at_start = len(calls)
+        answer = httpx.post(f"{server.url}/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 3},
+                            timeout=60)
+        deadline = time.monotonic() + 10
+        while len(calls) == idle_at_start and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert answer.status_code == 200
+    assert len(calls) > idle_at_start and threading.main_thread().name not in calls

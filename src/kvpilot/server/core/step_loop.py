@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from kvpilot.engine.engine import StepStats
 from kvpilot.engine.scheduler_stats import SchedulerStats
+from kvpilot.omp_pool import release_omp_pool
 from kvpilot.outputs import RequestOutput
 from kvpilot.server.core.channel import Endpoint
 from kvpilot.server.core.engine_info import EngineCapacity
@@ -101,6 +102,11 @@ class EngineCore:
             self._step_and_publish()
 
     def _receive(self, block: bool) -> list[ToCore]:
+        if block:
+            # An idle core's OpenMP workers would count against every other thread's in this process (an engine
+            # core in a thread beside others: tests, Ray replicas): past one per CPU libgomp stops spinning and
+            # each parallel region waits on a wake-up (omp_pool.py). The next step builds a new pool.
+            release_omp_pool()
         messages = [self.endpoint.recv()] if block else []  # sleep when idle
         while self.endpoint.poll():
             messages.append(self.endpoint.recv())
