@@ -4,7 +4,8 @@ A multi-turn session resends its whole history each turn. The part the server co
 (that turn's prompt and answer) is the prefix the next turn could reuse; what the response says was cached
 (bench's ``cached_tokens``: kvpilot's field or the OpenAI usage) short of it was recomputed. With prefix caching
 on and no offload tier, that happens when the pool evicted the session between its turns (a pool full or
-busy enough: usage at ``kv_usage_warn`` or preemptions). A host-memory tier (``--kv-offloading-size``, the same
+busy enough: usage at ``kv_usage_warn`` or preemptions, or the sessions' histories together larger than the
+pool). A host-memory tier (``--kv-offloading-size``, the same
 flag in kvpilot and vLLM) keeps evicted blocks and copies them back. The time it would save is estimated from
 the recomputed tokens and the prefill rate measured on the same server.
 """
@@ -34,6 +35,7 @@ class Recompute:
     num_tier_hits: int
     ms_per_token: float
     ttft_ms: float
+    num_history_tokens: int = 0  # over the sessions, each one's longest reusable prefix: what the pool had to keep
 
     @property
     def saved_s(self) -> float:
@@ -72,7 +74,20 @@ def measure_recompute(ctx: RuleContext) -> Recompute | None:
     reusable = sum(n for _, n in turns)
     recomputed = sum(max(0, n - (cached_tokens(r) or 0)) for r, n in turns)
     tier = sum(r.server.num_tier_cached_tokens for r, _ in turns if r.server is not None)
-    return Recompute(len(turns), reusable, recomputed, tier, rate, median(r.ttft_ms for r, _ in turns) or 0.0)
+    longest: dict[tuple[object, object], int] = {}
+    for r, n in turns:
+        longest[(r.item_id, r.group_id)] = max(longest.get((r.item_id, r.group_id), 0), n)
+    return Recompute(len(turns), reusable, recomputed, tier, rate, median(r.ttft_ms for r, _ in turns) or 0.0,
+                     sum(longest.values()))
+
+
+def _evicting(ctx: RuleContext, m: Recompute) -> bool:
+    """The pool had to evict sessions between their turns: the scrapes saw it full (or preempting), or the
+    sessions' histories together outgrow it (the server's pool size; scrapes every 0.5 s miss a short run's peak)."""
+    view, cfg = ctx.view, ctx.inputs.server_config
+    if (view.kv_usage_max or 0.0) >= ctx.th.kv_usage_warn or (view.num_preemptions or 0.0) > 0:
+        return True
+    return bool(cfg is not None and cfg.num_kv_tokens and m.num_history_tokens > cfg.num_kv_tokens)
 
 
 def _offload_configured(ctx: RuleContext) -> bool:
@@ -90,8 +105,7 @@ def prefix_recomputed(ctx: RuleContext) -> Finding | None:
     th, view, m = ctx.th, ctx.view, measure_recompute(ctx)
     if m is None or m.num_reusable <= 0 or m.num_recomputed < 0.5 * m.num_reusable or m.num_tier_hits:
         return None
-    evicting = (view.kv_usage_max or 0.0) >= th.kv_usage_warn or (view.num_preemptions or 0.0) > 0
-    if view.prefix_caching_enabled is False or _offload_configured(ctx) or not evicting:
+    if view.prefix_caching_enabled is False or _offload_configured(ctx) or not _evicting(ctx, m):
         return None
     per_turn = m.num_recomputed / m.num_turns * m.ms_per_token
     share = LatencyShare(min(per_turn, m.ttft_ms), m.ttft_ms, "median TTFT of returning turns") if m.ttft_ms else None
