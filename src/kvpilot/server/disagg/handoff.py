@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,8 +40,6 @@ class HandoffError(Exception):
 
 def parse_request(raw: bytes) -> dict[str, Any]:
     """The client's JSON body; HandoffError(400) if it is not a JSON object."""
-    import json
-
     try:
         body = json.loads(raw) if raw else None
     except ValueError as exc:
@@ -95,6 +94,21 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
         out["max_completion_tokens"] = 1
     out[KV_TRANSFER_FIELD] = {"do_remote_decode": True}
     return out
+
+
+def prefill_answer(status: int, payload: bytes) -> dict[str, Any]:
+    """The kv_transfer_params of a prefill worker's answer (status and body); HandoffError carrying the worker's
+    own status, message and error type when it failed, or 502 when a 200 lacks them."""
+    try:
+        answer = json.loads(payload)
+    except ValueError:
+        answer = None
+    if status >= 400:
+        error = answer.get("error") if isinstance(answer, dict) else None
+        error = error if isinstance(error, dict) else {}
+        message = error.get("message") or payload.decode("utf-8", "replace")[:500] or "the prefill worker failed"
+        raise HandoffError(status, str(message), str(error.get("type") or "disaggregation_failed"))
+    return transfer_params(answer)
 
 
 def transfer_params(prefill_response: Any) -> dict[str, Any]:

@@ -30,8 +30,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvpilot.server.disagg.handoff import (DEFAULT_MAX_LOCAL_PREFILL_TOKENS, GENERATE_PATHS, HandoffError,
-                                           WorkerPool, decode_body, parse_request, prefill_body, prefills_locally,
-                                           transfer_params)
+                                           WorkerPool, decode_body, parse_request, prefill_answer, prefill_body,
+                                           prefills_locally)
 from kvpilot.server.openai.errors import APIError, install_error_handlers
 
 logger = logging.getLogger("kvpilot.proxy")
@@ -94,10 +94,7 @@ class _Router:
         started = time.perf_counter()
         try:
             async with self.session.post(url + _path(body), json=prefill_body(body), headers=headers) as resp:
-                payload = await resp.read()
-                if resp.status >= 400:
-                    raise HandoffError(resp.status, _error_message(payload), _error_type(payload))
-                return transfer_params(json.loads(payload)), url
+                return prefill_answer(resp.status, await resp.read()), url
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise HandoffError(503, f"the prefill worker {url} did not answer ({type(exc).__name__}: {exc}); "
                                     "retry shortly", "worker_unavailable") from exc
@@ -108,18 +105,6 @@ class _Router:
 
 def _path(body: dict[str, Any]) -> str:
     return "/v1/chat/completions" if "messages" in body else "/v1/completions"
-
-
-def _error_message(payload: bytes) -> str:
-    with contextlib.suppress(ValueError, AttributeError, TypeError):
-        return str(json.loads(payload)["error"]["message"])
-    return payload.decode("utf-8", "replace")[:500] or "the prefill worker failed"
-
-
-def _error_type(payload: bytes) -> str:
-    with contextlib.suppress(ValueError, AttributeError, TypeError, KeyError):
-        return str(json.loads(payload)["error"]["type"])
-    return "disaggregation_failed"
 
 
 def _forwarded_headers(request: Request) -> dict[str, str]:

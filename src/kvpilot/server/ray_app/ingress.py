@@ -25,7 +25,7 @@ from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from kvpilot.server.disagg.handoff import (GENERATE_PATHS, HandoffError, decode_body, parse_request, prefill_body,
-                                           prefills_locally, transfer_params)
+                                           prefill_answer, prefills_locally)
 from kvpilot.server.openai.errors import APIError, install_error_handlers
 from kvpilot.server.ray_app.config import RayAppConfig
 from kvpilot.server.ray_app.forward import ForwardedRequest, ResponseStart, end_to_end
@@ -173,15 +173,7 @@ class KvpilotIngress:
             fwd, body=json.dumps(prefill_body(body)).encode()))
         payload = b"".join([chunk async for chunk in stream])
         try:
-            answer = json.loads(payload)
-        except ValueError:
-            answer = None
-        if start.status >= 400:
-            error = answer.get("error", {}) if isinstance(answer, dict) else {}
-            raise APIError(start.status, str(error.get("message", "the prefill replica failed")),
-                           code=error.get("type"))
-        try:
-            params = transfer_params(answer)
+            params = prefill_answer(start.status, payload)
         except HandoffError as exc:
             raise APIError(exc.status, exc.message, code=exc.code) from exc
         return (dataclasses.replace(fwd, body=json.dumps(decode_body(body, params)).encode()),
