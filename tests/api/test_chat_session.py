@@ -176,12 +176,11 @@ def test_terminal_input_edits_lines_and_recalls_history(pipe) -> None:  # type: 
 
 
 @pytest.mark.slow
-def test_chat_command_logs_nothing_unless_verbose(tmp_path: Path) -> None:
+def test_chat_command_logs_with_verbose(tmp_path: Path) -> None:
+    """-v shows the INFO log lines. Without -v there are none: tests/api/test_cli.py's chat on the real model
+    (test_chat_keeps_history_and_streams_replies) answers Paris with no INFO line, so that run is not repeated."""
     chat = [sys.executable, "-m", "kvpilot.cli", "chat", "--temperature", "0", "--max-tokens", "16", "--dtype",
             "float32", "--kv-cache-memory", "256MiB", "--max-model-len", "1024"]
-    quiet = subprocess.run(chat, input=QUESTION + "\n", capture_output=True, text=True, timeout=300)
-    assert quiet.returncode == 0, quiet.stderr
-    assert "Paris" in quiet.stdout and "INFO" not in quiet.stderr
     # -v needs no answer, only the log lines: a tiny dummy model loads in a fraction of the real one's time
     tiny = ["--model", str(write_tiny_config(tmp_path, narrow=True)), "--load-format", "dummy"]
     verbose = subprocess.run([*chat, *tiny, "-v"], input="", capture_output=True, text=True, timeout=300)

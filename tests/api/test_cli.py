@@ -40,6 +40,7 @@ def test_chat_keeps_history_and_streams_replies():
     assert result.returncode == 0, result.stderr
     assert "The capital of France is Paris." in result.stdout
     assert result.stdout.count("\n") >= 3
+    assert "INFO" not in result.stderr  # no log line without -v (tests/api/test_chat_session.py checks -v's)
 
 
 def test_bad_model_path_is_one_clear_line():
