@@ -1,7 +1,10 @@
 """Issue 14: the README's examples run as written and give sensible answers. The quick-start curl goes to a
 real `kvpilot serve` (started as scripts/quickstart.sh does, on a free port) and must answer "Paris"; the Python
 example runs as a script and must too; every `kvpilot ...` line of the README parses under the command's own
-flags. The snippets are read from README.md itself, so editing the README edits the test."""
+flags. The snippets are read from README.md itself, so editing the README edits the test.
+
+The served process also shows what `kvpilot serve` is as users start it: its HTTP process never maps torch or the
+model (the engine core process does), and its start-up log says when it answers, with the URL."""
 
 from __future__ import annotations
 
@@ -67,12 +70,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class Served:
+    def __init__(self, port: int, process: subprocess.Popen, log: Path) -> None:
+        self.port, self.process, self.log = port, process, log
+
+
 @pytest.fixture(scope="module")
-def served_port(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     port = _free_port()
     log = (tmp_path_factory.mktemp("serve") / "serve.log").open("w")
+    # a file, not a pipe: nothing here reads it while the server runs
     process = subprocess.Popen([sys.executable, "-m", "kvpilot.cli", "serve", "--port", str(port)],
-                               stdout=log, stderr=subprocess.STDOUT)
+                               stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and process.poll() is None:
@@ -84,11 +93,16 @@ def served_port(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
             time.sleep(0.2)
         else:
             pytest.fail(f"kvpilot serve did not become healthy: {Path(log.name).read_text()[-2000:]}")
-        yield port
+        yield Served(port, process, Path(log.name))
     finally:
         process.terminate()
         process.wait(timeout=60)
         log.close()
+
+
+@pytest.fixture()
+def served_port(served: Served) -> int:
+    return served.port
 
 
 @pytest.mark.slow
@@ -126,3 +140,29 @@ def test_openai_sdk_tools_example_runs_as_written(served_port: int, tmp_path: Pa
     assert result.returncode == 0, result.stderr
     calls = [line.split(" ", 1) for line in result.stdout.splitlines() if line.startswith("get_weather ")]
     assert calls and all(json.loads(arguments) == {"city": "Paris"} for _, arguments in calls), result.stdout
+
+
+def _maps(pid: int) -> str:
+    return Path(f"/proc/{pid}/maps").read_text()
+
+
+def _children(pid: int) -> list[int]:
+    children: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children.extend(int(c) for c in (task / "children").read_text().split())
+    return children
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/<pid>/maps (Linux)")
+def test_the_http_process_never_maps_torch_while_the_core_does(served: Served) -> None:
+    """`kvpilot serve` as users start it: the HTTP process never loads torch or the model (the engine core process
+    does), so HTTP work, tokenization and the core never share a GIL or the memory of two torch runtimes."""
+    response = httpx.post(f"http://127.0.0.1:{served.port}/v1/completions",
+                          json={"prompt": "Hello", "max_tokens": 4, "temperature": 0}, timeout=120)
+    assert response.status_code == 200  # it tokenized and detokenized a request end to end
+    cores = [pid for pid in _children(served.process.pid) if "libtorch" in _maps(pid)]
+    assert cores, "no child process with torch: the engine core should run in one"
+    assert "libtorch" not in _maps(served.process.pid)
+    # issue 46: the start-up says when it answers, with the URL (before /health turned 200)
+    assert f"kvpilot serve: ready at http://127.0.0.1:{served.port}/v1" in served.log.read_text()

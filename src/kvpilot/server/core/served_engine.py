@@ -1,7 +1,7 @@
 """ServedEngine: an LLMEngine plus its EngineInfo, built inside the engine core (process or thread).
 
 With fit_names.py, the server modules that import torch and kvpilot.model: the HTTP side never imports them
-(tests/server/test_http_process_torch_free.py).
+(tests/test_readme.py::test_the_http_process_never_maps_torch_while_the_core_does).
 """
 
 from __future__ import annotations
