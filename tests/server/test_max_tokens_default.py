@@ -19,7 +19,7 @@ HELLO = [{"role": "user", "content": "hello"}]
 
 @pytest.fixture(scope="module")
 def tiny_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_config(tmp_path_factory.mktemp("tiny"))
+    return write_tiny_config(tmp_path_factory.mktemp("tiny"), narrow=True)  # the uncapped request: ~250 steps
 
 
 def _chat(client: httpx.Client, **fields: object) -> dict:
