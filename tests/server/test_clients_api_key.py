@@ -54,4 +54,5 @@ def test_bench_progress_goes_to_stderr_results_to_stdout(server: BackgroundServe
     assert result.returncode == 0, result.stderr
     assert "errors:" in result.stderr  # the progress bar's columns
     assert "errors:" not in result.stdout and "Latency (ms)" in result.stdout and "Throughput" in result.stdout
+    assert "Latency (ms)" not in result.stderr and "httpx" not in result.stderr  # results and no httpx log lines
     assert json.loads((tmp_path / "result.json").read_text())["runs"]

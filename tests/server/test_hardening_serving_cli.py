@@ -1,7 +1,7 @@
 """Issue 14, the command line around the server: an empty --api-key is refused at start-up, `kvpilot serve` on
 a taken port fails before loading the model, and the clients share one API-key story (`--api-key`, else
-OPENAI_API_KEY): bench writes its results to stdout and says what to do on 401, `fit --url` logs no httpx
-lines."""
+OPENAI_API_KEY): bench says what to do on 401, `fit --url` logs no httpx lines. bench's results on stdout with
+the key from the environment: test_clients_api_key.py's test_bench_progress_goes_to_stderr_results_to_stdout."""
 
 from __future__ import annotations
 
@@ -74,15 +74,6 @@ def test_serve_on_a_busy_port_fails_before_loading(tiny_config: Path) -> None:
     assert result.returncode == 1, result.stderr
     assert f"cannot listen on 127.0.0.1:{port}" in result.stderr and "--port" in result.stderr
     assert "loading" not in result.stderr  # the model was never loaded
-
-
-def test_bench_results_go_to_stdout_with_the_key_from_the_environment(server) -> None:
-    args = ["bench", "--base-url", server.url, "--num-requests", "2", "--input-len", "8", "--output-len", "2",
-            "--no-progress"]
-    result = _run(args, env={"OPENAI_API_KEY": KEY})
-    assert result.returncode == 0, result.stderr
-    assert "Latency (ms)" in result.stdout and "Throughput" in result.stdout
-    assert "Latency (ms)" not in result.stderr and "httpx" not in result.stderr
 
 
 def test_bench_401_names_the_flag(server) -> None:
