@@ -28,7 +28,8 @@ def test_serve_ray_joins_a_cluster_serves_and_exits_on_sigterm(ray_serve: str, t
     address = ray.get_runtime_context().gcs_address
     command = [sys.executable, "-m", "kvpilot.server", "--ray", "--ray-address", address, "--num-replicas", "1",
                "--routing", "round_robin", "--model", tiny_model, "--load-format", "dummy", "--dtype", "float32",
-               "--max-model-len", "512", "--kv-cache-memory", "16MiB", "--served-model-name", "tiny"]
+               "--max-model-len", "512", "--kv-cache-memory", "16MiB", "--served-model-name", "tiny",
+               "--no-engine-process"]  # a flag that reaches the replicas (and spares a process spawn at start)
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 120
