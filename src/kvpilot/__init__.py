@@ -1,5 +1,9 @@
 """kvpilot: a fast LLM inference server that explains its own speed."""
 
+from kvpilot.omp_pool import prefer_short_omp_spin
+
+prefer_short_omp_spin()  # before torch loads libgomp (omp_pool.py says why; GOMP_SPINCOUNT or OMP_WAIT_POLICY overrides)
+
 from kvpilot.sampling_params import SamplingParams
 from kvpilot.structured_outputs import StructuredOutputsParams
 

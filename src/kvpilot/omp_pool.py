@@ -1,5 +1,14 @@
-"""release_omp_pool: hand the OpenMP worker threads of the calling thread back, before another thread of the
-same process takes over the torch work (an engine thread started after the model ran on this one).
+"""kvpilot's handling of libgomp, the OpenMP runtime under torch's CPU ops and kvpilot's C++ kernels: a short
+spin before a waiting thread sleeps (prefer_short_omp_spin), and release_omp_pool, which hands the OpenMP worker
+threads of the calling thread back before another thread of the same process takes over the torch work (an
+engine thread started after the model ran on this one).
+
+The spin: a thread that finishes its share of a parallel region waits at the barrier for the others, spinning
+~300,000 rounds (a few ms) by default before it sleeps. On a machine whose cores other processes also use (a
+shared box, CI neighbours, a client beside the server) the thread it waits for may have no CPU: the spinning
+one holds a core through its timeslice, and a decode step of hundreds of regions took 5-10x as long
+(benchmarks/omp_wait.py; docs/benchmark-log.md). SHORT_SPIN_COUNT rounds keep the quiet machine's speed (the
+regions of a step follow each other within microseconds) and give the core up soon when it is contended.
 
 Why: libgomp keeps one pool of worker threads per thread that ever opened a parallel region, and once the
 process holds more of its threads than CPUs it stops spinning between regions and sleeps at once
@@ -18,6 +27,30 @@ import os
 
 _OMP_PAUSE_SOFT = 1
 _LIBGOMP = "libgomp.so.1"
+SHORT_SPIN_COUNT = 3000
+_USER_SETTINGS = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
+
+
+def prefer_short_omp_spin(environ: dict[str, str] | None = None) -> bool:
+    """Sets GOMP_SPINCOUNT=SHORT_SPIN_COUNT for the libgomp this process (and the processes it starts) will
+    load; True when it did. Leaves everything as it is when the user set GOMP_SPINCOUNT or OMP_WAIT_POLICY, or
+    when libgomp is already loaded (torch imported before kvpilot: libgomp read its environment then, and a
+    changed variable would only surprise this process's children). `environ` is os.environ unless given."""
+    env = os.environ if environ is None else environ
+    if any(name in env for name in _USER_SETTINGS) or _libgomp_loaded():
+        return False
+    env["GOMP_SPINCOUNT"] = str(SHORT_SPIN_COUNT)
+    return True
+
+
+def _libgomp_loaded() -> bool:
+    if not hasattr(os, "RTLD_NOLOAD"):
+        return True  # cannot tell: change nothing
+    try:
+        ctypes.CDLL(_LIBGOMP, mode=os.RTLD_NOLOAD)
+    except OSError:
+        return False
+    return True
 
 
 def release_omp_pool() -> bool:

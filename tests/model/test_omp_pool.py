@@ -58,3 +58,22 @@ def test_an_engine_core_thread_hands_its_workers_back_whenever_it_goes_idle(llm_
             time.sleep(0.01)
     assert answer.status_code == 200
     assert len(calls) > idle_at_start and threading.main_thread().name not in calls
+
+
+@pytest.mark.parametrize(("setup", "env", "expected"), [
+    ("import kvpilot", {}, "3000"),  # kvpilot first: libgomp will spin briefly
+    ("import kvpilot", {"OMP_WAIT_POLICY": "active"}, None),  # the user's setting stands
+    ("import kvpilot", {"GOMP_SPINCOUNT": "50"}, "50"),
+    ("import torch, kvpilot", {}, None),  # libgomp already loaded: nothing changed for children to inherit
+])
+def test_importing_kvpilot_sets_a_short_spin_unless_the_user_or_torch_came_first(setup: str, env: dict[str, str],
+                                                                                 expected: str | None) -> None:
+    import os
+    import subprocess
+    import sys
+
+    base = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    proc = subprocess.run([sys.executable, "-c", f"{setup}; import os; print(os.environ.get('GOMP_SPINCOUNT'))"],
+                          env={**base, **env}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == str(expected)
