@@ -1,6 +1,8 @@
 """Builds kvpilot's C++ CPU kernels with torch's cpp_extension (JIT, cached on disk by torch under
 ~/.cache/torch_extensions), the one way for all of them: KVPILOT_CPU_KERNELS=0 switches them off; the module
-name carries the sources' hash (an edited kernel is rebuilt, never a stale cached one loaded); OpenMP first,
+name carries the sources' hash (an edited kernel is rebuilt, never a stale cached one loaded) and torch's build,
+not its path (every virtual environment or clone with the same torch finds the module built once, and loads the
+cached .so directly, without torch's build step: see load_built); OpenMP first,
 since ATen's parallel_for is inlined into the module and runs on one thread without it (a compiler without
 -fopenmp, e.g. Apple clang, still gets the kernel, serial, with a warning); if nothing builds (no compiler,
 ninja or headers), None and a warning naming the fallback."""
@@ -8,6 +10,7 @@ ninja or headers), None and a warning naming the fallback."""
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
 import os
 import platform
@@ -58,6 +61,9 @@ def build_cpp_kernel(kernel: CppKernel) -> Any | None:
             built = name if openmp else name + "_serial"
             build_dir = Path(_get_build_directory(built, verbose=False))
             remove_stale_lock(build_dir, built)
+            cached = load_built(build_dir, built)
+            if cached is not None:
+                return cached
             started = _announce_compile(kernel, build_dir, built)
             module = load_inline(name=built, cpp_sources=[source], no_implicit_headers=True,
                                  functions=list(kernel.functions), extra_cflags=[*kernel.cflags, *openmp],
@@ -85,21 +91,38 @@ def _announce_compile(kernel: CppKernel, build_dir: Path, built: str) -> float |
     return time.monotonic()
 
 
+def load_built(build_dir: Path, module_name: str) -> Any | None:
+    """The module already built in `build_dir`, imported from its .so; None when there is none or a build holds
+    torch's lock there (then load_inline waits for it). Skips load_inline's own check: it rewrites the build file
+    with this environment's include paths, and ninja then rebuilds a module another environment built."""
+    path = build_dir / f"{module_name}.so"
+    if not path.is_file() or (build_dir / "lock").exists():
+        return None
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        return None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def module_name(kernel: CppKernel, source: str, cpu: str, build: str = "") -> str:
     """The prefix and a hash of the source and `build` (build_identity()); for -march=native builds also of
     `cpu`: such a binary runs only where it was built, and a cache shared across machines (a home directory, an
     image) must not hand it to another CPU."""
     native = cpu if "-march=native" in kernel.cflags else ""
-    return kernel.name_prefix + hashlib.sha256((source + native + build).encode()).hexdigest()[:12]
+    flags = " ".join(kernel.cflags)  # a cached module is loaded without ninja's check of the build command
+    return kernel.name_prefix + hashlib.sha256((source + native + build + flags).encode()).hexdigest()[:12]
 
 
 def build_identity() -> str:
-    """What torch's build file holds besides the source: the include paths of torch's headers and of Python.
-    Two virtual environments sharing ~/.cache/torch_extensions would otherwise rewrite one build file in turn,
-    and ninja rebuilt every kernel (a minute or more) at each switch between them."""
-    from torch.utils.cpp_extension import include_paths
+    """What the module's binary depends on besides its source: torch's version and build (its headers and ABI)
+    and Python's ABI, not where they are installed: a fresh clone or virtual environment with the same torch
+    loads the module built once (a fresh clone of the suite rebuilt all six, over a minute on 2 cores)."""
+    import torch
 
-    return "\n".join([*include_paths(), sysconfig.get_paths()["include"]])
+    return "\n".join([torch.__version__, torch.version.git_version or "", str(torch.compiled_with_cxx11_abi()),
+                      sysconfig.get_config_var("SOABI") or "", sysconfig.get_python_version()])
 
 
 def cpu_identity() -> str:
