@@ -19,4 +19,7 @@ bash scripts/install_chromium.sh   # headless Chromium for the bench HTML report
 # compiled the kvpilot modules it imports again (~250 of them: ~0.25 s of CPU). Python still reads the ignored
 # __pycache__ files; a syntax error is left for pytest to report.
 "$PY" -m compileall -q src tests >/dev/null || true
-exec "$PY" -m pytest "$@"
+# Two pytest workers (pytest-xdist), also on 2 cores: a one-process run left the CPUs idle a quarter of the
+# time (waiting on servers, subprocesses, timed phases), two kept them ~95% busy (docs/benchmark-log.md). A
+# file's tests stay on one worker (tests/conftest.py). KVPILOT_TEST_WORKERS=0 runs in one process.
+exec "$PY" -m pytest -n "${KVPILOT_TEST_WORKERS:-2}" --dist loadgroup "$@"

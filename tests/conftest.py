@@ -88,3 +88,20 @@ def hf_tokenizer(gguf_path: Path):
 
     with _gguf_parsed_once():
         return AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist's `--dist loadgroup` (scripts/test.sh runs two workers): a file's tests stay on one
+    worker, so its module fixtures start once; the Ray tests share one worker (one local cluster), and so do the
+    doctor's live probes (they measure the machine: two at once would each see the other as the fault)."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        if path.startswith("tests/ray/"):
+            group = "ray"
+        elif path.startswith("tests/doctor/test_live_"):
+            group = "doctor-live"
+        else:
+            group = path
+        item.add_marker(pytest.mark.xdist_group(group))
