@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -70,9 +71,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@dataclass(frozen=True)
 class Served:
-    def __init__(self, port: int, process: subprocess.Popen, log: Path) -> None:
-        self.port, self.process, self.log = port, process, log
+    """The README's `kvpilot serve`: its port, its process and the file its output goes to."""
+
+    port: int
+    process: subprocess.Popen
+    log: Path
 
 
 @pytest.fixture(scope="module")
