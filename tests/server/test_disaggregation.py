@@ -331,6 +331,9 @@ def test_killing_the_prefill_worker_mid_transfer(workers, corpus_ids, tmp_path):
                 if prefill.get("/health").status_code == 200:
                     break
             time.sleep(0.2)
+        else:  # say why, not a KeyError on the 503 that follows (seen once, busy machine)
+            log.flush()
+            pytest.fail(f"the prefill worker was not healthy in 120 s: {(tmp_path / 'prefill.log').read_text()[-3000:]}")
         prompt = corpus_ids[:70]
         reference = _complete(decode, prompt, 8).json()["choices"][0]["text"]
         params = prefill.post("/v1/completions", json=_body(prompt, 1, kv_transfer_params={"do_remote_decode": True})
