@@ -37,20 +37,22 @@ def prefer_short_omp_spin(environ: dict[str, str] | None = None) -> bool:
     when libgomp is already loaded (torch imported before kvpilot: libgomp read its environment then, and a
     changed variable would only surprise this process's children). `environ` is os.environ unless given."""
     env = os.environ if environ is None else environ
-    if any(name in env for name in _USER_SETTINGS) or _libgomp_loaded():
+    cannot_tell = not hasattr(os, "RTLD_NOLOAD")  # whether libgomp is loaded: change nothing
+    if any(name in env for name in _USER_SETTINGS) or cannot_tell or _loaded_libgomp() is not None:
         return False
     env["GOMP_SPINCOUNT"] = str(SHORT_SPIN_COUNT)
     return True
 
 
-def _libgomp_loaded() -> bool:
+def _loaded_libgomp() -> ctypes.CDLL | None:
+    """The libgomp already loaded in this process, without loading it; None when there is none (or the platform
+    has no RTLD_NOLOAD to ask with)."""
     if not hasattr(os, "RTLD_NOLOAD"):
-        return True  # cannot tell: change nothing
+        return None
     try:
-        ctypes.CDLL(_LIBGOMP, mode=os.RTLD_NOLOAD)
+        return ctypes.CDLL(_LIBGOMP, mode=os.RTLD_NOLOAD)
     except OSError:
-        return False
-    return True
+        return None
 
 
 def release_omp_pool() -> bool:
@@ -58,12 +60,12 @@ def release_omp_pool() -> bool:
     no libgomp is loaded (torch not imported, or another OpenMP runtime) or it predates OpenMP 5.0.
     Invariant: safe to call any time outside a parallel region; later regions on this thread still run on
     all threads (libgomp builds a new pool)."""
-    if not hasattr(os, "RTLD_NOLOAD"):
+    lib = _loaded_libgomp()
+    if lib is None:
         return False
     try:
-        lib = ctypes.CDLL(_LIBGOMP, mode=os.RTLD_NOLOAD)
         pause = lib.omp_pause_resource_all
-    except (OSError, AttributeError):
+    except AttributeError:
         return False
     pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
     return pause(_OMP_PAUSE_SOFT) == 0
