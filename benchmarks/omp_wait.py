@@ -22,8 +22,10 @@ import os
 import statistics
 import subprocess
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the busy processes the doctor's tests stage
+from tests.doctor.fault_staging import spinners  # noqa: E402
 
 WORKER = r"""
 import json, sys, time
@@ -58,18 +60,6 @@ def run_setting(setting: str, tokens: int, batch: int) -> dict[int, float]:
     if proc.returncode != 0:
         raise RuntimeError(f"{setting}: {proc.stderr[-2000:]}")
     return {int(k): v for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
-
-
-@contextmanager
-def spinners(count: int) -> Iterator[None]:
-    """`count` processes that each keep one CPU busy (another job on the machine), killed afterwards."""
-    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
-    try:
-        yield
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
 
 
 def summary(values: list[float]) -> str:
