@@ -19,6 +19,13 @@ bash scripts/install_chromium.sh   # headless Chromium for the bench HTML report
 # compiled the kvpilot modules it imports again (~250 of them: ~0.25 s of CPU). Python still reads the ignored
 # __pycache__ files; a syntax error is left for pytest to report.
 "$PY" -m compileall -q src tests >/dev/null || true
+# The C++ CPU kernels, built (or found cached) once here, before any test: with an empty kernel cache the
+# suite's first servers otherwise compiled them in several processes at once, each waiting for the other's
+# lock, and a `kvpilot serve` started meanwhile sat at "loading" past its test's patience on a busy box.
+"$PY" -c "import torch
+from kvpilot.model.cpu_kernels import build_cpu_kernels, kernels_for
+from kvpilot.model.layers.cpu_moe_kernel import get_moe_kernel
+build_cpu_kernels((*kernels_for(torch.bfloat16), get_moe_kernel))"
 # Two pytest workers (pytest-xdist), also on 2 cores: a one-process run left the CPUs idle a quarter of the
 # time (waiting on servers, subprocesses, timed phases), two kept them ~95% busy (docs/benchmark-log.md). A
 # file's tests stay on one worker (tests/conftest.py). KVPILOT_TEST_WORKERS=0 runs in one process.

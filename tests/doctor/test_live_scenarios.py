@@ -28,6 +28,8 @@ from kvpilot.bench.load import LoadShape
 from kvpilot.doctor.diagnose import DoctorReport
 from kvpilot.doctor.findings import Finding, Severity
 from kvpilot.doctor.inputs import inputs_from_documents
+from kvpilot.doctor.rules.context import RuleContext
+from kvpilot.doctor.rules.prefill import measure_stalls
 from kvpilot.doctor.thresholds import Thresholds
 from kvpilot.fit.kv_cache import kv_cache_bytes_per_block
 from kvpilot.server.background import BackgroundServer
@@ -69,13 +71,17 @@ def _host_verdicts(report: DoctorReport, *runs: Measured) -> set[str]:
     return {"degraded-run"} | ({"client-overload"} if _client_lagged(*runs) else set())
 
 
-def assert_first(report: DoctorReport, rule_id: str, *runs: Measured) -> None:
-    """``rule_id`` is the top finding, after any of the host verdicts the doctor explains (_host_verdicts)."""
+def _first_after_host(report: DoctorReport, rule_id: str, *runs: Measured) -> bool:
+    """Whether ``rule_id`` is the top finding after any of the host verdicts the doctor explains."""
     ids, host = [f.rule_id for f in report.findings], _host_verdicts(report, *runs)
     while ids[:1] and ids[0] in host and ids[0] != rule_id:
         ids = ids[1:]
-    assert ids[:1] == [rule_id], ranked(report)
-    assert report.exit_code == 1
+    return ids[:1] == [rule_id] and report.exit_code == 1
+
+
+def assert_first(report: DoctorReport, rule_id: str, *runs: Measured) -> None:
+    """``rule_id`` is the top finding, after any of the host verdicts the doctor explains (_host_verdicts)."""
+    assert _first_after_host(report, rule_id, *runs), ranked(report)
 
 
 def finding(report: DoctorReport, rule_id: str) -> Finding:
@@ -303,10 +309,21 @@ def test_long_prefill_between_decode_steps_is_prefill_interrupts_decode(
     # then: at 0.6x with 16 tokens a slow CI machine prefilled it with the last streams' prompts (no stall).
     rows = [{"timestamp": 0.0, "input_len": 24, "output_len": 48} for _ in range(10)]
     rows.append({"timestamp": t_long, "input_len": LONG_LEN, "output_len": 2})
-    measured = bench(worker, big_budget_server.url, _trace(tmp_path / "stall.jsonl", rows),
-                     LoadShape(num_requests=len(rows)), "streams + long")
-    report = doctor(measured)
-    assert_first(report, "prefill-interrupts-decode", measured)
+    trace = _trace(tmp_path / "stall.jsonl", rows)
+    seen = []
+    # Measured twice at most: a busy neighbour (the suite's other worker) that pauses the server once while
+    # the streams decode stalls all ten at once, as many stalls as the long prefill makes, and halves the share
+    # the rule judges: the likely cause of the one failure seen (1 of 3 two-worker CI runs; not reproduced
+    # alone beside `yes` x2 or bursty spinners, 10 runs). Two such bursts in both measurements are rarer.
+    for _ in range(2):
+        measured = bench(worker, big_budget_server.url, trace, LoadShape(num_requests=len(rows)), "streams + long")
+        report = doctor(measured)
+        if _first_after_host(report, "prefill-interrupts-decode", measured):
+            break
+        inputs = inputs_from_documents([(measured.result, measured.label)])
+        seen.append(f"{ranked(report)}: {measure_stalls(RuleContext.build(inputs, Thresholds()))}")
+    else:
+        pytest.fail(f"long prompt sent at {t_long:.2f} s; twice not named first: {seen}")
     stalls = finding(report, "prefill-interrupts-decode").evidence
     share = next(e.value for e in stalls if e.name == "stalls during a long prefill")
     assert share >= 0.5

@@ -153,6 +153,30 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path) -> None:
     assert not remove_stale_lock(tmp_path, "m")  # no lock at all
 
 
+def test_a_start_waits_for_another_build_says_so_and_ends_at_a_stale_lock(tmp_path, caplog) -> None:
+    """A second process starting while one builds waits for its lock, saying why; a lock left by a killed
+    builder (old, module built) ends the wait instead of hanging the start at "loading" for good."""
+    import logging
+    import os
+    import threading
+
+    from kvpilot.model.layers.cpp_build import STALE_CHECK_LOCK_S, wait_for_other_build
+    from kvpilot.model.quant.kernel import _KERNEL
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    threading.Timer(0.3, lock.unlink).start()  # the builder finishes
+    with caplog.at_level(logging.INFO):
+        wait_for_other_build(_KERNEL, tmp_path, "m", poll_s=0.05)
+    assert not lock.exists() and "waiting for another process building" in caplog.text
+    lock.touch()
+    (tmp_path / "m.so").touch()
+    old = lock.stat().st_mtime - STALE_CHECK_LOCK_S - 5
+    os.utime(lock, (old, old))  # its builder was killed a while ago
+    wait_for_other_build(_KERNEL, tmp_path, "m", poll_s=0.05)
+    assert not lock.exists()
+
+
 def test_native_builds_are_named_per_cpu_and_portable_ones_are_not() -> None:
     """A -march=native module cached on one CPU must never load on another (illegal instructions there)."""
     from dataclasses import replace

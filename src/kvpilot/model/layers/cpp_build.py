@@ -60,7 +60,7 @@ def build_cpp_kernel(kernel: CppKernel) -> Any | None:
 
             built = name if openmp else name + "_serial"
             build_dir = Path(_get_build_directory(built, verbose=False))
-            remove_stale_lock(build_dir, built)
+            wait_for_other_build(kernel, build_dir, built)
             cached = load_built(build_dir, built)
             if cached is not None:
                 return cached
@@ -89,6 +89,20 @@ def _announce_compile(kernel: CppKernel, build_dir: Path, built: str) -> float |
     logger.info("compiling %s for this CPU: once, cached in %s (a minute or two on a small machine)",
                 kernel.label, build_dir.parent)
     return time.monotonic()
+
+
+def wait_for_other_build(kernel: CppKernel, build_dir: Path, built: str, poll_s: float = 0.25) -> None:
+    """Returns once no process holds torch's build lock in `build_dir`, saying once that it waits (another
+    process, e.g. a second server started beside this one, is building the same module). torch's own wait
+    (inside load_inline) is silent and endless; this one ends when the lock's holder finishes or when the lock
+    turns stale (remove_stale_lock: its holder was killed)."""
+    lock = build_dir / "lock"
+    announced = False
+    while lock.exists() and not remove_stale_lock(build_dir, built):
+        if not announced:
+            logger.info("waiting for another process building %s (its lock: %s)", kernel.label, lock)
+            announced = True
+        time.sleep(poll_s)
 
 
 def load_built(build_dir: Path, module_name: str) -> Any | None:
