@@ -43,10 +43,13 @@ app.command("proxy")(proxy_command)
 def _build_llm(kwargs: dict[str, object]):
     """Builds the LLM, turning user errors (bad model, bad flag) into one clear line and exit code 2."""
     from kvpilot.engine.config import EngineConfigError
-    from kvpilot.llm import LLM
     from kvpilot.model.errors import ModelLoadError
+    from kvpilot.model.hub import check_local_model
 
     try:
+        check_local_model(kwargs.get("model"), str(kwargs.get("load_format", "auto")))  # before torch loads
+        from kvpilot.llm import LLM
+
         return LLM(**kwargs)
     except (ModelLoadError, EngineConfigError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)

@@ -48,3 +48,16 @@ def test_bad_model_path_is_one_clear_line():
     assert result.returncode == 2
     assert "error: /nonexistent/model.gguf: no such GGUF file" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_missing_model_fails_before_torch_loads_or_a_port_is_bound():
+    """Checked with the flags, not seconds later by the engine: `generate` never imports torch for it and
+    `serve` never says it is loading."""
+    probe = ("import sys\nfrom kvpilot.cli import main\nsys.argv = ['kvpilot', 'generate', 'hi', '--model', "
+             "'/nonexistent/model.gguf']\ntry:\n    main()\nexcept SystemExit as exc:\n"
+             "    print(exc.code, 'torch' in sys.modules)")
+    generate = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert generate.stdout.split() == ["2", "False"], generate.stderr
+    serve = _run("serve", "--model", "/nonexistent/dir", "--port", "0", timeout=60)
+    assert serve.returncode == 2 and "loading" not in serve.stderr
+    assert "error: /nonexistent/dir: no such file or directory. Pass a .gguf file" in serve.stderr

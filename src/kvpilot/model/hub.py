@@ -47,6 +47,27 @@ def parse_hub_id(model: str) -> HubModel | None:
     return HubModel(match["repo"], match["revision"], match["quant"])
 
 
+def check_local_model(model: str | None, load_format: str = "auto") -> None:
+    """Raises ModelLoadError when `model` names a local path that is not there, torch-free, so `serve`,
+    `generate` and `chat` say so at once instead of after seconds of loading; None (the embedded model), a
+    hub id and dummy models pass."""
+    if model is None or load_format == "dummy" or model.startswith("dummy:") or parse_hub_id(model) is not None:
+        return
+    path = Path(model).expanduser()
+    if path.exists():
+        return
+    if path.suffix == ".gguf":
+        raise ModelLoadError(f"{model}: no such GGUF file")
+    raise ModelLoadError(missing_model_message(model))
+
+
+def missing_model_message(model: str) -> str:
+    """What --model takes, for a local `model` that is neither a file nor a directory."""
+    return (f"{model}: no such file or directory. Pass a .gguf file, an HF model directory with config.json and "
+            "*.safetensors, a Hugging Face Hub id (org/name, downloaded once into the HF cache), or --load-format "
+            f"dummy to run the {model!r} architecture with random weights")
+
+
 def _endpoint() -> str:
     return os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
 

@@ -18,6 +18,7 @@ from kvpilot.model.default_model import DEFAULT_MODEL_NAME, default_model_path
 from kvpilot.model.dtypes import resolve_dtype
 from kvpilot.model.errors import ModelLoadError, config_errors_as_load_errors
 from kvpilot.model.fused_decode import FusedDecode
+from kvpilot.model.hub import missing_model_message
 from kvpilot.model.layers.moe import prepack_experts
 from kvpilot.model.layers.onednn_linear import prepack_bf16_linears
 from kvpilot.model.layers.prompt_gemm import dense_float32_min_rows, resolve_prompt_gemm_dtype
@@ -312,7 +313,4 @@ def _load(model: str | None, load_format: str, max_model_len: int | None, dtype:
         return _load_hf_dir(path, max_model_len, dtype, device, tp, quantization, gemm_dtype)
     if path.is_file() or path.suffix == ".gguf":
         return _load_gguf(path, max_model_len, dtype, device, quantization, tp, gemm_dtype)
-    raise ModelLoadError(f"{model}: no such file or directory. Pass a .gguf file, an HF model directory with "
-                         "config.json and *.safetensors, a Hugging Face Hub id (org/name, downloaded once into "
-                         f"the HF cache), or --load-format dummy to run the {model!r} architecture with random "
-                         "weights")
+    raise ModelLoadError(missing_model_message(model))
