@@ -37,11 +37,11 @@ def ray_serve() -> Iterator[str]:
     ray = pytest.importorskip("ray")
     from ray import serve
 
+    from kvpilot.server.ray_app.launch import init_ray
+
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    # Ray starts its workers (the replicas, their engines) at nice 15: beside any busy process at nice 0 they
-    # would get almost no CPU and every timed phase would stretch many times over; here they compete as peers
-    os.environ.setdefault("RAY_worker_niceness", "0")
-    ray.init(num_cpus=RAY_CPUS, include_dashboard=False, object_store_memory=100 * 1024 * 1024,
+    # as `kvpilot serve --ray` starts its local cluster: workers at nice 0 (test_ray_serve checks)
+    init_ray(None, num_cpus=RAY_CPUS, include_dashboard=False, object_store_memory=100 * 1024 * 1024,
              log_to_driver=False)
     port = free_port("127.0.0.1")
     serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -124,3 +124,12 @@ def test_a_killed_replica_is_replaced_and_only_its_requests_fail(two_replicas: s
             break
         assert time.monotonic() < deadline, f"the killed replica was not replaced: {now}"
     assert len(now - before) == 1  # one new replica, the survivor kept
+
+
+def test_the_local_cluster_runs_its_workers_at_the_drivers_priority(ray_serve: str) -> None:
+    """A cluster kvpilot starts runs the replicas' workers at nice 0 as their driver, not at Ray's default 15
+    (server/ray_app/launch.init_ray): there a busy neighbour process left them next to no CPU."""
+    import os
+
+    worker_nice = ray.get(ray.remote(num_cpus=0)(lambda: os.nice(0)).remote(), timeout=120)
+    assert worker_nice == os.nice(0)

@@ -8,6 +8,7 @@ line (those that differ from their defaults), then the file's shared `engine:`.
 from __future__ import annotations
 
 import dataclasses
+import os
 import signal
 import threading
 from dataclasses import dataclass
@@ -64,7 +65,7 @@ def run_ray_server(engine_args: EngineArgs, server_args: ServerArgs, launch: Ray
         raise RayConfigError("--ray needs Ray Serve: pip install 'kvpilot[ray]'") from exc
     from kvpilot.server.ray_app.app import build_application
 
-    ray.init(address=launch.address, include_dashboard=False, ignore_reinit_error=True)
+    init_ray(launch.address, include_dashboard=False, ignore_reinit_error=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init (it installs its own), before the app is up
         signal.signal(sig, lambda *_: stop.set())
@@ -77,6 +78,17 @@ def run_ray_server(engine_args: EngineArgs, server_args: ServerArgs, launch: Ray
         serve.shutdown()
         ray.shutdown()
     return 0
+
+
+def init_ray(address: str | None, **kwargs: Any) -> None:
+    """ray.init; a cluster it starts (`address` None) runs its workers, the replicas and their engines, at
+    nice 0: at Ray's default nice 15 any busy process on the node took their CPU and every request stalled
+    (RAY_worker_niceness, when set, still decides). A cluster joined keeps its own setting (docs/ray.md)."""
+    import ray
+
+    if address is None:
+        os.environ.setdefault("RAY_worker_niceness", "0")
+    ray.init(address=address, **kwargs)
 
 
 def _describe(config: RayAppConfig) -> str:
