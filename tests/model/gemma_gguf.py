@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 from gguf import GGUFWriter
 
+from tests.model.gguf_header import add_decoder_metadata
+
 _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
 _LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
           "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
@@ -30,19 +32,8 @@ def gguf_name(hf_name: str) -> str | None:
 
 
 def _add_metadata(writer: GGUFWriter, config, arch: str, sliding_window_pattern: int | None) -> None:
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_key_length(config.head_dim)
-    writer.add_value_length(config.head_dim)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    add_decoder_metadata(writer, config)
     writer.add_sliding_window(config.sliding_window)
-    writer.add_vocab_size(config.vocab_size)
-    writer.add_bos_token_id(config.bos_token_id)
-    writer.add_eos_token_id(config.eos_token_id)
     rope = config.rope_parameters
     writer.add_rope_freq_base(rope["full_attention"]["rope_theta"] if arch == "gemma3" else rope["rope_theta"])
     if arch == "gemma2":

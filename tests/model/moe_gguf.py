@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter
 
+from tests.model.gguf_header import add_decoder_metadata
+
 from tests.model.kquant_blocks import quantize_blocks
 
 _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
@@ -29,19 +31,8 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def _add_metadata(writer: GGUFWriter, config, arch: str) -> None:
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_key_length(config.head_dim)
-    writer.add_value_length(config.head_dim)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    add_decoder_metadata(writer, config)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    writer.add_vocab_size(config.vocab_size)
-    writer.add_bos_token_id(config.bos_token_id)
-    writer.add_eos_token_id(config.eos_token_id)
     writer.add_expert_count(config.num_experts if arch == "qwen3moe" else config.num_local_experts)
     writer.add_expert_used_count(config.num_experts_per_tok)
     if arch == "qwen3moe":
