@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -171,3 +172,17 @@ def test_the_http_process_never_maps_torch_while_the_core_does(served: Served) -
     assert "libtorch" not in _maps(served.process.pid)
     # issue 46: the start-up says when it answers, with the URL (before /health turned 200)
     assert f"kvpilot serve: ready at http://127.0.0.1:{served.port}/v1" in served.log.read_text()
+
+
+@pytest.mark.slow
+def test_sigusr1_prints_where_each_process_is_and_serving_goes_on(served: Served) -> None:
+    """`kill -USR1` on the server or its engine core prints that process's Python stacks to the log (how to see
+    where a start that never turns ready hangs); neither process stops."""
+    core = next(pid for pid in _children(served.process.pid) if "libtorch" in _maps(pid))
+    for pid in (served.process.pid, core):
+        os.kill(pid, signal.SIGUSR1)
+    deadline = time.monotonic() + 30
+    while (text := served.log.read_text()).count("(most recent call first)") < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert "run_core" in text and "uvicorn" in text, text[-3000:]
+    assert httpx.get(f"http://127.0.0.1:{served.port}/health", timeout=30).status_code == 200

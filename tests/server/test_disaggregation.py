@@ -331,9 +331,12 @@ def test_killing_the_prefill_worker_mid_transfer(workers, corpus_ids, tmp_path):
                 if prefill.get("/health").status_code == 200:
                     break
             time.sleep(0.2)
-        else:  # say why, not a KeyError on the 503 that follows (seen once, busy machine)
+        else:  # say why, with where its processes are (SIGUSR1: their stacks), not a KeyError on the 503 after
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(worker.pid, signal.SIGUSR1)
+            time.sleep(2)
             log.flush()
-            pytest.fail(f"the prefill worker was not healthy in 120 s: {(tmp_path / 'prefill.log').read_text()[-3000:]}")
+            pytest.fail(f"the prefill worker was not healthy in 120 s: {(tmp_path / 'prefill.log').read_text()[-8000:]}")
         prompt = corpus_ids[:70]
         reference = _complete(decode, prompt, 8).json()["choices"][0]["text"]
         params = prefill.post("/v1/completions", json=_body(prompt, 1, kv_transfer_params={"do_remote_decode": True})

@@ -212,7 +212,7 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs, uvicorn_log_lev
     from kvpilot.server.core.engine_spec import engine_factory
     from kvpilot.server.gc_heap import freeze_startup_heap
     from kvpilot.server.guards.listen import PortInUseError, bind_listener
-    from kvpilot.server.observe.log_writer import detach_output
+    from kvpilot.server.observe.log_writer import detach_output, stacks_on_sigusr1
     from kvpilot.server.guards.slow_clients import uvicorn_options
 
     try:
@@ -224,6 +224,7 @@ def run_server(engine_args: EngineArgs, server_args: ServerArgs, uvicorn_log_lev
     config = uvicorn.Config(app, log_level=uvicorn_log_level, access_log=False, timeout_graceful_shutdown=5,
                             **uvicorn_options(server_args))
     detach_output()  # after uvicorn's logging set-up: no log write may block the event loop
+    stacks_on_sigusr1()
     server = DrainingServer(config, app.state.kvpilot, server_args.drain_timeout)
     freeze_startup_heap()  # this process serves until it exits: its start-up objects need no more scans
     logger.info("kvpilot serve: http://%s:%d (model %s loading)", server_args.host, server_args.port,

@@ -22,7 +22,7 @@ from kvpilot.server.core.channel import Endpoint, queue_endpoint_pair
 from kvpilot.server.core.step_loop import run_core
 from kvpilot.server.core.engine_spec import EngineFactory, EngineSpec
 from kvpilot.server.gc_heap import freeze_startup_heap
-from kvpilot.server.observe.log_writer import detach_output
+from kvpilot.server.observe.log_writer import detach_output, stacks_on_sigusr1
 from kvpilot.server.core.pipe_channel import ChannelWatchdog, PipeEndpoint
 
 logger = logging.getLogger("kvpilot.server")
@@ -70,6 +70,7 @@ def core_main(spec: EngineSpec, inbox: Connection, outbox: Connection, log: LogS
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     log.apply()
     output = detach_output()  # a log write waits on a thread of its own, never in the step loop
+    stacks_on_sigusr1()
     threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), name="kvpilot-orphan-watch",
                      daemon=True).start()
     endpoint = PipeEndpoint(inbox, outbox, "to the HTTP process")

@@ -18,8 +18,10 @@ MAX_QUEUED_CHARS wait; `drain` (at exit) waits at most DRAIN_TIMEOUT_S.
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import logging
 import queue
+import signal
 import sys
 import threading
 import time
@@ -120,3 +122,11 @@ def detach_output() -> StreamWriter:
             with handler.lock or threading.Lock():  # setStream would flush the old stream: it may block
                 handler.stream = replaced[id(handler.stream)]
     return _writer
+
+
+def stacks_on_sigusr1() -> None:
+    """`kill -USR1 PID` makes this process print every thread's Python stack to its stderr: where a start that
+    never turns ready, or a step that never ends, is stuck. Written by the signal handler straight to the
+    original descriptor 2 (not queued: it must work while the writer thread itself is stuck)."""
+    if hasattr(signal, "SIGUSR1") and sys.__stderr__ is not None:
+        faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
