@@ -65,6 +65,34 @@ def test_rare_long_stalls_are_not_hidden_by_a_per_tick_p99(tmp_path: Path) -> No
     assert all(f.severity.value == "low" for f in quiet.findings), _ids(quiet)
 
 
+def _some_requests_late(tmp: Path, late_ms: float) -> DoctorReport:
+    """A healthy server on 127.0.0.1, probed at 1 and at 4 in flight (first token after ~150 and ~750 ms: the
+    busiest phase's median TTFT is the delay judged), whose client stalls ~200 ms once a second: every fifth
+    first token reaches it ``late_ms`` late, the others after the 2 ms loopback hop."""
+    rng = random.Random(13)
+    runs = []
+    for label, concurrency, server_ms in (("c1", 1, 150.0), ("c4", 4, 750.0)):
+        recs = closed_loop(40, concurrency, lambda i, t: req(i, t, prefill=jitter(rng, server_ms), num_out=8,
+                                                             net=late_ms if i % 5 == 2 else 2.0))
+        runs.append(run(label, recs, concurrency=concurrency, loop_lag=_stalls(200.0, 12, every=100),
+                        metrics=samples(4, running=concurrency, waiting=0, kv=0.05)))
+    return diagnose(load_inputs([write(tmp / f"late-{late_ms:g}.json", runs)]))
+
+
+def test_a_client_that_delays_a_fifth_of_its_requests_leads_beside_a_healthy_server(tmp_path: Path) -> None:
+    """The live slow-client cell on a quiet box: the server healthy, the client's stalls of two TTFTs once a
+    second delay a fifth of the first tokens, less than half the p90 TTFT (so not "most of the latency"), but
+    the only delay measured that the server does not explain: client-overload leads, medium, with its share.
+    A client that is late by a loopback hop's few milliseconds stays clean."""
+    report = _some_requests_late(tmp_path, 120.0)
+    first = report.findings[0]
+    assert (first.rule_id, first.severity.value) == ("client-overload", "medium"), _ids(report)
+    assert first.explains is not None and 0.25 <= first.explains.share < 0.5
+    assert "nothing on the server explains that delay" in first.summary
+    punctual = _some_requests_late(tmp_path, 12.0)
+    assert all(f.severity.value == "low" for f in punctual.findings), _ids(punctual)
+
+
 def _tiny_pool(tmp: Path, kv: float, hits: float) -> list[str]:
     """The tiny-kv-pool cell's shared-prefix phase: `--kv-cache-memory 48MiB --max-model-len 256` (68 blocks of 16
     float32 tokens: 1,088) while other users' 200-token prompts keep it ``kv`` full; 4 prefix groups of 96 of 128

@@ -12,6 +12,8 @@ that view:
   client's own delay is most of what was measured: where the server timed its requests (kvpilot), the time
   clients saw beyond the server's own TTFT at p90 is at least half their p90 TTFT and the client's stalls
   account for it (:func:`client_tail`). Then nothing the server did explains the latency and the client leads.
+  Beside a healthy server (no other finding above low), a client whose own delay is a quarter of that p90
+  (``client_tail_share``, at least ``min_client_tail_ms``) leads as a medium finding: the one delay measured.
 * **Deferrals.** A finding that defers to another (``defers_to``) ranks below causes and takes at most its
   cause's severity; when the finding it names is not in the report, it stands on its own.
 """
@@ -64,20 +66,22 @@ def stall_duty(client_lag: dict | None) -> float:
     return late / (late + 10.0 * len(lags)) if lags else 0.0
 
 
-def client_tail(ctx: RuleContext, lag_ms: float) -> LatencyShare | None:
-    """The client-side part of the slowest requests' TTFT, when the client explains most of it: over the runs
-    with server timings, p90 of (client TTFT - server TTFT) against p90 client TTFT, kept when that gap is at
-    least ``client_lag_share_most`` of the TTFT and the client's stalls account for it: ``lag_ms`` (p99) is at
-    least that share of the gap, or the loop was stalled ``client_stall_duty`` of the run's time (several
-    stalls per request). Else a network hop could fill the gap (network-overhead's). None without timings."""
+def client_tail(ctx: RuleContext, lag_ms: float, min_share: float | None = None) -> LatencyShare | None:
+    """The client-side part of the slowest requests' TTFT, when the client explains `min_share` of it (default
+    ``client_lag_share_most``: most): over the runs with server timings, p90 of (client TTFT - server TTFT)
+    against p90 client TTFT, kept when that gap is at least that share of the TTFT and ``min_client_tail_ms``,
+    and the client's stalls account for it: ``lag_ms`` (p99) is at least ``client_lag_share_most`` of the gap,
+    or the loop was stalled ``client_stall_duty`` of the run's time (several stalls per request). Else a network
+    hop could fill the gap (network-overhead's). None without timings."""
     th = ctx.th
+    share = th.client_lag_share_most if min_share is None else min_share
     best: LatencyShare | None = None
     for run in ctx.inputs.runs:
         pairs = [(r.ttft_ms, r.server.ttft_ms) for r in run.with_server if r.ttft_ms is not None and r.server]
         if len(pairs) < th.min_requests:
             continue
         gap, ttft = quantile([c - s for c, s in pairs], 0.9), quantile([c for c, _ in pairs], 0.9)
-        if gap is None or not ttft or gap < th.client_lag_share_most * ttft:
+        if gap is None or not ttft or gap < share * ttft or gap < th.min_client_tail_ms:
             continue
         if lag_ms < th.client_lag_share_most * gap and stall_duty(run.client_lag) < th.client_stall_duty:
             continue
@@ -86,12 +90,15 @@ def client_tail(ctx: RuleContext, lag_ms: float) -> LatencyShare | None:
     return best
 
 
-def _as_headline(client: Finding, tail: LatencyShare) -> Finding:
-    """``client`` as the first finding: it explains ``tail``, most of the slowest requests' TTFT."""
-    return replace(client, severity=Severity.HIGH, impact=tail.share, explains=tail, summary=(
+def _as_headline(client: Finding, tail: LatencyShare, severity: Severity = Severity.HIGH) -> Finding:
+    """``client`` as the first finding: it explains ``tail`` of the slowest requests' TTFT (high: most of it;
+    medium: a notable share beside a healthy server)."""
+    verdict = ("the load generator's own delay, not the server's, is most of the latency measured"
+               if severity is Severity.HIGH else "nothing on the server explains that delay; it found no fault of "
+               "its own, so the load generator is the first thing to fix or move to another machine")
+    return replace(client, severity=severity, impact=tail.share, explains=tail, summary=(
         client.summary + f" The clients saw the slowest requests' first token {tail.part_ms:,.0f} ms after the "
-        f"server sent it ({tail.share:.0%} of their {tail.whole_ms:,.0f} ms p90 TTFT): the load generator's own "
-        "delay, not the server's, is most of the latency measured."))
+        f"server sent it ({tail.share:.0%} of their {tail.whole_ms:,.0f} ms p90 TTFT): {verdict}."))
 
 
 def judge_client(findings: list[Finding], ctx: RuleContext) -> list[Finding]:
@@ -109,6 +116,9 @@ def judge_client(findings: list[Finding], ctx: RuleContext) -> list[Finding]:
     co_located = ctx.inputs.client_co_located
     if not (others or co_located):
         return findings
+    notable = None if others else client_tail(ctx, client.explains.part_ms, ctx.th.client_tail_share)
+    if notable is not None:
+        return [_as_headline(f, notable, Severity.MEDIUM) if f is client else f for f in findings]
     return [_as_caveat(f, delay, co_located) if f is client else f for f in findings]
 
 

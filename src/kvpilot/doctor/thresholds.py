@@ -162,6 +162,17 @@ class Thresholds:
     than a caveat (kvpilot.doctor.attribution). Half, so that a cause ranked first explains more of the
     time than the client could: a 20 ms stall is a caveat beside a 3 s queue wait."""
 
+    client_tail_share: float = 0.25
+    """Client limits, beside a healthy server (no other finding above low): a co-located client whose own
+    delay is at least this share of its slowest requests' TTFT (p90 of client minus server TTFT against p90
+    client TTFT), and that its stalls account for, is a medium finding rather than a caveat: the one delay
+    measured that nothing on the server explains (issue #51's slow-client cell: stalls of 2 TTFTs once a
+    second put 30-45% of the p90 TTFT on the client's side)."""
+
+    min_client_tail_ms: float = 20.0
+    """Client limits: that client-side p90 gap below this is never a finding (a loopback hop and a busy
+    loop's few milliseconds)."""
+
     min_max_len_requests: float = 4.0
     """KV pool size: a pool holding fewer than this many ``max_model_len`` requests at once is a
     finding (medium); a few long requests then take the whole pool and everything else waits."""
