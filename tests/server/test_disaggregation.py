@@ -16,6 +16,8 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
+from pathlib import Path
 
 import httpx
 import pytest
@@ -312,6 +314,27 @@ def test_serve_maps_vllm_kv_transfer_config_and_refuses_what_it_lacks(monkeypatc
     assert (config.role, config.host, config.port) == ("prefill", "10.0.0.5", 14579)
 
 
+def _wait_healthy(client: httpx.Client, worker: subprocess.Popen, log: Path) -> None:
+    """Until `worker`'s /health is 200. Its start took 5-7 s alone (also beside `yes` x3) but stayed at "loading"
+    past 120 s in 2 of 3 busy suite runs: at 60 s its processes print their stacks (SIGUSR1) into the log, and
+    a start slower than that is a warning with them; no start in 300 s fails with them."""
+    started, stacks = time.monotonic(), False
+    while time.monotonic() < started + 300:
+        with contextlib.suppress(httpx.HTTPError):
+            if client.get("/health").status_code == 200:
+                break
+        if not stacks and time.monotonic() > started + 60:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(worker.pid, signal.SIGUSR1)
+            stacks = True
+        time.sleep(0.2)
+    else:
+        pytest.fail(f"the prefill worker was not healthy in 300 s: {log.read_text()[-12000:]}")
+    if stacks:
+        warnings.warn(f"the prefill worker took {time.monotonic() - started:.0f} s to start; its stacks at 60 s: "
+                      f"{log.read_text()[-12000:]}", stacklevel=1)
+
+
 def test_killing_the_prefill_worker_mid_transfer(workers, corpus_ids, tmp_path):
     """A real `kvpilot serve --kv-role prefill` process killed (SIGKILL) while a pull has received part of the
     blocks (a relay holds the rest back meanwhile): the decode worker recomputes, same output, nothing leaked."""
@@ -325,18 +348,7 @@ def test_killing_the_prefill_worker_mid_transfer(workers, corpus_ids, tmp_path):
     try:
         prefill = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {API_KEY}"},
                                timeout=60)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            with contextlib.suppress(httpx.HTTPError):
-                if prefill.get("/health").status_code == 200:
-                    break
-            time.sleep(0.2)
-        else:  # say why, with where its processes are (SIGUSR1: their stacks), not a KeyError on the 503 after
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(worker.pid, signal.SIGUSR1)
-            time.sleep(2)
-            log.flush()
-            pytest.fail(f"the prefill worker was not healthy in 120 s: {(tmp_path / 'prefill.log').read_text()[-8000:]}")
+        _wait_healthy(prefill, worker, tmp_path / "prefill.log")
         prompt = corpus_ids[:70]
         reference = _complete(decode, prompt, 8).json()["choices"][0]["text"]
         params = prefill.post("/v1/completions", json=_body(prompt, 1, kv_transfer_params={"do_remote_decode": True})
