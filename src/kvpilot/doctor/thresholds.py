@@ -167,7 +167,7 @@ class Thresholds:
     delay is at least this share of its slowest requests' TTFT (p90 of client minus server TTFT against p90
     client TTFT), and that its stalls account for, is a medium finding rather than a caveat: the one delay
     measured that nothing on the server explains (issue #51's slow-client cell: stalls of 2 TTFTs once a
-    second put 30-45% of the p90 TTFT on the client's side)."""
+    second delay about a fifth of the first tokens, less than half the p90 TTFT)."""
 
     min_client_tail_ms: float = 20.0
     """Client limits: that client-side p90 gap below this is never a finding (a loopback hop and a busy
