@@ -90,18 +90,28 @@ def hf_tokenizer(gguf_path: Path):
         return AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist's `--dist loadgroup` (scripts/test.sh runs two workers): a file's tests stay on one
-    worker, so its module fixtures start once; the Ray tests share one worker (one local cluster), and so do the
-    doctor's live probes (they measure the machine: two at once would each see the other as the fault)."""
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    for item in items:
-        path = item.nodeid.split("::")[0]
-        if path.startswith("tests/ray/"):
-            group = "ray"
-        elif path.startswith("tests/doctor/test_live_"):
-            group = "doctor-live"
-        else:
-            group = path
-        item.add_marker(pytest.mark.xdist_group(group))
+def suite_group(nodeid: str) -> str:
+    """The group a test runs in under scripts/test.sh's two workers: its file (its module fixtures start once),
+    except that the Ray tests share one (one local cluster at a time: two made the box's load average 12) and so
+    do the doctor's live probes (they measure the machine: two at once would each see the other as the fault)."""
+    path = nodeid.split("::")[0]
+    if path.startswith("tests/ray/"):
+        return "ray"
+    if path.startswith("tests/doctor/test_live_"):
+        return "doctor-live"
+    return path
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`--dist loadgroup` by suite_group. Not xdist's own loadgroup: it names each test's group in the test's
+    nodeid, which pytest 9.2 no longer reads from the attribute xdist sets, so every group was silently spread
+    over both workers. A scheduler that splits nodeids into groups itself (xdist's documented hook) holds."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return suite_group(nodeid)
+
+    return GroupScheduling(config, log)

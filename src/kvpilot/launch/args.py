@@ -17,8 +17,6 @@ from kvpilot.engine.spec_config import SpeculativeConfig
 from kvpilot.fit.memory import CPU_DEFAULT_KV_CACHE_BYTES
 from kvpilot.memory_size import parse_memory_size
 from kvpilot.model.choices import ATTENTION_BACKENDS, check_kv_cache_dtype, check_prompt_gemm_dtype, cuda_graph_sizes
-from kvpilot.model.errors import ModelLoadError
-from kvpilot.model.hub import check_local_model
 
 # Like vLLM's VLLM_CPU_KVCACHE_SPACE (4 GiB there), 2 GiB here: RSS matters on small boxes. Defined in `fit`
 # so the planner and the engine use one number.
@@ -123,10 +121,6 @@ class EngineArgs:
         """Validates what can be checked before loading the model; EngineConfigError names the setting."""
         if self.usage_context not in USAGE_CONTEXTS:
             raise EngineConfigError(f"usage_context must be 'llm' or 'server', got {self.usage_context!r}")
-        try:
-            check_local_model(self.model, self.load_format)
-        except ModelLoadError as exc:
-            raise EngineConfigError(str(exc)) from exc
         if not 0 < self.gpu_memory_utilization <= 1:
             raise EngineConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_memory is not None:

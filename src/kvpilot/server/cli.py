@@ -100,6 +100,8 @@ def serve_command(
             kv_transfer_host=_kv_transfer_host(kv_transfer_host, kv_transfer_config, host),
             kv_transfer_timeout=kv_transfer_timeout)
         _check_tracing(otlp_traces_endpoint)
+        if not ray:  # Ray's replicas read the model on their own nodes
+            _check_local_model(model, load_format)
         server_args = _server_args(
             model, max_num_seqs, host=host, port=port, served_model_name=served_model_name, api_key=api_key,
             metrics_public=metrics_public, max_num_queued_reqs=max_num_queued_reqs,
@@ -139,6 +141,19 @@ def _engine_args(kv_events_config: str | None, **flags: Any) -> EngineArgs:
                              kv_events_config=KVEventsConfig.parse(kv_events_config) if kv_events_config else None)
     engine_args.check()
     return engine_args
+
+
+def _check_local_model(model: str | None, load_format: str) -> None:
+    """A local --model that is not there fails here, before the port is bound and the engine spends seconds
+    loading torch to find out (EngineConfigError)."""
+    from kvpilot.engine.config import EngineConfigError
+    from kvpilot.model.errors import ModelLoadError
+    from kvpilot.model.hub import check_local_model
+
+    try:
+        check_local_model(model, load_format)
+    except ModelLoadError as exc:
+        raise EngineConfigError(str(exc)) from exc
 
 
 def _check_tracing(otlp_traces_endpoint: str | None) -> None:
