@@ -184,6 +184,10 @@ def test_serve_verify_restarts_with_the_fix_and_prints_before_after(verify_model
     assert "verify: restarting with --max-num-seqs 2 (queueing)" in proc.stderr
 
 
+# What the doctor names first when the host, not the server, is what it measured: then no server flag is tried
+HOST_VERDICTS = ("cpu-starvation", "degraded-run", "client-overload")
+
+
 def test_serve_verify_turns_prefix_caching_on_for_shared_prefix_traffic(verify_model: str) -> None:
     """`--no-enable-prefix-caching`: the probe's shared-prefix phase re-prefills every prefix; the doctor
     restarts with `--enable-prefix-caching` and keeps it because shared-prefix TTFT falls. Fixes tried
@@ -197,7 +201,11 @@ def test_serve_verify_turns_prefix_caching_on_for_shared_prefix_traffic(verify_m
     doc = json.loads(proc.stdout)
     trials = doc["verify"]["trials"]
     prefix = [t for t in trials if t["flags"] == ["--enable-prefix-caching"]]
-    assert prefix, trials
+    found = [(f["rule_id"], f["severity"]) for f in doc["findings"]]
+    if not prefix and found[:1] and found[0][0] in HOST_VERDICTS:  # issue 46: seen beside `yes` x2
+        pytest.skip(f"the doctor measured this machine too busy to judge the server ({found}; verify: "
+                    f"{doc['verify'].get('stopped')})")
+    assert prefix, (trials, doc["verify"].get("stopped"), found)
     trial = prefix[0]
     assert trial["metric"] == "median TTFT of shared-prefix requests"
     assert trial["kept"] and trial["after"] < 0.9 * trial["before"], trial
