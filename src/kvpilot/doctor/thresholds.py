@@ -166,8 +166,8 @@ class Thresholds:
     """Client limits, beside a healthy server (no other finding above low): a co-located client whose own
     delay is at least this share of its slowest requests' TTFT (p90 of client minus server TTFT against p90
     client TTFT), and that its stalls account for, is a medium finding rather than a caveat: the one delay
-    measured that nothing on the server explains (issue #51's slow-client cell: stalls of 2 TTFTs once a
-    second delay about a fifth of the first tokens, less than half the p90 TTFT)."""
+    measured that nothing on the server explains (a client stalling once a second that delays a fifth of its
+    first tokens: tests/doctor/test_matrix_misses.py)."""
 
     min_client_tail_ms: float = 20.0
     """Client limits: that client-side p90 gap below this is never a finding (a loopback hop and a busy
