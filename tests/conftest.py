@@ -90,11 +90,21 @@ def hf_tokenizer(gguf_path: Path):
         return AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
 
 
+# Files whose costly session fixtures are the same: one worker computes them once for both.
+SHARED_SESSION_FIXTURES = {
+    # mixed_alone and second_wave_alone: 40 prompts decoded one at a time (~30 s on 2 cores)
+    "tests/engine_e2e/test_batching.py": "engine_e2e-alone", "tests/engine_e2e/test_speculative.py": "engine_e2e-alone",
+}
+
+
 def suite_group(nodeid: str) -> str:
     """The group a test runs in under scripts/test.sh's two workers: its file (its module fixtures start once),
-    except that the Ray tests share one (one local cluster at a time: two made the box's load average 12) and so
-    do the doctor's live probes (they measure the machine: two at once would each see the other as the fault)."""
+    except that the Ray tests share one (one local cluster at a time: two made the box's load average 12), so
+    do the doctor's live probes (they measure the machine: two at once would each see the other as the fault),
+    and so do files with the same costly session fixtures (SHARED_SESSION_FIXTURES)."""
     path = nodeid.split("::")[0]
+    if path in SHARED_SESSION_FIXTURES:
+        return SHARED_SESSION_FIXTURES[path]
     if path.startswith("tests/ray/"):
         return "ray"
     if path.startswith("tests/doctor/test_live_"):

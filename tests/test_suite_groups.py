@@ -19,6 +19,8 @@ CONFTEST = Path(__file__).parent / "conftest.py"
 # the files of the small suite, by the group each belongs to
 FILES = {"tests/ray/test_one.py": "ray", "tests/ray/test_two.py": "ray",
          "tests/doctor/test_live_one.py": "doctor-live", "tests/doctor/test_live_two.py": "doctor-live",
+         "tests/engine_e2e/test_batching.py": "engine_e2e-alone",
+         "tests/engine_e2e/test_speculative.py": "engine_e2e-alone",
          "tests/model/test_three.py": "tests/model/test_three.py", "tests/model/test_four.py": "tests/model/test_four.py"}
 TEST = '''
 import os
@@ -46,9 +48,11 @@ def test_each_group_runs_on_one_worker_and_both_workers_run(tmp_path: Path) -> N
         "suite = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(suite)\n"
         "pytest_xdist_make_scheduler = suite.pytest_xdist_make_scheduler\n")
     out = tmp_path / "workers.txt"
-    run = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadgroup", "-p", "no:cacheprovider",
-                          "-q", "--rootdir", str(tmp_path), *FILES], cwd=tmp_path, capture_output=True, text=True,
-                         timeout=120, env={**_outer_env(), "GROUPS_OUT": str(out)})
+    # xdist alone of the installed plugins (hypothesis's and schemathesis's took seconds to start in each worker)
+    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "xdist", "-n", "2", "--dist", "loadgroup", "-p",
+                          "no:cacheprovider", "-q", "--rootdir", str(tmp_path), *FILES], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120,
+                         env={**_outer_env(), "GROUPS_OUT": str(out), "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"})
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     workers: dict[str, set[str]] = defaultdict(set)
     for line in out.read_text().splitlines():

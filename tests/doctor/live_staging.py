@@ -11,9 +11,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
+
+import pytest
 
 from kvpilot.bench.api import BenchConfig
 from kvpilot.bench.client import Target
@@ -27,6 +29,7 @@ from kvpilot.server.background import BackgroundServer
 from tests.doctor.bench_worker import BenchWorker
 
 MODEL = "smollm2-doctor"
+T = TypeVar("T")
 
 
 def engine_args(**overrides: Any) -> EngineArgs:
@@ -111,3 +114,19 @@ def doctor(*runs: Measured, slos_ms: dict[str, float] | None = None, **kwargs: A
 def ranked(report: DoctorReport) -> list[tuple[str, str]]:
     """(rule_id, severity) in rank order: the assertion message of every scenario."""
     return [(f.rule_id, f.severity.value) for f in report.findings]
+
+
+def measured_until(measure: Callable[[], tuple[T, str | None]], what: str, tries: int = 2) -> T:
+    """The first of at most ``tries`` measurements that shows ``what``: ``measure`` returns its value and None,
+    or what it saw instead (the test fails with every one of those).
+
+    Why a second measurement: the suite's other worker shares this 2-core box, and a burst of its work during
+    one of a scenario's runs (the lone stream, say) moves a ratio the rule judges across its bar. Two such
+    bursts in both measurements are rarer; a rule that misses the staged cause misses it twice."""
+    seen = []
+    for _ in range(tries):
+        value, miss = measure()
+        if miss is None:
+            return value
+        seen.append(miss)
+    pytest.fail(f"{what}: not seen in {tries} measurements: {seen}")

@@ -20,7 +20,7 @@ from tests.doctor.live_staging import bench, doctor, kvpilot_server, ranked
 
 pytestmark = pytest.mark.slow
 
-CHATS = DatasetConfig(kind="random", input_len=32, output_len=8, seed=3)
+CHATS = DatasetConfig(kind="random", input_len=32, output_len=4, seed=3)
 
 
 @pytest.fixture(scope="module")

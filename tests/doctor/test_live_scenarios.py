@@ -35,7 +35,8 @@ from kvpilot.fit.kv_cache import kv_cache_bytes_per_block
 from kvpilot.server.background import BackgroundServer
 from tests.doctor.bench_worker import BenchWorker
 from tests.doctor.fault_staging import DelayProxy
-from tests.doctor.live_staging import Measured, bench, doctor, kvpilot_server, ranked, slow_tokenizer
+from tests.doctor.live_staging import (Measured, bench, doctor, kvpilot_server, measured_until, ranked,
+                                      slow_tokenizer)
 from tests.doctor.openai_gateway import openai_gateway
 
 pytestmark = pytest.mark.slow
@@ -87,6 +88,16 @@ def assert_first(report: DoctorReport, rule_id: str, *runs: Measured) -> None:
 def finding(report: DoctorReport, rule_id: str) -> Finding:
     """The finding of `rule_id` (assert_first may have let client-overload rank above it)."""
     return next(f for f in report.findings if f.rule_id == rule_id)
+
+
+def _has(report: DoctorReport, rule_id: str) -> bool:
+    return any(f.rule_id == rule_id for f in report.findings)
+
+
+def _gain(low: Measured, high: Measured) -> float:
+    """Output throughput at the higher load over the lower one (what static-batching judges)."""
+    rate = [inputs_from_documents([(m.result, m.label)]).runs[0].output_throughput for m in (low, high)]
+    return (rate[1] or 0.0) / (rate[0] or 1.0)
 
 
 def _median(m: Measured, key: str, group: str | None = None) -> float:
@@ -143,20 +154,29 @@ def test_tpot_growth_under_load_is_decode_bound(healthy_server: BackgroundServer
     under 2x, the rule's bar, in one CI run.) The lone stream is measured right before the 24, not reused from
     the module's first runs: on a shared box the other jobs' load changes within a minute, and a lone stream
     timed during a busier moment than the 24 shrank the growth under the bar."""
-    low = bench(worker, healthy_server.url, SHORT, LoadShape(concurrency=1, num_requests=5), "concurrency=1")
-    high = bench(worker, healthy_server.url, SHORT, LoadShape(concurrency=24, num_requests=24), "concurrency=24")
+    def measure() -> tuple[tuple[DoctorReport, float], str | None]:
+        low = bench(worker, healthy_server.url, SHORT, LoadShape(concurrency=1, num_requests=5), "concurrency=1")
+        high = bench(worker, healthy_server.url, SHORT, LoadShape(concurrency=24, num_requests=24), "concurrency=24")
+        growth = _median(high, "tpot_ms") / _median(low, "tpot_ms")
+        plain, report = doctor(low, high), doctor(low, high, slos_ms={"tpot": _slo_met_alone(low)})
+        if not _has(plain, "decode-bound") or not _first_after_host(report, "decode-bound", low, high):
+            return (report, growth), f"TPOT growth {growth:.2f}x: {ranked(plain)}, with the SLO {ranked(report)}"
+        note = finding(plain, "decode-bound")
+        assert note.severity is Severity.LOW and "a trade rather than a fault" in note.summary
+        return (report, growth), None
+
+    report, growth = measured_until(measure, "decode-bound from 1 to 24 streams, first under a TPOT SLO")
+    named = next(e.value for e in finding(report, "decode-bound").evidence if e.name.startswith("TPOT growth"))
+    assert named >= 2.0 and finding(report, "decode-bound").fixes[0].kvpilot == "--max-num-seqs 1", \
+        f"TPOT growth {named:.2f}x from 1 to 24 in flight (medians {growth:.2f}x)"
+
+
+def _slo_met_alone(low: Measured) -> float:
+    """A TPOT SLO the lone stream meets: 1.5x its median, or above the TPOT 90% of its requests kept (the rule's
+    bar) where a descheduled moment stretched the tail (a CI run: the cap then read "<lower>")."""
     alone = inputs_from_documents([(low.result, low.label)]).runs[0]
     tpots = sorted(r.tpot_ms for r in alone.ok if r.tpot_ms is not None)
-    # An SLO the lone stream meets: 1.5x its median, or above the TPOT 90% of its requests kept (the rule's
-    # bar) where a descheduled moment stretched the tail (a CI run: the cap then read "<lower>")
-    slo = max(1.5 * statistics.median(tpots), 1.05 * tpots[math.ceil(0.9 * len(tpots)) - 1])
-    note = finding(doctor(low, high), "decode-bound")
-    assert note.severity is Severity.LOW and "a trade rather than a fault" in note.summary
-    report = doctor(low, high, slos_ms={"tpot": slo})
-    assert_first(report, "decode-bound", low, high)
-    growth = next(e.value for e in finding(report, "decode-bound").evidence if e.name.startswith("TPOT growth"))
-    assert growth >= 2.0 and finding(report, "decode-bound").fixes[0].kvpilot == "--max-num-seqs 1", \
-        f"TPOT growth {growth:.2f}x from 1 to 24 in flight"
+    return max(1.5 * statistics.median(tpots), 1.05 * tpots[math.ceil(0.9 * len(tpots)) - 1])
 
 
 def test_delaying_proxy_is_network_overhead(healthy_server: BackgroundServer, worker: BenchWorker,
@@ -213,10 +233,16 @@ def test_one_sequence_at_a_time_is_queueing_then_static_batching(one_seq_server:
     defers to queueing by design: the queue is the cause it sees, and kvpilot reports it per request."""
     # 8 requests alone, as the gateway test below: among 5, one slow request moved the lone client's throughput
     # enough that the flat-throughput finding did not come (a CI run, 2026-11-27)
-    low = bench(worker, one_seq_server.url, ONE_AT_A_TIME, LoadShape(concurrency=1, num_requests=8), "concurrency=1")
-    high = bench(worker, one_seq_server.url, ONE_AT_A_TIME, LoadShape(concurrency=8, num_requests=8),
-                 "concurrency=8")
-    report = doctor(low, high)
+    def measure() -> tuple[tuple[DoctorReport, Measured, Measured], str | None]:
+        low = bench(worker, one_seq_server.url, ONE_AT_A_TIME, LoadShape(concurrency=1, num_requests=8),
+                    "concurrency=1")
+        high = bench(worker, one_seq_server.url, ONE_AT_A_TIME, LoadShape(concurrency=8, num_requests=8),
+                     "concurrency=8")
+        report = doctor(low, high)
+        both = _first_after_host(report, "queueing", low, high) and _has(report, "static-batching")
+        return (report, low, high), None if both else f"{_gain(low, high):.2f}x throughput: {ranked(report)}"
+
+    report, low, high = measured_until(measure, "queueing first, static-batching below it")
     assert_first(report, "queueing", low, high)
     static = next(f for f in report.findings if f.rule_id == "static-batching")
     gain = next(e.value for e in static.evidence if e.name == "throughput gain")
@@ -232,14 +258,20 @@ def test_one_sequence_at_a_time_behind_an_openai_only_gateway_is_static_batching
     # 8 requests alone (one slow request among 5 could move the lone client's throughput by 1.3x), then 12 at
     # concurrency 8: served one after another, they average 5.7 in flight (8 would average 4.5), well clear of
     # the 4x load-ratio bar.
-    with openai_gateway(one_seq_server.url) as gateway:
-        low = bench(worker, gateway.url, ONE_AT_A_TIME, LoadShape(concurrency=1, num_requests=8), "concurrency=1")
-        high = bench(worker, gateway.url, ONE_AT_A_TIME, LoadShape(concurrency=8, num_requests=12), "concurrency=8")
+    def measure() -> tuple[tuple[DoctorReport, Measured, Measured], str | None]:
+        with openai_gateway(one_seq_server.url) as gateway:
+            low = bench(worker, gateway.url, ONE_AT_A_TIME, LoadShape(concurrency=1, num_requests=8),
+                        "concurrency=1")
+            high = bench(worker, gateway.url, ONE_AT_A_TIME, LoadShape(concurrency=8, num_requests=12),
+                         "concurrency=8")
+        report = doctor(low, high)
+        named = _first_after_host(report, "static-batching", low, high)
+        return (report, low, high), None if named else f"{_gain(low, high):.2f}x throughput: {ranked(report)}"
+
+    report, low, high = measured_until(measure, "static-batching first behind the gateway")
     runs = [run for m in (low, high) for run in m.result["runs"]]
     assert all(r["ok"] and not r["server"] for run in runs for r in run["requests"])  # the timings were hidden
     assert all(run["server_metrics"]["summary"] is None for run in runs)  # and /metrics too
-    report = doctor(low, high)
-    assert_first(report, "static-batching", low, high)
     assert "queueing" not in [f.rule_id for f in report.findings], ranked(report)
     assert all(s.source == "client only" for s in report.splits)
     static = next(f for f in report.findings if f.rule_id == "static-batching")
@@ -310,20 +342,20 @@ def test_long_prefill_between_decode_steps_is_prefill_interrupts_decode(
     rows = [{"timestamp": 0.0, "input_len": 24, "output_len": 48} for _ in range(10)]
     rows.append({"timestamp": t_long, "input_len": LONG_LEN, "output_len": 2})
     trace = _trace(tmp_path / "stall.jsonl", rows)
-    seen = []
-    # Measured twice at most: a busy neighbour (the suite's other worker) that pauses the server once while
-    # the streams decode stalls all ten at once, as many stalls as the long prefill makes, and halves the share
-    # the rule judges: the likely cause of the one failure seen (1 of 3 two-worker CI runs; not reproduced
-    # alone beside `yes` x2 or bursty spinners, 10 runs). Two such bursts in both measurements are rarer.
-    for _ in range(2):
+
+    def measure() -> tuple[tuple[DoctorReport, Measured], str | None]:
         measured = bench(worker, big_budget_server.url, trace, LoadShape(num_requests=len(rows)), "streams + long")
         report = doctor(measured)
         if _first_after_host(report, "prefill-interrupts-decode", measured):
-            break
+            return (report, measured), None
         inputs = inputs_from_documents([(measured.result, measured.label)])
-        seen.append(f"{ranked(report)}: {measure_stalls(RuleContext.build(inputs, Thresholds()))}")
-    else:
-        pytest.fail(f"long prompt sent at {t_long:.2f} s; twice not named first: {seen}")
+        return (report, measured), f"{ranked(report)}: {measure_stalls(RuleContext.build(inputs, Thresholds()))}"
+
+    # A busy neighbour that pauses the server once while the streams decode stalls all ten at once, as many
+    # stalls as the long prefill makes, and halves the share the rule judges: the likely cause of the one
+    # failure seen before the second measurement (1 of 3 two-worker CI runs; not reproduced alone beside
+    # `yes` x2 or bursty spinners, 10 runs).
+    report, _ = measured_until(measure, f"prefill-interrupts-decode first (long prompt sent at {t_long:.2f} s)")
     stalls = finding(report, "prefill-interrupts-decode").evidence
     share = next(e.value for e in stalls if e.name == "stalls during a long prefill")
     assert share >= 0.5

@@ -1,14 +1,23 @@
-"""Verify mode's pure parts: which flags a fix sets on the server command, and which fixes are tried."""
+"""Verify mode's pure parts: which flags a fix sets on the server command, which fixes are tried, and how a
+trial is judged (on recorded probes: the restarts themselves run in test_live_host.py)."""
 
 from __future__ import annotations
 
+import io
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from kvpilot.doctor.diagnose import diagnose
+import pytest
+from rich.console import Console
+
+from kvpilot.doctor import verify
+from kvpilot.doctor.diagnose import DoctorReport, diagnose
 from kvpilot.doctor.findings import Fix
-from kvpilot.doctor.inputs import load_inputs
+from kvpilot.doctor.inputs import DoctorInputs, load_inputs
+from kvpilot.doctor.probe_plan import QUICK
 from kvpilot.doctor.serve import engine_of, with_port
 from kvpilot.doctor.verify import DEFAULT_METRIC, METRICS, _candidates, _helped, apply_flags, fix_flags
+from tests.doctor.host_scenarios import HOST_SCENARIOS
 from tests.doctor.scenarios import SCENARIOS
 
 
@@ -47,3 +56,57 @@ def test_candidates_follow_the_ranking_and_metrics_say_which_way_is_better(tmp_p
     ttft = METRICS["prefix-cache-miss"]
     assert ttft.lower_is_better and _helped(ttft, 1000.0, 850.0) and not _helped(ttft, 1000.0, 950.0)
     assert not _helped(ttft, 1000.0, None) and DEFAULT_METRIC.lower_is_better
+
+
+@dataclass
+class _RecordedProbe:
+    """What run_verify needs of a probe session: its inputs (a recorded scenario) and its phases (none)."""
+
+    recorded: DoctorInputs
+    phases: tuple = ()
+
+    def inputs(self, *_: object) -> DoctorInputs:
+        return self.recorded
+
+
+def _shared_prefix_probe(tmp_path: Path, ttft_scale: float, starved: bool) -> tuple[_RecordedProbe, DoctorReport]:
+    """The prefix-cache-miss scenario as the probe's shared-prefix phase (its TTFTs times ``ttft_scale``), its
+    diagnosis with the cpu-starvation finding of a starved host added when ``starved``."""
+    inputs = load_inputs(*SCENARIOS["prefix-cache-miss"](tmp_path)[:2])
+    runs = tuple(replace(run, source="probe:shared-prefix", records=tuple(
+        replace(r, ttft_ms=r.ttft_ms * ttft_scale) for r in run.records)) for run in inputs.runs)
+    inputs = replace(inputs, runs=runs)
+    report = diagnose(inputs)
+    if starved:
+        starvation = next(f for f in diagnose(HOST_SCENARIOS["cpu-starvation"](tmp_path)).findings
+                          if f.rule_id == "cpu-starvation")
+        report = replace(report, findings=(starvation, *report.findings))
+    return _RecordedProbe(inputs), report
+
+
+@pytest.mark.parametrize("starved", [False, True])
+def test_no_gain_on_a_starved_host_is_undecided_not_withdrawn(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              starved: bool) -> None:
+    """The fix changes nothing measurable: withdrawn (and the next fix tried) on a quiet host; on a host the
+    doctor found starved, undecided, and verify stops there (no before/after on it can show a fix's gain)."""
+    probes = [_shared_prefix_probe(tmp_path, 1.0, starved), _shared_prefix_probe(tmp_path, 0.98, starved)]
+    calls = []
+
+    def recorded(argv: list[str], *_: object) -> tuple[_RecordedProbe, DoctorReport]:
+        calls.append(argv)
+        return probes[min(len(calls), len(probes)) - 1]
+
+    monkeypatch.setattr(verify, "_probe", recorded)
+    result = verify.run_verify(["kvpilot", "serve", "--no-enable-prefix-caching"], QUICK, Console(file=io.StringIO()),
+                               seed=1, budget_s=1e9, serve_timeout_s=1.0)
+    first = result.trials[0]
+    assert first.flags == ("--enable-prefix-caching",) and not first.kept
+    assert first.undecided is starved and first.host_busy == (("before", "after") if starved else ())
+    if starved:
+        assert len(result.trials) == 1 and result.stopped.startswith("host too busy to judge")
+        assert result.to_json()["trials"][0]["undecided"] is True
+        out = io.StringIO()
+        verify.print_verify(Console(file=out, width=200), result)
+        assert "undecided: the CPU was starved in the before and after probe" in out.getvalue()
+    else:
+        assert not result.stopped.startswith("host too busy")

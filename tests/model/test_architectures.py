@@ -5,7 +5,6 @@ loader (config.json + safetensors)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from kvpilot import LLM, SamplingParams
 from kvpilot.fit.model_catalog import get_hf_config

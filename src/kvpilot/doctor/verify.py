@@ -6,6 +6,11 @@ prompt seed), and compare the metric that fix's finding is about. A fix that doe
 ``MIN_GAIN`` is withdrawn and the next is tried, until one helps, the fixes run out, or the next
 round would overrun the time budget (the last round's duration predicts the next). A top finding
 without a flag fix (cpu-starvation: move the other processes) leaves the next finding's fixes.
+
+A fix that shows no gain while the doctor measured the host starving the server (cpu-starvation in the
+probe before or after it) is not withdrawn but left undecided, and no further fix is tried: other
+processes' load moves every latency by more than ``MIN_GAIN``, so no before/after there tells a fix
+that helps from one that does not.
 """
 
 from __future__ import annotations
@@ -187,6 +192,12 @@ class Trial:
     kept: bool
     wall_s: float
     metric: Metric = DEFAULT_METRIC
+    host_busy: tuple[str, ...] = ()  # the probes ("before", "after") in which the doctor found the CPU starved
+
+    @property
+    def undecided(self) -> bool:
+        """No gain measured, but on a host too busy for a before/after to show one."""
+        return not self.kept and bool(self.host_busy)
 
     @property
     def change(self) -> float | None:
@@ -211,7 +222,8 @@ class VerifyResult:
                 "trials": [{"rule_id": t.rule_id, "flags": list(t.flags), "metric": t.metric.name,
                             "before": t.before, "after": t.after,
                             "change": t.change,
-                            "finding_after": t.finding_after, "kept": t.kept, "wall_s": round(t.wall_s, 1)}
+                            "finding_after": t.finding_after, "kept": t.kept, "undecided": t.undecided,
+                            "host_busy": list(t.host_busy), "wall_s": round(t.wall_s, 1)}
                            for t in self.trials], "stopped": self.stopped}
 
 
@@ -229,6 +241,15 @@ def _helped(metric: Metric, before: float | None, after: float | None) -> bool:
         return False
     gain = (before - after) / before if metric.lower_is_better else (after - before) / before
     return gain >= MIN_GAIN
+
+
+STARVED = "cpu-starvation"
+
+
+def _host_busy(before: DoctorReport, after: DoctorReport) -> tuple[str, ...]:
+    """The probes of a trial whose diagnosis found the server starved of CPU by other processes."""
+    return tuple(name for name, report in (("before", before), ("after", after))
+                 if any(f.rule_id == STARVED for f in report.findings))
 
 
 def _candidates(report: DoctorReport, engine: str) -> list[tuple[Finding, list[str]]]:
@@ -273,10 +294,15 @@ def run_verify(command: list[str], limits: ProbeLimits, console: Console, seed: 
         still = next((f for f in after_report.findings if f.rule_id == finding.rule_id), None)
         helped = _helped(metric, before, after)  # the finding may remain (a 2x cap still queues), smaller
         round_s = time.monotonic() - t0
-        result.trials.append(Trial(finding.rule_id, tuple(flags), before, after,
-                                   still.severity.value if still else "gone", helped, round_s, metric))
+        trial = Trial(finding.rule_id, tuple(flags), before, after, still.severity.value if still else "gone",
+                      helped, round_s, metric, _host_busy(report, after_report))
+        result.trials.append(trial)
         if helped:
             result.stopped = "a fix helped"
+            break
+        if trial.undecided:
+            result.stopped = (f"host too busy to judge: other processes starved the server of CPU in the "
+                              f"{' and '.join(trial.host_busy)} probe; rerun on a quiet machine")
             break
     else:
         result.stopped = "no fix helped measurably"
@@ -295,7 +321,9 @@ def print_verify(console: Console, result: VerifyResult) -> None:
         before = f"{t.before:,.1f}" if t.before is not None else "n/a"
         after = f"{t.after:,.1f}" if t.after is not None else "n/a"
         change = f" ({t.change:+.0%})" if t.change is not None else ""
-        verdict = "kept: it helps" if t.kept else "withdrawn: no measurable help"
+        verdict = "kept: it helps" if t.kept else (
+            f"undecided: the CPU was starved in the {' and '.join(t.host_busy)} probe" if t.undecided
+            else "withdrawn: no measurable help")
         console.print(f"  {' '.join(t.flags)}: before {before}, after {after}{change}; finding after: "
                       f"{t.finding_after}; {verdict} ({t.wall_s:.0f} s)", markup=False)
     console.print(f"verify: {result.stopped}", markup=False)
