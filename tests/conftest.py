@@ -94,6 +94,9 @@ def hf_tokenizer(gguf_path: Path):
 SHARED_SESSION_FIXTURES = {
     # mixed_alone and second_wave_alone: 40 prompts decoded one at a time (~30 s on 2 cores)
     "tests/engine_e2e/test_batching.py": "engine_e2e-alone", "tests/engine_e2e/test_speculative.py": "engine_e2e-alone",
+    # fp32_greedy: the float32 model's 48 greedy tokens for 8 prompts in one batch (~11 s)
+    **dict.fromkeys(("tests/model/test_hf_reference.py", "tests/model/test_prompt_gemm.py",
+                     "tests/model/test_quant_greedy.py"), "model-fp32-greedy"),
 }
 
 
