@@ -1,5 +1,5 @@
-"""Staging memory spillover for real (tests only, Linux, root): a swap file, a memory cgroup that caps
-a `kvpilot serve` process below its resident set, and the process itself.
+"""Staging memory spillover for real (tests only, Linux, root): a swap file and a memory cgroup that caps
+a `kvpilot serve` process below its resident set (the process itself: tests/served_process.py).
 
 The kernel then does what it does on an over-committed host: it writes the server's pages (weights,
 KV blocks, the Python heap) to swap and reads them back when a step touches them. Nothing in kvpilot
@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -24,7 +23,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 
 from kvpilot.server.observe.proc_memory import ProcessMemory, read_process_memory, sum_process_memory
 
@@ -294,38 +292,6 @@ def _remove_cgroup(path: Path) -> None:
         except OSError:
             time.sleep(0.25)
     raise RuntimeError(f"cannot remove memory cgroup {path}: rmdir it by hand after its processes exit")
-
-
-@contextlib.contextmanager
-def serve_process(command: list[str], url: str, log_path: Path,
-                  startup_s: float = 120.0) -> Iterator[subprocess.Popen[bytes]]:
-    """A server subprocess in its own process group; yields once ``/health`` answers 200; killed
-    (SIGKILL to the group) and reaped on exit, always. Output goes to ``log_path`` (a pipe nobody
-    reads could fill and block the server)."""
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                   env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        try:
-            _wait_healthy(url, process, log_path, startup_s)
-            yield process
-        finally:
-            if process.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGKILL)
-            process.wait(30)
-
-
-def _wait_healthy(url: str, process: subprocess.Popen[bytes], log_path: Path, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited with {process.returncode} before it was healthy: "
-                               f"{log_path.read_text(errors='replace')[-2000:]}")
-        with contextlib.suppress(httpx.TransportError):
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                return
-        time.sleep(0.2)
-    raise RuntimeError(f"the server at {url} was not healthy after {timeout_s:.0f} s")
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,8 @@ import pytest
 
 from kvpilot.server.background import free_port
 from tests.doctor.spill_staging import (EdgeSqueezer, StagingUnavailable, memory_cgroup, read_server_memory,
-                                        require_linux_root, serve_process, squeeze_until_it_reads_back, swap_file)
+                                        require_linux_root, squeeze_until_it_reads_back, swap_file)
+from tests.served_process import serve_process
 
 pytestmark = pytest.mark.slow
 MIB = 2**20

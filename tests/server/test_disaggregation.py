@@ -12,18 +12,16 @@ import os
 import random
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
-import warnings
-from pathlib import Path
 
 import httpx
 import pytest
 
 from kvpilot.server import ServerArgs, create_app, engine_factory
 from kvpilot.server.background import BackgroundServer, free_port
+from tests.served_process import serve_process
 from tests.server.conftest import API_KEY, authed_http, server_engine_args
 
 MODEL = "disagg-test"
@@ -314,41 +312,18 @@ def test_serve_maps_vllm_kv_transfer_config_and_refuses_what_it_lacks(monkeypatc
     assert (config.role, config.host, config.port) == ("prefill", "10.0.0.5", 14579)
 
 
-def _wait_healthy(client: httpx.Client, worker: subprocess.Popen, log: Path) -> None:
-    """Until `worker`'s /health is 200. Its start took 5-7 s alone (also beside `yes` x3) but stayed at "loading"
-    past 120 s in 2 of 3 busy suite runs: at 60 s its processes print their stacks (SIGUSR1) into the log, and
-    a start slower than that is a warning with them; no start in 300 s fails with them."""
-    started, stacks = time.monotonic(), False
-    while time.monotonic() < started + 300:
-        with contextlib.suppress(httpx.HTTPError):
-            if client.get("/health").status_code == 200:
-                break
-        if not stacks and time.monotonic() > started + 60:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(worker.pid, signal.SIGUSR1)
-            stacks = True
-        time.sleep(0.2)
-    else:
-        pytest.fail(f"the prefill worker was not healthy in 300 s: {log.read_text()[-12000:]}")
-    if stacks:
-        warnings.warn(f"the prefill worker took {time.monotonic() - started:.0f} s to start; its stacks at 60 s: "
-                      f"{log.read_text()[-12000:]}", stacklevel=1)
-
-
 def test_killing_the_prefill_worker_mid_transfer(workers, corpus_ids, tmp_path):
     """A real `kvpilot serve --kv-role prefill` process killed (SIGKILL) while a pull has received part of the
     blocks (a relay holds the rest back meanwhile): the decode worker recomputes, same output, nothing leaked."""
     _, decode, _ = workers
     port = free_port("127.0.0.1")
-    log = open(tmp_path / "prefill.log", "w")
-    worker = subprocess.Popen([sys.executable, "-m", "kvpilot.cli", "serve", "--port", str(port), "--dtype",
-                               "float32", "--kv-cache-memory", "64MiB", "--max-model-len", "512", "--kv-role",
-                               "prefill", "--api-key", API_KEY, "--served-model-name", MODEL],
-                              stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        prefill = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {API_KEY}"},
-                               timeout=60)
-        _wait_healthy(prefill, worker, tmp_path / "prefill.log")
+    command = [sys.executable, "-m", "kvpilot.cli", "serve", "--port", str(port), "--dtype", "float32",
+               "--kv-cache-memory", "64MiB", "--max-model-len", "512", "--kv-role", "prefill", "--api-key", API_KEY,
+               "--served-model-name", MODEL]
+    url = f"http://127.0.0.1:{port}"
+    # its start took 5-7 s alone (also beside `yes` x3), 79-276 s in busy suite runs (serve_process waits 300 s)
+    with serve_process(command, url, tmp_path / "prefill.log") as worker:
+        prefill = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
         prompt = corpus_ids[:70]
         reference = _complete(decode, prompt, 8).json()["choices"][0]["text"]
         params = prefill.post("/v1/completions", json=_body(prompt, 1, kv_transfer_params={"do_remote_decode": True})
@@ -363,11 +338,6 @@ def test_killing_the_prefill_worker_mid_transfer(workers, corpus_ids, tmp_path):
         worker.wait(30)
         pulling.join(60)
         relay.close()
-    finally:
-        if worker.poll() is None:
-            os.killpg(worker.pid, signal.SIGKILL)
-            worker.wait(30)
-        log.close()
     assert result and result[0].status_code == 200, result
     assert result[0].json()["choices"][0]["text"] == reference
     assert "kv_transfer_tokens" not in result[0].json()["kvpilot"]

@@ -7,9 +7,7 @@ starts in seconds.
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -19,6 +17,7 @@ import pytest
 
 from kvpilot.fit.model_catalog import get_hf_config
 from kvpilot.server.background import free_port
+from tests.served_process import serve_process
 
 
 @pytest.fixture()
@@ -31,29 +30,13 @@ def dummy_config(tmp_path: Path) -> Path:
     return path
 
 
-def _wait_healthy(url: str, process: subprocess.Popen, timeout_s: float = 90) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert process.poll() is None, process.communicate()[1][-2000:]
-        try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError("the server never became healthy")
-
-
-def test_sigterm_drains_then_exits_0(dummy_config: Path) -> None:
+def test_sigterm_drains_then_exits_0(dummy_config: Path, tmp_path: Path) -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     command = [sys.executable, "-m", "kvpilot.server", "--model", str(dummy_config), "--load-format", "dummy",
                "--dtype", "float32", "--max-model-len", "1024", "--kv-cache-memory", "32MiB", "--port", str(port),
                "--served-model-name", "dummy", "--drain-timeout", "60"]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        _wait_healthy(url, process)
+    with serve_process(command, url, tmp_path / "server.log") as process:
         body = {"model": "dummy", "prompt": [1, 2, 3, 4], "max_tokens": 400, "temperature": 0, "ignore_eos": True,
                 "stream": True}
         with httpx.Client(base_url=url, timeout=120) as client, client.stream("POST", "/v1/completions",
@@ -72,11 +55,6 @@ def test_sigterm_drains_then_exits_0(dummy_config: Path) -> None:
         assert events[-1] == "data: [DONE]"  # the in-flight request finished in full
         assert json.loads(events[-2].removeprefix("data: "))["choices"][0]["finish_reason"] == "length"
         assert process.wait(timeout=60) == 0
-
-    finally:
-        if process.poll() is None:
-            process.kill()
-        process.communicate()
 
 
 def test_drain_timeout_aborts_what_is_left(llm_fp32) -> None:

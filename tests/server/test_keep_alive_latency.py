@@ -12,15 +12,12 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
-import os
 import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,6 +26,7 @@ import uvicorn
 from kvpilot.fit.model_catalog import get_hf_config
 from kvpilot.server.background import free_port
 from kvpilot.server.guards.slow_clients import HttpToolsProtocol, header_timeout_protocol
+from tests.served_process import serve_process
 
 ROUNDS = 15
 # Well under the ~40 ms of a delayed ACK, above a loaded 2-core box's noise on a median
@@ -45,28 +43,8 @@ def server_port(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
     command = [sys.executable, "-m", "kvpilot.server", "--model", str(directory / "config.json"),
                "--load-format", "dummy", "--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "32MiB",
                "--port", str(port), "--served-model-name", "dummy"]
-    log = directory / "server.log"  # a file, not a pipe: its per-request lines never block the server
-    with log.open("w") as stderr:
-        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr,
-                                   env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        _wait_healthy(port, process, log)
+    with serve_process(command, f"http://127.0.0.1:{port}", directory / "server.log"):
         yield port
-    finally:
-        process.kill()
-        process.wait()
-
-
-def _wait_healthy(port: int, process: subprocess.Popen, log: Path, timeout_s: float = 90) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert process.poll() is None, log.read_text()[-2000:]
-        try:
-            _timed(_connect(port), "GET", "/health")
-            return
-        except (OSError, AssertionError):  # not listening yet, or 503 while loading
-            time.sleep(0.1)
-    raise AssertionError(f"the server never became healthy: {log.read_text()[-2000:]}")
 
 
 def _connect(port: int) -> http.client.HTTPConnection:
