@@ -165,6 +165,23 @@ def verify_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return f"--model {path} --load-format dummy"
 
 
+# What the doctor names first when the host, not the server, is what it measured: then no server flag is tried
+HOST_VERDICTS = ("cpu-starvation", "degraded-run", "client-overload")
+
+
+def _found(doc: dict[str, Any]) -> list[tuple[str, str]]:
+    return [(f["rule_id"], f["severity"]) for f in doc["findings"]]
+
+
+def _skip_when_too_busy_to_try(doc: dict[str, Any]) -> None:
+    """Issue 46: beside `yes` x2 the doctor named the host first (starved of CPU) and ranked the staged cause low,
+    so verify had no server flag to try: the truth about that run, not a fault of verify."""
+    found = _found(doc)
+    if not doc["verify"]["trials"] and found[:1] and found[0][0] in HOST_VERDICTS:
+        pytest.skip(f"the doctor measured this machine too busy to judge the server ({found}; verify: "
+                    f"{doc['verify'].get('stopped')})")
+
+
 def test_serve_verify_restarts_with_the_fix_and_prints_before_after(verify_model: str) -> None:
     """`--max-num-seqs 1`: the doctor starts `kvpilot serve`, probes, restarts it with the queueing fix
     and probes again; the trial's before/after numbers are printed and in the JSON."""
@@ -177,15 +194,13 @@ def test_serve_verify_restarts_with_the_fix_and_prints_before_after(verify_model
     assert proc.returncode == 1, proc.stderr[-2000:]
     doc = json.loads(proc.stdout)
     trials = doc["verify"]["trials"]
-    assert trials and trials[0]["rule_id"] == "queueing" and trials[0]["flags"] == ["--max-num-seqs", "2"]
+    _skip_when_too_busy_to_try(doc)
+    assert trials and trials[0]["rule_id"] == "queueing" and trials[0]["flags"] == ["--max-num-seqs", "2"], \
+        (trials, doc["verify"].get("stopped"), _found(doc))
     assert trials[0]["before"] > 0 and trials[0]["after"] > 0
     assert all(not t["kept"] for t in trials[:-1])  # every fix before the last was withdrawn
     assert doc["verify"]["stopped"]
     assert "verify: restarting with --max-num-seqs 2 (queueing)" in proc.stderr
-
-
-# What the doctor names first when the host, not the server, is what it measured: then no server flag is tried
-HOST_VERDICTS = ("cpu-starvation", "degraded-run", "client-overload")
 
 
 def test_serve_verify_turns_prefix_caching_on_for_shared_prefix_traffic(verify_model: str) -> None:
@@ -201,11 +216,9 @@ def test_serve_verify_turns_prefix_caching_on_for_shared_prefix_traffic(verify_m
     doc = json.loads(proc.stdout)
     trials = doc["verify"]["trials"]
     prefix = [t for t in trials if t["flags"] == ["--enable-prefix-caching"]]
-    found = [(f["rule_id"], f["severity"]) for f in doc["findings"]]
-    if not prefix and found[:1] and found[0][0] in HOST_VERDICTS:  # issue 46: seen beside `yes` x2
-        pytest.skip(f"the doctor measured this machine too busy to judge the server ({found}; verify: "
-                    f"{doc['verify'].get('stopped')})")
-    assert prefix, (trials, doc["verify"].get("stopped"), found)
+    if not prefix:
+        _skip_when_too_busy_to_try(doc)
+    assert prefix, (trials, doc["verify"].get("stopped"), _found(doc))
     trial = prefix[0]
     if trial["undecided"]:  # no gain measured, but the doctor found the server starved of CPU in a probe
         pytest.skip(f"the doctor left the fix undecided on this busy machine: {trial}")

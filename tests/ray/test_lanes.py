@@ -34,7 +34,7 @@ def _short_ttft_p50(url: str, tmp_path: Path, name: str) -> tuple[float, float]:
     dataset = DatasetConfig(kind="long-short", input_len=32, output_len=8, long_fraction=0.3, long_input_len=900,
                             seed=3)
     target = Target(base_url=url, model="tiny", ignore_eos=True, endpoint="completions")
-    outcome = run_bench(BenchConfig(target=target, dataset=dataset, load=LoadShape(concurrency=8, num_requests=16),
+    outcome = run_bench(BenchConfig(target=target, dataset=dataset, load=LoadShape(concurrency=8, num_requests=32),
                                     tokenizer="embedded", progress=False, json_path=str(tmp_path / f"{name}.json")))
     run = outcome.runs[0]
     assert all(r.ok for r in run.output.records), [r.error for r in run.output.records if not r.ok]
