@@ -25,6 +25,14 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+def _bound_socket(host: str) -> socket.socket:
+    """A TCP socket bound to a free port of ``host`` (listening starts when the server takes it)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    return sock
+
+
 class BackgroundServer:
     """Context manager; on enter the server listens and (with wait_ready) the engine is loaded.
 
@@ -34,12 +42,16 @@ class BackgroundServer:
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int | None = None,
                  wait_ready: bool = True, timeout_s: float = 120.0) -> None:
         self.app = app
-        self.host, self.port = host, port or free_port(host)
+        # Without a port, the socket is bound here and handed to uvicorn: a port found free and bound later by
+        # uvicorn could be taken in between (an outgoing connection's local port: seen once in a CI run).
+        self._sock = None if port else _bound_socket(host)
+        self.host, self.port = host, port or int(self._sock.getsockname()[1])
         self.wait_ready, self.timeout_s = wait_ready, timeout_s
         config = uvicorn.Config(app, host=self.host, port=self.port, log_level="warning", access_log=False,
                                 timeout_graceful_shutdown=5, **uvicorn_options(app.state.kvpilot.args))
         self.server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self.server.run, name="kvpilot-uvicorn", daemon=True)
+        sockets = None if self._sock is None else [self._sock]
+        self._thread = threading.Thread(target=self.server.run, args=(sockets,), name="kvpilot-uvicorn", daemon=True)
 
     @property
     def url(self) -> str:
@@ -77,6 +89,8 @@ class BackgroundServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self._thread.join(self.timeout_s)
+        if self._sock is not None:
+            self._sock.close()
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
