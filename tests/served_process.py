@@ -49,13 +49,13 @@ def wait_healthy(url: str, process: subprocess.Popen, log_path: Path, timeout_s:
 
 
 @contextlib.contextmanager
-def serve_process(command: list[str], url: str, log_path: Path, startup_s: float = 300.0,
-                  env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[bytes]]:
+def serve_process(command: list[str], url: str, log_path: Path,
+                  startup_s: float = 300.0) -> Iterator[subprocess.Popen[bytes]]:
     """``command`` in a process group of its own, output (stdout and stderr) to ``log_path``; yields the process
     once ``url``/health answers 200 (:func:`wait_healthy`); SIGKILL to the group and reaped on exit."""
     with log_path.open("wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                   env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+                                   env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         wait_healthy(url, process, log_path, startup_s)
         yield process
