@@ -1,6 +1,6 @@
-"""GGUF blocks of Q5_0, Q5_1, Q4_K, Q5_K and Q6_K for tests: random valid blocks (kernel tests) and a round-to-nearest
-quantizer for the K-quants (the gguf package has none; a requantized model needs blocks near its weights, not
-optimal ones). Layouts: kvpilot/model/quant/formats.py's docstring.
+"""GGUF blocks of Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL and MXFP4 for tests: random valid blocks (kernel tests) and a
+round-to-nearest quantizer for the K-quants and IQ4_NL (the gguf package has none; a requantized model needs blocks
+near its weights, not optimal ones). Layouts: kvpilot/model/quant/formats.py's docstring.
 """
 
 from __future__ import annotations
@@ -10,16 +10,24 @@ from gguf import GGMLQuantizationType as T
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import quantize
 
+from kvpilot.model.quant.formats import IQ4_NL_VALUES
+
 # byte offsets of each block's float16 fields
-_HALF_FIELDS = {"Q5_0": [0], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+_HALF_FIELDS = {"Q5_0": [0], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "IQ4_NL": [0],
+                "MXFP4": []}
+# MXFP4 exponent bytes of random blocks: scales 2^-24 .. 2^7 (float16 holds them: the int8 tiles take them)
+MXFP4_TILED_EXPONENTS = (104, 136)
 
 
 def random_blocks(name: str, rows: int, cols: int, seed: int) -> np.ndarray:
     """uint8 [rows, cols / block_values * block_bytes]: random bytes with finite, varied float16 scales (some
-    negative, some subnormal), i.e. valid blocks of every quant and sub-scale value."""
+    negative, some subnormal), i.e. valid blocks of every quant and sub-scale value; MXFP4 exponents in
+    MXFP4_TILED_EXPONENTS."""
     rng = np.random.default_rng(seed)
     values, block_bytes = GGML_QUANT_SIZES[T[name]]
     raw = rng.integers(0, 256, size=(rows, cols // values, block_bytes), dtype=np.uint8)
+    if name == "MXFP4":
+        raw[:, :, 0] = rng.integers(*MXFP4_TILED_EXPONENTS, size=(rows, cols // values), dtype=np.uint8)
     for offset in _HALF_FIELDS[name]:
         scales = rng.uniform(-0.05, 0.05, size=(rows, cols // values)).astype(np.float16)
         scales.flat[::97] = np.float16(3e-6)  # a subnormal float16
@@ -83,9 +91,25 @@ def _quantize_q6k(x: np.ndarray) -> np.ndarray:
                           axis=-1)
 
 
+def _quantize_iq4_nl(x: np.ndarray) -> np.ndarray:
+    """IQ4_NL of blocks x [n, 32]: d from the block's largest magnitude (its sign: the table reaches -127, only
+    113 up), each value the nearest table entry."""
+    table = np.array(IQ4_NL_VALUES, dtype=np.float32)
+    peak = np.take_along_axis(x, np.abs(x).argmax(axis=-1)[:, None], axis=-1)  # [n, 1], signed
+    d = (-peak / 127).astype(np.float16)
+    d32 = d.astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        scaled = np.where(d32 != 0, x / d32, 0)
+    q = np.abs(scaled[..., None] - table).argmin(axis=-1).astype(np.uint8)  # [n, 32]
+    return np.concatenate([d.view(np.uint8).reshape(-1, 2), q[:, :16] | (q[:, 16:] << 4)], axis=-1)
+
+
 def quantize_blocks(values: np.ndarray, name: str) -> np.ndarray:
     """float32 [rows, cols] -> uint8 [rows, blocks * block_bytes] of GGUF type `name` (round to nearest for the
-    K-quants; the gguf package's quantizer for the others)."""
+    K-quants and IQ4_NL; the gguf package's quantizer for the others)."""
+    if name == "IQ4_NL":
+        return _quantize_iq4_nl(np.ascontiguousarray(values, dtype=np.float32).reshape(-1, 32)).reshape(
+            values.shape[0], -1)
     if name not in ("Q4_K", "Q5_K", "Q6_K"):
         return quantize(values, T[name])
     rows = values.shape[0]

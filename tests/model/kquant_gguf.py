@@ -1,5 +1,6 @@
-"""The embedded GGUF requantized to another type mix (Q4_K_M, Q5_K_M, Q4_0), written as a GGUF with all its
-metadata: for the K-quant tests and benchmarks/kquant_decode.py, without llama.cpp.
+"""The embedded GGUF requantized to another type mix (Q4_K_M, Q5_K_M, Q4_0, and TABLE_MIX: the table formats beside
+5-bit ones, see tensor_type), written as a GGUF with all its metadata: for the K-quant tests and
+benchmarks/kquant_decode.py, without llama.cpp.
 
 The mixes follow llama.cpp's published recipes: Q4_K_M stores attn_v and ffn_down as Q6_K in the first and last
 eighth of the layers and every third one between ("more bits" layers), Q4_K elsewhere, and the output layer (the
@@ -20,7 +21,12 @@ from gguf.quants import dequantize
 
 from tests.model.kquant_blocks import quantize_blocks
 
-MIXES = ("Q4_K_M", "Q5_K_M", "Q4_0")
+MIXES = ("Q4_K_M", "Q5_K_M", "Q4_0", "TABLE_MIX")
+# TABLE_MIX: no llama.cpp recipe; every packed format the other mixes leave out, in one file (fused q/k/v of mixed
+# formats): attn_q / attn_k IQ4_NL, attn_v / attn_output Q5_1, ffn_gate / ffn_up MXFP4, ffn_down Q5_K (its
+# 1536-wide rows are whole super-blocks), the head Q8_0
+_TABLE_MIX = {"attn_q": "IQ4_NL", "attn_k": "IQ4_NL", "attn_v": "Q5_1", "attn_output": "Q5_1", "ffn_gate": "MXFP4",
+              "ffn_up": "MXFP4", "ffn_down": "Q5_K"}
 _FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 _LAYER = re.compile(r"^blk\.(\d+)\.(\w+)\.weight$")
 
@@ -33,11 +39,13 @@ def tensor_type(mix: str, name: str, layers: int, cols: int) -> str | None:
     """The GGUF type `mix` stores matrix `name` (cols values a row) as; None: kept as it is."""
     match = _LAYER.match(name)
     if name == "token_embd.weight" or name == "output.weight":
-        wanted = "Q8_0" if mix == "Q4_0" else "Q6_K"
+        wanted = "Q6_K" if mix.endswith("_K_M") else "Q8_0"
     elif match is None:
         return None
     elif mix == "Q4_0":
         wanted = "Q4_0"
+    elif mix == "TABLE_MIX":
+        wanted = _TABLE_MIX[match.group(2)]
     else:
         base = "Q4_K" if mix == "Q4_K_M" else "Q5_K"
         more = match.group(2) in ("attn_v", "ffn_down") and _more_bits(int(match.group(1)), layers)

@@ -1,6 +1,6 @@
-"""The embedded model requantized to llama.cpp's Q4_K_M and Q5_K_M mixes (tests/model/kquant_gguf.py: K-quants with
-Q5_0 / Q5_1 / Q8_0 where rows are not whole super-blocks, fused q/k/v of mixed formats) runs packed: greedy
-tokens equal the dequantized model's in float32, the fused decode path equals the layer-by-layer forward bit for
+"""The embedded model requantized to llama.cpp's Q4_K_M mix (tests/model/kquant_gguf.py: K-quants with Q5_0 / Q8_0
+where rows are not whole super-blocks, fused q/k/v of mixed formats) and to TABLE_MIX (IQ4_NL, MXFP4, Q5_1 and Q5_K:
+the packed formats Q4_K_M leaves out) runs packed: greedy tokens equal the dequantized model's in float32, the fused decode path equals the layer-by-layer forward bit for
 bit in bf16 (tiled int8 sets), and the packed weights take about the file's bytes."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ NEW_TOKENS = 32
 def kquant_files(tmp_path_factory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("kquant")
     files = {}
-    for mix in ("Q4_K_M", "Q5_K_M"):
+    for mix in ("Q4_K_M", "TABLE_MIX"):
         files[mix] = folder / f"smollm2.{mix}.gguf"
         requantize(default_model_path(), files[mix], mix)
     return files
@@ -39,7 +39,7 @@ def _prompts(llm: LLM) -> list[list[int]]:
     return [llm.tokenizer.encode_chat(c) for c in chats] + [llm.tokenizer.encode("def fibonacci(n):")]
 
 
-@pytest.mark.parametrize("mix", ["Q4_K_M", "Q5_K_M"])
+@pytest.mark.parametrize("mix", ["Q4_K_M", "TABLE_MIX"])
 def test_packed_greedy_equals_the_dequantized_model(kquant_files, mix):
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outputs = {}

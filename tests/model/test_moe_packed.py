@@ -47,7 +47,12 @@ def _q4_k_m(name: str) -> str:
     return "Q6_K" if name == "output.weight" or any(k in name for k in ("attn_v", "ffn_down")) else "Q4_K"
 
 
-MIXES = {"Q4_0": _q4_0, "Q8_0": _q8_0, "Q4_K_M": _q4_k_m}
+def _mxfp4(name: str) -> str:
+    """gpt-oss's GGUFs: MXFP4 experts; here IQ4_NL for the rest (both table formats in one file)."""
+    return "MXFP4" if "_exps" in name else "IQ4_NL"
+
+
+MIXES = {"Q4_0": _q4_0, "Q8_0": _q8_0, "Q4_K_M": _q4_k_m, "MXFP4": _mxfp4}
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +79,8 @@ def gguf_files(hf_models, tmp_path_factory) -> dict:
     """(arch, mix) -> path: Qwen3-MoE stacked in all three mixes; Mixtral in older files' one tensor per expert."""
     folder = tmp_path_factory.mktemp("moe-gguf")
     files = {}
-    for arch, mix in [("qwen3moe", "Q4_0"), ("qwen3moe", "Q8_0"), ("qwen3moe", "Q4_K_M"), ("llama", "Q4_K_M")]:
+    for arch, mix in [("qwen3moe", "Q4_0"), ("qwen3moe", "Q8_0"), ("qwen3moe", "Q4_K_M"), ("qwen3moe", "MXFP4"),
+                      ("llama", "Q4_K_M")]:
         path = folder / f"{arch}-{mix}.gguf"
         write_moe_gguf(hf_models[arch], path, arch, per_expert=arch == "llama", types=MIXES[mix])
         files[arch, mix] = path
@@ -95,7 +101,7 @@ def _file_expert_bytes(path) -> int:
 
 
 @pytest.mark.parametrize("case", [("qwen3moe", "Q4_0"), ("qwen3moe", "Q8_0"), ("qwen3moe", "Q4_K_M"),
-                                  ("llama", "Q4_K_M")], ids=lambda c: f"{c[0]}-{c[1]}")
+                                  ("qwen3moe", "MXFP4"), ("llama", "Q4_K_M")], ids=lambda c: f"{c[0]}-{c[1]}")
 def test_packed_greedy_equals_the_dequantized_model(gguf_files, case):
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outputs = {}
@@ -128,14 +134,15 @@ def _reference(block, x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.skipif(not has_vnni(), reason="the int8 path needs AVX-512 VNNI")
-@pytest.mark.parametrize("mix", ["Q4_0", "Q8_0", "Q4_K_M"])
+@pytest.mark.parametrize("mix", ["Q4_0", "Q8_0", "Q4_K_M", "MXFP4"])
 def test_int8_experts_hold_the_file_bytes_and_stay_near_the_dequantized_values(gguf_files, mix):
     path = gguf_files["qwen3moe", mix]
     loaded = load_model(str(path), dtype="bfloat16", quantization="gguf", max_model_len=64)
     experts = _experts(loaded)
     assert len(experts) == 2 and all(e.int8_copies is not None and e.blocks is None for e in experts)
     # what fit predicts for the experts' int8 copies, to the byte; about the file's bytes (Q4_0 and Q8_0 copies add
-    # a float16 offset a block: 20/18 and 36/34; Q4_K's 6-bit scales take a byte: 148/144)
+    # a float16 offset a block: 20/18 and 36/34; Q4_K's 6-bit scales take a byte: 148/144; MXFP4's exponent byte a
+    # float16: 18/17)
     tensors = [t for t in fit_load(str(path)).gguf.tensors if is_expert(t)]
     predicted = sum(packed_bytes(t, int8_copy=True) for t in tensors)
     assert loaded.packed_memory.expert_bytes == predicted

@@ -1,4 +1,4 @@
-"""The formats kept as GGUF blocks (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) against the gguf package's dequantize-then-matmul
+"""The formats kept as GGUF blocks (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, MXFP4) against the gguf package's dequantize-then-matmul
 reference on random valid blocks: their values bit for bit (blocks, decoded integers, tiled copies; every ISA path),
 the float32 kernel within float32 rounding and the tiled int8 GEMM within the int8 rounding of the activations, for
 every row count 1..64 (and a prefill's 300), odd widths (an odd number of blocks and super-blocks, rows that are not
@@ -79,7 +79,8 @@ def test_the_tiled_copy_holds_the_values_in_about_the_blocks_bytes(name):
     copy.dequantize_into(dense)
     assert torch.equal(dense, torch.from_numpy(expected).to(torch.bfloat16))
     # K-quants' 6-bit sub-scales take a byte each; Q6_K's are int8 already, Q5_0 / Q5_1 keep d (and m) as is
-    assert copy.nbytes / packed.nbytes <= {"Q4_K": 1.03, "Q5_K": 1.025}.get(name, 1.0)
+    # MXFP4's exponent byte becomes a float16 scale (18 bytes a block for 17)
+    assert copy.nbytes / packed.nbytes <= {"Q4_K": 1.03, "Q5_K": 1.025, "MXFP4": 18 / 17}.get(name, 1.0)
     assert not can_ktile(_blocks(name, 40, seed=4)[0])  # not whole 16-row tiles
     with pytest.raises(ValueError, match="multiple of 16"):
         ktile(_blocks(name, 40, seed=4)[0])
@@ -161,3 +162,19 @@ def test_every_packed_format_has_a_kernel_code_of_its_own():
     codes = [f.code for f in PACKED_FORMATS.values()]
     assert sorted(codes) == list(range(len(codes)))
     assert all(f.kept_as_blocks for f in BLOCK_FORMATS.values())
+
+
+def test_mxfp4_scales_float16_lacks_keep_the_float32_kernel():
+    """An MXFP4 exponent outside 2^-24 .. 2^15 has no exact float16 scale in the int8 tiles: such weights are not
+    tiled (the float32 kernel computes them, exactly), and the experts' tiler refuses them."""
+    from kvpilot.model.quant.tile_blocks import tile_blocks
+
+    raw = random_blocks("MXFP4", 16, 32 * 7, seed=12)
+    raw[3, 17 * 2] = 60  # row 3's third block: scale 2^-68
+    packed = PackedWeight.from_blocks(raw, BLOCK_FORMATS["MXFP4"])
+    expected = dequantize(raw, T.MXFP4).reshape(16, 32 * 7)
+    assert 0 < np.abs(expected[3, 64:96]).max() < 1e-18  # the block holds values, tiny ones
+    assert not can_ktile(packed)
+    assert np.array_equal(packed.dequantize(torch.float32, best_isa()).numpy(), expected)
+    with pytest.raises(ValueError, match="no exact float16"):
+        tile_blocks([raw], BLOCK_FORMATS["MXFP4"])

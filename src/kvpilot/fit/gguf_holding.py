@@ -7,8 +7,9 @@ As kvpilot's loader decides (model/loader.py, model/quant/model_pack.py):
   activations the int8 path holds a column-tiled copy instead (model/quant/vnni_gemm.py, tiled_kquant.py), the
   same bytes except that Q4_0 and Q8_0 blocks gain a float16 offset (-8 d, -128 d: 20 bytes per 32 values, 5.0
   bits, and 36, 9.0 bits; the blocks: 18 and 34) and the K-quants' 6-bit sub-block scales and minimums take a byte
-  each: Q4_K 148 bytes per 256 values (4.625 bits; the block: 144, 4.5), Q5_K 180 (5.625; 176, 5.5); Q4_1, Q5_0,
-  Q5_1 and Q6_K keep their blocks' bytes.
+  each: Q4_K 148 bytes per 256 values (4.625 bits; the block: 144, 4.5), Q5_K 180 (5.625; 176, 5.5), and MXFP4's
+  exponent byte becomes a float16 scale (18 bytes per 32 values; the block: 17); Q4_1, Q5_0, Q5_1, Q6_K and IQ4_NL
+  keep their blocks' bytes.
   The embedding table is held dense in the compute dtype for token lookups; a tied output head keeps a packed
   copy of the embedding's blocks beside it. Norms, biases and MoE routers: the compute dtype. Routed experts
   (ffn_{gate,up,down}_exps, or older Mixtral files' ffn_{gate,up,down}.E) are linear weights like the others:
@@ -29,9 +30,9 @@ from dataclasses import dataclass
 from kvpilot.fit.gguf_sizes import GgufTensor
 
 # GGUF type -> bytes its column-tiled int8 copy adds per block (a float16 offset; the K-quants' 12 bytes of packed
-# 6-bit scales and minimums become 16); the set equals kvpilot.model.quant.formats.PACKED_FORMATS (tests/fit check)
+# 6-bit scales and minimums become 16; MXFP4's exponent byte a float16); the set equals kvpilot.model.quant.formats.PACKED_FORMATS (tests/fit check)
 PACKED_TYPES: dict[str, int] = {"Q8_0": 2, "Q4_0": 2, "Q4_1": 0, "Q5_0": 0, "Q5_1": 0, "Q4_K": 4, "Q5_K": 4,
-                                "Q6_K": 0}
+                                "Q6_K": 0, "IQ4_NL": 0, "MXFP4": 1}
 # HF model types whose GGUF weights stay packed (model/models/registry.py `packed_gguf`; tests/fit check it)
 PACKED_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral"})
 TILE_ROWS = 16  # the tiled copy takes whole 16-row tiles; other layers keep the file's blocks
@@ -104,8 +105,9 @@ def packing_problem(tensors: tuple[GgufTensor, ...], model_type: str, tied: bool
 
 
 def held_gguf(tensors: tuple[GgufTensor, ...], model_type: str, tied: bool, compute_bits: int,
-              on_gpu: bool) -> HeldGguf:
-    """What kvpilot holds for `tensors` with activations of `compute_bits` (16: bf16, with the int8 copies)."""
+              on_gpu: bool, cpu_int8: bool = True) -> HeldGguf:
+    """What kvpilot holds for `tensors` with activations of `compute_bits` (16: bf16, with the int8 copies where the
+    CPU takes the int8 path: `cpu_int8`)."""
     dense = {t.name: t.num_elements * compute_bits // 8 for t in tensors}
     problem = packing_problem(tensors, model_type, tied, on_gpu)
     embedding = dense.get(EMBEDDING, 0)
@@ -115,13 +117,14 @@ def held_gguf(tensors: tuple[GgufTensor, ...], model_type: str, tied: bool, comp
         return HeldGguf(embedding, dense.get(OUTPUT, 0), sum(dense.values()) - embedding - dense.get(OUTPUT, 0),
                         False, f"{problem}, {compute_bits} bits a weight",
                         sum(dense[t.name] for t in experts), expert_elements)
-    int8_copy = compute_bits == 16
+    int8_copy = compute_bits == 16 and cpu_int8
     held = {t.name: packed_bytes(t, int8_copy) if is_linear(t, tied) else dense[t.name] for t in tensors}
     head = held.get(OUTPUT, held.get(EMBEDDING, 0) if tied else 0)
     layers = sum(b for name, b in held.items() if name not in (EMBEDDING, OUTPUT))
     types = sorted({t.type_name for t in tensors if is_linear(t, tied)})
     bits = ", ".join(f"{name} {packed_bits(name, int8_copy):.4g}" for name in types)
-    copies = " with the int8 copies" if int8_copy else ""
+    copies = (" with the int8 copies" if int8_copy else
+              " as the file's blocks: no int8 copies on a CPU without AVX-512 VNNI" if compute_bits == 16 else "")
     what = "linear weights and experts" if experts else "linear weights"
     return HeldGguf(embedding, head, layers, True,
                     f"kvpilot holds the {what} packed ({bits} bits a weight{copies}) and the embedding table "

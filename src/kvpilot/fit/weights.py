@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvpilot.fit.checkpoint_formats import checkpoint_linear_bits
+from kvpilot.fit.fingerprint import cpu_runs_int8_tiles
 from kvpilot.fit.gguf_holding import PACKED_FAMILIES, held_gguf
 from kvpilot.fit.gguf_mixes import BASE_TYPES, file_bits_per_weight, mix_tensors
 from kvpilot.fit.gguf_sizes import GgufTensor
@@ -37,25 +38,27 @@ class WeightBytes:
 
 
 def weight_bytes(model: LoadedModel, weight_dtype: str = "auto", dtype: str = "auto",
-                 on_gpu: bool = False) -> WeightBytes:
+                 on_gpu: bool = False, cpu_int8: bool | None = None) -> WeightBytes:
     """What the weights take in kvpilot's memory on a GPU (`on_gpu`) or a CPU. `auto` is the model's own format:
     a GGUF file's tensors, a checkpoint's quantization_config, else its dtype; a llama.cpp mix name (q4_k_m,
     q8_0, ...) sizes the model as a file of that mix; int8 / int4 on a CPU as kvpilot quantizes at load (Q8_0 /
-    Q4_1 blocks); other names are bits per role (weight_formats.py)."""
+    Q4_1 blocks); other names are bits per role (weight_formats.py). `cpu_int8`: whether the CPU takes the int8
+    path of packed weights in bf16 (None: this machine's CPU)."""
     key = weight_dtype.strip().lower()
     compute_bits = 8 * dtype_bytes(compute_dtype(model.spec, dtype))
+    int8 = cpu_runs_int8_tiles() if cpu_int8 is None else cpu_int8
     if model.gguf is not None and key == "auto":
         mix = ", ".join(f"{n} {t}" for t, n in sorted(model.gguf.tensor_types.items()))
-        return _from_tensors(model, model.gguf.tensors, f"gguf ({mix})", compute_bits, on_gpu)
+        return _from_tensors(model, model.gguf.tensors, f"gguf ({mix})", compute_bits, on_gpu, cpu_int8=int8)
     if key in BASE_TYPES:
         tensors = mix_tensors(model.spec, key)
         label = f"{key} (llama.cpp mix: {file_bits_per_weight(tensors):.2f} bits a weight in the file)"
-        return _from_tensors(model, tensors, label, compute_bits, on_gpu)
+        return _from_tensors(model, tensors, label, compute_bits, on_gpu, cpu_int8=int8)
     # (the loader quantizes no mixture-of-experts model at load: those fall through to bits per role)
     if key in AT_LOAD_CPU and not on_gpu and model.spec.model_type in PACKED_FAMILIES and model.spec.moe is None:
         tensors = mix_tensors(model.spec, AT_LOAD_CPU[key], head="Q8_0")
         label = f"{key} (kvpilot's quantization at load: {AT_LOAD_CPU[key].upper()} blocks, the output layer Q8_0)"
-        return _from_tensors(model, tensors, label, compute_bits, on_gpu, from_file=False)
+        return _from_tensors(model, tensors, label, compute_bits, on_gpu, from_file=False, cpu_int8=int8)
     quant = model.hf_config.get("quantization_config")
     if key == "auto" and isinstance(quant, dict) and quant.get("quant_method"):
         name, bits, note = checkpoint_linear_bits(quant, on_gpu, compute_bits)
@@ -76,10 +79,10 @@ def _by_role(model: LoadedModel, fmt: WeightFormat, notes: tuple[str, ...] = ())
 
 
 def _from_tensors(model: LoadedModel, tensors: tuple[GgufTensor, ...], label: str, compute_bits: int,
-                  on_gpu: bool, from_file: bool = True) -> WeightBytes:
+                  on_gpu: bool, from_file: bool = True, cpu_int8: bool = True) -> WeightBytes:
     """`from_file`: the tensors are a GGUF's (or a llama.cpp mix's); False: blocks kvpilot quantizes at load."""
     spec = model.spec
-    held = held_gguf(tensors, spec.model_type, spec.tie_word_embeddings, compute_bits, on_gpu)
+    held = held_gguf(tensors, spec.model_type, spec.tie_word_embeddings, compute_bits, on_gpu, cpu_int8)
     file_bytes = sum(t.num_bytes for t in tensors) if from_file else None
     total = held.num_bytes_embedding + held.num_bytes_lm_head + held.num_bytes_layers
     size = f" ({gb_and_gib(total)} held for {gb_and_gib(file_bytes)} of tensors in the file)" if file_bytes else ""

@@ -1,10 +1,11 @@
-"""GGUF blocks of the formats kept as blocks (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) decoded into integers, at load: each
-32-value block's unsigned quants and the scales that turn them into values (quant/tiled_kquant.py lays them out
-for the int8 kernel).
+"""GGUF blocks of the formats kept as blocks (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, MXFP4) decoded into integers, at
+load: each 32-value block's unsigned quants and the scales that turn them into values (quant/tiled_kquant.py lays
+them out for the int8 kernel).
 
 Invariant: for every format, value = s * q + o per 32-value block (per 16-value half for Q6_K) with
   Q5_0: s = d, o = -16 d;   Q5_1: s = d, o = m;   Q4_K / Q5_K: s = d * sc, o = -dmin * mn (sub-block = block);
-  Q6_K: s = d * sc[half], o = -32 s
+  Q6_K: s = d * sc[half], o = -32 s;   IQ4_NL / MXFP4: s = d, o = -128 d, q = table[index] + 128 (the kernel looks
+  the table up; the decoded q are the 4-bit indices, MXFP4's d = 2^(e - 128) as float16)
 reproduces the gguf package's float32 dequantization exactly (the products are exact in float32).
 The block layouts are GGUF's (formats.py's docstring; the gguf package's quants.py reads them the same way).
 """
@@ -15,7 +16,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvpilot.model.quant.formats import Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, QuantFormat
+from kvpilot.model.quant.formats import MXFP4, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, TABLE_VALUES, QuantFormat
+
+# MXFP4 exponents whose scale 2^(e - 128) float16 holds exactly (2^-24 .. 2^15)
+MXFP4_HALF_EXPONENTS = range(104, 144)
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,23 @@ def _decode_qk(blocks: np.ndarray, five_bits: bool) -> DecodedBlocks:
     return DecodedBlocks(q.reshape(n, sb * 8, 32), d, np.stack([sc, mn], axis=-1).reshape(n, sb * 8, 2))
 
 
+def mxfp4_tiles_exactly(raw: np.ndarray) -> bool:
+    """Whether every MXFP4 block of raw (uint8 [N, blocks * 17]) has a scale that float16 holds exactly."""
+    exponents = np.ascontiguousarray(raw).reshape(-1, MXFP4.block_bytes)[:, 0]
+    return bool(exponents.size == 0 or (exponents.min() >= MXFP4_HALF_EXPONENTS.start
+                                        and exponents.max() < MXFP4_HALF_EXPONENTS.stop))
+
+
+def _decode_table(blocks: np.ndarray, mxfp4: bool) -> DecodedBlocks:
+    """IQ4_NL / MXFP4: the 4-bit indices, and d as float16 (MXFP4: ValueError unless mxfp4_tiles_exactly)."""
+    if not mxfp4:
+        return DecodedBlocks(_nibbles_then_highs(blocks[..., 2:18]), _half(blocks, 0), None)
+    if not mxfp4_tiles_exactly(blocks):
+        raise ValueError("MXFP4 scales outside 2^-24 .. 2^15 have no exact float16: keep the float32 kernel")
+    power = blocks[..., :1].astype(np.float32) - 128
+    return DecodedBlocks(_nibbles_then_highs(blocks[..., 1:17]), np.exp2(power).astype(np.float16), None)
+
+
 def _decode_q6k(blocks: np.ndarray) -> DecodedBlocks:
     n, sb = blocks.shape[:2]
     ql = blocks[..., 0:128].reshape(n, sb, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)
@@ -85,6 +106,8 @@ def decode_blocks(raw: np.ndarray, fmt: QuantFormat) -> DecodedBlocks:
         return _decode_qk(blocks, fmt == Q5_K)
     if fmt == Q6_K:
         return _decode_q6k(blocks)
+    if fmt.name in TABLE_VALUES:
+        return _decode_table(blocks, fmt == MXFP4)
     raise ValueError(f"{fmt.name} is not kept as GGUF blocks")
 
 
@@ -93,6 +116,9 @@ def decoded_values(blocks: DecodedBlocks, fmt: QuantFormat) -> np.ndarray:
     n, kb, _ = blocks.q.shape
     q = blocks.q.astype(np.float32)
     d = blocks.d.astype(np.float32)
+    if fmt.name in TABLE_VALUES:
+        table = np.asarray(TABLE_VALUES[fmt.name], dtype=np.float32)
+        return (d[..., :1] * table[blocks.q]).reshape(n, -1)
     if fmt == Q5_0:
         s, o = d[..., :1], d[..., :1] * -16.0
     elif fmt == Q5_1:

@@ -2,9 +2,9 @@
 
 `--quantization` (EngineArgs.quantization), for GGUF files:
 - auto (default): packed on CPU when every linear weight (routed experts included: packed_experts.py, never with a
-  dense copy) is Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K
+  dense copy) is Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K / IQ4_NL / MXFP4
   (formats.PACKED_FORMATS: llama.cpp's Q4_K_M and Q5_K_M mixes included) and the kernel builds; otherwise
-  dequantized at load (IQ-quants, float GGUFs, GPUs). With bfloat16 activations the layout is
+  dequantized at load (other IQ-quants, float GGUFs, GPUs). With bfloat16 activations the layout is
   hybrid: the packed kernel for few rows (decode of few streams reads 4-bit weights) and resident dense
   weights for more rows (native bf16 GEMMs beat the kernel from about 16 rows up; docs/benchmark-log.md has the
   figures), at the price of holding both copies (the dense one in float32 where float32 GEMMs measure faster

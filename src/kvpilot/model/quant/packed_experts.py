@@ -11,8 +11,8 @@ Two ways to hold and run them, chosen at load:
   down with the router weights in a second; a batch-1 decode reads only its top-k experts' tiles. Steps with prompt tokens take it too (the dense layers' Int8Gate does not
   apply): an expert sees only about T * k / E rows of a step, so dequantizing its weights for a bf16 GEMM would cost
   more than the GEMM itself, for every expert a prompt touches.
-- blocks (float32 activations, a CPU without VNNI, or widths of no whole 16-row tiles): the blocks as PackedWeight,
-  each expert a row range of them, and layers.moe.grouped_experts calls the float32 packed kernel (quant_matmul) on
+- blocks (float32 activations, a CPU without VNNI, widths of no whole 16-row tiles, or MXFP4 scales float16 lacks):
+  the blocks as PackedWeight, each expert a row range of them, and layers.moe.grouped_experts calls the float32 packed kernel (quant_matmul) on
   each chosen expert's rows: gate and up into one [n, 2I] output, silu(gate) * up, down. In float32 this computes
   with the exact dequantized values (only the order of the sums differs from a dense matmul).
 
@@ -32,7 +32,7 @@ from kvpilot.model.layers.moe import grouped_experts, silu_mul
 from kvpilot.model.quant.formats import QuantFormat
 from kvpilot.model.quant.kernel import require_quant_kernel
 from kvpilot.model.quant.packed import PackedWeight
-from kvpilot.model.quant.tile_blocks import tile_blocks
+from kvpilot.model.quant.tile_blocks import tile_blocks, tiles_exactly
 from kvpilot.model.quant.tiled_kquant import KTiledWeight
 from kvpilot.model.quant.vnni_gemm import TILE_ROWS, TiledWeight
 
@@ -122,7 +122,7 @@ class PackedExperts(nn.Module):
             raise ValueError("experts: gate and up [I, H], down [H, I] for every expert")
         self.isa = isa
         self.formats = (gate.format, up.format, down.format)
-        tiles = all(k.rows % TILE_ROWS == 0 for k in (gate, up, down))
+        tiles = all(k.rows % TILE_ROWS == 0 and tiles_exactly(k.experts, k.format) for k in (gate, up, down))
         self.int8_copies: tuple[TiledWeight | KTiledWeight, ...] | None = None
         self.blocks: tuple[PackedWeight, ...] | None = None
         if int8 and tiles:

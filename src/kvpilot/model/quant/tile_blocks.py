@@ -1,5 +1,5 @@
 """GGUF blocks -> the column-tiled int8 copy of the tiled kernels, in C++ (layers/csrc/quant_tile_blocks_cpu.cpp):
-the layout of vnni_gemm.tile() (Q8_0 / Q4_0 / Q4_1) and tiled_kquant.ktile() (Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K),
+the layout of vnni_gemm.tile() (Q8_0 / Q4_0 / Q4_1) and tiled_kquant.ktile() (the formats kept as blocks),
 written from the file's blocks straight into tensors allocated once, several matrices (a layer's experts) one after
 another. The numpy tile() / ktile() stay the reference (and the dense layers' path).
 
@@ -15,7 +15,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from kvpilot.model.quant.formats import Q4_K, Q5_1, Q5_K, Q6_K, Q8_0, QuantFormat
+from kvpilot.model.quant.block_decode import mxfp4_tiles_exactly
+from kvpilot.model.quant.formats import MXFP4, Q4_K, Q5_1, Q5_K, Q6_K, Q8_0, TABLE_VALUES, QuantFormat
 from kvpilot.model.quant.kernel import require_quant_kernel
 from kvpilot.model.quant.tiled_kquant import KTiledWeight
 from kvpilot.model.quant.vnni_gemm import TILE_ROWS, TiledWeight
@@ -25,11 +26,14 @@ _KQUANTS = (Q4_K, Q5_K, Q6_K)
 
 def tile_blocks(matrices: Sequence[np.ndarray], fmt: QuantFormat) -> TiledWeight | KTiledWeight:
     """The tiled copy of the matrices (each uint8 [rows, row bytes] of `fmt`'s blocks, all of one shape, rows a
-    multiple of 16), stacked: matrix i's tiles follow matrix i - 1's. ValueError on other shapes."""
+    multiple of 16), stacked: matrix i's tiles follow matrix i - 1's. ValueError on other shapes, and on MXFP4
+    scales that float16 does not hold (tiles_exactly)."""
     rows, row_bytes = matrices[0].shape
     if rows % TILE_ROWS or row_bytes % fmt.block_bytes or any(m.shape != (rows, row_bytes) for m in matrices):
         raise ValueError(f"int8 tiles take equal matrices of whole {fmt.name} blocks and a multiple of {TILE_ROWS} "
                          f"rows, not {[m.shape for m in matrices][:4]}")
+    if not tiles_exactly(matrices, fmt):
+        raise ValueError("MXFP4 scales outside 2^-24 .. 2^15 have no exact float16 in the int8 tiles")
     per = rows // TILE_ROWS
     tensors = _allocate(fmt, per * len(matrices), row_bytes // fmt.block_bytes * fmt.block_values // 32)
     kernel = require_quant_kernel()
@@ -41,13 +45,18 @@ def tile_blocks(matrices: Sequence[np.ndarray], fmt: QuantFormat) -> TiledWeight
     return TiledWeight(*tensors)
 
 
+def tiles_exactly(matrices: Sequence[np.ndarray], fmt: QuantFormat) -> bool:
+    """Whether the tiles hold the blocks' values exactly: always, but for MXFP4 scales float16 lacks."""
+    return fmt != MXFP4 or all(mxfp4_tiles_exactly(m) for m in matrices)
+
+
 def _allocate(fmt: QuantFormat, tiles: int, blocks: int) -> list[torch.Tensor]:
     """(tq, td, to | ts) at the shapes tile() / ktile() give for `tiles` tiles of `blocks` 32-value blocks a row."""
     if not fmt.kept_as_blocks:
         half = torch.empty(tiles, blocks, TILE_ROWS, dtype=torch.float16)
         return [torch.empty(tiles, blocks, 512 if fmt == Q8_0 else 256, dtype=torch.uint8), half,
                 torch.empty_like(half)]
-    qbytes = 384 if fmt == Q6_K else 256 if fmt == Q4_K else 320
+    qbytes = 384 if fmt == Q6_K else 256 if fmt == Q4_K or fmt.name in TABLE_VALUES else 320
     groups = blocks // 8 if fmt in _KQUANTS else blocks
     width = 32 if fmt in (Q5_1, Q4_K, Q5_K) else 16
     ts = torch.empty(tiles, blocks, 32, dtype=torch.uint8) if fmt in _KQUANTS else torch.empty(0, dtype=torch.uint8)

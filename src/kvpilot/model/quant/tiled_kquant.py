@@ -1,11 +1,13 @@
-"""The column-tiled copy of a PackedWeight kept as GGUF blocks (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) for the int8 GEMM
-(layers/csrc/quant_tiled_kq.h, whose header comment has the byte layout).
+"""The column-tiled copy of a PackedWeight kept as GGUF blocks (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, MXFP4) for the
+int8 GEMM (layers/csrc/quant_tiled_kq.h, whose header comment has the byte layout).
 
 Like vnni_gemm.py's tiles for Q4_0 / Q4_1 / Q8_0: 16 weight rows side by side, so one vpdpbusd advances 16 outputs
 by 4 values. Quants are unsigned bytes once unpacked (a nibble plane, plus a plane of 5th bits or of 2-bit highs);
 the K-quants keep their two-level scales (super-block d / dmin in float16, the sub-blocks' 6-bit or int8 scales as
-bytes) and the kernel multiplies them out, which is exact in float32. Bytes per weight: Q5_0 5.5, Q5_1 6, Q4_K
-4.625, Q5_K 5.625, Q6_K 6.5625 (the GGUF blocks: 5.5, 6, 4.5, 5.5, 6.5625: the K-quants' 6-bit scales take a byte).
+bytes) and the kernel multiplies them out, which is exact in float32; the table formats keep their 4-bit indices and
+the kernel looks the table up in registers. Bytes per weight: Q5_0 5.5, Q5_1 6, Q4_K 4.625, Q5_K 5.625, Q6_K 6.5625,
+IQ4_NL 4.5, MXFP4 4.5 (the GGUF blocks: 5.5, 6, 4.5, 5.5, 6.5625, 4.5, 4.25: the K-quants' 6-bit scales take a byte,
+MXFP4's exponent byte becomes a float16 scale).
 
 Invariant: the kernel's dequantization of the copy (quant_dequantize_tiled_set) equals the gguf package's, bit for bit.
 """
@@ -17,8 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvpilot.model.quant.block_decode import DecodedBlocks, decode_blocks
-from kvpilot.model.quant.formats import BLOCK_FORMATS, Q6_K, QuantFormat
+from kvpilot.model.quant.block_decode import DecodedBlocks, decode_blocks, mxfp4_tiles_exactly
+from kvpilot.model.quant.formats import BLOCK_FORMATS, MXFP4, Q6_K, TABLE_VALUES, QuantFormat
 from kvpilot.model.quant.packed import PackedWeight
 
 TILE_ROWS = 16
@@ -44,21 +46,23 @@ class KTiledWeight:
 
 
 def can_ktile(w: PackedWeight) -> bool:
-    """A format kept as blocks, whole 16-row tiles, and the blocks still held."""
-    return w.format.name in BLOCK_FORMATS and w.out_features % TILE_ROWS == 0 and w.qs.numel() > 0
+    """A format kept as blocks, whole 16-row tiles, the blocks still held, and (MXFP4) scales float16 holds."""
+    return (w.format.name in BLOCK_FORMATS and w.out_features % TILE_ROWS == 0 and w.qs.numel() > 0
+            and (w.format != MXFP4 or mxfp4_tiles_exactly(w.qs.numpy())))
 
 
 def ktile(w: PackedWeight) -> KTiledWeight:
     """The tiled copy of `w` (built once, at load); ValueError unless can_ktile(w)."""
     if not can_ktile(w):
-        raise ValueError(f"the tiled int8 layout of GGUF blocks takes Q5_0 / Q5_1 / K-quant weights of a multiple of "
-                         f"{TILE_ROWS} rows, not {w.format.name} with {w.out_features}")
+        raise ValueError(f"the tiled int8 layout of GGUF blocks takes weights kept as blocks of a multiple of "
+                         f"{TILE_ROWS} rows (MXFP4: scales float16 holds), not {w.format.name} with "
+                         f"{w.out_features}")
     blocks = decode_blocks(w.qs.numpy(), w.format)
     t = w.out_features // TILE_ROWS
     planes = [_nibble_plane(blocks.q, t)]
     if w.format == Q6_K:
         planes.append(_two_bit_plane(blocks.q, t))
-    elif w.format.name != "Q4_K":
+    elif w.format.name != "Q4_K" and w.format.name not in TABLE_VALUES:
         planes.append(_bit_plane(blocks.q, t))
     tq = np.concatenate(planes, axis=-1)
     return KTiledWeight(w.format, _tensor(tq), _tensor(_by_tile(blocks.d, t)), _sub_scales(blocks, t))

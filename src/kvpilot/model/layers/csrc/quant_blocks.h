@@ -1,4 +1,4 @@
-// The formats kept as GGUF blocks (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), dequantized row by row for the float32 kernel
+// The formats kept as GGUF blocks (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, MXFP4), dequantized row by row for the float32 kernel
 // and the dense copies (after quant_common.h). The block layouts are GGUF's (kvpilot/model/quant/formats.py):
 //   Q5_0 (32 values, 22 bytes): d f16, qh u32 (bit j: value j's 5th bit), 16 bytes (value j low nibble of byte j,
 //        value 16 + j high nibble); value d * (q - 16).
@@ -10,6 +10,10 @@
 //   Q6_K (256 values, 210 bytes): 128 bytes ql, 64 bytes qh, 16 int8 scales, d f16: value v = 128 h + w has the low
 //        nibble (w / 64) of ql[64 h + w % 64] and the 2 bits (w / 32) of qh[32 h + w % 32]; value
 //        (d * sc[v / 16]) * (q - 32).
+//   IQ4_NL (32 values, 18 bytes): d f16, 16 bytes of 4-bit indices (ordered as Q5_0's nibbles); value d * table[q]
+//        (kIQ4NLValues).
+//   MXFP4 (32 values, 17 bytes): e (an E8M0 exponent byte), 16 bytes of indices as IQ4_NL; value 2^(e - 128) *
+//        table[q] (kMXFP4Values: E2M1 doubled, hence the exponent's -128 rather than -127).
 // Each value is computed with one rounding at most (the products d * sc, d * sc * q and dmin * mn are exact in
 // float32), so any evaluation order gives the gguf package's float32 values bit for bit.
 namespace {
@@ -68,6 +72,28 @@ void dequant_qk_blocks(const uint8_t* row, int64_t blocks, bool five_bits, float
   }
 }
 
+// MXFP4's scale 2^(e - 128) as float32, bit for bit ggml's e8m0_to_fp32_half (subnormal for e < 2)
+inline float e8m0_half(uint8_t e) {
+  const uint32_t bits = e < 2 ? 0x00200000u << e : static_cast<uint32_t>(e - 1) << 23;
+  float d;
+  std::memcpy(&d, &bits, 4);
+  return d;
+}
+
+void dequant_table_blocks(const uint8_t* row, int64_t blocks, bool mxfp4, float* out) {
+  const int64_t bytes = mxfp4 ? 17 : 18;
+  const int8_t* table = mxfp4 ? kMXFP4Values : kIQ4NLValues;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = row + b * bytes;
+    const float d = mxfp4 ? e8m0_half(blk[0]) : f16_at(blk);
+    const uint8_t* qs = blk + (mxfp4 ? 1 : 2);
+    for (int j = 0; j < 16; ++j) {
+      out[b * 32 + j] = d * static_cast<float>(table[qs[j] & 0x0F]);
+      out[b * 32 + j + 16] = d * static_cast<float>(table[qs[j] >> 4]);
+    }
+  }
+}
+
 void dequant_q6k_blocks(const uint8_t* row, int64_t blocks, float* out) {
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = row + b * 210;
@@ -93,6 +119,8 @@ void dequant_row_blocks(const Packed& w, int64_t n, float* out, float* /*scales*
     case kQ5_1: return dequant_q5_blocks(row, blocks, true, out);
     case kQ4_K: return dequant_qk_blocks(row, blocks, false, out);
     case kQ5_K: return dequant_qk_blocks(row, blocks, true, out);
+    case kIQ4_NL: return dequant_table_blocks(row, blocks, false, out);
+    case kMXFP4: return dequant_table_blocks(row, blocks, true, out);
     default: return dequant_q6k_blocks(row, blocks, out);
   }
 }

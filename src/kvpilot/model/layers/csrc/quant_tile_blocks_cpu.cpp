@@ -33,6 +33,12 @@ inline uint16_t scaled_half(uint16_t d, int shift) {
 
 inline uint16_t load_half(const uint8_t* p) { return static_cast<uint16_t>(p[0] | (p[1] << 8)); }
 
+// MXFP4's scale 2^(e - 128) as float16 bits; the caller checked e in [104, 143] (mxfp4_tiles_exactly)
+inline uint16_t mxfp4_half(uint8_t e) {
+  const int power = static_cast<int>(e) - 128;
+  return power >= -14 ? static_cast<uint16_t>((power + 15) << 10) : static_cast<uint16_t>(1u << (power + 24));
+}
+
 // Q4_K / Q5_K: sub-block j (0..7) of super-block b: its 32 quants and its 6-bit scale and minimum
 template <bool five_bits>
 void decode_k_block(const uint8_t* b, int j, uint8_t* q, uint8_t* sub) {
@@ -49,7 +55,13 @@ void decode_k_block(const uint8_t* b, int j, uint8_t* q, uint8_t* sub) {
 // The 32 quants (0..63) of block kb of a row of a format kept as blocks, with its sub-scales (K-quants: sub[2])
 template <int64_t fmt>
 void decode_block(const uint8_t* row, int64_t kb, uint8_t* q, uint8_t* sub) {
-  if constexpr (fmt == kQ5_0 || fmt == kQ5_1) {
+  if constexpr (is_table_format(fmt)) {  // the 4-bit indices (the table is looked up by the kernel)
+    const uint8_t* qs = row + kb * gguf_block_bytes(fmt) + (fmt == kMXFP4 ? 1 : 2);
+    for (int j = 0; j < 16; ++j) {
+      q[j] = qs[j] & 0x0F;
+      q[j + 16] = qs[j] >> 4;
+    }
+  } else if constexpr (fmt == kQ5_0 || fmt == kQ5_1) {
     const uint8_t* b = row + kb * gguf_block_bytes(fmt);
     const int64_t h = fmt == kQ5_1 ? 4 : 2;
     const uint32_t qh = b[h] | (b[h + 1] << 8) | (b[h + 2] << 16) | (static_cast<uint32_t>(b[h + 3]) << 24);
@@ -93,13 +105,17 @@ void ktile_block(const uint8_t* row, int64_t KB, int64_t t, int64_t kb, int j, u
       out[256 + r * 64 + j * 4 + k] = bits;
     }
   const int64_t width = ktile_td_width(fmt), groups = ktile_groups(fmt, KB);
-  if constexpr (fmt >= kQ4_K) {
+  if constexpr (is_kquant(fmt)) {
     for (int c = 0; c < 2; ++c) ts[(t * KB + kb) * 32 + c * 16 + j] = sub[c];
     if (kb % 8 != 0) return;  // the super-block's d (and dmin) once, at its first block
   }
-  const uint8_t* b = row + (fmt >= kQ4_K ? kb / 8 : kb) * gguf_block_bytes(fmt);
-  const int64_t at = (t * groups + (fmt >= kQ4_K ? kb / 8 : kb)) * width;
+  const uint8_t* b = row + (is_kquant(fmt) ? kb / 8 : kb) * gguf_block_bytes(fmt);
+  const int64_t at = (t * groups + (is_kquant(fmt) ? kb / 8 : kb)) * width;
   const int64_t d_at = fmt == kQ6_K ? 208 : 0;
+  if constexpr (fmt == kMXFP4) {
+    td[at + j] = mxfp4_half(b[0]);
+    return;
+  }
   td[at + j] = load_half(b + d_at);
   if (width == 32) td[at + 16 + j] = load_half(b + 2);  // Q5_1's m, Q4_K / Q5_K's dmin
 }
@@ -127,9 +143,9 @@ void tile_block(const uint8_t* row, int64_t fmt, int64_t KB, int64_t t, int64_t 
 
 // Writes the column-tiled copy of `raw` (uint8 [N, row bytes], GGUF blocks of format fmt, N a multiple of 16) into
 // tq, td and third, contiguous at the shapes tile() / ktile() give them (third: `to` float16, or `ts` uint8, empty
-// for Q5_0 / Q5_1).
+// but for the K-quants). MXFP4 blocks must tile exactly (every exponent in [104, 143]: tiled_kquant.py checks).
 void quant_tile_blocks(torch::Tensor raw, int64_t fmt, torch::Tensor tq, torch::Tensor td, torch::Tensor third) {
-  TORCH_CHECK(fmt >= kQ8_0 && fmt <= kQ6_K, "tile blocks: unknown format ", fmt);
+  TORCH_CHECK(fmt >= kQ8_0 && fmt <= kMXFP4, "tile blocks: unknown format ", fmt);
   TORCH_CHECK(raw.scalar_type() == torch::kUInt8 && raw.dim() == 2 && raw.is_contiguous() && raw.size(0) % 16 == 0,
               "tile blocks: raw uint8 [N, row bytes], contiguous, N a multiple of 16");
   const int64_t N = raw.size(0), T = N / 16, row_bytes = raw.size(1);
@@ -139,7 +155,7 @@ void quant_tile_blocks(torch::Tensor raw, int64_t fmt, torch::Tensor tq, torch::
   TORCH_CHECK(row_bytes % block_bytes == 0 && KB > 0, "tile blocks: rows of whole blocks");
   const int64_t qbytes = blocks ? ktile_qbytes(fmt) : fmt == kQ8_0 ? 512 : 256;
   const int64_t td_numel = blocks ? T * ktile_groups(fmt, KB) * ktile_td_width(fmt) : T * KB * 16;
-  const int64_t third_numel = !blocks ? T * KB * 16 : fmt >= kQ4_K ? T * KB * 32 : 0;
+  const int64_t third_numel = !blocks ? T * KB * 16 : is_kquant(fmt) ? T * KB * 32 : 0;
   TORCH_CHECK(tq.scalar_type() == torch::kUInt8 && tq.is_contiguous() && tq.numel() == T * KB * qbytes &&
               td.scalar_type() == torch::kFloat16 && td.is_contiguous() && td.numel() == td_numel &&
               third.is_contiguous() && third.numel() == third_numel &&
@@ -165,6 +181,10 @@ void quant_tile_blocks(torch::Tensor raw, int64_t fmt, torch::Tensor tq, torch::
             ktile_block<kQ5_K>(row, KB, t, kb, j, q, d, ts);
           else if (fmt == kQ6_K)
             ktile_block<kQ6_K>(row, KB, t, kb, j, q, d, ts);
+          else if (fmt == kIQ4_NL)
+            ktile_block<kIQ4_NL>(row, KB, t, kb, j, q, d, ts);
+          else if (fmt == kMXFP4)
+            ktile_block<kMXFP4>(row, KB, t, kb, j, q, d, ts);
           else
             tile_block(row, fmt, KB, t, kb, j, q, d, to);
         }

@@ -1,4 +1,5 @@
-// The int8 GEMM on column-tiled copies of the formats kept as GGUF blocks (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) times
+// The int8 GEMM on column-tiled copies of the formats kept as GGUF blocks (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL,
+// MXFP4) times
 // int8-quantized activations (quantize_row_q8: a scale per 32 values), by AVX-512 VNNI dot products; after
 // quant_vnni_gemm.h, whose scheme it follows (16 weight rows side by side in a register, 8 x rows a tile, pairs of
 // tiles on 4 rows from kPairMinRows rows).
@@ -18,9 +19,13 @@
 //     dmin; Q6_K [T, KB / 8, 16] d.
 //   ts uint8 [T, KB, 32], K-quants only: Q4_K / Q5_K the 16 rows' 6-bit scales, then minimums, of sub-block b % 8;
 //     Q6_K the int8 scales of block b's two 16-value halves (sub-blocks 2 (b % 8) and 2 (b % 8) + 1).
-// Values: Q5_0 d (q - 16); Q5_1 d q + m; Q4_K / Q5_K (d sc) q - dmin mn; Q6_K (d sc) (q - 32): as a row d * q + o
+//   IQ4_NL / MXFP4: the nibble plane of 4-bit table indices (QB = 256); td float16 [T, KB, 16] d (MXFP4: 2^(e - 128),
+//     exact in float16 for e in [104, 143]; other exponents keep the float32 kernel: tiled_kquant.py).
+// Values: Q5_0 d (q - 16); Q5_1 d q + m; Q4_K / Q5_K (d sc) q - dmin mn; Q6_K (d sc) (q - 32); IQ4_NL / MXFP4 d (u - 128)
+// where u = table[q] + 128, looked up in registers (vpshufb): as a row d * q + o
 // with s, o per 32 values (per 16 for Q6_K, whose -32 is taken off the integer dot product with x's 16-value sums).
-// Bytes per weight: Q5_0 5.5, Q5_1 6, Q4_K 4.625, Q5_K 5.625, Q6_K 6.5625 (the GGUF blocks: 5.5, 6, 4.5, 5.5, 6.5625).
+// Bytes per weight: Q5_0 5.5, Q5_1 6, Q4_K 4.625, Q5_K 5.625, Q6_K 6.5625, IQ4_NL 4.5, MXFP4 4.5 (the GGUF blocks:
+// 5.5, 6, 4.5, 5.5, 6.5625, 4.5, 4.25).
 #define KVP_VNNI_INLINE KVP_VNNI __attribute__((always_inline)) inline
 
 namespace {
@@ -30,14 +35,26 @@ struct KTile {
   static constexpr bool kQ6 = F == kQ6_K;
   static constexpr bool kHigh1 = F == kQ5_0 || F == kQ5_1 || F == kQ5_K;
   static constexpr bool kSuper = F == kQ4_K || F == kQ5_K || F == kQ6_K;
+  static constexpr bool kTable = F == kIQ4_NL || F == kMXFP4;
   static constexpr int64_t kQBytes = kQ6 ? 384 : kHigh1 ? 320 : 256;
   static constexpr int64_t kTdWidth = (F == kQ5_1 || F == kQ4_K || F == kQ5_K) ? 32 : 16;
   static constexpr bool kHasTs = kSuper;
 };
 
-constexpr int64_t ktile_qbytes(int64_t fmt) { return fmt == kQ6_K ? 384 : fmt == kQ4_K ? 256 : 320; }
+constexpr int64_t ktile_qbytes(int64_t fmt) {
+  return fmt == kQ6_K ? 384 : fmt == kQ4_K || is_table_format(fmt) ? 256 : 320;
+}
 constexpr int64_t ktile_td_width(int64_t fmt) { return fmt == kQ5_1 || fmt == kQ4_K || fmt == kQ5_K ? 32 : 16; }
-constexpr int64_t ktile_groups(int64_t fmt, int64_t KB) { return fmt >= kQ4_K ? KB / 8 : KB; }
+constexpr int64_t ktile_groups(int64_t fmt, int64_t KB) { return is_kquant(fmt) ? KB / 8 : KB; }
+
+// A table format's 16 values + 128 as unsigned bytes, in each 128-bit lane (vpshufb looks up within a lane)
+template <int F>
+KVP_VNNI_INLINE __m512i table_lanes() {
+  const int8_t* t = F == kMXFP4 ? kMXFP4Values : kIQ4NLValues;
+  alignas(16) uint8_t biased[16];
+  for (int i = 0; i < 16; ++i) biased[i] = static_cast<uint8_t>(t[i] + 128);
+  return _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(biased)));
+}
 
 template <int S>
 KVP_VNNI_INLINE __m512i shift_bits(__m512i v) {
@@ -57,6 +74,10 @@ KVP_VNNI_INLINE void ktile_pair(const uint8_t* q, __m512i& lo, __m512i& hi) {
     const __m512i h = _mm512_loadu_si512(q + 256), bit4 = _mm512_set1_epi8(0x10);
     lo = _mm512_ternarylogic_epi32(lo, shift_bits<4 - P>(h), bit4, 0xF8);
     hi = _mm512_ternarylogic_epi32(hi, shift_bits<-P>(h), bit4, 0xF8);
+  } else if constexpr (KTile<F>::kTable) {
+    const __m512i table = table_lanes<F>();
+    lo = _mm512_shuffle_epi8(table, lo);
+    hi = _mm512_shuffle_epi8(table, hi);
   } else if constexpr (KTile<F>::kQ6) {
     const __m512i h = _mm512_loadu_si512(q + 256 + (P / 2) * 64), bits45 = _mm512_set1_epi8(0x30);
     lo = _mm512_ternarylogic_epi32(lo, shift_bits<4 - 4 * (P % 2)>(h), bits45, 0xF8);
@@ -79,9 +100,9 @@ KVP_VNNI_INLINE __m512 i8x16(const uint8_t* p) {
 // The 16 rows' scale s and offset o of block b (half H for Q6_K) of one tile: a value is s q + o
 template <int F, int H>
 KVP_VNNI_INLINE void ktile_scales(const uint16_t* td, const uint8_t* ts, int64_t b, __m512& s, __m512& o) {
-  if constexpr (F == kQ5_0) {
+  if constexpr (F == kQ5_0 || KTile<F>::kTable) {
     s = half16(td + b * 16);
-    o = _mm512_mul_ps(s, _mm512_set1_ps(-16.0f));
+    o = _mm512_mul_ps(s, _mm512_set1_ps(KTile<F>::kTable ? -128.0f : -16.0f));
   } else if constexpr (F == kQ5_1) {
     s = half16(td + b * 32);
     o = half16(td + b * 32 + 16);

@@ -1,10 +1,10 @@
 // Entry points for a tiled set: the column-tiled int8 copies of one projection's parts, each in its own format
-// (Q8_0 / Q4_0 / Q4_1: quant_vnni_gemm.h; Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K: quant_tiled_kq.h), side by side in the
+// (Q8_0 / Q4_0 / Q4_1: quant_vnni_gemm.h; Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K / IQ4_NL / MXFP4: quant_tiled_kq.h), side by side in the
 // output (a fused q/k/v whose v is Q6_K and q/k Q4_K, as llama.cpp's Q4_K_M mixes write). x is quantized once for all
 // parts. Built after quant_tiled_cpu.cpp (Q8Rows, tiled_shape, argmax_over_tiles).
 //
 // A part is 3 tensors and a format code: (tq, td, to) for the split formats (quant_vnni_gemm.h), (tq, td, ts) for
-// the others (ts empty for Q5_0 / Q5_1), every part with the same KB.
+// the others (ts empty but for the K-quants), every part with the same KB.
 namespace {
 
 struct TiledPart {
@@ -30,10 +30,11 @@ TiledPart tiled_part(const torch::Tensor* w, int64_t fmt, int64_t& KB) {
               "bytes], td float16 [T, groups, width], contiguous");
   const int64_t T = tq.size(0);
   KB = tq.size(1);
-  TORCH_CHECK(fmt < kQ4_K || KB % 8 == 0, "tiled part: K-quant rows hold whole super-blocks");
+  TORCH_CHECK(fmt <= kMXFP4, "tiled part: unknown format ", fmt);
+  TORCH_CHECK(!is_kquant(fmt) || KB % 8 == 0, "tiled part: K-quant rows hold whole super-blocks");
   TORCH_CHECK(tq.size(2) == ktile_qbytes(fmt) && td.size(0) == T && td.size(1) == ktile_groups(fmt, KB) &&
               td.size(2) == ktile_td_width(fmt), "tiled part: shapes do not match format ", fmt);
-  const bool has_ts = fmt >= kQ4_K;
+  const bool has_ts = is_kquant(fmt);
   TORCH_CHECK(!has_ts || (third.scalar_type() == torch::kUInt8 && third.numel() == T * KB * 32),
               "tiled part: ts uint8 [T, KB, 32]");
   return {fmt, T, tq.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(td.data_ptr<at::Half>()), nullptr,
@@ -98,6 +99,8 @@ void part_rows(const TiledPart& p, int64_t KB, int64_t t0, int64_t t1, const Q8V
     case kQ5_1: return ktiled_rows<kQ5_1>(p.tq, p.td, p.ts, KB, t0, t1, q, d, s, x32, M, out, out_bf16, ldo);
     case kQ4_K: return ktiled_rows<kQ4_K>(p.tq, p.td, p.ts, KB, t0, t1, q, d, s, x32, M, out, out_bf16, ldo);
     case kQ5_K: return ktiled_rows<kQ5_K>(p.tq, p.td, p.ts, KB, t0, t1, q, d, s, x32, M, out, out_bf16, ldo);
+    case kIQ4_NL: return ktiled_rows<kIQ4_NL>(p.tq, p.td, p.ts, KB, t0, t1, q, d, s, x32, M, out, out_bf16, ldo);
+    case kMXFP4: return ktiled_rows<kMXFP4>(p.tq, p.td, p.ts, KB, t0, t1, q, d, s, x32, M, out, out_bf16, ldo);
     default: return ktiled_rows<kQ6_K>(p.tq, p.td, p.ts, KB, t0, t1, q, d, s, x32, M, out, out_bf16, ldo);
   }
 }
@@ -112,6 +115,8 @@ void part_dequant_rows(const TiledPart& p, int64_t KB, int64_t t0, int64_t t1, f
     case kQ5_1: return ktiled_dequant_rows<kQ5_1>(p.tq, p.td, p.ts, KB, t0, t1, out, out_bf16);
     case kQ4_K: return ktiled_dequant_rows<kQ4_K>(p.tq, p.td, p.ts, KB, t0, t1, out, out_bf16);
     case kQ5_K: return ktiled_dequant_rows<kQ5_K>(p.tq, p.td, p.ts, KB, t0, t1, out, out_bf16);
+    case kIQ4_NL: return ktiled_dequant_rows<kIQ4_NL>(p.tq, p.td, p.ts, KB, t0, t1, out, out_bf16);
+    case kMXFP4: return ktiled_dequant_rows<kMXFP4>(p.tq, p.td, p.ts, KB, t0, t1, out, out_bf16);
     default: return ktiled_dequant_rows<kQ6_K>(p.tq, p.td, p.ts, KB, t0, t1, out, out_bf16);
   }
 }
