@@ -64,7 +64,7 @@ def test_quantization_setting_is_checked():
 def test_auto_with_bfloat16_is_hybrid_packed_plus_resident_dense(tmp_path):
     """bf16 activations under auto (bf16 prompt GEMMs): the kernel for few rows, and for many rows a dense bf16 copy built once
     and kept (the same values as the dequantized model's weights, in oneDNN's blocked layout where bf16 GEMMs
-    take it, else in the dense model's [in, out] memory layout); with VNNI, a
+    take it, else in the dense model's memory layout: bf16 as is, others [in, out]); with VNNI, a
     Q4 layer's tiled int8 copy takes every row count of decode steps, the dense copy those of prompt steps; gguf
     (packed only) takes the same tiled path and fills the shared scratch matrix from it for prompt steps."""
     path = tmp_path / "tiny-Q4_1.gguf"

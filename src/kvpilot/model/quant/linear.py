@@ -265,8 +265,8 @@ class PackedLinear(nn.Module):
             part.dequantize_into(weight[offset:offset + part.out_features], self.isa)
         if self.keep_dense and onednn_bf16_applies(dtype, weight.device):
             self._onednn = OneDnnWeight(weight)  # the scratch matrix returned stays valid for this call
-        elif self.keep_dense:  # kept as an [out, in] view of [in, out] memory, like dense weights (weight_layout.py)
-            weight = self._resident[dtype] = weight.t().contiguous().t()
+        elif self.keep_dense:  # kept in the dense model's layout (weight_layout.py: [in, out] memory, but bf16 as is)
+            weight = self._resident[dtype] = weight.clone() if dtype == torch.bfloat16 else weight.t().contiguous().t()
         return weight
 
     def _kept_copy(self) -> torch.Tensor:
