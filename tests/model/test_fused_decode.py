@@ -44,11 +44,14 @@ def test_fused_steps_equal_the_layer_by_layer_forward(quantization):
     assert isinstance(fused, FusedDecode)
     counting = CountingKernel(fused.kernel)
     fused.kernel = counting
-    # 24 prompts: prefill steps, then decode steps of 24 rows down to 1 as requests finish: above the fused
-    # path's limit they run the modules (int4: 4 rows, the float32 kernel), below it fused (auto on a VNNI CPU:
-    # every decode step, the tiled int8 copies' limit being 256). Prompts of 3 to 72 tokens (contexts of 1 to 7
-    # blocks by the last step): the prefill, most of the cost on a CPU, is not what this test is about.
-    prompts = [[100 + (7 * i + 3 * j) % 4000 for j in range(3 + 3 * i)] for i in range(24)]
+    # up to 24 prompts: prefill steps, then decode steps of 24 rows down to 1 as requests finish: above the fused
+    # path's limit they run the modules (int4, or any format on a CPU without VNNI: 4 rows, the float32 kernel),
+    # below it fused (auto on a VNNI CPU: every decode step, the tiled int8 copies' limit being 256). A limit of 4
+    # needs only 8 prompts for both kinds of step (the modules' bf16 steps are slow where the CPU lacks bf16).
+    # Prompts of 3 to 72 tokens (contexts of 1 to 7 blocks by the last step): the prefill, most of the cost on a
+    # CPU, is not what this test is about.
+    num_prompts = 24 if fused.max_rows >= 24 else fused.max_rows + 4
+    prompts = [[100 + (7 * i + 3 * j) % 4000 for j in range(3 + 3 * i)] for i in range(num_prompts)]
     with_fused = _generate(llm, prompts)
     assert counting.calls >= min(fused.max_rows, len(prompts))
     model.fused_decode = None
