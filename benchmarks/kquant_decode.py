@@ -6,6 +6,7 @@ each holds in memory against its file's quantized tensors.
     .venv/bin/python benchmarks/kquant_decode.py                 # bf16 (auto dtype on AVX512_BF16 CPUs)
     .venv/bin/python benchmarks/kquant_decode.py --q4-k-m X.gguf # a Q4_K_M made by llama.cpp's llama-quantize
     .venv/bin/python benchmarks/kquant_decode.py --smoke         # a few steps: checks that it runs
+    .venv/bin/python benchmarks/kquant_decode.py --table-mix     # also TABLE_MIX (IQ4_NL, MXFP4, Q5_1, Q5_K) packed
 
 The Q4_K_M and Q4_0 files default to the embedded Q4_1 GGUF requantized in Python (tests/model/kquant_gguf.py:
 llama.cpp's type mix, blocks rounded to nearest), cached under --cache-dir. The embedded model's rows of 576 are not
@@ -89,6 +90,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--kv-cache-memory", default="64MiB")
     parser.add_argument("--smoke", action="store_true", help="2 rounds of 3 steps")
+    parser.add_argument("--table-mix", action="store_true",
+                        help="also the embedded model as tests/model/kquant_gguf.py's TABLE_MIX, packed")
     args = parser.parse_args()
     if args.smoke:
         args.rounds, args.steps, args.context = 2, 3, 16
@@ -98,6 +101,8 @@ def main() -> None:
                 "Q4_0 packed": (model_file(args.q4_0, "Q4_0", cache), args.quantization),
                 "Q4_1 packed": (default_model_path(), args.quantization),
                 "Q4_K_M dequantized": (q4km, "none")}
+    if args.table_mix:
+        variants["TABLE_MIX packed"] = (model_file(None, "TABLE_MIX", cache), args.quantization)
     engines = {name: start(path, quantization, args) for name, (path, quantization) in variants.items()}
     times: dict[str, list[float]] = {name: [] for name in engines}
     for llm in engines.values():
