@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from kvpilot.fit.gguf_sizes import GgufTensor
 
 # GGUF type -> bytes its column-tiled int8 copy adds per block (a float16 offset; the K-quants' 12 bytes of packed
-# 6-bit scales and minimums become 16; MXFP4's exponent byte a float16); the set equals kvpilot.model.quant.formats.PACKED_FORMATS (tests/fit check)
+# 6-bit scales and minimums become 16; MXFP4's exponent byte a float16); the set equals
+# kvpilot.model.quant.formats.PACKED_FORMATS (tests/fit check)
 PACKED_TYPES: dict[str, int] = {"Q8_0": 2, "Q4_0": 2, "Q4_1": 0, "Q5_0": 0, "Q5_1": 0, "Q4_K": 4, "Q5_K": 4,
                                 "Q6_K": 0, "IQ4_NL": 0, "MXFP4": 1}
 # HF model types whose GGUF weights stay packed (model/models/registry.py `packed_gguf`; tests/fit check it)

@@ -1,5 +1,6 @@
-// The formats kept as GGUF blocks (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, MXFP4), dequantized row by row for the float32 kernel
-// and the dense copies (after quant_common.h). The block layouts are GGUF's (kvpilot/model/quant/formats.py):
+// The formats kept as GGUF blocks (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, MXFP4), dequantized row by row for the
+// float32 kernel and the dense copies (after quant_common.h). The block layouts are GGUF's
+// (kvpilot/model/quant/formats.py):
 //   Q5_0 (32 values, 22 bytes): d f16, qh u32 (bit j: value j's 5th bit), 16 bytes (value j low nibble of byte j,
 //        value 16 + j high nibble); value d * (q - 16).
 //   Q5_1 (24 bytes): d, m f16, then as Q5_0; value d * q + m.

@@ -1,6 +1,5 @@
 // The int8 GEMM on column-tiled copies of the formats kept as GGUF blocks (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL,
-// MXFP4) times
-// int8-quantized activations (quantize_row_q8: a scale per 32 values), by AVX-512 VNNI dot products; after
+// MXFP4) times int8-quantized activations (quantize_row_q8: a scale per 32 values), by AVX-512 VNNI dot products; after
 // quant_vnni_gemm.h, whose scheme it follows (16 weight rows side by side in a register, 8 x rows a tile, pairs of
 // tiles on 4 rows from kPairMinRows rows).
 //
@@ -21,9 +20,9 @@
 //     Q6_K the int8 scales of block b's two 16-value halves (sub-blocks 2 (b % 8) and 2 (b % 8) + 1).
 //   IQ4_NL / MXFP4: the nibble plane of 4-bit table indices (QB = 256); td float16 [T, KB, 16] d (MXFP4: 2^(e - 128),
 //     exact in float16 for e in [104, 143]; other exponents keep the float32 kernel: tiled_kquant.py).
-// Values: Q5_0 d (q - 16); Q5_1 d q + m; Q4_K / Q5_K (d sc) q - dmin mn; Q6_K (d sc) (q - 32); IQ4_NL / MXFP4 d (u - 128)
-// where u = table[q] + 128, looked up in registers (vpshufb): as a row d * q + o
-// with s, o per 32 values (per 16 for Q6_K, whose -32 is taken off the integer dot product with x's 16-value sums).
+// Values: Q5_0 d (q - 16); Q5_1 d q + m; Q4_K / Q5_K (d sc) q - dmin mn; Q6_K (d sc) (q - 32); IQ4_NL / MXFP4
+// d (u - 128), u = table[q] + 128 looked up in registers (vpshufb): as a row d * q + o with s, o per 32 values
+// (per 16 for Q6_K, whose -32 is taken off the integer dot product with x's 16-value sums).
 // Bytes per weight: Q5_0 5.5, Q5_1 6, Q4_K 4.625, Q5_K 5.625, Q6_K 6.5625, IQ4_NL 4.5, MXFP4 4.5 (the GGUF blocks:
 // 5.5, 6, 4.5, 5.5, 6.5625, 4.5, 4.25).
 #define KVP_VNNI_INLINE KVP_VNNI __attribute__((always_inline)) inline
