@@ -29,6 +29,14 @@ def test_every_kernel_builds_with_the_prelude_and_has_its_functions() -> None:
         line for line in PRELUDE.read_text().splitlines() if line.startswith("#include"))
 
 
+def test_native_bf16_follows_the_cpu_flags(tmp_path) -> None:
+    zen4, zen3 = tmp_path / "zen4", tmp_path / "zen3"
+    zen4.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512bw avx512_vnni avx512_bf16\n")
+    zen3.write_text("processor\t: 0\nflags\t\t: fpu avx2 fma\n")
+    assert cpu_has_fast_bf16(zen4) and not cpu_has_fast_bf16(str(zen3))
+    assert not cpu_has_fast_bf16(tmp_path / "missing")
+
+
 def test_float32_models_skip_the_bf16_kernels() -> None:
     assert set(kernels_for(torch.float32)) < set(kernels_for(torch.bfloat16))
     assert len(kernels_for(torch.float32)) == 2

@@ -17,6 +17,7 @@ from kvpilot.model.quant.formats import BLOCK_FORMATS, PACKED_FORMATS
 from kvpilot.model.quant.kernel import best_isa, get_quant_kernel, has_vnni
 from kvpilot.model.quant.linear import TILED_MAX_ROWS, DenseScratch, Int8Gate, PackedLinear
 from kvpilot.model.quant.packed import PackedWeight
+from kvpilot.model.quant.tile_blocks import tile_blocks
 from kvpilot.model.quant.tiled_kquant import can_ktile, ktile
 from kvpilot.model.quant.tiled_set import TiledSet, tiled_set
 from tests.model.kquant_blocks import random_blocks

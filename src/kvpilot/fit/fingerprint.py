@@ -55,14 +55,19 @@ def gpu_name(gpus_dir: Path = NVIDIA_GPUS_DIR) -> str:
     return _cpuinfo_field(text, "Model")
 
 
+def cpu_flags(cpuinfo_path: Path = CPUINFO_PATH) -> frozenset[str]:
+    """This CPU's feature flags as /proc/cpuinfo names them ("avx2", "avx512_vnni", ...); empty where it cannot be
+    read (not Linux, not x86)."""
+    try:
+        return frozenset(_cpuinfo_field(cpuinfo_path.read_text(), "flags").split())
+    except OSError:
+        return frozenset()
+
+
 def cpu_runs_int8_tiles(cpuinfo_path: Path = CPUINFO_PATH) -> bool:
     """Whether this CPU takes kvpilot's int8 path for packed weights in bf16 (AVX-512 VNNI and BW: the kernels'
-    has_vnni, read here without building them); False where /proc/cpuinfo cannot be read."""
-    try:
-        flags = set(_cpuinfo_field(cpuinfo_path.read_text(), "flags").split())
-    except OSError:
-        return False
-    return {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags
+    has_vnni, read here without building them)."""
+    return {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= cpu_flags(cpuinfo_path)
 
 
 def current_fingerprint(cpuinfo_path: Path = CPUINFO_PATH, gpus_dir: Path = NVIDIA_GPUS_DIR) -> MachineFingerprint:

@@ -72,18 +72,21 @@ def _decode_qk(blocks: np.ndarray, five_bits: bool) -> DecodedBlocks:
     return DecodedBlocks(q.reshape(n, sb * 8, 32), d, np.stack([sc, mn], axis=-1).reshape(n, sb * 8, 2))
 
 
-def mxfp4_tiles_exactly(raw: np.ndarray) -> bool:
-    """Whether every MXFP4 block of raw (uint8 [N, blocks * 17]) has a scale that float16 holds exactly."""
+def tiles_exactly(raw: np.ndarray, fmt: QuantFormat) -> bool:
+    """Whether the int8 tiles hold the values of raw (uint8 blocks of `fmt`) exactly: always, but for MXFP4 blocks
+    whose scale float16 lacks (an exponent outside MXFP4_HALF_EXPONENTS)."""
+    if fmt != MXFP4:
+        return True
     exponents = np.ascontiguousarray(raw).reshape(-1, MXFP4.block_bytes)[:, 0]
     return bool(exponents.size == 0 or (exponents.min() >= MXFP4_HALF_EXPONENTS.start
                                         and exponents.max() < MXFP4_HALF_EXPONENTS.stop))
 
 
 def _decode_table(blocks: np.ndarray, mxfp4: bool) -> DecodedBlocks:
-    """IQ4_NL / MXFP4: the 4-bit indices, and d as float16 (MXFP4: ValueError unless mxfp4_tiles_exactly)."""
+    """IQ4_NL / MXFP4: the 4-bit indices, and d as float16 (MXFP4: ValueError unless tiles_exactly)."""
     if not mxfp4:
         return DecodedBlocks(_nibbles_then_highs(blocks[..., 2:18]), _half(blocks, 0), None)
-    if not mxfp4_tiles_exactly(blocks):
+    if not tiles_exactly(blocks, MXFP4):
         raise ValueError("MXFP4 scales outside 2^-24 .. 2^15 have no exact float16: keep the float32 kernel")
     power = blocks[..., :1].astype(np.float32) - 128
     return DecodedBlocks(_nibbles_then_highs(blocks[..., 1:17]), np.exp2(power).astype(np.float16), None)

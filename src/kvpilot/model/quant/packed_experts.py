@@ -29,10 +29,11 @@ import torch
 from torch import nn
 
 from kvpilot.model.layers.moe import grouped_experts, silu_mul
+from kvpilot.model.quant.block_decode import tiles_exactly
 from kvpilot.model.quant.formats import QuantFormat
 from kvpilot.model.quant.kernel import require_quant_kernel
 from kvpilot.model.quant.packed import PackedWeight
-from kvpilot.model.quant.tile_blocks import tile_blocks, tiles_exactly
+from kvpilot.model.quant.tile_blocks import tile_blocks
 from kvpilot.model.quant.tiled_kquant import KTiledWeight
 from kvpilot.model.quant.vnni_gemm import TILE_ROWS, TiledWeight
 
@@ -122,7 +123,8 @@ class PackedExperts(nn.Module):
             raise ValueError("experts: gate and up [I, H], down [H, I] for every expert")
         self.isa = isa
         self.formats = (gate.format, up.format, down.format)
-        tiles = all(k.rows % TILE_ROWS == 0 and tiles_exactly(k.experts, k.format) for k in (gate, up, down))
+        tiles = all(k.rows % TILE_ROWS == 0 and all(tiles_exactly(e, k.format) for e in k.experts)
+                    for k in (gate, up, down))
         self.int8_copies: tuple[TiledWeight | KTiledWeight, ...] | None = None
         self.blocks: tuple[PackedWeight, ...] | None = None
         if int8 and tiles:

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from kvpilot.model.quant.block_decode import mxfp4_tiles_exactly
-from kvpilot.model.quant.formats import MXFP4, Q4_K, Q5_1, Q5_K, Q6_K, Q8_0, TABLE_VALUES, QuantFormat
+from kvpilot.model.quant.block_decode import tiles_exactly
+from kvpilot.model.quant.formats import Q4_K, Q5_1, Q5_K, Q6_K, Q8_0, TABLE_VALUES, QuantFormat
 from kvpilot.model.quant.kernel import require_quant_kernel
 from kvpilot.model.quant.tiled_kquant import KTiledWeight
 from kvpilot.model.quant.vnni_gemm import TILE_ROWS, TiledWeight
@@ -27,12 +27,12 @@ _KQUANTS = (Q4_K, Q5_K, Q6_K)
 def tile_blocks(matrices: Sequence[np.ndarray], fmt: QuantFormat) -> TiledWeight | KTiledWeight:
     """The tiled copy of the matrices (each uint8 [rows, row bytes] of `fmt`'s blocks, all of one shape, rows a
     multiple of 16), stacked: matrix i's tiles follow matrix i - 1's. ValueError on other shapes, and on MXFP4
-    scales that float16 does not hold (tiles_exactly)."""
+    scales that float16 does not hold (block_decode.tiles_exactly)."""
     rows, row_bytes = matrices[0].shape
     if rows % TILE_ROWS or row_bytes % fmt.block_bytes or any(m.shape != (rows, row_bytes) for m in matrices):
         raise ValueError(f"int8 tiles take equal matrices of whole {fmt.name} blocks and a multiple of {TILE_ROWS} "
                          f"rows, not {[m.shape for m in matrices][:4]}")
-    if not tiles_exactly(matrices, fmt):
+    if not all(tiles_exactly(m, fmt) for m in matrices):
         raise ValueError("MXFP4 scales outside 2^-24 .. 2^15 have no exact float16 in the int8 tiles")
     per = rows // TILE_ROWS
     tensors = _allocate(fmt, per * len(matrices), row_bytes // fmt.block_bytes * fmt.block_values // 32)
@@ -43,11 +43,6 @@ def tile_blocks(matrices: Sequence[np.ndarray], fmt: QuantFormat) -> TiledWeight
     if fmt.kept_as_blocks:
         return KTiledWeight(fmt, *tensors)
     return TiledWeight(*tensors)
-
-
-def tiles_exactly(matrices: Sequence[np.ndarray], fmt: QuantFormat) -> bool:
-    """Whether the tiles hold the blocks' values exactly: always, but for MXFP4 scales float16 lacks."""
-    return fmt != MXFP4 or all(mxfp4_tiles_exactly(m) for m in matrices)
 
 
 def _allocate(fmt: QuantFormat, tiles: int, blocks: int) -> list[torch.Tensor]:

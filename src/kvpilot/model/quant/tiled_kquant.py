@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvpilot.model.quant.block_decode import DecodedBlocks, decode_blocks, mxfp4_tiles_exactly
-from kvpilot.model.quant.formats import BLOCK_FORMATS, MXFP4, Q6_K, TABLE_VALUES, QuantFormat
+from kvpilot.model.quant.block_decode import DecodedBlocks, decode_blocks, tiles_exactly
+from kvpilot.model.quant.formats import BLOCK_FORMATS, Q6_K, TABLE_VALUES, QuantFormat
 from kvpilot.model.quant.packed import PackedWeight
 
 TILE_ROWS = 16
@@ -48,7 +48,7 @@ class KTiledWeight:
 def can_ktile(w: PackedWeight) -> bool:
     """A format kept as blocks, whole 16-row tiles, the blocks still held, and (MXFP4) scales float16 holds."""
     return (w.format.name in BLOCK_FORMATS and w.out_features % TILE_ROWS == 0 and w.qs.numel() > 0
-            and (w.format != MXFP4 or mxfp4_tiles_exactly(w.qs.numpy())))
+            and tiles_exactly(w.qs.numpy(), w.format))
 
 
 def ktile(w: PackedWeight) -> KTiledWeight:
