@@ -168,8 +168,6 @@ def test_every_packed_format_has_a_kernel_code_of_its_own():
 def test_mxfp4_scales_float16_lacks_keep_the_float32_kernel():
     """An MXFP4 exponent outside 2^-24 .. 2^15 has no exact float16 scale in the int8 tiles: such weights are not
     tiled (the float32 kernel computes them, exactly), and the experts' tiler refuses them."""
-    from kvpilot.model.quant.tile_blocks import tile_blocks
-
     raw = random_blocks("MXFP4", 16, 32 * 7, seed=12)
     raw[3, 17 * 2] = 60  # row 3's third block: scale 2^-68
     packed = PackedWeight.from_blocks(raw, BLOCK_FORMATS["MXFP4"])
