@@ -10,6 +10,7 @@ Used only from the event loop, so plain counters suffice.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from kvpilot.server.openai.errors import APIError
@@ -70,6 +71,10 @@ class AdmissionController:
         if tokens is not None:
             self.num_queued_reqs -= 1
             self.num_queued_tokens -= tokens
+
+    def request_ids(self) -> Iterator[str]:
+        """The ids holding a slot: arrived and not yet running (being tokenized included)."""
+        return iter(self._held)
 
     def _busy(self, reason: str, code: str) -> APIError:
         retry = max(1, math.ceil(self.retry_after_s))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import Any, Sequence
 
 from kvpilot.outputs import RequestOutput
@@ -69,6 +70,18 @@ class FanoutShape:
 
     def sub_request_id(self, request_id: str, k: int) -> str:
         return request_id if self.size == 1 else f"{request_id}-{k}"
+
+
+def id_in_use(request_id: str, live_ids: Iterable[str]) -> bool:
+    """True when `request_id` is one of `live_ids` or the request id of one of them (`<request_id>-<k>`, a
+    sub-request): a request with that id, fanned out or not, has not finished, so its ids would clash."""
+    for live in live_ids:
+        if live == request_id:
+            return True
+        root, _, k = live.rpartition("-")
+        if root == request_id and k.isdigit():
+            return True
+    return False
 
 
 def check_size(shape: FanoutShape, max_num_queued_reqs: int | None) -> None:

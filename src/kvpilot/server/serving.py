@@ -24,7 +24,7 @@ from kvpilot.server.observe.collector import Collector
 from kvpilot.server.core.engine_client import Item
 from kvpilot.server.openai.chat_output import chat_output_for
 from kvpilot.server.openai.errors import APIError, from_value_error
-from kvpilot.server.fanout import FanoutShape, check_size, choose, sub_seed
+from kvpilot.server.fanout import FanoutShape, check_size, choose, id_in_use, sub_seed
 from kvpilot.server.item_stream import ItemStream
 from kvpilot.server.core.messages import AddRequest
 from kvpilot.server.prepared import Prepared
@@ -57,7 +57,10 @@ async def prepare(state: ServerState, body: CompletionRequest | ChatCompletionRe
     _kv_transfer(state, body, fanout)  # 400 before anything is reserved
     request_id = engine_request_id(chat, client_id)
     sub_ids = [fanout.sub_request_id(request_id, k) for k in range(fanout.size)]
-    if any(state.client.has_request(rid) for rid in {request_id, *sub_ids}):
+    # From its arrival (a slot held while it is tokenized) to its end (a stream in the engine client), both
+    # ways round: `dup` fanned out into `cmpl-dup-0`.. is in flight for a second `dup`, and the reverse.
+    live = (*state.admission.request_ids(), *state.client.request_ids())
+    if any(id_in_use(rid, live) for rid in {request_id, *sub_ids}):
         raise APIError(409, f"a request with X-Request-Id {client_id!r} is still running: send a unique id",
                        param="X-Request-Id")
     try:

@@ -19,6 +19,7 @@ import itertools
 import logging
 import queue
 import threading
+from collections.abc import Iterator
 from typing import Any, Callable
 
 from kvpilot.engine.engine import StepStats
@@ -139,9 +140,9 @@ class EngineClient:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
-    def has_request(self, request_id: str) -> bool:
-        """True while the request is added and not yet finished."""
-        return request_id in self._streams
+    def request_ids(self) -> Iterator[str]:
+        """The ids of the requests added and not yet finished (sub-requests' own ids)."""
+        return iter(self._streams)
 
     @property
     def channel_stall(self) -> str | None:
