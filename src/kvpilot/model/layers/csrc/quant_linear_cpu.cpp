@@ -1,6 +1,6 @@
 // Linear layers on packed GGUF-style weights (Q8_0, Q4_0, Q4_1 split; Q5_0, Q5_1, Q4_K, Q5_K, Q6_K as GGUF blocks)
-// on CPU, built at run time by kvpilot/model/quant/kernel.py after quant_common.h, quant_blocks.h, quant_avx512.h
-// and quant_avx2.h.
+// on CPU, built at run time by kvpilot/model/quant/kernel.py after quant_common.h, quant_blocks.h, quant_avx512.h,
+// quant_avx2.h and quant_blocks_avx2.h.
 //
 // quant_matmul: out[M, N] = x[M, K] @ W^T. Each task dequantizes 4 weight rows into an L1-resident float32
 // buffer once, then multiplies them with tiles of up to 4 x rows (64 x rows at a time, so the x block stays
@@ -25,11 +25,12 @@ Kernels kernels_for(int64_t isa) {
   return {dequant_row_scalar, to_bf16_scalar, tile_scalar, nullptr, 4};
 }
 
-// The kernels for format fmt: formats kept as blocks dequantize rows with quant_blocks.h (no fused few-row path)
+// The kernels for format fmt: formats kept as blocks dequantize rows with quant_blocks.h or its AVX2 copy (no fused
+// few-row path)
 Kernels kernels_for(int64_t isa, int64_t fmt) {
   Kernels kern = kernels_for(isa);
   if (kept_as_blocks(fmt)) {
-    kern.dequant_row = dequant_row_blocks;
+    kern.dequant_row = isa >= kAvx2 ? dequant_row_blocks256 : dequant_row_blocks;
     kern.fused = nullptr;
   }
   return kern;
