@@ -1,5 +1,6 @@
 """Sizing of the live probes (`kvpilot doctor --url`): every phase fits the server's context, never
-exceeds the ramp's top concurrency or the phase deadline, and scales with the measured baseline."""
+exceeds the ramp's top concurrency or the phase deadline, sends whole rounds of its concurrency, and scales with
+the measured baseline."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ def test_every_phase_fits_and_is_bounded(limits: ProbeLimits, max_model_len: int
         assert 1 <= (phase.load.concurrency or 0) <= limits.max_in_flight
         assert phase.load.duration_s is not None and phase.load.duration_s <= limits.phase_s
         assert 1 <= (phase.load.num_requests or 0) <= limits.max_requests
+        assert phase.load.num_requests % phase.load.concurrency == 0, phase.describe()  # whole rounds
     kinds = [p.dataset.kind for p in phases]
     assert kinds.count("long-short") == 1 and kinds.count("shared-prefix") == 1
     ramp = [p.load.concurrency for p in phases if p.name.startswith("ramp") or p.name == "baseline"]
