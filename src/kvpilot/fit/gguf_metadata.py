@@ -24,9 +24,10 @@ GGUF_ARCHITECTURES: dict[str, str] = {
     "qwen3moe": "Qwen3MoeForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "gpt-oss": "GptOssForCausalLM",
 }
 # GGUF `general.architecture` -> HF `model_type`, where the two differ
-GGUF_MODEL_TYPES: dict[str, str] = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe"}
+GGUF_MODEL_TYPES: dict[str, str] = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss"}
 # llama.cpp's Gemma 2/3: the 27B models (by layer count) scale attention by hidden / heads, the others by
 # head_dim (the GGUF stores no query_pre_attn_scalar)
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
@@ -162,6 +163,8 @@ def hf_config_from_reader(reader: Any, path: str | Path) -> dict[str, Any]:
         cfg.update(_gemma_fields(reader, arch, cfg, path))
     rope_tensors = {t.name: t for t in reader.tensors if t.name.startswith("rope_")}
     cfg.update(gguf_rope_fields(lambda key: _arch_key(reader, arch, key, path, False), rope_tensors, cfg, path))
+    if arch == "gpt-oss":
+        cfg.update(_gpt_oss_fields(reader, cfg, path))
     if arch == "phi3" and _arch_key(reader, arch, "attention.sliding_window", path, False):
         cfg["sliding_window"] = int(_arch_key(reader, arch, "attention.sliding_window", path))
     return cfg
@@ -183,6 +186,25 @@ def _gemma_fields(reader: Any, arch: str, cfg: dict[str, Any], path: Path) -> di
             fields["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
         else:
             fields["sliding_window_pattern"] = int(pattern or 6)
+    return fields
+
+
+def _gpt_oss_fields(reader: Any, cfg: dict[str, Any], path: Path) -> dict[str, Any]:
+    """gpt-oss's keys beyond the MoE ones, as llama.cpp's graph runs it: every other layer slides (the first
+    does), biases on attention, the router and the experts; SwiGLU clamped at 7.0 with alpha 1.702 (its fixed
+    values, and transformers' defaults); YaRN without truncating its correction range, as every released gpt-oss
+    config.json says (the file has no key for it)."""
+    layers = cfg["num_hidden_layers"]
+    fields: dict[str, Any] = {
+        "sliding_window": int(_arch_key(reader, "gpt-oss", "attention.sliding_window", path)),
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+        "attention_bias": True, "num_local_experts": cfg.pop("num_experts"),
+        "experts_per_token": cfg["num_experts_per_tok"]}
+    if "moe_intermediate_size" in cfg:  # transformers' gpt-oss names the experts' width intermediate_size
+        fields["intermediate_size"] = cfg.pop("moe_intermediate_size")
+    scaling = cfg.get("rope_scaling")
+    if scaling is not None and scaling.get("rope_type") == "yarn":
+        fields["rope_scaling"] = {**scaling, "truncate": False}
     return fields
 
 

@@ -4,7 +4,8 @@ quant/formats.py), kept in their blocks (kvpilot.model.quant.PackedWeight).
 
 GGUF quirks handled here: shapes are listed [in, out] (arrays come out (out, in)), and llama-architecture
 files store Q/K projections permuted for llama.cpp's interleaved rotary layout, which we undo; Gemma files
-store their norm weights with the 1 of Gemma's (1 + weight) added, which we take off.
+store their norm weights with the 1 of Gemma's (1 + weight) added, which we take off; gpt-oss files name the
+norm before the experts post_attention_norm and keep the sinks as attn_sinks.weight.
 """
 
 from __future__ import annotations
@@ -52,6 +53,10 @@ _GEMMA_LAYER_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
                       "post_ffw_norm": "post_feedforward_layernorm"}
 # families whose norms scale by (1 + weight): llama.cpp's converter stores the weight with the 1 added
 _GEMMA_FAMILIES = frozenset({"gemma2", "gemma3_text"})
+# gpt-oss: llama.cpp's post_attention_norm is the norm before the experts (HF's post_attention_layernorm), and
+# attn_sinks.weight the layer's sink logits (HF's self_attn.sinks, a parameter of its own: no .weight)
+_GPT_OSS_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
+                        "attn_sinks": "self_attn.sinks"}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 
@@ -59,7 +64,8 @@ def hf_tensor_name(gguf_name: str, family: str = "llama") -> str | None:
     """The HF name of a GGUF tensor of a `family` model, or None for tensors kvpilot does not use."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
-    names = _GEMMA_LAYER_NAMES if family in _GEMMA_FAMILIES else _LAYER_NAMES
+    names = _GEMMA_LAYER_NAMES if family in _GEMMA_FAMILIES else _GPT_OSS_LAYER_NAMES if family == "gpt_oss" \
+        else _LAYER_NAMES
     if (expert := _EXPERT_RE.match(gguf_name)) is not None:
         layer, part, index = expert.groups()
         return f"model.layers.{layer}.mlp.experts.{index}.{part}_proj.weight"
@@ -67,6 +73,8 @@ def hf_tensor_name(gguf_name: str, family: str = "llama") -> str | None:
     if not match or match.group(2) not in names:
         return None
     layer, part, kind = match.groups()
+    if names[part] == "self_attn.sinks":
+        return f"model.layers.{layer}.self_attn.sinks"
     return f"model.layers.{layer}.{names[part]}.{kind}"
 
 

@@ -69,10 +69,10 @@ FAMILIES: tuple[ModelFamily, ...] = (
                 fused_decode=False,
                 notes="mixture of experts (top-k renormalised); GGUF: 'llama' with an expert count"),
     ModelFamily("gpt_oss", ("GptOssForCausalLM",), "kvpilot.model.models.gpt_oss:GptOssForCausalLM",
-                formats=("safetensors", "dummy"), tensor_parallel=False, packed_gguf=False, fused_decode=False,
+                gguf_architectures=("gpt-oss",), tensor_parallel=False, packed_gguf=False, fused_decode=False,
                 notes="mixture of experts (top-k logits then softmax, router and expert biases, clamped SwiGLU; "
                       "bf16 CPU experts run the torch grouped path, not the C++ kernel), attention sinks, "
-                      "sliding/full layers, YaRN; MXFP4 experts dequantized at load"),
+                      "sliding/full layers, YaRN; MXFP4 experts (HF or GGUF) dequantized at load"),
     ModelFamily("phi3", ("Phi3ForCausalLM",), "kvpilot.model.models.phi3:Phi3ForCausalLM",
                 gguf_architectures=("phi3",), tensor_parallel=False, packed_gguf=False, fused_decode=False,
                 notes="fused qkv/gate_up, LongRoPE, partial rotary (Phi-4-mini)"),
