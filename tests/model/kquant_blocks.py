@@ -1,6 +1,6 @@
-"""GGUF blocks of Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL and MXFP4 for tests: random valid blocks (kernel tests) and a
-round-to-nearest quantizer for the K-quants and IQ4_NL (the gguf package has none; a requantized model needs blocks
-near its weights, not optimal ones). Layouts: kvpilot/model/quant/formats.py's docstring.
+"""GGUF blocks of Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS and MXFP4 for tests: random valid blocks (kernel
+tests) and a round-to-nearest quantizer for the K-quants, IQ4_NL and IQ4_XS (the gguf package has none; a
+requantized model needs blocks near its weights, not optimal ones). Layouts: kvpilot/model/quant/formats.py's docstring.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from kvpilot.model.quant.formats import IQ4_NL_VALUES
 
 # byte offsets of each block's float16 fields
 _HALF_FIELDS = {"Q5_0": [0], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "IQ4_NL": [0],
-                "MXFP4": []}
+                "IQ4_XS": [0], "MXFP4": []}
 # MXFP4 exponent bytes of random blocks: scales 2^-24 .. 2^7 (float16 holds them: the int8 tiles take them)
 MXFP4_TILED_EXPONENTS = (104, 136)
 
@@ -104,15 +104,40 @@ def _quantize_iq4_nl(x: np.ndarray) -> np.ndarray:
     return np.concatenate([d.view(np.uint8).reshape(-1, 2), q[:, :16] | (q[:, 16:] << 4)], axis=-1)
 
 
+def _quantize_iq4_xs(x: np.ndarray) -> np.ndarray:
+    """IQ4_XS of super-blocks x [n, 256]: each sub-block of 32 scaled as IQ4_NL would (its peak to the table's -127),
+    that scale rounded to d * (ls - 32) with d float16 a super-block and ls 6 bits, values the nearest entries."""
+    n = x.shape[0]
+    sub = x.reshape(n, 8, 32)
+    table = np.array(IQ4_NL_VALUES, dtype=np.float32)
+    peak = np.take_along_axis(sub, np.abs(sub).argmax(axis=-1)[..., None], axis=-1)[..., 0]  # [n, 8], signed
+    ideal = -peak / 127
+    d = (np.abs(ideal).max(axis=-1) / 32).astype(np.float16)
+    d32 = d.astype(np.float32)[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ls = (np.where(d32 != 0, np.clip(np.rint(ideal / d32), -32, 31), 0) + 32).astype(np.uint16)  # [n, 8]
+        dl = (d32 * (ls.astype(np.float32) - 32))[..., None]
+        scaled = np.where(dl != 0, sub / dl, 0)
+    q = np.abs(scaled[..., None] - table).argmin(axis=-1).astype(np.uint8)  # [n, 8, 32]
+    scales_h = (((ls >> 4) & 3) << (2 * np.arange(8, dtype=np.uint16))).sum(axis=-1, dtype=np.uint16)
+    scales_l = ((ls[:, 0::2] & 0x0F) | ((ls[:, 1::2] & 0x0F) << 4)).astype(np.uint8)
+    qs = (q[..., :16] | (q[..., 16:] << 4)).reshape(n, 128)
+    return np.concatenate([d.view(np.uint8).reshape(n, 2), scales_h.astype("<u2").view(np.uint8).reshape(n, 2),
+                           scales_l, qs], axis=-1)
+
+
 def quantize_blocks(values: np.ndarray, name: str) -> np.ndarray:
     """float32 [rows, cols] -> uint8 [rows, blocks * block_bytes] of GGUF type `name` (round to nearest for the
-    K-quants and IQ4_NL; the gguf package's quantizer for the others)."""
+    K-quants, IQ4_NL and IQ4_XS; the gguf package's quantizer for the others)."""
     if name == "IQ4_NL":
         return _quantize_iq4_nl(np.ascontiguousarray(values, dtype=np.float32).reshape(-1, 32)).reshape(
             values.shape[0], -1)
-    if name not in ("Q4_K", "Q5_K", "Q6_K"):
+    if name not in ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS"):
         return quantize(values, T[name])
     rows = values.shape[0]
     x = np.ascontiguousarray(values, dtype=np.float32).reshape(-1, 256)
-    raw = _quantize_q6k(x) if name == "Q6_K" else _quantize_qk(x, 4 if name == "Q4_K" else 5)
+    if name == "IQ4_XS":
+        raw = _quantize_iq4_xs(x)
+    else:
+        raw = _quantize_q6k(x) if name == "Q6_K" else _quantize_qk(x, 4 if name == "Q4_K" else 5)
     return raw.reshape(rows, -1)

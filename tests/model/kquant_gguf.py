@@ -23,8 +23,8 @@ from tests.model.kquant_blocks import quantize_blocks
 
 MIXES = ("Q4_K_M", "Q5_K_M", "Q4_0", "TABLE_MIX")
 # TABLE_MIX: no llama.cpp recipe; every packed format the other mixes leave out, in one file (fused q/k/v of mixed
-# formats): attn_q / attn_k IQ4_NL, attn_v / attn_output Q5_1, ffn_gate / ffn_up MXFP4, ffn_down Q5_K (its
-# 1536-wide rows are whole super-blocks), the head Q8_0
+# formats): attn_q / attn_k IQ4_NL, attn_v / attn_output Q5_1, ffn_gate / ffn_up MXFP4, ffn_down Q5_K in even layers
+# and IQ4_XS in odd ones (its 1536-wide rows are whole super-blocks), the head Q8_0
 _TABLE_MIX = {"attn_q": "IQ4_NL", "attn_k": "IQ4_NL", "attn_v": "Q5_1", "attn_output": "Q5_1", "ffn_gate": "MXFP4",
               "ffn_up": "MXFP4", "ffn_down": "Q5_K"}
 _FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
@@ -45,7 +45,8 @@ def tensor_type(mix: str, name: str, layers: int, cols: int) -> str | None:
     elif mix == "Q4_0":
         wanted = "Q4_0"
     elif mix == "TABLE_MIX":
-        wanted = _TABLE_MIX[match.group(2)]
+        odd_down = match.group(2) == "ffn_down" and int(match.group(1)) % 2
+        wanted = "IQ4_XS" if odd_down else _TABLE_MIX[match.group(2)]
     else:
         base = "Q4_K" if mix == "Q4_K_M" else "Q5_K"
         more = match.group(2) in ("attn_v", "ffn_down") and _more_bits(int(match.group(1)), layers)

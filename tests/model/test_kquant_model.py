@@ -1,6 +1,6 @@
 """The embedded model requantized to llama.cpp's Q4_K_M mix (tests/model/kquant_gguf.py: K-quants with Q5_0 / Q8_0
-where rows are not whole super-blocks, fused q/k/v of mixed formats) and to TABLE_MIX (IQ4_NL, MXFP4, Q5_1 and Q5_K:
-the packed formats Q4_K_M leaves out) runs packed: greedy tokens equal the dequantized model's in float32, the fused decode path equals the layer-by-layer forward bit for
+where rows are not whole super-blocks, fused q/k/v of mixed formats) and to TABLE_MIX (IQ4_NL, MXFP4, Q5_1, Q5_K and
+IQ4_XS: the packed formats Q4_K_M leaves out) runs packed: greedy tokens equal the dequantized model's in float32, the fused decode path equals the layer-by-layer forward bit for
 bit in bf16 (tiled int8 sets), and the packed weights take about the file's bytes."""
 
 from __future__ import annotations
@@ -47,6 +47,9 @@ def test_packed_greedy_equals_the_dequantized_model(kquant_files, mix):
         llm = LLM(model=str(kquant_files[mix]), quantization=quantization, dtype="float32", max_model_len=512,
                   kv_cache_memory="128MiB")
         assert llm.loaded.quantization == quantization
+        if quantization == "gguf" and mix == "TABLE_MIX":  # IQ4_XS too, on the float32 kernel
+            layers = llm.engine.runner.model.layers
+            assert {p.format.name for layer in layers for p in layer.mlp.down_proj.parts} == {"Q5_K", "IQ4_XS"}
         outputs[quantization] = [o.outputs[0].token_ids for o in llm.generate(_prompts(llm), params)]
         del llm
     assert outputs["gguf"] == outputs["none"]

@@ -9,14 +9,14 @@ As kvpilot's loader decides (model/loader.py, model/quant/model_pack.py):
   bits, and 36, 9.0 bits; the blocks: 18 and 34) and the K-quants' 6-bit sub-block scales and minimums take a byte
   each: Q4_K 148 bytes per 256 values (4.625 bits; the block: 144, 4.5), Q5_K 180 (5.625; 176, 5.5), and MXFP4's
   exponent byte becomes a float16 scale (18 bytes per 32 values; the block: 17); Q4_1, Q5_0, Q5_1, Q6_K and IQ4_NL
-  keep their blocks' bytes.
+  keep their blocks' bytes. IQ4_XS has no int8 copy: its blocks stay, on the float32 kernel.
   The embedding table is held dense in the compute dtype for token lookups; a tied output head keeps a packed
   copy of the embedding's blocks beside it. Norms, biases and MoE routers: the compute dtype. Routed experts
   (ffn_{gate,up,down}_exps, or older Mixtral files' ffn_{gate,up,down}.E) are linear weights like the others:
   packed the same way (model/quant/packed_experts.py: their blocks, or with bf16 activations one tiled int8 copy per
   stacked tensor), never with a dense copy.
 - dequantized: otherwise (a GPU, another family, one linear weight of a type without a kernel, e.g. Q3_K or
-  IQ4_XS) the whole model is dequantized at load: every weight takes the compute dtype, 16 bits in bf16,
+  IQ3_S) the whole model is dequantized at load: every weight takes the compute dtype, 16 bits in bf16,
   whatever the file stores.
 Not counted: the hybrid layout's dense copies for many-row GEMMs (`--quantization auto` with bf16 activations,
 when they fit in a quarter of the free memory); `--quantization gguf` holds the packed weights only.
@@ -30,10 +30,10 @@ from dataclasses import dataclass
 from kvpilot.fit.gguf_sizes import GgufTensor
 
 # GGUF type -> bytes its column-tiled int8 copy adds per block (a float16 offset; the K-quants' 12 bytes of packed
-# 6-bit scales and minimums become 16; MXFP4's exponent byte a float16); the set equals
+# 6-bit scales and minimums become 16; MXFP4's exponent byte a float16; IQ4_XS keeps its blocks); the set equals
 # kvpilot.model.quant.formats.PACKED_FORMATS (tests/fit check)
 PACKED_TYPES: dict[str, int] = {"Q8_0": 2, "Q4_0": 2, "Q4_1": 0, "Q5_0": 0, "Q5_1": 0, "Q4_K": 4, "Q5_K": 4,
-                                "Q6_K": 0, "IQ4_NL": 0, "MXFP4": 1}
+                                "Q6_K": 0, "IQ4_NL": 0, "MXFP4": 1, "IQ4_XS": 0}
 # HF model types whose GGUF weights stay packed (model/models/registry.py `packed_gguf`; tests/fit check it)
 PACKED_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral"})
 TILE_ROWS = 16  # the tiled copy takes whole 16-row tiles; other layers keep the file's blocks

@@ -1,4 +1,4 @@
-// The formats kept as GGUF blocks (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, MXFP4), dequantized row by row for the
+// The formats kept as GGUF blocks (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, MXFP4, IQ4_XS), dequantized row by row for the
 // float32 kernel and the dense copies (after quant_common.h). The block layouts are GGUF's
 // (kvpilot/model/quant/formats.py):
 //   Q5_0 (32 values, 22 bytes): d f16, qh u32 (bit j: value j's 5th bit), 16 bytes (value j low nibble of byte j,
@@ -15,6 +15,9 @@
 //        (kIQ4NLValues).
 //   MXFP4 (32 values, 17 bytes): e (an E8M0 exponent byte), 16 bytes of indices as IQ4_NL; value 2^(e - 128) *
 //        table[q] (kMXFP4Values: E2M1 doubled, hence the exponent's -128 rather than -127).
+//   IQ4_XS (256 values, 136 bytes): d f16, scales_h u16, scales_l 4 bytes, then 8 sub-blocks of 16 index bytes
+//        (each ordered as IQ4_NL's); sub-block j's ls = (4 bits j % 2 of scales_l[j / 2]) | (2 bits j of scales_h)
+//        << 4, value (d * (ls - 32)) * table[q] (kIQ4NLValues).
 // Each value is computed with one rounding at most (the products d * sc, d * sc * q and dmin * mn are exact in
 // float32), so any evaluation order gives the gguf package's float32 values bit for bit.
 namespace {
@@ -95,6 +98,29 @@ void dequant_table_blocks(const uint8_t* row, int64_t blocks, bool mxfp4, float*
   }
 }
 
+// IQ4_XS: sub-block j's 6-bit scale
+inline int iq4xs_scale(const uint8_t* blk, int j) {
+  uint16_t high;
+  std::memcpy(&high, blk + 2, 2);
+  return ((blk[4 + j / 2] >> (4 * (j % 2))) & 0x0F) | (((high >> (2 * j)) & 3) << 4);
+}
+
+void dequant_iq4xs_blocks(const uint8_t* row, int64_t blocks, float* out) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = row + b * 136;
+    const float d = f16_at(blk);
+    for (int j = 0; j < 8; ++j) {
+      const float dl = d * static_cast<float>(iq4xs_scale(blk, j) - 32);
+      const uint8_t* qs = blk + 8 + 16 * j;
+      float* o = out + b * 256 + 32 * j;
+      for (int l = 0; l < 16; ++l) {
+        o[l] = dl * static_cast<float>(kIQ4NLValues[qs[l] & 0x0F]);
+        o[l + 16] = dl * static_cast<float>(kIQ4NLValues[qs[l] >> 4]);
+      }
+    }
+  }
+}
+
 void dequant_q6k_blocks(const uint8_t* row, int64_t blocks, float* out) {
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = row + b * 210;
@@ -122,6 +148,7 @@ void dequant_row_blocks(const Packed& w, int64_t n, float* out, float* /*scales*
     case kQ5_K: return dequant_qk_blocks(row, blocks, true, out);
     case kIQ4_NL: return dequant_table_blocks(row, blocks, false, out);
     case kMXFP4: return dequant_table_blocks(row, blocks, true, out);
+    case kIQ4_XS: return dequant_iq4xs_blocks(row, blocks, out);
     default: return dequant_q6k_blocks(row, blocks, out);
   }
 }

@@ -97,6 +97,28 @@ KVP_AVX2 void dequant_table_blocks256(const uint8_t* row, int64_t blocks, bool m
   }
 }
 
+// IQ4_XS: sub-blocks of 32 as IQ4_NL blocks, each with its scale d * (ls - 32)
+KVP_AVX2 void dequant_iq4xs_blocks256(const uint8_t* row, int64_t blocks, float* out) {
+  const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4NLValues));
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = row + b * 136;
+    const float d = f16_at(blk);
+    for (int j = 0; j < 8; ++j) {
+      const __m256 dl = _mm256_set1_ps(d * static_cast<float>(iq4xs_scale(blk, j) - 32));
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 8 + 16 * j));
+      const __m128i halves[2] = {_mm_shuffle_epi8(table, _mm_and_si128(raw, low4)),
+                                 _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(raw, 4), low4))};
+      float* o = out + b * 256 + 32 * j;
+      for (int h = 0; h < 2; ++h) {
+        _mm256_storeu_ps(o + 16 * h, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(halves[h])), dl));
+        _mm256_storeu_ps(o + 16 * h + 8,
+                         _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(halves[h], 8))), dl));
+      }
+    }
+  }
+}
+
 // dequant_row_blocks (quant_blocks.h) on AVX2
 KVP_AVX2 void dequant_row_blocks256(const Packed& w, int64_t n, float* out, float* /*scales*/) {
   const uint8_t* row = w.qs + n * w.qs_row();
@@ -108,6 +130,7 @@ KVP_AVX2 void dequant_row_blocks256(const Packed& w, int64_t n, float* out, floa
     case kQ5_K: return dequant_qk_blocks256(row, blocks, true, out);
     case kIQ4_NL: return dequant_table_blocks256(row, blocks, false, out);
     case kMXFP4: return dequant_table_blocks256(row, blocks, true, out);
+    case kIQ4_XS: return dequant_iq4xs_blocks256(row, blocks, out);
     default: return dequant_q6k_blocks256(row, blocks, out);
   }
 }
