@@ -1,7 +1,7 @@
 """gpt-oss: a tiny random model (3 layers sliding / full / sliding with an 8-token window, 8 experts top-2, sinks,
 YaRN) against transformers token for token in float32 through LLM.generate (continuous batching, the prefix
 cache, preemption), from save_pretrained's dequantized layout, from an MXFP4 checkpoint as OpenAI ships them and
-from llama.cpp's GGUF (float32, MXFP4 experts);
+from llama.cpp's GGUF (MXFP4 experts);
 the MXFP4 dequantizer against transformers' own; the router and the clamped SwiGLU against transformers'
 modules; the Triton experts with biases (interpreter on CPU); bf16 logits within a stated bound."""
 
@@ -129,19 +129,17 @@ def test_mxfp4_checkpoint_matches_transformers(saved, tmp_path, caplog):
         load_model(str(path), dtype="float32", device="cpu")
 
 
-@pytest.mark.parametrize("experts_type", [None, "MXFP4"])
-def test_gguf_matches_transformers(tmp_path, caplog, experts_type):
-    """llama.cpp's `gpt-oss` GGUF of the tiny model (float32, or its experts in MXFP4 blocks as the released GGUFs
-    keep them): the config comes from the metadata (alternating windows, YaRN untruncated, the SwiGLU clamp at
-    llama.cpp's fixed 7.0, which the file cannot carry), the tensors from llama.cpp's names and split gate/up."""
+def test_gguf_matches_transformers(tmp_path, caplog):
+    """llama.cpp's `gpt-oss` GGUF of the tiny model, its experts in MXFP4 blocks as the released GGUFs keep them:
+    the config comes from the metadata (alternating windows, YaRN untruncated, the SwiGLU clamp at llama.cpp's
+    fixed 7.0, which the file cannot carry), the tensors from llama.cpp's names and split gate/up."""
     model = _random_hf_model({**CONFIG, "swiglu_limit": 7.0}, tmp_path / "hf")
-    if experts_type is not None:
-        round_experts_to_mxfp4(model)
+    round_experts_to_mxfp4(model)
     path = tmp_path / "model.gguf"
-    write_gpt_oss_gguf(model, path, experts_type)
+    write_gpt_oss_gguf(model, path, "MXFP4")
     with caplog.at_level("WARNING"):
         llm = LLM(model=str(path), dtype="float32", kv_cache_memory="4MiB", max_model_len=256)
-    assert ("MXFP4 tensors are dequantized at load" in caplog.text) == (experts_type is not None)
+    assert "MXFP4 tensors are dequantized at load" in caplog.text
     config = llm.loaded.config
     assert (config.family, config.num_experts, [config.layer_window(i) for i in range(3)]) == ("gpt_oss", 8,
                                                                                             [8, None, 8])
