@@ -11,7 +11,7 @@ import pytest
 from gguf import GGMLQuantizationType as T, GGUFWriter
 from gguf.constants import GGML_QUANT_SIZES
 
-from kvpilot.fit.gguf_holding import PACKED_FAMILIES, PACKED_TYPES
+from kvpilot.fit.gguf_holding import PACKED_EXPERT_FAMILIES, PACKED_FAMILIES, PACKED_TYPES
 from kvpilot.fit.model_source import load_model as fit_load
 from kvpilot.fit.weights import weight_bytes
 from kvpilot.model.layers.onednn_linear import OneDnnLinear
@@ -132,6 +132,7 @@ def test_fit_knows_what_kvpilot_runs_packed() -> None:
     """fit is torch-free, so it keeps its own copy of the loader's facts: they must agree."""
     assert set(PACKED_TYPES) == set(PACKED_FORMATS)
     assert PACKED_FAMILIES == {f.name for f in FAMILIES if f.packed_gguf and "gguf" in f.formats}
+    assert PACKED_EXPERT_FAMILIES == {f.name for f in FAMILIES if f.packed_gguf_experts and "gguf" in f.formats}
 
 
 @pytest.mark.skipif(get_quant_kernel() is None, reason="no C++ compiler for the CPU kernels")
@@ -167,3 +168,24 @@ def test_predicted_weight_bytes_match_a_packed_moe_gguf(tmp_path: Path, dtype: s
     assert experts == loaded.packed_memory.expert_bytes > 0
     # the decode roofline's routed expert: what the loader holds for one, on average
     assert predicted.num_bytes_expert == pytest.approx(experts / (2 * 8), rel=0.01)
+
+
+@pytest.mark.skipif(get_quant_kernel() is None, reason="no C++ compiler for the CPU kernels")
+def test_predicted_weight_bytes_match_a_gpt_oss_gguf_with_packed_experts(tmp_path: Path) -> None:
+    """gpt-oss's experts stay packed (MXFP4 blocks, float32 kernel: no int8 copy), its other weights dequantized:
+    fit predicts both parts of what the loader holds, and the routed expert's bytes the roofline reads."""
+    pytest.importorskip("transformers")
+    from kvpilot.model.quant.packed_experts import PackedExperts
+    from tests.model.gpt_oss_gguf import write_gpt_oss_gguf
+    from tests.model.test_gpt_oss import CONFIG, _random_hf_model
+
+    path = tmp_path / "tiny-gpt-oss-MXFP4.gguf"
+    write_gpt_oss_gguf(_random_hf_model({**CONFIG, "swiglu_limit": 7.0}, tmp_path / "hf"), path, "MXFP4")
+    predicted = weight_bytes(fit_load(str(path)), dtype="bf16")
+    held, quantization = _held_by_loader(path, "bfloat16", "auto")
+    assert quantization == "gguf" and predicted.format_name.endswith("held experts packed, the rest dequantized "
+                                                                     "to 16-bit"), predicted.format_name
+    assert predicted.num_bytes == pytest.approx(held, rel=0.03), predicted.notes
+    loaded = load_model(str(path), dtype="bfloat16", max_model_len=128)
+    experts = sum(m.nbytes for m in loaded.model.modules() if isinstance(m, PackedExperts))
+    assert predicted.num_bytes_expert == pytest.approx(experts / (3 * 8), rel=0.01)

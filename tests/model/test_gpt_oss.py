@@ -21,6 +21,7 @@ from kvpilot.model.layers.moe import grouped_experts
 from kvpilot.model.layers.moe_variants import ClampedSwiGLU, route_top_k_softmax
 from kvpilot.model.loader import load_model
 from kvpilot.model.models.gpt_oss_weights import deinterleave, dequantize_mxfp4
+from kvpilot.model.quant.packed_experts import PackedExperts
 from tests.model.gpt_oss_gguf import round_experts_to_mxfp4, write_gpt_oss_gguf
 from tests.model.hf_match import (HfGreedy, assert_batch_matches, assert_prefix_hit_matches,
                                   assert_preempted_matches, prompt_ids)
@@ -132,19 +133,28 @@ def test_mxfp4_checkpoint_matches_transformers(saved, tmp_path, caplog):
 def test_gguf_matches_transformers(tmp_path, caplog):
     """llama.cpp's `gpt-oss` GGUF of the tiny model, its experts in MXFP4 blocks as the released GGUFs keep them:
     the config comes from the metadata (alternating windows, YaRN untruncated, the SwiGLU clamp at llama.cpp's
-    fixed 7.0, which the file cannot carry), the tensors from llama.cpp's names and split gate/up."""
+    fixed 7.0, which the file cannot carry), the tensors from llama.cpp's names and split gate/up. The experts
+    stay packed on CPU (biases and clamped SwiGLU on the float32 kernel), or with --quantization none are
+    dequantized, with the warning naming the cost; both decode as transformers does."""
     model = _random_hf_model({**CONFIG, "swiglu_limit": 7.0}, tmp_path / "hf")
     round_experts_to_mxfp4(model)
     path = tmp_path / "model.gguf"
     write_gpt_oss_gguf(model, path, "MXFP4")
-    with caplog.at_level("WARNING"):
-        llm = LLM(model=str(path), dtype="float32", kv_cache_memory="4MiB", max_model_len=256)
-    assert "MXFP4 tensors are dequantized at load" in caplog.text
-    config = llm.loaded.config
-    assert (config.family, config.num_experts, [config.layer_window(i) for i in range(3)]) == ("gpt_oss", 8,
-                                                                                            [8, None, 8])
-    assert config.rope_scaling.rope_type == "yarn" and not config.rope_scaling.truncate
-    assert_batch_matches(llm, HfGreedy(model), prompt_ids([1, 9, 40], VOCAB, seed=4), NEW_TOKENS, "gpt-oss gguf")
+    hf, prompts = HfGreedy(model), prompt_ids([1, 9, 40], VOCAB, seed=4)
+    for quantization in ("auto", "none"):
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            llm = LLM(model=str(path), dtype="float32", kv_cache_memory="4MiB", max_model_len=256,
+                      quantization=quantization)
+        experts = llm.engine.runner.model.layers[0].mlp.experts
+        assert isinstance(experts, PackedExperts) == (quantization == "auto"), type(experts)
+        assert ("MXFP4 tensors are dequantized at load" in caplog.text) == (quantization == "none")
+        config = llm.loaded.config
+        assert (config.family, config.num_experts, [config.layer_window(i) for i in range(3)]) == (
+            "gpt_oss", 8, [8, None, 8])
+        assert config.rope_scaling.rope_type == "yarn" and not config.rope_scaling.truncate
+        assert_batch_matches(llm, hf, prompts, NEW_TOKENS, f"gpt-oss gguf, quantization {quantization}")
+        del llm
 
 
 def test_mxfp4_dequantizer_matches_transformers_and_a_hand_packed_block():

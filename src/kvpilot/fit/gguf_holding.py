@@ -15,6 +15,8 @@ As kvpilot's loader decides (model/loader.py, model/quant/model_pack.py):
   (ffn_{gate,up,down}_exps, or older Mixtral files' ffn_{gate,up,down}.E) are linear weights like the others:
   packed the same way (model/quant/packed_experts.py: their blocks, or with bf16 activations one tiled int8 copy per
   stacked tensor), never with a dense copy.
+- experts packed: for gpt-oss on a CPU (PACKED_EXPERT_FAMILIES), the routed experts as their blocks when all are of
+  packed types, every other weight dequantized.
 - dequantized: otherwise (a GPU, another family, one linear weight of a type without a kernel, e.g. Q3_K or
   IQ3_S) the whole model is dequantized at load: every weight takes the compute dtype, 16 bits in bf16,
   whatever the file stores.
@@ -36,6 +38,9 @@ PACKED_TYPES: dict[str, int] = {"Q8_0": 2, "Q4_0": 2, "Q4_1": 0, "Q5_0": 0, "Q5_
                                 "Q6_K": 0, "IQ4_NL": 0, "MXFP4": 1, "IQ4_XS": 0}
 # HF model types whose GGUF weights stay packed (model/models/registry.py `packed_gguf`; tests/fit check it)
 PACKED_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral"})
+# HF model types whose routed experts alone stay packed (registry `packed_gguf_experts`): their blocks, on the float32
+# kernel (no int8 copies: the grouped kernel has no expert biases), every other weight dequantized
+PACKED_EXPERT_FAMILIES = frozenset({"gpt_oss"})
 TILE_ROWS = 16  # the tiled copy takes whole 16-row tiles; other layers keep the file's blocks
 EMBEDDING, OUTPUT = "token_embd.weight", "output.weight"
 _LINEAR = re.compile(r"^blk\.\d+\.(attn_q|attn_k|attn_v|attn_qkv|attn_output|ffn_gate|ffn_up|ffn_down)\.weight$")
@@ -55,6 +60,7 @@ class HeldGguf:
     # the routed experts' share of num_bytes_layers, and their weights' count (0, 0: a dense model)
     num_bytes_experts: int = 0
     num_expert_elements: int = 0
+    packed_experts: bool = False  # not packed, but the routed experts are (PACKED_EXPERT_FAMILIES)
 
     def bytes_per_expert_weight(self) -> float:
         """Bytes an expert's weight takes as held (0.0 for a dense model)."""
@@ -105,6 +111,11 @@ def packing_problem(tensors: tuple[GgufTensor, ...], model_type: str, tied: bool
     return None
 
 
+def _packs_experts(experts: list[GgufTensor], model_type: str, on_gpu: bool) -> bool:
+    return (model_type in PACKED_EXPERT_FAMILIES and not on_gpu and bool(experts)
+            and all(t.type_name in PACKED_TYPES for t in experts))
+
+
 def held_gguf(tensors: tuple[GgufTensor, ...], model_type: str, tied: bool, compute_bits: int,
               on_gpu: bool, cpu_int8: bool = True) -> HeldGguf:
     """What kvpilot holds for `tensors` with activations of `compute_bits` (16: bf16, with the int8 copies where the
@@ -114,6 +125,13 @@ def held_gguf(tensors: tuple[GgufTensor, ...], model_type: str, tied: bool, comp
     embedding = dense.get(EMBEDDING, 0)
     experts = [t for t in tensors if is_expert(t)]
     expert_elements = sum(t.num_elements for t in experts)
+    if problem is not None and _packs_experts(experts, model_type, on_gpu):
+        held = {t.name: packed_bytes(t, False) if is_expert(t) else dense[t.name] for t in tensors}
+        bits = ", ".join(f"{name} {packed_bits(name, False):.4g}" for name in sorted({t.type_name for t in experts}))
+        return HeldGguf(embedding, dense.get(OUTPUT, 0), sum(held.values()) - embedding - dense.get(OUTPUT, 0), False,
+                        f"kvpilot holds the routed experts packed ({bits} bits a weight, the file's blocks) and "
+                        f"dequantizes the other weights to {compute_bits}-bit",
+                        sum(held[t.name] for t in experts), expert_elements, packed_experts=True)
     if problem is not None:
         return HeldGguf(embedding, dense.get(OUTPUT, 0), sum(dense.values()) - embedding - dense.get(OUTPUT, 0),
                         False, f"{problem}, {compute_bits} bits a weight",

@@ -90,8 +90,10 @@ def _from_tensors(model: LoadedModel, tensors: tuple[GgufTensor, ...], label: st
     if held.packed and compute_bits == 16 and from_file:
         notes.append("kvpilot serve's default --quantization auto may keep dense copies for prompt GEMMs beside the "
                      "packed weights (at most a quarter of the free memory); --quantization gguf holds none.")
-    per_weight = held.bytes_per_expert_weight() if held.packed else compute_bits / 8
+    per_weight = held.bytes_per_expert_weight() if held.packed or held.packed_experts else compute_bits / 8
     expert = round(model.params.num_params_per_expert * per_weight)
     state = "packed" if held.packed else f"dequantized to {compute_bits}-bit"
+    if held.packed_experts:
+        state = f"experts packed, the rest {state}"
     return WeightBytes(f"{label}, held {state}", held.num_bytes_embedding, held.num_bytes_lm_head,
                        held.num_bytes_layers, expert, file_bytes, tuple(notes))

@@ -126,33 +126,41 @@ def _load_gguf(path: Path, max_model_len: int | None, dtype: torch.dtype, device
                quantization: str, tp: TPRank, gemm_dtype: torch.dtype | None = None) -> LoadedModel:
     from kvpilot.fit.gguf_metadata import hf_config_from_reader, open_gguf
     from kvpilot.fit.gguf_sizes import gguf_sizes
-    from kvpilot.model.gguf_weights import linear_tensor_types, load_gguf_tensors
+    from kvpilot.model.gguf_weights import is_expert_weight, linear_tensor_types, load_gguf_tensors
     from kvpilot.model.quant.memory_report import warn_dequantized
-    from kvpilot.model.quant.model_pack import keeps_dense, pack_linear_layers, packed_names, release_packed_quants
+    from kvpilot.model.quant.model_pack import (keeps_dense, pack_experts, pack_linear_layers, packed_names,
+                                                release_packed_quants)
     from kvpilot.model.tokenizer import tokenizer_from_gguf
 
     reader = open_gguf(path)
     config = from_hf_config(hf_config_from_reader(reader, path), str(path))
     plan = tp.plan(config)
     # a rank's shards are dense (the engine refuses packed quantization with TP), and so are the weights of
-    # a family the packed kernels do not run
-    packs = plan is None and family_of(config).packed_gguf
-    if plan is None and not packs and quantization == "gguf":
+    # a family the packed kernels do not run, but for the routed experts of one whose experts they do
+    family = family_of(config)
+    packs = plan is None and family.packed_gguf
+    experts_only = plan is None and not packs and family.packed_gguf_experts
+    if plan is None and not packs and not experts_only and quantization == "gguf":
         raise ModelLoadError(f"{path}: the packed GGUF kernels do not run {config.architecture} models yet; use "
                              "--quantization auto or none (the weights are dequantized at load)")
-    names = packed_names(quantization, device, linear_tensor_types(reader), config, path) if packs \
-        else frozenset()
+    types = linear_tensor_types(reader)
+    if experts_only:
+        types = {name: type_name for name, type_name in types.items() if is_expert_weight(name)}
+    names = packed_names(quantization, device, types, config, path) if packs or experts_only else frozenset()
     dense, packed = load_gguf_tensors(reader, path, config, names, take=plan.take if plan else None)
     hybrid = keeps_dense(quantization, dtype, packed, psutil.virtual_memory().available, gemm_dtype)
-    prepare = (lambda m: pack_linear_layers(m, packed, config, keep_dense=hybrid, compute_dtype=dtype,
-                                            gemm_dtype=gemm_dtype)) if names else None
+    prepare = None
+    if names:
+        prepare = (lambda m: pack_experts(m, packed)) if experts_only else \
+            (lambda m: pack_linear_layers(m, packed, config, keep_dense=hybrid, compute_dtype=dtype,
+                                          gemm_dtype=gemm_dtype))
     model = _build_model(_model_config(config, plan), max_model_len or config.max_position_embeddings, dtype,
                          device, prepare)
     model.load_weights(dense, str(path))
     if names:
         release_packed_quants(model, dtype)
-    elif plan is None:  # a rank's shard holds only its part: the whole-file comparison would mislead
-        warn_dequantized(model, reader, path)
+    if plan is None and (not names or experts_only):  # a rank's shard holds only its part: it would mislead
+        warn_dequantized(model, reader, path, skipped=names)
     # A GGUF without vocabulary metadata still runs on token ids.
     has_vocab = "tokenizer.ggml.tokens" in reader.fields
     tokenizer = tokenizer_from_gguf(reader, path) if has_vocab else None

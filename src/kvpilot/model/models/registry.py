@@ -26,7 +26,8 @@ class ModelFamily:
 
     `model_class`: "module:Class" of its nn.Module; `formats`: the weight formats it loads; `tensor_parallel`:
     whether it shards across ranks; `packed_gguf`: whether a GGUF's quantized weights stay packed (the CPU
-    kernels) rather than being dequantized; `fused_decode`: whether the C++ whole-model decode step applies.
+    kernels) rather than being dequantized; `packed_gguf_experts`: where packed_gguf is not, whether the routed
+    experts alone do (the rest dequantized); `fused_decode`: whether the C++ whole-model decode step applies.
     """
 
     name: str
@@ -37,6 +38,7 @@ class ModelFamily:
     formats: tuple[str, ...] = ALL_FORMATS
     tensor_parallel: bool = True
     packed_gguf: bool = True
+    packed_gguf_experts: bool = False
     fused_decode: bool = True
     notes: str = ""
 
@@ -69,10 +71,12 @@ FAMILIES: tuple[ModelFamily, ...] = (
                 fused_decode=False,
                 notes="mixture of experts (top-k renormalised); GGUF: 'llama' with an expert count"),
     ModelFamily("gpt_oss", ("GptOssForCausalLM",), "kvpilot.model.models.gpt_oss:GptOssForCausalLM",
-                gguf_architectures=("gpt-oss",), tensor_parallel=False, packed_gguf=False, fused_decode=False,
+                gguf_architectures=("gpt-oss",), tensor_parallel=False, packed_gguf=False,
+                packed_gguf_experts=True, fused_decode=False,
                 notes="mixture of experts (top-k logits then softmax, router and expert biases, clamped SwiGLU; "
                       "bf16 CPU experts run the torch grouped path, not the C++ kernel), attention sinks, "
-                      "sliding/full layers, YaRN; MXFP4 experts (HF or GGUF) dequantized at load"),
+                      "sliding/full layers, YaRN; a GGUF's packed experts stay packed on CPU (its other weights dequantized), "
+                      "an HF checkpoint's MXFP4 experts are dequantized at load"),
     ModelFamily("phi3", ("Phi3ForCausalLM",), "kvpilot.model.models.phi3:Phi3ForCausalLM",
                 gguf_architectures=("phi3",), tensor_parallel=False, packed_gguf=False, fused_decode=False,
                 notes="fused qkv/gate_up, LongRoPE, partial rotary (Phi-4-mini)"),

@@ -19,7 +19,8 @@ def _mark(on: bool) -> str:
 
 def _row(family: ModelFamily) -> list[str]:
     gguf = "gguf" in family.formats
-    gguf_cell = (("packed" if family.packed_gguf else "dequantized") if gguf else _NO)
+    packing = "packed" if family.packed_gguf else "experts packed" if family.packed_gguf_experts else "dequantized"
+    gguf_cell = packing if gguf else _NO
     return [f"`{family.name}`", ", ".join(f"`{a}`" for a in family.architectures),
             ", ".join(f"`{a}`" for a in family.gguf_architectures) or _NO,
             *(_mark(b in family.attention_backends) for b in ALL_BACKENDS),

@@ -81,14 +81,18 @@ def report_packed_memory(model: nn.Module, reader: Any, names: frozenset[str]) -
 QUANTIZED_TYPE_PREFIXES = ("Q", "IQ", "TQ", "MXFP")  # GGML block types; F32/F16/BF16 hold dense values already
 
 
-def warn_dequantized(model: nn.Module, reader: Any, path: Any) -> int:
-    """Logs a warning naming the cost when a GGUF's quantized tensors were all dequantized at load (a type or
-    family without a packed kernel, or a GPU): the bytes the model's parameters hold against the file's
-    tensors. Returns the quantized tensors' bytes in the file (0: the file holds none, nothing logged)."""
-    quantized = [t for t in reader.tensors if t.tensor_type.name.startswith(QUANTIZED_TYPE_PREFIXES)]
+def warn_dequantized(model: nn.Module, reader: Any, path: Any, skipped: frozenset[str] = frozenset()) -> int:
+    """Logs a warning naming the cost when a GGUF's quantized tensors were dequantized at load (a type or family
+    without a packed kernel, or a GPU): the bytes the model's parameters hold against the file's tensors, those
+    kept packed (HF names `skipped`: a family's packed experts) left out of both. Returns the dequantized tensors'
+    bytes in the file (0: the file holds none, nothing logged)."""
+    from kvpilot.model.gguf_weights import hf_tensor_name
+
+    tensors = [t for t in reader.tensors if hf_tensor_name(t.name) not in skipped]
+    quantized = [t for t in tensors if t.tensor_type.name.startswith(QUANTIZED_TYPE_PREFIXES)]
     if not quantized:
         return 0
-    file_bytes = sum(int(t.n_bytes) for t in reader.tensors)
+    file_bytes = sum(int(t.n_bytes) for t in tensors)
     held = sum(p.numel() * p.element_size() for p in model.parameters())
     types = ", ".join(sorted({t.tensor_type.name for t in quantized}))
     logger.warning("%s: its %s tensors are dequantized at load: the weights hold %.1f MiB against %.1f MiB in the "

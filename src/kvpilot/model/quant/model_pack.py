@@ -179,6 +179,20 @@ def pack_linear_layers(model: nn.Module, packed: dict[str, PackedWeight | Expert
         model.output_head = model.lm_head
 
 
+def pack_experts(model: nn.Module, packed: dict[str, ExpertBlocks]) -> None:
+    """Replaces the routed experts of every mixture-of-experts layer with PackedExperts over `packed` (their blocks,
+    run by the float32 kernel), keeping each Experts' biases and activation; every other layer stays dense. For a
+    family whose dense layers the packed kernels do not run (gpt-oss: registry `packed_gguf_experts`). Call before
+    the parameters are materialized, as pack_linear_layers."""
+    model.int8_gate = None
+    for i, layer in enumerate(model.layers):
+        experts = expert_blocks_of_layer(packed, i)
+        if experts is not None:
+            dense = layer.mlp.experts
+            layer.mlp.experts = PackedExperts(*experts, isa=best_isa(), int8=False,
+                                              bias=dense.gate_up_proj_bias is not None, activation=dense.activation)
+
+
 def release_packed_quants(model: nn.Module, compute_dtype: torch.dtype) -> None:
     """With bf16 activations, the int8 path needs neither the packed quants (its copy holds them) nor the float32
     kernel: each PackedLinear drops them (PackedLinear.release_quants; the hybrid layout builds its dense copy

@@ -14,7 +14,8 @@ Two ways to hold and run them, chosen at load:
 - blocks (float32 activations, a CPU without VNNI, widths of no whole 16-row tiles, or MXFP4 scales float16 lacks):
   the blocks as PackedWeight, each expert a row range of them, and layers.moe.grouped_experts calls the float32 packed kernel (quant_matmul) on
   each chosen expert's rows: gate and up into one [n, 2I] output, silu(gate) * up, down. In float32 this computes
-  with the exact dequantized values (only the order of the sums differs from a dense matmul).
+  with the exact dequantized values (only the order of the sums differs from a dense matmul). Experts with biases
+  or another activation (gpt-oss) always run here: biases added after each product, as layers.moe.Experts does.
 
 No dense copy of any expert is ever made (the hybrid layout's dense copies are for the dense layers only).
 Invariant: every expert of a kind (gate, up, down) is in one format and all have the same shape.
@@ -22,6 +23,7 @@ Invariant: every expert of a kind (gate, up, down) is in one format and all have
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -114,7 +116,8 @@ class PackedExperts(nn.Module):
     packed blocks; `int8`: hold and run the column-tiled int8 copies where every kind tiles (see the module
     docstring), else the blocks."""
 
-    def __init__(self, gate: ExpertBlocks, up: ExpertBlocks, down: ExpertBlocks, isa: int, int8: bool) -> None:
+    def __init__(self, gate: ExpertBlocks, up: ExpertBlocks, down: ExpertBlocks, isa: int, int8: bool, *,
+                 bias: bool = False, activation: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         super().__init__()
         self.num_experts = len(gate.experts)
         self.intermediate_size, self.hidden_size = gate.rows, gate.cols
@@ -127,7 +130,13 @@ class PackedExperts(nn.Module):
                     for k in (gate, up, down))
         self.int8_copies: tuple[TiledWeight | KTiledWeight, ...] | None = None
         self.blocks: tuple[PackedWeight, ...] | None = None
-        if int8 and tiles:
+        # gpt-oss's experts (layers.moe.Experts' variant: biases, its clamped SwiGLU), loaded with the model's other
+        # parameters; the grouped C++ kernel has neither, so they run on the blocks
+        experts, inter, hidden = self.num_experts, self.intermediate_size, self.hidden_size
+        self.gate_up_proj_bias = nn.Parameter(torch.zeros(experts, 2 * inter)) if bias else None
+        self.down_proj_bias = nn.Parameter(torch.zeros(experts, hidden)) if bias else None
+        self.activation = activation
+        if int8 and tiles and not bias and activation is None:
             self.int8_copies = tuple(tile_blocks(k.experts, k.format) for k in (gate, up, down))
             self._kernel_tensors = [t for copy in self.int8_copies for t in _tensors(copy)]
             self._codes = [f.code for f in self.formats]
@@ -161,8 +170,13 @@ class PackedExperts(nn.Module):
         gate_up = torch.empty(x.shape[0], 2 * inter, dtype=x.dtype)
         gate.matmul_into(gate_up[:, :inter], x, self.isa)
         up.matmul_into(gate_up[:, inter:], x, self.isa)
+        if self.gate_up_proj_bias is not None:
+            gate_up += self.gate_up_proj_bias[expert]
+        hidden = silu_mul(gate_up) if self.activation is None else self.activation(gate_up)
         out = torch.empty(x.shape[0], self.hidden_size, dtype=x.dtype)
-        down.matmul_into(out, silu_mul(gate_up).contiguous(), self.isa)
+        down.matmul_into(out, hidden.contiguous(), self.isa)
+        if self.down_proj_bias is not None:
+            out += self.down_proj_bias[expert]
         return out if out.dtype == rows.dtype else out.to(rows.dtype)
 
     def dense_weights(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
