@@ -97,8 +97,8 @@ def _pack_mxfp4(shape: tuple[int, ...], generator: torch.Generator) -> tuple[tor
 
 
 def test_mxfp4_checkpoint_matches_transformers(saved, tmp_path, caplog):
-    """OpenAI's layout: *_blocks / *_scales experts beside a quantization_config. transformers' own dequantizer
-    gives the reference model (a copy of the saved one) its expert weights."""
+    """OpenAI's layout: *_blocks / *_scales experts beside a quantization_config, kept packed on CPU or dequantized.
+    transformers' own dequantizer gives the reference model (a copy of the saved one) its expert weights."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     model = copy.deepcopy(saved[0].model)
@@ -120,10 +120,17 @@ def test_mxfp4_checkpoint_matches_transformers(saved, tmp_path, caplog):
                                                                  "model.layers.*.mlp.router", "model.embed_tokens",
                                                                  "lm_head"]}
     (path / "config.json").write_text(json.dumps({**CONFIG, "quantization_config": quant}))
-    with caplog.at_level("WARNING"):
-        llm = LLM(model=str(path), dtype="float32", kv_cache_memory="4MiB", max_model_len=256)
-    assert "MXFP4 experts dequantized to float32" in caplog.text
-    assert_batch_matches(llm, HfGreedy(model), prompt_ids([9, 40], VOCAB, seed=3), NEW_TOKENS, "gpt-oss mxfp4")
+    for quantization in ("auto", "none"):  # on a CPU: kept packed (GGUF's MXFP4 blocks), or dequantized
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            llm = LLM(model=str(path), dtype="float32", kv_cache_memory="4MiB", max_model_len=256,
+                      quantization=quantization)
+        experts = llm.engine.runner.model.layers[1].mlp.experts
+        assert isinstance(experts, PackedExperts) == (quantization == "auto"), type(experts)
+        assert ("MXFP4 experts dequantized to float32" in caplog.text) == (quantization == "none")
+        assert_batch_matches(llm, HfGreedy(model), prompt_ids([9, 40], VOCAB, seed=3), NEW_TOKENS,
+                             f"gpt-oss mxfp4, quantization {quantization}")
+        del llm
     del state["model.layers.1.mlp.experts.down_proj_scales"]
     save_file(state, str(path / "model.safetensors"))
     with pytest.raises(ModelLoadError, match=r"missing MXFP4 expert tensors \['layers\.1\.mlp\.experts\.down_proj_s"):

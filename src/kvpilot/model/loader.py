@@ -3,6 +3,7 @@ into a ModelConfig, a ready model of its family (kvpilot.model.models) and a Tok
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,8 @@ from kvpilot.model.parallel.shard_plan import ShardPlan
 from kvpilot.model.quant.memory_report import PackedMemory, report_packed_memory
 from kvpilot.model.quant.model_pack import check_quantization
 from kvpilot.model.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 from kvpilot.model.weight_layout import relayout_linear_weights
 
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
@@ -185,12 +188,16 @@ def _load_hf_dir(path: Path, max_model_len: int | None, dtype: torch.dtype, devi
                              "yet; use --tensor-parallel-size 1")
     state = load_safetensors_state_dict(path, index=plan.index if plan else None)
     prequantized = None
+    prepare: Callable[[LlamaForCausalLM], object] | None = None
     if scheme is not None:
         from kvpilot.model.quant.checkpoint_load import PrequantizedLoad
         prequantized = PrequantizedLoad(state, scheme, config, str(path), device, dtype,
                                         dense_only=quantization == "none", gemm_dtype=gemm_dtype)
+        prepare = prequantized.prepare
+    elif plan is None and quantization == "auto" and device.type == "cpu" and family_of(config).packed_gguf_experts:
+        prepare = _packed_mxfp4_experts(state, config)
     model = _build_model(_model_config(config, plan), max_model_len or config.max_position_embeddings, dtype,
-                         device, prequantized.prepare if prequantized else None)
+                         device, prepare)
     model.load_weights(state, str(path))
     if prequantized is not None:
         prequantized.install(model)
@@ -200,6 +207,23 @@ def _load_hf_dir(path: Path, max_model_len: int | None, dtype: torch.dtype, devi
         loaded.quantization = prequantized.quantization
         loaded.checkpoint_quantization, loaded.checkpoint_bits = scheme.method, scheme.bits
     return loaded
+
+
+def _packed_mxfp4_experts(state: dict[str, torch.Tensor],
+                          config: ModelConfig) -> Callable[[LlamaForCausalLM], object] | None:
+    """gpt-oss's MXFP4 experts kept packed on CPU (their tensors taken from `state`): the prepare step that installs
+    them, or None (no MXFP4 experts, or no CPU kernel: they are dequantized at load)."""
+    from kvpilot.model.models.gpt_oss_weights import take_mxfp4_expert_blocks
+    from kvpilot.model.quant.kernel import get_quant_kernel
+    from kvpilot.model.quant.model_pack import pack_experts
+
+    if get_quant_kernel() is None:
+        return None
+    packed = take_mxfp4_expert_blocks(state, config.num_hidden_layers)
+    if not packed:
+        return None
+    logger.info("MXFP4 experts kept packed: %.1f MiB of blocks", sum(b.nbytes for b in packed.values()) / 2**20)
+    return lambda model: pack_experts(model, packed)
 
 
 def _load_dummy(name: str, max_model_len: int | None, dtype: torch.dtype, device: torch.device,

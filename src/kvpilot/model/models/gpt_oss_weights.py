@@ -12,19 +12,23 @@ Both beside `gate_up_proj_bias` [E, 2I] and `down_proj_bias` [E, H]. In either, 
 2I (gate j at 2j, up j at 2j + 1); Experts holds every gate row first, then every up row, so they are
 de-interleaved here (the biases too).
 
-MXFP4 experts are dequantized straight into the model's parameters, one expert at a time, in the model's dtype
-(a whole dequantized copy beside the parameters would double the load's peak memory); kvpilot has no MXFP4
-kernel, so they cost 16 bits a weight in bf16 against the file's 4.25 (logged at load).
+On a CPU (`--quantization auto`) MXFP4 experts stay packed: their bytes rewritten as GGUF's MXFP4 blocks
+(take_mxfp4_expert_blocks) for PackedExperts, 4.25 bits a weight. Otherwise (a GPU, `--quantization none`) they are
+dequantized straight into the model's parameters, one expert at a time, in the model's dtype (a whole dequantized
+copy beside the parameters would double the load's peak memory): 16 bits a weight in bf16 (logged at load).
 """
 
 from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from kvpilot.model.errors import ModelLoadError
 from kvpilot.model.layers.moe import Experts
+from kvpilot.model.quant.formats import MXFP4
+from kvpilot.model.quant.packed_experts import STACKED_NAME, ExpertBlocks
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +112,39 @@ def stack_gguf_experts(state: dict[str, torch.Tensor], prefix: str) -> None:
         down = state.pop(f"{prefix}.down_exps.{kind}", None)
         if down is not None:
             state[f"{prefix}.down_proj{suffix}"] = down
+
+
+def _gguf_mxfp4_rows(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """OpenAI's MXFP4 rows (blocks uint8 [R, G, 16]: value 2k in byte k's low nibble, 2k + 1 in its high one;
+    scales [R, G]) as GGUF's MXFP4 blocks [R, G * 17]: the exponent byte (the same 2^(s - 127) scale: ggml halves
+    it and doubles the table), then byte j holding value j low and value j + 16 high."""
+    values = np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], MXFP4_BLOCK)
+    nibbles = values[..., :16] | (values[..., 16:] << 4)
+    return np.concatenate([scales[..., None], nibbles], axis=-1).reshape(blocks.shape[0], -1)
+
+
+def take_mxfp4_expert_blocks(state: dict[str, torch.Tensor], num_layers: int) -> dict[str, ExpertBlocks]:
+    """OpenAI's MXFP4 experts as the packed loader's ExpertBlocks (quant/packed_experts.py names: gate, up and down
+    of every layer, gate and up de-interleaved), their `_blocks` / `_scales` popped from `state`. Nothing is taken
+    (an empty dict) unless every layer has all four tensors: load_mxfp4_experts then dequantizes them, or names
+    what is missing."""
+    names = [f"model.layers.{i}.mlp.experts.{proj}_{part}" for i in range(num_layers) for proj in PROJECTIONS
+             for part in ("blocks", "scales")]
+    if not all(name in state for name in names):
+        return {}
+    packed: dict[str, ExpertBlocks] = {}
+    for i in range(num_layers):
+        prefix = f"model.layers.{i}.mlp.experts"
+        for proj in PROJECTIONS:
+            blocks = state.pop(f"{prefix}.{proj}_blocks").contiguous().numpy()
+            scales = state.pop(f"{prefix}.{proj}_scales").contiguous().numpy()
+            num_experts = blocks.shape[0]
+            parts = {"gate": np.s_[:, 0::2], "up": np.s_[:, 1::2]} if proj == "gate_up_proj" else {"down": np.s_[:]}
+            for kind, rows in parts.items():
+                b, s = blocks[rows], scales[rows]
+                raw = _gguf_mxfp4_rows(b.reshape(-1, *b.shape[2:]), s.reshape(-1, s.shape[-1]))
+                packed[STACKED_NAME.format(layer=i, kind=kind)] = ExpertBlocks.stacked(raw, MXFP4, num_experts)
+    return packed
 
 
 def log_dequantized_memory(model: torch.nn.Module, state_bytes: int, source: str) -> None:
