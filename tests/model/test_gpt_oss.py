@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -96,6 +97,20 @@ def _pack_mxfp4(shape: tuple[int, ...], generator: torch.Generator) -> tuple[tor
     return blocks, scales
 
 
+def _packed_then_dequantized(path: Path, caplog, dequantized_warning: str) -> Iterator[tuple[str, LLM]]:
+    """(quantization, LLM of `path`) for --quantization auto, its experts kept packed on this CPU, then none, its
+    experts dequantized with `dequantized_warning` logged (both checked before each is yielded)."""
+    for quantization in ("auto", "none"):
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            llm = LLM(model=str(path), dtype="float32", kv_cache_memory="4MiB", max_model_len=256,
+                      quantization=quantization)
+        experts = llm.engine.runner.model.layers[1].mlp.experts
+        assert isinstance(experts, PackedExperts) == (quantization == "auto"), type(experts)
+        assert (dequantized_warning in caplog.text) == (quantization == "none")
+        yield quantization, llm
+
+
 def test_mxfp4_checkpoint_matches_transformers(saved, tmp_path, caplog):
     """OpenAI's layout: *_blocks / *_scales experts beside a quantization_config, kept packed on CPU or dequantized.
     transformers' own dequantizer gives the reference model (a copy of the saved one) its expert weights."""
@@ -120,17 +135,9 @@ def test_mxfp4_checkpoint_matches_transformers(saved, tmp_path, caplog):
                                                                  "model.layers.*.mlp.router", "model.embed_tokens",
                                                                  "lm_head"]}
     (path / "config.json").write_text(json.dumps({**CONFIG, "quantization_config": quant}))
-    for quantization in ("auto", "none"):  # on a CPU: kept packed (GGUF's MXFP4 blocks), or dequantized
-        caplog.clear()
-        with caplog.at_level("WARNING"):
-            llm = LLM(model=str(path), dtype="float32", kv_cache_memory="4MiB", max_model_len=256,
-                      quantization=quantization)
-        experts = llm.engine.runner.model.layers[1].mlp.experts
-        assert isinstance(experts, PackedExperts) == (quantization == "auto"), type(experts)
-        assert ("MXFP4 experts dequantized to float32" in caplog.text) == (quantization == "none")
+    for quantization, llm in _packed_then_dequantized(path, caplog, "MXFP4 experts dequantized to float32"):
         assert_batch_matches(llm, HfGreedy(model), prompt_ids([9, 40], VOCAB, seed=3), NEW_TOKENS,
                              f"gpt-oss mxfp4, quantization {quantization}")
-        del llm
     del state["model.layers.1.mlp.experts.down_proj_scales"]
     save_file(state, str(path / "model.safetensors"))
     with pytest.raises(ModelLoadError, match=r"missing MXFP4 expert tensors \['layers\.1\.mlp\.experts\.down_proj_s"):
@@ -148,20 +155,12 @@ def test_gguf_matches_transformers(tmp_path, caplog):
     path = tmp_path / "model.gguf"
     write_gpt_oss_gguf(model, path, "MXFP4")
     hf, prompts = HfGreedy(model), prompt_ids([1, 9, 40], VOCAB, seed=4)
-    for quantization in ("auto", "none"):
-        caplog.clear()
-        with caplog.at_level("WARNING"):
-            llm = LLM(model=str(path), dtype="float32", kv_cache_memory="4MiB", max_model_len=256,
-                      quantization=quantization)
-        experts = llm.engine.runner.model.layers[0].mlp.experts
-        assert isinstance(experts, PackedExperts) == (quantization == "auto"), type(experts)
-        assert ("MXFP4 tensors are dequantized at load" in caplog.text) == (quantization == "none")
+    for quantization, llm in _packed_then_dequantized(path, caplog, "MXFP4 tensors are dequantized at load"):
         config = llm.loaded.config
         assert (config.family, config.num_experts, [config.layer_window(i) for i in range(3)]) == (
             "gpt_oss", 8, [8, None, 8])
         assert config.rope_scaling.rope_type == "yarn" and not config.rope_scaling.truncate
         assert_batch_matches(llm, hf, prompts, NEW_TOKENS, f"gpt-oss gguf, quantization {quantization}")
-        del llm
 
 
 def test_mxfp4_dequantizer_matches_transformers_and_a_hand_packed_block():

@@ -64,7 +64,8 @@ def checkpoint_linear_bits(qc: dict[str, Any], on_gpu: bool, compute_bits: int) 
         act_order = weights.get("actorder") not in (None, False, "static")
         symmetric = bool(weights.get("symmetric", True))
         return _int4(int(group) if group else None, not symmetric, symmetric, act_order, on_gpu, compute_bits, method)
-    # gpt-oss's mxfp4 experts are dequantized at load; other methods kvpilot refuses to load
+    # gpt-oss's mxfp4 experts are dequantized at load on a GPU (on a CPU they stay packed: fit.weights); other methods
+    # kvpilot refuses to load
     return method, compute_bits, (f"{method} weights are dequantized at load" if method == "mxfp4" else
                                   f"kvpilot does not load {method} checkpoints (it loads "
                                   f"{', '.join(CHECKPOINT_METHODS)}): sized dequantized")

@@ -128,7 +128,8 @@ def held_gguf(tensors: tuple[GgufTensor, ...], model_type: str, tied: bool, comp
     if problem is not None and _packs_experts(experts, model_type, on_gpu):
         held = {t.name: packed_bytes(t, False) if is_expert(t) else dense[t.name] for t in tensors}
         bits = ", ".join(f"{name} {packed_bits(name, False):.4g}" for name in sorted({t.type_name for t in experts}))
-        return HeldGguf(embedding, dense.get(OUTPUT, 0), sum(held.values()) - embedding - dense.get(OUTPUT, 0), False,
+        head = dense.get(OUTPUT, 0)
+        return HeldGguf(embedding, head, sum(held.values()) - embedding - head, False,
                         f"kvpilot holds the routed experts packed ({bits} bits a weight, the file's blocks) and "
                         f"dequantizes the other weights to {compute_bits}-bit",
                         sum(held[t.name] for t in experts), expert_elements, packed_experts=True)

@@ -9,13 +9,13 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from kvpilot.fit.catalog import llama, others, qwen
+from kvpilot.fit.catalog import llama, openai, others, qwen
 from kvpilot.fit.catalog.entry import CatalogEntry
 from kvpilot.fit.errors import UnknownModelError, suggest
 
 __all__ = ["UnknownModelError", "get_hf_config", "get_repo_id", "list_models"]
 
-_ENTRIES: dict[str, CatalogEntry] = {**llama.CONFIGS, **qwen.CONFIGS, **others.CONFIGS}
+_ENTRIES: dict[str, CatalogEntry] = {**llama.CONFIGS, **qwen.CONFIGS, **others.CONFIGS, **openai.CONFIGS}
 
 
 def _lookup_table() -> dict[str, str]:

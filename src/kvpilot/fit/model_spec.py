@@ -36,7 +36,8 @@ class MoeDims:
     # layers that keep a dense FFN: DeepSeek's first_k_dense_replace, Qwen-MoE's mlp_only_layers and the layers
     # between every decoder_sparse_step-th one
     num_dense_layers: int
-    has_router_bias: bool  # DeepSeek-V3's e_score_correction_bias (one float per expert)
+    has_router_bias: bool  # DeepSeek-V3's e_score_correction_bias, gpt-oss's router bias (one float per expert)
+    has_expert_bias: bool = False  # gpt-oss: every expert's gate, up and down projections have biases
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,7 @@ class ModelSpec:
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False
+    attention_sinks: bool = False  # gpt-oss: a learned sink logit per query head and layer
     norms_per_layer: int = 2
     moe: MoeDims | None = None
     mla: MlaDims | None = None
@@ -109,7 +111,8 @@ def _moe_dims(cfg: dict[str, Any], num_hidden_layers: int) -> MoeDims | None:
         expert_intermediate_size=_int(cfg, "moe_intermediate_size", cfg.get("intermediate_size")),
         num_shared_experts=int(cfg.get("n_shared_experts") or 0),
         num_dense_layers=_num_dense_layers(cfg, num_hidden_layers),
-        has_router_bias=cfg.get("topk_method") == "noaux_tc",
+        has_router_bias=cfg.get("topk_method") == "noaux_tc" or cfg.get("model_type") == "gpt_oss",
+        has_expert_bias=cfg.get("model_type") == "gpt_oss",
     )
 
 
@@ -205,6 +208,7 @@ def spec_from_hf_config(config: dict[str, Any], name: str = "model") -> ModelSpe
         qkv_bias=bool(cfg.get("attention_bias")) or model_type in _QKV_BIAS_MODEL_TYPES,
         o_bias=bool(cfg.get("attention_bias")) and model_type not in _QKV_BIAS_MODEL_TYPES,
         qk_norm=model_type in _QK_NORM_MODEL_TYPES,
+        attention_sinks=model_type == "gpt_oss",
         norms_per_layer=4 if model_type in _FOUR_NORM_MODEL_TYPES else 2,
         moe=_moe_dims(cfg, num_hidden_layers),
         mla=_mla_dims(cfg),

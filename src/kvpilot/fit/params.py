@@ -64,6 +64,7 @@ def attention_counts(spec: ModelSpec) -> tuple[int, int]:
     matrix = h * heads * hd + 2 * h * kv * hd + heads * hd * h
     vector = (heads * hd + 2 * kv * hd if spec.qkv_bias else 0) + (h if spec.o_bias else 0)
     vector += 2 * hd if spec.qk_norm else 0
+    vector += heads if spec.attention_sinks else 0
     return matrix, vector
 
 
@@ -84,6 +85,7 @@ def count_params(spec: ModelSpec) -> ParamCounts:
         experts = moe_layers * moe.num_experts * per_expert
         experts_active = moe_layers * moe.num_experts_per_tok * per_expert
         vector += moe_layers * moe.num_experts if moe.has_router_bias else 0
+        vector += moe_layers * moe.num_experts * (2 * moe.expert_intermediate_size + h) if moe.has_expert_bias else 0
     embedding = spec.vocab_size * h
     return ParamCounts(
         num_embedding=embedding,

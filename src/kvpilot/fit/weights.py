@@ -60,10 +60,29 @@ def weight_bytes(model: LoadedModel, weight_dtype: str = "auto", dtype: str = "a
         label = f"{key} (kvpilot's quantization at load: {AT_LOAD_CPU[key].upper()} blocks, the output layer Q8_0)"
         return _from_tensors(model, tensors, label, compute_bits, on_gpu, from_file=False, cpu_int8=int8)
     quant = model.hf_config.get("quantization_config")
+    if key == "auto" and isinstance(quant, dict) and quant.get("quant_method") == "mxfp4" and not on_gpu \
+            and model.spec.moe is not None:
+        return _mxfp4_experts_packed(model, compute_bits)
     if key == "auto" and isinstance(quant, dict) and quant.get("quant_method"):
         name, bits, note = checkpoint_linear_bits(quant, on_gpu, compute_bits)
         return _by_role(model, WeightFormat(name, bits, compute_bits, compute_bits), (note,))
     return _by_role(model, weight_format(weight_dtype, model.spec, dtype))
+
+
+MXFP4_BITS = 8 * 17 / 32  # a block: an exponent byte and 16 bytes of 4-bit values
+
+
+def _mxfp4_experts_packed(model: LoadedModel, compute_bits: int) -> WeightBytes:
+    """gpt-oss's MXFP4 checkpoint on a CPU: the routed experts kept as MXFP4 blocks (model/models/gpt_oss_weights.py),
+    every other weight in the compute dtype."""
+    p = model.params
+    dense = (p.num_linear_total - p.num_expert_matrix + p.num_vector) * compute_bits / 8
+    return WeightBytes(f"mxfp4 experts packed, the rest {compute_bits}-bit",
+                       round(p.num_embedding * compute_bits / 8), round(p.num_lm_head * compute_bits / 8),
+                       round(dense + p.num_expert_matrix * MXFP4_BITS / 8),
+                       round(p.num_params_per_expert * MXFP4_BITS / 8),
+                       notes=(f"kvpilot keeps the mxfp4 experts packed on CPU ({MXFP4_BITS:g} bits a weight) and holds "
+                              f"the other weights in {compute_bits}-bit",))
 
 
 def _by_role(model: LoadedModel, fmt: WeightFormat, notes: tuple[str, ...] = ()) -> WeightBytes:

@@ -29,9 +29,9 @@ from kvpilot.model.parallel.shard_plan import ShardPlan
 from kvpilot.model.quant.memory_report import PackedMemory, report_packed_memory
 from kvpilot.model.quant.model_pack import check_quantization
 from kvpilot.model.tokenizer import Tokenizer
+from kvpilot.model.weight_layout import relayout_linear_weights
 
 logger = logging.getLogger(__name__)
-from kvpilot.model.weight_layout import relayout_linear_weights
 
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 PREQUANTIZED_ONLY = ("awq", "gptq", "compressed-tensors")  # --quantization values only a checkpoint can honour

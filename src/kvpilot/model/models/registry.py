@@ -75,8 +75,8 @@ FAMILIES: tuple[ModelFamily, ...] = (
                 packed_gguf_experts=True, fused_decode=False,
                 notes="mixture of experts (top-k logits then softmax, router and expert biases, clamped SwiGLU; "
                       "bf16 CPU experts run the torch grouped path, not the C++ kernel), attention sinks, "
-                      "sliding/full layers, YaRN; on CPU the experts of a GGUF or of OpenAI's MXFP4 checkpoint stay packed "
-                      "(the other weights dense)"),
+                      "sliding/full layers, YaRN; on CPU the experts of a GGUF or of OpenAI's MXFP4 checkpoint "
+                      "stay packed (the other weights dense)"),
     ModelFamily("phi3", ("Phi3ForCausalLM",), "kvpilot.model.models.phi3:Phi3ForCausalLM",
                 gguf_architectures=("phi3",), tensor_parallel=False, packed_gguf=False, fused_decode=False,
                 notes="fused qkv/gate_up, LongRoPE, partial rotary (Phi-4-mini)"),

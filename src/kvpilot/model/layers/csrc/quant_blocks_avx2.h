@@ -53,7 +53,8 @@ KVP_AVX2 void dequant_qk_blocks256(const uint8_t* row, int64_t blocks, bool five
       const uint8_t* q = qs + 32 * (j / 2);
       for (int l = 0; l < 32; l += 8) {
         __m256i v = _mm256_and_si256(shift_right(widen8(q + l), 4 * (j % 2)), low4);
-        if (five_bits) v = _mm256_or_si256(v, _mm256_slli_epi32(_mm256_and_si256(shift_right(widen8(qh + l), j), one), 4));
+        if (five_bits)
+          v = _mm256_or_si256(v, _mm256_slli_epi32(_mm256_and_si256(shift_right(widen8(qh + l), j), one), 4));
         _mm256_storeu_ps(out + b * 256 + j * 32 + l, _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), ds, dm));
       }
     }
