@@ -9,6 +9,7 @@ shared machine's slow phases hit both alike); prints each one's median tok/s wit
     .venv/bin/python benchmarks/moe_decode.py --smoke                 # a few steps: checks that it runs
     .venv/bin/python benchmarks/moe_decode.py --packed-gguf           # packed GGUF experts vs dequantized, CPU
     .venv/bin/python benchmarks/moe_decode.py --packed-gguf --smoke
+    .venv/bin/python benchmarks/moe_decode.py --packed-gguf --gpt-oss  # gpt-oss-20b's shapes, MXFP4 experts
 
 The issue's goal: MoE decode at batch 1 >= 0.7x the dense equivalent (both read about the same weight bytes a
 token: the top-k experts' against the dense MLP's). The vocabulary defaults to 32k, not Qwen's 152k, so that the
@@ -20,6 +21,9 @@ the gguf package's dequantization at load dominates the run) with random valid b
 process: experts packed (--quantization gguf: int8 copies and the grouped C++ kernel with bf16 on a VNNI CPU) and
 dequantized at load (--quantization none: the bf16 C++ experts kernel); decode at batch 1, then at batch 16 (15
 requests joining the first), the two alternating in rounds; prints each one's tok/s, what it holds, and the ratio.
+With --gpt-oss: a `gpt-oss` GGUF of gpt-oss-20b's layer shapes (32 experts of width 2880, top-4, hidden 2880, 64
+query / 8 KV heads of 64), its experts MXFP4 and the rest Q8_0, as llama.cpp's converter leaves them: packed, only the
+experts stay packed (PackedExperts with biases and the clamped SwiGLU, float32 kernel).
 """
 
 from __future__ import annotations
@@ -90,7 +94,7 @@ def report(name: str, times: list[float], batch: int) -> float:
 
 # byte offsets of the float16 fields of a block, set to small finite scales in random blocks
 _HALF_FIELDS = {"Q4_0": (0,), "Q8_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2),
-                "Q5_K": (0, 2), "Q6_K": (208,)}
+                "Q5_K": (0, 2), "Q6_K": (208,), "MXFP4": ()}
 
 
 def _random_blocks(type_name: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
@@ -99,6 +103,8 @@ def _random_blocks(type_name: str, rows: int, cols: int, rng: np.random.Generato
 
     values, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
     raw = rng.integers(0, 256, size=(rows, cols // values, size), dtype=np.uint8)
+    if type_name == "MXFP4":  # exponent bytes: scales 2^-10 .. 2^-6 (values up to 6 of them: +-0.1)
+        raw[:, :, 0] = rng.integers(118, 123, size=(rows, cols // values), dtype=np.uint8)
     for offset in _HALF_FIELDS[type_name]:
         scales = rng.uniform(-0.02, 0.02, size=(rows, cols // values)).astype(np.float16)
         raw[:, :, offset:offset + 2] = scales.view(np.uint8).reshape(rows, -1, 2)
@@ -149,6 +155,68 @@ def write_moe_gguf(config: dict, path: Path, type_name: str) -> None:
     partial.rename(path)
 
 
+def gpt_oss_config(layers: int, vocab: int) -> dict:
+    return {**get_hf_config("gpt-oss-20b"), "num_hidden_layers": layers, "vocab_size": vocab,
+            "layer_types": ["sliding_attention", "full_attention"] * layers}
+
+
+def write_gpt_oss_gguf(config: dict, path: Path) -> None:
+    """A `gpt-oss` GGUF of `config`'s shapes: random MXFP4 experts, Q8_0 attention, embeddings and head, float32
+    router, biases, sinks and norms (llama.cpp's names and metadata, tests/model/gpt_oss_gguf.py)."""
+    from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType
+
+    rng = np.random.default_rng(0)
+    h, e, inter = config["hidden_size"], config["num_local_experts"], config["intermediate_size"]
+    q, kv = config["num_attention_heads"] * config["head_dim"], config["num_key_value_heads"] * config["head_dim"]
+    partial = path.with_name(path.name + ".partial")
+    writer = GGUFWriter(str(partial), "gpt-oss")
+    rope = config["rope_scaling"]
+    for add, value in ((writer.add_block_count, config["num_hidden_layers"]), (writer.add_context_length, 131072),
+                       (writer.add_embedding_length, h), (writer.add_feed_forward_length, inter),
+                       (writer.add_head_count, config["num_attention_heads"]),
+                       (writer.add_head_count_kv, config["num_key_value_heads"]),
+                       (writer.add_key_length, config["head_dim"]), (writer.add_value_length, config["head_dim"]),
+                       (writer.add_layer_norm_rms_eps, 1e-5), (writer.add_rope_freq_base, config["rope_theta"]),
+                       (writer.add_rope_scaling_type, RopeScalingType.YARN),
+                       (writer.add_rope_scaling_factor, rope["factor"]),
+                       (writer.add_rope_scaling_orig_ctx_len, rope["original_max_position_embeddings"]),
+                       (writer.add_vocab_size, config["vocab_size"]), (writer.add_bos_token_id, 1),
+                       (writer.add_eos_token_id, 2), (writer.add_expert_count, e),
+                       (writer.add_expert_used_count, config["num_experts_per_tok"]),
+                       (writer.add_expert_feed_forward_length, inter),
+                       (writer.add_sliding_window, config["sliding_window"])):
+        add(value)
+
+    def matrix(name: str, shape: tuple[int, ...], kind: str) -> None:
+        raw = _random_blocks(kind, int(np.prod(shape[:-1])), shape[-1], rng)
+        writer.add_tensor(name, raw.reshape(*shape[:-1], -1), raw_dtype=GGMLQuantizationType[kind])
+
+    def vector(name: str, shape: tuple[int, ...], scale: float) -> None:
+        writer.add_tensor(name, (rng.standard_normal(shape) * scale).astype(np.float32))
+
+    matrix("token_embd.weight", (config["vocab_size"], h), "Q8_0")
+    writer.add_tensor("output_norm.weight", np.ones(h, dtype=np.float32))
+    matrix("output.weight", (config["vocab_size"], h), "Q8_0")
+    for i in range(config["num_hidden_layers"]):
+        for norm in ("attn_norm", "post_attention_norm"):
+            writer.add_tensor(f"blk.{i}.{norm}.weight", np.ones(h, dtype=np.float32))
+        for name, shape in (("attn_q", (q, h)), ("attn_k", (kv, h)), ("attn_v", (kv, h)), ("attn_output", (h, q))):
+            matrix(f"blk.{i}.{name}.weight", shape, "Q8_0")
+            vector(f"blk.{i}.{name}.bias", shape[:1], 0.02)
+        vector(f"blk.{i}.attn_sinks.weight", (config["num_attention_heads"],), 1.0)
+        vector(f"blk.{i}.ffn_gate_inp.weight", (e, h), 0.05)
+        vector(f"blk.{i}.ffn_gate_inp.bias", (e,), 0.02)
+        for name, shape in (("ffn_gate_exps", (e, inter, h)), ("ffn_up_exps", (e, inter, h)),
+                            ("ffn_down_exps", (e, h, inter))):
+            matrix(f"blk.{i}.{name}.weight", shape, "MXFP4")
+            vector(f"blk.{i}.{name}.bias", shape[:2], 0.02)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    partial.rename(path)
+
+
 def start_gguf(path: Path, quantization: str, args: argparse.Namespace) -> LLM:
     """An engine on the GGUF whose one request has finished its prefill (batch-1 decodes from here)."""
     max_tokens = 2 * (args.rounds * args.steps + 8)
@@ -174,13 +242,20 @@ def grow(llm: LLM, batch: int, args: argparse.Namespace, max_tokens: int | None 
 
 
 def main_packed_gguf(args: argparse.Namespace) -> None:
-    config = configs(args.layers, args.vocab_size)["moe"]
     cache = Path(args.cache_dir)
     cache.mkdir(parents=True, exist_ok=True)
-    path = cache / f"qwen3moe-shapes-{args.layers}l-{args.vocab_size}v-{args.gguf_type}.gguf"
-    if not path.is_file():
-        print(f"writing {path} (random blocks)", flush=True)
-        write_moe_gguf(config, path, args.gguf_type)
+    if args.gpt_oss:
+        shapes, kinds = "gpt-oss-20b", "MXFP4 experts, Q8_0 attention"
+        path = cache / f"gpt-oss-shapes-{args.layers}l-{args.vocab_size}v-MXFP4.gguf"
+        if not path.is_file():
+            print(f"writing {path} (random blocks)", flush=True)
+            write_gpt_oss_gguf(gpt_oss_config(args.layers, args.vocab_size), path)
+    else:
+        shapes, kinds = "Qwen3-30B-A3B", args.gguf_type
+        path = cache / f"qwen3moe-shapes-{args.layers}l-{args.vocab_size}v-{args.gguf_type}.gguf"
+        if not path.is_file():
+            print(f"writing {path} (random blocks)", flush=True)
+            write_moe_gguf(configs(args.layers, args.vocab_size)["moe"], path, args.gguf_type)
     engines = {}
     for name, quantization in (("packed", "gguf"), ("dequantized", "none")):
         t0 = time.perf_counter()
@@ -190,7 +265,7 @@ def main_packed_gguf(args: argparse.Namespace) -> None:
             f"{sum(p.numel() * p.element_size() for p in engines[name].loaded.model.parameters()) / 2**20:.0f} MiB " \
             "of dense parameters"
         print(f"  loaded {name} in {time.perf_counter() - t0:.1f} s: {held}", flush=True)
-    print(f"Qwen3-30B-A3B layer shapes x {args.layers} layers as {args.gguf_type} GGUF ({path.stat().st_size / 2**20:.0f} "
+    print(f"{shapes} layer shapes x {args.layers} layers as a {kinds} GGUF ({path.stat().st_size / 2**20:.0f} "
           f"MiB), vocab {args.vocab_size}, context ~{args.context}, {engines['packed'].loaded.dtype}, "
           f"{torch.get_num_threads()} threads:")
     experts_alone(engines, args)
@@ -211,8 +286,6 @@ def main_packed_gguf(args: argparse.Namespace) -> None:
 def experts_alone(engines: dict[str, LLM], args: argparse.Namespace) -> None:
     """Layer 0's experts by themselves (router weights from its own router on random rows), the engines alternating:
     the part of a step the packing changes, without attention, the head or the engine around it."""
-    from kvpilot.model.layers.moe import route
-
     calls = max(4, args.rounds * args.steps // 2)
     print(" layer 0's experts alone (ms a call: median, fastest):")
     for rows in (1, 16):
@@ -221,8 +294,7 @@ def experts_alone(engines: dict[str, LLM], args: argparse.Namespace) -> None:
         with torch.no_grad():
             blocks = {name: llm.loaded.model.layers[0].mlp for name, llm in engines.items()}
             inputs = {name: x.to(llm.loaded.dtype) for name, llm in engines.items()}
-            routed = {name: route(block.gate(inputs[name]), block.top_k, block.renormalize)
-                      for name, block in blocks.items()}
+            routed = {name: block.route(inputs[name]) for name, block in blocks.items()}
             for _ in range(calls):
                 for name, block in blocks.items():
                     t0 = time.perf_counter()
@@ -248,6 +320,8 @@ def main() -> None:
     parser.add_argument("--packed-gguf", action="store_true",
                         help="packed GGUF experts vs the same file dequantized at load, batch 1 and 16 (CPU)")
     parser.add_argument("--gguf-type", default="Q4_K", help="--packed-gguf: the GGUF type of experts and attention")
+    parser.add_argument("--gpt-oss", action="store_true",
+                        help="--packed-gguf: gpt-oss-20b's shapes, MXFP4 experts (the rest Q8_0, dequantized)")
     parser.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "kvpilot-bench"),
                         help="--packed-gguf: where its GGUF is written (once)")
     args = parser.parse_args()
