@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from kvpilot.fit.checkpoint_formats import checkpoint_linear_bits
 from kvpilot.fit.fingerprint import cpu_runs_int8_tiles
-from kvpilot.fit.gguf_holding import PACKED_FAMILIES, held_gguf
+from kvpilot.fit.gguf_holding import PACKED_FAMILIES, held_gguf, packed_bits
 from kvpilot.fit.gguf_mixes import BASE_TYPES, file_bits_per_weight, mix_tensors
 from kvpilot.fit.gguf_sizes import GgufTensor
 from kvpilot.fit.model_source import LoadedModel
@@ -69,19 +69,16 @@ def weight_bytes(model: LoadedModel, weight_dtype: str = "auto", dtype: str = "a
     return _by_role(model, weight_format(weight_dtype, model.spec, dtype))
 
 
-MXFP4_BITS = 8 * 17 / 32  # a block: an exponent byte and 16 bytes of 4-bit values
-
-
 def _mxfp4_experts_packed(model: LoadedModel, compute_bits: int) -> WeightBytes:
     """gpt-oss's MXFP4 checkpoint on a CPU: the routed experts kept as MXFP4 blocks (model/models/gpt_oss_weights.py),
     every other weight in the compute dtype."""
     p = model.params
+    bits = packed_bits("MXFP4", int8_copy=False)
     dense = (p.num_linear_total - p.num_expert_matrix + p.num_vector) * compute_bits / 8
     return WeightBytes(f"mxfp4 experts packed, the rest {compute_bits}-bit",
                        round(p.num_embedding * compute_bits / 8), round(p.num_lm_head * compute_bits / 8),
-                       round(dense + p.num_expert_matrix * MXFP4_BITS / 8),
-                       round(p.num_params_per_expert * MXFP4_BITS / 8),
-                       notes=(f"kvpilot keeps the mxfp4 experts packed on CPU ({MXFP4_BITS:g} bits a weight) and holds "
+                       round(dense + p.num_expert_matrix * bits / 8), round(p.num_params_per_expert * bits / 8),
+                       notes=(f"kvpilot keeps the mxfp4 experts packed on CPU ({bits:g} bits a weight) and holds "
                               f"the other weights in {compute_bits}-bit",))
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import psutil
@@ -151,12 +152,13 @@ def _load_gguf(path: Path, max_model_len: int | None, dtype: torch.dtype, device
         types = {name: type_name for name, type_name in types.items() if is_expert_weight(name)}
     names = packed_names(quantization, device, types, config, path) if packs or experts_only else frozenset()
     dense, packed = load_gguf_tensors(reader, path, config, names, take=plan.take if plan else None)
-    hybrid = keeps_dense(quantization, dtype, packed, psutil.virtual_memory().available, gemm_dtype)
-    prepare = None
-    if names:
-        prepare = (lambda m: pack_experts(m, packed)) if experts_only else \
-            (lambda m: pack_linear_layers(m, packed, config, keep_dense=hybrid, compute_dtype=dtype,
-                                          gemm_dtype=gemm_dtype))
+    prepare: Callable[[LlamaForCausalLM], object] | None = None
+    if names and experts_only:
+        prepare = partial(pack_experts, packed=packed)
+    elif names:  # the hybrid layout's dense copies are for packed dense layers only
+        hybrid = keeps_dense(quantization, dtype, packed, psutil.virtual_memory().available, gemm_dtype)
+        prepare = partial(pack_linear_layers, packed=packed, config=config, keep_dense=hybrid, compute_dtype=dtype,
+                          gemm_dtype=gemm_dtype)
     model = _build_model(_model_config(config, plan), max_model_len or config.max_position_embeddings, dtype,
                          device, prepare)
     model.load_weights(dense, str(path))

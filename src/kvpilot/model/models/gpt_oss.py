@@ -7,8 +7,8 @@
   and then the softmax over those k; each expert's gate_up and down projections have biases, and its
   activation is the clamped SwiGLU (swiglu_alpha, swiglu_limit).
 - Weights: OpenAI's MXFP4 experts or save_pretrained's dequantized ones (models/gpt_oss_weights.py); the
-  router at mlp.router, sinks at self_attn.sinks. A GGUF (llama.cpp's `gpt-oss`) is dequantized at load, its
-  experts' MXFP4 blocks included (gguf_weights.py names its tensors).
+  router at mlp.router, sinks at self_attn.sinks; or llama.cpp's `gpt-oss` GGUF (gguf_weights.py names its
+  tensors). On a CPU the MXFP4 experts of either stay packed (loader.py, quant/model_pack.pack_experts).
 
 Chat: gpt-oss speaks the harmony format, which its chat template writes; `<|return|>` and `<|call|>` end
 generation (model/stop_tokens.py). Responses are returned as the model writes them (analysis and final
@@ -27,9 +27,9 @@ from kvpilot.model.layers.moe import Experts, SparseMoeBlock
 from kvpilot.model.layers.moe_variants import ClampedSwiGLU, route_top_k_softmax
 from kvpilot.model.layers.rope import apply_rotary
 from kvpilot.model.models.gpt_oss_weights import (convert_dense_experts, load_mxfp4_experts, log_dequantized_memory,
-                                                  stack_gguf_experts)
+                                                  stack_gguf_expert_biases)
 from kvpilot.model.models.llama import fuse_hf_state_dict
-from kvpilot.model.models.moe_decoder import MoeDecoderLayer, MoeForCausalLM
+from kvpilot.model.models.moe_decoder import HF_EXPERT_NAMES, MoeDecoderLayer, MoeForCausalLM, stack_experts
 
 
 class GptOssAttention(nn.Module):
@@ -125,7 +125,8 @@ class GptOssForCausalLM(MoeForCausalLM):
                 if router is not None:
                     out[f"{prefix}.gate.{kind}"] = router
             convert_dense_experts(out, f"{prefix}.experts")  # the biases, and dense weights if there are some
-            stack_gguf_experts(out, f"{prefix}.experts")
+            stack_experts(out, prefix, HF_EXPERT_NAMES, prefix, self.config.num_experts)  # a GGUF's split gate / up
+            stack_gguf_expert_biases(out, f"{prefix}.experts")
             if load_mxfp4_experts(out, f"{prefix}.experts", experts):
                 out[f"{prefix}.experts.gate_up_proj"] = experts.gate_up_proj
                 out[f"{prefix}.experts.down_proj"] = experts.down_proj

@@ -101,17 +101,16 @@ def convert_dense_experts(state: dict[str, torch.Tensor], prefix: str) -> None:
         state[f"{prefix}.gate_up_proj_bias"] = deinterleave(bias, 1)
 
 
-def stack_gguf_experts(state: dict[str, torch.Tensor], prefix: str) -> None:
-    """A GGUF's `prefix`.{gate,up,down}_exps.{weight,bias} (llama.cpp's converter splits the interleaved gate/up:
-    gate [E, I, H] and up [E, I, H] weights, [E, I] biases; down [E, H, I] and [E, H]) into Experts' layout, in
-    place; leaves a state without them as it is."""
-    for kind, suffix in (("weight", ""), ("bias", "_bias")):
-        gate, up = state.pop(f"{prefix}.gate_exps.{kind}", None), state.pop(f"{prefix}.up_exps.{kind}", None)
-        if gate is not None and up is not None:
-            state[f"{prefix}.gate_up_proj{suffix}"] = torch.cat([gate, up], dim=1)
-        down = state.pop(f"{prefix}.down_exps.{kind}", None)
-        if down is not None:
-            state[f"{prefix}.down_proj{suffix}"] = down
+def stack_gguf_expert_biases(state: dict[str, torch.Tensor], prefix: str) -> None:
+    """A GGUF's `prefix`.{gate,up,down}_exps.bias (llama.cpp's converter splits the interleaved gate/up: gate and
+    up [E, I], down [E, H]) into Experts' gate_up_proj_bias [E, 2I] and down_proj_bias, in place (their weights:
+    moe_decoder.stack_experts); leaves a state without them as it is."""
+    gate, up = state.pop(f"{prefix}.gate_exps.bias", None), state.pop(f"{prefix}.up_exps.bias", None)
+    if gate is not None and up is not None:
+        state[f"{prefix}.gate_up_proj_bias"] = torch.cat([gate, up], dim=1)
+    down = state.pop(f"{prefix}.down_exps.bias", None)
+    if down is not None:
+        state[f"{prefix}.down_proj_bias"] = down
 
 
 def _gguf_mxfp4_rows(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
