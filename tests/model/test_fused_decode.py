@@ -1,10 +1,12 @@
 """The fused decode path (kvpilot.model.fused_decode: all layers of a small decode-only step in one C++ call)
 gives bit for bit the layer-by-layer forward: same greedy tokens and the same float logprobs, on the embedded
-model in bf16, for steps it runs and steps it leaves to the modules (prefills, more rows than its limit)."""
+model in bf16 and in float32, for steps it runs and steps it leaves to the modules (prefills, more rows than its
+limit)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvpilot import LLM, SamplingParams
 from kvpilot.model.fused_decode import FusedDecode, get_fused_decode_kernel
@@ -21,9 +23,9 @@ class CountingKernel:
         self.kernel = kernel
         self.calls = 0
 
-    def decode_layers_bf16(self, *args):
+    def decode_layers(self, *args):
         self.calls += 1
-        return self.kernel.decode_layers_bf16(*args)
+        return self.kernel.decode_layers(*args)
 
 
 def _generate(llm: LLM, prompts: list[list[int]]) -> list[tuple]:
@@ -34,14 +36,15 @@ def _generate(llm: LLM, prompts: list[list[int]]) -> list[tuple]:
             for o in outputs]
 
 
-@pytest.mark.parametrize("quantization", ["auto", "int4"])
-def test_fused_steps_equal_the_layer_by_layer_forward(quantization):
+@pytest.mark.parametrize(("dtype", "quantization"), [("bfloat16", "auto"), ("bfloat16", "int4"), ("float32", "auto")])
+def test_fused_steps_equal_the_layer_by_layer_forward(dtype, quantization):
     # no prefix caching: the second run must compute exactly what the first did, not reuse its blocks
-    llm = LLM(dtype="bfloat16", quantization=quantization, max_model_len=256, max_num_seqs=48,
+    llm = LLM(dtype=dtype, quantization=quantization, max_model_len=256, max_num_seqs=48,
               kv_cache_memory="256MiB", enable_prefix_caching=False)
     model = llm.engine.runner.model
     fused = model.fused_decode
     assert isinstance(fused, FusedDecode)
+    assert fused.dtype == getattr(torch, dtype)
     counting = CountingKernel(fused.kernel)
     fused.kernel = counting
     # up to 24 prompts: prefill steps, then decode steps of 24 rows down to 1 as requests finish: above the fused
@@ -58,5 +61,12 @@ def test_fused_steps_equal_the_layer_by_layer_forward(quantization):
     assert _generate(llm, prompts) == with_fused
 
 
-def test_float32_models_keep_the_modules(llm_fp32):
-    assert llm_fp32.engine.runner.model.fused_decode is None
+def test_float32_packed_models_decode_fused(llm_fp32):
+    # the HF exactness tests of the embedded model (float32) then check the fused path against transformers
+    fused = llm_fp32.engine.runner.model.fused_decode
+    assert isinstance(fused, FusedDecode) and fused.dtype == torch.float32 and fused.max_rows >= 1
+
+
+def test_dense_models_keep_the_modules():
+    llm = LLM(dtype="float32", quantization="none", max_model_len=128, kv_cache_memory="64MiB")
+    assert llm.engine.runner.model.fused_decode is None

@@ -24,10 +24,10 @@ from kvpilot.model.quant.kernel import get_quant_kernel
 
 
 def kernels_for(dtype: torch.dtype) -> tuple[Callable[[], Any], ...]:
-    """The getters of the kernels a CPU model of this activation dtype may call: decode attention and the
-    packed linear layers always; with bfloat16 also prefill attention, the small ops and the fused decode."""
-    every = (get_kernel, get_quant_kernel)
-    return every + (get_prefill_kernel, get_bf16_ops, get_fused_decode_kernel) if dtype == torch.bfloat16 else every
+    """The getters of the kernels a CPU model of this activation dtype may call: decode attention, the packed
+    linear layers and the fused decode always; with bfloat16 also prefill attention and the small ops."""
+    every = (get_kernel, get_quant_kernel, get_fused_decode_kernel)
+    return every + (get_prefill_kernel, get_bf16_ops) if dtype == torch.bfloat16 else every
 
 
 def build_cpu_kernels(getters: Sequence[Callable[[], Any]], max_workers: int | None = None) -> None:

@@ -1,15 +1,18 @@
-"""FusedDecode: all decoder layers of a small decode-only step in one C++ call (CPU, bf16, packed weights).
+"""FusedDecode: all decoder layers of a small decode-only step in one C++ call (CPU, bf16 or float32, packed
+weights).
 
 A decode step of few sequences is memory-bound in the packed matmuls, and everything between them is dispatch:
 at batch 1 the embedded model spent ~4 of its ~10 ms per step in Python and torch calls (about 15 ops and 8
 module calls per layer). The kernel (layers/csrc/decode_layers_cpu.cpp) runs the same functions back to back:
 the packed matmuls (int8-activation or float32 path, as PackedLinear picks), RMSNorm, RoPE and SiLU-and-mul (the
-bf16 ops), the K/V write, the paged decode-attention kernel, and torch's add, so the hidden states are bit for
-bit the layer-by-layer forward's.
+bf16 ops; in float32 the torch ops the modules run), the K/V write, the paged decode-attention kernel, and torch's
+add, so the hidden states are bit for bit the layer-by-layer forward's. In float32 (the auto dtype of CPUs
+without native bf16) it halves a batch-1 step of the embedded model, most of which was Python between the ops.
 
 It applies to a model whose every layer has plain causal attention (no sliding window, soft-cap or sinks),
 packed projections without bias or q/k norms (a fused projection's parts may differ in format; every projection
-takes the int8 path or none does), bf16 norm weights and a bf16 KV cache, and to a step
+takes the int8 path or none does), norm weights and a KV cache in the activations' dtype (bf16 or float32), and
+to a step
 whose tokens are all decodes, in one consecutive batch, no more than the packed kernels' row limit, run by the
 cpu attention backend. Anything else takes the modules.
 """
@@ -46,7 +49,7 @@ SOURCE_PATHS = tuple(_CSRC / name for name in (
 # without it), -march=native as the decode-attention kernel (its AVX-512 path has no target attributes); the
 # bf16 ops, built without -ffast-math, switch it off for their functions (a pragma in bf16_ops_cpu.cpp).
 _KERNEL = CppKernel(label="CPU fused decode kernel", name_prefix="kvpilot_cpu_fused_decode_", sources=SOURCE_PATHS,
-                    functions=("decode_layers_bf16",), cflags=("-O3", "-march=native", "-ffast-math"),
+                    functions=("decode_layers",), cflags=("-O3", "-march=native", "-ffast-math"),
                     serial="fused decode steps run on one thread",
                     fallback="decode steps run layer by layer")
 
@@ -81,11 +84,12 @@ class FusedDecode:
         config = model.config
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.eps = float(config.rms_norm_eps)
+        self.dtype = model.layers[0].input_layernorm.weight.dtype
         self.scale = float(config.head_dim ** -0.5)
         linears = [lin for layer in model.layers for lin in _projections(layer)]
         self.int8_activations = all(lin.int8_activations for lin in linears)
         tiled = all(isinstance(lin.int8_weight, TILED_COPIES) for lin in linears)
-        self.max_rows = min(min(lin.max_kernel_rows.get(torch.bfloat16, 0) for lin in linears),
+        self.max_rows = min(min(lin.max_kernel_rows.get(self.dtype, 0) for lin in linears),
                             TILED_FUSED_MAX_ROWS if tiled else
                             INT8_MAX_ROWS if self.int8_activations else FLOAT32_KERNEL_MAX_ROWS)
         self.isa = linears[0].isa
@@ -106,7 +110,8 @@ class FusedDecode:
     def for_model(cls, model: torch.nn.Module) -> FusedDecode | None:
         """The fused path for `model` (building its kernel now, not in the first request), or None when the
         model does not qualify or the kernel cannot be built."""
-        if not _qualifies(model) or get_bf16_ops() is None:
+        dtype = _qualifying_dtype(model)
+        if dtype is None or (dtype == torch.bfloat16 and get_bf16_ops() is None):
             return None
         kernel = get_fused_decode_kernel()
         return None if kernel is None else cls(model, kernel)
@@ -114,8 +119,8 @@ class FusedDecode:
     def applies(self, x: torch.Tensor, kv_caches: list[torch.Tensor], attn: StepAttention) -> bool:
         meta = attn.meta
         rows = x.shape[0]
-        if (x.dtype != torch.bfloat16 or rows > self.max_rows or attn.backend.name != ATTENTION_BACKEND
-                or meta.prefills or len(meta.decodes) != 1 or kv_caches[0].dtype != torch.bfloat16):
+        if (x.dtype != self.dtype or rows > self.max_rows or attn.backend.name != ATTENTION_BACKEND
+                or meta.prefills or len(meta.decodes) != 1 or kv_caches[0].dtype != self.dtype):
             return False
         return meta.decodes[0].row_range == (0, rows)
 
@@ -124,7 +129,7 @@ class FusedDecode:
         meta = attn.meta
         batch = meta.decodes[0]
         int8 = self.int8_activations
-        return self.kernel.decode_layers_bf16(
+        return self.kernel.decode_layers(
             x.contiguous(), cos.contiguous(), sin.contiguous(), self.weights, self.formats, kv_caches,
             meta.slot_mapping, batch.block_tables, batch.context_lens, self.num_heads, self.num_kv_heads,
             self.eps, self.scale, int8, self.isa)
@@ -148,24 +153,29 @@ def _projections(layer: torch.nn.Module) -> list[Any]:
     return [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
 
 
-def _qualifies(model: torch.nn.Module) -> bool:
+def _qualifying_dtype(model: torch.nn.Module) -> torch.dtype | None:
+    """The dtype (bfloat16 or float32) of every norm weight of a model the kernel can run, else None."""
     layers = getattr(model, "layers", None)
     if not layers:
-        return False
+        return None
     int8_paths = set()  # the kernel takes one int8 flag for every projection
+    dtypes = set()
     for layer in layers:
         if layer.self_attn.q_norm is not None or not _plain_attention(layer.self_attn):
-            return False
+            return None
         for lin in _projections(layer):
             if not isinstance(lin, PackedLinear) or lin.bias is not None:
-                return False
+                return None
             int8_paths.add(lin.int8_activations)
         if len(int8_paths) > 1:
-            return False
-        if any(norm.weight.dtype != torch.bfloat16 or norm.weight.device.type != "cpu"
-               for norm in (layer.input_layernorm, layer.post_attention_layernorm)):
-            return False
-    return True
+            return None
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            if norm.weight.device.type != "cpu":
+                return None
+            dtypes.add(norm.weight.dtype)
+    if len(dtypes) != 1 or not dtypes <= {torch.bfloat16, torch.float32}:
+        return None
+    return dtypes.pop()
 
 
 def _plain_attention(attn: torch.nn.Module) -> bool:

@@ -310,7 +310,7 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
         prepack_experts(loaded.model)  # mixture-of-experts weights: the same, one expert at a time
         relayout_linear_weights(loaded.model)
         # no fused decode for a TP rank: the C++ layer loop knows nothing of a rank's all-reduces
-        if torch_dtype == torch.bfloat16 and loaded.shard is None and family_of(loaded.config).fused_decode:
+        if loaded.shard is None and family_of(loaded.config).fused_decode:
             loaded.model.fused_decode = FusedDecode.for_model(loaded.model)
     return loaded
 

@@ -1,12 +1,16 @@
-// Every decoder layer of a few-token, decode-only step in one call (CPU, bfloat16 activations and K/V, packed
-// GGUF weights): built at run time by kvpilot/model/layers/fused_decode.py after the quantized-linear, decode
-// attention and bf16-ops sources, whose functions it calls.
+// Every decoder layer of a few-token, decode-only step in one call (CPU, bfloat16 or float32 activations with K/V
+// of the same dtype, packed GGUF weights): built at run time by kvpilot/model/fused_decode.py after the
+// quantized-linear, decode attention and bf16-ops sources, whose functions it calls.
 //
 // Why: at batch 1 the embedded model's step took ~10 ms, of which ~4 ms was Python and torch dispatch between
 // the kernels (some 15 ops and 8 module calls per layer, 30 layers). Here the same kernels run back to back.
-// Invariant: each piece is the function or torch op the module path (kvpilot.model.llama with PackedLinear, the
-// cpu attention backend, RMSNorm and the rotary embedding) runs, on the same values in the same order, so the
-// hidden states are bit for bit the module path's (tests/model/test_fused_decode.py).
+// Invariant: each piece is the function or torch op the module path (kvpilot.model.models.llama with PackedLinear,
+// the cpu attention backend, RMSNorm and the rotary embedding) runs, on the same values in the same order, so the
+// hidden states are bit for bit the module path's (tests/model/test_fused_decode.py). In float32 the module path's
+// norms, rotations and SiLU are torch ops: the same ATen ops run here (what this saves is the Python around them).
+#include <ATen/ops/cat.h>
+#include <ATen/ops/silu.h>
+
 namespace {
 
 // Per layer: in_norm, qkv, o, post_norm, gate_up, down. A projection is one or more parts (a fused projection's parts
@@ -35,19 +39,19 @@ std::vector<LayerWeights> layer_weights(const std::vector<torch::Tensor>& weight
   for (int64_t l = 0; l < L; ++l) {
     for (int64_t p = 0; p < kProjections; ++p) {
       if (p == 0 || p == 2) {
-        TORCH_CHECK(w < weights.size(), "decode_layers_bf16: weights end early");
+        TORCH_CHECK(w < weights.size(), "decode_layers: weights end early");
         (p == 0 ? layers[l].in_norm : layers[l].post_norm) = &weights[w++];
       }
-      TORCH_CHECK(f < formats.size() && formats[f] >= 1, "decode_layers_bf16: formats end early or a part count < 1");
+      TORCH_CHECK(f < formats.size() && formats[f] >= 1, "decode_layers: formats end early or a part count < 1");
       const int64_t parts = formats[f++];
       TORCH_CHECK(f + parts <= formats.size() && w + 3 * parts <= weights.size(),
-                  "decode_layers_bf16: lists end early");
+                  "decode_layers: lists end early");
       layers[l].proj[p] = {&weights[w], &formats[f], parts};
       w += 3 * parts;
       f += parts;
     }
   }
-  TORCH_CHECK(w == weights.size() && f == formats.size(), "decode_layers_bf16: ", L, " layers do not use every weight");
+  TORCH_CHECK(w == weights.size() && f == formats.size(), "decode_layers: ", L, " layers do not use every weight");
   return layers;
 }
 
@@ -62,9 +66,9 @@ int64_t projection_rows(const Projection& p, bool tiled) {
   return rows;
 }
 
-// PackedLinear._kernel_rows for bf16 rows: int8 activations (VNNI: the column-tiled copies, one split-format part's
+// PackedLinear._kernel_rows for bf16 or float32 rows (out in x's dtype): int8 activations (VNNI: the column-tiled copies, one split-format part's
 // by quant_matmul_tiled, others as a set; or one interleaved part) or the float32 kernel, part by part.
-torch::Tensor linear_bf16(const torch::Tensor& x, const Projection& p, bool int8, int64_t isa) {
+torch::Tensor linear_rows(const torch::Tensor& x, const Projection& p, bool int8, int64_t isa) {
   const torch::Tensor* w = p.w;
   const bool tiled = int8 && w[1].dim() == 3;  // the column-tiled copies: td [N / 16, groups, width]
   torch::Tensor out = torch::empty({x.size(0), projection_rows(p, tiled)}, x.options());
@@ -89,18 +93,18 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const Projection& p, bool int8
 }
 
 // write_kv: row t of k (rotated) and v into cache slot slots[t], for every KV head (same dtype: a plain copy).
-void write_kv_bf16(torch::Tensor& cache, const torch::Tensor& k, const torch::Tensor& v, const int64_t* slots) {
-  const int64_t T = k.size(0), kvH = k.size(1), D = k.size(2);
+void write_kv(torch::Tensor& cache, const torch::Tensor& k, const torch::Tensor& v, const int64_t* slots) {
+  const int64_t T = k.size(0), kvH = k.size(1), D = k.size(2), bytes = cache.element_size();
   const int64_t slots_per_head = cache.size(2) * cache.size(3);
-  auto* base = reinterpret_cast<uint16_t*>(cache.data_ptr<at::BFloat16>());
-  const auto* kp = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
-  const auto* vp = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
+  auto* base = static_cast<char*>(cache.data_ptr());
+  const auto* kp = static_cast<const char*>(k.data_ptr());
+  const auto* vp = static_cast<const char*>(v.data_ptr());
   for (int64_t t = 0; t < T; ++t)
     for (int64_t h = 0; h < kvH; ++h) {
       const int64_t row = h * slots_per_head + slots[t];
-      std::memcpy(base + row * D, kp + t * k.stride(0) + h * k.stride(1), D * sizeof(uint16_t));
-      std::memcpy(base + (kvH * slots_per_head + row) * D, vp + t * v.stride(0) + h * v.stride(1),
-                  D * sizeof(uint16_t));
+      std::memcpy(base + row * D * bytes, kp + (t * k.stride(0) + h * k.stride(1)) * bytes, D * bytes);
+      std::memcpy(base + (kvH * slots_per_head + row) * D * bytes, vp + (t * v.stride(0) + h * v.stride(1)) * bytes,
+                  D * bytes);
     }
 }
 
@@ -147,40 +151,85 @@ torch::Tensor layer_bf16(const torch::Tensor& x, const LayerWeights& lw, const t
                          double eps, double scale, bool int8, int64_t isa) {
   const int64_t D = cos.size(-1), T = x.size(0);
   // attention
-  const torch::Tensor qkv = linear_bf16(rms_norm_bf16(x, *lw.in_norm, eps), lw.proj[0], int8, isa);
+  const torch::Tensor qkv = linear_rows(rms_norm_bf16(x, *lw.in_norm, eps), lw.proj[0], int8, isa);
   const torch::Tensor rotated = rope_bf16(qkv.narrow(1, 0, (H + kvH) * D).view({T, H + kvH, D}), cos, sin);
   const torch::Tensor v = qkv.narrow(1, (H + kvH) * D, kvH * D).view({T, kvH, D});
-  write_kv_bf16(cache, rotated.narrow(1, H, kvH), v, slots);
+  write_kv(cache, rotated.narrow(1, H, kvH), v, slots);
   const torch::Tensor attended = attention_bf16(rotated.narrow(1, 0, H), cache, block_tables, context_lens, scale);
-  const torch::Tensor h = at::add(x, linear_bf16(attended, lw.proj[1], int8, isa));
+  const torch::Tensor h = at::add(x, linear_rows(attended, lw.proj[1], int8, isa));
   // MLP
-  const torch::Tensor gate_up = linear_bf16(rms_norm_bf16(h, *lw.post_norm, eps), lw.proj[2], int8, isa);
-  return at::add(h, linear_bf16(silu_mul_bf16(gate_up), lw.proj[3], int8, isa));
+  const torch::Tensor gate_up = linear_rows(rms_norm_bf16(h, *lw.post_norm, eps), lw.proj[2], int8, isa);
+  return at::add(h, linear_rows(silu_mul_bf16(gate_up), lw.proj[3], int8, isa));
+}
+
+// RMSNorm.reference in float32: its torch ops in its order (x.float() and .to(dtype) are no-ops there).
+torch::Tensor rms_norm_f32(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  return weight.mul(x.mul(x.pow(2).mean(-1, true).add(eps).rsqrt()));
+}
+
+// rope.rotary_reference: x * cos + cat(-x[D/2:], x[:D/2]) * sin
+torch::Tensor rope_f32(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  const int64_t half = x.size(-1) / 2;
+  const torch::Tensor rotated = at::cat({x.slice(-1, half).neg(), x.slice(-1, 0, half)}, -1);
+  return x.mul(cos).add(rotated.mul(sin));
+}
+
+// The cpu backend's decode for float32 queries: the kernel writes straight into the output (no widening).
+torch::Tensor attention_f32(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& block_tables,
+                            const torch::Tensor& context_lens, double scale) {
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+  torch::Tensor out = torch::empty({T, H, D}, q.options());
+  paged_decode(out, q, cache.select(0, 0), cache.select(0, 1), block_tables, context_lens, scale);
+  return out.view({T, H * D});
+}
+
+// DecoderLayer.forward for one layer, float32.
+torch::Tensor layer_f32(const torch::Tensor& x, const LayerWeights& lw, const torch::Tensor& cos,
+                        const torch::Tensor& sin, torch::Tensor& cache, const int64_t* slots,
+                        const torch::Tensor& block_tables, const torch::Tensor& context_lens, int64_t H, int64_t kvH,
+                        double eps, double scale, bool int8, int64_t isa) {
+  const int64_t D = cos.size(-1), T = x.size(0);
+  const torch::Tensor qkv = linear_rows(rms_norm_f32(x, *lw.in_norm, eps), lw.proj[0], int8, isa);
+  const torch::Tensor rotated = rope_f32(qkv.narrow(1, 0, (H + kvH) * D).view({T, H + kvH, D}), cos, sin);
+  const torch::Tensor v = qkv.narrow(1, (H + kvH) * D, kvH * D).view({T, kvH, D});
+  write_kv(cache, rotated.narrow(1, H, kvH), v, slots);
+  const torch::Tensor attended = attention_f32(rotated.narrow(1, 0, H), cache, block_tables, context_lens, scale);
+  const torch::Tensor h = at::add(x, linear_rows(attended, lw.proj[1], int8, isa));
+  const torch::Tensor gate_up = linear_rows(rms_norm_f32(h, *lw.post_norm, eps), lw.proj[2], int8, isa);
+  const int64_t I = gate_up.size(1) / 2;
+  return at::add(h, linear_rows(at::silu(gate_up.narrow(1, 0, I)).mul_(gate_up.narrow(1, I, I)), lw.proj[3], int8,
+                                isa));
 }
 
 }  // namespace
 
-// x [T, hidden] bfloat16 contiguous: the embedded tokens of T decoding sequences, row t = sequence t; cos/sin
-// [T, 1, D] bfloat16 contiguous; weights and formats: per layer as layer_weights() reads them (norm weights bf16,
-// packed parts as PackedWeight holds them, m empty unless Q4_1, or the int8 path's copies); kv_caches: one
-// [2, kvH, blocks, block_size, D] bf16 tensor per layer; slot_mapping [T], block_tables [T, max_blocks] and
-// context_lens [T] int64. Returns the hidden states after the last layer (before the final norm).
-torch::Tensor decode_layers_bf16(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
-                                 std::vector<torch::Tensor> weights, std::vector<int64_t> formats,
-                                 std::vector<torch::Tensor> kv_caches, torch::Tensor slot_mapping,
-                                 torch::Tensor block_tables, torch::Tensor context_lens, int64_t num_heads,
-                                 int64_t num_kv_heads, double eps, double scale, bool int8, int64_t isa) {
+// x [T, hidden] bfloat16 or float32 contiguous: the embedded tokens of T decoding sequences, row t = sequence t;
+// cos/sin [T, 1, D] contiguous, norm weights and K/V caches all in x's dtype; weights and formats: per layer as
+// layer_weights() reads them (packed parts as PackedWeight holds them, m empty unless Q4_1, or the int8 path's
+// copies); kv_caches: one [2, kvH, blocks, block_size, D] tensor per layer; slot_mapping [T], block_tables
+// [T, max_blocks] and context_lens [T] int64. Returns the hidden states after the last layer (before the final norm).
+torch::Tensor decode_layers(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> weights,
+                            std::vector<int64_t> formats, std::vector<torch::Tensor> kv_caches,
+                            torch::Tensor slot_mapping, torch::Tensor block_tables, torch::Tensor context_lens,
+                            int64_t num_heads, int64_t num_kv_heads, double eps, double scale, bool int8,
+                            int64_t isa) {
   const int64_t L = static_cast<int64_t>(kv_caches.size());
   const std::vector<LayerWeights> layers = layer_weights(weights, formats, L);
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.is_contiguous() && x.dim() == 2, "x: [T, hidden] bf16");
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK((dtype == torch::kBFloat16 || dtype == torch::kFloat32) && x.is_contiguous() && x.dim() == 2,
+              "x: [T, hidden] bf16 or float32");
+  TORCH_CHECK(cos.scalar_type() == dtype && sin.scalar_type() == dtype, "cos, sin: x's dtype");
+  for (const LayerWeights& lw : layers)
+    TORCH_CHECK(lw.in_norm->scalar_type() == dtype && lw.post_norm->scalar_type() == dtype, "norm weights: x's dtype");
   TORCH_CHECK(slot_mapping.is_contiguous() && slot_mapping.scalar_type() == torch::kInt64 &&
               slot_mapping.numel() == x.size(0), "slot_mapping: [T] int64");
   for (const torch::Tensor& cache : kv_caches)
-    TORCH_CHECK(cache.scalar_type() == torch::kBFloat16 && cache.is_contiguous() && cache.dim() == 5,
-                "kv caches: [2, kvH, blocks, block_size, D] bf16, contiguous");
+    TORCH_CHECK(cache.scalar_type() == dtype && cache.is_contiguous() && cache.dim() == 5,
+                "kv caches: [2, kvH, blocks, block_size, D] in x's dtype, contiguous");
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const auto layer = dtype == torch::kFloat32 ? layer_f32 : layer_bf16;
   for (int64_t l = 0; l < L; ++l)
-    x = layer_bf16(x, layers[l], cos, sin, kv_caches[l], slots, block_tables, context_lens, num_heads, num_kv_heads,
-                   eps, scale, int8, isa);
+    x = layer(x, layers[l], cos, sin, kv_caches[l], slots, block_tables, context_lens, num_heads, num_kv_heads, eps,
+              scale, int8, isa);
   return x;
 }
