@@ -6,6 +6,7 @@ without AMX (family 6 model 207 in a VM, 2026-11-27) `vdpbf16ps` has no such edg
 1.4-1.9x oneDNN's bf16 on every prompt shape of the embedded model (benchmarks/prompt_gemm_dtype.py). The CPU
 flags do not tell the two apart, so "auto" measures: one prompt-sized GEMM each way at load, float32 when it is
 at least FLOAT32_MIN_SPEEDUP x faster. The probe's answer is cached for the process (the CPU does not change).
+Where oneDNN runs no bf16 GEMMs at all (AVX2 CPUs) "auto" is float32 without a probe.
 
 float32 prompt GEMMs read a float32 copy of the weights (twice the bf16 copy's bytes): the layers' inputs are
 converted at the GEMM (bf16 -> float32 is exact) and the outputs rounded back to bf16 (float32 for logits).
@@ -93,12 +94,14 @@ def _time_probe() -> GemmProbe:
 
 def resolve_prompt_gemm_dtype(name: str, compute_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The dtype of many-row GEMMs for activations in `compute_dtype` on `device`: compute_dtype itself unless
-    they are bf16 on a CPU where oneDNN runs bf16; there "float32" and "bfloat16" are taken as given and "auto"
-    is the probe's faster dtype (logged at debug level with both rates)."""
+    they are bf16 on a CPU; there "float32" and "bfloat16" are taken as given, and "auto" is the probe's faster
+    dtype where oneDNN runs bf16 (logged at debug level with both rates), else float32: without oneDNN's bf16
+    path (an AVX2 CPU) torch's bf16 GEMM is a slow emulation (a batch-64 decode step of the embedded model on a
+    Zen 3 EPYC took 3.3x as long as in float32)."""
     check_prompt_gemm_dtype(name)
-    if not onednn_bf16_applies(compute_dtype, device) or name == "bfloat16":
+    if compute_dtype != torch.bfloat16 or device.type != "cpu" or name == "bfloat16":
         return compute_dtype
-    if name == "float32":
+    if name == "float32" or not onednn_bf16_applies(compute_dtype, device):
         return torch.float32
     probe = probe_prompt_gemms()
     chosen = probe.faster_dtype()
