@@ -75,7 +75,7 @@ def kernel_part(rows_list: list[int], reps: int) -> None:
 
         def kernel_run() -> None:
             for layer in layers:
-                layer._kernel_rows(_input(layer, xs[torch.float32]))
+                layer._kernel_rows(_input(layer, xs[torch.float32]), torch.float32)
 
         def deq_run(dt: torch.dtype) -> Callable[[], None]:
             return lambda: [F.linear(_input(layer, xs[dt]), layer._dense(dt)) for layer in layers] and None
