@@ -58,9 +58,9 @@ def test_no_profile_means_nominal_rates_and_no_note(cache: Path) -> None:
 
 
 def test_fit_plans_on_the_calibrated_cpu(cache: Path) -> None:
-    nominal, _ = _fit_json()
+    nominal, _ = _fit_json("--dtype", "bf16")
     save_profile(_profile())
-    data, _ = _fit_json()
+    data, _ = _fit_json("--dtype", "bf16")
     device = data["group"]["device"]
     assert (nominal["group"]["device"]["calibrated"], device["calibrated"]) == (False, True)
     assert device["bandwidth_bytes_per_s"] == 10e9 and device["step_overhead_seconds"] == 0.002

@@ -10,6 +10,7 @@ import typer
 from typer.testing import CliRunner
 
 from kvpilot.fit.cli import fit_command
+from kvpilot.fit.fingerprint import cpu_has_fast_bf16
 from kvpilot.fit.model_catalog import get_hf_config
 
 app = typer.Typer()
@@ -40,7 +41,8 @@ def test_cpu_plan_matches_kvpilots_engine_flags() -> None:
     assert code == 0
     data = json.loads(out)
     assert data["memory"]["kv_budget_bytes"] == 2**30
-    assert data["memory"]["num_kv_blocks"] == 2**30 // (16 * 23_040)
+    kv_bytes = 2 if cpu_has_fast_bf16() else 4  # the engine's auto dtype here: bf16 or float32 K/V
+    assert data["memory"]["num_kv_blocks"] == 2**30 // (16 * 11_520 * kv_bytes)
     assert data["flags"]["kvpilot_args"][:2] == ["--kv-cache-memory", "1GiB"]
 
 

@@ -9,6 +9,7 @@ from kvpilot.fit.kv_cache import kv_cache_bytes_per_block, kv_capacity_for_memor
 from kvpilot.fit.memory import plan_memory
 from kvpilot.fit.model_catalog import get_hf_config, list_models
 from kvpilot.fit.model_source import LoadedModel, load_model
+from kvpilot.fit.weights import weight_bytes
 from kvpilot.fit.workload import FitInputs
 
 BUDGET = 64 * 2**20 + 12345  # an awkward budget: not a whole number of blocks
@@ -74,3 +75,20 @@ def test_plan_blocks_equal_the_engine_formula_for_standard_attention(name: str) 
     plan = plan_memory(model, DeviceGroup(cpu_device(memory_bytes=2**50)), inputs)
     expected = kv_capacity_for_memory(model.spec, BUDGET, BLOCK_SIZE, KV_BYTES, 8192)
     assert plan.num_kv_blocks == expected.num_blocks
+
+
+def test_a_cpus_auto_dtype_is_the_engines(embedded_model: LoadedModel) -> None:
+    """On a CPU, --dtype auto is bf16 only where the CPU computes bf16 natively, else float32 (as kvpilot resolves
+    it): KV bytes and a dense checkpoint's weights follow, on this machine and on either kind of CPU."""
+    torch = pytest.importorskip("torch")
+    from kvpilot.model.dtypes import resolve_dtype
+
+    engine_bytes = resolve_dtype("auto", torch.device("cpu")).itemsize
+    plan = plan_memory(embedded_model, DeviceGroup(cpu_device(memory_bytes=8 * 2**30)), FitInputs())
+    assert plan.kv_dtype_bytes == engine_bytes
+    dense = load_model("qwen3-0.6b")
+    params = dense.params.num_total
+    fast, slow = (weight_bytes(dense, on_gpu=False, cpu_fast_bf16=fast).num_bytes for fast in (True, False))
+    assert (fast, slow) == (2 * params, 4 * params)
+    assert weight_bytes(dense, on_gpu=True, cpu_fast_bf16=False).num_bytes == 2 * params  # a GPU: the checkpoint's
+    assert weight_bytes(dense, dtype="bf16", on_gpu=False, cpu_fast_bf16=False).num_bytes == 2 * params

@@ -3,6 +3,7 @@ from __future__ import annotations
 import pytest
 
 from kvpilot.fit.errors import FitError
+from kvpilot.fit.fingerprint import cpu_has_fast_bf16
 from kvpilot.fit.hardware import DeviceGroup, get_gpu, parse_device_arg
 from kvpilot.fit.kv_cache import kv_bytes_per_sequence
 from kvpilot.fit.memory import CPU_DEFAULT_KV_CACHE_BYTES, RUNTIME_GPU_BYTES, activation_bytes, plan_memory
@@ -25,7 +26,8 @@ def test_cpu_plans_the_engines_default_fixed_kv_cache() -> None:
     plan = plan_memory(load_model("smollm2-135m"), parse_device_arg("cpu"), FitInputs())
     assert plan.fixed_kv_bytes == CPU_DEFAULT_KV_CACHE_BYTES == 2 * 2**30
     assert plan.kv_budget_bytes == 2 * 2**30
-    assert plan.num_kv_blocks == 2 * 2**30 // (16 * 23_040)
+    kv_bytes = 2 if cpu_has_fast_bf16() else 4  # the engine's auto dtype here: bf16 or float32 K/V
+    assert plan.num_kv_blocks == 2 * 2**30 // (16 * 11_520 * kv_bytes)
 
 
 def test_llama_70b_bf16_needs_two_h100s() -> None:

@@ -56,8 +56,8 @@ def test_gguf_experts_are_sized_from_the_file(arch, tmp_path):
     assert model.spec.model_type == ("qwen3_moe" if arch == "qwen3moe" else "mixtral")
     assert model.gguf is not None and model.gguf.num_bytes_expert == 3 * width * 64 * 4  # float32
     assert model.params.num_total == model.gguf.num_params  # every tensor of the file counted, none twice
-    plan = plan_memory(model, parse_device_arg("cpu"), FitInputs())
-    # kvpilot dequantizes MoE GGUFs at load (bf16 on fit's CPU): the float32 file's experts take half in memory
+    plan = plan_memory(model, parse_device_arg("cpu"), FitInputs(dtype="bf16"))
+    # kvpilot dequantizes MoE GGUFs at load (here in bf16): the float32 file's experts take half in memory
     assert plan.weights.num_bytes_expert == model.gguf.num_bytes_expert // 2
     idle = 6 * (8 - 2) * plan.weights.num_bytes_expert  # batch 1: 2 of 8 experts in each of 6 layers
     assert weights_read_bytes(model, plan, 1) == pytest.approx(plan.weights.num_bytes - plan.weights.num_bytes_embedding

@@ -43,7 +43,7 @@ def test_mixes_agree_with_the_test_requantizer_on_the_embedded_shape(mix: str) -
 
 def test_a_mix_is_held_packed_on_a_cpu_and_dequantized_on_a_gpu() -> None:
     model = load_model("llama-3.1-8b")
-    cpu, gpu = weight_bytes(model, "q4_k_m", cpu_int8=True), weight_bytes(model, "q4_k_m", on_gpu=True)
+    cpu, gpu = weight_bytes(model, "q4_k_m", cpu_int8=True, cpu_fast_bf16=True), weight_bytes(model, "q4_k_m", on_gpu=True)
     assert cpu.format_name.startswith("q4_k_m (llama.cpp mix: 4.89 bits a weight in the file)")
     assert cpu.num_bytes_file == gpu.num_bytes_file < cpu.num_bytes < gpu.num_bytes == 2 * model.params.num_total
     # beyond the file: the 128k x 4096 embedding table dense in bf16 (4.5 bits a weight in the file), and the tiled
@@ -77,8 +77,8 @@ def test_checkpoint_bits_follow_its_quantization_config(quant: dict, gpu_bits: f
     p = model.params
     embeddings = 2 * (p.num_embedding + p.num_lm_head) + 2 * p.num_vector  # bf16, quantized or not
     for on_gpu, bits in ((True, gpu_bits), (False, cpu_bits)):
-        held = weight_bytes(model, on_gpu=on_gpu)
+        held = weight_bytes(model, on_gpu=on_gpu, cpu_fast_bf16=True)  # a CPU computing in bf16
         assert held.num_bytes == pytest.approx(p.num_linear_total * bits / 8 + embeddings, rel=1e-6)
         assert held.notes and quant["quant_method"] in held.notes[0]
     assert weight_bytes(model, on_gpu=True).format_name == ("fp8" if quant is FP8_BLOCK else
-                                                           weight_bytes(model).format_name)
+                                                           weight_bytes(model, cpu_fast_bf16=True).format_name)

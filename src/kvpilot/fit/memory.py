@@ -25,7 +25,7 @@ from kvpilot.fit.hardware import GIB, DeviceGroup
 from kvpilot.fit.kv_cache import kv_bytes_per_sequence, kv_bytes_per_token
 from kvpilot.fit.model_source import LoadedModel
 from kvpilot.fit.model_spec import ModelSpec
-from kvpilot.fit.weight_formats import compute_dtype, dtype_bytes, kv_dtype_bytes
+from kvpilot.fit.weight_formats import compute_dtype, device_dtype, dtype_bytes, kv_dtype_bytes
 from kvpilot.fit.weights import WeightBytes, weight_bytes
 from kvpilot.fit.workload import FitInputs
 
@@ -142,9 +142,10 @@ def plan_memory(model: LoadedModel, group: DeviceGroup, inputs: FitInputs) -> Me
     spec = model.spec
     par = parallelism_for(spec, group.count)
     tp, pp = par.tensor_parallel_size, par.pipeline_parallel_size
-    weights = weight_bytes(model, inputs.weight_dtype, inputs.dtype, on_gpu=group.device.is_gpu)
-    kvb = kv_dtype_bytes(inputs.kv_cache_dtype, spec, inputs.dtype)
-    act = activation_bytes(spec, inputs, dtype_bytes(compute_dtype(spec, inputs.dtype)), tp)
+    dtype = device_dtype(inputs.dtype, group.device.is_gpu)  # a CPU's auto: bf16 or fp32, as kvpilot picks
+    weights = weight_bytes(model, inputs.weight_dtype, dtype, on_gpu=group.device.is_gpu)
+    kvb = kv_dtype_bytes(inputs.kv_cache_dtype, spec, dtype)
+    act = activation_bytes(spec, inputs, dtype_bytes(compute_dtype(spec, dtype)), tp)
     runtime = RUNTIME_GPU_BYTES if group.device.is_gpu else RUNTIME_CPU_BYTES
     total = group.device.memory_bytes
     # A fixed KV size replaces the utilization fraction, as in vLLM; it cannot exceed what is free.

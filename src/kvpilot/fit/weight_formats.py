@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvpilot.fit.errors import FitError, suggest
+from kvpilot.fit.fingerprint import cpu_has_fast_bf16
 from kvpilot.fit.gguf_mixes import MIXES
 from kvpilot.fit.model_spec import ModelSpec
 
@@ -59,6 +60,16 @@ def compute_dtype(spec: ModelSpec, dtype: str = "auto") -> str:
         return canonical_dtype(dtype)
     resolved = canonical_dtype(spec.torch_dtype) if spec.torch_dtype.lower() in _DTYPE_BITS else "bf16"
     return "bf16" if resolved == "fp32" else resolved
+
+
+def device_dtype(dtype: str, on_gpu: bool, cpu_fast_bf16: bool | None = None) -> str:
+    """--dtype as kvpilot takes it on the target: on a CPU "auto" is bf16 where the CPU computes bf16 natively,
+    else fp32 (model/dtypes.resolve_dtype), whatever the checkpoint's dtype; on a GPU, and any explicit dtype,
+    unchanged. `cpu_fast_bf16` None: this machine's CPU (fit's CPU device is this machine)."""
+    if on_gpu or dtype.strip().lower() != "auto":
+        return dtype
+    fast = cpu_has_fast_bf16() if cpu_fast_bf16 is None else cpu_fast_bf16
+    return "bf16" if fast else "fp32"
 
 
 def dtype_bytes(dtype: str) -> int:

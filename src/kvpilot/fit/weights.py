@@ -13,7 +13,7 @@ from kvpilot.fit.gguf_mixes import BASE_TYPES, file_bits_per_weight, mix_tensors
 from kvpilot.fit.gguf_sizes import GgufTensor
 from kvpilot.fit.model_source import LoadedModel
 from kvpilot.fit.units import gb_and_gib
-from kvpilot.fit.weight_formats import WeightFormat, compute_dtype, dtype_bytes, weight_format
+from kvpilot.fit.weight_formats import WeightFormat, compute_dtype, device_dtype, dtype_bytes, weight_format
 
 # kvpilot's --quantization int8 / int4 on a CPU: Q8_0 / Q4_1 blocks, the output layer Q8_0 (model/quant/at_load.py)
 AT_LOAD_CPU = {"int8": "q8_0", "int4": "q4_1"}
@@ -38,13 +38,16 @@ class WeightBytes:
 
 
 def weight_bytes(model: LoadedModel, weight_dtype: str = "auto", dtype: str = "auto",
-                 on_gpu: bool = False, cpu_int8: bool | None = None) -> WeightBytes:
+                 on_gpu: bool = False, cpu_int8: bool | None = None,
+                 cpu_fast_bf16: bool | None = None) -> WeightBytes:
     """What the weights take in kvpilot's memory on a GPU (`on_gpu`) or a CPU. `auto` is the model's own format:
     a GGUF file's tensors, a checkpoint's quantization_config, else its dtype; a llama.cpp mix name (q4_k_m,
     q8_0, ...) sizes the model as a file of that mix; int8 / int4 on a CPU as kvpilot quantizes at load (Q8_0 /
     Q4_1 blocks); other names are bits per role (weight_formats.py). `cpu_int8`: whether the CPU takes the int8
-    path of packed weights in bf16 (None: this machine's CPU)."""
+    path of packed weights in bf16, `cpu_fast_bf16` whether it computes bf16 natively (None: this machine's CPU;
+    without, "auto" is float32 there, as in kvpilot)."""
     key = weight_dtype.strip().lower()
+    dtype = device_dtype(dtype, on_gpu, cpu_fast_bf16)
     compute_bits = 8 * dtype_bytes(compute_dtype(model.spec, dtype))
     int8 = cpu_runs_int8_tiles() if cpu_int8 is None else cpu_int8
     if model.gguf is not None and key == "auto":

@@ -2,21 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
-from kvpilot.fit.fingerprint import CPUINFO_PATH, cpu_flags
+from kvpilot.fit.fingerprint import cpu_has_fast_bf16
 from kvpilot.model.errors import ModelLoadError
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
-
-
-def cpu_has_fast_bf16(cpuinfo_path: str | Path = CPUINFO_PATH) -> bool:
-    """True when the CPU computes bf16 natively (AVX512_BF16 or AMX). Without it, torch emulates bf16
-    matmuls, which is 5-40x slower than float32 (measured on an AVX-512 Xeon without bf16)."""
-    return bool(cpu_flags(Path(cpuinfo_path)) & {"avx512_bf16", "amx_bf16"})
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
