@@ -195,3 +195,26 @@ def _console(report: DoctorReport) -> str:
     console = Console(record=True, width=200, file=io.StringIO())
     print_report(console, report)
     return console.export_text()
+
+
+def _prefill_bursts(tmp: Path) -> list[str]:
+    """The quick probe's shared-prefix phase on a healthy llama-server (2-vCPU Zen 3, 2026-11-30): 4 streams of
+    256-token prompts and 8-token outputs. It prefills the 4 prompts as one batch (5.2 s, no output), then decodes
+    them together (40 ms a token): every request's 8 tokens come in the last 0.3 s of its 5.5 s, so the phase's 9 s
+    hold two bursts of output and nothing else."""
+    rng = random.Random(16)
+    recs = closed_loop(8, 4, lambda i, t: req(i, t, prompt=256, prefill=jitter(rng, 5200 if t < 1 else 3000, 0.01),
+                                               num_out=8, itl=[jitter(rng, 40, 0.05) for _ in range(7)]))
+    return [write(tmp / "bursts.json", [run("concurrency=4", recs, concurrency=4,
+                                             metrics=samples(18, running=4, waiting=0, kv=0.1))])]
+
+
+def test_output_in_bursts_of_synchronized_requests_is_not_a_degraded_run(tmp_path: Path) -> None:
+    # 2-s windows held no output but one (typical 0 tok/s, best 16): "degraded-run" HIGH on the doctor matrix's
+    # healthy llama-server. A window must last three lifetimes of the requests that made the best one's rate, and
+    # a run that short holds no four such windows to compare: no verdict
+    report = diagnose(load_inputs(_prefill_bursts(tmp_path)))
+    assert "degraded-run" not in [f.rule_id for f in report.findings], _ids(report)
+    # the staged starvation (fast requests for 1.5 s, then every step 10x slower) is still found
+    paths, _, _, _ = SCENARIOS["degraded-run"](tmp_path)
+    assert _ids(diagnose(load_inputs(paths)))[0] == ("degraded-run", "high")

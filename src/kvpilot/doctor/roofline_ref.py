@@ -10,6 +10,7 @@ from kvpilot.fit.errors import FitError
 from kvpilot.fit.hardware import parse_device_arg
 from kvpilot.fit.model_source import load_model
 from kvpilot.fit.plan import build_report
+from kvpilot.fit.weight_formats import compute_dtype
 from kvpilot.fit.workload import FitInputs
 
 
@@ -45,10 +46,13 @@ def roofline_for(model: str, gpu: str, input_len: int, output_len: int, concurre
     model (unknown name, does not fit)."""
     lookup = load_profile()
     try:
-        report = build_report(load_model(model), parse_device_arg(gpu, profile=lookup.profile),
+        fitted = load_model(model)
+        # the server's dtype unknown: the checkpoint's own (bf16 for most), not the dtype kvpilot would pick on
+        # this CPU; any engine may be serving
+        report = build_report(fitted, parse_device_arg(gpu, profile=lookup.profile),
                               FitInputs(input_len=max(1, input_len), output_len=max(1, output_len),
                                         concurrency=max(1, concurrency),
-                                        dtype=dtype or "auto", weight_dtype=weight_dtype or "auto"))
+                                        dtype=dtype or compute_dtype(fitted.spec), weight_dtype=weight_dtype or "auto"))
     except FitError as exc:
         raise DoctorInputError(f"--model/--gpu: {exc}") from exc
     rl = report.roofline
