@@ -144,31 +144,13 @@ torch::Tensor attention_bf16(const torch::Tensor& q, const torch::Tensor& cache,
   return out;
 }
 
-// DecoderLayer.forward for one layer.
-torch::Tensor layer_bf16(const torch::Tensor& x, const LayerWeights& lw, const torch::Tensor& cos,
-                         const torch::Tensor& sin, torch::Tensor& cache, const int64_t* slots,
-                         const torch::Tensor& block_tables, const torch::Tensor& context_lens, int64_t H, int64_t kvH,
-                         double eps, double scale, bool int8, int64_t isa) {
-  const int64_t D = cos.size(-1), T = x.size(0);
-  // attention
-  const torch::Tensor qkv = linear_rows(rms_norm_bf16(x, *lw.in_norm, eps), lw.proj[0], int8, isa);
-  const torch::Tensor rotated = rope_bf16(qkv.narrow(1, 0, (H + kvH) * D).view({T, H + kvH, D}), cos, sin);
-  const torch::Tensor v = qkv.narrow(1, (H + kvH) * D, kvH * D).view({T, kvH, D});
-  write_kv(cache, rotated.narrow(1, H, kvH), v, slots);
-  const torch::Tensor attended = attention_bf16(rotated.narrow(1, 0, H), cache, block_tables, context_lens, scale);
-  const torch::Tensor h = at::add(x, linear_rows(attended, lw.proj[1], int8, isa));
-  // MLP
-  const torch::Tensor gate_up = linear_rows(rms_norm_bf16(h, *lw.post_norm, eps), lw.proj[2], int8, isa);
-  return at::add(h, linear_rows(silu_mul_bf16(gate_up), lw.proj[3], int8, isa));
-}
-
 // RMSNorm.reference in float32: its torch ops in its order (x.float() and .to(dtype) are no-ops there).
-torch::Tensor rms_norm_f32(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+torch::Tensor rms_norm_f32(torch::Tensor x, torch::Tensor weight, double eps) {
   return weight.mul(x.mul(x.pow(2).mean(-1, true).add(eps).rsqrt()));
 }
 
 // rope.rotary_reference: x * cos + cat(-x[D/2:], x[:D/2]) * sin
-torch::Tensor rope_f32(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+torch::Tensor rope_f32(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   const int64_t half = x.size(-1) / 2;
   const torch::Tensor rotated = at::cat({x.slice(-1, half).neg(), x.slice(-1, 0, half)}, -1);
   return x.mul(cos).add(rotated.mul(sin));
@@ -183,22 +165,40 @@ torch::Tensor attention_f32(const torch::Tensor& q, const torch::Tensor& cache, 
   return out.view({T, H * D});
 }
 
-// DecoderLayer.forward for one layer, float32.
-torch::Tensor layer_f32(const torch::Tensor& x, const LayerWeights& lw, const torch::Tensor& cos,
-                        const torch::Tensor& sin, torch::Tensor& cache, const int64_t* slots,
-                        const torch::Tensor& block_tables, const torch::Tensor& context_lens, int64_t H, int64_t kvH,
-                        double eps, double scale, bool int8, int64_t isa) {
+// MLP's F.silu(gate).mul_(up) on the fused gate/up rows
+torch::Tensor silu_mul_f32(torch::Tensor gate_up) {
+  const int64_t I = gate_up.size(1) / 2;
+  return at::silu(gate_up.narrow(1, 0, I)).mul_(gate_up.narrow(1, I, I));
+}
+
+// The small ops between the matmuls, as the modules run them in one activation dtype.
+struct SmallOps {
+  torch::Tensor (*norm)(torch::Tensor, torch::Tensor, double);
+  torch::Tensor (*rope)(torch::Tensor, torch::Tensor, torch::Tensor);
+  torch::Tensor (*attention)(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                             double);
+  torch::Tensor (*silu_mul)(torch::Tensor);
+};
+
+const SmallOps kBf16Ops{rms_norm_bf16, rope_bf16, attention_bf16, silu_mul_bf16};
+const SmallOps kFloat32Ops{rms_norm_f32, rope_f32, attention_f32, silu_mul_f32};
+
+// DecoderLayer.forward for one layer.
+torch::Tensor layer(const SmallOps& ops, const torch::Tensor& x, const LayerWeights& lw, const torch::Tensor& cos,
+                    const torch::Tensor& sin, torch::Tensor& cache, const int64_t* slots,
+                    const torch::Tensor& block_tables, const torch::Tensor& context_lens, int64_t H, int64_t kvH,
+                    double eps, double scale, bool int8, int64_t isa) {
   const int64_t D = cos.size(-1), T = x.size(0);
-  const torch::Tensor qkv = linear_rows(rms_norm_f32(x, *lw.in_norm, eps), lw.proj[0], int8, isa);
-  const torch::Tensor rotated = rope_f32(qkv.narrow(1, 0, (H + kvH) * D).view({T, H + kvH, D}), cos, sin);
+  // attention
+  const torch::Tensor qkv = linear_rows(ops.norm(x, *lw.in_norm, eps), lw.proj[0], int8, isa);
+  const torch::Tensor rotated = ops.rope(qkv.narrow(1, 0, (H + kvH) * D).view({T, H + kvH, D}), cos, sin);
   const torch::Tensor v = qkv.narrow(1, (H + kvH) * D, kvH * D).view({T, kvH, D});
   write_kv(cache, rotated.narrow(1, H, kvH), v, slots);
-  const torch::Tensor attended = attention_f32(rotated.narrow(1, 0, H), cache, block_tables, context_lens, scale);
+  const torch::Tensor attended = ops.attention(rotated.narrow(1, 0, H), cache, block_tables, context_lens, scale);
   const torch::Tensor h = at::add(x, linear_rows(attended, lw.proj[1], int8, isa));
-  const torch::Tensor gate_up = linear_rows(rms_norm_f32(h, *lw.post_norm, eps), lw.proj[2], int8, isa);
-  const int64_t I = gate_up.size(1) / 2;
-  return at::add(h, linear_rows(at::silu(gate_up.narrow(1, 0, I)).mul_(gate_up.narrow(1, I, I)), lw.proj[3], int8,
-                                isa));
+  // MLP
+  const torch::Tensor gate_up = linear_rows(ops.norm(h, *lw.post_norm, eps), lw.proj[2], int8, isa);
+  return at::add(h, linear_rows(ops.silu_mul(gate_up), lw.proj[3], int8, isa));
 }
 
 }  // namespace
@@ -227,9 +227,9 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor cos, torch::Tensor si
     TORCH_CHECK(cache.scalar_type() == dtype && cache.is_contiguous() && cache.dim() == 5,
                 "kv caches: [2, kvH, blocks, block_size, D] in x's dtype, contiguous");
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  const auto layer = dtype == torch::kFloat32 ? layer_f32 : layer_bf16;
+  const SmallOps& ops = dtype == torch::kFloat32 ? kFloat32Ops : kBf16Ops;
   for (int64_t l = 0; l < L; ++l)
-    x = layer(x, layers[l], cos, sin, kv_caches[l], slots, block_tables, context_lens, num_heads, num_kv_heads, eps,
-              scale, int8, isa);
+    x = layer(ops, x, layers[l], cos, sin, kv_caches[l], slots, block_tables, context_lens, num_heads, num_kv_heads,
+              eps, scale, int8, isa);
   return x;
 }
