@@ -6,15 +6,14 @@ at batch 1 the embedded model spent ~4 of its ~10 ms per step in Python and torc
 module calls per layer). The kernel (layers/csrc/decode_layers_cpu.cpp) runs the same functions back to back:
 the packed matmuls (int8-activation or float32 path, as PackedLinear picks), RMSNorm, RoPE and SiLU-and-mul (the
 bf16 ops; in float32 the torch ops the modules run), the K/V write, the paged decode-attention kernel, and torch's
-add, so the hidden states are bit for bit the layer-by-layer forward's. In float32 (the auto dtype of CPUs
-without native bf16) it halves a batch-1 step of the embedded model, most of which was Python between the ops.
+add, so the hidden states are bit for bit the layer-by-layer forward's. Float32 (the auto dtype of CPUs without
+native bf16) gains the most: its modules run every small op as torch calls from Python.
 
 It applies to a model whose every layer has plain causal attention (no sliding window, soft-cap or sinks),
 packed projections without bias or q/k norms (a fused projection's parts may differ in format; every projection
 takes the int8 path or none does), norm weights and a KV cache in the activations' dtype (bf16 or float32), and
-to a step
-whose tokens are all decodes, in one consecutive batch, no more than the packed kernels' row limit, run by the
-cpu attention backend. Anything else takes the modules.
+to a step whose tokens are all decodes, in one consecutive batch, no more than the packed kernels' row limit, run
+by the cpu attention backend. Anything else takes the modules.
 """
 
 from __future__ import annotations
