@@ -78,12 +78,12 @@ class FusedDecode:
     bit, whenever `applies` says yes.
     """
 
-    def __init__(self, model: torch.nn.Module, kernel: Any) -> None:
+    def __init__(self, model: torch.nn.Module, kernel: Any, dtype: torch.dtype) -> None:
         self.kernel = kernel
         config = model.config
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.eps = float(config.rms_norm_eps)
-        self.dtype = model.layers[0].input_layernorm.weight.dtype
+        self.dtype = dtype  # the activations', norm weights' and KV cache's (_qualifying_dtype)
         self.scale = float(config.head_dim ** -0.5)
         linears = [lin for layer in model.layers for lin in _projections(layer)]
         self.int8_activations = all(lin.int8_activations for lin in linears)
@@ -113,7 +113,7 @@ class FusedDecode:
         if dtype is None or (dtype == torch.bfloat16 and get_bf16_ops() is None):
             return None
         kernel = get_fused_decode_kernel()
-        return None if kernel is None else cls(model, kernel)
+        return None if kernel is None else cls(model, kernel, dtype)
 
     def applies(self, x: torch.Tensor, kv_caches: list[torch.Tensor], attn: StepAttention) -> bool:
         meta = attn.meta
