@@ -91,8 +91,8 @@ def kernel_part(rows_list: list[int], reps: int) -> None:
 
 @torch.inference_mode()
 def vnni_part(rows_list: list[int], reps: int) -> None:
-    """The float32 kernel vs int8 activations with VNNI dot products: the 120 Q4_1 layers, then the Q8_0
-    output layer (49,152 x 576, the tied embedding table) on its own."""
+    """The float32 kernel vs int8 activations (VNNI dot products, or AVX2's vpmaddubsw for the tiled copy): the 120
+    Q4_1 layers, then the Q8_0 output layer (49,152 x 576, the tied embedding table) on its own."""
     from kvpilot.model.quant.kernel import get_quant_kernel
 
     kernel = get_quant_kernel()
@@ -105,15 +105,19 @@ def vnni_part(rows_list: list[int], reps: int) -> None:
 
 
 def _vnni_rows(kernel, layers: list[PackedLinear], rows_list: list[int], reps: int) -> None:
-    """The float32 kernel, the int8 path on the interleaved copy and on the column-tiled copy (Q4 only), and
+    """The float32 kernel, the int8 path on the interleaved copy (VNNI only) and on the column-tiled copy, and
     torch's dense bf16 GEMM (the hybrid layout's many-row path), side by side."""
+    from kvpilot.model.quant.kernel import has_vnni
     from kvpilot.model.quant.vnni_gemm import can_tile, tile
     from kvpilot.model.quant.vnni_layout import interleave
 
-    interleaved = [interleave(layer.parts[0]) for layer in layers]
+    interleaved = [interleave(layer.parts[0]) if has_vnni() else None for layer in layers]
     tiled = [tile(layer.parts[0]) if can_tile(layer.parts[0]) else None for layer in layers]
     dense = [layer.parts[0].dequantize(torch.bfloat16, layer.isa) for layer in layers]
-    prepacked = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in dense]  # oneDNN's blocked layout
+    try:  # oneDNN's blocked layout (its bf16 path needs AVX-512 or AVX-NE-CONVERT)
+        prepacked = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in dense]
+    except RuntimeError:
+        prepacked = []
     for rows in rows_list:
         x = torch.randn(rows, 576)
         outs = [torch.empty(rows, layer.out_features) for layer in layers]
@@ -125,7 +129,8 @@ def _vnni_rows(kernel, layers: list[PackedLinear], rows_list: list[int], reps: i
 
         def interleaved_run() -> None:
             for layer, v, out in zip(layers, interleaved, outs):
-                kernel.quant_matmul_interleaved(out, _input(layer, x), v.vq, v.vd, v.vo, v.q8)
+                if v is not None:
+                    kernel.quant_matmul_interleaved(out, _input(layer, x), v.vq, v.vd, v.vo, v.q8)
 
         def tiled_run() -> None:
             for layer, v, out in zip(layers, tiled, bf16_outs):
@@ -143,9 +148,10 @@ def _vnni_rows(kernel, layers: list[PackedLinear], rows_list: list[int], reps: i
         fp32_s, vnni_s, tiled_s, dense_s, prepacked_s = time_interleaved(
             [fp32_run, interleaved_run, tiled_run, dense_run, prepacked_run], reps)
         tiled_note = f", tiled {tiled_s * 1e3:.2f} ms" if any(v is not None for v in tiled) else ""
-        print(f"rows {rows:>3}: float32 dequantize + FMA {fp32_s * 1e3:.2f} ms, int8 activations + VNNI: interleaved "
-              f"{vnni_s * 1e3:.2f} ms ({fp32_s / vnni_s:.2f}x){tiled_note}; dense bf16 GEMM {dense_s * 1e3:.2f} ms, "
-              f"prepacked {prepacked_s * 1e3:.2f} ms")
+        interleaved_note = f"{vnni_s * 1e3:.2f} ms ({fp32_s / vnni_s:.2f}x)" if has_vnni() else "- (needs VNNI)"
+        print(f"rows {rows:>3}: float32 dequantize + FMA {fp32_s * 1e3:.2f} ms, int8 activations: interleaved "
+              f"{interleaved_note}{tiled_note}; dense bf16 GEMM {dense_s * 1e3:.2f} ms, "
+              f"prepacked {f'{prepacked_s * 1e3:.2f} ms' if prepacked else '-'}")
 
 
 _INPUTS: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from kvpilot.fit.calibration import DeviceRates, MachineProfile, load_profile, profile_path, save_profile
 from kvpilot.fit.cli import fit_command
 from kvpilot.fit.errors import FitError
-from kvpilot.fit.fingerprint import MachineFingerprint, cpu_runs_int8_tiles, current_fingerprint
+from kvpilot.fit.fingerprint import MachineFingerprint, cpu_int8_path, current_fingerprint
 from kvpilot.fit.hardware import catalog_name_of, parse_device_arg
 
 app = typer.Typer()
@@ -139,9 +139,11 @@ def test_the_fingerprint_reads_cpuinfo_and_the_nvidia_driver(tmp_path: Path) -> 
 
 
 def test_the_int8_path_follows_the_cpu_flags(tmp_path: Path) -> None:
-    """fit's int8 copies of packed weights: only where the kernels' has_vnni would say so (AVX-512 VNNI and BW)."""
-    zen4, zen3 = tmp_path / "zen4", tmp_path / "zen3"
-    zen4.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512bw avx512vl avx512_vnni avx512_bf16\n")
+    """fit's int8 copies of packed weights: the kernels' has_vnni (AVX-512 VNNI and BW) for every type, their
+    has_int8_tiles (AVX2 and FMA) for the split formats, else none."""
+    zen4, zen3, old = tmp_path / "zen4", tmp_path / "zen3", tmp_path / "old"
+    zen4.write_text("processor\t: 0\nflags\t\t: fpu avx2 fma avx512f avx512bw avx512vl avx512_vnni avx512_bf16\n")
     zen3.write_text("processor\t: 0\nflags\t\t: fpu avx2 fma\n")
-    assert cpu_runs_int8_tiles(zen4) and not cpu_runs_int8_tiles(zen3)
-    assert not cpu_runs_int8_tiles(tmp_path / "missing")
+    old.write_text("processor\t: 0\nflags\t\t: fpu sse4_2 avx\n")
+    assert [cpu_int8_path(p) for p in (zen4, zen3, old)] == ["vnni", "avx2", "none"]
+    assert cpu_int8_path(tmp_path / "missing") == "none"

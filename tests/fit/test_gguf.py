@@ -45,8 +45,9 @@ def test_gguf_weight_bytes_are_the_files_tensor_bytes(embedded_model: LoadedMode
 def test_gguf_weight_bytes_are_what_kvpilot_holds(embedded_model: LoadedModel) -> None:
     """On a CPU with AVX-512 VNNI in bf16: the Q4_1 layers packed (tiled int8 copies: the blocks' 20 bytes per 32),
     the tied head a packed Q8_0 copy with a float16 offset per block (36 bytes per 32), the embedding table dense
-    in bf16; without VNNI the head keeps its blocks' 34 bytes."""
-    weights = weight_bytes(embedded_model, cpu_int8=True, cpu_fast_bf16=True)
+    in bf16; on AVX2 without VNNI the same copies (Q8_0 and Q4_1 are split formats); without either the head keeps
+    its blocks' 34 bytes."""
+    weights = weight_bytes(embedded_model, cpu_int8="vnni", cpu_fast_bf16=True)
     assert weights.num_bytes_file == embedded_model.gguf.num_bytes
     assert weights.format_name.endswith("held packed")
     assert weights.num_bytes_embedding == 49152 * 576 * 2
@@ -57,7 +58,8 @@ def test_gguf_weight_bytes_are_what_kvpilot_holds(embedded_model: LoadedModel) -
     plan = plan_memory(embedded_model, parse_device_arg("cpu"), FitInputs())
     here = weight_bytes(embedded_model)
     assert weights_read_bytes(embedded_model, plan, 1) == here.num_bytes_layers + here.num_bytes_lm_head
-    assert weight_bytes(embedded_model, cpu_int8=False, cpu_fast_bf16=True).num_bytes_lm_head == 49152 * 576 // 32 * 34
+    assert weight_bytes(embedded_model, cpu_int8="avx2", cpu_fast_bf16=True) == weights
+    assert weight_bytes(embedded_model, cpu_int8="none", cpu_fast_bf16=True).num_bytes_lm_head == 49152 * 576 // 32 * 34
     on_gpu = weight_bytes(embedded_model, on_gpu=True)  # kvpilot dequantizes GGUF weights on GPUs
     assert on_gpu.num_bytes == 2 * 134_515_008 and "on a GPU it dequantizes them" in on_gpu.notes[0]
 

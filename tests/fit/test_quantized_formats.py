@@ -43,7 +43,7 @@ def test_mixes_agree_with_the_test_requantizer_on_the_embedded_shape(mix: str) -
 
 def test_a_mix_is_held_packed_on_a_cpu_and_dequantized_on_a_gpu() -> None:
     model = load_model("llama-3.1-8b")
-    cpu, gpu = weight_bytes(model, "q4_k_m", cpu_int8=True, cpu_fast_bf16=True), weight_bytes(model, "q4_k_m", on_gpu=True)
+    cpu, gpu = weight_bytes(model, "q4_k_m", cpu_int8="vnni", cpu_fast_bf16=True), weight_bytes(model, "q4_k_m", on_gpu=True)
     assert cpu.format_name.startswith("q4_k_m (llama.cpp mix: 4.89 bits a weight in the file)")
     assert cpu.num_bytes_file == gpu.num_bytes_file < cpu.num_bytes < gpu.num_bytes == 2 * model.params.num_total
     # beyond the file: the 128k x 4096 embedding table dense in bf16 (4.5 bits a weight in the file), and the tiled

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvpilot.model.quant.kernel import best_isa, get_quant_kernel, has_vnni
+from kvpilot.model.quant.kernel import best_isa, get_quant_kernel, has_int8_tiles, has_vnni
 from kvpilot.model.quant.linear import INT8_MAX_ROWS, TILED_MAX_ROWS, DenseScratch, Int8Gate, PackedLinear
 from kvpilot.model.quant.vnni_gemm import TiledWeight, can_tile, dequantize_tiled, tile
 from kvpilot.model.quant.vnni_layout import InterleavedWeight
@@ -35,7 +35,7 @@ def test_only_weights_of_whole_tiles_are_tiled():
         tile(odd)
 
 
-@pytest.mark.skipif(not has_vnni(), reason="no AVX-512 VNNI on this CPU")
+@pytest.mark.skipif(not has_int8_tiles(), reason="neither AVX-512 VNNI nor AVX2 on this CPU")
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0"])
 def test_tiled_gemm_is_within_the_int8_rounding_of_the_activations(name):
     """Each 32-value block of x is rounded to int8 with its own scale: a dot product moves by at most

@@ -11,15 +11,15 @@ import pytest
 import torch
 
 from kvpilot import LLM, SamplingParams
-from kvpilot.model.quant.kernel import best_isa, get_quant_kernel, has_vnni
+from kvpilot.model.quant.kernel import best_isa, get_quant_kernel, has_int8_tiles
 from kvpilot.model.quant.linear import DenseScratch, Int8Gate, PackedLinear
 from kvpilot.model.quant.packed import PackedWeight
 from kvpilot.model.quant.vnni_gemm import TiledWeight, tile
 from kvpilot.model.sampler import greedy_ids_of
 from tests.model.test_quant_kernels import _random_packed
 
-pytestmark = pytest.mark.skipif(get_quant_kernel() is None or not has_vnni(),
-                                reason="needs the C++ kernels and AVX-512 VNNI")
+pytestmark = pytest.mark.skipif(get_quant_kernel() is None or not has_int8_tiles(),
+                                reason="needs the C++ kernels and AVX-512 VNNI or AVX2")
 
 N, K = 16 * 11, 32 * 7  # 11 tiles: uneven thread chunks, column blocks of 8 tiles and a partial one
 

@@ -71,10 +71,14 @@ def cpu_has_fast_bf16(cpuinfo_path: str | Path = CPUINFO_PATH) -> bool:
     return bool(cpu_flags(Path(cpuinfo_path)) & {"avx512_bf16", "amx_bf16"})
 
 
-def cpu_runs_int8_tiles(cpuinfo_path: Path = CPUINFO_PATH) -> bool:
-    """Whether this CPU takes kvpilot's int8 path for packed weights in bf16 (AVX-512 VNNI and BW: the kernels'
-    has_vnni, read here without building them)."""
-    return {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= cpu_flags(cpuinfo_path)
+def cpu_int8_path(cpuinfo_path: Path = CPUINFO_PATH) -> str:
+    """Which int8 path this CPU takes for packed weights in bf16, read here without building the kernels:
+    "vnni" (AVX-512 VNNI and BW: the kernels' has_vnni, every packed type), "avx2" (AVX2 and FMA: has_int8_tiles,
+    Q8_0 / Q4_0 / Q4_1 only) or "none"."""
+    flags = cpu_flags(cpuinfo_path)
+    if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
+        return "vnni"
+    return "avx2" if {"avx2", "fma"} <= flags else "none"
 
 
 def current_fingerprint(cpuinfo_path: Path = CPUINFO_PATH, gpus_dir: Path = NVIDIA_GPUS_DIR) -> MachineFingerprint:

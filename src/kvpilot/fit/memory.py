@@ -26,7 +26,7 @@ from kvpilot.fit.kv_cache import kv_bytes_per_sequence, kv_bytes_per_token
 from kvpilot.fit.model_source import LoadedModel
 from kvpilot.fit.model_spec import ModelSpec
 from kvpilot.fit.weight_formats import compute_dtype, device_dtype, dtype_bytes, kv_dtype_bytes
-from kvpilot.fit.weights import WeightBytes, weight_bytes
+from kvpilot.fit.weights import WeightBytes, int8_packed, weight_bytes
 from kvpilot.fit.workload import FitInputs
 
 # kvpilot serve on a CPU allocates a fixed KV cache unless told otherwise (vLLM's CPU backend does the
@@ -142,7 +142,8 @@ def plan_memory(model: LoadedModel, group: DeviceGroup, inputs: FitInputs) -> Me
     spec = model.spec
     par = parallelism_for(spec, group.count)
     tp, pp = par.tensor_parallel_size, par.pipeline_parallel_size
-    dtype = device_dtype(inputs.dtype, group.device.is_gpu)  # a CPU's auto: bf16 or fp32, as kvpilot picks
+    # a CPU's auto: bf16 or fp32, as kvpilot picks
+    dtype = device_dtype(inputs.dtype, group.device.is_gpu, int8_packed=int8_packed(model, inputs.weight_dtype))
     weights = weight_bytes(model, inputs.weight_dtype, dtype, on_gpu=group.device.is_gpu)
     kvb = kv_dtype_bytes(inputs.kv_cache_dtype, spec, dtype)
     act = activation_bytes(spec, inputs, dtype_bytes(compute_dtype(spec, dtype)), tp)

@@ -62,14 +62,15 @@ def compute_dtype(spec: ModelSpec, dtype: str = "auto") -> str:
     return "bf16" if resolved == "fp32" else resolved
 
 
-def device_dtype(dtype: str, on_gpu: bool, cpu_fast_bf16: bool | None = None) -> str:
-    """--dtype as kvpilot takes it on the target: on a CPU "auto" is bf16 where the CPU computes bf16 natively,
+def device_dtype(dtype: str, on_gpu: bool, cpu_fast_bf16: bool | None = None, int8_packed: bool = False) -> str:
+    """--dtype as kvpilot takes it on the target: on a CPU "auto" is bf16 where the CPU computes bf16 natively or
+    the model's linear weights all run packed on the int8 path (`int8_packed`: gguf_holding.int8_path_takes_all),
     else fp32 (model/dtypes.resolve_dtype), whatever the checkpoint's dtype; on a GPU, and any explicit dtype,
     unchanged. `cpu_fast_bf16` None: this machine's CPU (fit's CPU device is this machine)."""
     if on_gpu or dtype.strip().lower() != "auto":
         return dtype
     fast = cpu_has_fast_bf16() if cpu_fast_bf16 is None else cpu_fast_bf16
-    return "bf16" if fast else "fp32"
+    return "bf16" if fast or int8_packed else "fp32"
 
 
 def dtype_bytes(dtype: str) -> int:

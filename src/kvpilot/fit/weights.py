@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvpilot.fit.checkpoint_formats import checkpoint_linear_bits
-from kvpilot.fit.fingerprint import cpu_runs_int8_tiles
-from kvpilot.fit.gguf_holding import PACKED_FAMILIES, held_gguf, packed_bits
+from kvpilot.fit.fingerprint import cpu_int8_path
+from kvpilot.fit.gguf_holding import PACKED_FAMILIES, held_gguf, int8_path_takes_all, packed_bits
 from kvpilot.fit.gguf_mixes import BASE_TYPES, file_bits_per_weight, mix_tensors
 from kvpilot.fit.gguf_sizes import GgufTensor
 from kvpilot.fit.model_source import LoadedModel
@@ -38,18 +38,18 @@ class WeightBytes:
 
 
 def weight_bytes(model: LoadedModel, weight_dtype: str = "auto", dtype: str = "auto",
-                 on_gpu: bool = False, cpu_int8: bool | None = None,
+                 on_gpu: bool = False, cpu_int8: str | None = None,
                  cpu_fast_bf16: bool | None = None) -> WeightBytes:
     """What the weights take in kvpilot's memory on a GPU (`on_gpu`) or a CPU. `auto` is the model's own format:
     a GGUF file's tensors, a checkpoint's quantization_config, else its dtype; a llama.cpp mix name (q4_k_m,
     q8_0, ...) sizes the model as a file of that mix; int8 / int4 on a CPU as kvpilot quantizes at load (Q8_0 /
-    Q4_1 blocks); other names are bits per role (weight_formats.py). `cpu_int8`: whether the CPU takes the int8
-    path of packed weights in bf16, `cpu_fast_bf16` whether it computes bf16 natively (None: this machine's CPU;
-    without, "auto" is float32 there, as in kvpilot)."""
+    Q4_1 blocks); other names are bits per role (weight_formats.py). `cpu_int8`: the CPU's int8 path for packed
+    weights in bf16 (vnni, avx2, none: fingerprint.cpu_int8_path), `cpu_fast_bf16` whether it computes bf16
+    natively (None: this machine's CPU; without, "auto" is float32 there, as in kvpilot)."""
     key = weight_dtype.strip().lower()
-    dtype = device_dtype(dtype, on_gpu, cpu_fast_bf16)
+    int8 = cpu_int8_path() if cpu_int8 is None else cpu_int8
+    dtype = device_dtype(dtype, on_gpu, cpu_fast_bf16, int8_packed(model, weight_dtype, int8))
     compute_bits = 8 * dtype_bytes(compute_dtype(model.spec, dtype))
-    int8 = cpu_runs_int8_tiles() if cpu_int8 is None else cpu_int8
     if model.gguf is not None and key == "auto":
         mix = ", ".join(f"{n} {t}" for t, n in sorted(model.gguf.tensor_types.items()))
         return _from_tensors(model, model.gguf.tensors, f"gguf ({mix})", compute_bits, on_gpu, cpu_int8=int8)
@@ -70,6 +70,16 @@ def weight_bytes(model: LoadedModel, weight_dtype: str = "auto", dtype: str = "a
         name, bits, note = checkpoint_linear_bits(quant, on_gpu, compute_bits)
         return _by_role(model, WeightFormat(name, bits, compute_bits, compute_bits), (note,))
     return _by_role(model, weight_format(weight_dtype, model.spec, dtype))
+
+
+def int8_packed(model: LoadedModel, weight_dtype: str = "auto", cpu_int8: str | None = None) -> bool:
+    """Whether kvpilot runs `model` (its own format: a GGUF file) with every linear weight packed on the int8 path
+    of a CPU whose int8 path is `cpu_int8` (None: this machine's), where its --dtype auto is bf16."""
+    if model.gguf is None or weight_dtype.strip().lower() != "auto":
+        return False
+    spec = model.spec
+    return int8_path_takes_all(model.gguf.tensors, spec.model_type, spec.tie_word_embeddings,
+                               cpu_int8_path() if cpu_int8 is None else cpu_int8)
 
 
 def _mxfp4_experts_packed(model: LoadedModel, compute_bits: int) -> WeightBytes:
@@ -98,7 +108,7 @@ def _by_role(model: LoadedModel, fmt: WeightFormat, notes: tuple[str, ...] = ())
 
 
 def _from_tensors(model: LoadedModel, tensors: tuple[GgufTensor, ...], label: str, compute_bits: int,
-                  on_gpu: bool, from_file: bool = True, cpu_int8: bool = True) -> WeightBytes:
+                  on_gpu: bool, from_file: bool = True, cpu_int8: str = "vnni") -> WeightBytes:
     """`from_file`: the tensors are a GGUF's (or a llama.cpp mix's); False: blocks kvpilot quantizes at load."""
     spec = model.spec
     held = held_gguf(tensors, spec.model_type, spec.tie_word_embeddings, compute_bits, on_gpu, cpu_int8)

@@ -275,7 +275,8 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
     if load_format not in LOAD_FORMATS:
         raise ModelLoadError(f"load_format {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
     torch_device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    torch_dtype = resolve_dtype(dtype, torch_device)
+    int8_packed = dtype == "auto" and int8_path_takes_gguf(model, load_format, torch_device, quantization, tp_size)
+    torch_dtype = resolve_dtype(dtype, torch_device, int8_packed)
     check_quantization(quantization)
     try:
         check_prompt_gemm_dtype(prompt_gemm_dtype)
@@ -313,6 +314,30 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
         if loaded.shard is None and family_of(loaded.config).fused_decode:
             loaded.model.fused_decode = FusedDecode.for_model(loaded.model)
     return loaded
+
+
+def int8_path_takes_gguf(model: str | None, load_format: str, device: torch.device, quantization: str,
+                          tp_size: int) -> bool:
+    """Whether `model` is a GGUF file whose linear weights would all run packed on this CPU's int8 path in bf16
+    (fit's rule, gguf_holding.int8_path_takes_all, on the file's header); False for anything it cannot read."""
+    from kvpilot.fit.errors import ConfigError
+    from kvpilot.fit.gguf_holding import int8_path_takes_all
+    from kvpilot.fit.gguf_metadata import hf_config_from_reader, open_gguf
+    from kvpilot.fit.gguf_sizes import gguf_sizes
+    from kvpilot.model.quant.kernel import int8_path
+
+    if device.type != "cpu" or quantization not in ("auto", "gguf") or tp_size > 1 or load_format != "auto":
+        return False
+    path = default_model_path() if model is None else Path(model).expanduser()
+    if path.suffix != ".gguf" or not path.is_file() or int8_path() == "none":
+        return False
+    try:
+        reader = open_gguf(path)
+        cfg = hf_config_from_reader(reader, path)
+    except ConfigError:  # _load reports a bad file with its own message
+        return False
+    return int8_path_takes_all(gguf_sizes(reader).tensors, str(cfg.get("model_type")),
+                               bool(cfg.get("tie_word_embeddings")), int8_path())
 
 
 def _quantize_at_load(loaded: LoadedModel, quantization: str) -> None:

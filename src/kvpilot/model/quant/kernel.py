@@ -21,14 +21,14 @@ _CSRC = Path(__file__).resolve().parent.parent / "layers" / "csrc"
 # concatenated in this order into one translation unit (the headers are not on an include path)
 SOURCE_NAMES = ("quant_common.h", "quant_blocks.h", "quant_avx512.h", "quant_avx2.h", "quant_blocks_avx2.h",
                 "quant_vnni.h",
-                "quant_vnni_gemm.h", "quant_tiled_kq.h", "quant_linear_cpu.cpp", "quant_tiled_cpu.cpp",
+                "quant_vnni_gemm.h", "quant_tiled_avx2.h", "quant_tiled_kq.h", "quant_linear_cpu.cpp", "quant_tiled_cpu.cpp",
                 "quant_tiled_set_cpu.cpp")
 # this module's alone (the fused decode kernel builds SOURCE_NAMES and needs none of it): packed GGUF experts and
 # the conversion of their blocks to int8 tiles at load
 MOE_SOURCE_NAMES = ("moe_groups.h", "quant_moe_cpu.cpp", "quant_tile_blocks_cpu.cpp")
 SOURCE_PATHS = tuple(_CSRC / name for name in SOURCE_NAMES + MOE_SOURCE_NAMES)
 FUNCTIONS = ["quant_matmul", "quant_dequantize", "cpu_isa", "quant_parallel_width", "quant_matmul_interleaved",
-             "quant_matmul_tiled", "quant_dequantize_tiled", "quant_argmax_tiled", "has_vnni",
+             "quant_matmul_tiled", "quant_dequantize_tiled", "quant_argmax_tiled", "has_vnni", "has_int8_tiles",
              "quant_matmul_tiled_set", "quant_dequantize_tiled_set", "quant_argmax_tiled_set", "quant_moe_tiled",
              "quant_tile_blocks"]
 ISA_NAMES = ("portable", "avx2", "avx512")
@@ -60,6 +60,19 @@ def best_isa() -> int:
 
 
 def has_vnni() -> bool:
-    """Whether the int8-activation (VNNI) path runs on this CPU."""
+    """Whether the whole int8-activation path runs on this CPU (AVX-512 VNNI): every tiled format, tiled sets,
+    interleaved copies and packed experts."""
     kernel = get_quant_kernel()
     return kernel is not None and bool(kernel.has_vnni())
+
+
+def int8_path() -> str:
+    """This CPU's int8 path, as fit names it (fit/fingerprint.cpu_int8_path): vnni, avx2 or none."""
+    return "vnni" if has_vnni() else "avx2" if has_int8_tiles() else "none"
+
+
+def has_int8_tiles() -> bool:
+    """Whether the int8-activation path's column-tiled Q8_0 / Q4_0 / Q4_1 copies run on this CPU: with VNNI, or
+    AVX2 (vpmaddubsw; the other int8 copies need VNNI)."""
+    kernel = get_quant_kernel()
+    return kernel is not None and bool(kernel.has_int8_tiles())

@@ -13,6 +13,7 @@ Two paths, picked per call by the number of rows (tokens) in x:
 On CPUs with AVX-512 VNNI the hybrid layout's bf16 activations take a third path, int8 activations times the
 packed blocks (`int8_activations`): Q4_0 / Q4_1 layers through a column-tiled copy at every row count of a step
 without prompt tokens (Int8Gate), beating the resident bf16 GEMM everywhere; other layers up to INT8_MAX_ROWS rows.
+AVX2 CPUs take it for the column-tiled Q8_0 / Q4_0 / Q4_1 layers only (vpmaddubsw: csrc/quant_tiled_avx2.h).
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ class PackedLinear(nn.Module):
     values, one rounding of the result to bf16; float32 logits unrounded).
     `int8_activations`: up to `int8_max_rows` rows are quantized to int8 blocks and multiplied with the packed
     weights by VNNI dot products (llama.cpp's scheme; within ~1/254 of a block's largest value of the float32
-    path), on a CPU with VNNI: parts of 16-row tiles (any packed format, several side by side: tiled_set.py) use
+    path), on a CPU with VNNI (AVX2: lone Q8_0 / Q4_0 / Q4_1 parts of whole tiles only): parts of 16-row tiles (any packed format, several side by side: tiled_set.py) use
     the column-tiled copies up to TILED_MAX_ROWS rows, a lone Q8_0 / Q4_0 / Q4_1 part of other widths the
     interleaved one up to INT8_MAX_ROWS; other layers and more rows keep the float32 kernel.
     """

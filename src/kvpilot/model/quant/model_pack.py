@@ -11,7 +11,7 @@
   than bf16 ones at load, layers/prompt_gemm.py: twice the bytes). Float32 activations stay packed only
   (packed beats dense float32 at every batch);
 - gguf: packed only, or a ModelLoadError naming the tensor types the kernels lack. With bf16 activations on a
-  VNNI CPU the int8 path's tiled copy is then the only copy of the blocks: decode steps run on it, steps with
+  CPU with the int8 path (VNNI, or AVX2 for Q8_0 / Q4_0 / Q4_1) the int8 path's tiled copy is then the only copy of the blocks: decode steps run on it, steps with
   prompt tokens dequantize it per layer into one shared scratch matrix instead of keeping a dense copy (less
   resident memory than auto, at a per-step cost);
 - none: dequantized to --dtype at load (dense matmuls);
@@ -36,7 +36,7 @@ from torch import nn
 from kvpilot.model.config import ModelConfig
 from kvpilot.model.errors import ModelLoadError
 from kvpilot.model.quant.formats import SUPPORTED_NAMES, packed_format
-from kvpilot.model.quant.kernel import best_isa, has_vnni
+from kvpilot.model.quant.kernel import best_isa, has_int8_tiles, has_vnni
 from kvpilot.model.quant.linear import DenseScratch, Int8Gate, PackedLinear
 from kvpilot.model.quant.packed import PackedWeight
 from kvpilot.model.quant.packed_experts import ExpertBlocks, PackedExperts, expert_blocks_of_layer
@@ -131,8 +131,9 @@ def keeps_dense(quantization: str, compute_dtype: torch.dtype, packed: dict[str,
 def install_int8_gate(model: nn.Module, compute_dtype: torch.dtype) -> Int8Gate | None:
     """The model's Int8Gate (the model opens it for decode steps, llama.py) when packed layers take the
     int8-activation path: bf16 activations (int8 blocks round about as coarsely, 2^-8) on a CPU with AVX-512
-    VNNI; else None. Sets model.int8_gate either way."""
-    model.int8_gate = Int8Gate() if compute_dtype == torch.bfloat16 and has_vnni() else None
+    VNNI, or AVX2 (its Q8_0 / Q4_0 / Q4_1 layers of whole tiles only: tiled_set.int8_copy); else None. Sets
+    model.int8_gate either way."""
+    model.int8_gate = Int8Gate() if compute_dtype == torch.bfloat16 and has_int8_tiles() else None
     return model.int8_gate
 
 
@@ -143,8 +144,8 @@ def pack_linear_layers(model: nn.Module, packed: dict[str, PackedWeight | Expert
     routed experts of mixture-of-experts layers with PackedExperts (int8 tiled copies where the int8 path applies,
     else the blocks; never a dense copy);
     `keep_dense`: each also keeps the dense copy its many-row path builds (the hybrid layout), in `gemm_dtype`
-    for bf16 activations (layers/prompt_gemm.py; default compute_dtype). With bf16 `compute_dtype` on a VNNI
-    CPU, decode steps take the int8 path, hybrid or packed only.
+    for bf16 activations (layers/prompt_gemm.py; default compute_dtype). With bf16 `compute_dtype` on a CPU
+    with the int8 path (install_int8_gate), decode steps take it, hybrid or packed only.
 
     Call on the model before its parameters are materialized (the dense weights are never allocated);
     the remaining parameters (norms, embeddings, biases) load as usual afterwards.
@@ -166,7 +167,7 @@ def pack_linear_layers(model: nn.Module, packed: dict[str, PackedWeight | Expert
         attn.o_proj = make([f"{prefix}self_attn.o_proj.weight"])
         experts = expert_blocks_of_layer(packed, i)
         if experts is not None:  # a SparseMoeBlock's experts (its router stays dense: GGUF keeps it F32)
-            mlp.experts = PackedExperts(*experts, isa=isa, int8=gate is not None)
+            mlp.experts = PackedExperts(*experts, isa=isa, int8=gate is not None and has_vnni())
             continue
         mlp.gate_up_proj = make([f"{prefix}mlp.gate_proj.weight", f"{prefix}mlp.up_proj.weight"])
         mlp.down_proj = make([f"{prefix}mlp.down_proj.weight"])

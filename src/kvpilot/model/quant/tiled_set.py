@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpilot.model.quant.kernel import require_quant_kernel
+from kvpilot.model.quant.kernel import has_vnni, require_quant_kernel
 from kvpilot.model.quant.packed import PackedWeight
 from kvpilot.model.quant.tiled_kquant import KTiledWeight, can_ktile, ktile
 from kvpilot.model.quant.vnni_gemm import TiledWeight, can_tile, tile
@@ -73,9 +73,12 @@ def tiled_set(parts: list[PackedWeight]) -> TiledSet:
 def int8_copy(parts: list[PackedWeight]) -> TiledWeight | TiledSet | InterleavedWeight | None:
     """The int8 path's copy of a layer of `parts`: a lone split-format part of whole tiles, its TiledWeight (as
     before sets); parts that all tile, a TiledSet; a lone split-format part of other widths, its interleaved copy;
-    anything else none (the layer keeps the float32 kernel)."""
+    anything else none (the layer keeps the float32 kernel). Without VNNI (AVX2: kernel.has_int8_tiles) only the
+    first kind: the others are none."""
     if len(parts) == 1 and can_tile(parts[0]):
         return tile(parts[0])
+    if not has_vnni():
+        return None
     if all(can_tile_any(p) for p in parts):
         return tiled_set(parts)
     if len(parts) == 1 and not parts[0].format.kept_as_blocks:

@@ -24,21 +24,22 @@ Q8Rows quantize_rows_q8(const torch::Tensor& x, int64_t KB) {
     for (int64_t i = i0; i < i1; ++i) {
       const float* xi = bf16_in ? row.data() : x.data_ptr<float>() + i * K;
       if (bf16_in) widen_bf16(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) + i * K, row.data(), K);
-      quantize_row_q8(xi, KB, rows.q.data() + i * K, rows.d.data() + i * KB, rows.s.data() + i * KB);
+      (has_vnni() ? quantize_row_q8 : quantize_row_q8_256)(xi, KB, rows.q.data() + i * K, rows.d.data() + i * KB,
+                                                          rows.s.data() + i * KB);
     }
   });
   return rows;
 }
 
 // The tiled weights' tile count T, blocks per row KB and format (Q8_0: 512 quant bytes a tile and block, Q4: 256),
-// checked (on a CPU with VNNI)
+// checked (on a CPU with VNNI, or AVX2: has_int8_tiles)
 struct TiledShape {
   int64_t T, KB;
   bool q8;
 };
 
 TiledShape tiled_shape(const torch::Tensor& tq, const torch::Tensor& td, const torch::Tensor& to) {
-  TORCH_CHECK(has_vnni(), "needs AVX-512 VNNI");
+  TORCH_CHECK(has_int8_tiles(), "needs AVX-512 VNNI or AVX2");
   TORCH_CHECK(tq.is_contiguous() && td.is_contiguous() && to.is_contiguous() && tq.scalar_type() == torch::kUInt8 &&
               td.scalar_type() == torch::kFloat16 && to.scalar_type() == torch::kFloat16 && td.sizes() == to.sizes() &&
               td.dim() == 3 && td.size(2) == 16 && tq.dim() == 3,
@@ -67,8 +68,8 @@ constexpr int64_t kArgmaxTiles = 8;
 // the columns = l (mod 16) in increasing order and keeps the first of the largest: only a strictly greater value
 // replaces it. NaN compares greater than nothing; it is flagged per row instead (bit tests: -ffast-math may assume
 // no NaN in float compares).
-KVP_VNNI void fold_block(const float* block, int64_t M, int64_t width, int64_t col0, float* best, int32_t* index,
-                         bool* nan) {
+KVP_VNNI void fold_block512(const float* block, int64_t M, int64_t width, int64_t col0, float* best, int32_t* index,
+                            bool* nan) {
   const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF), inf_bits = _mm512_set1_epi32(0x7F800000);
   for (int64_t i = 0; i < M; ++i) {
@@ -88,6 +89,25 @@ KVP_VNNI void fold_block(const float* block, int64_t M, int64_t width, int64_t c
   }
 }
 
+// fold_block512 without AVX-512 (same lanes, same rule, same NaN test on the bits)
+void fold_block_portable(const float* block, int64_t M, int64_t width, int64_t col0, float* best, int32_t* index,
+                         bool* nan) {
+  for (int64_t i = 0; i < M; ++i) {
+    bool bad = false;
+    for (int64_t c = 0; c < width; ++c) {
+      const float v = block[i * width + c];
+      uint32_t bits;
+      std::memcpy(&bits, &v, 4);
+      bad = bad || (bits & 0x7FFFFFFFu) > 0x7F800000u;
+      const int64_t lane = i * 16 + c % 16;
+      if (v > best[lane]) best[lane] = v, index[lane] = int32_t(col0 + c);
+    }
+    nan[i] = nan[i] || bad;
+  }
+}
+
+using FoldFn = void (*)(const float*, int64_t, int64_t, int64_t, float*, int32_t*, bool*);
+
 // A row's 16 lanes -> (largest value, lowest column holding it)
 std::pair<float, int32_t> lane_best(const float* best, const int32_t* index) {
   float value = best[0];
@@ -100,8 +120,8 @@ std::pair<float, int32_t> lane_best(const float* best, const int32_t* index) {
 // Tiles [t0, t1) of the argmax: per x row, the best (value, column) of their columns and whether one was NaN.
 // rows(t, te, block, width) writes the float32 outputs of tiles [t, te) for every x row into block [M, width].
 template <typename RowsFn>
-KVP_VNNI void argmax_chunk(const RowsFn& rows, int64_t t0, int64_t t1, int64_t M, float* value, int32_t* column,
-                           bool* nan) {
+void argmax_chunk(const RowsFn& rows, int64_t t0, int64_t t1, int64_t M, float* value, int32_t* column, bool* nan) {
+  const FoldFn fold_block = has_vnni() ? fold_block512 : fold_block_portable;
   std::vector<float> block(M * 16 * kArgmaxTiles), best(M * 16, -std::numeric_limits<float>::infinity());
   std::vector<int32_t> index(M * 16);
   for (int64_t i = 0; i < M; ++i)
@@ -113,6 +133,26 @@ KVP_VNNI void argmax_chunk(const RowsFn& rows, int64_t t0, int64_t t1, int64_t M
     fold_block(block.data(), M, width, t * 16, best.data(), index.data(), nan);
   }
   for (int64_t i = 0; i < M; ++i) std::tie(value[i], column[i]) = lane_best(best.data() + i * 16, index.data() + i * 16);
+}
+
+}  // namespace
+
+namespace {
+
+using TiledRowsFn = void (*)(const uint8_t*, const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t, const int8_t*,
+                             const float*, const float*, int64_t, float*, uint16_t*, int64_t);
+using TiledDequantFn = void (*)(const uint8_t*, const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t, float*,
+                                uint16_t*);
+
+// tiled_rows for Q8_0 (q8) or Q4 tiles on this CPU: AVX-512 VNNI (quant_vnni_gemm.h), else AVX2 (quant_tiled_avx2.h)
+TiledRowsFn tiled_rows_for(bool q8) {
+  if (has_vnni()) return q8 ? tiled_rows<true> : tiled_rows<false>;
+  return q8 ? tiled_rows256<true> : tiled_rows256<false>;
+}
+
+TiledDequantFn tiled_dequant_rows_for(bool q8) {
+  if (has_vnni()) return q8 ? tiled_dequant_rows<true> : tiled_dequant_rows<false>;
+  return q8 ? tiled_dequant_rows256<true> : tiled_dequant_rows256<false>;
 }
 
 }  // namespace
@@ -133,9 +173,8 @@ void quant_matmul_tiled(torch::Tensor out, torch::Tensor x, torch::Tensor tq, to
   const auto* d = reinterpret_cast<const uint16_t*>(td.data_ptr<at::Half>());
   const auto* o = reinterpret_cast<const uint16_t*>(to.data_ptr<at::Half>());
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
-    (q8 ? tiled_rows<true> : tiled_rows<false>)(tq.data_ptr<uint8_t>(), d, o, KB, t0, t1, xq.q.data(), xq.d.data(),
-                                                 xq.s.data(), M, op == nullptr ? nullptr : op + t0 * 16,
-                                                 ob == nullptr ? nullptr : ob + t0 * 16, N);
+    tiled_rows_for(q8)(tq.data_ptr<uint8_t>(), d, o, KB, t0, t1, xq.q.data(), xq.d.data(), xq.s.data(), M,
+                       op == nullptr ? nullptr : op + t0 * 16, ob == nullptr ? nullptr : ob + t0 * 16, N);
   });
 }
 
@@ -156,7 +195,7 @@ void quant_dequantize_tiled(torch::Tensor out, torch::Tensor tq, torch::Tensor t
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
     float* of = bf16 ? nullptr : out.data_ptr<float>() + t0 * 16 * K;
     uint16_t* ob = bf16 ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) + t0 * 16 * K : nullptr;
-    (q8 ? tiled_dequant_rows<true> : tiled_dequant_rows<false>)(tq.data_ptr<uint8_t>(), d, o, KB, t0, t1, of, ob);
+    tiled_dequant_rows_for(q8)(tq.data_ptr<uint8_t>(), d, o, KB, t0, t1, of, ob);
   });
 }
 
@@ -203,7 +242,7 @@ torch::Tensor quant_argmax_tiled(torch::Tensor x, torch::Tensor tq, torch::Tenso
   const auto* o = reinterpret_cast<const uint16_t*>(to.data_ptr<at::Half>());
   const uint8_t* q = tq.data_ptr<uint8_t>();
   return argmax_over_tiles(shape.T, M, [&](int64_t t, int64_t te, float* block, int64_t width) {
-    (shape.q8 ? tiled_rows<true> : tiled_rows<false>)(q, d, o, KB, t, te, xq.q.data(), xq.d.data(), xq.s.data(), M,
+    tiled_rows_for(shape.q8)(q, d, o, KB, t, te, xq.q.data(), xq.d.data(), xq.s.data(), M,
                                                        block, nullptr, width);
   });
 }
