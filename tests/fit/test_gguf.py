@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 
 from kvpilot.fit.errors import ConfigError
+from kvpilot.fit.gguf_holding import int8_path_takes_all
+from kvpilot.fit.gguf_mixes import mix_tensors
 from kvpilot.fit.model_source import LoadedModel, load_model
 from kvpilot.fit.hardware import parse_device_arg
 from kvpilot.fit.memory import plan_memory
@@ -62,6 +64,20 @@ def test_gguf_weight_bytes_are_what_kvpilot_holds(embedded_model: LoadedModel) -
     assert weight_bytes(embedded_model, cpu_int8="none", cpu_fast_bf16=True).num_bytes_lm_head == 49152 * 576 // 32 * 34
     on_gpu = weight_bytes(embedded_model, on_gpu=True)  # kvpilot dequantizes GGUF weights on GPUs
     assert on_gpu.num_bytes == 2 * 134_515_008 and "on a GPU it dequantizes them" in on_gpu.notes[0]
+
+
+def test_auto_is_bf16_where_every_linear_weight_runs_on_the_int8_path(embedded_model: LoadedModel) -> None:
+    """The embedded file (Q4_1, a Q8_0 head) runs whole on AVX2's int8 path, a Q4_K_M mix only with VNNI; a CPU
+    without native bf16 then plans --dtype auto in bf16 (2-byte KV) exactly where the int8 path takes it all."""
+    spec = embedded_model.spec
+    q4_k_m = mix_tensors(spec, "q4_k_m")
+    takes = {(name, path): int8_path_takes_all(tensors, spec.model_type, spec.tie_word_embeddings, path)
+             for name, tensors in (("file", embedded_model.gguf.tensors), ("q4_k_m", q4_k_m))
+             for path in ("vnni", "avx2", "none")}
+    assert [k for k, v in takes.items() if v] == [("file", "vnni"), ("file", "avx2"), ("q4_k_m", "vnni")]
+    computed = {path: weight_bytes(embedded_model, cpu_int8=path, cpu_fast_bf16=False).num_bytes_embedding
+                for path in ("avx2", "none")}
+    assert computed == {"avx2": 49152 * 576 * 2, "none": 49152 * 576 * 4}  # the dense table in the compute dtype
 
 
 def test_requantizing_a_gguf_model_uses_the_formula(embedded_model: LoadedModel) -> None:

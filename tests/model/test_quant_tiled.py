@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 import torch
 
+from kvpilot.model.loader import load_model
 from kvpilot.model.quant.kernel import best_isa, get_quant_kernel, has_int8_tiles, has_vnni
 from kvpilot.model.quant.linear import INT8_MAX_ROWS, TILED_MAX_ROWS, DenseScratch, Int8Gate, PackedLinear
+from kvpilot.model.quant.tiled_set import TiledSet, int8_copy
 from kvpilot.model.quant.vnni_gemm import TiledWeight, can_tile, dequantize_tiled, tile
 from kvpilot.model.quant.vnni_layout import InterleavedWeight
 from tests.model.test_quant_kernels import _random_packed
@@ -96,3 +98,25 @@ def test_packed_linear_takes_the_tiled_copy_in_decode_steps_at_every_row_count()
     odd = PackedLinear([_random_packed("Q8_0", N + 4, K, seed=7)[0]], bias=False, scratch=DenseScratch(),
                        isa=best_isa(), keep_dense=True, int8_activations=True)
     assert isinstance(odd.int8_weight, InterleavedWeight) and odd.int8_max_rows == INT8_MAX_ROWS
+
+
+@pytest.mark.skipif(not has_int8_tiles(), reason="neither AVX-512 VNNI nor AVX2 on this CPU")
+def test_the_int8_copies_follow_the_cpus_int8_path():
+    """A lone Q8_0 / Q4_0 / Q4_1 part of whole tiles gets its tiled copy on every CPU with the int8 path; with VNNI
+    also parts of mixed formats (a tiled set; test_quant_kquant.py has the kept formats') and an odd width
+    (interleaved); without VNNI (AVX2) those keep the float32 kernel: no copy."""
+    assert isinstance(int8_copy([_random_packed("Q4_0", N, K, seed=1)[0]]), TiledWeight)
+    others = [int8_copy([_random_packed("Q4_1", N, K, seed=3)[0], _random_packed("Q8_0", N, K, seed=4)[0]]),
+              int8_copy([_random_packed("Q8_0", N + 4, K, seed=5)[0]])]
+    expected = [TiledSet, InterleavedWeight] if has_vnni() else [type(None)] * 2
+    assert [type(c) for c in others] == expected
+
+
+@pytest.mark.skipif(not has_int8_tiles(), reason="neither AVX-512 VNNI nor AVX2 on this CPU")
+def test_auto_runs_the_embedded_gguf_on_the_int8_path():
+    """--dtype auto on any CPU with the int8 path (native bf16 or not): bf16 activations, the Int8Gate, and every
+    packed layer of the embedded model (Q4_1, its Q8_0 head) on a tiled copy."""
+    loaded = load_model(None, max_model_len=64)
+    assert loaded.dtype == torch.bfloat16 and loaded.model.int8_gate is not None
+    linears = [m for m in loaded.model.modules() if isinstance(m, PackedLinear)]
+    assert len(linears) == 4 * 30 + 1 and all(isinstance(m.int8_weight, TiledWeight) for m in linears)
