@@ -6,10 +6,15 @@ returning multi-turn sessions whose prefixes the pool evicted with no offload ti
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from pathlib import Path
 
+import pytest
+
 from kvpilot.bench.datasets import DatasetConfig
+from kvpilot.bench.records import RequestRecord
 from kvpilot.doctor.diagnose import DoctorReport, diagnose
+from kvpilot.doctor.errors import DoctorInputError
 from kvpilot.doctor.inputs import load_inputs
 from kvpilot.model.default_model import default_model_path
 from tests.doctor.builders import closed_loop, jitter, req, run, samples, write
@@ -225,3 +230,37 @@ def test_verify_judges_an_offload_fix_by_the_turns_that_reuse_a_prefix() -> None
     assert metric_for("prefix-recomputed") is REUSE_TTFT
     assert metric_for("kv-cache-pressure", None, ["--kv-offloading-size", "2"]) is REUSE_TTFT
     assert metric_for("kv-cache-pressure").name == "median TTFT at the highest load"
+
+
+def _refused(i: int, sent_s: float, error: str) -> RequestRecord:
+    """A request the server failed with HTTP 500 and `error` (llama-server's JSON error body, as bench keeps it)."""
+    return replace(req(i, sent_s, server=False), ok=False, status=500, error_kind="http", error=error, ttft_ms=None,
+                   e2e_ms=5.0, itl_ms=(), num_output_tokens=0, num_chunks=0)
+
+
+def test_a_full_kv_buffer_failing_every_request_is_a_kv_finding_not_an_input_error(tmp_path: Path) -> None:
+    """llama-server's unified KV buffer full (matrix cell tiny-kv-pool on llama.cpp): it answers 500 "Context size
+    has been exceeded" to every request of the probe's baseline. That is the diagnosis, kv-cache-pressure HIGH
+    with the KV fixes, not "every request failed" (exit 2); failures of another kind still are an input error."""
+    body = "{'code': 500, 'message': 'Context size has been exceeded.', 'type': 'server_error'}"
+    full = write(tmp_path / "full.json", [run("baseline", [_refused(i, 0.1 * i, body) for i in range(4)],
+                                              concurrency=1)])
+    report = diagnose(load_inputs([full], []))
+    top = report.findings[0]
+    assert (top.rule_id, top.severity.value) == ("kv-cache-pressure", "high") and report.exit_code == 1
+    assert '4 of 4 requests failed with "Context size has been exceeded"' in top.summary
+    assert any("--ctx-size" in fix.action for fix in top.fixes)
+    down = write(tmp_path / "down.json", [run("baseline", [_refused(i, 0.1 * i, "connection refused")
+                                                           for i in range(4)], concurrency=1)])
+    with pytest.raises(DoctorInputError, match="no successful request"):
+        load_inputs([down], [])
+
+
+def test_refusals_beside_successes_lead_the_report(tmp_path: Path) -> None:
+    """Some requests served, some failed for a full KV buffer: the failures are the first finding."""
+    rng = random.Random(5)
+    records = closed_loop(12, 4, lambda i, t: req(i, t, prefill=jitter(rng, 40), num_out=8, server=False))
+    records += [_refused(12 + i, 1.0 + 0.1 * i, "Context size has been exceeded.") for i in range(6)]
+    path = write(tmp_path / "mixed.json", [run("ramp-4", records, metrics=samples(4, running=4, waiting=0, kv=0.3))])
+    top = diagnose(load_inputs([path], [])).findings[0]
+    assert top.rule_id == "kv-cache-pressure" and top.severity.value == "high" and "6 of 18" in top.summary

@@ -229,6 +229,21 @@ def _bench_capacity(docs: list[tuple[dict[str, Any], str]]) -> ServerConfig | No
     return None
 
 
+# What a server answers when its KV buffer has no room left for a running request (llama-server's unified buffer
+# fails the request with a 500 instead of preempting or queueing it), lower-cased
+KV_FULL_ERRORS = ("context size has been exceeded", "failed to find free space in the kv cache")
+
+
+def kv_full_phrase(error: str | None) -> str | None:
+    """The KV_FULL_ERRORS phrase in a request's error text, as the server wrote it; None when there is none."""
+    lowered = (error or "").lower()
+    for phrase in KV_FULL_ERRORS:
+        at = lowered.find(phrase)
+        if at >= 0:
+            return (error or "")[at:at + len(phrase)]
+    return None
+
+
 def inputs_from_documents(docs: list[tuple[dict[str, Any], str]], metrics: MetricsSnapshot | None = None,
                           model: str | None = None, gpu: str | None = None,
                           sources: tuple[str, ...] = (), server_config: ServerConfig | None = None,
@@ -238,7 +253,8 @@ def inputs_from_documents(docs: list[tuple[dict[str, Any], str]], metrics: Metri
     ``dtype``: for the roofline (default: what the server reported, else the model's own); ``engine``: the one a
     live probe detected."""
     runs = [run for doc, name in docs for run in runs_from_result(doc, name)]
-    if docs and not any(run.ok for run in runs):
+    refused = any(kv_full_phrase(r.error) for run in runs for r in run.records)  # a finding (rules/kv_cache.py)
+    if docs and not any(run.ok for run in runs) and not refused:
         raise DoctorInputError("no successful request in the bench results: fix the errors `kvpilot bench` "
                                "reported (server down? wrong --base-url?) and measure again")
     runs.sort(key=lambda r: r.in_flight)

@@ -25,7 +25,7 @@ from kvpilot.bench.tokens import Tokenizer, TokenizerError, load_tokenizer
 from kvpilot.doctor.engine_config import fetch_engine_config
 from kvpilot.doctor.engines import detect_engine
 from kvpilot.doctor.errors import DoctorInputError
-from kvpilot.doctor.inputs import DoctorInputs, inputs_from_documents, runs_from_result
+from kvpilot.doctor.inputs import DoctorInputs, inputs_from_documents, kv_full_phrase, runs_from_result
 from kvpilot.doctor.probe_plan import (Baseline, ProbeLimits, ProbePhase, RampPoint, baseline_phase,
                                        knee_reason, plan_after_baseline)
 from kvpilot.doctor.prometheus import MetricsSnapshot, metrics_delta, parse_prometheus_text
@@ -252,6 +252,11 @@ def probe_endpoint(endpoint: Endpoint, limits: ProbeLimits, console: Console, to
     console.print(f"[1] baseline: {base_phase.describe()}", markup=False)
     results = [run_phase(endpoint, base_phase, tok, timeout_s)]
     console.print(_phase_line(results[0]), markup=False)
+    refusal = kv_full_refusal(results[0])
+    if refusal is not None:  # every later phase would fail the same way: the diagnosis is already this
+        console.print(f"  every baseline request failed for a full KV cache ({refusal}); the probe stops here",
+                      markup=False)
+        return _session(endpoint, limits, results, (before, error), started, seed, config, engine, meter)
     base = baseline_of(results[0], endpoint.base_url)
     plan = [_seeded(p, seed) for p in plan_after_baseline(limits, endpoint.max_model_len, base)]
     points, knee = [ramp_point(results[0])], None
@@ -268,6 +273,15 @@ def probe_endpoint(endpoint: Endpoint, limits: ProbeLimits, console: Console, to
             points.append(ramp_point(results[-1]))
             if (knee := knee_reason(points)) is not None:
                 console.print(f"  saturation knee: {knee}; the ramp stops here", markup=False)
+    return _session(endpoint, limits, results, (before, error), started, seed, config, engine, meter)
+
+
+def _session(endpoint: Endpoint, limits: ProbeLimits, results: list[PhaseResult],
+             scraped: tuple[MetricsSnapshot | None, str | None], started: float, seed: int,
+             config: ServerConfig | None, engine: str | None, meter: Any) -> ProbeSession:
+    """The probe's session once its phases ran: the metrics delta since `scraped` (the first scrape and its
+    error), the notes on thin phases and the resources used."""
+    before, error = scraped
     after, after_error = scrape_metrics(endpoint)
     wall_s = time.perf_counter() - started
     metrics = metrics_delta(before, after) if before is not None and after is not None else None
@@ -276,6 +290,15 @@ def probe_endpoint(endpoint: Endpoint, limits: ProbeLimits, console: Console, to
         metrics.get("process_cpu") if metrics is not None else None, wall_s)
     return ProbeSession(endpoint, limits, tuple(results), metrics, error or after_error,
                         wall_s, seed, notes, config, resources, engine)
+
+
+def kv_full_refusal(result: PhaseResult) -> str | None:
+    """What the server said when a phase's every request failed for a full KV buffer (inputs.KV_FULL_ERRORS: a
+    finding, rules/kv_cache.py, not an unusable server); None otherwise."""
+    requests = [r for run in result.result.get("runs") or [] for r in run.get("requests") or []]
+    if not requests or any(r.get("ok") for r in requests):
+        return None
+    return next((p for r in requests if (p := kv_full_phrase(str(r.get("error") or "")))), None)
 
 
 def thin_phases(results: list[PhaseResult], min_requests: int) -> tuple[str, ...]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kvpilot.doctor.findings import Evidence, Finding, Fix, Severity, clamp01
+from kvpilot.doctor.inputs import kv_full_phrase
 from kvpilot.doctor.rules.context import RuleContext
 from kvpilot.doctor.rules.prefix_reuse import (PrefixReuse, evicted_by_full_pool, expected_hit_rate,
                                                prefix_shortfall, shared_groups)
@@ -22,10 +23,38 @@ OFFLOAD_FIX = Fix("keep the prefix blocks the pool evicts in host memory and cop
                   kvpilot="--kv-offloading-size 2", vllm="--kv-offloading-size 2")
 
 
+def kv_full_refusals(ctx: RuleContext) -> Finding | None:
+    """Requests the server failed because its KV buffer was full: the pool is too small for the traffic in flight,
+    whatever its metrics say (a llama-server reports no pool size the doctor can read)."""
+    records = [r for run in ctx.inputs.runs for r in run.records]
+    refused = [phrase for r in records if not r.ok and (phrase := kv_full_phrase(r.error))]
+    if not refused:
+        return None
+    share = len(refused) / len(records)
+    return Finding(
+        rule_id="kv-cache-pressure", title="The KV cache is full: the server fails requests", severity=Severity.HIGH,
+        confidence=0.95, impact=clamp01(max(share, 0.5)),
+        impact_basis="the share of requests the server failed for want of KV space",
+        summary=(f"{len(refused)} of {len(records)} requests failed with \"{refused[0]}\": the server's KV "
+                 "buffer had no room for the tokens in flight, and it fails a request rather than queue or preempt "
+                 "it (llama-server's unified KV buffer: --ctx-size, shared by its --parallel slots)."),
+        evidence=(Evidence("requests failed for a full KV cache", len(refused), "", "client"),
+                  Evidence("share of requests sent", share, "%", "client")),
+        fixes=(Fix("give the KV buffer room for every slot's context (llama-server: --ctx-size = --parallel x the "
+                   "context a request needs)", kvpilot="--kv-cache-memory <2x current>",
+                   vllm="--gpu-memory-utilization 0.95 (or --kv-cache-memory-bytes)"),
+               Fix("or run fewer requests at once", kvpilot="--max-num-seqs <lower>", vllm="--max-num-seqs <lower>"),
+               Fix("or store KV in fewer bits", kvpilot="--kv-cache-dtype fp8", vllm="--kv-cache-dtype fp8")))
+
+
 def kv_pressure(ctx: RuleContext) -> Finding | None:
     """KV usage near 100% and/or preemptions (recomputed prefills), often with requests waiting; or a pool full
     enough (``kv_usage_warn``) that it evicted the traffic's cached prefixes before reuse, where it is the cause of
-    ``prefix-cache-miss`` and takes that finding's severity (prefix_reuse.py)."""
+    ``prefix-cache-miss`` and takes that finding's severity (prefix_reuse.py). Requests failed for a full KV
+    buffer come first (kv_full_refusals)."""
+    refused = kv_full_refusals(ctx)
+    if refused is not None:
+        return refused
     th, view = ctx.th, ctx.view
     usage, preempt = view.kv_usage_max, view.num_preemptions or 0.0
     full = usage is not None and usage >= th.kv_usage_high
