@@ -326,7 +326,8 @@ def int8_path_takes_gguf(model: str | None, load_format: str, device: torch.devi
     from kvpilot.fit.gguf_sizes import gguf_sizes
     from kvpilot.model.quant.kernel import int8_path
 
-    if device.type != "cpu" or quantization not in ("auto", "gguf") or tp_size > 1 or load_format != "auto":
+    if device.type != "cpu" or quantization not in ("auto", "gguf") or tp_size > 1 \
+            or load_format not in ("auto", "gguf"):
         return False
     path = default_model_path() if model is None else Path(model).expanduser()
     if path.suffix != ".gguf" or not path.is_file() or int8_path() == "none":
