@@ -50,6 +50,18 @@ def test_summary_uses_counter_deltas_and_gauges_during() -> None:
     assert s.num_preemptions == 3 and s.prefix_cache_hit_rate == pytest.approx(0.5)
 
 
+def test_llama_servers_hit_rate_is_the_runs_own() -> None:
+    """llama-server counts cached and processed prompt tokens apart: the run's hit rate is its cached tokens over
+    both, from the deltas over the run (a probe's earlier phases of unique prompts do not dilute it)."""
+    text = ("llamacpp:prompt_tokens_total {processed}\nllamacpp:prompt_tokens_cached_total {cached}\n"
+            "llamacpp:kv_cache_usage_ratio 0.1\n")
+    before = parse_metrics(text.format(processed=5000, cached=100))
+    assert before == {"processed_prompt_tokens": 5000.0, "cached_prompt_tokens": 100.0, "kv_usage": 0.1}
+    after = parse_metrics(text.format(processed=5720, cached=532))
+    s = summarize([MetricsSample(0.0, "before", before), MetricsSample(2.0, "after", after)])
+    assert s.prefix_cache_hit_rate == pytest.approx(432 / (432 + 720)) and s.prefix_cache_hits == 432
+
+
 def test_scrapes_before_during_after_a_run(scripted: ScriptedProcess) -> None:
     scripted.set_script(Behavior(ttft_s=0.05, itl_s=0.01, num_output_tokens=20, num_cached_tokens=4,
                                  num_preemptions=1))

@@ -27,6 +27,10 @@ METRIC_NAMES: dict[str, tuple[str, ...]] = {
     "prefix_queries": ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total"),
     "prefix_hits": ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total"),
     "prefix_hit_rate": ("vllm:gpu_prefix_cache_hit_rate", "sglang:cache_hit_rate"),
+    # llama-server counts the prompt tokens its cache served apart from those it processed: hits over the run are
+    # the first, lookups both (summarize)
+    "cached_prompt_tokens": ("llamacpp:prompt_tokens_cached_total",),
+    "processed_prompt_tokens": ("llamacpp:prompt_tokens_total",),
     # KV offload tiers (vLLM's connector counters; kvpilot's --kv-offloading-size), apart from the pool's hits
     "external_prefix_queries": ("vllm:external_prefix_cache_queries_total",),
     "external_prefix_hits": ("vllm:external_prefix_cache_hits_total",),
@@ -151,6 +155,9 @@ def summarize(samples: list[MetricsSample]) -> MetricsSummary:
         return vals[-1] - vals[0] if len(vals) >= 2 else None
 
     queries, hits = delta("prefix_queries"), delta("prefix_hits")
+    cached, processed = delta("cached_prompt_tokens"), delta("processed_prompt_tokens")
+    if queries is None and cached is not None and processed is not None:  # llama-server's two counters
+        queries, hits = cached + processed, cached
     hit_rate = hits / queries if queries and hits is not None else stat("prefix_hit_rate", max)
     return MetricsSummary(
         num_samples=len(samples),
