@@ -103,6 +103,8 @@ def test_tgi_queue_gauge_is_queueing_with_tgis_batch_flag() -> None:
     ("--max-num-batched-tokens 8192", TGI, "--max-batch-prefill-tokens 8192"),
     ("--max-model-len 2048", LLAMACPP, "--ctx-size 4096"),  # two slots share the context
     ("--data-parallel-size 2", LLAMACPP, ""),  # no counterpart: no line
+    ("--max-num-seqs <lower>", LLAMACPP, "--parallel <slots>"),  # a setting to choose: its name there
+    ("--max-model-len <longest real request>", SGLANG, "--context-length <longest real request>"),
     ("--gpu-memory-utilization 0.95 (or --kv-cache-memory-bytes <larger>)", SGLANG, "")])  # not plain flags
 def test_vllm_flags_translate_flag_by_flag(vllm: str, engine: str, expected: str) -> None:
     cfg = ServerConfig(source="test", max_num_seqs=2, max_model_len=1024)

@@ -13,6 +13,7 @@ value it reports. A flag the server does not report, or text that is not plain f
 
 from __future__ import annotations
 
+import re
 import shlex
 from collections.abc import Callable
 from dataclasses import replace
@@ -69,12 +70,15 @@ SETTINGS: dict[str, Callable[[ServerConfig, str | None], bool | None]] = {
 }
 
 
-def plain_flags(text: str) -> list[tuple[str, str | None]] | None:
-    """``--flag [value]`` pairs of a fix text; None when it is not plain flags."""
-    if not text.startswith("--") or "<" in text or "(" in text:
+def plain_flags(text: str, placeholders: bool = False) -> list[tuple[str, str | None]] | None:
+    """``--flag [value]`` pairs of a fix text; None when it is not plain flags (a value such as ``<lower>`` counts
+    as one with `placeholders`: a setting to choose, which another engine's flag names as well)."""
+    if not text.startswith("--") or ("<" in text and not placeholders) or "(" in text:
         return None
+    # a placeholder of several words ("<longest real request>") stays one value
+    text = re.sub(r"<[^<>]*>", lambda m: m.group(0).replace(" ", "\x00"), text)
     try:
-        words = shlex.split(text)
+        words = [w.replace("\x00", " ") for w in shlex.split(text)]
     except ValueError:
         return None
     out: list[tuple[str, str | None]] = []

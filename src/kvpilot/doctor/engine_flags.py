@@ -105,7 +105,7 @@ TRANSLATIONS: dict[str, dict[str, Translate]] = {
 def translate(fix: Fix, engine: str, cfg: ServerConfig | None) -> str:
     """The fix's vLLM flags as ``engine``'s; "" when it has none, or a flag has no counterpart there."""
     table = TRANSLATIONS.get(engine)
-    flags = plain_flags(fix.vllm) if table is not None else None
+    flags = plain_flags(fix.vllm, placeholders=True) if table is not None else None
     if not table or not flags or any(name not in table for name, _ in flags):
         return ""
     parts = [table[name](value, cfg) for name, value in flags]
