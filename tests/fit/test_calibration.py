@@ -139,8 +139,8 @@ def test_the_fingerprint_reads_cpuinfo_and_the_nvidia_driver(tmp_path: Path) -> 
 
 
 def test_the_int8_path_follows_the_cpu_flags(tmp_path: Path) -> None:
-    """fit's int8 copies of packed weights: the kernels' has_vnni (AVX-512 VNNI and BW) for every type, their
-    has_int8_tiles (AVX2 and FMA) for the split formats, else none."""
+    """fit's int8 copies of packed weights: the kernels' has_vnni (AVX-512 VNNI and BW), their has_int8_tiles (AVX2
+    and FMA), else none."""
     zen4, zen3, old = tmp_path / "zen4", tmp_path / "zen3", tmp_path / "old"
     zen4.write_text("processor\t: 0\nflags\t\t: fpu avx2 fma avx512f avx512bw avx512vl avx512_vnni avx512_bf16\n")
     zen3.write_text("processor\t: 0\nflags\t\t: fpu avx2 fma\n")

@@ -47,8 +47,7 @@ def test_gguf_weight_bytes_are_the_files_tensor_bytes(embedded_model: LoadedMode
 def test_gguf_weight_bytes_are_what_kvpilot_holds(embedded_model: LoadedModel) -> None:
     """On a CPU with AVX-512 VNNI in bf16: the Q4_1 layers packed (tiled int8 copies: the blocks' 20 bytes per 32),
     the tied head a packed Q8_0 copy with a float16 offset per block (36 bytes per 32), the embedding table dense
-    in bf16; on AVX2 without VNNI the same copies (Q8_0 and Q4_1 are split formats); without either the head keeps
-    its blocks' 34 bytes."""
+    in bf16; on AVX2 without VNNI the same copies; without either the head keeps its blocks' 34 bytes."""
     weights = weight_bytes(embedded_model, cpu_int8="vnni", cpu_fast_bf16=True)
     assert weights.num_bytes_file == embedded_model.gguf.num_bytes
     assert weights.format_name.endswith("held packed")
@@ -67,14 +66,15 @@ def test_gguf_weight_bytes_are_what_kvpilot_holds(embedded_model: LoadedModel) -
 
 
 def test_auto_is_bf16_where_every_linear_weight_runs_on_the_int8_path(embedded_model: LoadedModel) -> None:
-    """The embedded file (Q4_1, a Q8_0 head) runs whole on AVX2's int8 path, a Q4_K_M mix only with VNNI; a CPU
+    """The embedded file (Q4_1, a Q8_0 head) and a Q4_K_M mix run whole on the int8 path of VNNI and AVX2 CPUs; a CPU
     without native bf16 then plans --dtype auto in bf16 (2-byte KV) exactly where the int8 path takes it all."""
     spec = embedded_model.spec
     q4_k_m = mix_tensors(spec, "q4_k_m")
     takes = {(name, path): int8_path_takes_all(tensors, spec.model_type, spec.tie_word_embeddings, path)
              for name, tensors in (("file", embedded_model.gguf.tensors), ("q4_k_m", q4_k_m))
              for path in ("vnni", "avx2", "none")}
-    assert [k for k, v in takes.items() if v] == [("file", "vnni"), ("file", "avx2"), ("q4_k_m", "vnni")]
+    assert [k for k, v in takes.items() if v] == [("file", "vnni"), ("file", "avx2"), ("q4_k_m", "vnni"),
+                                                  ("q4_k_m", "avx2")]
     computed = {path: weight_bytes(embedded_model, cpu_int8=path, cpu_fast_bf16=False).num_bytes_embedding
                 for path in ("avx2", "none")}
     assert computed == {"avx2": 49152 * 576 * 2, "none": 49152 * 576 * 4}  # the dense table in the compute dtype

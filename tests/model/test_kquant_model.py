@@ -12,7 +12,7 @@ import pytest
 from kvpilot import LLM, SamplingParams
 from kvpilot.model.default_model import default_model_path
 from kvpilot.model.fused_decode import FusedDecode, get_fused_decode_kernel
-from kvpilot.model.quant.kernel import get_quant_kernel, has_vnni
+from kvpilot.model.quant.kernel import get_quant_kernel, has_int8_tiles
 from kvpilot.model.quant.tiled_set import TiledSet
 from tests.model.kquant_gguf import requantize
 from tests.model.test_fused_decode import CountingKernel, _generate
@@ -55,7 +55,7 @@ def test_packed_greedy_equals_the_dequantized_model(kquant_files, mix):
     assert outputs["gguf"] == outputs["none"]
 
 
-@pytest.mark.skipif(get_fused_decode_kernel() is None or not has_vnni(), reason="no fused kernel or no VNNI")
+@pytest.mark.skipif(get_fused_decode_kernel() is None or not has_int8_tiles(), reason="no fused kernel or no int8 path")
 def test_fused_steps_on_mixed_tiled_sets_equal_the_layer_by_layer_forward(kquant_files):
     llm = LLM(model=str(kquant_files["Q4_K_M"]), dtype="bfloat16", quantization="gguf", max_model_len=256,
               max_num_seqs=16, kv_cache_memory="128MiB", enable_prefix_caching=False)

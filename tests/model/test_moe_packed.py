@@ -18,7 +18,7 @@ from kvpilot.fit.model_catalog import get_hf_config
 from kvpilot.fit.model_source import load_model as fit_load
 from kvpilot.model.layers.moe import route
 from kvpilot.model.loader import load_model
-from kvpilot.model.quant.kernel import get_quant_kernel, has_vnni
+from kvpilot.model.quant.kernel import get_quant_kernel, has_int8_tiles
 from kvpilot.model.quant.packed_experts import PackedExperts
 from tests.model.moe_gguf import write_moe_gguf
 
@@ -133,7 +133,7 @@ def _reference(block, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@pytest.mark.skipif(not has_vnni(), reason="the int8 path needs AVX-512 VNNI")
+@pytest.mark.skipif(not has_int8_tiles(), reason="the int8 path needs AVX-512 VNNI or AVX2")
 @pytest.mark.parametrize("mix", ["Q4_0", "Q8_0", "Q4_K_M", "MXFP4"])
 def test_int8_experts_hold_the_file_bytes_and_stay_near_the_dequantized_values(gguf_files, mix):
     path = gguf_files["qwen3moe", mix]
@@ -158,7 +158,7 @@ def test_int8_experts_hold_the_file_bytes_and_stay_near_the_dequantized_values(g
             assert error < 0.03, error  # int8 activations and a bf16 output: ~1% on these weights
 
 
-@pytest.mark.skipif(not has_vnni(), reason="the int8 path needs AVX-512 VNNI")
+@pytest.mark.skipif(not has_int8_tiles(), reason="the int8 path needs AVX-512 VNNI or AVX2")
 def test_a_decode_reads_only_its_chosen_experts(gguf_files):
     """Every expert but the two chosen has its scales set to NaN: the output stays what it was."""
     loaded = load_model(str(gguf_files["qwen3moe", "Q4_K_M"]), dtype="bfloat16", quantization="gguf",
@@ -177,7 +177,7 @@ def test_a_decode_reads_only_its_chosen_experts(gguf_files):
     assert torch.equal(before, after) and bool(torch.isfinite(after).all())
 
 
-@pytest.mark.skipif(not has_vnni(), reason="the int8 path needs AVX-512 VNNI")
+@pytest.mark.skipif(not has_int8_tiles(), reason="the int8 path needs AVX-512 VNNI or AVX2")
 def test_bf16_greedy_runs_packed_through_the_engine(gguf_files):
     """The int8 experts under continuous batching, prompts through them too: each prompt's first token is the
     dequantized bf16 model's (later ones may part: int8 rounding flips a near tie on these random weights, measured at

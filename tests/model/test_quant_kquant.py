@@ -14,7 +14,7 @@ from gguf.quants import dequantize
 
 from kvpilot.model.quant.block_decode import decode_blocks, decoded_values
 from kvpilot.model.quant.formats import BLOCK_FORMATS, PACKED_FORMATS
-from kvpilot.model.quant.kernel import best_isa, get_quant_kernel, has_vnni
+from kvpilot.model.quant.kernel import best_isa, get_quant_kernel, has_int8_tiles
 from kvpilot.model.quant.linear import TILED_MAX_ROWS, DenseScratch, Int8Gate, PackedLinear
 from kvpilot.model.quant.packed import PackedWeight
 from kvpilot.model.quant.tile_blocks import tile_blocks
@@ -24,7 +24,7 @@ from tests.model.kquant_blocks import random_blocks
 from tests.model.test_quant_kernels import _fp32_bound, _random_packed
 
 pytestmark = pytest.mark.skipif(get_quant_kernel() is None, reason="no C++ compiler for the CPU kernels")
-needs_vnni = pytest.mark.skipif(not has_vnni(), reason="no AVX-512 VNNI on this CPU")
+needs_int8_tiles = pytest.mark.skipif(not has_int8_tiles(), reason="neither AVX-512 VNNI nor AVX2 on this CPU")
 
 NAMES = list(BLOCK_FORMATS)
 TILED_NAMES = [name for name in NAMES if BLOCK_FORMATS[name].int8_tiles]  # all but IQ4_XS
@@ -72,7 +72,7 @@ def test_float32_kernel_matches_the_dequantized_reference_for_every_row_count(na
             assert bool((error <= bound).all()), f"{rows} rows, isa {isa}: max error {error.max():.3g}"
 
 
-@needs_vnni
+@needs_int8_tiles
 @pytest.mark.parametrize("name", TILED_NAMES)
 def test_the_tiled_copy_holds_the_values_in_about_the_blocks_bytes(name):
     packed, expected = _blocks(name, 48, seed=3)
@@ -89,7 +89,7 @@ def test_the_tiled_copy_holds_the_values_in_about_the_blocks_bytes(name):
         ktile(_blocks(name, 40, seed=4)[0])
 
 
-@needs_vnni
+@needs_int8_tiles
 @pytest.mark.parametrize("name", TILED_NAMES)
 def test_tiled_gemm_is_within_the_int8_rounding_of_the_activations(name):
     """1-64 rows (8-row tiles and remainders, pairs of tiles on 4 rows from 16 rows, the third tile alone) and 300,
@@ -111,7 +111,7 @@ def test_tiled_gemm_is_within_the_int8_rounding_of_the_activations(name):
         assert torch.equal(out_bf16, reference.to(torch.bfloat16)), rows
 
 
-@needs_vnni
+@needs_int8_tiles
 def test_parts_of_mixed_formats_write_what_each_writes_alone():
     """A fused projection of Q4_K, Q6_K, Q8_0, Q5_K and Q4_1 parts (llama.cpp mixes): one call, each part's columns
     bit for bit what its own tiled copy writes (split formats: the TiledWeight kernel's), values in row order."""
@@ -135,7 +135,7 @@ def test_parts_of_mixed_formats_write_what_each_writes_alone():
         assert torch.equal(out[:, 64:80], q8), rows
 
 
-@needs_vnni
+@needs_int8_tiles
 def test_packed_linear_takes_the_tiled_set_and_releases_the_blocks():
     """A K-quant layer (packed only): the tiled set in decode steps at every row count, the blocks dropped, steps
     with prompt tokens on the set's values dequantized into the scratch matrix; rows that are not whole tiles keep

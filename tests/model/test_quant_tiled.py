@@ -102,13 +102,13 @@ def test_packed_linear_takes_the_tiled_copy_in_decode_steps_at_every_row_count()
 
 @pytest.mark.skipif(not has_int8_tiles(), reason="neither AVX-512 VNNI nor AVX2 on this CPU")
 def test_the_int8_copies_follow_the_cpus_int8_path():
-    """A lone Q8_0 / Q4_0 / Q4_1 part of whole tiles gets its tiled copy on every CPU with the int8 path; with VNNI
-    also parts of mixed formats (a tiled set; test_quant_kquant.py has the kept formats') and an odd width
-    (interleaved); without VNNI (AVX2) those keep the float32 kernel: no copy."""
+    """A lone Q8_0 / Q4_0 / Q4_1 part of whole tiles gets its tiled copy on every CPU with the int8 path, and so do
+    parts of mixed formats (a tiled set; test_quant_kquant.py has the kept formats'); an odd width gets the
+    interleaved copy with VNNI, and keeps the float32 kernel without (AVX2): no copy."""
     assert isinstance(int8_copy([_random_packed("Q4_0", N, K, seed=1)[0]]), TiledWeight)
     others = [int8_copy([_random_packed("Q4_1", N, K, seed=3)[0], _random_packed("Q8_0", N, K, seed=4)[0]]),
               int8_copy([_random_packed("Q8_0", N + 4, K, seed=5)[0]])]
-    expected = [TiledSet, InterleavedWeight] if has_vnni() else [type(None)] * 2
+    expected = [TiledSet, InterleavedWeight if has_vnni() else type(None)]
     assert [type(c) for c in others] == expected
 
 

@@ -73,8 +73,8 @@ def cpu_has_fast_bf16(cpuinfo_path: str | Path = CPUINFO_PATH) -> bool:
 
 def cpu_int8_path(cpuinfo_path: Path = CPUINFO_PATH) -> str:
     """Which int8 path this CPU takes for packed weights in bf16, read here without building the kernels:
-    "vnni" (AVX-512 VNNI and BW: the kernels' has_vnni, every packed type), "avx2" (AVX2 and FMA: has_int8_tiles,
-    Q8_0 / Q4_0 / Q4_1 only) or "none"."""
+    "vnni" (AVX-512 VNNI and BW: the kernels' has_vnni), "avx2" (AVX2 and FMA: has_int8_tiles; the same copies, no
+    interleaved ones) or "none"."""
     flags = cpu_flags(cpuinfo_path)
     if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
         return "vnni"

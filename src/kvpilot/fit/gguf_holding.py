@@ -42,9 +42,9 @@ PACKED_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", 
 # kernel (no int8 copies: the grouped kernel has no expert biases), every other weight dequantized
 PACKED_EXPERT_FAMILIES = frozenset({"gpt_oss"})
 TILE_ROWS = 16  # the tiled copy takes whole 16-row tiles; other layers keep the file's blocks
-# the types with int8 copies by the CPU's int8 path (fingerprint.cpu_int8_path): without VNNI (AVX2) only the split
-# formats' (model/quant/tiled_set.int8_copy; a fused projection mixing formats keeps blocks there, not counted)
-INT8_COPY_TYPES = {"vnni": frozenset(PACKED_TYPES), "avx2": frozenset({"Q8_0", "Q4_0", "Q4_1"}), "none": frozenset()}
+# the types with int8 copies by the CPU's int8 path (fingerprint.cpu_int8_path): AVX-512 VNNI and AVX2 take every
+# type (model/quant/tiled_set.int8_copy; IQ4_XS keeps its blocks either way, at the same bytes)
+INT8_COPY_TYPES = {"vnni": frozenset(PACKED_TYPES), "avx2": frozenset(PACKED_TYPES), "none": frozenset()}
 EMBEDDING, OUTPUT = "token_embd.weight", "output.weight"
 _LINEAR = re.compile(r"^blk\.\d+\.(attn_q|attn_k|attn_v|attn_qkv|attn_output|ffn_gate|ffn_up|ffn_down)\.weight$")
 _EXPERTS = re.compile(r"^blk\.\d+\.ffn_(gate|up|down)(_exps|\.\d+)\.weight$")
@@ -116,19 +116,12 @@ def packing_problem(tensors: tuple[GgufTensor, ...], model_type: str, tied: bool
 
 def int8_path_takes_all(tensors: tuple[GgufTensor, ...], model_type: str, tied: bool, cpu_int8: str) -> bool:
     """Whether a CPU whose int8 path is `cpu_int8` (INT8_COPY_TYPES) runs every linear weight of this file packed on
-    an int8 copy in bf16: no routed experts but with VNNI, and no IQ4_XS (blocks only). kvpilot's --dtype auto is
-    then bf16 on a CPU without native bf16 too (model/dtypes.resolve_dtype)."""
+    an int8 copy in bf16 (no IQ4_XS: blocks only). kvpilot's --dtype auto is then bf16 on a CPU without native bf16
+    too (model/dtypes.resolve_dtype)."""
     if packing_problem(tensors, model_type, tied, on_gpu=False) is not None:
         return False
-    linear = [t for t in tensors if is_linear(t, tied)]
-    types = {t.type_name for t in linear}
-    experts_ok = cpu_int8 == "vnni" or not any(is_expert(t) for t in linear)
-    return bool(types) and types <= INT8_COPY_TYPES[cpu_int8] - {"IQ4_XS"} and experts_ok
-
-
-def _has_int8_copy(t: GgufTensor, copied: frozenset[str], cpu_int8: str) -> bool:
-    """Routed experts take int8 copies with VNNI only (model/quant/model_pack.pack_linear_layers)."""
-    return t.type_name in copied and (cpu_int8 == "vnni" or not is_expert(t))
+    types = {t.type_name for t in tensors if is_linear(t, tied)}
+    return bool(types) and types <= INT8_COPY_TYPES[cpu_int8] - {"IQ4_XS"}
 
 
 def _copies_note(compute_bits: int, types: set[str], copied: frozenset[str]) -> str:
@@ -137,9 +130,8 @@ def _copies_note(compute_bits: int, types: set[str], copied: frozenset[str]) -> 
     if types <= copied:
         return " with the int8 copies"
     if not types & copied:
-        return " as the file's blocks: no int8 copies of these types on this CPU (AVX-512 VNNI takes them all)"
-    return (f" with the int8 copies of {', '.join(sorted(types & copied))} (the others as the file's blocks: AVX-512 "
-            f"VNNI takes them all)")
+        return " as the file's blocks: no int8 copies on this CPU (they need AVX-512 VNNI or AVX2)"
+    return f" with the int8 copies of {', '.join(sorted(types & copied))} (the others as the file's blocks)"
 
 
 def _packs_experts(experts: list[GgufTensor], model_type: str, on_gpu: bool) -> bool:
@@ -169,7 +161,7 @@ def held_gguf(tensors: tuple[GgufTensor, ...], model_type: str, tied: bool, comp
                         False, f"{problem}, {compute_bits} bits a weight",
                         sum(dense[t.name] for t in experts), expert_elements)
     copied = INT8_COPY_TYPES[cpu_int8] if compute_bits == 16 else frozenset()
-    held = {t.name: packed_bytes(t, _has_int8_copy(t, copied, cpu_int8)) if is_linear(t, tied) else dense[t.name]
+    held = {t.name: packed_bytes(t, t.type_name in copied) if is_linear(t, tied) else dense[t.name]
             for t in tensors}
     head = held.get(OUTPUT, held.get(EMBEDDING, 0) if tied else 0)
     layers = sum(b for name, b in held.items() if name not in (EMBEDDING, OUTPUT))

@@ -21,7 +21,8 @@ _CSRC = Path(__file__).resolve().parent.parent / "layers" / "csrc"
 # concatenated in this order into one translation unit (the headers are not on an include path)
 SOURCE_NAMES = ("quant_common.h", "quant_blocks.h", "quant_avx512.h", "quant_avx2.h", "quant_blocks_avx2.h",
                 "quant_vnni.h",
-                "quant_vnni_gemm.h", "quant_tiled_avx2.h", "quant_tiled_kq.h", "quant_linear_cpu.cpp", "quant_tiled_cpu.cpp",
+                "quant_vnni_gemm.h", "quant_tiled_avx2.h", "quant_tiled_kq.h", "quant_tiled_kq_avx2.h",
+                "quant_linear_cpu.cpp", "quant_tiled_cpu.cpp",
                 "quant_tiled_set_cpu.cpp")
 # this module's alone (the fused decode kernel builds SOURCE_NAMES and needs none of it): packed GGUF experts and
 # the conversion of their blocks to int8 tiles at load

@@ -10,10 +10,11 @@ Two paths, picked per call by the number of rows (tokens) in x:
   kept: native bf16 GEMMs on resident weights beat both the kernel and dequantize-per-call from a few rows up.
   bf16 rows may run this GEMM in float32 instead (`bf16_gemm_dtype`, on a float32 matrix: CPUs where float32
   GEMMs beat bf16 ones, layers/prompt_gemm.py), converted at its edges.
-On CPUs with AVX-512 VNNI the hybrid layout's bf16 activations take a third path, int8 activations times the
-packed blocks (`int8_activations`): Q4_0 / Q4_1 layers through a column-tiled copy at every row count of a step
-without prompt tokens (Int8Gate), beating the resident bf16 GEMM everywhere; other layers up to INT8_MAX_ROWS rows.
-AVX2 CPUs take it for the column-tiled Q8_0 / Q4_0 / Q4_1 layers only (vpmaddubsw: csrc/quant_tiled_avx2.h).
+On CPUs with AVX-512 VNNI or AVX2 the hybrid layout's bf16 activations take a third path, int8 activations times
+the packed blocks (`int8_activations`): layers of whole tiles through a column-tiled copy at every row count of a
+step without prompt tokens (Int8Gate), beating the resident bf16 GEMM everywhere; with VNNI, other layers (the
+interleaved copy) up to INT8_MAX_ROWS rows. AVX2 emulates VNNI's dot products with vpmaddubsw
+(csrc/quant_tiled_avx2.h, quant_tiled_kq_avx2.h).
 """
 
 from __future__ import annotations

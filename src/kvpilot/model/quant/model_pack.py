@@ -36,7 +36,7 @@ from torch import nn
 from kvpilot.model.config import ModelConfig
 from kvpilot.model.errors import ModelLoadError
 from kvpilot.model.quant.formats import SUPPORTED_NAMES, packed_format
-from kvpilot.model.quant.kernel import best_isa, has_int8_tiles, has_vnni
+from kvpilot.model.quant.kernel import best_isa, has_int8_tiles
 from kvpilot.model.quant.linear import DenseScratch, Int8Gate, PackedLinear
 from kvpilot.model.quant.packed import PackedWeight
 from kvpilot.model.quant.packed_experts import ExpertBlocks, PackedExperts, expert_blocks_of_layer
@@ -131,8 +131,8 @@ def keeps_dense(quantization: str, compute_dtype: torch.dtype, packed: dict[str,
 def install_int8_gate(model: nn.Module, compute_dtype: torch.dtype) -> Int8Gate | None:
     """The model's Int8Gate (the model opens it for decode steps, llama.py) when packed layers take the
     int8-activation path: bf16 activations (int8 blocks round about as coarsely, 2^-8) on a CPU with AVX-512
-    VNNI, or AVX2 (its Q8_0 / Q4_0 / Q4_1 layers of whole tiles only: tiled_set.int8_copy); else None. Sets
-    model.int8_gate either way."""
+    VNNI, or AVX2 (its layers of whole tiles only: tiled_set.int8_copy); else None. Sets model.int8_gate either
+    way."""
     model.int8_gate = Int8Gate() if compute_dtype == torch.bfloat16 and has_int8_tiles() else None
     return model.int8_gate
 
@@ -167,7 +167,7 @@ def pack_linear_layers(model: nn.Module, packed: dict[str, PackedWeight | Expert
         attn.o_proj = make([f"{prefix}self_attn.o_proj.weight"])
         experts = expert_blocks_of_layer(packed, i)
         if experts is not None:  # a SparseMoeBlock's experts (its router stays dense: GGUF keeps it F32)
-            mlp.experts = PackedExperts(*experts, isa=isa, int8=gate is not None and has_vnni())
+            mlp.experts = PackedExperts(*experts, isa=isa, int8=gate is not None)
             continue
         mlp.gate_up_proj = make([f"{prefix}mlp.gate_proj.weight", f"{prefix}mlp.up_proj.weight"])
         mlp.down_proj = make([f"{prefix}mlp.down_proj.weight"])

@@ -73,14 +73,12 @@ def tiled_set(parts: list[PackedWeight]) -> TiledSet:
 def int8_copy(parts: list[PackedWeight]) -> TiledWeight | TiledSet | InterleavedWeight | None:
     """The int8 path's copy of a layer of `parts`: a lone split-format part of whole tiles, its TiledWeight (as
     before sets); parts that all tile, a TiledSet; a lone split-format part of other widths, its interleaved copy;
-    anything else none (the layer keeps the float32 kernel). Without VNNI (AVX2: kernel.has_int8_tiles) only the
-    first kind: the others are none."""
+    anything else none (the layer keeps the float32 kernel). The interleaved layout is VNNI's alone: on AVX2
+    (kernel.has_int8_tiles) those layers keep the float32 kernel."""
     if len(parts) == 1 and can_tile(parts[0]):
         return tile(parts[0])
-    if not has_vnni():
-        return None
     if all(can_tile_any(p) for p in parts):
         return tiled_set(parts)
-    if len(parts) == 1 and not parts[0].format.kept_as_blocks:
+    if len(parts) == 1 and not parts[0].format.kept_as_blocks and has_vnni():
         return interleave(parts[0])
     return None

@@ -191,7 +191,7 @@ void quant_dequantize(torch::Tensor out, torch::Tensor qs, torch::Tensor d, torc
 // The best ISA level this CPU runs: 0 portable, 1 AVX2 + FMA, 2 AVX-512 (F, BW, VL).
 int64_t cpu_isa() { return detect_isa(); }
 
-// Whether quant_matmul_interleaved, the tiled sets and the tiled K-quants run here (AVX-512 with VNNI).
+// Whether quant_matmul_interleaved runs here, and the tiled copies take the 512-bit kernels (AVX-512 with VNNI).
 bool has_vnni() {
   static const bool vnni = [] {
     __builtin_cpu_init();
@@ -200,8 +200,8 @@ bool has_vnni() {
   return vnni;
 }
 
-// Whether the column-tiled Q8_0 / Q4_0 / Q4_1 entry points (quant_matmul_tiled, its dequantize and argmax) run
-// here: with VNNI, or on AVX2 (quant_tiled_avx2.h)
+// Whether the column-tiled copies' entry points (quant_matmul_tiled, the tiled sets, the packed experts; their
+// dequantize and argmax) run here: with VNNI, or on AVX2 (quant_tiled_avx2.h, quant_tiled_kq_avx2.h)
 bool has_int8_tiles() { return has_vnni() || detect_isa() >= kAvx2; }
 
 // How many threads this module's parallel_for really runs on (0 would mean a broken build).

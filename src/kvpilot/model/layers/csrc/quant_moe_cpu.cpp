@@ -1,8 +1,8 @@
 // Mixture-of-experts experts on packed GGUF blocks: a step's (token, expert) pairs grouped by expert, each chosen
 // expert's gate, up and down projections computed from the column-tiled int8 copies of its blocks (quant_vnni_gemm.h
-// for Q8_0 / Q4_0 / Q4_1, quant_tiled_kq.h for Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K) times int8-quantized activations,
-// in two parallel regions a layer: gate and up of every group, then down with the router weights. A batch-1 decode
-// reads only its top-k experts' tiles. Built after quant_tiled_set_cpu.cpp (TiledPart, tiled_part, Q8Rows, Q8View,
+// for Q8_0 / Q4_0 / Q4_1, quant_tiled_kq.h for Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K; their AVX2 twins without VNNI) times
+// int8-quantized activations, in two parallel regions a layer: gate and up of every group, then down with the router
+// weights. A batch-1 decode reads only its top-k experts' tiles. Built after quant_tiled_set_cpu.cpp (TiledPart, tiled_part, Q8Rows, Q8View,
 // part_rows, quantize_rows_q8, sums_of_16); kvpilot/model/quant/packed_experts.py holds the copies and calls it.
 //
 // The copies: one column-tiled copy per stacked GGUF tensor (ffn_gate_exps [E * I, H], ffn_up_exps [E * I, H],
@@ -33,7 +33,7 @@ inline float moe_silu_mul(float g, float u) {
 // [E * H, I] -- in the formats `formats` (3 kernel codes).
 torch::Tensor quant_moe_tiled(torch::Tensor x, std::vector<torch::Tensor> w, std::vector<int64_t> formats,
                               torch::Tensor weights, torch::Tensor ids, int64_t num_experts) {
-  TORCH_CHECK(has_vnni(), "needs AVX-512 VNNI");
+  TORCH_CHECK(has_int8_tiles(), "needs AVX-512 VNNI or AVX2");
   TORCH_CHECK(w.size() == 9 && formats.size() == 3, "experts: gate, up and down, 3 tensors and a format each");
   int64_t KBh = 0, KBh_up = 0, KBi = 0;
   const TiledPart gate = tiled_part(w.data(), formats[0], KBh);
@@ -92,7 +92,7 @@ torch::Tensor quant_moe_tiled(torch::Tensor x, std::vector<torch::Tensor> w, std
     std::vector<float> act(I);
     for (int64_t i = i0; i < i1; ++i) {
       for (int64_t r = 0; r < I; ++r) act[r] = moe_silu_mul(g[i * I + r], u[i * I + r]);
-      quantize_row_q8(act.data(), KBi, aq.q.data() + i * I, aq.d.data() + i * KBi, aq.s.data() + i * KBi);
+      quantize_row_q8_here()(act.data(), KBi, aq.q.data() + i * I, aq.d.data() + i * KBi, aq.s.data() + i * KBi);
       for (int64_t c = 0; q6_down && c < I / 16; ++c) {
         int32_t sum = 0;
         for (int v = 0; v < 16; ++v) sum += aq.q[i * I + c * 16 + v];
@@ -130,8 +130,8 @@ torch::Tensor quant_moe_tiled(torch::Tensor x, std::vector<torch::Tensor> w, std
       }
       for (int64_t t = 0; t < T; ++t) {
         if (bf16_out)
-          to_bf16_512(acc.data() + t * width, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) + t * H + h0 * 16,
-                      width);
+          (has_vnni() ? to_bf16_512 : to_bf16_scalar)(
+              acc.data() + t * width, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) + t * H + h0 * 16, width);
         else
           std::memcpy(out.data_ptr<float>() + t * H + h0 * 16, acc.data() + t * width, width * sizeof(float));
       }

@@ -15,6 +15,11 @@ struct Q8Rows {
   std::vector<float> d, s;
 };
 
+using QuantizeRowFn = void (*)(const float*, int64_t, int8_t*, float*, float*);
+
+// quantize_row_q8 on this CPU (both ISAs write the same blocks)
+QuantizeRowFn quantize_row_q8_here() { return has_vnni() ? quantize_row_q8 : quantize_row_q8_256; }
+
 Q8Rows quantize_rows_q8(const torch::Tensor& x, int64_t KB) {
   const int64_t M = x.size(0), K = x.size(1);
   Q8Rows rows{std::vector<int8_t>(M * K), std::vector<float>(M * KB), std::vector<float>(M * KB)};
@@ -24,8 +29,7 @@ Q8Rows quantize_rows_q8(const torch::Tensor& x, int64_t KB) {
     for (int64_t i = i0; i < i1; ++i) {
       const float* xi = bf16_in ? row.data() : x.data_ptr<float>() + i * K;
       if (bf16_in) widen_bf16(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) + i * K, row.data(), K);
-      (has_vnni() ? quantize_row_q8 : quantize_row_q8_256)(xi, KB, rows.q.data() + i * K, rows.d.data() + i * KB,
-                                                          rows.s.data() + i * KB);
+      quantize_row_q8_here()(xi, KB, rows.q.data() + i * K, rows.d.data() + i * KB, rows.s.data() + i * KB);
     }
   });
   return rows;

@@ -1,5 +1,6 @@
 // Entry points for a tiled set: the column-tiled int8 copies of one projection's parts, each in its own format
-// (Q8_0 / Q4_0 / Q4_1: quant_vnni_gemm.h; Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K / IQ4_NL / MXFP4: quant_tiled_kq.h), side by side in the
+// (Q8_0 / Q4_0 / Q4_1: quant_vnni_gemm.h; Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K / IQ4_NL / MXFP4: quant_tiled_kq.h; on AVX2
+// CPUs their 256-bit twins), side by side in the
 // output (a fused q/k/v whose v is Q6_K and q/k Q4_K, as llama.cpp's Q4_K_M mixes write). x is quantized once for all
 // parts. Built after quant_tiled_cpu.cpp (Q8Rows, tiled_shape, argmax_over_tiles).
 //
@@ -50,7 +51,7 @@ struct TiledSet {
 };
 
 TiledSet tiled_set(const std::vector<torch::Tensor>& w, const std::vector<int64_t>& formats) {
-  TORCH_CHECK(has_vnni(), "needs AVX-512 VNNI");
+  TORCH_CHECK(has_int8_tiles(), "needs AVX-512 VNNI or AVX2");
   TORCH_CHECK(!formats.empty() && w.size() == 3 * formats.size(), "a tiled set: 3 tensors per part");
   TiledSet set;
   set.first_tile.push_back(0);
@@ -84,41 +85,46 @@ struct Q8View {
   const int32_t* x32;
 };
 
+using KTiledRowsFn = void (*)(const uint8_t*, const uint16_t*, const uint8_t*, int64_t, int64_t, int64_t,
+                              const int8_t*, const float*, const float*, const int32_t*, int64_t, float*, uint16_t*,
+                              int64_t);
+using KTiledDequantFn = void (*)(const uint8_t*, const uint16_t*, const uint8_t*, int64_t, int64_t, int64_t, float*,
+                                 uint16_t*);
+
+// Format F's tiled GEMM and dense rows on this CPU: AVX-512 VNNI (quant_tiled_kq.h), else AVX2 (quant_tiled_kq_avx2.h)
+template <int F>
+std::pair<KTiledRowsFn, KTiledDequantFn> ktiled_isa() {
+  if (has_vnni()) return {ktiled_rows<F>, ktiled_dequant_rows<F>};
+  return {ktiled_rows256<F>, ktiled_dequant_rows256<F>};
+}
+
+// The one switch over the formats kept as blocks, for every caller (the tiled set here, the experts of
+// quant_moe_cpu.cpp)
+std::pair<KTiledRowsFn, KTiledDequantFn> ktiled_for(int64_t fmt) {
+  switch (fmt) {
+    case kQ5_0: return ktiled_isa<kQ5_0>();
+    case kQ5_1: return ktiled_isa<kQ5_1>();
+    case kQ4_K: return ktiled_isa<kQ4_K>();
+    case kQ5_K: return ktiled_isa<kQ5_K>();
+    case kIQ4_NL: return ktiled_isa<kIQ4_NL>();
+    case kMXFP4: return ktiled_isa<kMXFP4>();
+    default: return ktiled_isa<kQ6_K>();
+  }
+}
+
 // Part p's tiles [t0, t1) times the M rows of x: as tiled_rows / ktiled_rows, from tile t0's column of out (or
-// out_bf16). The one switch over the formats for every caller (the tiled set here, the experts of quant_moe_cpu.cpp).
+// out_bf16)
 void part_rows(const TiledPart& p, int64_t KB, int64_t t0, int64_t t1, const Q8View& x, int64_t M, float* out,
                uint16_t* out_bf16, int64_t ldo) {
-  const int8_t* q = x.q;
-  const float *d = x.d, *s = x.s;
-  const int32_t* x32 = x.x32;
-  switch (p.fmt) {
-    case kQ8_0: return tiled_rows<true>(p.tq, p.td, p.to, KB, t0, t1, q, d, s, M, out, out_bf16, ldo);
-    case kQ4_0:
-    case kQ4_1: return tiled_rows<false>(p.tq, p.td, p.to, KB, t0, t1, q, d, s, M, out, out_bf16, ldo);
-    case kQ5_0: return ktiled_rows<kQ5_0>(p.tq, p.td, p.ts, KB, t0, t1, q, d, s, x32, M, out, out_bf16, ldo);
-    case kQ5_1: return ktiled_rows<kQ5_1>(p.tq, p.td, p.ts, KB, t0, t1, q, d, s, x32, M, out, out_bf16, ldo);
-    case kQ4_K: return ktiled_rows<kQ4_K>(p.tq, p.td, p.ts, KB, t0, t1, q, d, s, x32, M, out, out_bf16, ldo);
-    case kQ5_K: return ktiled_rows<kQ5_K>(p.tq, p.td, p.ts, KB, t0, t1, q, d, s, x32, M, out, out_bf16, ldo);
-    case kIQ4_NL: return ktiled_rows<kIQ4_NL>(p.tq, p.td, p.ts, KB, t0, t1, q, d, s, x32, M, out, out_bf16, ldo);
-    case kMXFP4: return ktiled_rows<kMXFP4>(p.tq, p.td, p.ts, KB, t0, t1, q, d, s, x32, M, out, out_bf16, ldo);
-    default: return ktiled_rows<kQ6_K>(p.tq, p.td, p.ts, KB, t0, t1, q, d, s, x32, M, out, out_bf16, ldo);
-  }
+  if (!kept_as_blocks(p.fmt))
+    return tiled_rows_for(p.fmt == kQ8_0)(p.tq, p.td, p.to, KB, t0, t1, x.q, x.d, x.s, M, out, out_bf16, ldo);
+  ktiled_for(p.fmt).first(p.tq, p.td, p.ts, KB, t0, t1, x.q, x.d, x.s, x.x32, M, out, out_bf16, ldo);
 }
 
 // Part p's tiles [t0, t1) as dense rows (row 16 t0 of the part first): as tiled_dequant_rows / ktiled_dequant_rows
 void part_dequant_rows(const TiledPart& p, int64_t KB, int64_t t0, int64_t t1, float* out, uint16_t* out_bf16) {
-  switch (p.fmt) {
-    case kQ8_0: return tiled_dequant_rows<true>(p.tq, p.td, p.to, KB, t0, t1, out, out_bf16);
-    case kQ4_0:
-    case kQ4_1: return tiled_dequant_rows<false>(p.tq, p.td, p.to, KB, t0, t1, out, out_bf16);
-    case kQ5_0: return ktiled_dequant_rows<kQ5_0>(p.tq, p.td, p.ts, KB, t0, t1, out, out_bf16);
-    case kQ5_1: return ktiled_dequant_rows<kQ5_1>(p.tq, p.td, p.ts, KB, t0, t1, out, out_bf16);
-    case kQ4_K: return ktiled_dequant_rows<kQ4_K>(p.tq, p.td, p.ts, KB, t0, t1, out, out_bf16);
-    case kQ5_K: return ktiled_dequant_rows<kQ5_K>(p.tq, p.td, p.ts, KB, t0, t1, out, out_bf16);
-    case kIQ4_NL: return ktiled_dequant_rows<kIQ4_NL>(p.tq, p.td, p.ts, KB, t0, t1, out, out_bf16);
-    case kMXFP4: return ktiled_dequant_rows<kMXFP4>(p.tq, p.td, p.ts, KB, t0, t1, out, out_bf16);
-    default: return ktiled_dequant_rows<kQ6_K>(p.tq, p.td, p.ts, KB, t0, t1, out, out_bf16);
-  }
+  if (!kept_as_blocks(p.fmt)) return tiled_dequant_rows_for(p.fmt == kQ8_0)(p.tq, p.td, p.to, KB, t0, t1, out, out_bf16);
+  ktiled_for(p.fmt).second(p.tq, p.td, p.ts, KB, t0, t1, out, out_bf16);
 }
 
 // Calls fn(part, local t0, local t1, first set tile) for each part's share of the set's tiles [g0, g1)
