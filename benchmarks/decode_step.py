@@ -1,7 +1,9 @@
-"""Decode-step profile: B requests of prompt length L decoding together on the embedded model; prints the
-mean step time (ms), tokens/s, and the top operators by self CPU time (torch.profiler).
+"""Decode-step profile: B requests of prompt length L decoding together on the embedded model (or --model); prints
+the mean step time (ms), tokens/s, and the top operators by self CPU time (torch.profiler).
 
     .venv/bin/python benchmarks/decode_step.py --batch 64 --context 300 --steps 10
+    .venv/bin/python benchmarks/decode_step.py --model ~/.cache/kvpilot-peers/models/SmolLM2-135M-Instruct.Q4_K_M.gguf \
+        --dtype auto --batch 1 --steps 200
     .venv/bin/python benchmarks/decode_step.py --dtype auto --batch 64 --steps 80 --compare-greedy-head
 
 This is the micro-benchmark behind engine speed changes: the offline throughput's decode phase is these steps.
@@ -10,6 +12,7 @@ This is the micro-benchmark behind engine speed changes: the offline throughput'
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import statistics
 import time
@@ -81,6 +84,7 @@ def compare_greedy_head(llm: LLM, batch: int, steps: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="a GGUF file or HF directory (default: the embedded model)")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--context", type=int, default=300)
     parser.add_argument("--steps", type=int, default=10)
@@ -96,9 +100,11 @@ def main() -> None:
                         help="Alternate greedy ids taken in the packed output head (no logits written) and float32 "
                              "logits + argmax on the same requests; print both and the ratio.")
     args = parser.parse_args()
-    llm = LLM(dtype=args.dtype, max_model_len=args.context + 4 * args.steps + 16, max_num_seqs=args.batch,
+    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.context + 4 * args.steps + 16, max_num_seqs=args.batch,
               kv_cache_memory=args.kv_cache_memory, quantization=args.quantization)
     fill_to_decode(llm, args.batch, args.context, max_tokens=4 * args.steps + 16, seed=0)
+    gc.collect()
+    gc.freeze()  # as the server does after start-up: steps then time without collecting the model's objects
     timed_steps(llm, 2)  # warm-up
     if args.compare_fused or args.compare_greedy_head:
         (compare_fused if args.compare_fused else compare_greedy_head)(llm, args.batch, args.steps)
