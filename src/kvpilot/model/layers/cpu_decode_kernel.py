@@ -1,6 +1,6 @@
-"""The C++ paged decode-attention kernel on CPU, computing in float32 (csrc/: paged_decode_cpu.cpp, with an
-AVX-512 path in decode_avx512.h; K/V stored as float32, bfloat16, float16 or fp8 e4m3), built once with
-torch's cpp_extension (JIT, cached on disk by torch under ~/.cache/torch_extensions).
+"""The C++ paged decode-attention kernel on CPU, computing in float32 (csrc/: paged_decode_cpu.cpp, with vector
+paths in decode_avx512.h and decode_avx2.h run by decode_vector.h; K/V stored as float32, bfloat16, float16 or fp8
+e4m3), built once with torch's cpp_extension (JIT, cached on disk by torch under ~/.cache/torch_extensions).
 
 Why: the torch-ops decode path gathers every sequence's K/V blocks into a new tensor each step and layer
 (read + write + read); the kernel reads each K/V row once, in place, through the block table, one task per
@@ -21,8 +21,9 @@ import torch
 from kvpilot.model.layers.cpp_build import CppKernel, build_cpp_kernel
 
 # concatenated in this order into one translation unit (the headers are not on an include path)
-SOURCE_PATHS = tuple(Path(__file__).parent / "csrc" / name
-                     for name in ("decode_common.h", "simd_exp.h", "decode_avx512.h", "paged_decode_cpu.cpp"))
+SOURCE_NAMES = ("decode_common.h", "simd_exp.h", "decode_avx512.h", "decode_avx2.h", "decode_vector.h",
+                "paged_decode_cpu.cpp")
+SOURCE_PATHS = tuple(Path(__file__).parent / "csrc" / name for name in SOURCE_NAMES)
 
 
 _KERNEL = CppKernel(label="CPU decode kernel", name_prefix="kvpilot_cpu_decode_", sources=SOURCE_PATHS,

@@ -1,6 +1,6 @@
 // The AVX-512 path of the CPU decode kernel: explicit 16-lane vectors for head dims that are multiples of 16
-// (compiled for 64 and 128) and float32 / bfloat16 / float16 K/V. Without AVX-512 (or for other dtypes and
-// dims) `kHasVectorPath` is false and paged_decode_cpu.cpp's portable loops run instead.
+// (compiled for 64 and 128) and float32 / bfloat16 / float16 K/V. Without AVX-512 decode_avx2.h gives the same in
+// 8 lanes; for other dtypes and dims `kHasVectorPath` is false and paged_decode_cpu.cpp's portable loops run.
 //
 // Why explicit: with 2 threads the portable loops read K/V at ~11 GB/s (batch 64, context 300) against the
 // ~21 GB/s this CPU streams, and at ~21 GB/s from cache: they are compute-bound. This path reaches ~18 and
@@ -123,78 +123,11 @@ inline void block_values(float* acc, const float* p, const KV* rows, int64_t n) 
   for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + c * 16, a[c]);
 }
 
-// Asks for a later block's bytes while this one is computed: blocks sit at random places, and the hardware
-// prefetcher stops at each 4 KiB page, so without this every block starts with a full memory latency. The
-// task asks kBlocksAhead blocks ahead (K blocks, then V blocks, as one sequence; the first ones at its start).
-// One ahead left it waiting on randomly placed blocks (batch 64, context 200, 2 threads, EPYC family 26: 14.4 ->
-// 12.8 ms per 30 layers at two; consecutive blocks unchanged). Three (2026-11-28, same box, alternating, min of
-// 4): random blocks 14.9 -> 13.9 ms at context 256, 61.0 -> 55.3 at 1,024, 7.2 -> 6.3 at 128; consecutive ones
-// 10.3 -> 10.2, 29.4 -> 27.3, 4.6 -> 4.6. A running server's tables are mostly scattered (7% of neighbouring
-// blocks consecutive at c64), which is where the third block pays; six or eight ahead were no better. Keep the
-// prefetches written out in the loops: the same logic as a capturing lambda ran the kernel 2x slower (GCC 12).
-constexpr int64_t kBlocksAhead = 3;
-
-template <typename KV>
-inline void prefetch_block(const KV* rows, int64_t n, int64_t row_elems) {
-  const char* p = reinterpret_cast<const char*>(rows);
-  const int64_t bytes = n * row_elems * static_cast<int64_t>(sizeof(KV));
-  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+// dst[0..n) = src[0..n) * scale (n a multiple of 16: whole query heads)
+inline void scale_rows(float* dst, const float* src, int64_t n, float scale) {
+  const __m512 k = _mm512_set1_ps(scale);
+  for (int64_t i = 0; i < n; i += 16) _mm512_storeu_ps(dst + i, _mm512_mul_ps(_mm512_loadu_ps(src + i), k));
 }
 
-// The same task as paged_decode_cpu.cpp's attend_one: the G query heads of KV head h over the keys lo..L-1 the
-// variant lets them see (blocks before lo are never read, nor prefetched). Blocks are the outer loop so each K/V
-// block (<= a few KiB) is read from memory once and reused from L1 by all G heads.
-template <int kD, typename KV>
-void attend_one_avx512(float* out, const float* q, const KV* kc, const KV* vc, const int64_t* table, int64_t L,
-                       int64_t h, const Shape& s, float scale, const Variant& var, Scratch& scratch) {
-  constexpr int NV = kD / 16;
-  const int64_t G = s.G;
-  const int64_t lo = var.first_key(L), n = L - lo;
-  scratch.prepare(G, n, kD);
-  float* sc = scratch.scores.data();
-  float* ac = scratch.acc.data();
-  scratch.q.resize(static_cast<size_t>(G * kD));  // the queries pre-scaled, so scores need no multiply
-  float* qs = scratch.q.data();
-  for (int64_t i = 0; i < G * NV; ++i)
-    _mm512_storeu_ps(qs + i * 16, _mm512_mul_ps(_mm512_loadu_ps(q + i * 16), _mm512_set1_ps(scale)));
-  // the task's blocks i = 0..nb-1 are table[b0 + i]; block i holds keys first(i)..first(i) + rows(i) - 1
-  const int64_t b0 = lo / s.BS, nb = (L - 1) / s.BS + 1 - b0;
-  auto first = [&](int64_t i) { return std::max(lo, (b0 + i) * s.BS); };
-  auto rows = [&](int64_t i) { return std::min(L, (b0 + i + 1) * s.BS) - first(i); };
-  auto block = [&](const KV* cache, int64_t i) {
-    return cache + ((h * s.NB + table[b0 + i]) * s.BS + first(i) - (b0 + i) * s.BS) * kD;
-  };
-  constexpr int64_t A = kBlocksAhead;
-  for (int64_t i = 0; i < nb; ++i) {
-    // reads in order: K blocks 0..nb-1, then V blocks 0..nb-1; each asks for the read A after it
-    if (i == 0)
-      for (int64_t j = 1; j < A && j < 2 * nb; ++j)
-        prefetch_block(j < nb ? block(kc, j) : block(vc, j - nb), rows(j < nb ? j : j - nb), kD);
-    if (i + A < nb) prefetch_block(block(kc, i + A), rows(i + A), kD);
-    else if (i + A - nb < nb) prefetch_block(block(vc, i + A - nb), rows(i + A - nb), kD);
-    for (int64_t g = 0; g < G; ++g)
-      block_scores<kD, KV>(sc + g * n + first(i) - lo, qs + g * kD, block(kc, i), rows(i));
-  }
-  for (int64_t g = 0; g < G; ++g) {
-    if (var.softcap > 0.f) softcap_row(sc + g * n, n, var.softcap);
-    scratch.inv[g] = softmax_numerators(sc + g * n, n, var.sinks != nullptr ? var.sinks + h * G + g : nullptr);
-  }
-  for (int64_t i = 0; i < nb; ++i) {
-    if (i + A < nb) prefetch_block(block(vc, i + A), rows(i + A), kD);
-    for (int64_t g = 0; g < G; ++g)
-      block_values<kD, KV>(ac + g * kD, sc + g * n + first(i) - lo, block(vc, i), rows(i));
-  }
-  for (int64_t g = 0; g < G; ++g) {
-    const __m512 inv = _mm512_set1_ps(scratch.inv[g]);
-    for (int c = 0; c < NV; ++c)
-      _mm512_storeu_ps(out + g * kD + c * 16, _mm512_mul_ps(_mm512_loadu_ps(ac + g * kD + c * 16), inv));
-  }
-}
-
-}  // namespace
-#else
-namespace {
-template <int kD, typename KV>
-constexpr bool kHasVectorPath = false;
 }  // namespace
 #endif

@@ -1,14 +1,14 @@
 // Paged decode attention on CPU (float32 queries; K/V stored as float32, bfloat16, float16 or fp8 e4m3 and
 // widened to float32 as they are read): every decoding sequence's G query heads (sharing one KV head)
 // attend over its cached K/V, read in place through its block table. Built at run time by
-// kvpilot/model/layers/cpu_decode_kernel.py with torch's cpp_extension, after decode_common.h and
-// decode_avx512.h.
+// kvpilot/model/layers/cpu_decode_kernel.py with torch's cpp_extension, after decode_common.h, decode_avx512.h and
+// decode_avx2.h.
 //
 // Why this shape: decode attention streams the whole KV cache from memory every step, so the kernel is
 // memory-bound (a 2-byte or 1-byte KV dtype makes it faster as well as smaller); it touches each K and V
 // row once (all G heads use it while it is in cache) and walks blocks rather than dividing per token.
-// On AVX-512 CPUs the common head dims (64, 128) and 32/16-bit KV dtypes take the explicit vector path of
-// decode_avx512.h; the portable loops below serve everything else.
+// The common head dims (64, 128) and 32/16-bit KV dtypes take the explicit vector path of decode_avx512.h (AVX-512
+// CPUs) or decode_avx2.h (AVX2); the portable loops below serve everything else.
 namespace {
 
 // One (sequence, KV head) task: the G query heads that share KV head h attend over the cached tokens the
@@ -79,7 +79,7 @@ void run_all(float* op, const float* qp, const KV* kp, const KV* vp, const int64
       float* o = op + b * s.out_row + head;
       const float* q = qp + b * s.q_row + head;
       if constexpr (kHasVectorPath<kD, KV>) {
-        attend_one_avx512<kD, KV>(o, q, kp, vp, bt + b * s.MB, cl[b], h, s, scale, var, scratch);
+        attend_one_vector<kD, KV>(o, q, kp, vp, bt + b * s.MB, cl[b], h, s, scale, var, scratch);
       } else {
         attend_one<kD, KV>(o, q, kp, vp, bt + b * s.MB, cl[b], h, s, D, scale, var, scratch);
       }
