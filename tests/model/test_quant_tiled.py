@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvpilot.model.errors import ModelLoadError
 from kvpilot.model.loader import load_model
 from kvpilot.model.quant.kernel import best_isa, get_quant_kernel, has_int8_tiles, has_vnni
 from kvpilot.model.quant.linear import INT8_MAX_ROWS, TILED_MAX_ROWS, DenseScratch, Int8Gate, PackedLinear
@@ -120,3 +121,27 @@ def test_auto_runs_the_embedded_gguf_on_the_int8_path():
     assert loaded.dtype == torch.bfloat16 and loaded.model.int8_gate is not None
     linears = [m for m in loaded.model.modules() if isinstance(m, PackedLinear)]
     assert len(linears) == 4 * 30 + 1 and all(isinstance(m.int8_weight, TiledWeight) for m in linears)
+
+
+@pytest.mark.skipif(not has_int8_tiles(), reason="neither AVX-512 VNNI nor AVX2 on this CPU")
+def test_int8_prompts_take_the_tiled_copies_and_keep_no_dense_copy():
+    """--prompt-gemm-dtype int8: the gate stays open in steps with prompt tokens, so a prompt's rows are exactly
+    the tiled copy's int8 GEMM (as llama.cpp computes prompts), and no layer keeps a dense copy for them."""
+    loaded = load_model(None, dtype="bfloat16", max_model_len=64, prompt_gemm_dtype="int8")
+    gate = loaded.model.int8_gate
+    assert gate.prompts and loaded.packed_memory.dense_bytes == 0
+    gate.for_step(has_prompt_tokens=True)
+    assert gate.open
+    layer = loaded.model.layers[3].mlp.down_proj
+    x = torch.randn(40, layer.in_features, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    expected = torch.empty(40, layer.out_features, dtype=torch.bfloat16)
+    layer.int8_weight.matmul_into(expected, x)
+    assert torch.equal(layer(x), expected)
+    default = load_model(None, dtype="bfloat16", max_model_len=64)
+    default.model.int8_gate.for_step(has_prompt_tokens=True)
+    assert not default.model.int8_gate.open and default.packed_memory.dense_bytes > 0
+
+
+def test_int8_prompts_need_the_int8_path():
+    with pytest.raises(ModelLoadError, match="prompt-gemm-dtype int8"):
+        load_model(None, dtype="float32", max_model_len=64, prompt_gemm_dtype="int8")

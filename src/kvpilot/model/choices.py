@@ -4,8 +4,9 @@ with them before the model (and torch) is ever imported in the HTTP process."""
 from __future__ import annotations
 
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch", "cpu", "triton")
-# the dtype of packed CPU layers' many-row GEMMs under bf16 activations (model/layers/prompt_gemm.py)
-PROMPT_GEMM_DTYPES: tuple[str, ...] = ("auto", "bfloat16", "float32")
+# the dtype of packed CPU layers' many-row GEMMs under bf16 activations (model/layers/prompt_gemm.py); int8: prompt
+# rows take the int8 path's tiled copies too (quant/linear.Int8Gate), the other layers auto's dtype
+PROMPT_GEMM_DTYPES: tuple[str, ...] = ("auto", "bfloat16", "float32", "int8")
 
 # kv_cache_dtype spellings -> the canonical name (kv_dtype.py maps canonical names to torch dtypes)
 KV_CACHE_DTYPE_NAMES: dict[str, str] = {

@@ -127,7 +127,8 @@ def _model_config(config: ModelConfig, plan: ShardPlan | None) -> ModelConfig:
 
 
 def _load_gguf(path: Path, max_model_len: int | None, dtype: torch.dtype, device: torch.device,
-               quantization: str, tp: TPRank, gemm_dtype: torch.dtype | None = None) -> LoadedModel:
+               quantization: str, tp: TPRank, gemm_dtype: torch.dtype | None = None,
+               int8_prompts: bool = False) -> LoadedModel:
     from kvpilot.fit.gguf_metadata import hf_config_from_reader, open_gguf
     from kvpilot.fit.gguf_sizes import gguf_sizes
     from kvpilot.model.gguf_weights import is_expert_weight, linear_tensor_types, load_gguf_tensors
@@ -155,8 +156,9 @@ def _load_gguf(path: Path, max_model_len: int | None, dtype: torch.dtype, device
     prepare: Callable[[LlamaForCausalLM], object] | None = None
     if names and experts_only:
         prepare = partial(pack_experts, packed=packed)
-    elif names:  # the hybrid layout's dense copies are for packed dense layers only
-        hybrid = keeps_dense(quantization, dtype, packed, psutil.virtual_memory().available, gemm_dtype)
+    elif names:  # the hybrid layout's dense copies are for packed dense layers' prompts (int8 prompts: none)
+        hybrid = not int8_prompts and keeps_dense(quantization, dtype, packed, psutil.virtual_memory().available,
+                                                  gemm_dtype)
         prepare = partial(pack_linear_layers, packed=packed, config=config, keep_dense=hybrid, compute_dtype=dtype,
                           gemm_dtype=gemm_dtype)
     model = _build_model(_model_config(config, plan), max_model_len or config.max_position_embeddings, dtype,
@@ -266,7 +268,9 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
     quantized under auto or its method's name, dequantized under none, and refused under anything else
     (kvpilot.model.quant.checkpoint_load);
     `dtype` is the activations' (and dense weights') dtype; `prompt_gemm_dtype` (auto, bfloat16, float32) the
-    dtype of many-row GEMMs under bf16 activations on CPU (auto: measured, layers/prompt_gemm.py). With
+    dtype of many-row GEMMs under bf16 activations on CPU (auto: measured, layers/prompt_gemm.py); int8 sends
+    prompt rows through the int8 path's tiled copies too (packed GGUF layers in bf16 on a CPU with AVX-512 VNNI or
+    AVX2; no dense copies are kept) and the other layers' GEMMs in auto's dtype. With
     tp_size > 1 the model holds only rank `tp_rank`'s shard (kvpilot.model.parallel.shard_plan), read as such:
     the whole weights are never held.
 
@@ -285,11 +289,14 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
     if torch_device.type == "cpu":
         build_cpu_kernels(kernels_for(torch_dtype))  # side by side now, not one by one as loading reaches them
     # resolved once (a CPU measures it, once a process): packed, quantized-at-load and dense layers all follow it
-    gemm_dtype = resolve_prompt_gemm_dtype(prompt_gemm_dtype, torch_dtype, torch_device) \
-        if torch_device.type == "cpu" else None
+    int8_prompts = prompt_gemm_dtype == "int8"
+    gemm_dtype = resolve_prompt_gemm_dtype("auto" if int8_prompts else prompt_gemm_dtype, torch_dtype,
+                                           torch_device) if torch_device.type == "cpu" else None
     with config_errors_as_load_errors():  # a bad GGUF header, read by kvpilot.fit.gguf_metadata
         loaded = _load(model, load_format, max_model_len, torch_dtype, torch_device, seed, quantization,
-                       TPRank(tp_rank, tp_size), gemm_dtype)
+                       TPRank(tp_rank, tp_size), gemm_dtype, int8_prompts)
+    if int8_prompts:
+        _take_prompts_int8(loaded)
     loaded.prompt_gemm_dtype = gemm_dtype
     if loaded.checkpoint_quantization is not None:  # its own quantization, resolved against the flag at load
         quantization = "none"
@@ -341,6 +348,17 @@ def int8_path_takes_gguf(model: str | None, load_format: str, device: torch.devi
                                bool(cfg.get("tie_word_embeddings")), int8_path())
 
 
+def _take_prompts_int8(loaded: LoadedModel) -> None:
+    """--prompt-gemm-dtype int8: the model's Int8Gate stays open in steps with prompt tokens; ModelLoadError where
+    the model has no int8 path."""
+    gate = getattr(loaded.model, "int8_gate", None)
+    if gate is None:
+        raise ModelLoadError("--prompt-gemm-dtype int8 computes prompts on the int8 path of packed GGUF weights: it "
+                             "needs a GGUF file with --quantization auto or gguf, bf16 activations (--dtype bfloat16, "
+                             "or auto where it resolves to bf16) and a CPU with AVX-512 VNNI or AVX2; use auto")
+    gate.prompts = True
+
+
 def _quantize_at_load(loaded: LoadedModel, quantization: str) -> None:
     from kvpilot.model.quant.at_load import quantize_linear_layers
 
@@ -352,7 +370,7 @@ def _quantize_at_load(loaded: LoadedModel, quantization: str) -> None:
 
 def _load(model: str | None, load_format: str, max_model_len: int | None, dtype: torch.dtype,
           device: torch.device, seed: int, quantization: str, tp: TPRank,
-          gemm_dtype: torch.dtype | None) -> LoadedModel:
+          gemm_dtype: torch.dtype | None, int8_prompts: bool = False) -> LoadedModel:
     if model and model.startswith("dummy:"):
         model, load_format = model[len("dummy:"):], "dummy"
     if quantization == "gguf" and (load_format == "dummy" or (model is not None and Path(model).is_dir())):
@@ -365,12 +383,13 @@ def _load(model: str | None, load_format: str, max_model_len: int | None, dtype:
     if load_format == "dummy":
         return _load_dummy(model or "smollm2-135m", max_model_len, dtype, device, seed, tp)
     if model is None:
-        loaded = _load_gguf(default_model_path(), max_model_len, dtype, device, quantization, tp, gemm_dtype)
+        loaded = _load_gguf(default_model_path(), max_model_len, dtype, device, quantization, tp, gemm_dtype,
+                            int8_prompts)
         loaded.name = DEFAULT_MODEL_NAME
         return loaded
     path = Path(model).expanduser()
     if path.is_dir():
         return _load_hf_dir(path, max_model_len, dtype, device, tp, quantization, gemm_dtype)
     if path.is_file() or path.suffix == ".gguf":
-        return _load_gguf(path, max_model_len, dtype, device, quantization, tp, gemm_dtype)
+        return _load_gguf(path, max_model_len, dtype, device, quantization, tp, gemm_dtype, int8_prompts)
     raise ModelLoadError(missing_model_message(model))

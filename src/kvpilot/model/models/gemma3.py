@@ -106,7 +106,7 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn: StepAttention) -> torch.Tensor:
         if self.int8_gate is not None:  # as the shared forward: prompt tokens stay off the int8 path
-            self.int8_gate.open = not getattr(attn.meta, "prefills", ())
+            self.int8_gate.for_step(bool(getattr(attn.meta, "prefills", ())))
         x = self.embed(token_ids)
         tables = self.rotary.tables(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):

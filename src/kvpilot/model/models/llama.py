@@ -163,7 +163,7 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn: StepAttention) -> torch.Tensor:
         if self.int8_gate is not None:  # a step with prompt tokens keeps them off the int8 path
-            self.int8_gate.open = not getattr(attn.meta, "prefills", ())
+            self.int8_gate.for_step(bool(getattr(attn.meta, "prefills", ())))
         x = self.embed(token_ids)
         cos, sin = self.rotary.tables(positions, x.dtype)
         if self.aux_hidden_layers:

@@ -68,9 +68,15 @@ class Int8Gate:
     """Whether the tiled int8 path may take this step's rows, shared by a model's PackedLinear layers: the model
     opens it for steps without prompt tokens (decodes) and closes it for steps with them, whose rows then take
     the dense bf16 GEMM. Rounding a prompt's activations to int8 moves its logits by up to ~0.1 on the embedded
-    model (enough to change its README answer), while decode rows stay within what its tests accept."""
+    model (enough to change its README answer), while decode rows stay within what its tests accept.
+    `prompts` (--prompt-gemm-dtype int8) keeps it open for every step, as llama.cpp computes prompts: on CPUs
+    whose float32 / emulated bf16 GEMMs are slower than the int8 tiles (AVX2), and no dense copy to hold."""
 
     open: bool = True
+    prompts: bool = False
+
+    def for_step(self, has_prompt_tokens: bool) -> None:
+        self.open = self.prompts or not has_prompt_tokens
 
 
 @dataclass
