@@ -48,8 +48,16 @@ def describe(built: BuiltEngine) -> EngineInfo:
                       vocab_size=engine.vocab_size, kv=kv, max_num_seqs=limits.max_num_seqs,
                       enable_prefix_caching=cache.enable_prefix_caching, dtype=kv_dtype_name(built.loaded.dtype),
                       fit_model=fit_model_name(built.loaded), fit_device=fit_device_name(built.loaded.device),
-                      prompt_gemm_dtype=kv_dtype_name(gemm) if (gemm := built.loaded.prompt_gemm_dtype) else "",
+                      prompt_gemm_dtype=_prompt_gemm_name(built.loaded),
                       quantization=built.loaded.quantization, weight_bits=built.loaded.weight_bits)
+
+
+def _prompt_gemm_name(loaded: LoadedModel) -> str:
+    """What CPU prompt GEMMs run in: int8 where the packed layers' Int8Gate stays open for prompts
+    (--prompt-gemm-dtype int8), else the resolved dtype ("" on a GPU)."""
+    if getattr(getattr(loaded.model, "int8_gate", None), "prompts", False):
+        return "int8"
+    return kv_dtype_name(loaded.prompt_gemm_dtype) if loaded.prompt_gemm_dtype else ""
 
 
 def warm_up(engine: LLMEngine) -> None:
