@@ -1,7 +1,7 @@
 // Entry points for a tiled set: the column-tiled int8 copies of one projection's parts, each in its own format
 // (Q8_0 / Q4_0 / Q4_1: quant_vnni_gemm.h; Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K / IQ4_NL / MXFP4: quant_tiled_kq.h; on AVX2
-// CPUs their 256-bit twins), side by side in the
-// output (a fused q/k/v whose v is Q6_K and q/k Q4_K, as llama.cpp's Q4_K_M mixes write). x is quantized once for all
+// CPUs their 256-bit twins), side by side in the output (a fused q/k/v whose v is Q6_K and q/k Q4_K, as llama.cpp's
+// Q4_K_M mixes write). x is quantized once for all
 // parts. Built after quant_tiled_cpu.cpp (Q8Rows, tiled_shape, argmax_over_tiles).
 //
 // A part is 3 tensors and a format code: (tq, td, to) for the split formats (quant_vnni_gemm.h), (tq, td, ts) for
