@@ -124,14 +124,13 @@ def int8_path_takes_all(tensors: tuple[GgufTensor, ...], model_type: str, tied: 
     return bool(types) and types <= INT8_COPY_TYPES[cpu_int8] - {"IQ4_XS"}
 
 
-def _copies_note(compute_bits: int, types: set[str], copied: frozenset[str]) -> str:
+def _copies_note(compute_bits: int, copied: frozenset[str]) -> str:
+    """Every packed type has an int8 copy on a CPU with an int8 path (INT8_COPY_TYPES), none on one without."""
     if compute_bits != 16:
         return ""
-    if types <= copied:
+    if copied:
         return " with the int8 copies"
-    if not types & copied:
-        return " as the file's blocks: no int8 copies on this CPU (they need AVX-512 VNNI or AVX2)"
-    return f" with the int8 copies of {', '.join(sorted(types & copied))} (the others as the file's blocks)"
+    return " as the file's blocks: no int8 copies on this CPU (they need AVX-512 VNNI or AVX2)"
 
 
 def _packs_experts(experts: list[GgufTensor], model_type: str, on_gpu: bool) -> bool:
@@ -167,7 +166,7 @@ def held_gguf(tensors: tuple[GgufTensor, ...], model_type: str, tied: bool, comp
     layers = sum(b for name, b in held.items() if name not in (EMBEDDING, OUTPUT))
     types = sorted({t.type_name for t in tensors if is_linear(t, tied)})
     bits = ", ".join(f"{name} {packed_bits(name, name in copied):.4g}" for name in types)
-    copies = _copies_note(compute_bits, set(types), copied)
+    copies = _copies_note(compute_bits, copied)
     what = "linear weights and experts" if experts else "linear weights"
     return HeldGguf(embedding, head, layers, True,
                     f"kvpilot holds the {what} packed ({bits} bits a weight{copies}) and the embedding table "
