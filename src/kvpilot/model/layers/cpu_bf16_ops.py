@@ -1,5 +1,5 @@
 """The C++ small ops for bfloat16 activations on CPU (csrc/bf16_ops_cpu.cpp: RMSNorm, rotary embedding and
-SiLU-and-mul; AVX-512 rows in csrc/bf16_ops_avx512.h where the CPU has it),
+SiLU-and-mul; AVX-512 rows in csrc/bf16_ops_avx512.h, AVX2 rows in csrc/bf16_ops_avx2.h, where the CPU has them),
 built once with torch's cpp_extension like the other CPU kernels. Each call replaces several torch ops (two
 of RMSNorm's eight are dtype conversions); a decode step of a bf16 model runs 61 norms and 30 rotations.
 None (the torch ops) when it cannot be built or KVPILOT_CPU_KERNELS=0.
@@ -16,9 +16,10 @@ import torch
 from kvpilot.model.layers.cpp_build import CppKernel, build_cpp_kernel
 
 _CSRC = Path(__file__).parent / "csrc"
-# the AVX-512 rows (and their exp) first: the scalar ops' file calls them (one translation unit, no include path)
+# the vector rows (and their exp) first: the scalar ops' file calls them (one translation unit, no include path)
 _KERNEL = CppKernel(label="CPU bf16 ops kernel", name_prefix="kvpilot_cpu_bf16_ops_",
-                    sources=tuple(_CSRC / name for name in ("simd_exp.h", "bf16_ops_avx512.h", "bf16_ops_cpu.cpp")),
+                    sources=tuple(_CSRC / name for name in (
+                        "simd_exp.h", "bf16_ops_avx512.h", "bf16_ops_avx2.h", "bf16_ops_cpu.cpp")),
                     functions=("rms_norm_bf16", "rope_bf16", "silu_mul_bf16"), cflags=("-O3",),
                     serial="norms and rotations of long prompts run on one thread", fallback="using torch ops")
 

@@ -59,6 +59,13 @@ void silu_mul_row(const uint16_t* gate, const uint16_t* up, uint16_t* out, int64
   }
 }
 
+// Which vector rows this CPU runs (bf16_ops_avx512.h's, bf16_ops_avx2.h's), or none: the scalar rows above
+enum class VectorRows { kNone, kAvx2, kAvx512 };
+
+VectorRows vector_rows() {
+  return bf16_avx512() ? VectorRows::kAvx512 : bf16_avx2() ? VectorRows::kAvx2 : VectorRows::kNone;
+}
+
 }  // namespace
 
 // out [..., K] bfloat16 = RMSNorm(x [..., K] bfloat16, contiguous) with weight [K] bfloat16.
@@ -75,10 +82,11 @@ torch::Tensor rms_norm_bf16(torch::Tensor x, torch::Tensor weight, double eps) {
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const float e = static_cast<float>(eps);
   // a few hundred ns a row: threads only for prefill-sized batches
-  const bool vector = K % 16 == 0 && bf16_avx512();
+  const VectorRows rows_isa = K % 16 == 0 ? vector_rows() : VectorRows::kNone;
   at::parallel_for(0, rows, std::max<int64_t>(1, 65536 / std::max<int64_t>(K, 1)), [&](int64_t r0, int64_t r1) {
-    if (vector) {
-      for (int64_t r = r0; r < r1; ++r) norm_row512(xp + r * K, wp, op + r * K, K, e);
+    if (rows_isa != VectorRows::kNone) {
+      const auto row = rows_isa == VectorRows::kAvx512 ? norm_row512 : norm_row256;
+      for (int64_t r = r0; r < r1; ++r) row(xp + r * K, wp, op + r * K, K, e);
       return;
     }
     std::vector<float> widened(K);
@@ -104,7 +112,8 @@ torch::Tensor rope_bf16(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   const auto* sp = reinterpret_cast<const uint16_t*>(sin.data_ptr<at::BFloat16>());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const int64_t s0 = x.stride(0), s1 = x.stride(1);
-  const bool vector = D % 32 == 0 && bf16_avx512();
+  const VectorRows rows_isa = D % 32 == 0 ? vector_rows() : VectorRows::kNone;
+  const auto vector_row = rows_isa == VectorRows::kAvx512 ? rope_row512 : rope_row256;
   at::parallel_for(0, T * H, std::max<int64_t>(1, 65536 / D), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t t = r / H, h = r % H;
@@ -112,8 +121,8 @@ torch::Tensor rope_bf16(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
       const uint16_t* c = cp + t * D;
       const uint16_t* s = sp + t * D;
       uint16_t* o = op + r * D;
-      if (vector) {
-        rope_row512(xr, c, s, o, D);
+      if (rows_isa != VectorRows::kNone) {
+        vector_row(xr, c, s, o, D);
         continue;
       }
       for (int64_t j = 0; j < D; ++j) {
@@ -139,12 +148,13 @@ torch::Tensor silu_mul_bf16(torch::Tensor gate_up) {
   torch::Tensor out = torch::empty({T, I}, gate_up.options().memory_format(torch::MemoryFormat::Contiguous));
   const auto* gp = reinterpret_cast<const uint16_t*>(gate_up.data_ptr<at::BFloat16>());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  const bool vector = I % 16 == 0 && bf16_avx512();
+  const VectorRows rows_isa = I % 16 == 0 ? vector_rows() : VectorRows::kNone;
+  const auto vector_row = rows_isa == VectorRows::kAvx512 ? silu_mul_row512 : silu_mul_row256;
   at::parallel_for(0, T, std::max<int64_t>(1, 32768 / std::max<int64_t>(I, 1)), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const uint16_t* g = gp + r * ld;
-      if (vector) {
-        silu_mul_row512(g, g + I, op + r * I, I);
+      if (rows_isa != VectorRows::kNone) {
+        vector_row(g, g + I, op + r * I, I);
       } else {
         silu_mul_row(g, g + I, op + r * I, I);
       }

@@ -109,16 +109,29 @@ void write_kv(torch::Tensor& cache, const torch::Tensor& k, const torch::Tensor&
 }
 
 // n values widened to float32 / rounded to bfloat16 (nearest even, as Tensor.copy_ rounds): 16 lanes at a time where
-// the CPU has AVX-512 (the scalar loops, with a tensor's stride read per value, took ~48 us a layer at batch 64)
+// the CPU has AVX-512, 8 with AVX2 (the scalar loops, with a tensor's stride read per value, took ~48 us a layer at
+// batch 64)
 void widen_row(const uint16_t* in, float* out, int64_t n) {
-  const int64_t done = bf16_avx512() ? n - n % 16 : 0;
-  widen_row512(in, out, done);
+  int64_t done = 0;
+  if (bf16_avx512()) {
+    done = n - n % 16;
+    widen_row512(in, out, done);
+  } else if (bf16_avx2()) {
+    done = n - n % 8;
+    widen_row256(in, out, done);
+  }
   for (int64_t i = done; i < n; ++i) out[i] = bf16_to_float(in[i]);
 }
 
 void narrow_row(const float* in, uint16_t* out, int64_t n) {
-  const int64_t done = bf16_avx512() ? n - n % 16 : 0;
-  narrow_row512(in, out, done);
+  int64_t done = 0;
+  if (bf16_avx512()) {
+    done = n - n % 16;
+    narrow_row512(in, out, done);
+  } else if (bf16_avx2()) {
+    done = n - n % 8;
+    narrow_row256(in, out, done);
+  }
   for (int64_t i = done; i < n; ++i) out[i] = float_to_bf16(in[i]);
 }
 

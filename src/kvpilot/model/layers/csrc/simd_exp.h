@@ -1,7 +1,8 @@
-// exp(x) for x <= 0 on 16 float32 lanes (AVX-512), shared by the decode and prefill attention kernels and the bf16
-// small ops: the same reduction and polynomial as decode_common.h's scalar exp_nonpos (relative error ~2e-7), 2^n
-// applied by scalef. Inputs below -87 give exp(-87) ~ 1.6e-38, not 0: callers zero masked lanes themselves.
-// A target attribute, not -march: the bf16 ops module is built for any x86-64 and calls it only on AVX-512 CPUs.
+// exp(x) for x <= 0 on 16 float32 lanes (AVX-512) and on 8 (AVX2), shared by the decode and prefill attention
+// kernels and the bf16 small ops: the same reduction and polynomial as decode_common.h's scalar exp_nonpos (relative
+// error ~2e-7), 2^n applied by scalef (16 lanes) or added to the exponent bits (8 lanes: the two differ only below
+// 2^-126). Inputs below -87 give exp(-87) ~ 1.6e-38, not 0: callers zero masked lanes themselves.
+// Target attributes, not -march: the bf16 ops module is built for any x86-64 and calls each only where the CPU has it.
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 
@@ -21,6 +22,30 @@ __attribute__((target("avx512f,fma"))) inline __m512 exp_nonpos16(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, n);
+}
+
+__attribute__((target("avx2,fma"))) inline __m256 exp_nonpos8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860682030941723e-6f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i power = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
+  return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), power));
+}
+
+// The sum of 8 lanes (AVX2)
+__attribute__((target("avx2"))) inline float lanes_sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
 // cap * tanh(x / cap) on 16 lanes (logit soft-capping in the attention kernels). For |y| >= 1/4, tanh(y) =
