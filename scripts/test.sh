@@ -29,4 +29,11 @@ build_cpu_kernels((*kernels_for(torch.bfloat16), get_moe_kernel))"
 # Two pytest workers (pytest-xdist), also on 2 cores: a one-process run left the CPUs idle a quarter of the
 # time (waiting on servers, subprocesses, timed phases), two kept them ~95% busy (docs/benchmark-log.md). A
 # file's tests stay on one worker (tests/conftest.py). KVPILOT_TEST_WORKERS=0 runs in one process.
-exec "$PY" -m pytest -n "${KVPILOT_TEST_WORKERS:-2}" --dist loadgroup "$@"
+WORKERS="${KVPILOT_TEST_WORKERS:-2}"
+# With two workers on the cores, each engine the suite starts (in a worker, a server process, a Ray replica) runs one
+# OpenMP thread: a two-thread engine beside the other worker spent much of its CPU at barriers, waiting for its
+# second thread while that one had no core (the suite on a 2-core Zen 3: 1,091 -> 890 s of pytest,
+# docs/benchmark-log.md). The kernel tests and the doctor's live probes set their own threads (tests/model/conftest.py,
+# tests/doctor/conftest.py). A user's OMP_NUM_THREADS wins.
+if [ "$WORKERS" != "0" ]; then export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"; fi
+exec "$PY" -m pytest -n "$WORKERS" --dist loadgroup "$@"

@@ -34,6 +34,20 @@ def _main_thread_omp_pool_released() -> Iterator[None]:
     release_omp_pool()
 
 
+@contextmanager
+def torch_threads(num_threads: int) -> Iterator[None]:
+    """torch's intra-op threads (OpenMP) set to `num_threads` meanwhile, then restored: threads started meanwhile (an
+    in-process server's engine) take the count too. scripts/test.sh runs the suite's engines on one thread each."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def gguf_path() -> Path:
     from kvpilot.model.default_model import default_model_path

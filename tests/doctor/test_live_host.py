@@ -234,3 +234,10 @@ def test_serve_command_that_exits_is_one_line_exit_2() -> None:
     assert proc.returncode == 2
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "exited with code" in lines[0] and "max_num_seqs" in lines[0], proc.stderr
+
+
+def test_the_live_probes_servers_run_on_every_core() -> None:
+    """tests/doctor/conftest.py: whatever threads scripts/test.sh gives the suite's other engines."""
+    import torch
+
+    assert torch.get_num_threads() == (os.cpu_count() or 1) and "OMP_NUM_THREADS" not in os.environ

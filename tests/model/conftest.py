@@ -2,7 +2,28 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
+
+from tests.conftest import torch_threads
+
+# The files that call the C++ kernels themselves: at least two threads, so each kernel's split of its work across
+# threads runs (scripts/test.sh gives the suite's engines one thread each beside the other pytest worker).
+KERNEL_TEST_FILES = frozenset((
+    "test_attention_variants.py", "test_cpu_kernels.py", "test_decode_kernel.py", "test_fused_decode.py",
+    "test_moe_packed.py", "test_norm_kernel.py", "test_prefill_kernel.py", "test_quant_kernels.py",
+    "test_quant_kquant.py", "test_quant_tile_blocks.py", "test_quant_tiled.py", "test_quant_tiled_argmax.py"))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _kernel_tests_split_across_threads(request: pytest.FixtureRequest) -> Iterator[None]:
+    if Path(str(request.node.path)).name not in KERNEL_TEST_FILES:
+        yield
+        return
+    with torch_threads(2):
+        yield
 
 
 @pytest.fixture(scope="session")

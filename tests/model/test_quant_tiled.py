@@ -145,3 +145,8 @@ def test_int8_prompts_take_the_tiled_copies_and_keep_no_dense_copy():
 def test_int8_prompts_need_the_int8_path():
     with pytest.raises(ModelLoadError, match="prompt-gemm-dtype int8"):
         load_model(None, dtype="float32", max_model_len=64, prompt_gemm_dtype="int8")
+
+
+def test_kernel_tests_split_their_work_across_threads() -> None:
+    """tests/model/conftest.py: two threads or more here, so the kernels' splits across threads run."""
+    assert torch.get_num_threads() >= 2
