@@ -108,30 +108,27 @@ void write_kv(torch::Tensor& cache, const torch::Tensor& k, const torch::Tensor&
     }
 }
 
+// The first values of n that the vector rows take: whole 16-lane (AVX-512) or 8-lane (AVX2) groups
+int64_t vector_prefix(VectorRows rows_isa, int64_t n) {
+  return rows_isa == VectorRows::kAvx512 ? n - n % 16 : rows_isa == VectorRows::kAvx2 ? n - n % 8 : 0;
+}
+
 // n values widened to float32 / rounded to bfloat16 (nearest even, as Tensor.copy_ rounds): 16 lanes at a time where
 // the CPU has AVX-512, 8 with AVX2 (the scalar loops, with a tensor's stride read per value, took ~48 us a layer at
 // batch 64)
 void widen_row(const uint16_t* in, float* out, int64_t n) {
-  int64_t done = 0;
-  if (bf16_avx512()) {
-    done = n - n % 16;
-    widen_row512(in, out, done);
-  } else if (bf16_avx2()) {
-    done = n - n % 8;
-    widen_row256(in, out, done);
-  }
+  const VectorRows rows_isa = vector_rows();
+  const int64_t done = vector_prefix(rows_isa, n);
+  if (rows_isa == VectorRows::kAvx512) widen_row512(in, out, done);
+  if (rows_isa == VectorRows::kAvx2) widen_row256(in, out, done);
   for (int64_t i = done; i < n; ++i) out[i] = bf16_to_float(in[i]);
 }
 
 void narrow_row(const float* in, uint16_t* out, int64_t n) {
-  int64_t done = 0;
-  if (bf16_avx512()) {
-    done = n - n % 16;
-    narrow_row512(in, out, done);
-  } else if (bf16_avx2()) {
-    done = n - n % 8;
-    narrow_row256(in, out, done);
-  }
+  const VectorRows rows_isa = vector_rows();
+  const int64_t done = vector_prefix(rows_isa, n);
+  if (rows_isa == VectorRows::kAvx512) narrow_row512(in, out, done);
+  if (rows_isa == VectorRows::kAvx2) narrow_row256(in, out, done);
   for (int64_t i = done; i < n; ++i) out[i] = float_to_bf16(in[i]);
 }
 
