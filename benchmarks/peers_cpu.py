@@ -4,8 +4,8 @@ Not in CI. Peers are installed once into their own virtual environments under --
 their marker file says the install finished): llama-cpp-python[server] built with this CPU's flags (also
 giving llama.cpp's C++ llama-server, which has parallel slots), and vLLM's CPU build per MACHINE-FACTS.
 Comparisons (peers/comparisons.py): default (kvpilot's defaults against --engines, as always run), bf16
-(kvpilot dense bf16 against vLLM bf16, both from the same GGUF), and q4_0 and q4_k_m (a Q4_0 / Q4_K_M copy
-of the GGUF, made once with llama.cpp's quantizer and its type mix printed, served by kvpilot and by
+(kvpilot dense bf16 against vLLM bf16, both from the same GGUF), and q4_0, q4_k_m and, when asked, iq4_xs (a
+Q4_0 / Q4_K_M / IQ4_XS copy of the GGUF, made once with llama.cpp's quantizer and its type mix printed, served by kvpilot and by
 llama-server with --parallel equal to each workload's concurrency: its own default with an explicit --parallel,
 one KV buffer per slot, the "high-throughput mode" of llama.cpp PR 14363; --llama-kv-unified gives it one shared
 buffer instead, whose attention spans every slot's tokens and so slows many streams). Servers run one at a
@@ -18,6 +18,7 @@ side by side, so kvpilot on the Q4_K_M copy meets kvpilot on the Q4_0 copy in th
     .venv/bin/python benchmarks/peers_cpu.py                         # every comparison and workload, 3 passes
     .venv/bin/python benchmarks/peers_cpu.py --install-only          # only set up the peers (~15 min)
     .venv/bin/python benchmarks/peers_cpu.py --comparisons q4_k_m,q4_0 --workloads c1,c16,c64 --json rows.json
+    .venv/bin/python benchmarks/peers_cpu.py --comparisons iq4_xs --engines kvpilot,llamacpp --workloads c1,c16
     .venv/bin/python benchmarks/peers_cpu.py --comparisons default --engines kvpilot --passes 1 --quick \
         --kvpilot-arg=--kv-cache-dtype=bfloat16
 
@@ -36,7 +37,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from kvpilot.model.default_model import default_model_path
-from peers.comparisons import COMPARISON_NAMES, Comparison, Contender, build_comparisons
+from peers.comparisons import COMPARISON_NAMES, DEFAULT_COMPARISONS, Comparison, Contender, build_comparisons
 from peers.install import PEER_ENGINES, install_peers
 from peers.kvpilot_engine import kvpilot_server_spec, kvpilot_weight_args
 from peers.llamacpp import (KV_UNIFIED_FLAG, has_flag, llama_server_help, llamacpp_py_server_spec,
@@ -55,10 +56,11 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--comparisons", default=",".join(COMPARISON_NAMES),
+    parser.add_argument("--comparisons", default=",".join(DEFAULT_COMPARISONS),
                         help="comma-separated, from default (kvpilot's defaults against --engines), bf16 (kvpilot "
-                             "--quantization none against vLLM bf16), q4_0 and q4_k_m (kvpilot against llama-server "
-                             "on a Q4_0 / Q4_K_M copy made by llama.cpp's quantizer, fair slots)")
+                             "--quantization none against vLLM bf16), q4_0, q4_k_m and iq4_xs (kvpilot against "
+                             "llama-server on a copy made by llama.cpp's quantizer, fair slots); default: all but "
+                             "iq4_xs")
     parser.add_argument("--engines", default="kvpilot,llamacpp,vllm",
                         help=f"the default comparison's engines, comma-separated, from {','.join(ENGINES)} "
                              "(llamacpp-py: llama-cpp-python's own server, one request at a time)")

@@ -5,8 +5,9 @@
   dequantized to bf16). Mostly a comparison of weight formats at c16/c64, kept for continuity.
 - bf16: kvpilot `--quantization none --dtype bfloat16` (the GGUF dequantized at load) against vLLM on the same
   GGUF dequantized to bf16 by transformers: dense bf16 weights on both sides.
-- q4_0, q4_k_m: a requantized copy of the embedded GGUF (peers/quantize.py; Q4_0 is one of llama.cpp's repacked
-  x86 fast formats, Q4_K_M the mix most llama.cpp users hold) served by kvpilot with its defaults and by
+- q4_0, q4_k_m, iq4_xs: a requantized copy of the embedded GGUF (peers/quantize.py; Q4_0 is one of llama.cpp's
+  repacked x86 fast formats, Q4_K_M the mix most llama.cpp users hold, IQ4_XS the 4.25-bit type many published
+  GGUFs ship) served by kvpilot with its defaults and by
   llama.cpp's llama-server started anew for each workload with `--parallel` equal to its concurrency and a
   unified KV cache (`--kv-unified`).
 
@@ -21,6 +22,8 @@ from dataclasses import dataclass
 from peers.quantize import REQUANTIZED_MIXES
 
 COMPARISON_NAMES = ("default", "bf16", *REQUANTIZED_MIXES)
+# what a plain `peers_cpu.py` runs: iq4_xs only when asked (--comparisons iq4_xs)
+DEFAULT_COMPARISONS = ("default", "bf16", "q4_0", "q4_k_m")
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Requantized copies of the embedded GGUF for the like-for-like comparisons (q4_0, q4_k_m): the type mix each
+"""Requantized copies of the embedded GGUF for the like-for-like comparisons (q4_0, q4_k_m, iq4_xs): the type mix each
 asks of llama.cpp's quantizer, where a copy lives, when it is reused, and the check that it holds that mix.
 
 Invariant: `<cache>/models/<model>.<TYPE>.gguf` is used only when its stamp file names the current source (path,
@@ -47,7 +47,11 @@ Q4_0_MIX = QuantMix("Q4_0", frozenset({"Q4_0"}), frozenset({"Q4_0"}), head_type=
 # llama.cpp's own Q4_K_M: Q4_K, Q6_K for the head and some attn_v / ffn_down, Q5_K for fused QKV; a matrix
 # whose rows are not whole 256-weight super-blocks falls back to Q5_0 / Q5_1 / Q8_0 (Q4_K / Q5_K / Q6_K).
 Q4_K_M_MIX = QuantMix("Q4_K_M", frozenset({"Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "Q8_0"}), frozenset({"Q4_K"}))
-REQUANTIZED_MIXES = {mix.key: mix for mix in (Q4_0_MIX, Q4_K_M_MIX)}
+# llama.cpp's IQ4_XS (the 4.25-bit type many published GGUFs ship): IQ4_XS where rows are whole 256-weight super-blocks,
+# IQ4_NL elsewhere, some attn_v / ffn_down raised by its rules; the head Q8_0 as in the source.
+IQ4_XS_MIX = QuantMix("IQ4_XS", frozenset({"IQ4_XS", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "Q8_0"}),
+                      frozenset({"IQ4_XS"}), head_type="Q8_0")
+REQUANTIZED_MIXES = {mix.key: mix for mix in (Q4_0_MIX, Q4_K_M_MIX, IQ4_XS_MIX)}
 
 
 def requantized_path(cache_dir: Path, source: Path, mix: QuantMix) -> Path:

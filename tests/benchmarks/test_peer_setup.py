@@ -20,7 +20,7 @@ from peers import llamacpp
 from peers.comparisons import Contender, build_comparisons
 from peers.kvpilot_engine import kvpilot_weight_args
 from peers.llamacpp import KV_UNIFIED_FLAG, has_flag
-from peers.quantize import (Q4_0_MIX, Q4_K_M_MIX, REQUANTIZED_MIXES, QuantMix, RequantizedCopy,
+from peers.quantize import (IQ4_XS_MIX, Q4_0_MIX, Q4_K_M_MIX, REQUANTIZED_MIXES, QuantMix, RequantizedCopy,
                             ensure_requantized_copy, is_current, read_copy, read_tensor_types, requantized_path,
                             tensor_type_problems, type_mix)
 from peers.servers import RunningServer
@@ -86,7 +86,7 @@ def test_copies_are_named_after_the_model_without_its_quantization(tmp_path):
     assert requantized_path(tmp_path, source, Q4_K_M_MIX).name == "SmolLM2-135M-Instruct.Q4_K_M.gguf"
     assert requantized_path(tmp_path, Path("m.gguf"), Q4_0_MIX).name == "m.Q4_0.gguf"
     assert requantized_path(tmp_path, Path("m.bf16.gguf"), Q4_K_M_MIX).name == "m.Q4_K_M.gguf"
-    assert list(REQUANTIZED_MIXES) == ["q4_0", "q4_k_m"]
+    assert list(REQUANTIZED_MIXES) == ["q4_0", "q4_k_m", "iq4_xs"]
 
 
 @pytest.mark.parametrize("mix, head_args", [(Q4_0_MIX, ["--head-type", "Q8_0"]), (Q4_K_M_MIX, [])])
@@ -146,6 +146,19 @@ def test_a_q4_k_m_copy_holds_only_llama_cpp_s_q4_k_m_types(tmp_path):
     no_k = {name: ("Q5_0", 2) for name in types}
     assert tensor_type_problems(no_k, Q4_K_M_MIX) == ["no Q4_K tensor: not a Q4_K_M file"]
     assert tensor_type_problems(types, Q4_0_MIX)[0] == "blk.0.attn_q.weight is Q5_0, expected Q4_0"
+
+
+def test_an_iq4_xs_copy_holds_iq4_xs_where_rows_are_whole_super_blocks():
+    """llama.cpp's IQ4_XS of the embedded model (2026-12-01): IQ4_NL on its 576-wide rows, IQ4_XS on ffn_down (1,536
+    wide), a few ffn_down raised to Q5_K, the head Q8_0 as asked."""
+    types = {"token_embd.weight": ("Q8_0", 2), "blk.0.attn_q.weight": ("IQ4_NL", 2),
+             "blk.0.ffn_down.weight": ("Q5_K", 2), "blk.1.ffn_down.weight": ("IQ4_XS", 2),
+             "blk.0.attn_norm.weight": ("F32", 1)}
+    assert tensor_type_problems(types, IQ4_XS_MIX) == []
+    assert tensor_type_problems({**types, "blk.1.ffn_down.weight": ("IQ4_NL", 2)}, IQ4_XS_MIX) == [
+        "no IQ4_XS tensor: not a IQ4_XS file"]
+    assert tensor_type_problems({**types, "token_embd.weight": ("Q6_K", 2)}, IQ4_XS_MIX) == [
+        "token_embd.weight is Q6_K, expected Q8_0"]
 
 
 def test_a_copy_is_described_by_its_tensor_bytes_and_type_mix(tmp_path):

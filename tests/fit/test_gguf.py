@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -66,15 +67,19 @@ def test_gguf_weight_bytes_are_what_kvpilot_holds(embedded_model: LoadedModel) -
 
 
 def test_auto_is_bf16_where_every_linear_weight_runs_on_the_int8_path(embedded_model: LoadedModel) -> None:
-    """The embedded file (Q4_1, a Q8_0 head) and a Q4_K_M mix run whole on the int8 path of VNNI and AVX2 CPUs; a CPU
-    without native bf16 then plans --dtype auto in bf16 (2-byte KV) exactly where the int8 path takes it all."""
+    """The embedded file (Q4_1, a Q8_0 head), a Q4_K_M mix and IQ4_XS layers run whole on the int8 path of VNNI and
+    AVX2 CPUs; a CPU without native bf16 then plans --dtype auto in bf16 (2-byte KV) exactly where the int8 path
+    takes it all."""
     spec = embedded_model.spec
     q4_k_m = mix_tensors(spec, "q4_k_m")
+    iq4_xs_down = tuple(replace(t, type_name="IQ4_XS") if "ffn_down" in t.name else t  # 1,536 values: whole blocks
+                        for t in embedded_model.gguf.tensors)
     takes = {(name, path): int8_path_takes_all(tensors, spec.model_type, spec.tie_word_embeddings, path)
-             for name, tensors in (("file", embedded_model.gguf.tensors), ("q4_k_m", q4_k_m))
+             for name, tensors in (("file", embedded_model.gguf.tensors), ("q4_k_m", q4_k_m),
+                                   ("iq4_xs", iq4_xs_down))
              for path in ("vnni", "avx2", "none")}
-    assert [k for k, v in takes.items() if v] == [("file", "vnni"), ("file", "avx2"), ("q4_k_m", "vnni"),
-                                                  ("q4_k_m", "avx2")]
+    assert [k for k, v in takes.items() if v] == [(name, path) for name in ("file", "q4_k_m", "iq4_xs")
+                                                  for path in ("vnni", "avx2")]
     computed = {path: weight_bytes(embedded_model, cpu_int8=path, cpu_fast_bf16=False).num_bytes_embedding
                 for path in ("avx2", "none")}
     assert computed == {"avx2": 49152 * 576 * 2, "none": 49152 * 576 * 4}  # the dense table in the compute dtype

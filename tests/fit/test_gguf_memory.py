@@ -38,6 +38,11 @@ def _q4_k_m(name: str, layer: int) -> str:
     return "Q6_K" if name == "output" or (name in ("attn_v", "ffn_down") and layer == 0) else "Q4_K"
 
 
+def _iq4_xs(name: str, layer: int) -> str:
+    """Bartowski-style IQ4_XS: every matrix IQ4_XS (256 and 512 values a row: whole super-blocks), the head Q8_0."""
+    return "Q8_0" if name == "output" else "IQ4_XS"
+
+
 def _q2_k(name: str, layer: int) -> str:
     return "Q2_K"
 
@@ -98,7 +103,8 @@ def _held_by_loader(path: Path, dtype: str, quantization: str) -> tuple[int, str
 
 @pytest.mark.skipif(get_quant_kernel() is None, reason="no C++ compiler for the CPU kernels")
 @pytest.mark.parametrize(("mix", "tied", "packed"), [(_q4_0, True, True), (_q4_k_m, False, True),
-                                                      (_q2_k, False, False)], ids=["Q4_0", "Q4_K_M", "Q2_K"])
+                                                      (_iq4_xs, False, True), (_q2_k, False, False)],
+                         ids=["Q4_0", "Q4_K_M", "IQ4_XS", "Q2_K"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_predicted_weight_bytes_match_what_the_loader_holds(tmp_path: Path, mix, tied: bool, packed: bool,
                                                              dtype: str) -> None:

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(get_quant_kernel() is None, reason="no C++ compi
 needs_int8_tiles = pytest.mark.skipif(not has_int8_tiles(), reason="neither AVX-512 VNNI nor AVX2 on this CPU")
 
 NAMES = list(BLOCK_FORMATS)
-TILED_NAMES = [name for name in NAMES if BLOCK_FORMATS[name].int8_tiles]  # all but IQ4_XS
+TILED_NAMES = [name for name in NAMES if BLOCK_FORMATS[name].int8_tiles]  # all of them
 # 3 super-blocks (odd) for the K-quants and IQ4_XS, 7 blocks (odd, not whole super-blocks) for the 32-value formats
 COLS = {name: 768 if BLOCK_FORMATS[name].block_values == 256 else 32 * 7 for name in NAMES}
 
@@ -81,9 +81,10 @@ def test_the_tiled_copy_holds_the_values_in_about_the_blocks_bytes(name):
     dense = torch.empty(48, COLS[name], dtype=torch.bfloat16)
     copy.dequantize_into(dense)
     assert torch.equal(dense, torch.from_numpy(expected).to(torch.bfloat16))
-    # K-quants' 6-bit sub-scales take a byte each; Q6_K's are int8 already, Q5_0 / Q5_1 keep d (and m) as is
-    # MXFP4's exponent byte becomes a float16 scale (18 bytes a block for 17)
-    assert copy.nbytes / packed.nbytes <= {"Q4_K": 1.03, "Q5_K": 1.025, "MXFP4": 18 / 17}.get(name, 1.0)
+    # K-quants' and IQ4_XS's 6-bit sub-scales take a byte each; Q6_K's are int8 already, Q5_0 / Q5_1 keep d (and m)
+    # as is; MXFP4's exponent byte becomes a float16 scale (18 bytes a block for 17)
+    limits = {"Q4_K": 1.03, "Q5_K": 1.025, "IQ4_XS": 138 / 136, "MXFP4": 18 / 17}
+    assert copy.nbytes / packed.nbytes <= limits.get(name, 1.0)
     assert not can_ktile(_blocks(name, 40, seed=4)[0])  # not whole 16-row tiles
     with pytest.raises(ValueError, match="multiple of 16"):
         ktile(_blocks(name, 40, seed=4)[0])
@@ -181,10 +182,23 @@ def test_mxfp4_scales_float16_lacks_keep_the_float32_kernel():
         tile_blocks([raw], BLOCK_FORMATS["MXFP4"])
 
 
-def test_iq4_xs_runs_the_float32_kernel_only():
-    """IQ4_XS's sub-block scales d * (ls - 32) are no float16 values: no int8 tiles; every ISA's float32 kernel
-    computes it (test_float32_kernel_matches... above), and the tilers refuse it."""
-    packed, _ = _blocks("IQ4_XS", 16, seed=13)
-    assert not can_ktile(packed)
-    with pytest.raises(ValueError, match="IQ4_XS has no int8 tiles"):
-        tile_blocks([packed.qs.numpy()], BLOCK_FORMATS["IQ4_XS"])
+@needs_int8_tiles
+def test_iq4_xs_tiles_keep_sub_block_scales_that_no_float16_holds():
+    """IQ4_XS's sub-block scales d * (ls - 32) (up to 17 significant bits) are no float16 values: the tiles keep d
+    and ls - 32 apart and multiply them in float32, so every value comes back exactly, the extreme scales (ls 0 and
+    63: -32 d and 31 d) and a d whose products float16 would round included."""
+    raw = random_blocks("IQ4_XS", 16, 512, seed=13)
+    raw[:, 2:8] = [0x9C, 0x9C, 0xF0, 0x0F, 0xF0, 0x0F]  # the first super-block's ls: 0, 63, 31, 32, 0, 63, 31, 32
+    raw[0, 0:2] = np.array([1.0009765625], dtype=np.float16).view(np.uint8)  # d = 1 + 2^-10: 11 significant bits
+    packed = PackedWeight.from_blocks(raw, BLOCK_FORMATS["IQ4_XS"])
+    expected = dequantize(raw, T.IQ4_XS).reshape(16, 512)
+    assert (expected[:, 96:128] == 0).all() and (expected[:, 32:64] != 0).any()  # ls 32: a zero scale
+    scales = np.float32(1.0009765625) * np.array([-32, 31, -1], dtype=np.float32)
+    assert not np.array_equal(scales.astype(np.float16).astype(np.float32), scales)  # float16 would round them
+    copy = tiled_set([packed])
+    assert np.array_equal(copy.dequantize().numpy(), expected)
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(13))
+    out = torch.empty(5, 16)
+    copy.matmul_into(out, x)
+    diff = (out.double() - x.double() @ torch.from_numpy(expected).double().T).abs()
+    assert bool((diff <= _int8_bound(x, expected)).all())

@@ -6,10 +6,10 @@ As kvpilot's loader decides (model/loader.py, model/quant/model_pack.py):
   GGUF blocks, 8 * type_size / block_size bits a weight (block layouts from `gguf.GGML_QUANT_SIZES`). With bf16
   activations the int8 path holds a column-tiled copy instead (model/quant/vnni_gemm.py, tiled_kquant.py), the
   same bytes except that Q4_0 and Q8_0 blocks gain a float16 offset (-8 d, -128 d: 20 bytes per 32 values, 5.0
-  bits, and 36, 9.0 bits; the blocks: 18 and 34) and the K-quants' 6-bit sub-block scales and minimums take a byte
-  each: Q4_K 148 bytes per 256 values (4.625 bits; the block: 144, 4.5), Q5_K 180 (5.625; 176, 5.5), and MXFP4's
-  exponent byte becomes a float16 scale (18 bytes per 32 values; the block: 17); Q4_1, Q5_0, Q5_1, Q6_K and IQ4_NL
-  keep their blocks' bytes. IQ4_XS has no int8 copy: its blocks stay, on the float32 kernel.
+  bits, and 36, 9.0 bits; the blocks: 18 and 34) and the 6-bit sub-block scales (and minimums) take a byte each:
+  Q4_K 148 bytes per 256 values (4.625 bits; the block: 144, 4.5), Q5_K 180 (5.625; 176, 5.5), IQ4_XS 138 (4.3125;
+  136, 4.25), and MXFP4's exponent byte becomes a float16 scale (18 bytes per 32 values; the block: 17); Q4_1, Q5_0,
+  Q5_1, Q6_K and IQ4_NL keep their blocks' bytes.
   The embedding table is held dense in the compute dtype for token lookups; a tied output head keeps a packed
   copy of the embedding's blocks beside it. Norms, biases and MoE routers: the compute dtype. Routed experts
   (ffn_{gate,up,down}_exps, or older Mixtral files' ffn_{gate,up,down}.E) are linear weights like the others:
@@ -32,10 +32,10 @@ from dataclasses import dataclass
 from kvpilot.fit.gguf_sizes import GgufTensor
 
 # GGUF type -> bytes its column-tiled int8 copy adds per block (a float16 offset; the K-quants' 12 bytes of packed
-# 6-bit scales and minimums become 16; MXFP4's exponent byte a float16; IQ4_XS keeps its blocks); the set equals
-# kvpilot.model.quant.formats.PACKED_FORMATS (tests/fit check)
+# 6-bit scales and minimums become 16, IQ4_XS's 6 bytes of 6-bit scales 8; MXFP4's exponent byte a float16); the set
+# equals kvpilot.model.quant.formats.PACKED_FORMATS (tests/fit check)
 PACKED_TYPES: dict[str, int] = {"Q8_0": 2, "Q4_0": 2, "Q4_1": 0, "Q5_0": 0, "Q5_1": 0, "Q4_K": 4, "Q5_K": 4,
-                                "Q6_K": 0, "IQ4_NL": 0, "MXFP4": 1, "IQ4_XS": 0}
+                                "Q6_K": 0, "IQ4_NL": 0, "MXFP4": 1, "IQ4_XS": 2}
 # HF model types whose GGUF weights stay packed (model/models/registry.py `packed_gguf`; tests/fit check it)
 PACKED_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral"})
 # HF model types whose routed experts alone stay packed (registry `packed_gguf_experts`): their blocks, on the float32
@@ -43,7 +43,7 @@ PACKED_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", 
 PACKED_EXPERT_FAMILIES = frozenset({"gpt_oss"})
 TILE_ROWS = 16  # the tiled copy takes whole 16-row tiles; other layers keep the file's blocks
 # the types with int8 copies by the CPU's int8 path (fingerprint.cpu_int8_path): AVX-512 VNNI and AVX2 take every
-# type (model/quant/tiled_set.int8_copy; IQ4_XS keeps its blocks either way, at the same bytes)
+# type (model/quant/tiled_set.int8_copy)
 INT8_COPY_TYPES = {"vnni": frozenset(PACKED_TYPES), "avx2": frozenset(PACKED_TYPES), "none": frozenset()}
 EMBEDDING, OUTPUT = "token_embd.weight", "output.weight"
 _LINEAR = re.compile(r"^blk\.\d+\.(attn_q|attn_k|attn_v|attn_qkv|attn_output|ffn_gate|ffn_up|ffn_down)\.weight$")
@@ -116,12 +116,12 @@ def packing_problem(tensors: tuple[GgufTensor, ...], model_type: str, tied: bool
 
 def int8_path_takes_all(tensors: tuple[GgufTensor, ...], model_type: str, tied: bool, cpu_int8: str) -> bool:
     """Whether a CPU whose int8 path is `cpu_int8` (INT8_COPY_TYPES) runs every linear weight of this file packed on
-    an int8 copy in bf16 (no IQ4_XS: blocks only). kvpilot's --dtype auto is then bf16 on a CPU without native bf16
+    an int8 copy in bf16. kvpilot's --dtype auto is then bf16 on a CPU without native bf16
     too (model/dtypes.resolve_dtype)."""
     if packing_problem(tensors, model_type, tied, on_gpu=False) is not None:
         return False
     types = {t.type_name for t in tensors if is_linear(t, tied)}
-    return bool(types) and types <= INT8_COPY_TYPES[cpu_int8] - {"IQ4_XS"}
+    return bool(types) and types <= INT8_COPY_TYPES[cpu_int8]
 
 
 def _copies_note(compute_bits: int, copied: frozenset[str]) -> str:

@@ -1,6 +1,6 @@
 """Reads a GGUF file's tensors into an HF-named state dict: dequantized to float32 torch tensors, or, for the
-linear layers' matrices of a packed format (Q8_0 / Q4_0 / Q4_1, Q5_0 / Q5_1, Q4_K / Q5_K / Q6_K, IQ4_NL / MXFP4:
-quant/formats.py), kept in their blocks (kvpilot.model.quant.PackedWeight).
+linear layers' matrices of a packed format (Q8_0 / Q4_0 / Q4_1, Q5_0 / Q5_1, Q4_K / Q5_K / Q6_K, IQ4_NL / IQ4_XS /
+MXFP4: quant/formats.py), kept in their blocks (kvpilot.model.quant.PackedWeight).
 
 GGUF quirks handled here: shapes are listed [in, out] (arrays come out (out, in)), and llama-architecture
 files store Q/K projections permuted for llama.cpp's interleaved rotary layout, which we undo; Gemma files

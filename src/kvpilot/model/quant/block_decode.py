@@ -1,11 +1,12 @@
-"""GGUF blocks of the formats kept as blocks (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, MXFP4) decoded into integers, at
+"""GGUF blocks of the formats kept as blocks (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, MXFP4, IQ4_XS) decoded into integers, at
 load: each 32-value block's unsigned quants and the scales that turn them into values (quant/tiled_kquant.py lays
 them out for the int8 kernel).
 
 Invariant: for every format, value = s * q + o per 32-value block (per 16-value half for Q6_K) with
   Q5_0: s = d, o = -16 d;   Q5_1: s = d, o = m;   Q4_K / Q5_K: s = d * sc, o = -dmin * mn (sub-block = block);
   Q6_K: s = d * sc[half], o = -32 s;   IQ4_NL / MXFP4: s = d, o = -128 d, q = table[index] + 128 (the kernel looks
-  the table up; the decoded q are the 4-bit indices, MXFP4's d = 2^(e - 128) as float16)
+  the table up; the decoded q are the 4-bit indices, MXFP4's d = 2^(e - 128) as float16);   IQ4_XS: as IQ4_NL
+  with s = d * (ls - 32) per 32-value sub-block (d per super-block; ls - 32 kept as an int8 byte)
 reproduces the gguf package's float32 dequantization exactly (the products are exact in float32).
 The block layouts are GGUF's (formats.py's docstring; the gguf package's quants.py reads them the same way).
 """
@@ -16,7 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvpilot.model.quant.formats import MXFP4, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, TABLE_VALUES, QuantFormat
+from kvpilot.model.quant.formats import (IQ4_NL_VALUES, IQ4_XS, MXFP4, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, TABLE_VALUES,
+                                          QuantFormat)
 
 # MXFP4 exponents whose scale 2^(e - 128) float16 holds exactly (2^-24 .. 2^15)
 MXFP4_HALF_EXPONENTS = range(104, 144)
@@ -25,8 +27,9 @@ MXFP4_HALF_EXPONENTS = range(104, 144)
 @dataclass(frozen=True)
 class DecodedBlocks:
     """q: uint8 [N, KB, 32] (0..15, 0..31 or 0..63); d: float16 [N, groups, c] (Q5_0: d per block; Q5_1: d, m
-    per block; Q4_K / Q5_K: d, dmin per super-block; Q6_K: d per super-block); sub: uint8 [N, KB, 2] (Q4_K /
-    Q5_K: the block's 6-bit scale and minimum; Q6_K: its halves' int8 scales, as bytes) or None."""
+    per block; Q4_K / Q5_K: d, dmin per super-block; Q6_K, IQ4_XS: d per super-block); sub: uint8 [N, KB, 2]
+    (Q4_K / Q5_K: the block's 6-bit scale and minimum; Q6_K: its halves' int8 scales, as bytes), [N, KB, 1]
+    (IQ4_XS: ls - 32, an int8 as a byte) or None."""
 
     q: np.ndarray
     d: np.ndarray
@@ -74,8 +77,7 @@ def _decode_qk(blocks: np.ndarray, five_bits: bool) -> DecodedBlocks:
 
 def tiles_exactly(raw: np.ndarray, fmt: QuantFormat) -> bool:
     """Whether the int8 tiles hold the values of raw (uint8 blocks of `fmt`) exactly: always, but for a format
-    without int8 tiles (IQ4_XS) and MXFP4 blocks whose scale float16 lacks (an exponent outside
-    MXFP4_HALF_EXPONENTS)."""
+    without int8 tiles and MXFP4 blocks whose scale float16 lacks (an exponent outside MXFP4_HALF_EXPONENTS)."""
     if not fmt.int8_tiles:
         return False
     if fmt != MXFP4:
@@ -93,6 +95,18 @@ def _decode_table(blocks: np.ndarray, mxfp4: bool) -> DecodedBlocks:
         raise ValueError("MXFP4 scales outside 2^-24 .. 2^15 have no exact float16: keep the float32 kernel")
     power = blocks[..., :1].astype(np.float32) - 128
     return DecodedBlocks(_nibbles_then_highs(blocks[..., 1:17]), np.exp2(power).astype(np.float16), None)
+
+
+def _decode_iq4xs(blocks: np.ndarray) -> DecodedBlocks:
+    """IQ4_XS [d][scales_h u16][scales_l 4 bytes][8 x 16 index bytes]: the indices, d, and ls - 32 per sub-block."""
+    n, sb = blocks.shape[:2]
+    j = np.arange(8)
+    high = np.ascontiguousarray(blocks[..., 2:4]).view("<u2")  # [n, sb, 1]: 2 bits a sub-block
+    low = (blocks[..., 4 + j // 2] >> (4 * (j % 2)).astype(np.uint8)) & 0x0F  # [n, sb, 8]
+    ls = low.astype(np.int16) | (((high >> (2 * j).astype(np.uint16)) & 3) << 4).astype(np.int16)
+    sub = (ls - 32).astype(np.int8).view(np.uint8).reshape(n, sb * 8, 1)
+    q = _nibbles_then_highs(blocks[..., 8:136].reshape(n, sb, 8, 16))
+    return DecodedBlocks(q.reshape(n, sb * 8, 32), _half(blocks, 0), sub)
 
 
 def _decode_q6k(blocks: np.ndarray) -> DecodedBlocks:
@@ -114,6 +128,8 @@ def decode_blocks(raw: np.ndarray, fmt: QuantFormat) -> DecodedBlocks:
         return _decode_q6k(blocks)
     if fmt.name in TABLE_VALUES:
         return _decode_table(blocks, fmt == MXFP4)
+    if fmt == IQ4_XS:
+        return _decode_iq4xs(blocks)
     raise ValueError(f"{fmt.name} is not kept as GGUF blocks")
 
 
@@ -125,6 +141,9 @@ def decoded_values(blocks: DecodedBlocks, fmt: QuantFormat) -> np.ndarray:
     if fmt.name in TABLE_VALUES:
         table = np.asarray(TABLE_VALUES[fmt.name], dtype=np.float32)
         return (d[..., :1] * table[blocks.q]).reshape(n, -1)
+    if fmt == IQ4_XS:
+        s = np.repeat(d, 8, axis=1) * blocks.sub.view(np.int8).astype(np.float32)  # [n, kb, 1], exact
+        return (s * np.asarray(IQ4_NL_VALUES, dtype=np.float32)[blocks.q]).reshape(n, -1)
     if fmt == Q5_0:
         s, o = d[..., :1], d[..., :1] * -16.0
     elif fmt == Q5_1:

@@ -26,7 +26,7 @@ class QuantFormat:
     """One block format. Split formats (gguf_block_bytes 0): a GGUF block is [d: f16][m: f16 if has_min][qs:
     qs_bytes], kept as separate arrays (PackedWeight.qs / d / m). Kept formats: blocks of `block_values` values in
     `gguf_block_bytes` bytes, held as the file stores them (qs_bytes and has_min unused). `int8_tiles`: whether
-    the VNNI int8 path can hold the format (IQ4_XS's sub-block scales d * (ls - 32) are not float16 values)."""
+    the int8 path (AVX-512 VNNI or AVX2 tiles) can hold the format: all of them today."""
 
     name: str
     code: int
@@ -61,7 +61,7 @@ Q5_K = QuantFormat("Q5_K", 6, 0, False, SUPER_BLOCK_VALUES, 176)
 Q6_K = QuantFormat("Q6_K", 7, 0, False, SUPER_BLOCK_VALUES, 210)
 IQ4_NL = QuantFormat("IQ4_NL", 8, 0, False, BLOCK_VALUES, 18)
 MXFP4 = QuantFormat("MXFP4", 9, 0, False, BLOCK_VALUES, 17)
-IQ4_XS = QuantFormat("IQ4_XS", 10, 0, False, SUPER_BLOCK_VALUES, 136, int8_tiles=False)
+IQ4_XS = QuantFormat("IQ4_XS", 10, 0, False, SUPER_BLOCK_VALUES, 136)
 # the table formats' values by 4-bit index (ggml's kvalues_iq4nl and kvalues_mxfp4; layers/csrc/quant_common.h)
 IQ4_NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)

@@ -2,7 +2,7 @@
 
 `--quantization` (EngineArgs.quantization), for GGUF files:
 - auto (default): packed on CPU when every linear weight (routed experts included: packed_experts.py, never with a
-  dense copy) is Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K / IQ4_NL / MXFP4
+  dense copy) is Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K / IQ4_NL / IQ4_XS / MXFP4
   (formats.PACKED_FORMATS: llama.cpp's Q4_K_M and Q5_K_M mixes included) and the kernel builds; otherwise
   dequantized at load (other IQ-quants, float GGUFs, GPUs). With bfloat16 activations the layout is
   hybrid: the packed kernel for few rows (decode of few streams reads 4-bit weights) and resident dense

@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from kvpilot.model.quant.block_decode import tiles_exactly
-from kvpilot.model.quant.formats import Q4_K, Q5_1, Q5_K, Q6_K, Q8_0, TABLE_VALUES, QuantFormat
+from kvpilot.model.quant.formats import (IQ4_XS, Q4_K, Q5_1, Q5_K, Q6_K, Q8_0, SUPER_BLOCK_VALUES, TABLE_VALUES,
+                                          QuantFormat)
 from kvpilot.model.quant.kernel import require_quant_kernel
 from kvpilot.model.quant.tiled_kquant import KTiledWeight
 from kvpilot.model.quant.vnni_gemm import TILE_ROWS, TiledWeight
@@ -53,10 +54,12 @@ def _allocate(fmt: QuantFormat, tiles: int, blocks: int) -> list[torch.Tensor]:
         half = torch.empty(tiles, blocks, TILE_ROWS, dtype=torch.float16)
         return [torch.empty(tiles, blocks, 512 if fmt == Q8_0 else 256, dtype=torch.uint8), half,
                 torch.empty_like(half)]
-    qbytes = 384 if fmt == Q6_K else 256 if fmt == Q4_K or fmt.name in TABLE_VALUES else 320
-    groups = blocks // 8 if fmt in _KQUANTS else blocks
+    qbytes = 384 if fmt == Q6_K else 256 if fmt in (Q4_K, IQ4_XS) or fmt.name in TABLE_VALUES else 320
+    super_blocks = fmt.block_values == SUPER_BLOCK_VALUES  # the K-quants and IQ4_XS: d a super-block, ts a block
+    groups = blocks // 8 if super_blocks else blocks
     width = 32 if fmt in (Q5_1, Q4_K, Q5_K) else 16
-    ts = torch.empty(tiles, blocks, 32, dtype=torch.uint8) if fmt in _KQUANTS else torch.empty(0, dtype=torch.uint8)
+    ts_width = 32 if fmt in _KQUANTS else 16
+    ts = torch.empty(tiles, blocks, ts_width, dtype=torch.uint8) if super_blocks else torch.empty(0, dtype=torch.uint8)
     return [torch.empty(tiles, blocks, qbytes, dtype=torch.uint8), torch.empty(tiles, groups, width,
                                                                                 dtype=torch.float16), ts]
 

@@ -1,13 +1,14 @@
-"""The column-tiled copy of a PackedWeight kept as GGUF blocks (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, MXFP4) for the
-int8 GEMM (layers/csrc/quant_tiled_kq.h, whose header comment has the byte layout).
+"""The column-tiled copy of a PackedWeight kept as GGUF blocks (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, MXFP4, IQ4_XS) for
+the int8 GEMM (layers/csrc/quant_tiled_kq.h, whose header comment has the byte layout).
 
 Like vnni_gemm.py's tiles for Q4_0 / Q4_1 / Q8_0: 16 weight rows side by side, so one vpdpbusd advances 16 outputs
 by 4 values. Quants are unsigned bytes once unpacked (a nibble plane, plus a plane of 5th bits or of 2-bit highs);
 the K-quants keep their two-level scales (super-block d / dmin in float16, the sub-blocks' 6-bit or int8 scales as
 bytes) and the kernel multiplies them out, which is exact in float32; the table formats keep their 4-bit indices and
-the kernel looks the table up in registers. Bytes per weight: Q5_0 5.5, Q5_1 6, Q4_K 4.625, Q5_K 5.625, Q6_K 6.5625,
-IQ4_NL 4.5, MXFP4 4.5 (the GGUF blocks: 5.5, 6, 4.5, 5.5, 6.5625, 4.5, 4.25: the K-quants' 6-bit scales take a byte,
-MXFP4's exponent byte becomes a float16 scale).
+the kernel looks the table up in registers (IQ4_XS: with its super-block d and a byte ls - 32 per 32 values).
+Bytes per weight: Q5_0 5.5, Q5_1 6, Q4_K 4.625, Q5_K 5.625, Q6_K 6.5625, IQ4_NL 4.5, MXFP4 4.5, IQ4_XS 4.3125 (the
+GGUF blocks: 5.5, 6, 4.5, 5.5, 6.5625, 4.5, 4.25, 4.25: the K-quants' and IQ4_XS's 6-bit scales take a byte, MXFP4's
+exponent byte becomes a float16 scale).
 
 Invariant: the kernel's dequantization of the copy (quant_dequantize_tiled_set) equals the gguf package's, bit for bit.
 """
@@ -30,7 +31,7 @@ _EMPTY_BYTES = torch.empty(0, dtype=torch.uint8)
 @dataclass(frozen=True)
 class KTiledWeight:
     """tq uint8 [N / 16, KB, 256 | 320 | 384]; td float16 [N / 16, groups, 16 | 32]; ts uint8 [N / 16, KB, 32]
-    (K-quants) or empty."""
+    (K-quants), [N / 16, KB, 16] (IQ4_XS) or empty."""
 
     format: QuantFormat
     tq: torch.Tensor
@@ -62,7 +63,7 @@ def ktile(w: PackedWeight) -> KTiledWeight:
     planes = [_nibble_plane(blocks.q, t)]
     if w.format == Q6_K:
         planes.append(_two_bit_plane(blocks.q, t))
-    elif w.format.name != "Q4_K" and w.format.name not in TABLE_VALUES:
+    elif w.format.name not in ("Q4_K", "IQ4_XS") and w.format.name not in TABLE_VALUES:
         planes.append(_bit_plane(blocks.q, t))
     tq = np.concatenate(planes, axis=-1)
     return KTiledWeight(w.format, _tensor(tq), _tensor(_by_tile(blocks.d, t)), _sub_scales(blocks, t))

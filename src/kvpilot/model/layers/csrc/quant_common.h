@@ -22,7 +22,7 @@ namespace {
 // copies for the int8 path (quant_tiled_kq.h). IQ4_NL and MXFP4: a 4-bit index into a table of 16 int8 values.
 enum Format : int64_t {
   kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2, kQ5_0 = 3, kQ5_1 = 4, kQ4_K = 5, kQ5_K = 6, kQ6_K = 7, kIQ4_NL = 8, kMXFP4 = 9,
-  kIQ4_XS = 10  // IQ4_NL's table in 256-value super-blocks with 6-bit sub-block scales: no int8 tiles, float32 only
+  kIQ4_XS = 10  // IQ4_NL's table in 256-value super-blocks with 6-bit sub-block scales
 };
 enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 constexpr int64_t kBlock = 32;
@@ -40,12 +40,14 @@ struct Packed {
 inline bool kept_as_blocks(int64_t fmt) { return fmt >= kQ5_0 && fmt <= kIQ4_XS; }
 // The K-quants: 256-value super-blocks with sub-block scales
 constexpr bool is_kquant(int64_t fmt) { return fmt >= kQ4_K && fmt <= kQ6_K; }
+// The formats of 256-value super-blocks (the K-quants, IQ4_XS): a tile keeps d once a super-block, sub-scales a block
+constexpr bool has_super_blocks(int64_t fmt) { return is_kquant(fmt) || fmt == kIQ4_XS; }
 // The table formats: value = d * table[4-bit index] (IQ4_NL: d float16; MXFP4: d = 2^(e - 128), e a byte, with the
 // table's E2M1 values doubled to integers, as ggml's kvalues_mxfp4)
 constexpr bool is_table_format(int64_t fmt) { return fmt == kIQ4_NL || fmt == kMXFP4; }
 constexpr int8_t kIQ4NLValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 constexpr int8_t kMXFP4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
-inline int64_t gguf_block_values(int64_t fmt) { return is_kquant(fmt) || fmt == kIQ4_XS ? 256 : 32; }
+inline int64_t gguf_block_values(int64_t fmt) { return has_super_blocks(fmt) ? 256 : 32; }
 inline int64_t gguf_block_bytes(int64_t fmt) {
   switch (fmt) {
     case kQ5_0: return 22;

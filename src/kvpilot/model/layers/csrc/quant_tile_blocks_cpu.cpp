@@ -1,5 +1,5 @@
 // GGUF blocks -> the column-tiled int8 copy the tiled kernels read, at load: quant/vnni_gemm.py's tile() layout for
-// Q8_0 / Q4_0 / Q4_1 (tq, td, to) and quant/tiled_kquant.py's ktile() layout for Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K
+// Q8_0 / Q4_0 / Q4_1 (tq, td, to) and quant/tiled_kquant.py's ktile() layout for the formats kept as GGUF blocks
 // (tq, td, ts; quant_tiled_kq.h's header has it), written straight from the blocks into tensors the caller allocated
 // (a slice of a stacked experts' copy: no intermediate arrays). Built after quant_tiled_kq.h (ktile_qbytes,
 // ktile_groups, ktile_td_width).
@@ -52,11 +52,14 @@ void decode_k_block(const uint8_t* b, int j, uint8_t* q, uint8_t* sub) {
   }
 }
 
-// The 32 quants (0..63) of block kb of a row of a format kept as blocks, with its sub-scales (K-quants: sub[2])
+// The 32 quants (0..63) of block kb of a row of a format kept as blocks, with its sub-scales (K-quants: sub[2];
+// IQ4_XS: sub[0] = ls - 32 as an int8 byte)
 template <int64_t fmt>
 void decode_block(const uint8_t* row, int64_t kb, uint8_t* q, uint8_t* sub) {
-  if constexpr (is_table_format(fmt)) {  // the 4-bit indices (the table is looked up by the kernel)
-    const uint8_t* qs = row + kb * gguf_block_bytes(fmt) + (fmt == kMXFP4 ? 1 : 2);
+  if constexpr (is_table_format(fmt) || fmt == kIQ4_XS) {  // the 4-bit indices (the kernel looks the table up)
+    const uint8_t* blk = row + (fmt == kIQ4_XS ? kb / 8 : kb) * gguf_block_bytes(fmt);
+    const uint8_t* qs = fmt == kIQ4_XS ? blk + 8 + 16 * (kb % 8) : blk + (fmt == kMXFP4 ? 1 : 2);
+    if constexpr (fmt == kIQ4_XS) sub[0] = static_cast<uint8_t>(iq4xs_scale(blk, static_cast<int>(kb % 8)) - 32);
     for (int j = 0; j < 16; ++j) {
       q[j] = qs[j] & 0x0F;
       q[j + 16] = qs[j] >> 4;
@@ -104,13 +107,14 @@ void ktile_block(const uint8_t* row, int64_t KB, int64_t t, int64_t kb, int j, u
         for (int h = 0; h < 2; ++h) bits |= ((q[8 * (2 * r + i) + 4 * h + k] >> 4) & 3) << (4 * i + 2 * h);
       out[256 + r * 64 + j * 4 + k] = bits;
     }
-  const int64_t width = ktile_td_width(fmt), groups = ktile_groups(fmt, KB);
-  if constexpr (is_kquant(fmt)) {
-    for (int c = 0; c < 2; ++c) ts[(t * KB + kb) * 32 + c * 16 + j] = sub[c];
+  const int64_t width = ktile_td_width(fmt), groups = ktile_groups(fmt, KB), ts_width = ktile_ts_width(fmt);
+  if constexpr (has_super_blocks(fmt)) {
+    for (int c = 0; c < ts_width / 16; ++c) ts[(t * KB + kb) * ts_width + c * 16 + j] = sub[c];
     if (kb % 8 != 0) return;  // the super-block's d (and dmin) once, at its first block
   }
-  const uint8_t* b = row + (is_kquant(fmt) ? kb / 8 : kb) * gguf_block_bytes(fmt);
-  const int64_t at = (t * groups + (is_kquant(fmt) ? kb / 8 : kb)) * width;
+  const int64_t group = has_super_blocks(fmt) ? kb / 8 : kb;
+  const uint8_t* b = row + group * gguf_block_bytes(fmt);
+  const int64_t at = (t * groups + group) * width;
   const int64_t d_at = fmt == kQ6_K ? 208 : 0;
   if constexpr (fmt == kMXFP4) {
     td[at + j] = mxfp4_half(b[0]);
@@ -143,9 +147,9 @@ void tile_block(const uint8_t* row, int64_t fmt, int64_t KB, int64_t t, int64_t 
 
 // Writes the column-tiled copy of `raw` (uint8 [N, row bytes], GGUF blocks of format fmt, N a multiple of 16) into
 // tq, td and third, contiguous at the shapes tile() / ktile() give them (third: `to` float16, or `ts` uint8, empty
-// but for the K-quants). MXFP4 blocks must tile exactly (every exponent in [104, 143]: tiled_kquant.py checks).
+// but for the K-quants and IQ4_XS). MXFP4 blocks must tile exactly (every exponent in [104, 143]: tiled_kquant.py checks).
 void quant_tile_blocks(torch::Tensor raw, int64_t fmt, torch::Tensor tq, torch::Tensor td, torch::Tensor third) {
-  TORCH_CHECK(fmt >= kQ8_0 && fmt <= kMXFP4, "tile blocks: unknown format ", fmt);
+  TORCH_CHECK(fmt >= kQ8_0 && fmt <= kIQ4_XS, "tile blocks: unknown format ", fmt);
   TORCH_CHECK(raw.scalar_type() == torch::kUInt8 && raw.dim() == 2 && raw.is_contiguous() && raw.size(0) % 16 == 0,
               "tile blocks: raw uint8 [N, row bytes], contiguous, N a multiple of 16");
   const int64_t N = raw.size(0), T = N / 16, row_bytes = raw.size(1);
@@ -155,7 +159,7 @@ void quant_tile_blocks(torch::Tensor raw, int64_t fmt, torch::Tensor tq, torch::
   TORCH_CHECK(row_bytes % block_bytes == 0 && KB > 0, "tile blocks: rows of whole blocks");
   const int64_t qbytes = blocks ? ktile_qbytes(fmt) : fmt == kQ8_0 ? 512 : 256;
   const int64_t td_numel = blocks ? T * ktile_groups(fmt, KB) * ktile_td_width(fmt) : T * KB * 16;
-  const int64_t third_numel = !blocks ? T * KB * 16 : is_kquant(fmt) ? T * KB * 32 : 0;
+  const int64_t third_numel = !blocks ? T * KB * 16 : T * KB * ktile_ts_width(fmt);
   TORCH_CHECK(tq.scalar_type() == torch::kUInt8 && tq.is_contiguous() && tq.numel() == T * KB * qbytes &&
               td.scalar_type() == torch::kFloat16 && td.is_contiguous() && td.numel() == td_numel &&
               third.is_contiguous() && third.numel() == third_numel &&
@@ -185,6 +189,8 @@ void quant_tile_blocks(torch::Tensor raw, int64_t fmt, torch::Tensor tq, torch::
             ktile_block<kIQ4_NL>(row, KB, t, kb, j, q, d, ts);
           else if (fmt == kMXFP4)
             ktile_block<kMXFP4>(row, KB, t, kb, j, q, d, ts);
+          else if (fmt == kIQ4_XS)
+            ktile_block<kIQ4_XS>(row, KB, t, kb, j, q, d, ts);
           else
             tile_block(row, fmt, KB, t, kb, j, q, d, to);
         }

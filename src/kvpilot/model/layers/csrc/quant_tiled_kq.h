@@ -1,5 +1,5 @@
 // The int8 GEMM on column-tiled copies of the formats kept as GGUF blocks (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL,
-// MXFP4) times int8-quantized activations (quantize_row_q8: a scale per 32 values), by AVX-512 VNNI dot products; after
+// MXFP4, IQ4_XS) times int8-quantized activations (quantize_row_q8: a scale per 32 values), by AVX-512 VNNI dot products; after
 // quant_vnni_gemm.h, whose scheme it follows (16 weight rows side by side in a register, 8 x rows a tile, pairs of
 // tiles on 4 rows from kPairMinRows rows).
 //
@@ -16,15 +16,18 @@
 //     QB = 256 (Q4_K), 320 (5-bit formats), 384 (Q6_K).
 //   td float16: Q5_0 [T, KB, 16] d; Q5_1 [T, KB, 32] d, then m; Q4_K / Q5_K [T, KB / 8, 32] the super-block's d, then
 //     dmin; Q6_K [T, KB / 8, 16] d.
-//   ts uint8 [T, KB, 32], K-quants only: Q4_K / Q5_K the 16 rows' 6-bit scales, then minimums, of sub-block b % 8;
+//   ts uint8 [T, KB, 32], the K-quants: Q4_K / Q5_K the 16 rows' 6-bit scales, then minimums, of sub-block b % 8;
 //     Q6_K the int8 scales of block b's two 16-value halves (sub-blocks 2 (b % 8) and 2 (b % 8) + 1).
 //   IQ4_NL / MXFP4: the nibble plane of 4-bit table indices (QB = 256); td float16 [T, KB, 16] d (MXFP4: 2^(e - 128),
 //     exact in float16 for e in [104, 143]; other exponents keep the float32 kernel: tiled_kquant.py).
+//   IQ4_XS: the nibble plane of IQ4_NL indices; td float16 [T, KB / 8, 16] the super-block's d; ts int8 [T, KB, 16]
+//     ls - 32 of sub-block b % 8 (s = d (ls - 32) is exact in float32: 11 x 6 bits).
 // Values: Q5_0 d (q - 16); Q5_1 d q + m; Q4_K / Q5_K (d sc) q - dmin mn; Q6_K (d sc) (q - 32); IQ4_NL / MXFP4
-// d (u - 128), u = table[q] + 128 looked up in registers (vpshufb): as a row d * q + o with s, o per 32 values
-// (per 16 for Q6_K, whose -32 is taken off the integer dot product with x's 16-value sums).
-// Bytes per weight: Q5_0 5.5, Q5_1 6, Q4_K 4.625, Q5_K 5.625, Q6_K 6.5625, IQ4_NL 4.5, MXFP4 4.5 (the GGUF blocks:
-// 5.5, 6, 4.5, 5.5, 6.5625, 4.5, 4.25).
+// d (u - 128), u = table[q] + 128 looked up in registers (vpshufb); IQ4_XS the same with d (ls - 32) for d: as a row
+// d * q + o with s, o per 32 values (per 16 for Q6_K, whose -32 is taken off the integer dot product with x's
+// 16-value sums).
+// Bytes per weight: Q5_0 5.5, Q5_1 6, Q4_K 4.625, Q5_K 5.625, Q6_K 6.5625, IQ4_NL 4.5, MXFP4 4.5, IQ4_XS 4.3125
+// (the GGUF blocks: 5.5, 6, 4.5, 5.5, 6.5625, 4.5, 4.25, 4.25).
 #define KVP_VNNI_INLINE KVP_VNNI __attribute__((always_inline)) inline
 
 namespace {
@@ -33,18 +36,20 @@ template <int F>
 struct KTile {
   static constexpr bool kQ6 = F == kQ6_K;
   static constexpr bool kHigh1 = F == kQ5_0 || F == kQ5_1 || F == kQ5_K;
-  static constexpr bool kSuper = F == kQ4_K || F == kQ5_K || F == kQ6_K;
-  static constexpr bool kTable = F == kIQ4_NL || F == kMXFP4;
+  static constexpr bool kSuper = has_super_blocks(F);
+  static constexpr bool kTable = F == kIQ4_NL || F == kMXFP4 || F == kIQ4_XS;
   static constexpr int64_t kQBytes = kQ6 ? 384 : kHigh1 ? 320 : 256;
   static constexpr int64_t kTdWidth = (F == kQ5_1 || F == kQ4_K || F == kQ5_K) ? 32 : 16;
   static constexpr bool kHasTs = kSuper;
+  static constexpr int64_t kTsWidth = F == kIQ4_XS ? 16 : 32;  // ts bytes a block
 };
 
 constexpr int64_t ktile_qbytes(int64_t fmt) {
-  return fmt == kQ6_K ? 384 : fmt == kQ4_K || is_table_format(fmt) ? 256 : 320;
+  return fmt == kQ6_K ? 384 : fmt == kQ4_K || fmt == kIQ4_XS || is_table_format(fmt) ? 256 : 320;
 }
 constexpr int64_t ktile_td_width(int64_t fmt) { return fmt == kQ5_1 || fmt == kQ4_K || fmt == kQ5_K ? 32 : 16; }
-constexpr int64_t ktile_groups(int64_t fmt, int64_t KB) { return is_kquant(fmt) ? KB / 8 : KB; }
+constexpr int64_t ktile_groups(int64_t fmt, int64_t KB) { return has_super_blocks(fmt) ? KB / 8 : KB; }
+constexpr int64_t ktile_ts_width(int64_t fmt) { return is_kquant(fmt) ? 32 : fmt == kIQ4_XS ? 16 : 0; }
 
 // A table format's 16 values + 128 as unsigned bytes, in each 128-bit lane (vpshufb looks up within a lane)
 template <int F>
@@ -99,7 +104,10 @@ KVP_VNNI_INLINE __m512 i8x16(const uint8_t* p) {
 // The 16 rows' scale s and offset o of block b (half H for Q6_K) of one tile: a value is s q + o
 template <int F, int H>
 KVP_VNNI_INLINE void ktile_scales(const uint16_t* td, const uint8_t* ts, int64_t b, __m512& s, __m512& o) {
-  if constexpr (F == kQ5_0 || KTile<F>::kTable) {
+  if constexpr (F == kIQ4_XS) {  // d (ls - 32): exact in float32, as are s u and -128 s
+    s = _mm512_mul_ps(half16(td + (b / 8) * 16), i8x16(ts + b * 16));
+    o = _mm512_mul_ps(s, _mm512_set1_ps(-128.0f));
+  } else if constexpr (F == kQ5_0 || KTile<F>::kTable) {
     s = half16(td + b * 16);
     o = _mm512_mul_ps(s, _mm512_set1_ps(KTile<F>::kTable ? -128.0f : -16.0f));
   } else if constexpr (F == kQ5_1) {
@@ -175,7 +183,7 @@ KVP_VNNI void ktiled_tile(const uint8_t* tq, const uint16_t* td, const uint8_t* 
   const uint8_t* tsj[NT];
   for (int j = 0; j < NT; ++j) {
     tdj[j] = td + j * G * L::kTdWidth;
-    tsj[j] = L::kHasTs ? ts + j * KB * 32 : nullptr;
+    tsj[j] = L::kHasTs ? ts + j * KB * L::kTsWidth : nullptr;
   }
   for (int64_t b = 0; b < KB; ++b) {
     const uint8_t* q[NT];
@@ -210,7 +218,7 @@ KVP_VNNI void ktiled_rows(const uint8_t* tq, const uint16_t* td, const uint8_t* 
     const int nt = t + 1 < t1 && M >= kPairMinRows ? 2 : 1, step = nt == 2 ? kPairMR : kTiledMR;
     const uint8_t* q = tq + t * KB * L::kQBytes;
     const uint16_t* d = td + t * G * L::kTdWidth;
-    const uint8_t* s = L::kHasTs ? ts + t * KB * 32 : nullptr;
+    const uint8_t* s = L::kHasTs ? ts + t * KB * L::kTsWidth : nullptr;
     for (int64_t i = 0; i < M; i += step) {
       const int64_t mr = std::min<int64_t>(step, M - i);
       float* dst = out_bf16 != nullptr ? tile_out : out + i * ldo + (t - t0) * 16;
@@ -253,7 +261,7 @@ KVP_VNNI void ktiled_dequant_rows(const uint8_t* tq, const uint16_t* td, const u
   for (int64_t t = t0; t < t1; ++t)
     for (int64_t b = 0; b < KB; ++b) {
       const uint16_t* d = td + t * G * L::kTdWidth;
-      const uint8_t* s = L::kHasTs ? ts + t * KB * 32 : nullptr;
+      const uint8_t* s = L::kHasTs ? ts + t * KB * L::kTsWidth : nullptr;
       ktile_unpack<F>(tq + (t * KB + b) * L::kQBytes, groups);
       __m512 sc, of;
       ktile_scales<F, 0>(d, s, b, sc, of);

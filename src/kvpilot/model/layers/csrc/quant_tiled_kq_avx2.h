@@ -1,5 +1,5 @@
 // The column-tiled copies of the formats kept as GGUF blocks (quant_tiled_kq.h's layout: Q5_0, Q5_1, Q4_K, Q5_K, Q6_K,
-// IQ4_NL, MXFP4) on AVX2 CPUs without AVX-512 VNNI: their int8 GEMM and dense values, as quant_tiled_avx2.h does for
+// IQ4_NL, MXFP4, IQ4_XS) on AVX2 CPUs without AVX-512 VNNI: their int8 GEMM and dense values, as quant_tiled_avx2.h does for
 // Q8_0 / Q4_0 / Q4_1. A 16-row tile is two 8-row halves (G = 0, 1: rows 8 G..8 G + 7, the second 32 bytes of each
 // 64-byte plane); vpdpbusd is emulated by vpmaddubsw (unsigned weight bytes times int8 x, pairs into saturating int16)
 // and vpmaddwd with ones. The int16 sums are widened to int32 before they can saturate (x in [-127, 127]):
@@ -8,7 +8,7 @@
 // - Q6_K (0..63): after 2 (32,004);
 // - the table formats' values + 128 (the VNNI kernel's unsigned bytes) would saturate one pair (2 x 255 x 127), so
 //   here they are the signed table values, |v| as unsigned times sign(v) x (llama.cpp's AVX2 trick, as for Q8_0):
-//   IQ4_NL widened after each vpmaddubsw (2 x 127 x 127 = 32,258), MXFP4 (|v| <= 12) after 8. Their sums are
+//   IQ4_NL / IQ4_XS widened after each vpmaddubsw (2 x 127 x 127 = 32,258), MXFP4 (|v| <= 12) after 8. Their sums are
 //   v . x itself, so the offset term (-128 d times x's block sum) is left out: the same value in exact arithmetic
 //   as the VNNI kernel's, with less rounding.
 // Built after quant_tiled_kq.h (KTile, ktile_qbytes) and quant_tiled_avx2.h (kTiledMR256, load4).
@@ -113,7 +113,10 @@ KVP_AVX2 inline __m256 i8x8(const uint8_t* p) {
 template <int F, int V>
 KVP_AVX2 inline void ktile_scales256(const uint16_t* td, const uint8_t* ts, int64_t b, int G, __m256& s, __m256& o) {
   const int r0 = 8 * G;
-  if constexpr (KTile<F>::kTable) {
+  if constexpr (F == kIQ4_XS) {
+    s = _mm256_mul_ps(half8(td + (b / 8) * 16 + r0), i8x8(ts + b * 16 + r0));
+    o = _mm256_setzero_ps();
+  } else if constexpr (KTile<F>::kTable) {
     s = half8(td + b * 16 + r0);
     o = _mm256_setzero_ps();
   } else if constexpr (F == kQ5_0) {
@@ -197,7 +200,7 @@ KVP_AVX2 void ktiled_rows256(const uint8_t* tq, const uint16_t* td, const uint8_
   for (int64_t t = t0; t < t1; ++t) {  // a tile's blocks stay in L1 across all x rows
     const uint8_t* q = tq + t * KB * L::kQBytes;
     const uint16_t* d = td + t * G * L::kTdWidth;
-    const uint8_t* s = L::kHasTs ? ts + t * KB * 32 : nullptr;
+    const uint8_t* s = L::kHasTs ? ts + t * KB * L::kTsWidth : nullptr;
     for (int64_t i = 0; i < M; i += kTiledMR256) {
       const int64_t mr = std::min<int64_t>(kTiledMR256, M - i);
       float* dst = out_bf16 != nullptr ? tile_out : out + i * ldo + (t - t0) * 16;
@@ -237,7 +240,7 @@ KVP_AVX2 void ktiled_dequant_rows256(const uint8_t* tq, const uint16_t* td, cons
     for (int64_t b = 0; b < KB; ++b) {
       const uint8_t* q = tq + (t * KB + b) * L::kQBytes;
       const uint16_t* d = td + t * G * L::kTdWidth;
-      const uint8_t* s = L::kHasTs ? ts + t * KB * 32 : nullptr;
+      const uint8_t* s = L::kHasTs ? ts + t * KB * L::kTsWidth : nullptr;
       ktile_unpack256<F>(q, groups);
       for (int half = 0; half < 2; ++half) {
         __m256 sc, of;

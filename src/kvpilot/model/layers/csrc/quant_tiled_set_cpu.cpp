@@ -1,11 +1,11 @@
 // Entry points for a tiled set: the column-tiled int8 copies of one projection's parts, each in its own format
-// (Q8_0 / Q4_0 / Q4_1: quant_vnni_gemm.h; Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K / IQ4_NL / MXFP4: quant_tiled_kq.h; on AVX2
-// CPUs their 256-bit twins), side by side in the output (a fused q/k/v whose v is Q6_K and q/k Q4_K, as llama.cpp's
-// Q4_K_M mixes write). x is quantized once for all
-// parts. Built after quant_tiled_cpu.cpp (Q8Rows, tiled_shape, argmax_over_tiles).
+// (Q8_0 / Q4_0 / Q4_1: quant_vnni_gemm.h; the formats kept as GGUF blocks: quant_tiled_kq.h; on AVX2 CPUs their
+// 256-bit twins), side by side in the output (a fused q/k/v whose v is Q6_K and q/k Q4_K, as llama.cpp's Q4_K_M
+// mixes write). x is quantized once for all parts. Built after quant_tiled_cpu.cpp (Q8Rows, tiled_shape,
+// argmax_over_tiles).
 //
 // A part is 3 tensors and a format code: (tq, td, to) for the split formats (quant_vnni_gemm.h), (tq, td, ts) for
-// the others (ts empty but for the K-quants), every part with the same KB.
+// the others (ts empty but for the K-quants and IQ4_XS), every part with the same KB.
 namespace {
 
 struct TiledPart {
@@ -13,7 +13,7 @@ struct TiledPart {
   const uint8_t* tq;
   const uint16_t* td;
   const uint16_t* to;  // split formats
-  const uint8_t* ts;   // K-quants
+  const uint8_t* ts;   // K-quants, IQ4_XS
 };
 
 TiledPart tiled_part(const torch::Tensor* w, int64_t fmt, int64_t& KB) {
@@ -31,13 +31,13 @@ TiledPart tiled_part(const torch::Tensor* w, int64_t fmt, int64_t& KB) {
               "bytes], td float16 [T, groups, width], contiguous");
   const int64_t T = tq.size(0);
   KB = tq.size(1);
-  TORCH_CHECK(fmt <= kMXFP4, "tiled part: unknown format ", fmt);
-  TORCH_CHECK(!is_kquant(fmt) || KB % 8 == 0, "tiled part: K-quant rows hold whole super-blocks");
+  TORCH_CHECK(fmt <= kIQ4_XS, "tiled part: unknown format ", fmt);
+  TORCH_CHECK(!has_super_blocks(fmt) || KB % 8 == 0, "tiled part: super-block rows hold whole super-blocks");
   TORCH_CHECK(tq.size(2) == ktile_qbytes(fmt) && td.size(0) == T && td.size(1) == ktile_groups(fmt, KB) &&
               td.size(2) == ktile_td_width(fmt), "tiled part: shapes do not match format ", fmt);
-  const bool has_ts = is_kquant(fmt);
-  TORCH_CHECK(!has_ts || (third.scalar_type() == torch::kUInt8 && third.numel() == T * KB * 32),
-              "tiled part: ts uint8 [T, KB, 32]");
+  const bool has_ts = has_super_blocks(fmt);
+  TORCH_CHECK(!has_ts || (third.scalar_type() == torch::kUInt8 && third.numel() == T * KB * ktile_ts_width(fmt)),
+              "tiled part: ts uint8 [T, KB, ", ktile_ts_width(fmt), "]");
   return {fmt, T, tq.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(td.data_ptr<at::Half>()), nullptr,
           has_ts ? third.data_ptr<uint8_t>() : nullptr};
 }
@@ -108,6 +108,7 @@ std::pair<KTiledRowsFn, KTiledDequantFn> ktiled_for(int64_t fmt) {
     case kQ5_K: return ktiled_isa<kQ5_K>();
     case kIQ4_NL: return ktiled_isa<kIQ4_NL>();
     case kMXFP4: return ktiled_isa<kMXFP4>();
+    case kIQ4_XS: return ktiled_isa<kIQ4_XS>();
     default: return ktiled_isa<kQ6_K>();
   }
 }
