@@ -86,3 +86,22 @@ def test_loading_and_running_the_embedded_model_imports_no_compiler_stack() -> N
                           timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_a_load_reads_the_gguf_header_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--dtype auto asks whether the int8 path takes the file, then loads it: one header read between them (a
+    49k-token vocabulary takes ~0.2 s to parse), and none kept after the load."""
+    from kvpilot.fit import gguf_metadata
+    from kvpilot.model.loader import load_model
+
+    opened = []
+
+    def counting_open(path):
+        opened.append(Path(path).name)
+        return open_gguf(path)
+
+    monkeypatch.setattr(gguf_metadata, "open_gguf", counting_open)
+    load_model(max_model_len=64)
+    assert len(opened) == 1
+    load_model(max_model_len=64)  # a new load, a new read
+    assert len(opened) == 2

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import psutil
 import torch
@@ -36,6 +38,8 @@ logger = logging.getLogger(__name__)
 
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 PREQUANTIZED_ONLY = ("awq", "gptq", "compressed-tensors")  # --quantization values only a checkpoint can honour
+# the GGUF readers of the load_model call in progress, by resolved path (_read_header)
+_HEADERS: ContextVar[dict[Path, Any] | None] = ContextVar("kvpilot_gguf_headers", default=None)
 
 
 @dataclass
@@ -126,10 +130,24 @@ def _model_config(config: ModelConfig, plan: ShardPlan | None) -> ModelConfig:
     return config if plan is None else plan.local_config
 
 
+def _read_header(path: Path) -> Any:
+    """open_gguf(path), once per load_model call (a header with a 49k-token vocabulary takes ~0.2 s to parse);
+    outside one, a fresh reader. The readers go when the call returns, as the file's mapping with them."""
+    from kvpilot.fit.gguf_metadata import open_gguf
+
+    headers = _HEADERS.get()
+    if headers is None:
+        return open_gguf(path)
+    key = path.resolve()
+    if key not in headers:
+        headers[key] = open_gguf(path)
+    return headers[key]
+
+
 def _load_gguf(path: Path, max_model_len: int | None, dtype: torch.dtype, device: torch.device,
                quantization: str, tp: TPRank, gemm_dtype: torch.dtype | None = None,
                int8_prompts: bool = False) -> LoadedModel:
-    from kvpilot.fit.gguf_metadata import hf_config_from_reader, open_gguf
+    from kvpilot.fit.gguf_metadata import hf_config_from_reader
     from kvpilot.fit.gguf_sizes import gguf_sizes
     from kvpilot.model.gguf_weights import is_expert_weight, linear_tensor_types, load_gguf_tensors
     from kvpilot.model.quant.memory_report import warn_dequantized
@@ -137,7 +155,7 @@ def _load_gguf(path: Path, max_model_len: int | None, dtype: torch.dtype, device
                                                 release_packed_quants)
     from kvpilot.model.tokenizer import tokenizer_from_gguf
 
-    reader = open_gguf(path)
+    reader = _read_header(path)
     config = from_hf_config(hf_config_from_reader(reader, path), str(path))
     plan = tp.plan(config)
     # a rank's shards are dense (the engine refuses packed quantization with TP), and so are the weights of
@@ -276,6 +294,16 @@ def load_model(model: str | None = None, *, load_format: str = "auto", dtype: st
 
     Raises ModelLoadError with the file and the problem for anything it cannot load.
     """
+    headers = _HEADERS.set({})  # the dtype decision and the load read a GGUF's header once between them
+    try:
+        return _load_model(model, load_format, dtype, device, max_model_len, seed, quantization, tp_rank, tp_size,
+                           prompt_gemm_dtype)
+    finally:
+        _HEADERS.reset(headers)
+
+
+def _load_model(model: str | None, load_format: str, dtype: str, device: str | None, max_model_len: int | None,
+                seed: int, quantization: str, tp_rank: int, tp_size: int, prompt_gemm_dtype: str) -> LoadedModel:
     if load_format not in LOAD_FORMATS:
         raise ModelLoadError(f"load_format {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
     torch_device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -329,7 +357,7 @@ def int8_path_takes_gguf(model: str | None, load_format: str, device: torch.devi
     (fit's rule, gguf_holding.int8_path_takes_all, on the file's header); False for anything it cannot read."""
     from kvpilot.fit.errors import ConfigError
     from kvpilot.fit.gguf_holding import int8_path_takes_all
-    from kvpilot.fit.gguf_metadata import hf_config_from_reader, open_gguf
+    from kvpilot.fit.gguf_metadata import hf_config_from_reader
     from kvpilot.fit.gguf_sizes import gguf_sizes
     from kvpilot.model.quant.kernel import int8_path
 
@@ -340,7 +368,7 @@ def int8_path_takes_gguf(model: str | None, load_format: str, device: torch.devi
     if path.suffix != ".gguf" or not path.is_file() or int8_path() == "none":
         return False
     try:
-        reader = open_gguf(path)
+        reader = _read_header(path)
         cfg = hf_config_from_reader(reader, path)
     except ConfigError:  # _load reports a bad file with its own message
         return False
