@@ -105,3 +105,18 @@ def test_a_load_reads_the_gguf_header_once(monkeypatch: pytest.MonkeyPatch) -> N
     assert len(opened) == 1
     load_model(max_model_len=64)  # a new load, a new read
     assert len(opened) == 2
+
+
+def test_the_embedding_table_comes_from_the_kernel_with_the_gguf_package_s_values(gguf_path: Path) -> None:
+    """A packed-format matrix read dense (the embedding table) goes through the loaded quant kernel, ~4x faster
+    than the gguf package's numpy, to the same float32 values."""
+    from gguf.quants import dequantize
+
+    from kvpilot.model import gguf_weights
+    from kvpilot.model.quant.kernel import get_quant_kernel, loaded_quant_kernel
+
+    if get_quant_kernel() is None:
+        pytest.skip("no C++ compiler for the CPU kernels")
+    assert loaded_quant_kernel() is not None
+    table = next(t for t in open_gguf(gguf_path).tensors if t.name == "token_embd.weight")
+    assert np.array_equal(gguf_weights._dequantize(table, gguf_path), dequantize(table.data, table.tensor_type))

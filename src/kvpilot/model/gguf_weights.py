@@ -95,9 +95,19 @@ def _unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def _dequantize(tensor: Any, path: Path) -> np.ndarray:
+    """The tensor's float32 values: a matrix of a packed format by the quant kernel when it is loaded (the same
+    values bit for bit, tests/model/test_quant_kernels.py, ~10x faster: the embedding table), else the gguf
+    package's."""
     from gguf.quants import dequantize
 
-    from kvpilot.model.quant.formats import SUPPORTED_NAMES
+    from kvpilot.model.quant.formats import SUPPORTED_NAMES, packed_format
+    from kvpilot.model.quant.kernel import best_isa, loaded_quant_kernel
+    from kvpilot.model.quant.packed import PackedWeight
+
+    fmt = packed_format(tensor.tensor_type.name)
+    if fmt is not None and len(tensor.shape) == 2 and loaded_quant_kernel() is not None:
+        raw = np.asarray(tensor.data, dtype=np.uint8).reshape(int(tensor.shape[-1]), -1)
+        return PackedWeight.from_blocks(raw, fmt).dequantize(torch.float32, best_isa()).numpy()
 
     try:
         data = dequantize(tensor.data, tensor.tensor_type)

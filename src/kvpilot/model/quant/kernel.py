@@ -46,6 +46,12 @@ def get_quant_kernel() -> Any | None:
     return build_cpp_kernel(_KERNEL)
 
 
+def loaded_quant_kernel() -> Any | None:
+    """The compiled module if this process has already built or loaded it; never starts a build (a GPU load,
+    which builds no CPU kernels, gets None)."""
+    return get_quant_kernel() if get_quant_kernel.cache_info().currsize else None
+
+
 def require_quant_kernel() -> Any:
     """The compiled module; RuntimeError when it is unavailable (callers that hold packed weights need it)."""
     kernel = get_quant_kernel()
