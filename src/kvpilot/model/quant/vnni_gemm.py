@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvpilot.model.quant.formats import BLOCK_VALUES, Q4_0, Q4_1, Q8_0
+from kvpilot.model.quant.formats import Q4_0, Q4_1, Q8_0
 from kvpilot.model.quant.kernel import require_quant_kernel
 from kvpilot.model.quant.packed import PackedWeight
 
@@ -70,14 +70,17 @@ def tile(w: PackedWeight) -> TiledWeight:
     d = w.d.numpy()
     if w.format == Q8_0:
         offset = (d.astype(np.float32) * -128.0).astype(np.float16)
-        q = (w.qs.numpy().view(np.int8).reshape(n, kb, BLOCK_VALUES).astype(np.int16) + 128).astype(np.uint8)
-        groups = q.reshape(t, TILE_ROWS, kb, 8, 4).transpose(0, 2, 3, 1, 4)  # [T, KB, group, row, byte]
-        return TiledWeight(torch.from_numpy(np.ascontiguousarray(groups).reshape(t, kb, 512)), _tiles(d, t, kb),
-                           _tiles(offset, t, kb))
+        q = w.qs.numpy().view(np.uint8) ^ np.uint8(0x80)  # int8 q + 128 as a byte
+        return TiledWeight(_groups_by_row(q, t, kb, 8), _tiles(d, t, kb), _tiles(offset, t, kb))
     offset = w.m.numpy() if w.format == Q4_1 else (d.astype(np.float32) * -8.0).astype(np.float16)
-    qs = w.qs.numpy().reshape(t, TILE_ROWS, kb, 4, 4).transpose(0, 2, 3, 1, 4)  # [T, KB, pair, row, byte]
-    return TiledWeight(torch.from_numpy(np.ascontiguousarray(qs).reshape(t, kb, 256)), _tiles(d, t, kb),
-                       _tiles(offset, t, kb))
+    return TiledWeight(_groups_by_row(w.qs.numpy(), t, kb, 4), _tiles(d, t, kb), _tiles(offset, t, kb))
+
+
+def _groups_by_row(q: np.ndarray, t: int, kb: int, groups: int) -> torch.Tensor:
+    """Bytes [N, KB, 4 groups] -> [T, KB, group, row, 4 bytes]: 4-byte groups moved as uint32 (~10x faster than
+    moving the bytes one by one)."""
+    words = np.ascontiguousarray(q).view(np.uint32).reshape(t, TILE_ROWS, kb, groups).transpose(0, 2, 3, 1)
+    return torch.from_numpy(np.ascontiguousarray(words).view(np.uint8).reshape(t, kb, groups * 4 * TILE_ROWS))
 
 
 def _tiles(values: np.ndarray, t: int, kb: int) -> torch.Tensor:
