@@ -3,19 +3,19 @@
 Not in CI. Peers are installed once into their own virtual environments under --cache-dir (reused when
 their marker file says the install finished): llama-cpp-python[server] built with this CPU's flags (also
 giving llama.cpp's C++ llama-server, which has parallel slots), and vLLM's CPU build per MACHINE-FACTS.
-Comparisons (peers/comparisons.py): default (kvpilot's defaults against --engines, as always run), bf16
-(kvpilot dense bf16 against vLLM bf16, both from the same GGUF), and q4_0, q4_k_m and, when asked, iq4_xs (a
-Q4_0 / Q4_K_M / IQ4_XS copy of the GGUF, made once with llama.cpp's quantizer and its type mix printed, served by kvpilot and by
-llama-server with --parallel equal to each workload's concurrency: its own default with an explicit --parallel,
-one KV buffer per slot, the "high-throughput mode" of llama.cpp PR 14363; --llama-kv-unified gives it one shared
-buffer instead, whose attention spans every slot's tokens and so slows many streams). Servers run one at a
-time, alternating kvpilot, peer, kvpilot, ... for --passes rounds, each driven by `kvpilot bench` (streaming,
-ignore_eos, 128 in / 128 out at concurrency 1, 16, 64; 512-token prefill). Each figure is a median over valid
-passes with its min-max; a pass with failed or short requests is dropped and named (peers/passes.py). Each
+Comparisons (peers/comparisons.py): default (kvpilot's defaults against --engines, as always run), bf16 (kvpilot
+dense bf16 against vLLM bf16, both from the same GGUF), and q4_0, q4_k_m and, when asked, iq4_xs (a Q4_0 / Q4_K_M /
+IQ4_XS copy of the GGUF, made once with llama.cpp's quantizer and its type mix printed, served by kvpilot and by
+llama-server with --parallel equal to each workload's concurrency: its own default with an explicit --parallel, one
+KV buffer per slot, the "high-throughput mode" of llama.cpp PR 14363; --llama-kv-unified gives it one shared buffer
+instead, whose attention spans every slot's tokens and so slows many streams). Servers run one at a time,
+alternating kvpilot, peer, kvpilot, ... for --passes rounds, each driven by `kvpilot bench` (streaming, ignore_eos,
+128 in / 128 out at concurrency 1, 16, 64; 512-token prefill). Each figure is a median over valid passes with its
+min-max; a pass with failed or short requests is dropped and named (peers/passes.py). Each
 row also has the server's peak RSS (its processes' VmHWM, load included), and the report sets every server's
 side by side, so kvpilot on the Q4_K_M copy meets kvpilot on the Q4_0 copy in the same run.
 
-    .venv/bin/python benchmarks/peers_cpu.py                         # every comparison and workload, 3 passes
+    .venv/bin/python benchmarks/peers_cpu.py                         # every comparison but iq4_xs, 3 passes
     .venv/bin/python benchmarks/peers_cpu.py --install-only          # only set up the peers (~15 min)
     .venv/bin/python benchmarks/peers_cpu.py --comparisons q4_k_m,q4_0 --workloads c1,c16,c64 --json rows.json
     .venv/bin/python benchmarks/peers_cpu.py --comparisons iq4_xs --engines kvpilot,llamacpp --workloads c1,c16

@@ -7,9 +7,9 @@
   GGUF dequantized to bf16 by transformers: dense bf16 weights on both sides.
 - q4_0, q4_k_m, iq4_xs: a requantized copy of the embedded GGUF (peers/quantize.py; Q4_0 is one of llama.cpp's
   repacked x86 fast formats, Q4_K_M the mix most llama.cpp users hold, IQ4_XS the 4.25-bit type many published
-  GGUFs ship) served by kvpilot with its defaults and by
-  llama.cpp's llama-server started anew for each workload with `--parallel` equal to its concurrency and a
-  unified KV cache (`--kv-unified`).
+  GGUFs ship) served by kvpilot with its defaults and by llama.cpp's llama-server started anew for each workload
+  with `--parallel` equal to its concurrency and one KV buffer per slot (its own default then; peers_cpu.py's
+  --llama-kv-unified gives it one shared buffer, `--kv-unified`).
 
 Invariant: every contender's label is unique across comparisons, so a label names one configuration in the
 rows, and run order within a comparison alternates kvpilot with each peer (kvpilot first and last).

@@ -1,6 +1,6 @@
-"""GGUF blocks of the formats kept as blocks (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, MXFP4, IQ4_XS) decoded into integers, at
-load: each 32-value block's unsigned quants and the scales that turn them into values (quant/tiled_kquant.py lays
-them out for the int8 kernel).
+"""GGUF blocks of the formats kept as blocks (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, MXFP4, IQ4_XS) decoded into
+integers, at load: each 32-value block's unsigned quants and the scales that turn them into values
+(quant/tiled_kquant.py lays them out for the int8 kernel).
 
 Invariant: for every format, value = s * q + o per 32-value block (per 16-value half for Q6_K) with
   Q5_0: s = d, o = -16 d;   Q5_1: s = d, o = m;   Q4_K / Q5_K: s = d * sc, o = -dmin * mn (sub-block = block);

@@ -147,7 +147,8 @@ void tile_block(const uint8_t* row, int64_t fmt, int64_t KB, int64_t t, int64_t 
 
 // Writes the column-tiled copy of `raw` (uint8 [N, row bytes], GGUF blocks of format fmt, N a multiple of 16) into
 // tq, td and third, contiguous at the shapes tile() / ktile() give them (third: `to` float16, or `ts` uint8, empty
-// but for the K-quants and IQ4_XS). MXFP4 blocks must tile exactly (every exponent in [104, 143]: tiled_kquant.py checks).
+// but for the K-quants and IQ4_XS). MXFP4 blocks must tile exactly (every exponent in [104, 143]: tiled_kquant.py
+// checks).
 void quant_tile_blocks(torch::Tensor raw, int64_t fmt, torch::Tensor tq, torch::Tensor td, torch::Tensor third) {
   TORCH_CHECK(fmt >= kQ8_0 && fmt <= kIQ4_XS, "tile blocks: unknown format ", fmt);
   TORCH_CHECK(raw.scalar_type() == torch::kUInt8 && raw.dim() == 2 && raw.is_contiguous() && raw.size(0) % 16 == 0,

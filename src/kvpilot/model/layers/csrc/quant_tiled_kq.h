@@ -1,7 +1,7 @@
-// The int8 GEMM on column-tiled copies of the formats kept as GGUF blocks (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL,
-// MXFP4, IQ4_XS) times int8-quantized activations (quantize_row_q8: a scale per 32 values), by AVX-512 VNNI dot products; after
-// quant_vnni_gemm.h, whose scheme it follows (16 weight rows side by side in a register, 8 x rows a tile, pairs of
-// tiles on 4 rows from kPairMinRows rows).
+// The int8 GEMM on column-tiled copies of the formats kept as GGUF blocks (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, MXFP4,
+// IQ4_XS) times int8-quantized activations (quantize_row_q8: a scale per 32 values), by AVX-512 VNNI dot products;
+// after quant_vnni_gemm.h, whose scheme it follows (16 weight rows side by side in a register, 8 x rows a tile, pairs
+// of tiles on 4 rows from kPairMinRows rows).
 //
 // Why a layout of its own rather than GGUF's super-blocks: one vpdpbusd must advance 16 output columns, so each
 // register holds 4 values of 16 weight rows; the values are unpacked to unsigned bytes (0..15, 0..31 or 0..63) and the

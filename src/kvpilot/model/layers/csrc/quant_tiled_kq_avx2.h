@@ -1,8 +1,8 @@
 // The column-tiled copies of the formats kept as GGUF blocks (quant_tiled_kq.h's layout: Q5_0, Q5_1, Q4_K, Q5_K, Q6_K,
-// IQ4_NL, MXFP4, IQ4_XS) on AVX2 CPUs without AVX-512 VNNI: their int8 GEMM and dense values, as quant_tiled_avx2.h does for
-// Q8_0 / Q4_0 / Q4_1. A 16-row tile is two 8-row halves (G = 0, 1: rows 8 G..8 G + 7, the second 32 bytes of each
-// 64-byte plane); vpdpbusd is emulated by vpmaddubsw (unsigned weight bytes times int8 x, pairs into saturating int16)
-// and vpmaddwd with ones. The int16 sums are widened to int32 before they can saturate (x in [-127, 127]):
+// IQ4_NL, MXFP4, IQ4_XS) on AVX2 CPUs without AVX-512 VNNI: their int8 GEMM and dense values, as quant_tiled_avx2.h
+// does for Q8_0 / Q4_0 / Q4_1. A 16-row tile is two 8-row halves (G = 0, 1: rows 8 G..8 G + 7, the second 32 bytes of
+// each 64-byte plane); vpdpbusd is emulated by vpmaddubsw (unsigned weight bytes times int8 x, pairs into saturating
+// int16) and vpmaddwd with ones. The int16 sums are widened to int32 before they can saturate (x in [-127, 127]):
 // - 4-bit values (Q4_K, 0..15): after 8 vpmaddubsw (8 x 2 x 15 x 127 = 30,480);
 // - 5-bit values (Q5_0, Q5_1, Q5_K, 0..31): after 4 (31,496);
 // - Q6_K (0..63): after 2 (32,004);
