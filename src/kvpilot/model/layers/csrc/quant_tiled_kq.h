@@ -32,24 +32,25 @@
 
 namespace {
 
+// A tile's bytes a block (tq), float16 scales a group (td), sub-scale bytes a block (ts), and its groups of blocks
+constexpr int64_t ktile_qbytes(int64_t fmt) {
+  return fmt == kQ6_K ? 384 : fmt == kQ4_K || fmt == kIQ4_XS || is_table_format(fmt) ? 256 : 320;
+}
+constexpr int64_t ktile_td_width(int64_t fmt) { return fmt == kQ5_1 || fmt == kQ4_K || fmt == kQ5_K ? 32 : 16; }
+constexpr int64_t ktile_ts_width(int64_t fmt) { return is_kquant(fmt) ? 32 : fmt == kIQ4_XS ? 16 : 0; }
+constexpr int64_t ktile_groups(int64_t fmt, int64_t KB) { return has_super_blocks(fmt) ? KB / 8 : KB; }
+
 template <int F>
 struct KTile {
   static constexpr bool kQ6 = F == kQ6_K;
   static constexpr bool kHigh1 = F == kQ5_0 || F == kQ5_1 || F == kQ5_K;
   static constexpr bool kSuper = has_super_blocks(F);
   static constexpr bool kTable = F == kIQ4_NL || F == kMXFP4 || F == kIQ4_XS;
-  static constexpr int64_t kQBytes = kQ6 ? 384 : kHigh1 ? 320 : 256;
-  static constexpr int64_t kTdWidth = (F == kQ5_1 || F == kQ4_K || F == kQ5_K) ? 32 : 16;
+  static constexpr int64_t kQBytes = ktile_qbytes(F);
+  static constexpr int64_t kTdWidth = ktile_td_width(F);
   static constexpr bool kHasTs = kSuper;
-  static constexpr int64_t kTsWidth = F == kIQ4_XS ? 16 : 32;  // ts bytes a block
+  static constexpr int64_t kTsWidth = ktile_ts_width(F);
 };
-
-constexpr int64_t ktile_qbytes(int64_t fmt) {
-  return fmt == kQ6_K ? 384 : fmt == kQ4_K || fmt == kIQ4_XS || is_table_format(fmt) ? 256 : 320;
-}
-constexpr int64_t ktile_td_width(int64_t fmt) { return fmt == kQ5_1 || fmt == kQ4_K || fmt == kQ5_K ? 32 : 16; }
-constexpr int64_t ktile_groups(int64_t fmt, int64_t KB) { return has_super_blocks(fmt) ? KB / 8 : KB; }
-constexpr int64_t ktile_ts_width(int64_t fmt) { return is_kquant(fmt) ? 32 : fmt == kIQ4_XS ? 16 : 0; }
 
 // A table format's 16 values + 128 as unsigned bytes, in each 128-bit lane (vpshufb looks up within a lane)
 template <int F>
