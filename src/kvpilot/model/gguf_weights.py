@@ -105,11 +105,10 @@ def _dequantize(tensor: Any, path: Path) -> np.ndarray:
     from kvpilot.model.quant.packed import PackedWeight
 
     fmt = packed_format(tensor.tensor_type.name)
-    if fmt is not None and len(tensor.shape) == 2 and loaded_quant_kernel() is not None:
-        raw = np.asarray(tensor.data, dtype=np.uint8).reshape(int(tensor.shape[-1]), -1)
-        return PackedWeight.from_blocks(raw, fmt).dequantize(torch.float32, best_isa()).numpy()
-
     try:
+        if fmt is not None and len(tensor.shape) == 2 and loaded_quant_kernel() is not None:
+            raw = np.asarray(tensor.data, dtype=np.uint8).reshape(int(tensor.shape[-1]), -1)
+            return PackedWeight.from_blocks(raw, fmt).dequantize(torch.float32, best_isa()).numpy()
         data = dequantize(tensor.data, tensor.tensor_type)
     except NotImplementedError as exc:
         raise ModelLoadError(f"{path}: tensor {tensor.name} has type {tensor.tensor_type.name}, which the "
