@@ -27,7 +27,6 @@ pytestmark = pytest.mark.skipif(get_quant_kernel() is None, reason="no C++ compi
 needs_int8_tiles = pytest.mark.skipif(not has_int8_tiles(), reason="neither AVX-512 VNNI nor AVX2 on this CPU")
 
 NAMES = list(BLOCK_FORMATS)
-TILED_NAMES = [name for name in NAMES if BLOCK_FORMATS[name].int8_tiles]  # all of them
 # 3 super-blocks (odd) for the K-quants and IQ4_XS, 7 blocks (odd, not whole super-blocks) for the 32-value formats
 COLS = {name: 768 if BLOCK_FORMATS[name].block_values == 256 else 32 * 7 for name in NAMES}
 
@@ -50,8 +49,8 @@ def _int8_bound(x: torch.Tensor, w: np.ndarray) -> torch.Tensor:
 def test_blocks_decode_and_dequantize_exactly(name):
     packed, expected = _blocks(name, 37, seed=1)
     assert packed.shape == (37, COLS[name]) and packed.nbytes == packed.qs.numel()  # the file's bytes
-    if packed.format.int8_tiles:  # the values the tiler takes apart
-        assert np.array_equal(decoded_values(decode_blocks(packed.qs.numpy(), packed.format), packed.format), expected)
+    # the values the tiler takes apart
+    assert np.array_equal(decoded_values(decode_blocks(packed.qs.numpy(), packed.format), packed.format), expected)
     for isa in range(best_isa() + 1):
         assert np.array_equal(packed.dequantize(torch.float32, isa).numpy(), expected), isa
         bf16 = packed.dequantize(torch.bfloat16, isa)
@@ -73,7 +72,7 @@ def test_float32_kernel_matches_the_dequantized_reference_for_every_row_count(na
 
 
 @needs_int8_tiles
-@pytest.mark.parametrize("name", TILED_NAMES)
+@pytest.mark.parametrize("name", NAMES)
 def test_the_tiled_copy_holds_the_values_in_about_the_blocks_bytes(name):
     packed, expected = _blocks(name, 48, seed=3)
     copy = tiled_set([packed])
@@ -91,7 +90,7 @@ def test_the_tiled_copy_holds_the_values_in_about_the_blocks_bytes(name):
 
 
 @needs_int8_tiles
-@pytest.mark.parametrize("name", TILED_NAMES)
+@pytest.mark.parametrize("name", NAMES)
 def test_tiled_gemm_is_within_the_int8_rounding_of_the_activations(name):
     """1-64 rows (8-row tiles and remainders, pairs of tiles on 4 rows from 16 rows, the third tile alone) and 300,
     float32 and bfloat16 in and out; the argmax folded in the kernel picks the float32 outputs' first maximum."""

@@ -76,10 +76,8 @@ def _decode_qk(blocks: np.ndarray, five_bits: bool) -> DecodedBlocks:
 
 
 def tiles_exactly(raw: np.ndarray, fmt: QuantFormat) -> bool:
-    """Whether the int8 tiles hold the values of raw (uint8 blocks of `fmt`) exactly: always, but for a format
-    without int8 tiles and MXFP4 blocks whose scale float16 lacks (an exponent outside MXFP4_HALF_EXPONENTS)."""
-    if not fmt.int8_tiles:
-        return False
+    """Whether the int8 tiles hold the values of raw (uint8 blocks of `fmt`) exactly: always, but for MXFP4 blocks
+    whose scale float16 lacks (an exponent outside MXFP4_HALF_EXPONENTS)."""
     if fmt != MXFP4:
         return True
     exponents = np.ascontiguousarray(raw).reshape(-1, MXFP4.block_bytes)[:, 0]

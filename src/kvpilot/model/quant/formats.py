@@ -25,8 +25,8 @@ SUPER_BLOCK_VALUES = 256
 class QuantFormat:
     """One block format. Split formats (gguf_block_bytes 0): a GGUF block is [d: f16][m: f16 if has_min][qs:
     qs_bytes], kept as separate arrays (PackedWeight.qs / d / m). Kept formats: blocks of `block_values` values in
-    `gguf_block_bytes` bytes, held as the file stores them (qs_bytes and has_min unused). `int8_tiles`: whether
-    the int8 path (AVX-512 VNNI or AVX2 tiles) can hold the format: all of them today."""
+    `gguf_block_bytes` bytes, held as the file stores them (qs_bytes and has_min unused). The int8 path (AVX-512
+    VNNI or AVX2 tiles) holds every format."""
 
     name: str
     code: int
@@ -34,7 +34,6 @@ class QuantFormat:
     has_min: bool
     block_values: int = BLOCK_VALUES
     gguf_block_bytes: int = 0
-    int8_tiles: bool = True
 
     @property
     def kept_as_blocks(self) -> bool:
@@ -68,8 +67,7 @@ MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 TABLE_VALUES = {"IQ4_NL": IQ4_NL_VALUES, "MXFP4": MXFP4_VALUES}
 # the split formats (the gguf package quantizes all three; quant-at-load and the interleaved layout take them)
 FORMATS = {f.name: f for f in (Q8_0, Q4_0, Q4_1)}
-# the formats kept as GGUF blocks (K-quants, 5-bit, tables): the float32 kernel takes them, the tiled int8 copy
-# those with int8_tiles
+# the formats kept as GGUF blocks (K-quants, 5-bit, tables): the float32 kernel and the tiled int8 copy take them
 BLOCK_FORMATS = {f.name: f for f in (Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, MXFP4, IQ4_XS)}
 PACKED_FORMATS = {**FORMATS, **BLOCK_FORMATS}
 SUPPORTED_NAMES = ", ".join(PACKED_FORMATS)

@@ -33,8 +33,6 @@ def tile_blocks(matrices: Sequence[np.ndarray], fmt: QuantFormat) -> TiledWeight
     if rows % TILE_ROWS or row_bytes % fmt.block_bytes or any(m.shape != (rows, row_bytes) for m in matrices):
         raise ValueError(f"int8 tiles take equal matrices of whole {fmt.name} blocks and a multiple of {TILE_ROWS} "
                          f"rows, not {[m.shape for m in matrices][:4]}")
-    if not fmt.int8_tiles:
-        raise ValueError(f"{fmt.name} has no int8 tiles: its weights run the float32 kernel")
     if not all(tiles_exactly(m, fmt) for m in matrices):
         raise ValueError("MXFP4 scales outside 2^-24 .. 2^15 have no exact float16 in the int8 tiles")
     per = rows // TILE_ROWS
