@@ -13,7 +13,8 @@ passes which goes first (so a drifting machine favours neither). Sessions take t
 at a time, so by the time a session returns the others have pushed its blocks out of the pool: without offload
 its whole context is recomputed, with offload its full blocks are copied back from the tier. A turn's prompt is
 the session's previous prompt, its answer and a new user message (token ids drawn from a seeded generator:
-timing does not depend on the text). Copies are synchronous in this first version (model/kv_offload.py).
+timing does not depend on the text). One request at a time: a returning turn's loads run before its own step
+(nothing runs beside it to overlap them with; benchmarks/kv_offload_overlap.py measures that case).
 Record results in docs/benchmark-log.md with the date and the machine.
 """
 

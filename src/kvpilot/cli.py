@@ -11,7 +11,7 @@ import typer
 from kvpilot.bench.cli import make_bench_command
 from kvpilot.cli_options import (DeviceOpt, DownloadDirOpt, DtypeOpt, GgufFileOpt, KvCacheDtypeOpt,
                                  KvCacheMemoryOpt, KvOffloadDirOpt, KvOffloadDirSizeOpt, KvOffloadingSizeOpt,
-                                 LoadFormatOpt, MaxModelLenOpt, ModelOpt, PromptGemmDtypeOpt,
+                                 KvOffloadOverlapOpt, LoadFormatOpt, MaxModelLenOpt, ModelOpt, PromptGemmDtypeOpt,
                                  QuantizationOpt, RevisionOpt, SeedOpt, SpeculativeConfigOpt)
 from kvpilot.doctor.bench_section import doctor_report_section
 from kvpilot.doctor.cli import doctor_command
@@ -110,6 +110,7 @@ def chat(
     download_dir: DownloadDirOpt = None, gguf_file: GgufFileOpt = None,
     speculative_config: SpeculativeConfigOpt = None, kv_offloading_size: KvOffloadingSizeOpt = None,
     kv_offload_dir: KvOffloadDirOpt = None, kv_offload_dir_size: KvOffloadDirSizeOpt = None,
+    kv_offload_overlap: KvOffloadOverlapOpt = True,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show the engine's INFO log lines.")] = False,
 ) -> None:
     """Interactive chat in the terminal with line editing and history; replies stream token by token. Ctrl-C
@@ -125,7 +126,7 @@ def chat(
                            prompt_gemm_dtype=prompt_gemm_dtype, revision=revision, download_dir=download_dir,
                            gguf_file=gguf_file, speculative_config=speculative_config,
                            kv_offloading_size=kv_offloading_size, kv_offload_dir=kv_offload_dir,
-                           kv_offload_dir_size=kv_offload_dir_size))
+                           kv_offload_dir_size=kv_offload_dir_size, kv_offload_overlap=kv_offload_overlap))
     params = _sampling_params(SamplingParams, max_tokens=max_tokens, temperature=temperature, top_p=top_p)
     run_chat(llm, params, system)
 

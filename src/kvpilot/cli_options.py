@@ -68,6 +68,9 @@ KvOffloadDirOpt = Annotated[Optional[str], typer.Option(
 KvOffloadDirSizeOpt = Annotated[Optional[str], typer.Option(
     "--kv-offload-dir-size", help="Size of the --kv-offload-dir tier, bytes or with a unit (default 10GiB; "
     "refused at start-up if the folder has less free).")]
+KvOffloadOverlapOpt = Annotated[bool, typer.Option(
+    "--kv-offload-overlap/--no-kv-offload-overlap", help="Load a waiting request's offloaded prefix beside a "
+    "step of the running requests, admitting it at the next step (default), or before its own first step.")]
 KvRoleOpt = Annotated[Optional[str], typer.Option(
     "--kv-role", help="Prefill/decode disaggregation (docs/disaggregation.md): prefill (serves requests with "
     "kv_transfer_params.do_remote_decode and holds their KV for a decode worker), decode (pulls it for requests "

@@ -127,6 +127,17 @@ class FakePagedModel:
         for block, contents in loads:
             self._write_block(block, list(contents))
 
+    def _copy_beside(self, output: SchedulerOutput) -> None:
+        """The prefetch loads that run beside the step's forward: applied after it, so a chunk of the step
+        that read a prefetched block would have found it empty."""
+        orders = output.offload
+        if orders is None:
+            return
+        loads = [(block, self.host[slot]) for slot, block in orders.beside_loads] + \
+            [(block, self.disk[slot]) for slot, block in orders.beside_disk_loads]
+        for block, contents in loads:
+            self._write_block(block, list(contents))
+
     def run(self, output: SchedulerOutput) -> dict[str, int]:
         self.num_steps += 1
         self._copy(output)
@@ -157,6 +168,7 @@ class FakePagedModel:
                 token = next_token(context if self.window is None else [row.num_computed, *context])
                 row.token_ids.append(token)
                 sampled[chunk.request_id] = token
+        self._copy_beside(output)
         return sampled
 
     def _read(self, block_ids: list[int], position: int) -> int:
@@ -189,10 +201,12 @@ def make_scheduler(
     sliding_window: int | None = None,
     num_offload_blocks: int = 0,
     num_disk_offload_blocks: int = 0,
+    overlap_offload_loads: bool = True,
 ) -> Scheduler:
     cache = CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching,
                         enable_kv_cache_events=enable_kv_cache_events, sliding_window=sliding_window,
-                        num_offload_blocks=num_offload_blocks, num_disk_offload_blocks=num_disk_offload_blocks)
+                        num_offload_blocks=num_offload_blocks, num_disk_offload_blocks=num_disk_offload_blocks,
+                        overlap_offload_loads=overlap_offload_loads)
     sched = SchedulerConfig(
         max_model_len=max_model_len or block_size * num_blocks,
         max_num_seqs=max_num_seqs,

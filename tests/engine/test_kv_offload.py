@@ -14,7 +14,7 @@ from kvpilot.engine.kv_events import BlockRemoved, BlockStored, KVEventLog
 from kvpilot.engine.kv_offload import DISK_MEDIUM, HOST_MEDIUM, OffloadTier, OffloadTiers
 from kvpilot.engine.request import Request
 
-from .engine_fakes import Driver, FakePagedModel, generate_alone, make_request, make_scheduler
+from .engine_fakes import Driver, FakePagedModel, generate_alone, make_request, make_scheduler, step
 
 BLOCK = 4
 
@@ -141,6 +141,85 @@ def test_a_step_that_failed_to_launch_forgets_what_its_copies_were_to_fill() -> 
     sched.check_integrity()
 
 
+def _returning_beside_a_stream(overlap: bool = True):
+    """A session's first turn (21 tokens), two long prompts that evict it from the pool (12 blocks of 4) into
+    the host tier, then a stream that decodes while the session's second turn arrives."""
+    rng = random.Random(5)
+    sched = make_scheduler(block_size=BLOCK, num_blocks=12, max_num_batched_tokens=64, max_num_seqs=4,
+                           max_model_len=48, num_offload_blocks=32, overlap_offload_loads=overlap)
+    model = FakePagedModel(BLOCK, sched.kv.pool)
+    first = [rng.randrange(1, 90) for _ in range(21)]
+    _run_all(sched, model, [make_request("t1", first, max_tokens=3)])
+    for name in ("other1", "other2"):
+        _run_all(sched, model, [make_request(name, [rng.randrange(1, 90) for _ in range(45)], max_tokens=1)])
+    stream = make_request("stream", [7, 8], max_tokens=10)
+    second = make_request("t2", first + generate_alone(first, 3) + [rng.randrange(1, 90) for _ in range(4)],
+                          max_tokens=4)
+    sched.add_request(stream)
+    step(sched, model)  # the stream runs
+    sched.add_request(second)
+    return sched, model, stream, second
+
+
+def test_a_returning_turn_loads_beside_a_running_stream_and_joins_the_next_step() -> None:
+    sched, model, stream, second = _returning_beside_a_stream()
+    loading, _ = step(sched, model)
+    assert [c.request_id for c in loading.chunks] == ["stream"]  # the stream's step goes on, unlengthened
+    assert loading.offload is not None and len(loading.offload.beside_loads) == 5 and not loading.offload.loads
+    assert loading.offload.prefetch_ids == ["t2"]
+    admitted, _ = step(sched, model)  # the loaded blocks are cached now: a plain pool hit
+    assert [n.request_id for n in admitted.new_requests] == ["t2"]
+    assert admitted.offload is None or not (admitted.offload.loads or admitted.offload.has_beside_loads)
+    outputs = _run_all(sched, model, [])
+    assert second.output_token_ids == generate_alone(second.prompt_token_ids, 4)
+    assert stream.output_token_ids == generate_alone(stream.prompt_token_ids, 10) and not outputs
+    assert second.num_cached_tokens == 20 and second.num_tier_cached_tokens == 20
+    stats = sched.make_stats()
+    assert stats.num_offload_overlapped_blocks == stats.num_offload_loaded_blocks == 5
+    assert stats.offload_prefix_cache_hits == 20 and stats.num_used_blocks == 0
+
+
+def test_without_overlap_the_returning_turn_loads_before_its_own_step() -> None:
+    sched, model, stream, second = _returning_beside_a_stream(overlap=False)
+    loading, _ = step(sched, model)
+    assert sorted(c.request_id for c in loading.chunks) == ["stream", "t2"]
+    assert loading.offload is not None and len(loading.offload.loads) == 5 and not loading.offload.beside_loads
+    _run_all(sched, model, [])
+    assert second.output_token_ids == generate_alone(second.prompt_token_ids, 4)
+    assert second.num_tier_cached_tokens == 20 and sched.make_stats().num_offload_overlapped_blocks == 0
+
+
+def test_a_request_aborted_while_its_prefix_loads_frees_every_block() -> None:
+    sched, model, stream, second = _returning_beside_a_stream()
+    loading = sched.schedule()
+    assert loading.offload is not None and loading.offload.prefetch_ids == ["t2"]
+    sampled = model.run(loading)
+    sched.abort_requests("t2")  # between launch and read-back, as async scheduling allows
+    sched.update_from_output(loading, sampled)
+    sched.check_integrity()
+    _run_all(sched, model, [])
+    assert stream.output_token_ids == generate_alone(stream.prompt_token_ids, 10)
+    stats = sched.make_stats()
+    assert stats.num_used_blocks == 0 and sched.kv.num_prefetched_blocks == 0
+    # the blocks its loads filled were never registered: the tier still holds the session's prefix
+    assert all(sched.kv.pool.lookup(h, 0, ()) is None for h in second.block_hashes[:5])
+
+
+def test_a_failed_launch_gives_the_prefetch_up_and_the_turn_loads_again() -> None:
+    sched, model, stream, second = _returning_beside_a_stream()
+    failed = sched.schedule()
+    assert failed.offload is not None and failed.offload.prefetch_ids == ["t2"]
+    sched.kv.discard_offload(failed.offload)  # what the engine does when the runner raised at launch
+    sched.roll_back(["stream"])
+    sched.check_integrity()
+    assert sched.kv.num_prefetched_blocks == 0 and not sched.kv.is_prefetching("t2")
+    model.rows.pop("stream", None)  # the runner drops the rolled-back row (the engine's next diff says so)
+    _run_all(sched, model, [])
+    assert second.output_token_ids == generate_alone(second.prompt_token_ids, 4)
+    assert stream.output_token_ids == generate_alone(stream.prompt_token_ids, 10)
+    assert sched.make_stats().num_offload_loaded_blocks == 10  # ordered twice
+
+
 def _workload(rng: random.Random, n: int) -> list[Request]:
     """Sessions that return with their previous prompt extended, among fresh prompts."""
     sessions = [[rng.randrange(1, 90) for _ in range(rng.randrange(5, 14))] for _ in range(4)]
@@ -167,13 +246,15 @@ def _replay(events: list, held: dict[str, set[int]]) -> None:
             medium.difference_update(event.block_hashes)
 
 
+@pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("pipelined", [False, True])
 @pytest.mark.parametrize("seed,host,disk", [(1, 6, 0), (2, 3, 8), (3, 12, 0), (4, 2, 2)])
-def test_outputs_equal_each_prompt_alone_with_offload(seed: int, host: int, disk: int, pipelined: bool) -> None:
+def test_outputs_equal_each_prompt_alone_with_offload(seed: int, host: int, disk: int, pipelined: bool,
+                                                      overlap: bool) -> None:
     rng = random.Random(seed)
     sched = make_scheduler(block_size=BLOCK, num_blocks=12, max_num_batched_tokens=16, max_num_seqs=4,
                            max_model_len=40, num_offload_blocks=host, num_disk_offload_blocks=disk,
-                           enable_kv_cache_events=True)
+                           enable_kv_cache_events=True, overlap_offload_loads=overlap)
     driver = Driver(sched, FakePagedModel(BLOCK, sched.kv.pool), pipelined=pipelined)
     pending, added, aborted = _workload(rng, 50), [], set()
     held: dict[str, set[int]] = {}
@@ -199,6 +280,10 @@ def test_outputs_equal_each_prompt_alone_with_offload(seed: int, host: int, disk
     stats = sched.make_stats()
     assert stats.num_used_blocks == 0
     assert stats.offload_prefix_cache_hits > 0 and stats.num_preemptions > 0  # loads and preemptions happened
+    if overlap and host >= 6:  # prefetches beside other requests' steps happened (tiny tiers: maybe none)
+        assert stats.num_offload_overlapped_blocks > 0
+    elif not overlap:
+        assert stats.num_offload_overlapped_blocks == 0
     if disk:
         assert stats.num_offload_demoted_blocks > 0
 

@@ -53,6 +53,31 @@ def test_a_returning_turn_comes_back_from_the_tier_with_the_same_output(llm_fp32
     assert_no_leak(on)
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_turn_loading_beside_a_new_stream_keeps_both_outputs(llm_fp32, corpus_ids, overlap):
+    """The second turn arrives with a new stream ahead of it: with overlap its 4 tier blocks are loaded beside
+    the stream's first step and it joins at the next; without, before the step that admits both."""
+    pool = dict(kv_cache_memory="9MiB", max_model_len=128, max_num_seqs=4)  # 12 blocks of 16
+
+    def run(llm: LLM) -> tuple[list[list[int]], object]:
+        first, others, follow_up = _turns(corpus_ids)
+        turn1 = llm.generate([first], GREEDY8)[0]
+        for prompt in others:  # the second one evicts the first turn's blocks (the oldest free ones)
+            llm.generate([prompt], GREEDY8)
+        second = first + list(turn1.outputs[0].token_ids) + follow_up
+        outputs = llm.generate([corpus_ids[800:810], second], GREEDY8)
+        return [list(o.outputs[0].token_ids) for o in outputs], outputs[1]
+
+    expected, _ = run(LLM(loaded=llm_fp32.loaded, **pool))
+    on = LLM(loaded=llm_fp32.loaded, **pool, kv_offloading_size="64MiB", kv_offload_overlap=overlap)
+    outputs, second = run(on)
+    assert outputs == expected
+    assert second.metrics.num_tier_cached_tokens == 64
+    stats = on.engine.scheduler.make_stats()
+    assert stats.num_offload_loaded_blocks == 4 and stats.num_offload_overlapped_blocks == (4 if overlap else 0)
+    assert_no_leak(on)
+
+
 def _sessions(llm: LLM, corpus_ids: list[int]) -> tuple[list[list[int]], list[list[int]]]:
     """Four sessions at once, twice: first turns of 30 tokens (2 blocks each: the pool's 8 admit all four,
     whose decodes then need a third block each, so requests are preempted and resumed), then each returns

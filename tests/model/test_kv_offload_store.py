@@ -35,6 +35,22 @@ def test_blocks_round_trip_through_both_tiers(dtype: torch.dtype, tmp_path) -> N
         assert not cache[:, :, 2].any()  # host slot 0 now holds block 5, saved after the caches were zeroed
 
 
+def test_beside_loads_run_in_the_copy_thread_into_inference_caches(tmp_path) -> None:
+    with torch.inference_mode():  # as the runner's caches are: the copy thread must enter the mode itself
+        caches = _caches(torch.bfloat16)
+    original = [c.clone() for c in caches]
+    store = KVOffloadStore(caches, OffloadSpec(num_host_slots=2, num_disk_slots=2, disk_dir=str(tmp_path)))
+    store.execute(caches, OffloadOrders(saves=[(1, 0)], disk_saves=[(2, 1)]))
+    with torch.inference_mode():
+        for cache in caches:
+            cache.zero_()
+        beside = store.start_beside(caches, OffloadOrders(beside_loads=[(0, 4)], beside_disk_loads=[(1, 5)]))
+        beside.wait()
+    for cache, before in zip(caches, original):
+        assert torch.equal(cache[:, :, 4], before[:, :, 1]) and torch.equal(cache[:, :, 5], before[:, :, 2])
+        assert not cache[:, :, :4].any()
+
+
 def test_runs_of_consecutive_slots() -> None:
     assert _runs([0, 1, 2, 5, 6, 9]) == [(0, 3), (3, 5), (5, 6)]
     assert _runs([]) == []

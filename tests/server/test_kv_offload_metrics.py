@@ -24,12 +24,13 @@ def test_offload_series_appear_only_with_offload() -> None:
     assert "external_prefix_cache" not in _render(PLAIN) and "kv_offload" not in _render(PLAIN)
     text = _render(replace(PLAIN, offload_prefix_cache_queries=100, offload_prefix_cache_hits=64,
                            num_offload_blocks=90, num_offload_used_blocks=12, num_offload_saved_blocks=12,
-                           num_offload_loaded_blocks=4))
+                           num_offload_loaded_blocks=4, num_offload_overlapped_blocks=3))
     assert 'vllm:external_prefix_cache_hits_total{model_name="m"} 64.0' in text
     assert 'vllm:external_prefix_cache_queries_total{model_name="m"} 100.0' in text
     assert 'vllm:prefix_cache_hits_total{model_name="m"} 32.0' in text  # the pool's own, apart
     assert 'kvpilot:kv_offload_blocks{model_name="m",state="used",tier="cpu"} 12.0' in text
     assert 'kvpilot:kv_offload_copied_blocks_total{direction="load",model_name="m"} 4.0' in text
+    assert 'kvpilot:kv_offload_overlapped_blocks_total{model_name="m"} 3.0' in text
     assert 'tier="disk"' not in text
 
 

@@ -48,6 +48,9 @@ class CacheConfig:
     KV offload (kv_offload.py): num_offload_blocks > 0 keeps evicted prefix blocks in a host-memory tier of that
     many blocks, num_disk_offload_blocks > 0 in a local-disk tier below it (only with a host tier). Both need
     prefix caching (a tier is keyed by block hashes); the KV manager ignores them under a sliding window.
+    overlap_offload_loads: a waiting request's tier blocks are loaded beside a step of the running requests
+    (kv_manager.py's prefetch), the request admitted at the step after; False, or with nothing running: loaded
+    before the forward of the request's own first step, lengthening it.
     """
 
     num_blocks: int
@@ -57,6 +60,7 @@ class CacheConfig:
     sliding_window: int | None = None
     num_offload_blocks: int = 0
     num_disk_offload_blocks: int = 0
+    overlap_offload_loads: bool = True
 
     def __post_init__(self) -> None:
         _require_int("block_size", self.block_size, 1)

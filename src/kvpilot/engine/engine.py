@@ -271,6 +271,9 @@ class LLMEngine:
                 steps.extend(older.steps)
         elif in_flight is not None:
             steps.append(in_flight.scheduled)
+        for scheduled in steps:  # prefetches loading beside a failed step: given up (their requests still wait)
+            for rid in scheduled.offload.prefetch_ids if scheduled.offload is not None else ():
+                self.scheduler.kv.release_prefetch(rid)
         verdict = self._failures.judge(StepFailed(steps, failure.cause, failure.at_launch))
         outputs.extend(self._fail_request(rid, message) for rid, message in verdict.failed.items())
         return outputs

@@ -16,6 +16,14 @@ at p zero weight without reading meaning into its slot: skip those blocks, or ma
 Nothing is ever written through a placeholder: a step's new tokens lie in blocks allocated for them.
 Models with any full-attention layer (Gemma 2/3's interleave) get W = None: one pool serves every layer, so
 no block can be freed while a full layer still reads it (that needs a pool per layer group, as in vLLM).
+
+KV offload prefetch (kv_offload.py): a waiting request whose prefix hit lies partly in an offload tier can have
+those blocks loaded beside a step of other requests (prefetch) instead of before one: the loads then overlap
+that step's forward rather than lengthening it. The prefetch holds a reference on every block of the hit (the
+pool's hits too, so none is evicted meanwhile) and registers the loaded blocks under their hashes only once the
+step that loaded them has run (finish_prefetches: before that no reader may find them); the request is
+admitted at a later step, its hit then found in the pool, and the prefetch's references are dropped
+(release_prefetch).
 """
 
 from __future__ import annotations
@@ -56,6 +64,7 @@ class PrefixHit:
     num_query_tokens: int = 0
     tier_hits: tuple[tuple[int, TierHit], ...] = ()
     remote: PulledKV | None = None  # disaggregation: num_tokens pulled from a prefill worker, in new blocks
+    num_prefetched_tier_blocks: int = 0  # of the pool's blocks, those a prefetch loaded from a tier
 
     @property
     def block_ids(self) -> list[int]:
@@ -64,7 +73,8 @@ class PrefixHit:
 
     @property
     def num_tier_blocks(self) -> int:
-        return len(self.tier_hits)
+        """Blocks of the hit that come from an offload tier: to load now, or loaded by a prefetch."""
+        return len(self.tier_hits) + self.num_prefetched_tier_blocks
 
 
 @dataclass
@@ -77,6 +87,16 @@ class PrefixCacheStats:
     @property
     def hit_rate(self) -> float:
         return self.num_hits / self.num_queries if self.num_queries else 0.0
+
+
+@dataclass
+class _Prefetch:
+    """A waiting request's prefix hit held in the pool: `blocks` (each referenced once by the prefetch), of
+    which `loaded` were ordered copied from a tier (with their tier entries), registered for reuse once `done`."""
+
+    blocks: list[KVBlock]
+    loaded: list[tuple[KVBlock, TierHit]]
+    done: bool = False
 
 
 @dataclass
@@ -115,6 +135,7 @@ class KVCacheManager:
         # and this step's copies of pulled K/V into new blocks
         self._held: dict[str, _Table] = {}
         self._kv_loads: list[KVLoad] = []
+        self._prefetches: dict[str, _Prefetch] = {}  # waiting requests' prefix hits being or done loading
 
     @property
     def num_free_blocks(self) -> int:
@@ -159,7 +180,10 @@ class KVCacheManager:
                 tier_hits.append((i, tier_hit))
             found.append(block)
             parent = block_hash
-        return PrefixHit(tuple(found), len(found) * self.block_size, request.num_tokens, tuple(tier_hits))
+        prefetch = self._prefetches.get(request.request_id)
+        num_prefetched = min(len(prefetch.loaded), len(found)) if prefetch is not None and prefetch.done else 0
+        return PrefixHit(tuple(found), len(found) * self.block_size, request.num_tokens, tuple(tier_hits),
+                         num_prefetched_tier_blocks=num_prefetched)
 
     def _remote_hit(self, request: Request, remote: PulledKV) -> PrefixHit:
         """The pulled tokens as a hit whose blocks are all new (allocate_slots orders the K/V copied in); one
@@ -257,6 +281,57 @@ class KVCacheManager:
             self.pool.cache_block(block, tier_hit.block_hash, tier_hit.parent_hash, tier_hit.token_ids)
             hit[index] = block
 
+    # ---- prefetch: tier loads beside another step (module docstring) --------------------------------------
+
+    def prefetch(self, request: Request, prefix_hit: PrefixHit) -> bool:
+        """Holds the hit's pool blocks and orders its tier blocks loaded into new pool blocks beside this step's
+        forward; False (nothing taken) when the pool lacks free blocks for them."""
+        if self.offload is None or not prefix_hit.tier_hits or request.request_id in self._prefetches:
+            raise KVCacheIntegrityError(f"request {request.request_id}: nothing to prefetch, or prefetched twice")
+        held = [b for b in prefix_hit.blocks if b is not None]
+        num_revived = sum(1 for b in held if b.ref_cnt == 0)
+        if len(prefix_hit.tier_hits) > self.pool.num_free_blocks - num_revived:
+            return False
+        self.pool.touch(held)  # first: the allocation below must not evict a block of this very hit
+        for _, tier_hit in prefix_hit.tier_hits:
+            self.offload.pin(tier_hit)
+        blocks: list[KVBlock | None] = list(prefix_hit.blocks)
+        loaded: list[tuple[KVBlock, TierHit]] = []
+        for (index, tier_hit), block in zip(prefix_hit.tier_hits, self.pool.allocate(len(prefix_hit.tier_hits))):
+            self.offload.load(tier_hit, block.block_id, beside=True)
+            blocks[index] = block
+            loaded.append((block, tier_hit))
+        self.offload.prefetching(request.request_id)
+        self._prefetches[request.request_id] = _Prefetch([b for b in blocks if b is not None], loaded)
+        return True
+
+    def is_prefetching(self, request_id: str) -> bool:
+        """True while the step loading the request's prefetched blocks has not run (finish_prefetches)."""
+        prefetch = self._prefetches.get(request_id)
+        return prefetch is not None and not prefetch.done
+
+    def finish_prefetches(self, request_ids: list[str]) -> None:
+        """The step carrying these requests' prefetch loads ran: their loaded blocks join the prefix cache (a
+        hash another block took meanwhile stays with that block; the request then hits that one)."""
+        for request_id in request_ids:
+            prefetch = self._prefetches.get(request_id)
+            if prefetch is None or prefetch.done:
+                continue  # released meanwhile (aborted, or admitted alone after a failure)
+            for block, tier_hit in prefetch.loaded:
+                self.pool.cache_block(block, tier_hit.block_hash, tier_hit.parent_hash, tier_hit.token_ids)
+            prefetch.done = True
+
+    def release_prefetch(self, request_id: str) -> None:
+        """Drops the prefetch's references (after admission took its own, or when the request ends or its step
+        failed); blocks whose loads never finished leave uncached. No-op without a prefetch."""
+        prefetch = self._prefetches.pop(request_id, None)
+        if prefetch is not None:
+            self.pool.free(list(reversed(prefetch.blocks)))
+
+    @property
+    def num_prefetched_blocks(self) -> int:
+        return sum(len(p.blocks) for p in self._prefetches.values())
+
     def _load_remote(self, request: Request, prefix_hit: PrefixHit, new_ids: list[int]) -> None:
         """Orders the pulled K/V copied into the first new blocks (before this step's forward) and consumes it:
         a request preempted later recomputes its tokens like any other."""
@@ -323,6 +398,8 @@ class KVCacheManager:
         self.offload.discard(orders)
         for _, block_id in orders.loads + orders.disk_loads:
             self.pool.drop_hash(self.pool.blocks[block_id])
+        for request_id in orders.prefetch_ids:
+            self.release_prefetch(request_id)
 
     def take_offload_orders(self) -> OffloadOrders | None:
         """The copy orders of the step being scheduled (None without offload or when nothing moved)."""
@@ -388,7 +465,10 @@ class KVCacheManager:
         return keep
 
     def free(self, request: Request) -> None:
-        """Release the request's blocks, last block first, so a sequence's tail is evicted before its head."""
+        """Release the request's blocks, last block first, so a sequence's tail is evicted before its head (and
+        a prefetch's, for a request that ends while waiting)."""
+        if self._prefetches:
+            self.release_prefetch(request.request_id)
         table = self._tables.pop(request.request_id, None)
         request.block_ids = []
         if table is not None:
@@ -404,6 +484,9 @@ class KVCacheManager:
             for block in table.blocks:
                 if block is not None:
                     refs[block.block_id] += 1
+        for prefetch in self._prefetches.values():
+            for block in prefetch.blocks:
+                refs[block.block_id] += 1
         for block in self.pool.blocks:
             if block.ref_cnt != refs[block.block_id]:
                 raise KVCacheIntegrityError(

@@ -14,6 +14,9 @@ Copy orders of one step (OffloadOrders), executed by the runner before the step'
   disk_saves  pool block -> disk slot  (idem, when every host entry is pinned in this step)
   loads       host slot -> pool block  (before the forward reads the block)
   disk_loads  disk slot -> pool block  (idem)
+  beside_loads, beside_disk_loads: the same, but run beside the step's forward (after the lists above), for
+              prefetches: blocks of a waiting request that no request of this step reads (kv_manager.py's
+              prefetch), so a returning turn's copy overlaps the running requests' step instead of lengthening it
 Each list is executed as one batch, so within one step no slot or block may be written twice or written after
 being read: an entry saved, demoted or loaded in the step is pinned until the orders are taken (take_orders),
 and a tier never evicts a pinned entry (a save that finds only pinned entries goes straight to the disk tier,
@@ -57,9 +60,17 @@ class OffloadOrders:
     disk_saves: list[tuple[int, int]] = field(default_factory=list)
     loads: list[tuple[int, int]] = field(default_factory=list)
     disk_loads: list[tuple[int, int]] = field(default_factory=list)
+    beside_loads: list[tuple[int, int]] = field(default_factory=list)
+    beside_disk_loads: list[tuple[int, int]] = field(default_factory=list)
+    prefetch_ids: list[str] = field(default_factory=list)  # the requests whose blocks the beside loads fill
 
     def __bool__(self) -> bool:
-        return bool(self.demotes or self.saves or self.disk_saves or self.loads or self.disk_loads)
+        return bool(self.demotes or self.saves or self.disk_saves or self.loads or self.disk_loads
+                    or self.beside_loads or self.beside_disk_loads)
+
+    @property
+    def has_beside_loads(self) -> bool:
+        return bool(self.beside_loads or self.beside_disk_loads)
 
 
 @dataclass
@@ -73,6 +84,7 @@ class OffloadStats:
     num_loaded: int = 0
     num_disk_loaded: int = 0
     num_dropped: int = 0
+    num_loaded_beside: int = 0  # of the loads from either tier, those run beside another step (prefetches)
 
 
 class OffloadTier:
@@ -202,15 +214,24 @@ class OffloadTiers:
         """Keeps the hit's entry from being evicted in this step (before allocations that may save)."""
         (self.disk if hit.disk and self.disk is not None else self.host).use(hit.block_hash)
 
-    def load(self, hit: TierHit, block_id: int) -> None:
-        """Orders the hit's K/V copied into pool block block_id (a pinned entry: pin() first)."""
+    def load(self, hit: TierHit, block_id: int, beside: bool = False) -> None:
+        """Orders the hit's K/V copied into pool block block_id (a pinned entry: pin() first): before the
+        step's forward, or with `beside` during it (a block no request of the step reads)."""
+        orders = self._orders
         if hit.disk:
-            assert self.disk is not None
-            self._orders.disk_loads.append((self.disk.use(hit.block_hash), block_id))
+            if self.disk is None:
+                raise OffloadIntegrityError("a disk-tier hit without a disk tier")
+            (orders.beside_disk_loads if beside else orders.disk_loads).append(
+                (self.disk.use(hit.block_hash), block_id))
             self.stats.num_disk_loaded += 1
         else:
-            self._orders.loads.append((self.host.use(hit.block_hash), block_id))
+            (orders.beside_loads if beside else orders.loads).append((self.host.use(hit.block_hash), block_id))
             self.stats.num_loaded += 1
+        self.stats.num_loaded_beside += beside
+
+    def prefetching(self, request_id: str) -> None:
+        """Names the request whose blocks this step's beside loads fill (kv_manager.py's prefetch)."""
+        self._orders.prefetch_ids.append(request_id)
 
     def save(self, block_id: int, block_hash: int, parent_hash: int, token_ids: tuple[int, ...]) -> None:
         """The pool is about to reuse block_id, which holds block_hash: keep its K/V in the host tier (no copy

@@ -62,6 +62,7 @@ class Scheduler:
             () if eos_token_ids is None else (eos_token_ids,) if isinstance(eos_token_ids, int) else eos_token_ids)
         self.clock = clock
         self.kv = KVCacheManager(cache_config, hash_fn=hash_fn)
+        self._overlap_loads = cache_config.overlap_offload_loads and self.kv.offload is not None
         self._waiting = make_request_queue(scheduler_config.scheduling_policy)
         self._running: list[Request] = []
         self._requests: dict[str, Request] = {}
@@ -198,7 +199,12 @@ class Scheduler:
             request = self._waiting.peek()
             if request.num_output_placeholders:
                 break  # preempted while its last token is still being sampled: resume once it is known
+            if self.kv.is_prefetching(request.request_id):
+                break  # its tier blocks are loading beside a step in flight: admitted once that step ran
             hit = self.kv.get_computed_blocks(request)
+            if hit.tier_hits and step.entries and self._overlap_loads:
+                self.kv.prefetch(request, hit)  # its loads overlap this step's forward (kv_manager.py)
+                break  # head-of-line, as when blocks run short: it is admitted at a later step
             num_new = min(request.num_tokens - hit.num_tokens, step.budget)
             if self.kv.allocate_slots(request, num_new, hit) is None:
                 break  # head-of-line: admitting a later request first would starve this one
@@ -252,10 +258,14 @@ class Scheduler:
         schedule() are discarded; a request preempted since keeps its token (it was computed before the
         preemption).
 
+        Prefetches (kv_manager.py) whose tier loads ran beside the step join the prefix cache.
+
         Call once per schedule(), in step order. Returns one update per request that got a token.
         """
         now = self.clock()
         updates: list[RequestUpdate] = []
+        if output.offload is not None and output.offload.prefetch_ids:  # their loads ran beside this step
+            self.kv.finish_prefetches(output.offload.prefetch_ids)
         requests, cache_computed_blocks = self._requests, self.kv.cache_computed_blocks
         verified = verified_token_ids or None
         for chunk in output.chunks:  # every running request every step: plain attributes, few calls
@@ -389,6 +399,7 @@ class Scheduler:
     def _admit(self, request: Request, num_hit_tokens: int, num_tier_tokens: int = 0) -> None:
         """num_hit_tokens: the prefix hit, of which num_tier_tokens copied back from an offload tier."""
         now = self.clock()
+        self.kv.release_prefetch(request.request_id)  # its table holds the prefetched blocks now
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_hit_tokens
         if request.timeline.first_scheduled is None:

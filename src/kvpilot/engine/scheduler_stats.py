@@ -43,6 +43,7 @@ class SchedulerStats:
     num_offload_demoted_blocks: int = 0
     num_offload_disk_loaded_blocks: int = 0
     num_offload_dropped_blocks: int = 0
+    num_offload_overlapped_blocks: int = 0  # of the loaded blocks, those copied beside another step (prefetch)
     # disaggregation (engine/kv_transfer.py; the engine core's connector fills them): on or off, blocks held for
     # decode workers, and cumulative transfers, bytes and failures each way (send: prefill side, pull: decode
     # side), and held requests freed by the timeout
@@ -74,4 +75,5 @@ def offload_stats(kv: KVCacheManager) -> dict[str, Any]:
                 num_offload_saved_blocks=traffic.num_saved, num_offload_loaded_blocks=traffic.num_loaded,
                 num_offload_demoted_blocks=traffic.num_demoted,
                 num_offload_disk_loaded_blocks=traffic.num_disk_loaded,
-                num_offload_dropped_blocks=traffic.num_dropped)
+                num_offload_dropped_blocks=traffic.num_dropped,
+                num_offload_overlapped_blocks=traffic.num_loaded_beside)

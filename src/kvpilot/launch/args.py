@@ -68,6 +68,8 @@ class EngineArgs:
     # a local-disk tier below the host tier: its folder, and its size (DEFAULT_KV_OFFLOAD_DIR_SIZE if None)
     kv_offload_dir: str | None = None
     kv_offload_dir_size: str | int | None = None
+    # a waiting request's tier loads run beside a step of the running requests (False: before its own step)
+    kv_offload_overlap: bool = True
     # prefill/decode disaggregation (engine/kv_transfer.py): this worker's role (None: off), or vLLM's
     # --kv-transfer-config dict/JSON mapped onto it; the KV sender's port (0: a free one), the address it
     # advertises (None: kv_transfer_config's kv_ip, else 127.0.0.1), and how long held blocks wait for a pull

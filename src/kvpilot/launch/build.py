@@ -136,7 +136,8 @@ def _build(args: EngineArgs, loaded: LoadedModel, tp: TPLaunch | None) -> BuiltE
                                enable_prefix_caching=args.enable_prefix_caching,
                                enable_kv_cache_events=events is not None and events.publishes,
                                sliding_window=window, num_offload_blocks=offload.num_host_blocks if offload else 0,
-                               num_disk_offload_blocks=offload.num_disk_blocks if offload else 0)
+                               num_disk_offload_blocks=offload.num_disk_blocks if offload else 0,
+                               overlap_offload_loads=args.kv_offload_overlap)
     context_fits = cache_config.max_blocks_per_request(
         config.max_position_embeddings, max_num_batched_tokens) <= cache_config.num_blocks
     max_model_len = default_max_model_len(args.max_model_len, config.max_position_embeddings, capacity,

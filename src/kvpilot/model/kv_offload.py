@@ -9,19 +9,23 @@ bounds). The disk tier is one file of num_disk_slots slots in --kv-offload-dir, 
 once (nothing is left behind when the process ends; the page cache holds what the kernel has not written out).
 
 Copies (execute): demotes (host -> disk), saves (cache -> host), disk saves (cache -> disk), then loads (host ->
-cache) and disk loads (disk -> cache), each list as one batch, all before the step's forward. This first
-version is synchronous with the step: on CPU the copies run in the engine thread before the forward; on CUDA
-they are queued on the compute stream (gather/scatter kernels on the device, pinned-memory DMA between, one
-transfer per run of consecutive slots), so they neither block the host nor overlap the forward: a step that
-loads waits for its loads. Disk traffic on CUDA synchronizes the stream first (the host reads or writes pinned
-slots that queued copies may still be using). Overlapping loads with other requests' steps is a later step.
+cache) and disk loads (disk -> cache), each list as one batch, all before the step's forward: on CPU in the
+engine thread; on CUDA queued on the compute stream (gather/scatter kernels on the device, pinned-memory DMA
+between, one transfer per run of consecutive slots), so they do not block the host. Disk traffic on CUDA
+synchronizes the stream first (the host reads or writes pinned slots that queued copies may still be using).
+
+Beside loads (start_beside: a waiting request's prefetch, engine/kv_manager.py) overlap the step's forward, which
+never reads their blocks: on CPU a copy thread runs them while the engine thread computes, and the runner waits
+for it before the step returns; on CUDA they run on a side stream that first waits for the step's saves (which
+read blocks these loads overwrite), and the compute stream waits for them before anything queued after the step.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,9 +59,40 @@ class KVOffloadStore:
         if spec.num_disk_slots:
             self._disk = _disk_file(spec.disk_dir, spec.num_disk_slots, self.bytes_per_slot)
 
+        self._copier: ThreadPoolExecutor | None = None  # CPU: the thread beside loads run in
+        self._side_stream: torch.cuda.Stream | None = None  # CUDA: the stream beside loads run on
+
     @property
     def num_host_bytes(self) -> int:
         return self.host.numel() * self.host.element_size()
+
+    def start_beside(self, kv_caches: Sequence[torch.Tensor], orders: OffloadOrders) -> "BesideCopy":
+        """Starts the step's beside loads (after execute() ran its orders); wait() on the result before the
+        step returns."""
+        if self.device.type == "cuda":
+            if self._side_stream is None:
+                self._side_stream = torch.cuda.Stream(self.device)
+            compute = torch.cuda.current_stream(self.device)
+            self._side_stream.wait_stream(compute)  # after the saves: they read blocks these loads overwrite
+            with torch.cuda.stream(self._side_stream):
+                self._beside_loads(kv_caches, orders)
+                done = torch.cuda.Event()
+                done.record(self._side_stream)
+            return BesideCopy(lambda: compute.wait_event(done))
+        if self._copier is None:
+            self._copier = ThreadPoolExecutor(1, thread_name_prefix="kvpilot-kv-load")
+        future: Future[None] = self._copier.submit(self._beside_loads_inference, kv_caches, orders)
+        return BesideCopy(future.result)
+
+    def _beside_loads_inference(self, kv_caches: Sequence[torch.Tensor], orders: OffloadOrders) -> None:
+        with torch.inference_mode():  # thread-local: the caches are inference tensors
+            self._beside_loads(kv_caches, orders)
+
+    def _beside_loads(self, kv_caches: Sequence[torch.Tensor], orders: OffloadOrders) -> None:
+        if orders.beside_loads:
+            self._load(kv_caches, orders.beside_loads)
+        if orders.beside_disk_loads:
+            self._disk_load(kv_caches, orders.beside_disk_loads)
 
     def execute(self, kv_caches: Sequence[torch.Tensor], orders: OffloadOrders) -> None:
         """The step's copies, in the order engine/kv_offload.py fixes (each list read before it is written)."""
@@ -76,10 +111,13 @@ class KVOffloadStore:
         if orders.loads:
             self._load(kv_caches, orders.loads)
         if orders.disk_loads:
-            disk, blocks = _columns(orders.disk_loads)
-            raw = torch.from_numpy(np.ascontiguousarray(self._disk_array()[disk]))
-            data = raw.view(self.dtype).reshape(len(disk), *self.slot_shape)
-            _scatter(kv_caches, blocks, data.to(self.device))
+            self._disk_load(kv_caches, orders.disk_loads)
+
+    def _disk_load(self, kv_caches: Sequence[torch.Tensor], disk_loads: list[tuple[int, int]]) -> None:
+        disk, blocks = _columns(disk_loads)
+        raw = torch.from_numpy(np.ascontiguousarray(self._disk_array()[disk]))
+        data = raw.view(self.dtype).reshape(len(disk), *self.slot_shape)
+        _scatter(kv_caches, blocks, data.to(self.device))
 
     def _save(self, kv_caches: Sequence[torch.Tensor], saves: list[tuple[int, int]]) -> None:
         if self.device.type != "cuda":
@@ -111,6 +149,17 @@ class KVOffloadStore:
         if self._disk is None:
             raise RuntimeError("a disk offload order, but this runner has no disk tier")
         return self._disk
+
+
+class BesideCopy:
+    """Beside loads in progress: wait() returns once later work of the step's device sees them (CPU: the copy
+    thread finished, re-raising its error; CUDA: the compute stream waits for them, the host does not)."""
+
+    def __init__(self, wait: Callable[[], object]) -> None:
+        self._wait = wait
+
+    def wait(self) -> None:
+        self._wait()
 
 
 def _disk_file(directory: str | None, num_slots: int, bytes_per_slot: int) -> np.memmap:

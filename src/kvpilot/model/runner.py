@@ -26,7 +26,7 @@ from kvpilot.model.grammar_state import GrammarState
 from kvpilot.model.host_copy import HostCopy
 from kvpilot.model.input_batch import BatchLimits, InputBatch
 from kvpilot.model.kv_cache import allocate_kv_cache
-from kvpilot.model.kv_offload import KVOffloadStore, OffloadSpec
+from kvpilot.model.kv_offload import BesideCopy, KVOffloadStore, OffloadSpec
 from kvpilot.model.kv_transfer import write_blocks
 from kvpilot.model.loader import LoadedModel
 from kvpilot.model.logit_bias import LogitBiasState
@@ -195,8 +195,12 @@ class ModelRunner:
         """Applies the diff and launches the step (on CPU it runs to completion here). Requests whose grammar
         failed in it are failed alone (StepResult.failed), not raised: their step mates go on."""
         self._draft_seconds = 0.0
-        self._copy_offload(output)
-        step = self._execute(output)
+        beside = self._copy_offload(output)
+        try:
+            step = self._execute(output)
+        finally:
+            if beside is not None:  # a prefetch's loads ran beside the forward (model/kv_offload.py)
+                beside.wait()
         step.failed = self.grammars.take_failures()
         step.draft_seconds = self._draft_seconds
         return step
@@ -230,22 +234,30 @@ class ModelRunner:
             return self._greedy(inputs, sampled, verification)
         return self._sample(inputs, self.model.logits(sampled), verification)
 
-    def _copy_offload(self, output: SchedulerOutput) -> None:
+    def _copy_offload(self, output: SchedulerOutput) -> BesideCopy | None:
         """The step's KV offload copies (saves of blocks about to be reused, loads of prefix hits found in a
         tier), then K/V pulled from a prefill worker (disaggregation, model/kv_transfer.py: after the saves,
-        which read what its new blocks held), before anything of the step writes or reads the cache."""
+        which read what its new blocks held), before anything of the step writes or reads the cache; then
+        starts the loads that run beside the forward (a waiting request's prefetch), whose copy the caller
+        waits for."""
+        beside = None
         if output.offload is not None:
             if self.offload is None:
                 raise RuntimeError("the scheduler ordered KV offload copies, but this runner has no offload tier")
             self.offload.execute(self.kv_caches, output.offload)
+            if output.offload.has_beside_loads:
+                beside = self.offload.start_beside(self.kv_caches, output.offload)
         for load in output.kv_loads:
             write_blocks(self.kv_caches, load.block_ids, load.data)
+        return beside
 
     @torch.inference_mode()
     def forward_logits(self, output: SchedulerOutput) -> tuple[list[str], torch.Tensor]:
         """Applies the diff and runs the forward only: (request ids needing a sample, float32 logits [N, V]).
         For tests and memory profiling; the sampled tokens are not recorded."""
-        self._copy_offload(output)
+        beside = self._copy_offload(output)
+        if beside is not None:
+            beside.wait()
         rows = self.apply_diff(output)
         inputs = build_step_inputs(self.batch, output.chunks, rows, self._previous, self.device, self._staging)
         return inputs.sample_request_ids, self._forward_logits(inputs)

@@ -141,6 +141,14 @@ class _SchedulerCollector(Collector):
                                  ("dropped", stats.num_offload_dropped_blocks)):
             copies.add_metric([self._model, direction], value)
         yield copies
+        yield self._overlapped(stats)
+
+    def _overlapped(self, stats: SchedulerStats) -> Metric:
+        family = CounterMetricFamily("kvpilot:kv_offload_overlapped_blocks", "Of the blocks loaded from the "
+                                     "offload tiers (load, disk_load), those copied beside a step of other "
+                                     "requests instead of before their own request's step.", labels=["model_name"])
+        family.add_metric([self._model], stats.num_offload_overlapped_blocks)
+        return family
 
 
 class _CacheConfigCollector(Collector):
