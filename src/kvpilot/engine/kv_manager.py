@@ -19,11 +19,13 @@ no block can be freed while a full layer still reads it (that needs a pool per l
 
 KV offload prefetch (kv_offload.py): a waiting request whose prefix hit lies partly in an offload tier can have
 those blocks loaded beside a step of other requests (prefetch) instead of before one: the loads then overlap
-that step's forward rather than lengthening it. The prefetch holds a reference on every block of the hit (the
-pool's hits too, so none is evicted meanwhile) and registers the loaded blocks under their hashes only once the
-step that loaded them has run (finish_prefetches: before that no reader may find them); the request is
-admitted at a later step, its hit then found in the pool, and the prefetch's references are dropped
-(release_prefetch).
+that step's forward rather than lengthening it. While that step is in flight the prefetch holds a reference on
+every block of the hit (the pool's hits too, so none is evicted meanwhile); once it has run
+(finish_prefetches) the loaded blocks are registered under their hashes (before that no reader may find
+them) and every reference is dropped, the blocks joining the free queue's tail still cached, so the request,
+admitted at a later step, finds its whole hit in the pool. Holding nothing across steps keeps a waiting
+request from pinning blocks that running or preempted requests need. A request is prefetched at most once:
+if its blocks were evicted again before its admission, they are loaded before its own step.
 """
 
 from __future__ import annotations
@@ -91,12 +93,11 @@ class PrefixCacheStats:
 
 @dataclass
 class _Prefetch:
-    """A waiting request's prefix hit held in the pool: `blocks` (each referenced once by the prefetch), of
-    which `loaded` were ordered copied from a tier (with their tier entries), registered for reuse once `done`."""
+    """A waiting request's prefix hit held in the pool while its loads run: `blocks` (each referenced once by
+    the prefetch), of which `loaded` were ordered copied from a tier (with their tier entries)."""
 
     blocks: list[KVBlock]
     loaded: list[tuple[KVBlock, TierHit]]
-    done: bool = False
 
 
 @dataclass
@@ -135,7 +136,8 @@ class KVCacheManager:
         # and this step's copies of pulled K/V into new blocks
         self._held: dict[str, _Table] = {}
         self._kv_loads: list[KVLoad] = []
-        self._prefetches: dict[str, _Prefetch] = {}  # waiting requests' prefix hits being or done loading
+        self._prefetches: dict[str, _Prefetch] = {}  # waiting requests' prefix hits whose loads are in flight
+        self._prefetched: dict[str, int] = {}  # waiting requests prefetched: how many blocks came from a tier
 
     @property
     def num_free_blocks(self) -> int:
@@ -180,8 +182,9 @@ class KVCacheManager:
                 tier_hits.append((i, tier_hit))
             found.append(block)
             parent = block_hash
-        prefetch = self._prefetches.get(request.request_id)
-        num_prefetched = min(len(prefetch.loaded), len(found)) if prefetch is not None and prefetch.done else 0
+        # a prefetch's tier blocks count as tier hits (those evicted again and found in a tier only once)
+        num_prefetched = max(0, min(self._prefetched.get(request.request_id, 0), len(found)) - len(tier_hits)) \
+            if self._prefetched else 0
         return PrefixHit(tuple(found), len(found) * self.block_size, request.num_tokens, tuple(tier_hits),
                          num_prefetched_tier_blocks=num_prefetched)
 
@@ -283,10 +286,15 @@ class KVCacheManager:
 
     # ---- prefetch: tier loads beside another step (module docstring) --------------------------------------
 
+    def can_prefetch(self, request: Request, prefix_hit: PrefixHit) -> bool:
+        """Whether prefetch() may take the hit: it has tier blocks and the request was not prefetched before."""
+        return bool(prefix_hit.tier_hits) and request.request_id not in self._prefetched and \
+            request.request_id not in self._prefetches
+
     def prefetch(self, request: Request, prefix_hit: PrefixHit) -> bool:
         """Holds the hit's pool blocks and orders its tier blocks loaded into new pool blocks beside this step's
         forward; False (nothing taken) when the pool lacks free blocks for them."""
-        if self.offload is None or not prefix_hit.tier_hits or request.request_id in self._prefetches:
+        if self.offload is None or not self.can_prefetch(request, prefix_hit):
             raise KVCacheIntegrityError(f"request {request.request_id}: nothing to prefetch, or prefetched twice")
         held = [b for b in prefix_hit.blocks if b is not None]
         num_revived = sum(1 for b in held if b.ref_cnt == 0)
@@ -307,23 +315,26 @@ class KVCacheManager:
 
     def is_prefetching(self, request_id: str) -> bool:
         """True while the step loading the request's prefetched blocks has not run (finish_prefetches)."""
-        prefetch = self._prefetches.get(request_id)
-        return prefetch is not None and not prefetch.done
+        return request_id in self._prefetches
 
     def finish_prefetches(self, request_ids: list[str]) -> None:
         """The step carrying these requests' prefetch loads ran: their loaded blocks join the prefix cache (a
-        hash another block took meanwhile stays with that block; the request then hits that one)."""
+        hash another block took meanwhile stays with that block; the request then hits that one) and the
+        prefetch's references are dropped, tail first (the free queue evicts a hit's tail before its head)."""
         for request_id in request_ids:
-            prefetch = self._prefetches.get(request_id)
-            if prefetch is None or prefetch.done:
+            prefetch = self._prefetches.pop(request_id, None)
+            if prefetch is None:
                 continue  # released meanwhile (aborted, or admitted alone after a failure)
             for block, tier_hit in prefetch.loaded:
                 self.pool.cache_block(block, tier_hit.block_hash, tier_hit.parent_hash, tier_hit.token_ids)
-            prefetch.done = True
+            self.pool.free(list(reversed(prefetch.blocks)))
+            self._prefetched[request_id] = len(prefetch.loaded)
 
     def release_prefetch(self, request_id: str) -> None:
-        """Drops the prefetch's references (after admission took its own, or when the request ends or its step
-        failed); blocks whose loads never finished leave uncached. No-op without a prefetch."""
+        """Forgets the request's prefetch (at its admission, when it ends, or when the step carrying its loads
+        failed): references still held are dropped, and blocks whose loads may not have run leave
+        unregistered. No-op without one."""
+        self._prefetched.pop(request_id, None)
         prefetch = self._prefetches.pop(request_id, None)
         if prefetch is not None:
             self.pool.free(list(reversed(prefetch.blocks)))
@@ -467,7 +478,7 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release the request's blocks, last block first, so a sequence's tail is evicted before its head (and
         a prefetch's, for a request that ends while waiting)."""
-        if self._prefetches:
+        if self._prefetches or self._prefetched:
             self.release_prefetch(request.request_id)
         table = self._tables.pop(request.request_id, None)
         request.block_ids = []

@@ -202,7 +202,7 @@ class Scheduler:
             if self.kv.is_prefetching(request.request_id):
                 break  # its tier blocks are loading beside a step in flight: admitted once that step ran
             hit = self.kv.get_computed_blocks(request)
-            if hit.tier_hits and step.entries and self._overlap_loads:
+            if step.entries and self._overlap_loads and self.kv.can_prefetch(request, hit):
                 self.kv.prefetch(request, hit)  # its loads overlap this step's forward (kv_manager.py)
                 break  # head-of-line, as when blocks run short: it is admitted at a later step
             num_new = min(request.num_tokens - hit.num_tokens, step.budget)
@@ -399,7 +399,7 @@ class Scheduler:
     def _admit(self, request: Request, num_hit_tokens: int, num_tier_tokens: int = 0) -> None:
         """num_hit_tokens: the prefix hit, of which num_tier_tokens copied back from an offload tier."""
         now = self.clock()
-        self.kv.release_prefetch(request.request_id)  # its table holds the prefetched blocks now
+        self.kv.release_prefetch(request.request_id)  # a prefetch of its hit is over: its table holds it now
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_hit_tokens
         if request.timeline.first_scheduled is None:
