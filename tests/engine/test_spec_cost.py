@@ -10,8 +10,9 @@ import pytest
 from kvpilot.engine.ngram_proposer import NgramProposer
 from kvpilot.engine.spec_acceptance import AcceptanceTracker
 from kvpilot.engine.spec_config import SpeculativeConfig
-from kvpilot.engine.spec_cost import (PRIOR_ROW_FRACTION, StepTimeModel, draft_price, expected_tokens,
-                                      num_worthwhile_drafts)
+from kvpilot.engine.scheduler_output import ScheduledChunk, SchedulerOutput
+from kvpilot.engine.spec_cost import (PRICE_CUTOFF, PRIOR_ROW_FRACTION, DraftCost, StepTimeModel, draft_model_price,
+                                      draft_price, expected_tokens, num_worthwhile_drafts)
 from kvpilot.engine.speculator import Speculator, speculation_eligible
 from kvpilot.sampling_params import SamplingParams
 
@@ -112,3 +113,39 @@ def test_the_speculator_prices_a_step_and_skips_requests_that_cannot_be_verified
                                (SamplingParams(min_tokens=5), 4)]:
         assert not speculation_eligible(params, num_output)
     assert speculation_eligible(SamplingParams(min_tokens=5), 5)
+
+
+def test_a_draft_models_rounds_are_priced_in_tokens_of_plain_decoding():
+    assert draft_model_price(0.010, 0.0, 1, 0.0) == 0.0  # one stream, weight-bound: a verify row is free
+    assert draft_model_price(0.010, 0.0, 1, 0.001) == pytest.approx(0.1)  # a draft 10x cheaper than a step
+    assert draft_model_price(0.010, 0.0, 1, 0.010) == pytest.approx(1.0)  # as costly as the target: never pays
+    assert draft_model_price(0.010, 0.001, 4, 0.001) == pytest.approx(draft_price(0.010, 0.001, 4) + 4 * 0.001 / 0.014)
+    cost = DraftCost()
+    cost.observe(0.0, 4, 1)  # n-gram: no draft work
+    assert cost.round_share == 0.0
+    cost.observe(0.008, 4, 2)  # 4 rounds over 2 requests: 1 ms each
+    assert cost.round_share == pytest.approx(0.001)
+    for _ in range(50):
+        cost.observe(0.024, 4, 2)  # the draft got slower: 3 ms each, learned within tens of steps
+    assert cost.round_share == pytest.approx(0.003, rel=0.01)
+
+
+def _verify_step(num_drafts: int) -> SchedulerOutput:
+    return SchedulerOutput(chunks=[ScheduledChunk("a", 10, 1 + num_drafts, True)],
+                           draft_token_ids={"a": [5] * num_drafts})
+
+
+def test_a_draft_as_costly_as_the_target_switches_speculation_off():
+    speculator = Speculator(SpeculativeConfig(), NgramProposer(1, 3))
+    for _ in range(40):  # one stream: a 10 ms verify step plus 4 draft rounds of 10 ms each
+        speculator.observe_step(_verify_step(4), 0.050, draft_seconds=0.040)
+    fixed, per_row = speculator.step_times.fit(5)
+    assert fixed + 5 * per_row == pytest.approx(0.010, rel=0.05)  # the target's time alone: t(1 + 4 rows)
+    assert speculator.step_price(1) is None  # priced >= PRICE_CUTOFF: no drafts
+    cheap = Speculator(SpeculativeConfig(), NgramProposer(1, 3))
+    for _ in range(40):  # a draft model 10x cheaper than the target
+        cheap.observe_step(_verify_step(4), 0.014, draft_seconds=0.004)
+    fixed, per_row = cheap.step_times.fit(1)
+    round_share = 0.004 / 4  # each of 4 rounds: 1 ms for its one request
+    assert cheap.step_price(1) == pytest.approx(draft_price(fixed, per_row, 1) + round_share / (fixed + per_row))
+    assert cheap.step_price(1) < PRICE_CUTOFF  # drafts that are accepted often still pay

@@ -13,6 +13,13 @@ the step is compute-bound). A request's draft j is accepted together with every 
 probability alpha**j (alpha: its acceptance estimate, spec_acceptance.py), so draft j earns alpha**j tokens
 and costs `price`: a request gets the drafts that pay, k = #{j in 1..K : alpha**j > price}, and none when
 even the first does not. Large batches price rows near 1, so speculation switches itself off there.
+
+A draft model costs more than the verifying row: its own steps, one batched round per draft position (plus
+catching up on the tokens the target accepted), which the runner times apart (`draft_seconds`). DraftCost
+learns what one round costs each request drafting in it, and the price of a draft adds that share in tokens
+of plain decoding: `(round share) * B / t(B)`, t fitted on the target's time only. A draft model as costly as
+the target's step prices its drafts at 1 or more, so at one stream it is switched off (it cannot pay); one
+ten times cheaper adds ~0.1. n-gram drafts cost no round (their lookup is the scheduler's own, ~us).
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ NEIGHBOUR_WEIGHT = 0.25  # a bucket's steps count 4x less per bucket away from t
 # At or above this price no request is even considered (a draft would net at most 1 - price tokens): a large
 # batch pays no per-request host work for speculation it would not get.
 PRICE_CUTOFF = 0.9
+DRAFT_MEMORY = 0.9  # a draft model's round cost: each step's weight decays by this per later step with drafts
 
 
 def draft_price(fixed: float, per_row: float, num_rows: int) -> float:
@@ -41,6 +49,33 @@ def draft_price(fixed: float, per_row: float, num_rows: int) -> float:
         return 1.0
     per_row = max(per_row, 0.0)
     return per_row * rows / (fixed + per_row * rows)
+
+
+def draft_model_price(fixed: float, per_row: float, num_rows: int, round_share: float) -> float:
+    """draft_price plus a draft model's round share (seconds of its steps per request per draft) in tokens of
+    plain decoding at num_rows rows: round_share / (t(B) / B)."""
+    rows = max(num_rows, 1)
+    step = fixed + max(per_row, 0.0) * rows
+    extra = round_share * rows / step if step > 0 and round_share > 0 else 0.0
+    return draft_price(fixed, per_row, num_rows) + extra
+
+
+class DraftCost:
+    """Seconds of draft-model work per request per draft position, as a decayed mean over steps with drafts
+    (DRAFT_MEMORY); 0 until one was seen, and for proposers that run nothing (n-gram)."""
+
+    def __init__(self) -> None:
+        self.round_share = 0.0
+        self._weight = 0.0
+
+    def observe(self, draft_seconds: float, num_rounds: int, num_requests: int) -> None:
+        """A step whose drafts took draft_seconds: num_rounds draft positions (its longest drafts), each a round
+        over num_requests requests."""
+        if draft_seconds <= 0 or num_rounds < 1 or num_requests < 1:
+            return
+        share = draft_seconds / (num_rounds * num_requests)
+        self._weight = DRAFT_MEMORY * self._weight + 1.0
+        self.round_share += (share - self.round_share) / self._weight
 
 
 def num_worthwhile_drafts(alpha: float, price: float, max_drafts: int) -> int:
@@ -120,6 +155,7 @@ class StepTimeModel:
             return 1.0, PRIOR_ROW_FRACTION
         return (sy * m11 - m01 * sry) / det, (m00 * sry - m01 * sy) / det
 
-    def price(self, num_rows: int) -> float:
+    def price(self, num_rows: int, round_share: float = 0.0) -> float:
+        """A draft row's price at num_rows rows; round_share: a draft model's work per draft (DraftCost)."""
         fixed, per_row = self.fit(num_rows)
-        return draft_price(fixed, per_row, num_rows)
+        return draft_model_price(fixed, per_row, num_rows, round_share)

@@ -15,7 +15,7 @@ from kvpilot.engine.request import Request
 from kvpilot.engine.scheduler_output import SchedulerOutput
 from kvpilot.engine.spec_acceptance import AcceptanceTracker
 from kvpilot.engine.spec_config import SpeculativeConfig
-from kvpilot.engine.spec_cost import PRICE_CUTOFF, StepTimeModel, num_worthwhile_drafts
+from kvpilot.engine.spec_cost import PRICE_CUTOFF, DraftCost, StepTimeModel, num_worthwhile_drafts
 from kvpilot.sampling_params import SamplingParams
 
 
@@ -49,6 +49,7 @@ class Speculator:
         self.proposer = proposer
         self.acceptance = AcceptanceTracker()
         self.step_times = StepTimeModel()
+        self.draft_cost = DraftCost()
 
     def step_price(self, num_running: int) -> float | None:
         """The price of a draft row in this step (spec_cost.draft_price) with num_running decodes; None when
@@ -56,7 +57,7 @@ class Speculator:
         cap = self.config.disable_by_batch_size
         if cap is not None and num_running >= cap:
             return None
-        price = self.step_times.price(num_running)
+        price = self.step_times.price(num_running, self.draft_cost.round_share)
         return price if price < PRICE_CUTOFF else None
 
     def drafts_for(self, request: Request, price: float, max_drafts: int) -> list[int]:
@@ -78,14 +79,18 @@ class Speculator:
     def record(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         self.acceptance.record(request_id, num_drafts, num_accepted)
 
-    def observe_step(self, output: SchedulerOutput, seconds: float) -> None:
-        """A finished step's wall time, learned from when it was decode-only (decodes and verifications; a
-        prompt chunk's cost is not a row's)."""
+    def observe_step(self, output: SchedulerOutput, seconds: float, draft_seconds: float = 0.0) -> None:
+        """A finished step's wall time, of which draft_seconds computed its drafts (a draft model's rounds):
+        those teach the draft cost; the rest, when the step was decode-only (decodes and verifications; a
+        prompt chunk's cost is not a row's), the target's step time."""
+        if draft_seconds > 0 and output.draft_token_ids:
+            self.draft_cost.observe(draft_seconds, max(map(len, output.draft_token_ids.values())),
+                                    len(output.draft_token_ids))
         num_sampled = output.num_sampled
         if output.new_requests or num_sampled != len(output.chunks) or not num_sampled:
             return
         if output.num_batched_tokens == num_sampled + output.num_draft_tokens:
-            self.step_times.observe(output.num_batched_tokens, seconds)
+            self.step_times.observe(output.num_batched_tokens, max(seconds - draft_seconds, 1e-9))
 
     def forget(self, request_id: str) -> None:
         self.acceptance.forget(request_id)
