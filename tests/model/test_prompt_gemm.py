@@ -159,7 +159,9 @@ def test_float32_prompt_gemms_take_the_float32_models_first_tokens_but_at_near_t
     prompts: 302 for float32 vs 235 for bf16 of 432 on the 2-vCPU Xeon family 6 model 207, 2026-11-27; 193 vs 235
     on the AMD EPYC family 26 model 2, 2026-11-28). What holds on both: every first token (the prompt step's own)
     agrees with the float32 model's except at a near-tie of its top two (the chat prompt's are 0.08 apart and flip
-    on the EPYC), and the README answer stays "Paris". (The layers' exactness: the tests above.)"""
+    on the EPYC family 26 with one OpenMP thread, as scripts/test.sh runs the suite: the float32 GEMMs sum in
+    another order, 2026-12-01), and where the chat's first token holds, the answer is the README's "Paris". (The
+    layers' exactness: the tests above.)"""
     from tests.model.test_hf_reference import NUM_NEW_TOKENS, _prompts
 
     settings = dict(dtype="bfloat16", kv_cache_memory="256MiB", max_model_len=2048)
@@ -178,7 +180,8 @@ def test_float32_prompt_gemms_take_the_float32_models_first_tokens_but_at_near_t
             llm_fp32.generate(prompts, SamplingParams(temperature=0, max_tokens=1, logprobs=2))]
     flipped = {i: round(tops[i][0][1] - tops[i][1][1], 3) for i, n in enumerate(agree) if n == 0}  # top-2 gaps
     assert all(gap < NEAR_TIE for gap in flipped.values()), (flipped, agree)
-    assert "Paris" in f32.generate([chat], params)[0].outputs[0].text
+    if len(prompts) - 1 not in flipped:  # the chat's first token kept: the float32 model's answer follows
+        assert "Paris" in f32.generate([chat], params)[0].outputs[0].text
 
 
 @needs_bf16
