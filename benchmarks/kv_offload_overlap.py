@@ -25,6 +25,8 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+from kv_offload import _bytes_per_token  # benchmarks/ is the script's folder
+
 from kvpilot import LLM, SamplingParams
 
 
@@ -62,14 +64,6 @@ class Run:
     def gap_ms(self, q: float) -> float:
         ordered = sorted(self.gaps)
         return 1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-def _bytes_per_token(llm: LLM) -> int:
-    import torch
-
-    config = llm.loaded.config
-    element = torch.tensor([], dtype=llm.loaded.dtype).element_size()
-    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * element
 
 
 def _engine(base: LLM, shape: Shape, overlap: bool, disk: str | None) -> LLM:
