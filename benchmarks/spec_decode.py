@@ -5,6 +5,7 @@ same weights behind two engines, passes alternating which goes first, output tok
     .venv/bin/python benchmarks/spec_decode.py                  # 5 passes of every workload (a few minutes)
     .venv/bin/python benchmarks/spec_decode.py --smoke          # 1 short pass: does it run
     .venv/bin/python benchmarks/spec_decode.py --workloads copy-c1 --passes 9
+    .venv/bin/python benchmarks/spec_decode.py --draft-layers 8   # a draft model: the target's first 8 layers
 
 Workloads (benchmarks/spec_passages.py, public-domain text), goals from issue 47:
   copy-c1   repeat / correct / re-lay a pasted passage, one request at a time    >= 1.8x plain
@@ -15,6 +16,8 @@ A pass runs a workload on both engines, alternating which goes first between pas
 favours neither): c1 sends each request after the previous finished, to one engine then the other request by
 request (a noisy neighbour hits both alike); c64 sends all at once, to one engine then the other. The
 speculative engine keeps what it learns (acceptance, step times) across passes, as a server would.
+With --draft-layers N the drafts come from a draft model instead of n-grams: a copy of the embedded model's
+first N layers (truncated_gguf.py; its own KV cache and runner), the goals the same.
 Record results in docs/benchmark-log.md with the date and the machine.
 """
 
@@ -22,10 +25,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from spec_passages import chat_messages, copy_messages  # a sibling, by bare name (run as benchmarks/x.py)
+from truncated_gguf import truncated_copy
 
 from kvpilot import LLM, SamplingParams
 
@@ -126,14 +132,21 @@ def main() -> None:
     parser.add_argument("--passes", type=int, default=5)
     parser.add_argument("--dtype", default="auto", help="auto: what kvpilot picks on this machine")
     parser.add_argument("--smoke", action="store_true", help="one short pass of small workloads")
+    parser.add_argument("--draft-layers", type=int, default=None,
+                        help="speculate with a draft model: the embedded model's first N layers (default: n-gram)")
     args = parser.parse_args()
     plain = LLM(dtype=args.dtype, max_num_seqs=64, max_model_len=2048)
-    spec = LLM(loaded=plain.loaded, max_num_seqs=64, max_model_len=2048, speculative_config=NGRAM)
+    config = NGRAM
+    if args.draft_layers is not None:
+        draft = truncated_copy(Path(plain.loaded.source), Path(tempfile.mkdtemp()) / "draft.gguf",
+                               args.draft_layers)
+        config = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 4}
+    spec = LLM(loaded=plain.loaded, max_num_seqs=64, max_model_len=2048, speculative_config=config)
     passes = 1 if args.smoke else args.passes
     workloads = make_workloads(plain, args.workloads, args.smoke)
     for llm in (plain, spec):  # warm-up: kernels built, caches touched
         llm.generate([workloads[0].prompts[0]], SamplingParams(temperature=0, max_tokens=8))
-    print(f"{passes} pass(es) a workload, dtype {plain.loaded.dtype}, n-gram {NGRAM}")
+    print(f"{passes} pass(es) a workload, dtype {plain.loaded.dtype}, speculative_config {config}")
     for work in workloads:
         compare(plain, spec, work, passes)
 
