@@ -34,16 +34,19 @@ def _model_config(tmp_path, name: str, heads: int, kv_heads: int) -> ModelConfig
     return from_hf_config(json.loads(open(path).read()), path)
 
 
-def _greedy(path: str, tp: int) -> list[list[int]]:
-    """Greedy tokens of PROMPTS; a tensor-parallel engine is shut down after, and rank 0's share of the CPU's
+def _greedy(path: str, tp: int, prompts: list[list[int]] = PROMPTS, max_tokens: int = 12,
+            **engine_args) -> list[list[int]]:
+    """Greedy tokens of the prompts; a tensor-parallel engine is shut down after, and rank 0's share of the CPU's
     threads (os.cpu_count() // tp) was the engine's only: the process has its thread count back."""
     threads = torch.get_num_threads()
     llm = LLM(path, load_format="dummy", dtype="float32", tensor_parallel_size=tp, kv_cache_memory="64MiB",
-              max_model_len=128, max_num_seqs=4)
-    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+              max_model_len=128, max_num_seqs=4, **engine_args)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     if tp > 1:
         llm.engine.runner.shutdown()
     assert torch.get_num_threads() == threads
+    if "speculative_config" in engine_args:  # the drafts were verified, not skipped
+        assert sum(o.metrics.num_draft_tokens for o in outputs) > 0
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
@@ -51,6 +54,21 @@ def _greedy(path: str, tp: int) -> list[list[int]]:
 def test_two_ranks_decode_what_one_does(tmp_path, name, heads, kv_heads):
     path = _config(tmp_path, name, heads, kv_heads)
     assert _greedy(path, 2) == _greedy(path, 1)
+
+
+def test_two_ranks_verify_ngram_drafts_and_decode_what_one_does(tmp_path):
+    """n-gram drafts come from the scheduler, in the diff every rank runs: verification stays in lockstep."""
+    path = _config(tmp_path, "llama-3.1-8b", 4, 2)
+    looping = [[7, 8, 9, 10] * 6, [300, 301, 302] * 5 + [300]]  # prompts that the n-gram lookup can copy from
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    assert _greedy(path, 2, looping, 24, speculative_config=ngram) == _greedy(path, 1, looping, 24)
+
+
+def test_a_draft_model_with_tensor_parallelism_is_refused_naming_ngram(tmp_path):
+    path = _config(tmp_path, "llama-3.1-8b", 4, 2)
+    with pytest.raises(EngineConfigError, match=r"'draft_model' with tensor_parallel_size > 1 .*\"ngram\""):
+        LLM(path, load_format="dummy", tensor_parallel_size=2,
+            speculative_config={"method": "draft_model", "model": path})
 
 
 def test_a_rank_holds_its_share_of_the_kv_heads(tmp_path):

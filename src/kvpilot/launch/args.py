@@ -182,5 +182,9 @@ class EngineArgs:
         if self.async_scheduling:  # a verification's accepted tokens decide what the next step computes
             raise EngineConfigError("speculative_config needs synchronous scheduling: leave async_scheduling "
                                     "unset (--no-async-scheduling is then chosen) or turn speculation off")
-        if self.tensor_parallel_size > 1:
-            raise EngineConfigError("speculative_config with tensor_parallel_size > 1 is not supported yet")
+        if self.tensor_parallel_size > 1 and self.speculative.method != "ngram":
+            # n-gram drafts come from the scheduler, in the diff every rank gets; a draft model's would be
+            # computed on rank 0 alone, and the ranks' verify steps must compute the same tokens
+            raise EngineConfigError(f"speculative_config method {self.speculative.method!r} with "
+                                    "tensor_parallel_size > 1 is not supported yet: use \"method\": \"ngram\" "
+                                    "with tensor parallelism, or one rank")
