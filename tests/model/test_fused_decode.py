@@ -11,6 +11,7 @@ import torch
 from kvpilot import LLM, SamplingParams
 from kvpilot.model.fused_decode import FusedDecode, get_fused_decode_kernel
 from kvpilot.model.layers.cpu_bf16_ops import get_bf16_ops
+from kvpilot.model.layers.onednn_linear import onednn_bf16_applies
 
 pytestmark = pytest.mark.skipif(get_bf16_ops() is None or get_fused_decode_kernel() is None,
                                 reason="no C++ compiler for the CPU kernels")
@@ -36,7 +37,12 @@ def _generate(llm: LLM, prompts: list[list[int]]) -> list[tuple]:
             for o in outputs]
 
 
-@pytest.mark.parametrize(("dtype", "quantization"), [("bfloat16", "auto"), ("bfloat16", "int4"), ("float32", "auto")])
+DENSE_BF16 = pytest.param("bfloat16", "none", marks=pytest.mark.skipif(
+    not onednn_bf16_applies(torch.bfloat16, torch.device("cpu")), reason="dense bf16 runs oneDNN on AVX-512 only"))
+
+
+@pytest.mark.parametrize(("dtype", "quantization"),
+                         [("bfloat16", "auto"), ("bfloat16", "int4"), ("float32", "auto"), DENSE_BF16])
 def test_fused_steps_equal_the_layer_by_layer_forward(dtype, quantization):
     # no prefix caching: the second run must compute exactly what the first did, not reuse its blocks
     llm = LLM(dtype=dtype, quantization=quantization, max_model_len=256, max_num_seqs=48,
@@ -67,6 +73,6 @@ def test_float32_packed_models_decode_fused(llm_fp32):
     assert isinstance(fused, FusedDecode) and fused.dtype == torch.float32 and fused.max_rows >= 1
 
 
-def test_dense_models_keep_the_modules():
+def test_dense_float32_models_keep_the_modules():
     llm = LLM(dtype="float32", quantization="none", max_model_len=128, kv_cache_memory="64MiB")
     assert llm.engine.runner.model.fused_decode is None

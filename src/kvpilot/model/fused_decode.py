@@ -13,7 +13,9 @@ It applies to a model whose every layer has plain causal attention (no sliding w
 packed projections without bias or q/k norms (a fused projection's parts may differ in format; every projection
 takes the int8 path or none does), norm weights and a KV cache in the activations' dtype (bf16 or float32), and
 to a step whose tokens are all decodes, in one consecutive batch, no more than the packed kernels' row limit, run
-by the cpu attention backend. Anything else takes the modules.
+by the cpu attention backend. A dense bf16 model whose every projection is a OneDnnLinear (oneDNN-prepacked, no
+bias) qualifies too: its projections run the op OneDnnLinear runs, up to the rows from which that layer turns to
+its float32 copy (DENSE_FUSED_MAX_ROWS at most). Anything else takes the modules.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 from kvpilot.model.attention.base import StepAttention
 from kvpilot.model.layers.cpp_build import CppKernel, build_cpp_kernel
 from kvpilot.model.layers.cpu_bf16_ops import get_bf16_ops
+from kvpilot.model.layers.onednn_linear import OneDnnLinear
 from kvpilot.model.quant.kernel import SOURCE_NAMES as QUANT_SOURCE_NAMES
 from kvpilot.model.quant.linear import INT8_MAX_ROWS, TILED_COPIES, PackedLinear
 from kvpilot.model.quant.tiled_set import TiledSet
@@ -64,6 +67,9 @@ FLOAT32_KERNEL_MAX_ROWS = 4
 # layer loop also takes at every row count: the same kernels either way, less Python per step (the scheduler's
 # default max_num_seqs)
 TILED_FUSED_MAX_ROWS = 256
+# A dense bf16 model's limit (its oneDNN GEMMs take any row count; above this a step's Python is a small share)
+DENSE_FUSED_MAX_ROWS = 256
+ONEDNN_BF16_CODE = 100  # decode_layers_cpu.cpp's kOneDnnBf16: a part held as a oneDNN-prepacked bf16 weight
 
 
 @lru_cache(maxsize=1)
@@ -87,12 +93,17 @@ class FusedDecode:
         self.dtype = dtype  # the activations', norm weights' and KV cache's (_qualifying_dtype)
         self.scale = float(config.head_dim ** -0.5)
         linears = [lin for layer in model.layers for lin in _projections(layer)]
-        self.int8_activations = all(lin.int8_activations for lin in linears)
-        tiled = all(isinstance(lin.int8_weight, TILED_COPIES) for lin in linears)
-        self.max_rows = min(min(lin.max_kernel_rows.get(self.dtype, 0) for lin in linears),
-                            TILED_FUSED_MAX_ROWS if tiled else
-                            INT8_MAX_ROWS if self.int8_activations else FLOAT32_KERNEL_MAX_ROWS)
-        self.isa = linears[0].isa
+        if isinstance(linears[0], OneDnnLinear):  # a dense bf16 model (_qualifying_dtype: all of them, no bias)
+            self.int8_activations, self.isa = False, 0
+            self.max_rows = min([DENSE_FUSED_MAX_ROWS, *(lin.float32_min_rows - 1 for lin in linears
+                                                         if lin.float32_min_rows is not None)])
+        else:
+            self.int8_activations = all(lin.int8_activations for lin in linears)
+            tiled = all(isinstance(lin.int8_weight, TILED_COPIES) for lin in linears)
+            self.max_rows = min(min(lin.max_kernel_rows.get(self.dtype, 0) for lin in linears),
+                                TILED_FUSED_MAX_ROWS if tiled else
+                                INT8_MAX_ROWS if self.int8_activations else FLOAT32_KERNEL_MAX_ROWS)
+            self.isa = linears[0].isa
         # per layer, in the kernel's order: in_norm, qkv, o, post_norm, gate_up, down; a projection's formats are
         # its part count then their codes, its weights 3 per part (_projection_weights)
         self.weights: list[torch.Tensor] = []
@@ -104,7 +115,8 @@ class FusedDecode:
                 self.weights.append(norm.weight.detach())
                 for lin in projections:
                     self.weights += _projection_weights(lin)
-                    self.formats += [len(lin.parts), *(part.format.code for part in lin.parts)]
+                    self.formats += [1, ONEDNN_BF16_CODE] if isinstance(lin, OneDnnLinear) else \
+                        [len(lin.parts), *(part.format.code for part in lin.parts)]
 
     @classmethod
     def for_model(cls, model: torch.nn.Module) -> FusedDecode | None:
@@ -135,9 +147,13 @@ class FusedDecode:
             self.eps, self.scale, int8, self.isa)
 
 
-def _projection_weights(lin: PackedLinear) -> list[torch.Tensor]:
+def _projection_weights(lin: PackedLinear | OneDnnLinear) -> list[torch.Tensor]:
     """3 tensors a part: the int8 path's copy where the layer has one (the kernel tells tiled from interleaved by
-    td's rank), else the packed blocks (qs, d, m) for the float32 kernel."""
+    td's rank), else the packed blocks (qs, d, m) for the float32 kernel; a OneDnnLinear's prepacked weight and
+    two unused tensors."""
+    if isinstance(lin, OneDnnLinear):
+        empty = torch.empty(0)
+        return [lin.onednn.packed, empty, empty]
     copy = lin.int8_weight
     if isinstance(copy, TiledSet):
         return copy.tensors()
@@ -158,15 +174,15 @@ def _qualifying_dtype(model: torch.nn.Module) -> torch.dtype | None:
     layers = getattr(model, "layers", None)
     if not layers:
         return None
-    int8_paths = set()  # the kernel takes one int8 flag for every projection
+    int8_paths = set()  # the kernel takes one int8 flag for every projection; "dense": OneDnnLinear ones
     dtypes = set()
     for layer in layers:
         if layer.self_attn.q_norm is not None or not _plain_attention(layer.self_attn):
             return None
         for lin in _projections(layer):
-            if not isinstance(lin, PackedLinear) or lin.bias is not None:
+            if not isinstance(lin, (PackedLinear, OneDnnLinear)) or lin.bias is not None:
                 return None
-            int8_paths.add(lin.int8_activations)
+            int8_paths.add("dense" if isinstance(lin, OneDnnLinear) else lin.int8_activations)
         if len(int8_paths) > 1:
             return None
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):

@@ -1,5 +1,5 @@
 // Every decoder layer of a few-token, decode-only step in one call (CPU, bfloat16 or float32 activations with K/V
-// of the same dtype, packed GGUF weights): built at run time by kvpilot/model/fused_decode.py after the
+// of the same dtype, packed GGUF weights or a dense bf16 model's oneDNN-prepacked ones): built at run time by kvpilot/model/fused_decode.py after the
 // quantized-linear, decode attention and bf16-ops sources, whose functions it calls.
 //
 // Why: at batch 1 the embedded model's step took ~10 ms, of which ~4 ms was Python and torch dispatch between
@@ -8,14 +8,29 @@
 // the cpu attention backend, RMSNorm and the rotary embedding) runs, on the same values in the same order, so the
 // hidden states are bit for bit the module path's (tests/model/test_fused_decode.py). In float32 the module path's
 // norms, rotations and SiLU are torch ops: the same ATen ops run here (what this saves is the Python around them).
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/silu.h>
 
 namespace {
 
+// A projection part held as a oneDNN-prepacked bf16 weight (a dense bf16 model's OneDnnLinear): one tensor, run by
+// the op OneDnnWeight.linear calls, so the product is the module path's bit for bit
+constexpr int64_t kOneDnnBf16 = 100;
+
+torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x.contiguous(), packed, c10::IValue(), std::string("none"),
+                          c10::List<std::optional<at::Scalar>>(), std::string("")};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
 // Per layer: in_norm, qkv, o, post_norm, gate_up, down. A projection is one or more parts (a fused projection's parts
 // of different formats stay apart), each 3 tensors: (qs, d, m) of the packed blocks for the float32 kernel, or the
-// int8 path's copy: (tq, td, to | ts) column-tiled or (vq, vd, vo) interleaved (one part).
+// int8 path's copy: (tq, td, to | ts) column-tiled or (vq, vd, vo) interleaved (one part); or, for a dense bf16
+// model, one part (the oneDNN-prepacked weight, then two unused tensors) of code kOneDnnBf16.
 constexpr int64_t kProjections = 4;  // qkv, o, gate_up, down
 
 struct Projection {
@@ -70,6 +85,10 @@ int64_t projection_rows(const Projection& p, bool tiled) {
 // by quant_matmul_tiled, others as a set; or one interleaved part) or the float32 kernel, part by part.
 torch::Tensor linear_rows(const torch::Tensor& x, const Projection& p, bool int8, int64_t isa) {
   const torch::Tensor* w = p.w;
+  if (p.formats[0] == kOneDnnBf16) {
+    TORCH_CHECK(p.parts == 1, "a oneDNN bf16 projection is one part");
+    return onednn_linear(x, w[0]);
+  }
   const bool tiled = int8 && w[1].dim() == 3;  // the column-tiled copies: td [N / 16, groups, width]
   torch::Tensor out = torch::empty({x.size(0), projection_rows(p, tiled)}, x.options());
   if (tiled && p.parts == 1 && !kept_as_blocks(p.formats[0])) {
