@@ -94,8 +94,8 @@ def main() -> None:
     parser.add_argument("--quantization", default="auto", help="auto | gguf (packed) | none (dense)")
     parser.add_argument("--profile", action="store_true", help="Also print the top operators.")
     parser.add_argument("--compare-fused", action="store_true",
-                        help="packed models (bf16 or float32): alternate the fused decode kernel (kvpilot.model.fused_decode) "
-                             "and the layer-by-layer forward on the same requests; print both and the ratio.")
+                        help="packed models (bf16 or float32) and dense bf16 ones: alternate the fused decode kernel "
+                             "(kvpilot.model.fused_decode) and the layer-by-layer forward on the same requests; print both and the ratio.")
     parser.add_argument("--compare-greedy-head", action="store_true",
                         help="Alternate greedy ids taken in the packed output head (no logits written) and float32 "
                              "logits + argmax on the same requests; print both and the ratio.")
