@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     passes = args.passes
     if args.smoke:
         shape, passes = Shape(2, 256, 8, 4, 2, 6), 1
-    base = LLM(model=args.model, dtype=args.dtype, kv_cache_memory="64MiB", max_model_len=shape.pool_tokens,
+    base = LLM(model=args.model, dtype=args.dtype, kv_cache_memory="512MiB", max_model_len=shape.pool_tokens,
                max_num_seqs=1)
     print(f"{shape.sessions} sessions of {shape.context_tokens} tokens returning among {shape.streams} streams "
           f"(one every {shape.return_every} steps), a pool of {shape.pool_tokens} tokens, "
