@@ -271,18 +271,24 @@ class KVCacheManager:
         request.block_ids.extend(new_ids)
         return new_ids
 
-    def _load_tier_hits(self, hit: list[KVBlock | None], tier_hits: tuple[tuple[int, TierHit], ...]) -> None:
+    def _load_tier_hits(self, hit: list[KVBlock | None], tier_hits: tuple[tuple[int, TierHit], ...],
+                        beside: bool = False) -> list[tuple[KVBlock, TierHit]]:
         """Allocates a pool block for each block of the hit found in an offload tier, orders its K/V copied
-        back and registers it under its hash at once (the copy runs before this step's forward, and any later
-        reader's step after it), filling `hit` in place. The tier entries are pinned first, so the saves these
-        allocations cause never evict them."""
+        back and, unless `beside` (a prefetch: registered once its step ran), registers it under its hash at once
+        (the copy runs before this step's forward, and any later reader's step after it), filling `hit` in place.
+        The tier entries are pinned first, so the saves these allocations cause never evict them. Returns the
+        (block, tier entry) pairs."""
         assert self.offload is not None
         for _, tier_hit in tier_hits:
             self.offload.pin(tier_hit)
+        loaded = []
         for (index, tier_hit), block in zip(tier_hits, self.pool.allocate(len(tier_hits))):
-            self.offload.load(tier_hit, block.block_id)
-            self.pool.cache_block(block, tier_hit.block_hash, tier_hit.parent_hash, tier_hit.token_ids)
+            self.offload.load(tier_hit, block.block_id, beside)
+            if not beside:
+                self.pool.cache_block(block, tier_hit.block_hash, tier_hit.parent_hash, tier_hit.token_ids)
             hit[index] = block
+            loaded.append((block, tier_hit))
+        return loaded
 
     # ---- prefetch: tier loads beside another step (module docstring) --------------------------------------
 
@@ -301,14 +307,8 @@ class KVCacheManager:
         if len(prefix_hit.tier_hits) > self.pool.num_free_blocks - num_revived:
             return False
         self.pool.touch(held)  # first: the allocation below must not evict a block of this very hit
-        for _, tier_hit in prefix_hit.tier_hits:
-            self.offload.pin(tier_hit)
         blocks: list[KVBlock | None] = list(prefix_hit.blocks)
-        loaded: list[tuple[KVBlock, TierHit]] = []
-        for (index, tier_hit), block in zip(prefix_hit.tier_hits, self.pool.allocate(len(prefix_hit.tier_hits))):
-            self.offload.load(tier_hit, block.block_id, beside=True)
-            blocks[index] = block
-            loaded.append((block, tier_hit))
+        loaded = self._load_tier_hits(blocks, prefix_hit.tier_hits, beside=True)
         self.offload.prefetching(request.request_id)
         self._prefetches[request.request_id] = _Prefetch([b for b in blocks if b is not None], loaded)
         return True
