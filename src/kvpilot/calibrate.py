@@ -3,8 +3,9 @@ with kvpilot's own kernels, as a kvpilot.fit.calibration profile (the torch side
 torch-free and gets this through `set_calibrator`, installed by kvpilot.cli).
 
 - bandwidth: a decode-shaped GEMV (one row) over a bf16 weight far larger than the caches, so every byte
-  comes from memory: weight bytes / time. On a CPU the weight is held as the model's dense bf16 layers hold
-  it (oneDNN's prepacked layout, model/layers/onednn_linear.py) where oneDNN runs bf16.
+  comes from memory: weight bytes / time. On a CPU the weight is held and multiplied as the model's dense bf16
+  layers do it: kvpilot's kernel on the plain weight with AVX512_BF16 (model/layers/bf16_linear.py), else
+  oneDNN's prepacked layout (model/layers/onednn_linear.py) where oneDNN runs bf16.
 - GEMM rate: a prompt-shaped GEMM (a chunk of tokens through a square projection) in bf16 and in float32.
 - step overhead: decode steps of a tiny random-weight model through the real engine (LLM), whose reads and
   FLOPs are negligible: the fixed cost every step pays (scheduling, inputs, sampling, launches).
@@ -29,6 +30,7 @@ from kvpilot.fit.calibration import DeviceRates, MachineProfile, new_profile
 from kvpilot.fit.hardware import catalog_name_of
 from kvpilot.fit.model_catalog import get_hf_config
 from kvpilot.llm import LLM
+from kvpilot.model.layers.bf16_linear import Bf16Linear, bf16_gemm_kernel
 from kvpilot.model.layers.onednn_linear import OneDnnWeight, onednn_bf16_applies
 from kvpilot.sampling_params import SamplingParams
 
@@ -71,6 +73,9 @@ def _best_seconds(call: Callable[[], object], device: torch.device, repeats: int
 
 def _bf16_linear(weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
     """y = x @ weight^T the way kvpilot's dense bf16 layers run it on this device."""
+    kernel = bf16_gemm_kernel(weight.dtype, weight.device)
+    if kernel is not None:
+        return Bf16Linear(weight, None, kernel)
     if onednn_bf16_applies(weight.dtype, weight.device):
         packed = OneDnnWeight(weight)
         return packed.linear
@@ -84,7 +89,7 @@ def measure_bandwidth(device: torch.device, weight_bytes: int, repeats: int) -> 
     # constant values: the timing does not depend on them, and filling is faster than drawing random ones
     weight = torch.full((rows, BANDWIDTH_COLUMNS), 0.01, dtype=torch.bfloat16, device=device)
     linear = _bf16_linear(weight)
-    del weight  # the packed copy (CPU) or the closure (GPU) keeps what the GEMV reads
+    del weight  # the layer, the packed copy (CPU) or the closure (GPU) keeps what the GEMV reads
     x = torch.ones(1, BANDWIDTH_COLUMNS, dtype=torch.bfloat16, device=device)
     return rows * BANDWIDTH_COLUMNS * 2 / _best_seconds(lambda: linear(x), device, repeats)
 

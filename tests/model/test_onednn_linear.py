@@ -43,34 +43,68 @@ def test_only_bf16_on_cpu_applies() -> None:
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_a_dense_bf16_models_projections_are_prepacked_and_compute_the_same(tmp_path, tied: bool) -> None:
-    """A dummy Qwen2-shaped model (qkv bias) in bf16: every decoder projection becomes a OneDnnLinear whose
-    forward is F.linear's bit for bit, bias included; an untied output layer too (the model's output head,
-    float32 logits), while a tied one stays the embedding table, row-major."""
+    """A dummy Qwen2-shaped model (qkv bias) in bf16: every decoder projection becomes a Bf16Linear where this CPU
+    has AVX512_BF16 (few rows: kvpilot's kernel, many: F.linear bit for bit), else a OneDnnLinear whose forward is
+    F.linear's bit for bit, bias included; an untied output layer too (the model's output head, float32 logits).
+    A tied one stays the embedding table, row-major, and with the kernel becomes the output head as it is."""
     from torch import nn
 
+    from kvpilot.model.layers.bf16_linear import KERNEL_MAX_ROWS, Bf16Linear, bf16_gemm_kernel
     from kvpilot.model.layers.onednn_linear import OneDnnLinear, prepack_bf16_linears
     from kvpilot.model.loader import load_model
     from tests.model.test_tp_loading import _hf_config
 
+    kind = Bf16Linear if bf16_gemm_kernel(torch.bfloat16, CPU) is not None else OneDnnLinear
     config = tmp_path / "qwen2.json"
     config.write_text(json.dumps({**_hf_config("qwen2.5-72b", 4, 2), "tie_word_embeddings": tied}))
     loaded = load_model(str(config), load_format="dummy", dtype="bfloat16", max_model_len=64)
     model = loaded.model
     attn = model.layers[0].self_attn
-    assert isinstance(attn.qkv_proj, OneDnnLinear) and attn.qkv_proj.bias is not None
-    assert sum(isinstance(m, OneDnnLinear) for m in model.layers.modules()) == 4 * len(model.layers)
+    assert isinstance(attn.qkv_proj, kind) and attn.qkv_proj.bias is not None
+    assert sum(isinstance(m, kind) for m in model.layers.modules()) == 4 * len(model.layers)
     assert not any(isinstance(m, nn.Linear) for m in model.layers.modules())
     assert prepack_bf16_linears(model) == 0  # nothing left to prepack
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(5, 2, attn.qkv_proj.in_features, generator=gen).to(torch.bfloat16)
     expected = F.linear(x, attn.qkv_proj.weight, attn.qkv_proj.bias)
-    assert torch.equal(attn.qkv_proj(x), expected) and expected.shape[:2] == (5, 2)
+    got = attn.qkv_proj(x)
+    assert expected.shape[:2] == (5, 2) and got.shape == expected.shape
+    if kind is OneDnnLinear:
+        assert torch.equal(got, expected)
+    else:  # the kernel's sums in another order: within a bf16 rounding of F.linear's
+        assert torch.allclose(got.float(), expected.float(), rtol=1 / 128, atol=1e-2)
+        many = torch.randn(KERNEL_MAX_ROWS + 1, attn.qkv_proj.in_features, generator=gen).to(torch.bfloat16)
+        assert torch.equal(attn.qkv_proj(many), F.linear(many, attn.qkv_proj.weight, attn.qkv_proj.bias))
     hidden = torch.randn(3, attn.qkv_proj.in_features, generator=gen).to(torch.bfloat16)
+    reference = F.linear(hidden.double(), model.embed_tokens.weight.double() if tied else
+                         model.lm_head.weight.double()).float()
     if tied:
         table = model.embed_tokens.weight
-        assert model.output_head is None and table.is_contiguous()  # row-major: faster for oneDNN, and lookups
-        assert torch.equal(model.logits(hidden), F.linear(hidden, table).float())
+        assert table.is_contiguous()  # row-major: faster for oneDNN and the kernel, and lookups
+        if kind is OneDnnLinear:
+            assert model.output_head is None
+            assert torch.equal(model.logits(hidden), F.linear(hidden, table).float())
+        else:
+            assert isinstance(model.output_head, Bf16Linear) and model.output_head.weight is table
     else:
-        assert isinstance(model.lm_head, OneDnnLinear) and model.output_head is model.lm_head
-        logits = model.logits(hidden)
-        assert logits.dtype == torch.float32 and torch.equal(logits, F.linear(hidden, model.lm_head.weight).float())
+        assert isinstance(model.lm_head, kind) and model.output_head is model.lm_head
+    logits = model.logits(hidden)
+    assert logits.dtype == torch.float32
+    if kind is OneDnnLinear and not tied:
+        assert torch.equal(logits, F.linear(hidden, model.lm_head.weight).float())
+    elif kind is Bf16Linear:  # float32 sums, not rounded to bf16
+        assert torch.allclose(logits, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_float32_prompt_copies_keep_onednn(tmp_path) -> None:
+    """Asking for float32 copies (prompt GEMMs in float32) keeps OneDnnLinear, which holds them, on every CPU."""
+    from kvpilot.model.layers.onednn_linear import OneDnnLinear, prepack_bf16_linears
+    from kvpilot.model.loader import load_model
+    from tests.model.test_tp_loading import _hf_config
+
+    config = tmp_path / "qwen2.json"
+    config.write_text(json.dumps(_hf_config("qwen2.5-72b", 4, 2)))
+    loaded = load_model(str(config), load_format="dummy", dtype="float32", max_model_len=64)
+    model = loaded.model.to(torch.bfloat16)
+    assert prepack_bf16_linears(model, float32_min_rows=32) == 4 * len(model.layers) + 1
+    assert isinstance(model.layers[0].mlp.down_proj, OneDnnLinear) and isinstance(model.output_head, OneDnnLinear)

@@ -13,9 +13,10 @@ It applies to a model whose every layer has plain causal attention (no sliding w
 packed projections without bias or q/k norms (a fused projection's parts may differ in format; every projection
 takes the int8 path or none does), norm weights and a KV cache in the activations' dtype (bf16 or float32), and
 to a step whose tokens are all decodes, in one consecutive batch, no more than the packed kernels' row limit, run
-by the cpu attention backend. A dense bf16 model whose every projection is a OneDnnLinear (oneDNN-prepacked, no
-bias) qualifies too: its projections run the op OneDnnLinear runs, up to the rows from which that layer turns to
-its float32 copy (DENSE_FUSED_MAX_ROWS at most). Anything else takes the modules.
+by the cpu attention backend. A dense bf16 model whose every projection is a Bf16Linear (AVX512_BF16, no bias)
+qualifies too, up to the rows its kernel takes (bf16_linear.KERNEL_MAX_ROWS), and so does one whose every
+projection is a OneDnnLinear (oneDNN-prepacked): its projections run the op OneDnnLinear runs, up to the rows
+from which that layer turns to its float32 copy (DENSE_FUSED_MAX_ROWS at most). Anything else takes the modules.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch
 from kvpilot.model.attention.base import StepAttention
 from kvpilot.model.layers.cpp_build import CppKernel, build_cpp_kernel
 from kvpilot.model.layers.cpu_bf16_ops import get_bf16_ops
+from kvpilot.model.layers.bf16_linear import KERNEL_MAX_ROWS, Bf16Linear
 from kvpilot.model.layers.onednn_linear import OneDnnLinear
 from kvpilot.model.quant.kernel import SOURCE_NAMES as QUANT_SOURCE_NAMES
 from kvpilot.model.quant.linear import INT8_MAX_ROWS, TILED_COPIES, PackedLinear
@@ -44,7 +46,7 @@ _CSRC = Path(__file__).resolve().parent / "layers" / "csrc"
 SOURCE_PATHS = tuple(_CSRC / name for name in (
     *QUANT_SOURCE_NAMES,
     "decode_common.h", "simd_exp.h", "decode_avx512.h", "decode_avx2.h", "decode_vector.h", "paged_decode_cpu.cpp",
-    "bf16_ops_avx512.h", "bf16_ops_avx2.h",
+    "bf16_ops_avx512.h", "bf16_ops_avx2.h", "bf16_gemm_avx512.h",
     "bf16_ops_cpu.cpp", "decode_layers_cpu.cpp"))
 
 # The flags of the modules whose code it includes, so each function computes exactly what it computes there:
@@ -70,6 +72,8 @@ TILED_FUSED_MAX_ROWS = 256
 # A dense bf16 model's limit (its oneDNN GEMMs take any row count; above this a step's Python is a small share)
 DENSE_FUSED_MAX_ROWS = 256
 ONEDNN_BF16_CODE = 100  # decode_layers_cpu.cpp's kOneDnnBf16: a part held as a oneDNN-prepacked bf16 weight
+PLAIN_BF16_CODE = 101  # its kPlainBf16: a Bf16Linear's plain weight, run by the kernel Bf16Linear runs
+DENSE_LINEARS = (OneDnnLinear, Bf16Linear)
 
 
 @lru_cache(maxsize=1)
@@ -93,7 +97,10 @@ class FusedDecode:
         self.dtype = dtype  # the activations', norm weights' and KV cache's (_qualifying_dtype)
         self.scale = float(config.head_dim ** -0.5)
         linears = [lin for layer in model.layers for lin in _projections(layer)]
-        if isinstance(linears[0], OneDnnLinear):  # a dense bf16 model (_qualifying_dtype: all of them, no bias)
+        if isinstance(linears[0], Bf16Linear):  # a dense bf16 model (_qualifying_dtype: all of them, no bias)
+            self.int8_activations, self.isa = False, 0
+            self.max_rows = KERNEL_MAX_ROWS  # the rows its kernel takes (more: oneDNN, in the modules)
+        elif isinstance(linears[0], OneDnnLinear):  # the same, on oneDNN-prepacked weights
             self.int8_activations, self.isa = False, 0
             self.max_rows = min([DENSE_FUSED_MAX_ROWS, *(lin.float32_min_rows - 1 for lin in linears
                                                          if lin.float32_min_rows is not None)])
@@ -115,8 +122,7 @@ class FusedDecode:
                 self.weights.append(norm.weight.detach())
                 for lin in projections:
                     self.weights += _projection_weights(lin)
-                    self.formats += [1, ONEDNN_BF16_CODE] if isinstance(lin, OneDnnLinear) else \
-                        [len(lin.parts), *(part.format.code for part in lin.parts)]
+                    self.formats += _projection_formats(lin)
 
     @classmethod
     def for_model(cls, model: torch.nn.Module) -> FusedDecode | None:
@@ -147,13 +153,22 @@ class FusedDecode:
             self.eps, self.scale, int8, self.isa)
 
 
-def _projection_weights(lin: PackedLinear | OneDnnLinear) -> list[torch.Tensor]:
-    """3 tensors a part: the int8 path's copy where the layer has one (the kernel tells tiled from interleaved by
-    td's rank), else the packed blocks (qs, d, m) for the float32 kernel; a OneDnnLinear's prepacked weight and
-    two unused tensors."""
+def _projection_formats(lin: PackedLinear | OneDnnLinear | Bf16Linear) -> list[int]:
+    """The part count, then each part's code."""
     if isinstance(lin, OneDnnLinear):
+        return [1, ONEDNN_BF16_CODE]
+    if isinstance(lin, Bf16Linear):
+        return [1, PLAIN_BF16_CODE]
+    return [len(lin.parts), *(part.format.code for part in lin.parts)]
+
+
+def _projection_weights(lin: PackedLinear | OneDnnLinear | Bf16Linear) -> list[torch.Tensor]:
+    """3 tensors a part: the int8 path's copy where the layer has one (the kernel tells tiled from interleaved by
+    td's rank), else the packed blocks (qs, d, m) for the float32 kernel; a dense layer's weight (OneDnnLinear's
+    prepacked, Bf16Linear's plain) and two unused tensors."""
+    if isinstance(lin, DENSE_LINEARS):
         empty = torch.empty(0)
-        return [lin.onednn.packed, empty, empty]
+        return [lin.onednn.packed if isinstance(lin, OneDnnLinear) else lin.weight.detach(), empty, empty]
     copy = lin.int8_weight
     if isinstance(copy, TiledSet):
         return copy.tensors()
@@ -174,15 +189,15 @@ def _qualifying_dtype(model: torch.nn.Module) -> torch.dtype | None:
     layers = getattr(model, "layers", None)
     if not layers:
         return None
-    int8_paths = set()  # the kernel takes one int8 flag for every projection; "dense": OneDnnLinear ones
+    int8_paths = set()  # the kernel takes one int8 flag for every projection; dense layers: their class
     dtypes = set()
     for layer in layers:
         if layer.self_attn.q_norm is not None or not _plain_attention(layer.self_attn):
             return None
         for lin in _projections(layer):
-            if not isinstance(lin, (PackedLinear, OneDnnLinear)) or lin.bias is not None:
+            if not isinstance(lin, (PackedLinear, *DENSE_LINEARS)) or lin.bias is not None:
                 return None
-            int8_paths.add("dense" if isinstance(lin, OneDnnLinear) else lin.int8_activations)
+            int8_paths.add(type(lin).__name__ if isinstance(lin, DENSE_LINEARS) else lin.int8_activations)
         if len(int8_paths) > 1:
             return None
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):

@@ -19,8 +19,9 @@ _CSRC = Path(__file__).parent / "csrc"
 # the vector rows (and their exp) first: the scalar ops' file calls them (one translation unit, no include path)
 _KERNEL = CppKernel(label="CPU bf16 ops kernel", name_prefix="kvpilot_cpu_bf16_ops_",
                     sources=tuple(_CSRC / name for name in (
-                        "simd_exp.h", "bf16_ops_avx512.h", "bf16_ops_avx2.h", "bf16_ops_cpu.cpp")),
-                    functions=("rms_norm_bf16", "rope_bf16", "silu_mul_bf16"), cflags=("-O3",),
+                        "simd_exp.h", "bf16_ops_avx512.h", "bf16_ops_avx2.h", "bf16_gemm_avx512.h", "bf16_ops_cpu.cpp")),
+                    functions=("rms_norm_bf16", "rope_bf16", "silu_mul_bf16", "has_bf16_gemm", "bf16_linear"),
+                    cflags=("-O3",),
                     serial="norms and rotations of long prompts run on one thread", fallback="using torch ops")
 
 

@@ -1,6 +1,7 @@
 """OneDnnWeight: a bf16 linear weight held in oneDNN's blocked layout on CPU, reordered once at load (the
 packed GGUF layers' dense copy, and OneDnnLinear: a dense bf16 model's decoder projections and untied output
-layer).
+layer on CPUs without AVX512_BF16, where layers/bf16_linear.py's kernel does not run; prepack_bf16_linears
+picks).
 
 `F.linear` on a plain bf16 weight runs oneDNN too, but reorders the weight into its blocked layout on every
 call: an extra pass over every weight byte per GEMM, which dominates at few rows. SmolLM2-135M's four projection
@@ -17,6 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kvpilot.model.layers.bf16_linear import Bf16Linear, bf16_gemm_kernel
 
 
 def onednn_bf16_applies(dtype: torch.dtype, device: torch.device) -> bool:
@@ -106,12 +109,21 @@ def bf16_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
 
 @torch.no_grad()
 def prepack_bf16_linears(model: nn.Module, float32_min_rows: int | None = None) -> int:
-    """Replaces the layers bf16_linears finds by OneDnnLinear (with `float32_min_rows`: and a float32 copy for
-    calls of that many rows); an untied output layer becomes the model's `output_head` too. Returns how many
-    (a CPU model's; none elsewhere)."""
+    """Replaces the layers bf16_linears finds: on a CPU with AVX512_BF16 (and no float32 copies asked for) by
+    Bf16Linear, plain weights run by kvpilot's kernel at few rows, and a tied output layer (the embedding table)
+    gets one too as the model's `output_head`; elsewhere by OneDnnLinear (with `float32_min_rows`: and a float32
+    copy for calls of that many rows). An untied output layer becomes the model's `output_head` either way.
+    Returns how many layers were replaced (a CPU model's; none elsewhere)."""
     found = bf16_linears(model)
+    kernel = bf16_gemm_kernel(torch.bfloat16, torch.device("cpu")) if found and float32_min_rows is None else None
     for parent, name, linear in found:
-        setattr(parent, name, OneDnnLinear(linear, float32_min_rows))
+        setattr(parent, name, OneDnnLinear(linear, float32_min_rows) if kernel is None
+                else Bf16Linear.from_linear(linear, kernel))
         if name == "lm_head" and parent is model:
             model.output_head = model.lm_head
+    output_weight = getattr(model, "output_weight", None)
+    table = output_weight() if callable(output_weight) and getattr(model, "lm_head", None) is None else None
+    if kernel is not None and table is not None and getattr(model, "output_head", None) is None \
+            and table.dtype == torch.bfloat16 and table.device.type == "cpu":
+        model.output_head = Bf16Linear(table, None, kernel)  # the table itself, shared with the lookup
     return len(found)

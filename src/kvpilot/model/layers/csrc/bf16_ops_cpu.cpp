@@ -163,4 +163,36 @@ torch::Tensor silu_mul_bf16(torch::Tensor gate_up) {
   return out;
 }
 
+// Whether bf16_linear runs on this CPU (AVX512_BF16).
+bool has_bf16_gemm() { return bf16_gemm_avx512(); }
+
+// out [M, N] (float32 or bfloat16, contiguous) = x [M, K] . w [N, K]^T (+ bias [N]), x, w and bias bfloat16, x's rows
+// and w contiguous: bf16_gemm_avx512.h's kernel, float32 sums rounded once to out's dtype. Threads split the 4-row
+// blocks of w; each output's sum is the same whatever M and the threads (the header's invariant).
+void bf16_linear(torch::Tensor out, const torch::Tensor& x, const torch::Tensor& w,
+                 const std::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(bf16_gemm_avx512(), "bf16_linear: this CPU has no AVX512_BF16");
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && w.scalar_type() == torch::kBFloat16 && x.dim() == 2 &&
+              w.dim() == 2 && x.size(1) == w.size(1), "bf16_linear: bfloat16 x [M, K] and w [N, K]");
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "bf16_linear: contiguous x and w");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == M && out.size(1) == N &&
+              (out.scalar_type() == torch::kFloat32 || out.scalar_type() == torch::kBFloat16),
+              "bf16_linear: out [M, N] contiguous, float32 or bfloat16");
+  const uint16_t* bias_p = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kBFloat16 && bias->is_contiguous() && bias->numel() == N,
+                "bf16_linear: bias [N] bfloat16");
+    bias_p = reinterpret_cast<const uint16_t*>(bias->data_ptr<at::BFloat16>());
+  }
+  if (M == 0 || N == 0) return;
+  const GemmOut o{out.data_ptr(), out.scalar_type() == torch::kBFloat16, bias_p, N};
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  const int64_t num_blocks = (N + kGemmRows - 1) / kGemmRows;
+  // ~64 KiB of weights a task at least: below that a thread's start costs more than its share
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, kGemmRows * K * 2));
+  at::parallel_for(0, num_blocks, grain, [&](int64_t b0, int64_t b1) { bf16_gemm_blocks(xp, M, wp, K, o, b0, b1); });
+}
+
 #pragma GCC pop_options

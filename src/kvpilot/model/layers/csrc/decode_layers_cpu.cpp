@@ -17,6 +17,9 @@ namespace {
 // A projection part held as a oneDNN-prepacked bf16 weight (a dense bf16 model's OneDnnLinear): one tensor, run by
 // the op OneDnnWeight.linear calls, so the product is the module path's bit for bit
 constexpr int64_t kOneDnnBf16 = 100;
+// A part held as a plain bf16 weight [N, K] (a dense bf16 model's Bf16Linear, AVX512_BF16): bf16_linear's kernel, as
+// Bf16Linear runs it up to its KERNEL_MAX_ROWS (fused steps stay within it)
+constexpr int64_t kPlainBf16 = 101;
 
 torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed) {
   static const c10::OperatorHandle op =
@@ -30,7 +33,8 @@ torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed)
 // Per layer: in_norm, qkv, o, post_norm, gate_up, down. A projection is one or more parts (a fused projection's parts
 // of different formats stay apart), each 3 tensors: (qs, d, m) of the packed blocks for the float32 kernel, or the
 // int8 path's copy: (tq, td, to | ts) column-tiled or (vq, vd, vo) interleaved (one part); or, for a dense bf16
-// model, one part (the oneDNN-prepacked weight, then two unused tensors) of code kOneDnnBf16.
+// model, one part (the oneDNN-prepacked weight or the plain one, then two unused tensors) of code kOneDnnBf16 or
+// kPlainBf16.
 constexpr int64_t kProjections = 4;  // qkv, o, gate_up, down
 
 struct Projection {
@@ -88,6 +92,12 @@ torch::Tensor linear_rows(const torch::Tensor& x, const Projection& p, bool int8
   if (p.formats[0] == kOneDnnBf16) {
     TORCH_CHECK(p.parts == 1, "a oneDNN bf16 projection is one part");
     return onednn_linear(x, w[0]);
+  }
+  if (p.formats[0] == kPlainBf16) {
+    TORCH_CHECK(p.parts == 1, "a plain bf16 projection is one part");
+    torch::Tensor out = torch::empty({x.size(0), w[0].size(0)}, x.options());
+    bf16_linear(out, x.contiguous(), w[0], std::nullopt);
+    return out;
   }
   const bool tiled = int8 && w[1].dim() == 3;  // the column-tiled copies: td [N / 16, groups, width]
   torch::Tensor out = torch::empty({x.size(0), projection_rows(p, tiled)}, x.options());

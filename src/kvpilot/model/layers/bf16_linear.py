@@ -1,0 +1,68 @@
+"""Bf16Linear: nn.Linear's product for a bf16 weight on a CPU with AVX512_BF16, the weight kept as nn.Linear keeps it
+([out, in], the same tensor, no copy). Calls of up to KERNEL_MAX_ROWS rows (decode steps; the output layer on a
+step's last rows) run the C++ kernel (csrc/bf16_gemm_avx512.h, through layers/cpu_bf16_ops.py); more rows run
+oneDNN through F.linear.
+
+Why: a decode step's GEMMs are bound by the weight bytes they read. oneDNN read them at about half the memory
+bandwidth at 1-16 rows, prepacked or not, and reordered a plain weight (the tied output layer, the embedding
+table) on every call; the kernel streams each weight once in its own layout (docs/benchmark-log.md has the
+figures). Prompts' many rows are compute-bound, where oneDNN on the plain weight is as fast as on its prepacked
+copy, so the weight is held once.
+
+Invariant: up to KERNEL_MAX_ROWS rows, each output row is the kernel's float32 sum (+ bias) rounded once to bf16
+(forward) or kept in float32 (forward_float32), the same whatever other rows share the call; more rows give
+F.linear's result.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvpilot.model.layers.cpu_bf16_ops import get_bf16_ops
+
+# up to here the kernel, beyond it oneDNN (about even at 64-128 rows on the embedded model's shapes)
+KERNEL_MAX_ROWS = 64
+
+
+def bf16_gemm_kernel(dtype: torch.dtype, device: torch.device) -> Any | None:
+    """The kernel module where Bf16Linear applies: a bf16 weight on a CPU with AVX512_BF16 and the kernels built."""
+    if dtype != torch.bfloat16 or device.type != "cpu":
+        return None
+    kernel = get_bf16_ops()
+    return kernel if kernel is not None and kernel.has_bf16_gemm() else None
+
+
+class Bf16Linear(nn.Module):
+    """y = x @ W^T (+ bias) for bf16 x [..., in] and W [out, in]; build where bf16_gemm_kernel applies."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: Any) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
+        self.bias = bias
+        self.kernel = kernel
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, kernel: Any) -> Bf16Linear:
+        return cls(linear.weight, linear.bias, kernel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._forward(x, x.dtype)
+
+    def forward_float32(self, x: torch.Tensor) -> torch.Tensor:
+        """As an output head (llama.py's logits): float32 logits, the kernel's sums not rounded to bf16 (near ties
+        stay apart); above KERNEL_MAX_ROWS, F.linear(x, W).float()."""
+        return self._forward(x, torch.float32)
+
+    def _forward(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.dtype != torch.bfloat16 or rows.shape[0] > KERNEL_MAX_ROWS:
+            out = F.linear(rows, self.weight, self.bias).to(out_dtype)
+        else:
+            out = torch.empty(rows.shape[0], self.out_features, dtype=out_dtype)
+            self.kernel.bf16_linear(out, rows.contiguous(), self.weight.detach(), self.bias)
+        return out.view(*x.shape[:-1], self.out_features)
