@@ -220,16 +220,18 @@ def _tail(text: str, lines: int = 6) -> str:
     return "\n".join(text.strip().splitlines()[-lines:])
 
 
-def doctor_run(fault: Fault, stage: Staged, args: argparse.Namespace, work_dir: Path) -> dict:
-    """One `kvpilot doctor --url ... --quick --json` in its own process group: the record kept in the JSON."""
+def doctor_run(fault: Fault, stage: Staged, args: argparse.Namespace, work_dir: Path, report: Path) -> dict:
+    """One `kvpilot doctor --url ... --quick --json` in its own process group: the record kept in the JSON. The
+    doctor's whole report (every finding's evidence) is kept in `report`."""
     command = [*stage.cli, "doctor", "--url", stage.url, "--quick", "--json", *probe_flags(args)]
     run, stdout = run_command(command, args.timeout_s, work_dir)
+    report.write_text(stdout)
     try:
         doc = json.loads(stdout)
     except json.JSONDecodeError:
         doc = None
     record = {"command": command, "exit_code": run.exit_code, "seconds": run.seconds, "timed_out": run.timed_out,
-              "first": first_finding(doc), "first_past_host": first_past_host(doc, fault)}
+              "first": first_finding(doc), "first_past_host": first_past_host(doc, fault), "report": str(report)}
     if doc is None:
         return {**record, "stderr_tail": _tail(run.stderr_tail, 12)}
     resources = doc.get("resources") or {}
@@ -301,7 +303,8 @@ def run_cell(engine: str, fault: Fault, setup: EngineSetup, args: argparse.Names
                 staged(fault, server.base_url, spec.port, placement, run_dir) as stage:
             out["staged"] = stage.notes
             for i in range(args.repeats):
-                record = doctor_run(fault, stage, args, run_dir / engine)
+                record = doctor_run(fault, stage, args, run_dir / engine,
+                                    run_dir / f"{engine}-{fault.name}-doctor-{i + 1}.json")
                 out["runs"].append(record)
                 row.firsts.append(record["first"])
                 row.past_host.append(record["first_past_host"])
@@ -356,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     unavailable = set_up_peers(args, setup)
     run_dir = args.cache_dir / "doctor-matrix" / "runs" / time.strftime("%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
-    print(f"# server logs, background-load logs and doctor working dirs in {run_dir}", flush=True)
+    print(f"# server logs, background-load logs, doctor reports and working dirs in {run_dir}", flush=True)
     faults = [f for f in FAULTS if f.name in args.faults]
     tables, engines_json = [], {}
     for engine in args.engines:

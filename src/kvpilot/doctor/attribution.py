@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from kvpilot.doctor.findings import Finding, LatencyShare, Severity
+from kvpilot.doctor.rules.client import stall_duty
 from kvpilot.doctor.rules.context import RuleContext
 from kvpilot.doctor.signals import quantile
 
@@ -56,14 +57,6 @@ def _as_caveat(client: Finding, delay: LatencyShare, co_located: bool) -> Findin
         summary=(f"The load generator lagged up to {lag:.0f} ms (p99, {client.explains.of}), "
                  f"{lag / delay.part_ms:.0%} of the {delay.part_ms:,.0f} ms diagnosed ({delay.of}): too little to "
                  f"explain it, so the findings above stand.{where}"))
-
-
-def stall_duty(client_lag: dict | None) -> float:
-    """Share of a run's time its event loop was stalled: the late time of bench's loop-lag samples (one per
-    10 ms tick, evenly thinned on long runs) over the time they span (0 without samples)."""
-    lags = [float(s[1]) for s in (client_lag or {}).get("loop_lag_samples") or () if len(s) == 2]
-    late = sum(lags)
-    return late / (late + 10.0 * len(lags)) if lags else 0.0
 
 
 def client_tail(ctx: RuleContext, lag_ms: float, min_share: float | None = None) -> LatencyShare | None:

@@ -22,6 +22,14 @@ def _loop_lag_ms(lag: dict) -> float:
     return max(_p99(lag.get("loop_lag_ms")), float(lag.get("loop_stall_ms") or 0.0), stalled_lag_ms(samples))
 
 
+def stall_duty(client_lag: dict | None) -> float:
+    """Share of a run's time its event loop was stalled: the late time of bench's loop-lag samples (one per
+    10 ms tick, evenly thinned on long runs) over the time they span (0 without samples)."""
+    lags = [float(s[1]) for s in (client_lag or {}).get("loop_lag_samples") or () if len(s) == 2]
+    late = sum(lags)
+    return late / (late + 10.0 * len(lags)) if lags else 0.0
+
+
 @dataclass(frozen=True)
 class RunClientLag:
     """The load generator's lag in one run, next to the latency it measured there.
@@ -36,6 +44,7 @@ class RunClientLag:
     label: str
     ttft_ms: float | None
     closed_loop: bool
+    stall_duty: float = 0.0  # the share of the run's time its event loop was stalled (stall_duty)
 
     @property
     def lag_ms(self) -> float:
@@ -57,7 +66,7 @@ def worst_client_lag(ctx: RuleContext) -> RunClientLag | None:
     for run in ctx.inputs.runs:
         lag = run.client_lag or {}
         found = RunClientLag(_p99(lag.get("dispatch_lag_ms")), _loop_lag_ms(lag), run.label,
-                          median(r.ttft_ms for r in run.ok), run.closed_loop)
+                             median(r.ttft_ms for r in run.ok), run.closed_loop, stall_duty(lag))
         share = found.share
         if found.lag_ms <= th.max_client_lag_ms or (share is not None and share < th.client_lag_share_of_latency):
             continue
@@ -95,7 +104,8 @@ def client_overload(ctx: RuleContext) -> Finding | None:
     evidence = [Evidence("p99 dispatch lag", worst.dispatch_ms, "ms", "client"),
                 Evidence("event-loop lag (p99 of ticks, or stalls over 5% of the time)", worst.loop_ms, "ms",
                          "client"),
-                Evidence("lag limit", th.max_client_lag_ms, "ms")]
+                Evidence("lag limit", th.max_client_lag_ms, "ms"),
+                Evidence("event loop stalled (share of the run's time)", worst.stall_duty, "%", "client")]
     if share is not None and worst.ttft_ms is not None:
         evidence += [Evidence(f"median TTFT in run '{worst.label}'", worst.ttft_ms, "ms", "client"),
                      Evidence("lag / median TTFT", share, "%", "client")]
