@@ -264,3 +264,24 @@ def test_refusals_beside_successes_lead_the_report(tmp_path: Path) -> None:
     path = write(tmp_path / "mixed.json", [run("ramp-4", records, metrics=samples(4, running=4, waiting=0, kv=0.3))])
     top = diagnose(load_inputs([path], [])).findings[0]
     assert top.rule_id == "kv-cache-pressure" and top.severity.value == "high" and "6 of 18" in top.summary
+
+
+def test_histories_that_outgrow_the_pools_blocks_were_evicted() -> None:
+    """The pool holds whole blocks: three histories of 58 tokens take 12 blocks of 16, more than a pool of 11 holds,
+    though their 174 tokens are fewer than its 176 (the live offload test's case whenever the 0.5 s scrapes missed
+    the full pool); with 12 blocks nothing had to go."""
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    from kvpilot.doctor.rules.offload import Recompute, _evicting  # noqa: PLC0415
+    from kvpilot.doctor.server_config import ServerConfig  # noqa: PLC0415
+    from kvpilot.doctor.thresholds import Thresholds  # noqa: PLC0415
+
+    def ctx(config: ServerConfig | None) -> SimpleNamespace:
+        view = SimpleNamespace(kv_usage_max=0.55, num_preemptions=0.0)  # scrapes that saw no full pool
+        return SimpleNamespace(view=view, th=Thresholds(), inputs=SimpleNamespace(server_config=config))
+
+    turns = Recompute(6, 258, 146, 0, 0.5, 40.0, (58, 58, 58))
+    assert turns.num_history_tokens == 174
+    assert _evicting(ctx(ServerConfig("capacity", num_blocks=11, block_size=16)), turns)
+    assert not _evicting(ctx(ServerConfig("capacity", num_blocks=12, block_size=16)), turns)
+    assert not _evicting(ctx(None), turns)

@@ -35,7 +35,11 @@ class Recompute:
     num_tier_hits: int
     ms_per_token: float
     ttft_ms: float
-    num_history_tokens: int = 0  # over the sessions, each one's longest reusable prefix: what the pool had to keep
+    history_tokens: tuple[int, ...] = ()  # each session's longest reusable prefix: what the pool had to keep
+
+    @property
+    def num_history_tokens(self) -> int:
+        return sum(self.history_tokens)
 
     @property
     def saved_s(self) -> float:
@@ -78,16 +82,22 @@ def measure_recompute(ctx: RuleContext) -> Recompute | None:
     for r, n in turns:
         longest[(r.item_id, r.group_id)] = max(longest.get((r.item_id, r.group_id), 0), n)
     return Recompute(len(turns), reusable, recomputed, tier, rate, median(r.ttft_ms for r, _ in turns) or 0.0,
-                     sum(longest.values()))
+                     tuple(longest.values()))
 
 
 def _evicting(ctx: RuleContext, m: Recompute) -> bool:
     """The pool had to evict sessions between their turns: the scrapes saw it full (or preempting), or the
-    sessions' histories together outgrow it (the server's pool size; scrapes every 0.5 s miss a short run's peak)."""
+    sessions' histories together outgrow it (the server's pool size; scrapes every 0.5 s miss a short run's peak).
+    The pool holds whole blocks, so where the block size is known each history counts its blocks: three histories
+    of 58 tokens take 12 blocks of 16, more than a pool of 11 (176 tokens) holds."""
     view, cfg = ctx.view, ctx.inputs.server_config
     if (view.kv_usage_max or 0.0) >= ctx.th.kv_usage_warn or (view.num_preemptions or 0.0) > 0:
         return True
-    return bool(cfg is not None and cfg.num_kv_tokens and m.num_history_tokens > cfg.num_kv_tokens)
+    if cfg is None or not cfg.num_kv_tokens:
+        return False
+    if cfg.num_blocks and cfg.block_size:
+        return sum(cfg.blocks_for(n) or 0 for n in m.history_tokens if n > 0) > cfg.num_blocks
+    return m.num_history_tokens > cfg.num_kv_tokens
 
 
 def _offload_configured(ctx: RuleContext) -> bool:
