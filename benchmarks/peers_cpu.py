@@ -111,6 +111,7 @@ class Setup:
     failures: dict[str, str] = field(default_factory=dict)
     copies: dict[str, RequantizedCopy] = field(default_factory=dict)
     kv_unified: bool = False
+    vllm_untuned: list[str] = field(default_factory=list)  # what vLLM's tuned start (LD_PRELOAD) lacks here
 
     def gguf_for(self, weights: str) -> Path:
         """The GGUF a contender with `weights` serves: its requantized copy, else the embedded GGUF."""
@@ -122,6 +123,12 @@ class Setup:
         return self.copies[weights].path
 
 
+def untuned_note(missing: list[str]) -> str:
+    """The line every vLLM figure of a run carries when its tuned start was not possible here."""
+    return (f"ran without LD_PRELOAD of {', '.join(missing)}, not the configuration its users run: its figures are "
+            "low and ratios against it overstate kvpilot")
+
+
 def set_up(args: argparse.Namespace, gguf: Path, comparisons: list[Comparison]) -> Setup:
     """Installs the peers the comparisons need (reusing finished installs) and makes the requantized copies."""
     setup = Setup(gguf)
@@ -130,9 +137,9 @@ def set_up(args: argparse.Namespace, gguf: Path, comparisons: list[Comparison]) 
     for engine, reason in setup.failures.items():
         print(f"# {engine}: cannot be installed on this box, going on without it: {reason}", flush=True)
     if "vllm" in needed and "vllm" not in setup.failures:
-        missing = ld_preload(vllm_venv(args.cache_dir))[1]
-        if missing:
-            print(f"# vllm: running without LD_PRELOAD of {', '.join(missing)} (slower)", flush=True)
+        setup.vllm_untuned = ld_preload(vllm_venv(args.cache_dir))[1]
+        if setup.vllm_untuned:
+            print(f"# vllm: {untuned_note(setup.vllm_untuned)}", flush=True)
     weights = dict.fromkeys(c.weights for comparison in comparisons for c in comparison.contenders())
     make_copies(args, setup, [w for w in weights if w in REQUANTIZED_MIXES])
     if args.llama_kv_unified and any(p.slots_per_workload for c in comparisons for p in c.peers) \
@@ -281,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
 
     report = [line for c in comparisons for line in ["", *comparison_lines(c, sequence, rows, workloads)]]
     report += ["", *memory_lines(sequence, rows, workloads)]
+    if setup.vllm_untuned and any(label.startswith("vllm") for label in sequence):
+        report += ["", f"# NOTE vllm: {untuned_note(setup.vllm_untuned)}"]
     print("\n" + "\n".join(machine.header_lines()))
     print("\n".join(rows_table(rows, {w.name: w for w in workloads})))
     print("\n".join(report))
@@ -289,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
                     "sequence": sequence, "passes": args.passes, "failures": setup.failures,
                     "requantized_copies": {key: {**asdict(copy), "path": str(copy.path)}
                                            for key, copy in setup.copies.items()},
-                    "llama_server_kv_unified": setup.kv_unified, "workloads": [asdict(w) for w in workloads],
+                    "llama_server_kv_unified": setup.kv_unified, "vllm_untuned": setup.vllm_untuned,
+                    "workloads": [asdict(w) for w in workloads],
                     "kvpilot_args": args.kvpilot_arg, "bench_sends_temperature": bench_has_temperature(),
                     "rows": [r.to_json() for r in rows], "report": report}
         args.json.write_text(json.dumps(document, indent=2))

@@ -326,3 +326,18 @@ def test_each_row_carries_the_server_peak_rss(tmp_path, monkeypatch):
     row = peers_cpu.measured_row("kvpilot", 0, server, workload, peers_cpu.parse_args(["--workloads", "c1"]), tmp_path)
     assert row.peak_rss_mib is not None and row.peak_rss_mib > 10 and row.output_tok_s == 100.0
     assert bench_row.peak_rss_mib is None
+
+
+def test_a_vllm_without_its_tuned_preloads_is_named_with_every_figure(tmp_path, source, monkeypatch, capsys):
+    """vLLM's CPU build is started with tcmalloc and its libiomp5 preloaded, as its users run it; where tcmalloc is
+    not installed the setup records it, says so at once, and the note says what that does to the ratios."""
+    monkeypatch.setattr(peers_cpu, "install_peers", lambda engines, cache_dir, gguf, num_build_jobs: {})
+    monkeypatch.setattr(peers_cpu, "ld_preload", lambda venv: ("", ["tcmalloc (apt-get install x)"]))
+    monkeypatch.setattr(peers_cpu, "vllm_venv", lambda cache_dir: None)
+    args = peers_cpu.parse_args(["--cache-dir", str(tmp_path)])
+    setup = peers_cpu.set_up(args, source, build_comparisons(["bf16"], []))
+    assert setup.vllm_untuned == ["tcmalloc (apt-get install x)"]
+    note = peers_cpu.untuned_note(setup.vllm_untuned)
+    assert "tcmalloc" in note and "overstate kvpilot" in note and note in capsys.readouterr().out
+    monkeypatch.setattr(peers_cpu, "ld_preload", lambda venv: ("/lib/tc.so:/venv/libiomp5.so", []))
+    assert peers_cpu.set_up(args, source, build_comparisons(["bf16"], [])).vllm_untuned == []
