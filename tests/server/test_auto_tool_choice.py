@@ -120,12 +120,14 @@ def test_auto_streamed_sends_text_and_calls_in_the_last_chunk(sdk) -> None:
 
 
 def test_auto_streams_an_answer_without_calls_as_it_is_written(sdk) -> None:
-    """Text that holds no call marker is not held back: it arrives in many chunks, as without tools."""
+    """Text that holds no call marker is not held back: it arrives in several chunks, as without tools (held back,
+    it would come in one at the end). Not "many": the answer can be "It is 4.", and a server behind its stream
+    sends the tokens it has in one chunk."""
     chunks = list(sdk.chat.completions.create(model=MODEL, messages=ASK_SUM, tools=TOOLS, max_tokens=24,
                                               temperature=0, stream=True))
     contents = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
     whole = sdk.chat.completions.create(model=MODEL, messages=ASK_SUM, tools=TOOLS, max_tokens=24, temperature=0)
-    assert len(contents) > 3 and "".join(contents) == whole.choices[0].message.content
+    assert len(contents) >= 2 and "".join(contents) == whole.choices[0].message.content
 
 
 def test_openai_sdk_round_trips_a_tool_conversation(sdk) -> None:
