@@ -54,11 +54,11 @@ struct GemmOut {
 };
 
 KVP_BF16_DOT inline void store_block(const GemmOut& o, int64_t m, int64_t n0, int64_t valid, __m128 sums) {
+  const __mmask8 mask = static_cast<__mmask8>((1u << valid) - 1);
   if (o.bias != nullptr) {
-    const __m128i raw = _mm_maskz_loadu_epi16(static_cast<__mmask8>((1u << valid) - 1), o.bias + n0);
+    const __m128i raw = _mm_maskz_loadu_epi16(mask, o.bias + n0);
     sums = _mm_add_ps(sums, _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(raw), 16)));
   }
-  const __mmask8 mask = static_cast<__mmask8>((1u << valid) - 1);
   if (!o.bf16) {
     _mm_mask_storeu_ps(static_cast<float*>(o.out) + m * o.N + n0, mask, sums);
     return;
