@@ -215,6 +215,10 @@ def _vocab_size(args: argparse.Namespace) -> int:
 
     if args.model.endswith(".json"):
         return json.loads(open(args.model).read())["vocab_size"]
+    if args.model.endswith(".gguf"):
+        import gguf
+
+        return len(gguf.GGUFReader(args.model).fields["tokenizer.ggml.tokens"].data)
     return get_hf_config(args.model)["vocab_size"]
 
 

@@ -186,9 +186,10 @@ class EngineCore:
             outputs = [o for o in outputs if o.error is None]
         # Snapshot before sending: a client that got its final output then scrapes sees the state after.
         stats = self._engine_stats()
-        if outputs or failed or self._step_stats or self._rejected or stats != self.stats:
+        changed = stats != self.stats  # unchanged stats stay off the wire: the HTTP side keeps the last ones
+        if outputs or failed or self._step_stats or self._rejected or changed:
             self._send_step(StepResult([delta_of(o) for o in outputs], list(self._step_stats),
-                                       list(self._rejected), stats, failed))
+                                       list(self._rejected), stats if changed else None, failed))
         self.stats = stats
         self._step_stats.clear()
         self._rejected.clear()
