@@ -14,6 +14,11 @@ that view:
   account for it (:func:`client_tail`). Then nothing the server did explains the latency and the client leads.
   Beside a healthy server (no other finding above low), a client whose own delay is a quarter of that p90
   (``client_tail_share``, at least ``min_client_tail_ms``) leads as a medium finding: the one delay measured.
+  A server that times no request (vLLM, SGLang) is judged the same way by means: the probe's mean client TTFT
+  against the server's TTFT histogram over the same interval (:func:`histogram_tail`). And where that
+  histogram is nearly all the clients measured (the stalls added under ``client_tail_share`` of the mean TTFT,
+  every request sent on time), the client's lag is a caveat however long its stalls: a probe beside vLLM on
+  the same two cores stalls while the server's threads hold them, yet what it measured is the server's time.
 * **Deferrals.** A finding that defers to another (``defers_to``) ranks below causes and takes at most its
   cause's severity; when the finding it names is not in the report, it stands on its own.
 """
@@ -23,11 +28,18 @@ from __future__ import annotations
 from dataclasses import replace
 
 from kvpilot.doctor.findings import Finding, LatencyShare, Severity
-from kvpilot.doctor.rules.client import stall_duty
+from kvpilot.doctor.rules.client import (
+    SERVER_HISTOGRAM,
+    ClientAddedTtft,
+    client_added_ttft,
+    stall_duty,
+    worst_client_lag,
+)
 from kvpilot.doctor.rules.context import RuleContext
 from kvpilot.doctor.signals import quantile
 
 CLIENT_RULE = "client-overload"
+HISTOGRAM_TAIL = "client mean TTFT, beyond the server's TTFT histogram mean"
 
 
 def _diagnosed_delay(findings: list[Finding], ctx: RuleContext) -> LatencyShare | None:
@@ -83,15 +95,64 @@ def client_tail(ctx: RuleContext, lag_ms: float, min_share: float | None = None)
     return best
 
 
+def histogram_tail(ctx: RuleContext, lag_ms: float, min_share: float | None = None) -> LatencyShare | None:
+    """client_tail for a server that times no request (vLLM, SGLang): the probe's mean client TTFT beyond the
+    server's TTFT histogram mean over the same interval, kept on client_tail's terms (the gap `min_share` of the
+    client's mean TTFT and ``min_client_tail_ms``, the client's stalls accounting for it). Means, not p90: the
+    histogram gives the server's mean only."""
+    th = ctx.th
+    added = client_added_ttft(ctx)
+    if added is None or added.source != SERVER_HISTOGRAM:
+        return None
+    share = th.client_lag_share_most if min_share is None else min_share
+    if added.added_ms < share * added.client_ms or added.added_ms < th.min_client_tail_ms:
+        return None
+    duty = max((stall_duty(run.client_lag) for run in ctx.inputs.runs), default=0.0)
+    if lag_ms < th.client_lag_share_most * added.added_ms and duty < th.client_stall_duty:
+        return None
+    return LatencyShare(added.added_ms, added.client_ms, HISTOGRAM_TAIL)
+
+
+def _server_accounts(ctx: RuleContext) -> ClientAddedTtft | None:
+    """For a server that times no request: the client-added TTFT when the server's TTFT histogram is nearly all
+    the clients measured, i.e. what the client's loop stalls added is under ``client_tail_share`` of its mean
+    TTFT and it sent every request on time (a late send is not in any TTFT). None otherwise: kvpilot's
+    per-request timings are judged by client_tail, request by request."""
+    added = client_added_ttft(ctx)
+    if added is None or added.source != SERVER_HISTOGRAM or added.share >= ctx.th.client_tail_share:
+        return None
+    worst = worst_client_lag(ctx)
+    return added if worst is not None and worst.dispatch_ms <= ctx.th.max_client_lag_ms else None
+
+
+def _as_accounted(client: Finding, added: ClientAddedTtft, co_located: bool) -> Finding:
+    """``client`` as a caveat because the server's own TTFT accounts for what the clients measured."""
+    assert client.explains is not None  # the caller checked
+    share = LatencyShare(max(0.0, added.added_ms), added.client_ms, "client mean TTFT")
+    where = (" The client shares the server's machine and its cores, so some lag is expected; probe from "
+             "another host for clean numbers." if co_located else "")
+    return replace(
+        client, title="A caveat: the load generator lagged", severity=Severity.LOW, impact=share.share,
+        explains=share,
+        summary=(f"The load generator lagged up to {client.explains.part_ms:.0f} ms (p99), yet the server's own "
+                 f"TTFT ({added.source}) is {1.0 - added.share:.0%} of the {added.client_ms:,.0f} ms mean its clients "
+                 f"measured: the stalls added {max(0.0, added.added_ms):,.0f} ms a request, too little to explain "
+                 f"the latency, so the findings above stand.{where}"))
+
+
 def _as_headline(client: Finding, tail: LatencyShare, severity: Severity = Severity.HIGH) -> Finding:
     """``client`` as the first finding: it explains ``tail`` of the slowest requests' TTFT (high: most of it;
     medium: a notable share beside a healthy server)."""
     verdict = ("the load generator's own delay, not the server's, is most of the latency measured"
                if severity is Severity.HIGH else "nothing on the server explains that delay; it found no fault of "
                "its own, so the load generator is the first thing to fix or move to another machine")
-    return replace(client, severity=severity, impact=tail.share, explains=tail, summary=(
-        client.summary + f" The clients saw the slowest requests' first token {tail.part_ms:,.0f} ms after the "
-        f"server sent it ({tail.share:.0%} of their {tail.whole_ms:,.0f} ms p90 TTFT): {verdict}."))
+    seen = (f"the first token {tail.part_ms:,.0f} ms after the server sent it on average ({tail.share:.0%} of "
+            f"their {tail.whole_ms:,.0f} ms mean TTFT, against the server's TTFT histogram)"
+            if tail.of == HISTOGRAM_TAIL else
+            f"the slowest requests' first token {tail.part_ms:,.0f} ms after the server sent it ({tail.share:.0%} of "
+            f"their {tail.whole_ms:,.0f} ms p90 TTFT)")
+    return replace(client, severity=severity, impact=tail.share, explains=tail,
+                   summary=client.summary + f" The clients saw {seen}: {verdict}.")
 
 
 def judge_client(findings: list[Finding], ctx: RuleContext) -> list[Finding]:
@@ -99,17 +160,22 @@ def judge_client(findings: list[Finding], ctx: RuleContext) -> list[Finding]:
     client = next((f for f in findings if f.rule_id == CLIENT_RULE), None)
     if client is None or client.explains is None or client.defers_to:
         return findings
-    tail = client_tail(ctx, client.explains.part_ms)
+    lag = client.explains.part_ms
+    tail = client_tail(ctx, lag) or histogram_tail(ctx, lag)
     if tail is not None:
         return [_as_headline(f, tail) if f is client else f for f in findings]
+    accounted = _server_accounts(ctx)
+    if accounted is not None:
+        return [_as_accounted(f, accounted, ctx.inputs.client_co_located) if f is client else f for f in findings]
     delay = _diagnosed_delay(findings, ctx)
     if delay is None or delay.part_ms <= 0 or client.explains.part_ms >= ctx.th.client_lag_share_most * delay.part_ms:
         return findings
-    others = any(f is not client and f.severity is not Severity.LOW for f in findings)
+    others = any(f is not client and f.severity is not Severity.LOW and f.defers_to != CLIENT_RULE for f in findings)
     co_located = ctx.inputs.client_co_located
     if not (others or co_located):
         return findings
-    notable = None if others else client_tail(ctx, client.explains.part_ms, ctx.th.client_tail_share)
+    notable = None if others else (client_tail(ctx, lag, ctx.th.client_tail_share)
+                                   or histogram_tail(ctx, lag, ctx.th.client_tail_share))
     if notable is not None:
         return [_as_headline(f, notable, Severity.MEDIUM) if f is client else f for f in findings]
     return [_as_caveat(f, delay, co_located) if f is client else f for f in findings]

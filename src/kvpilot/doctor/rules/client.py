@@ -75,6 +75,41 @@ def worst_client_lag(ctx: RuleContext) -> RunClientLag | None:
     return worst
 
 
+SERVER_HISTOGRAM = "the server's TTFT histogram"
+
+
+@dataclass(frozen=True)
+class ClientAddedTtft:
+    """The time to first token the client saw that the server did not (means over the same requests): what a
+    stall of the load generator (or the network) added to the measured TTFT. ``source`` names where the
+    server's side came from."""
+
+    added_ms: float
+    client_ms: float
+    source: str
+
+    @property
+    def share(self) -> float:
+        return min(1.0, max(0.0, self.added_ms / self.client_ms)) if self.client_ms > 0 else 0.0
+
+
+def client_added_ttft(ctx: RuleContext) -> ClientAddedTtft | None:
+    """Client mean TTFT minus the server's: kvpilot's per-request timings where the responses carry them, else
+    the server's TTFT histogram over the same interval (vLLM's and SGLang's ``time_to_first_token_seconds``,
+    the probe's before/after delta); None when neither side is known for at least ``min_requests``."""
+    pairs = [(r.ttft_ms, r.server.ttft_ms) for run in ctx.inputs.runs for r in run.with_server
+             if r.ttft_ms is not None and r.server is not None and r.server.ttft_ms is not None]
+    if len(pairs) >= ctx.th.min_requests:
+        client = sum(c for c, _ in pairs) / len(pairs)
+        return ClientAddedTtft(client - sum(s for _, s in pairs) / len(pairs), client, "kvpilot server timings")
+    snap, ok = ctx.inputs.metrics, [r for r in ctx.inputs.ok_records if r.ttft_ms is not None]
+    server = snap.mean_ms("ttft") if snap is not None else None
+    if server is None or len(ok) < ctx.th.min_requests:
+        return None
+    client = sum(r.ttft_ms or 0.0 for r in ok) / len(ok)
+    return ClientAddedTtft(client - server, client, SERVER_HISTOGRAM)
+
+
 def _client_fixes(closed_loop: bool) -> tuple[Fix, ...]:
     """Fixes that fit the run: a closed loop has no request rate to lower, only clients per process."""
     spread = Fix("run the load generator on its own cores or machine (not beside the server)",
@@ -109,6 +144,10 @@ def client_overload(ctx: RuleContext) -> Finding | None:
     if share is not None and worst.ttft_ms is not None:
         evidence += [Evidence(f"median TTFT in run '{worst.label}'", worst.ttft_ms, "ms", "client"),
                      Evidence("lag / median TTFT", share, "%", "client")]
+    added = client_added_ttft(ctx)
+    if added is not None:
+        evidence += [Evidence("client mean TTFT - server mean TTFT", added.added_ms, "ms", added.source),
+                     Evidence("share of client mean TTFT", added.share, "%", added.source)]
     return defer_to_starvation(ctx, Finding(
         rule_id="client-overload", title="The load generator could not keep up",
         severity=Severity.HIGH if share is None or share >= th.client_lag_share_most else Severity.MEDIUM,
