@@ -55,11 +55,15 @@ def samples(duration_s: float, *, running: float, waiting: float, kv: float, pre
 def run(label: str, records: list[RequestRecord], *, concurrency: int | None = 4,
         metrics: list[MetricsSample] | None = None, loop_lag: list[tuple[float, float]] | None = None,
         request_rate: float = float("inf"), replica_plan: ReplicaPlan | None = None,
-        replica_samples: list[ReplicaSample] | None = None, prefix_share: float | None = None) -> RunResult:
+        replica_samples: list[ReplicaSample] | None = None, prefix_share: float | None = None,
+        run_delay_share: float | None = None) -> RunResult:
+    """``run_delay_share``: the loop's time waiting for a CPU as a share of its lateness (None: not measured)."""
     shape = LoadShape(concurrency=concurrency, request_rate=request_rate, num_requests=len(records))
     end = max(r.sent_s + (r.e2e_ms or 0) / 1000 for r in records)
     lag = loop_lag if loop_lag is not None else [(t / 10, 0.3) for t in range(int(end * 10) + 1)]
-    out = RunOutput(shape, records, end, 1.7e9, lag, metrics or [], None, replica_plan, replica_samples or [])
+    waited = None if run_delay_share is None else run_delay_share * sum(s[1] for s in lag)
+    out = RunOutput(shape, records, end, 1.7e9, lag, metrics or [], None, replica_plan, replica_samples or [],
+                    loop_run_delay_ms=waited)
     return RunResult.analyse(label, out, {}, 10.0, prefix_share)
 
 

@@ -38,7 +38,10 @@ def stalled_lag_ms(loop_lag: list[tuple[float, float]] | list[list[float]], shar
 class ClientLag:
     """``dispatch_lag_ms``: how late requests were sent versus plan; ``loop_lag_ms``: how late 10 ms
     event-loop ticks fired; ``loop_stall_ms``: the lag of the stalls that cover 5% of the
-    run's time (:func:`stalled_lag_ms`). ``overloaded`` when any of the three exceeds ``max_lag_ms``."""
+    run's time (:func:`stalled_lag_ms`). ``overloaded`` when any of the three exceeds ``max_lag_ms``.
+    ``loop_late_ms``: the ticks' lag summed over the run; ``loop_run_delay_ms``: how long the loop's thread waited
+    for a CPU meanwhile (runnable, not running: Linux's schedstat), None where unknown. Lateness spent mostly
+    waiting for a CPU is the host's doing (other processes held the cores), not the client's own work."""
 
     dispatch_lag_ms: Distribution
     loop_lag_ms: Distribution
@@ -47,6 +50,8 @@ class ClientLag:
     overloaded: bool
     message: str
     loop_stall_ms: float = 0.0
+    loop_late_ms: float = 0.0
+    loop_run_delay_ms: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -55,7 +60,8 @@ class ClientLag:
 
 
 def judge_client_lag(records: list[RequestRecord], loop_lag: list[tuple[float, float]],
-                     max_lag_ms: float = DEFAULT_MAX_LAG_MS, has_schedule: bool = True) -> ClientLag:
+                     max_lag_ms: float = DEFAULT_MAX_LAG_MS, has_schedule: bool = True,
+                     loop_run_delay_ms: float | None = None) -> ClientLag:
     """``has_schedule`` False (an all-at-once burst) leaves dispatch lag out of the verdict: with no
     planned times to keep, sending N requests one after another is not falling behind."""
     dispatch = Distribution.of(r.sched_lag_ms for r in records)
@@ -69,4 +75,15 @@ def judge_client_lag(records: list[RequestRecord], loop_lag: list[tuple[float, f
                f"not only the server's: lower the rate per client, or split it with --client-processes N."
                if overloaded else f"client kept up ({lags}; limit {max_lag_ms:g} ms)")
     step = max(1, len(loop_lag) // MAX_LAG_SAMPLES)  # keep the result file small on long runs
-    return ClientLag(dispatch, loop, loop_lag[::step], max_lag_ms, overloaded, message, stall)
+    return ClientLag(dispatch, loop, loop_lag[::step], max_lag_ms, overloaded, message, stall,
+                     sum(lag for _, lag in loop_lag), loop_run_delay_ms)
+
+
+def thread_run_delay_ms() -> float | None:
+    """How long the calling thread has waited for a CPU since it started (ms; Linux's
+    /proc/thread-self/schedstat, its second field), None where the kernel does not say."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e6
+    except (OSError, IndexError, ValueError):
+        return None

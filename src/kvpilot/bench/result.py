@@ -41,7 +41,8 @@ class RunResult:
         summary = summarize(output.metrics) if output.metrics else None
         shape = output.shape
         scheduled = not shape.closed_loop and not math.isinf(shape.request_rate)
-        lag = judge_client_lag(output.records, output.loop_lag_ms, max_lag_ms, has_schedule=scheduled)
+        lag = judge_client_lag(output.records, output.loop_lag_ms, max_lag_ms, has_schedule=scheduled,
+                               loop_run_delay_ms=output.loop_run_delay_ms)
         replicas = build_report(output.records, output.replica_samples, output.replica_plan, prefix_share,
                                 output.replica_error)
         return RunResult(label, output, aggregate(output.records, slos), lag, summary, replicas)

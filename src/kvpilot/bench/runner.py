@@ -16,6 +16,7 @@ from kvpilot.bench.client_processes import ProcessPlan, run_in_processes
 from kvpilot.bench.load import LoadShape
 from kvpilot.bench.records import RequestRecord, WorkItem
 from kvpilot.bench.replicas import ReplicaPlan, ReplicaSample, ReplicaScraper, replica_id
+from kvpilot.bench.clientlag import thread_run_delay_ms
 from kvpilot.bench.request_loop import OnRecord, RequestLoop, probe_loop_lag
 from kvpilot.bench.scrape import MetricsSample, Scraper
 from kvpilot.bench.tokens import Tokenizer
@@ -41,6 +42,7 @@ class RunOutput:
     replica_samples: list[ReplicaSample] = field(default_factory=list)
     replica_error: str | None = None
     num_client_processes: int = 1  # the processes that sent the measured load (--client-processes)
+    loop_run_delay_ms: float | None = None  # the event loop's thread waiting for a CPU over the run (clientlag.py)
 
 
 async def run_load(target: Target, items: list[WorkItem], shape: LoadShape, tok: Tokenizer, *,
@@ -100,8 +102,12 @@ async def _run_load(target: Target, items: list[WorkItem], shape: LoadShape, tok
             records, process_lag, wall = await run_in_processes(processes, target, items, shape, routes, run.t0,
                                                                 on_record)
             lag.extend(process_lag)
+            waited = None
         else:
+            before = thread_run_delay_ms()
             records, wall = await _run_here(run, items)
+            after = thread_run_delay_ms()
+            waited = after - before if before is not None and after is not None else None
         stop.set()
         await asyncio.gather(*background)
         if scraper:
@@ -116,7 +122,7 @@ async def _run_load(target: Target, items: list[WorkItem], shape: LoadShape, tok
     return RunOutput(shape, records, wall, run.start_unix, lag, metrics, metrics_error, replicas,
                      per_replica.samples if per_replica else [],
                      per_replica.last_error if per_replica and not per_replica.samples else None,
-                     processes.num_processes if processes else 1)
+                     processes.num_processes if processes else 1, waited)
 
 
 async def _run_here(run: RequestLoop, items: list[WorkItem]) -> tuple[list[RequestRecord], float]:

@@ -30,6 +30,15 @@ def stall_duty(client_lag: dict | None) -> float:
     return late / (late + 10.0 * len(lags)) if lags else 0.0
 
 
+def starved_share(client_lag: dict | None) -> float | None:
+    """Share of a run's loop lateness its thread spent waiting for a CPU (runnable while other processes held
+    the cores: bench's ``loop_run_delay_ms`` over ``loop_late_ms``), capped at 1; None where the bench could not
+    read it or the loop was never late."""
+    lag = client_lag or {}
+    waited, late = lag.get("loop_run_delay_ms"), float(lag.get("loop_late_ms") or 0.0)
+    return None if waited is None or late <= 0.0 else min(1.0, max(0.0, float(waited) / late))
+
+
 @dataclass(frozen=True)
 class RunClientLag:
     """The load generator's lag in one run, next to the latency it measured there.
@@ -45,6 +54,7 @@ class RunClientLag:
     ttft_ms: float | None
     closed_loop: bool
     stall_duty: float = 0.0  # the share of the run's time its event loop was stalled (stall_duty)
+    starved_share: float | None = None  # of that lateness, the share spent waiting for a CPU (starved_share)
 
     @property
     def lag_ms(self) -> float:
@@ -66,7 +76,7 @@ def worst_client_lag(ctx: RuleContext) -> RunClientLag | None:
     for run in ctx.inputs.runs:
         lag = run.client_lag or {}
         found = RunClientLag(_p99(lag.get("dispatch_lag_ms")), _loop_lag_ms(lag), run.label,
-                             median(r.ttft_ms for r in run.ok), run.closed_loop, stall_duty(lag))
+                             median(r.ttft_ms for r in run.ok), run.closed_loop, stall_duty(lag), starved_share(lag))
         share = found.share
         if found.lag_ms <= th.max_client_lag_ms or (share is not None and share < th.client_lag_share_of_latency):
             continue
@@ -141,6 +151,9 @@ def client_overload(ctx: RuleContext) -> Finding | None:
                          "client"),
                 Evidence("lag limit", th.max_client_lag_ms, "ms"),
                 Evidence("event loop stalled (share of the run's time)", worst.stall_duty, "%", "client")]
+    if worst.starved_share is not None:
+        evidence.append(Evidence("of that, waiting for a CPU (other processes held the cores)", worst.starved_share,
+                                 "%", "client /proc schedstat"))
     if share is not None and worst.ttft_ms is not None:
         evidence += [Evidence(f"median TTFT in run '{worst.label}'", worst.ttft_ms, "ms", "client"),
                      Evidence("lag / median TTFT", share, "%", "client")]

@@ -277,6 +277,9 @@ class ServerMetrics:
         self.rejected = Counter("kvpilot:requests_rejected", "Requests refused before reaching the engine.",
                                 ["model_name", "reason"], registry=r)
         self.spec = SpecDecodeCounters(model_name, r)
+        # the children observed every step, looked up once (labels() validates and locks on every call)
+        self._step_tokens = self.iteration_tokens.labels(model_name)
+        self._generated_tokens = self.generation_tokens.labels(model_name)
         r.register(_SchedulerCollector(snapshot, model_name))
         r.register(memory if memory is not None else MemoryCollector())
         r.register(_CacheConfigCollector(info))
@@ -284,10 +287,9 @@ class ServerMetrics:
     def observe_step(self, stats: StepStats) -> None:
         """Once per engine step (LLMEngine.on_step, relayed by the EngineClient; any thread): the step's
         tokens, and the tokens it sampled for requests still running (StepStats.num_generated_tokens)."""
-        name = self.model_name
-        self.iteration_tokens.labels(name).observe(stats.num_batched_tokens)
+        self._step_tokens.observe(stats.num_batched_tokens)
         if stats.num_generated_tokens:
-            self.generation_tokens.labels(name).inc(stats.num_generated_tokens)
+            self._generated_tokens.inc(stats.num_generated_tokens)
         if stats.num_drafts:
             self.spec.observe(stats)
 
