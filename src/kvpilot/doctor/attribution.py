@@ -15,11 +15,7 @@ that view:
   Beside a healthy server (no other finding above low), a client whose own delay is a quarter of that p90
   (``client_tail_share``, at least ``min_client_tail_ms``) leads as a medium finding: the one delay measured.
   A server that times no request (vLLM, SGLang) is judged the same way by means: the probe's mean client TTFT
-  against the server's TTFT histogram over the same interval (:func:`histogram_tail`). Short of that, a loop
-  whose lateness was mostly time waiting for a CPU (bench reads its thread's schedstat: other processes held
-  the cores) is a caveat however long its stalls, when every request was sent on time: a probe beside vLLM on
-  the same two cores stalls while the server's threads hold them, which says nothing about the load
-  generator's own work, and the server's delays still show in what it measured.
+  against the server's TTFT histogram over the same interval (:func:`histogram_tail`).
 * **Deferrals.** A finding that defers to another (``defers_to``) ranks below causes and takes at most its
   cause's severity; when the finding it names is not in the report, it stands on its own.
 """
@@ -29,13 +25,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from kvpilot.doctor.findings import Finding, LatencyShare, Severity
-from kvpilot.doctor.rules.client import (
-    SERVER_HISTOGRAM,
-    RunClientLag,
-    client_added_ttft,
-    stall_duty,
-    worst_client_lag,
-)
+from kvpilot.doctor.rules.client import SERVER_HISTOGRAM, client_added_ttft, stall_duty
 from kvpilot.doctor.rules.context import RuleContext
 from kvpilot.doctor.signals import quantile
 
@@ -114,30 +104,6 @@ def histogram_tail(ctx: RuleContext, lag_ms: float, min_share: float | None = No
     return LatencyShare(added.added_ms, added.client_ms, HISTOGRAM_TAIL)
 
 
-def _host_starved(ctx: RuleContext) -> RunClientLag | None:
-    """The worst-lagging run when its loop's lateness was mostly time waiting for a CPU (``starved_share`` at
-    least ``client_lag_share_most``: other processes, such as the server's own threads on a shared box, held
-    the cores) and it sent every request on time: stalls the host imposed, not a client that could not keep
-    up with its own work. None otherwise, or where the bench could not tell."""
-    worst = worst_client_lag(ctx)
-    if worst is None or worst.starved_share is None or worst.dispatch_ms > ctx.th.max_client_lag_ms:
-        return None
-    return worst if worst.starved_share >= ctx.th.client_lag_share_most else None
-
-
-def _as_host_stalls(client: Finding, worst: RunClientLag, co_located: bool) -> Finding:
-    """``client`` as a caveat: the host, not the client's own work, stalled its loop."""
-    assert client.explains is not None  # the caller checked
-    where = (" It shares the server's machine, whose threads took its cores; probe from another host for clean "
-             "numbers." if co_located else " Other processes on its machine took its cores.")
-    return replace(
-        client, title="A caveat: the load generator lagged", severity=Severity.LOW,
-        summary=(f"The load generator's event loop stalled up to {worst.loop_ms:.0f} ms (p99, {client.explains.of}), "
-                 f"but it spent {worst.starved_share or 0.0:.0%} of that time waiting for a CPU: the host stalled "
-                 f"it, not its own work, and what the server did still shows in the latencies, so the findings "
-                 f"above stand.{where}"))
-
-
 def _as_headline(client: Finding, tail: LatencyShare, severity: Severity = Severity.HIGH) -> Finding:
     """``client`` as the first finding: it explains ``tail`` of the slowest requests' TTFT (high: most of it;
     medium: a notable share beside a healthy server)."""
@@ -162,9 +128,6 @@ def judge_client(findings: list[Finding], ctx: RuleContext) -> list[Finding]:
     tail = client_tail(ctx, lag) or histogram_tail(ctx, lag)
     if tail is not None:
         return [_as_headline(f, tail) if f is client else f for f in findings]
-    starved = _host_starved(ctx)
-    if starved is not None:
-        return [_as_host_stalls(f, starved, ctx.inputs.client_co_located) if f is client else f for f in findings]
     delay = _diagnosed_delay(findings, ctx)
     if delay is None or delay.part_ms <= 0 or client.explains.part_ms >= ctx.th.client_lag_share_most * delay.part_ms:
         return findings
