@@ -13,10 +13,10 @@ import httpx
 
 from kvpilot.bench.client import Target, open_session
 from kvpilot.bench.client_processes import ProcessPlan, run_in_processes
+from kvpilot.bench.clientlag import thread_run_delay_ms
 from kvpilot.bench.load import LoadShape
 from kvpilot.bench.records import RequestRecord, WorkItem
 from kvpilot.bench.replicas import ReplicaPlan, ReplicaSample, ReplicaScraper, replica_id
-from kvpilot.bench.clientlag import thread_run_delay_ms
 from kvpilot.bench.request_loop import OnRecord, RequestLoop, probe_loop_lag
 from kvpilot.bench.scrape import MetricsSample, Scraper
 from kvpilot.bench.tokens import Tokenizer
