@@ -22,7 +22,12 @@ from kvpilot.doctor.diagnose import DoctorReport, diagnose
 from kvpilot.doctor.errors import DoctorInputError
 from kvpilot.doctor.findings import Severity
 from kvpilot.doctor.inputs import inputs_from_documents, load_inputs
-from kvpilot.doctor.probe import check_endpoint
+from kvpilot.bench.tokens import WordTokenizer
+from kvpilot.doctor import probe
+from kvpilot.doctor.probe import Endpoint, check_endpoint
+from kvpilot.doctor.probe_plan import ProbePhase
+from kvpilot.doctor.thresholds import Thresholds
+from tests.doctor.fault_staging import gil_stalls
 from tests.doubles.scripted_process import ScriptedProcess
 from tests.doubles.scripted_server import Behavior
 
@@ -119,3 +124,46 @@ def test_check_endpoint_reads_the_model_list(scripted: ScriptedProcess) -> None:
     assert endpoint.max_model_len is None  # not reported: prompts are sized for 2048 tokens
     with pytest.raises(DoctorInputError, match="does not serve --model-name 'other'"):
         check_endpoint(scripted.base_url, model_name="other")
+
+
+def _stall_phase() -> ProbePhase:
+    return ProbePhase("ramp-3", "queueing", DatasetConfig(input_len=16, output_len=4),
+                      LoadShape(concurrency=3, num_requests=9, duration_s=20))
+
+
+@pytest.mark.parametrize("stalled_tries", [1, 2])
+def test_a_phase_the_probe_stalled_in_is_measured_again(scripted: ScriptedProcess, monkeypatch: pytest.MonkeyPatch,
+                                                        stalled_tries: int) -> None:
+    """The probe's own event loop stalls 300 ms at a time (a thread of its process holding the GIL) against a
+    200 ms TTFT: the phase runs a second time with prompts of its own. A clean second try replaces the first; a
+    stall that recurs leaves the first standing (the client's lag is then the finding). Either way a note says
+    so. A stall under 100 ms (a loaded CI box) is not most of the TTFT and would not trigger a retry."""
+    scripted.set_script(Behavior(ttft_s=0.2, itl_s=0.01))
+    real, seeds = probe.run_phase, []
+
+    def run_phase(endpoint: Endpoint, phase: ProbePhase, *args: object) -> probe.PhaseResult:
+        seeds.append(phase.dataset.seed)
+        if len(seeds) > stalled_tries:
+            return real(endpoint, phase, *args)
+        with gil_stalls(0.3, every_s=0.1):
+            return real(endpoint, phase, *args)
+
+    monkeypatch.setattr(probe, "run_phase", run_phase)
+    notes: list[str] = []
+    endpoint = Endpoint(scripted.base_url, scripted.model, None)
+    kept = probe.measured_phase(endpoint, _stall_phase(), WordTokenizer(), 20.0, Console(file=io.StringIO()), notes)
+    assert seeds == [0, probe.RETRY_SEED_OFFSET] and kept.num_tries == 2 and kept.phase == _stall_phase()
+    assert kept.num_ok == 9
+    stall = probe.own_stall(kept, Thresholds())
+    if stalled_tries == 1:
+        assert stall is None and notes[0].startswith("'ramp-3' was measured twice"), notes
+    else:
+        assert stall is not None and stall.lag_ms >= 100 and "stalled in both tries" in notes[0], notes
+
+
+def test_a_phase_the_probe_kept_up_with_runs_once(scripted: ScriptedProcess) -> None:
+    scripted.set_script(Behavior(ttft_s=0.2, itl_s=0.01))
+    notes: list[str] = []
+    endpoint = Endpoint(scripted.base_url, scripted.model, None)
+    kept = probe.measured_phase(endpoint, _stall_phase(), WordTokenizer(), 20.0, Console(file=io.StringIO()), notes)
+    assert kept.num_tries == 1 and kept.num_ok == 9 and notes == []

@@ -6,9 +6,11 @@ from dataclasses import dataclass
 
 from kvpilot.bench.clientlag import stalled_lag_ms
 from kvpilot.doctor.findings import Evidence, Finding, Fix, LatencyShare, Severity, clamp01
+from kvpilot.doctor.inputs import RunData
 from kvpilot.doctor.rules.context import RuleContext
 from kvpilot.doctor.rules.starvation import defer_to_starvation
 from kvpilot.doctor.signals import median, ratio
+from kvpilot.doctor.thresholds import Thresholds
 
 
 def _p99(dist: object) -> float:
@@ -67,20 +69,33 @@ class RunClientLag:
         return min(1.0, share) if share is not None else None
 
 
+def run_client_lag(run: RunData) -> RunClientLag:
+    """One run's client lag next to its median client TTFT."""
+    lag = run.client_lag or {}
+    return RunClientLag(_p99(lag.get("dispatch_lag_ms")), _loop_lag_ms(lag), run.label,
+                        median(r.ttft_ms for r in run.ok), run.closed_loop, stall_duty(lag), starved_share(lag))
+
+
+def lag_counts(found: RunClientLag, th: Thresholds) -> bool:
+    """Whether a run's client lag matters: its p99 exceeds ``max_client_lag_ms`` and is at least
+    ``client_lag_share_of_latency`` of the run's median TTFT (milliseconds do not taint second-long latencies)."""
+    share = found.share
+    return found.lag_ms > th.max_client_lag_ms and (share is None or share >= th.client_lag_share_of_latency)
+
+
+def lag_is_most(found: RunClientLag, th: Thresholds) -> bool:
+    """Whether a run's client lag is most of its median TTFT: what makes client-overload a high finding."""
+    return lag_counts(found, th) and (found.share is None or found.share >= th.client_lag_share_most)
+
+
 def worst_client_lag(ctx: RuleContext) -> RunClientLag | None:
-    """The run whose client lagged the most next to its median TTFT, or None. A run counts when its p99 lag
-    exceeds ``max_client_lag_ms`` and is at least ``client_lag_share_of_latency`` of that TTFT: milliseconds
-    of client delay do not taint second-long latencies."""
-    th = ctx.th
+    """The run whose client lagged the most next to its median TTFT (:func:`lag_counts`), or None."""
     worst: RunClientLag | None = None
     for run in ctx.inputs.runs:
-        lag = run.client_lag or {}
-        found = RunClientLag(_p99(lag.get("dispatch_lag_ms")), _loop_lag_ms(lag), run.label,
-                             median(r.ttft_ms for r in run.ok), run.closed_loop, stall_duty(lag), starved_share(lag))
-        share = found.share
-        if found.lag_ms <= th.max_client_lag_ms or (share is not None and share < th.client_lag_share_of_latency):
+        found = run_client_lag(run)
+        if not lag_counts(found, ctx.th):
             continue
-        if worst is None or (share or 0.0) > (worst.share or 0.0):
+        if worst is None or (found.share or 0.0) > (worst.share or 0.0):
             worst = found
     return worst
 
