@@ -68,6 +68,7 @@ class Outcome:
     server: ServerTimings | None = None
     retry_after_s: float | None = None
     replica: str | None = None  # the REPLICA_HEADER of the response, when it has one
+    server_prompt_ms: float | None = None  # llama-server's timings.prompt_ms (engine_prompt_ms)
 
     @property
     def ok(self) -> bool:
@@ -121,6 +122,15 @@ def _delta_text(obj: dict[str, Any]) -> str | None:
     return delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning") or ""
 
 
+def engine_prompt_ms(obj: dict[str, Any]) -> float | None:
+    """How long the server says the request's prompt took, from its first batch to its last: llama-server's
+    ``timings.prompt_ms`` (on the final chunk or response). It leaves out any wait before the prompt ran (for a
+    slot, or for the running batch). None when absent."""
+    timings = obj.get("timings")
+    value = timings.get("prompt_ms") if isinstance(timings, dict) else None
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0 else None
+
+
 def _handle_event(out: Outcome, data: str, now: float) -> bool:
     """Apply one SSE payload to ``out``; returns True at ``[DONE]``."""
     if data.strip() == "[DONE]":
@@ -143,6 +153,7 @@ def _handle_event(out: Outcome, data: str, now: float) -> bool:
     if obj.get("usage"):
         out.usage = obj["usage"]
     out.server = parse_kvpilot_field(obj) or out.server
+    out.server_prompt_ms = engine_prompt_ms(obj) or out.server_prompt_ms
     return False
 
 
@@ -174,6 +185,7 @@ async def _read_json(resp: aiohttp.ClientResponse, out: Outcome) -> None:
     out.text = _delta_text(obj) or ""
     out.usage = obj.get("usage")
     out.server = parse_kvpilot_field(obj) or timings_from_header(resp.headers.get("server-timing"))
+    out.server_prompt_ms = engine_prompt_ms(obj)
 
 
 async def execute(session: aiohttp.ClientSession, target: Target, payload: dict[str, Any]) -> Outcome:

@@ -105,6 +105,11 @@ class RequestRecord:
     num_usage_cached_tokens: int | None = None
     """Prompt tokens the server's prefix cache served, from the response's OpenAI ``usage.prompt_tokens_details.
     cached_tokens`` (vLLM with --enable-prompt-tokens-details, kvpilot); None when the usage does not say."""
+    server_prompt_ms: float | None = None
+    """How long the server says the prompt took, from its first batch to its last, without any wait before it
+    (llama-server's ``timings.prompt_ms``, bench.client.engine_prompt_ms); None when the server does not say.
+    Client TTFT minus this is what the request spent outside its prompt's compute: network, waiting for a
+    slot or for the running batch, and client delay."""
 
     @property
     def tpot_ms(self) -> float | None:

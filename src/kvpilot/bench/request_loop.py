@@ -48,6 +48,7 @@ def _record(idx: int, item: WorkItem, turn_idx: int, out: Outcome, t0: float, sc
         num_prompt_tokens=usage.get("prompt_tokens") or count_tokens(tok, prompt_text),
         num_output_tokens=num_out if out.ok else 0, output_tokens_source=source,
         num_chunks=len(chunks), retry_after_s=out.retry_after_s, server=out.server,
+        server_prompt_ms=out.server_prompt_ms,
         output_text=out.text, replica=out.replica or routed_to,
         num_output_words=copy.num_output_words if copy else 0, num_copied_words=copy.num_copied_words if copy else 0,
         num_usage_cached_tokens=usage_cached_tokens(usage),

@@ -11,7 +11,9 @@ that view:
   machine (a co-located client competes for the same cores, so some lag is expected there). Unless the
   client's own delay is most of what was measured: where the server timed its requests (kvpilot), the time
   clients saw beyond the server's own TTFT at p90 is at least half their p90 TTFT and the client's stalls
-  account for it (:func:`client_tail`). Then nothing the server did explains the latency and the client leads.
+  account for it (:func:`client_tail`; llama-server, which reports each prompt's own time but no queue wait, is
+  read the same way over runs where nothing waited for a slot). Then nothing the server did explains the latency
+  and the client leads.
   Beside a healthy server (no other finding above low), a client whose own delay is a quarter of that p90
   (``client_tail_share``, at least ``min_client_tail_ms``) leads as a medium finding: the one delay measured.
   A server that times no request (vLLM, SGLang) is judged the same way by means: the probe's mean client TTFT
@@ -25,8 +27,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 from kvpilot.doctor.findings import Finding, LatencyShare, Severity
-from kvpilot.doctor.rules.client import SERVER_HISTOGRAM, client_added_ttft, stall_duty
+from kvpilot.doctor.rules.client import SERVER_HISTOGRAM, client_added_ttft
+from kvpilot.doctor.rules.client_lag import stall_duty
+from kvpilot.doctor.inputs import RunData
 from kvpilot.doctor.rules.context import RuleContext
+from kvpilot.doctor.rules.prompt_gap import nothing_waited, one_in_flight_gap
 from kvpilot.doctor.signals import quantile
 
 CLIENT_RULE = "client-overload"
@@ -62,27 +67,43 @@ def _as_caveat(client: Finding, delay: LatencyShare, co_located: bool) -> Findin
                  f"explain it, so the findings above stand.{where}"))
 
 
+def _run_gap(ctx: RuleContext, run: RunData, base_ms: float) -> tuple[float, float, str] | None:
+    """(p90 client TTFT beyond the server's own, p90 client TTFT, what the server's side is) of one run: kvpilot's
+    per-request TTFT; else, where nothing waited for a slot, llama-server's prompt time plus the one-request
+    run's median wait before the prompt (``base_ms``: the path's own cost, rules/prompt_gap.py). None without
+    ``min_requests`` of either."""
+    pairs = [(r.ttft_ms, r.server.ttft_ms) for r in run.with_server if r.ttft_ms is not None and r.server]
+    of = "beyond the server's own"
+    if len(pairs) < ctx.th.min_requests and nothing_waited(run):
+        pairs = [(r.ttft_ms, r.server_prompt_ms + base_ms) for r in run.ok
+                 if r.ttft_ms is not None and r.server_prompt_ms is not None]
+        of = "beyond the server's prompt time and the path's own wait"
+    gap, ttft = quantile([c - s for c, s in pairs], 0.9), quantile([c for c, _ in pairs], 0.9)
+    return None if len(pairs) < ctx.th.min_requests or gap is None or not ttft else (gap, ttft, of)
+
+
 def client_tail(ctx: RuleContext, lag_ms: float, min_share: float | None = None) -> LatencyShare | None:
     """The client-side part of the slowest requests' TTFT, when the client explains `min_share` of it (default
-    ``client_lag_share_most``: most): over the runs with server timings, p90 of (client TTFT - server TTFT)
-    against p90 client TTFT, kept when that gap is at least that share of the TTFT and ``min_client_tail_ms``,
-    and the client's stalls account for it: ``lag_ms`` (p99) is at least ``client_lag_share_most`` of the gap,
-    or the loop was stalled ``client_stall_duty`` of the run's time (several stalls per request). Else a network
-    hop could fill the gap (network-overhead's). None without timings."""
+    ``client_lag_share_most``: most): over the runs with the server's side of each request (:func:`_run_gap`),
+    p90 of (client TTFT - server TTFT) against p90 client TTFT, kept when that gap is at least that share of the
+    TTFT and ``min_client_tail_ms``, and the client's stalls account for it: ``lag_ms`` (p99) is at least
+    ``client_lag_share_most`` of the gap, or the loop was stalled ``client_stall_duty`` of the run's time (several
+    stalls per request). Else a network hop could fill the gap (network-overhead's). None without timings."""
     th = ctx.th
     share = th.client_lag_share_most if min_share is None else min_share
+    base = one_in_flight_gap(ctx)
     best: LatencyShare | None = None
     for run in ctx.inputs.runs:
-        pairs = [(r.ttft_ms, r.server.ttft_ms) for r in run.with_server if r.ttft_ms is not None and r.server]
-        if len(pairs) < th.min_requests:
+        found = _run_gap(ctx, run, base.median_ms if base is not None else 0.0)
+        if found is None:
             continue
-        gap, ttft = quantile([c - s for c, s in pairs], 0.9), quantile([c for c, _ in pairs], 0.9)
-        if gap is None or not ttft or gap < share * ttft or gap < th.min_client_tail_ms:
+        gap, ttft, of = found
+        if gap < share * ttft or gap < th.min_client_tail_ms:
             continue
         if lag_ms < th.client_lag_share_most * gap and stall_duty(run.client_lag) < th.client_stall_duty:
             continue
         if best is None or gap / ttft > best.share:
-            best = LatencyShare(gap, ttft, f"client TTFT p90 in run '{run.label}', beyond the server's own")
+            best = LatencyShare(gap, ttft, f"client TTFT p90 in run '{run.label}', {of}")
     return best
 
 

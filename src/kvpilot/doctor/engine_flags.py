@@ -114,8 +114,10 @@ def translate(fix: Fix, engine: str, cfg: ServerConfig | None) -> str:
 
 def localize_fixes(findings: list[Finding], engine: str | None, cfg: ServerConfig | None) -> list[Finding]:
     """Every fix with its flags for ``engine`` (``Fix.engine_flags``) when that is an engine other than kvpilot
-    and vLLM, whose flags the fixes already name; unchanged otherwise."""
+    and vLLM, whose flags the fixes already name; unchanged otherwise. A fix a rule wrote for that engine itself
+    (its ``engine`` and ``engine_flags`` set: a flag only that engine has) keeps its flags."""
     if engine not in TRANSLATIONS:
         return findings
-    return [replace(f, fixes=tuple(replace(x, engine=engine, engine_flags=translate(x, engine, cfg)) for x in f.fixes))
+    return [replace(f, fixes=tuple(x if x.engine == engine and x.engine_flags else
+                                   replace(x, engine=engine, engine_flags=translate(x, engine, cfg)) for x in f.fixes))
             for f in findings]

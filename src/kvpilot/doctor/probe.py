@@ -30,7 +30,7 @@ from kvpilot.doctor.probe_plan import (Baseline, ProbeLimits, ProbePhase, RampPo
                                        knee_reason, plan_after_baseline)
 from kvpilot.doctor.prometheus import MetricsSnapshot, metrics_delta, parse_prometheus_text
 from kvpilot.doctor.resources import ResourceUsage, meter_for, remote_usage
-from kvpilot.doctor.rules.client import RunClientLag, lag_is_most, run_client_lag
+from kvpilot.doctor.rules.client_lag import RunClientLag, lag_is_most, run_client_lag
 from kvpilot.doctor.server_config import ServerConfig, fetch_capacity, merge
 from kvpilot.doctor.server_config import from_metrics as config_from_metrics
 from kvpilot.doctor.thresholds import Thresholds

@@ -37,6 +37,9 @@ SCALARS: dict[str, tuple[str, ...]] = {
                           "llamacpp:tokens_predicted_total"),
     "cached_prompt_tokens": ("llamacpp:prompt_tokens_cached_total",),  # llama-server counts these apart
     "decode_seconds": ("llamacpp:tokens_predicted_seconds_total",),
+    "prompt_seconds": ("llamacpp:prompt_seconds_total",),  # engine time in batches that carried prompt tokens
+    # the longest sequence since start: typed a counter (the parser adds _total), read as a gauge (never diffed)
+    "max_seq_tokens": ("llamacpp:n_tokens_max_total", "llamacpp:n_tokens_max"),
     "kv_tokens_total": ("sglang:max_total_num_tokens",),
     "rejected": ("kvpilot:requests_rejected_total",),
     "kv_blocks_total": (KV_BLOCKS_TOTAL,),
@@ -52,7 +55,7 @@ SCALARS: dict[str, tuple[str, ...]] = {
 }
 COUNTERS = frozenset({"preemptions", "prefix_queries", "prefix_hits", "num_finished", "prompt_tokens",
                       "generation_tokens", "rejected", "major_faults", "process_cpu", "cached_prompt_tokens",
-                      "decode_seconds", "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens"})
+                      "decode_seconds", "prompt_seconds", "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens"})
 RATIOS = RATIO_KEYS | {"cpu_kv_usage"}
 # Histogram key -> base names (samples are <base>_sum / <base>_count), newest first. Seconds.
 HISTOGRAMS: dict[str, tuple[str, ...]] = {

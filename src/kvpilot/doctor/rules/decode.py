@@ -8,6 +8,7 @@ from kvpilot.doctor.findings import Evidence, Finding, Fix, Severity, clamp01
 from kvpilot.doctor.inputs import RunData
 from kvpilot.doctor.rules.context import RuleContext
 from kvpilot.doctor.rules.deferral import defer_to_host
+from kvpilot.doctor.rules.prompt_gap import batch_wait
 from kvpilot.doctor.rules.quantize import quantize_fix
 from kvpilot.doctor.signals import median, ratio
 from kvpilot.doctor.slo import busiest_meeting, format_slos, meets
@@ -159,10 +160,14 @@ def _sentence(text: str) -> str:
 
 
 def static_batching(ctx: RuleContext) -> Finding | None:
-    """Output throughput flat as concurrency grows: requests are served (almost) one at a time.
+    """Output throughput flat as concurrency grows: requests are served (almost) one at a time. Where the server
+    reports its prompts' own times, new requests that wait for the running batch (rules/prompt_gap.py) say so first.
 
     Across runs (lowest vs highest load), or within one run: aggregate tok/s close to one stream's
     1000 / TPOT while several requests are in flight."""
+    waited = batch_wait(ctx)
+    if waited is not None:  # seen in the requests' own times: the strongest evidence there is
+        return defer_to_host(ctx, waited)
     th, view = ctx.th, ctx.view
     pair = ctx.low_and_high()
     if pair is not None:

@@ -6,7 +6,8 @@ runs sent, ``vllm:iteration_tokens_total`` counts steps that carried more tokens
 prefilled in one step), and ``vllm:request_prefill_time_seconds`` over the prompt tokens gives the prefill rate.
 Every decode step that shares a step with such a prefill waits for it, so the engine time those prefills took,
 over the time measured, is the share of each decode step they explain (an estimate: it assumes the decodes
-ran throughout). kvpilot and vLLM export all three; other engines lack the prompt histogram and get no finding.
+ran throughout). kvpilot and vLLM export all three. llama-server has counters instead (prompt tokens, the seconds
+spent on them, the longest sequence held), from which the same figures are estimated; SGLang and TGI get no finding.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvpilot.doctor.findings import Evidence, Finding, Fix, LatencyShare, Severity
+from kvpilot.doctor.prometheus import MetricsSnapshot
 from kvpilot.doctor.rules.context import RuleContext
 from kvpilot.doctor.signals import median
 
@@ -47,6 +49,8 @@ class ForeignPrefill:
     step_bound: float
     prefill_ms: float
     engine_share: float
+    source: str = "vllm:request_prompt_tokens"
+    prefill_source: str = "vllm:request_prefill_time_seconds"
 
 
 def _measured_seconds(ctx: RuleContext) -> float:
@@ -59,16 +63,25 @@ def _measured_seconds(ctx: RuleContext) -> float:
     return total
 
 
+def _long_bound(ctx: RuleContext, ours: list[float]) -> float:
+    """Prompts longer than this are long: beyond the measured runs' longest and ``long_prompt_ratio`` x their
+    median."""
+    return max(max(ours), ctx.th.long_prompt_ratio * (median(ours) or 0.0))
+
+
 def measure_foreign_prefill(ctx: RuleContext) -> ForeignPrefill | None:
-    """None unless an interval of server metrics shows at least ``min_num_spikes`` prompts longer than both the
-    measured runs' longest and ``long_prompt_ratio`` x their median, with a prefill rate to price them."""
+    """None unless an interval of server metrics shows at least ``min_num_spikes`` prompts longer than the
+    measured runs' (:func:`_long_bound`), with a prefill rate to price them. llama-server: from its counters
+    (:func:`_counted_foreign_prefill`)."""
     snap, th = ctx.inputs.metrics, ctx.th
     prompts = snap.histograms.get("request_prompt_tokens") if snap is not None and snap.interval else None
     prefill = snap.histograms.get("prefill") if snap is not None else None
     ours = [float(r.num_prompt_tokens or 0) for r in ctx.inputs.ok_records]
+    if prompts is None and snap is not None and snap.interval and ours:
+        return _counted_foreign_prefill(ctx, snap, ours)
     if prompts is None or prefill is None or not ours or prompts.total <= 0:
         return None
-    bound = max(max(ours), th.long_prompt_ratio * (median(ours) or 0.0))
+    bound = _long_bound(ctx, ours)
     num_long = prompts.count_above(bound)
     foreign_n, foreign_tokens = prompts.count - len(ours), prompts.total - sum(ours)
     wall = _measured_seconds(ctx)
@@ -84,6 +97,31 @@ def measure_foreign_prefill(ctx: RuleContext) -> ForeignPrefill | None:
     return ForeignPrefill(num_long, long_tokens, big, step_bound, long_tokens * per_token_ms, share)
 
 
+def _counted_foreign_prefill(ctx: RuleContext, snap: MetricsSnapshot, ours: list[float]) -> ForeignPrefill | None:
+    """llama-server has no prompt histogram, but counts the prompt tokens it processed (cached ones apart) and the
+    seconds of the batches that carried them, and gauges the longest sequence it has held since it started
+    (``n_tokens_max``). Prompt tokens beyond the measured requests' own uncached ones are other clients'; when
+    the longest sequence is a long prompt (:func:`_long_bound`) and those tokens make at least
+    ``min_num_spikes`` of them, they are priced like the histogram's (their number estimated as tokens over that
+    length)."""
+    th = ctx.th
+    tokens, seconds, longest = snap.get("prompt_tokens"), snap.get("prompt_seconds"), snap.get("max_seq_tokens")
+    wall, bound = _measured_seconds(ctx), _long_bound(ctx, ours)
+    if not tokens or not seconds or not longest or longest <= bound or wall <= 0:
+        return None
+    own = sum(max(0, (r.num_prompt_tokens or 0) - (r.num_usage_cached_tokens or 0)) for r in ctx.inputs.ok_records)
+    foreign_tokens = tokens - own
+    num_long = foreign_tokens / longest
+    if num_long < th.min_num_spikes:
+        return None
+    per_token_ms = seconds * 1000.0 / tokens
+    share = min(1.0, foreign_tokens * per_token_ms / 1000.0 / wall)
+    return ForeignPrefill(num_long, longest, None, 2.0 * CHUNK_TOKENS, longest * per_token_ms, share,
+                          source=f"{snap.names.get('prompt_tokens', 'prompt tokens')}, "
+                                 f"{snap.names.get('max_seq_tokens', 'longest sequence')}",
+                          prefill_source=snap.names.get("prompt_seconds", "prompt seconds"))
+
+
 def long_prompts_stall_decodes(ctx: RuleContext) -> Finding | None:
     """Other clients' long prompts, prefilled in the steps the measured requests decode in, explain at least
     ``long_prefill_share`` of their TPOT (high from ``client_lag_share_most``); see the module docstring."""
@@ -93,9 +131,9 @@ def long_prompts_stall_decodes(ctx: RuleContext) -> Finding | None:
     if f is None or f.engine_share < th.long_prefill_share or not tpot:
         return None
     unchunked = f.num_big_steps is not None and f.num_big_steps > 0
-    evidence = [Evidence("prompts longer than any measured request's", f.num_long, "", "vllm:request_prompt_tokens"),
-                Evidence("their mean length (estimated)", f.long_tokens, "tokens", "vllm:request_prompt_tokens"),
-                Evidence("prefill of one (estimated)", f.prefill_ms, "ms", "vllm:request_prefill_time_seconds"),
+    evidence = [Evidence("prompts longer than any measured request's", f.num_long, "", f.source),
+                Evidence("their mean length (estimated)", f.long_tokens, "tokens", f.source),
+                Evidence("prefill of one (estimated)", f.prefill_ms, "ms", f.prefill_source),
                 Evidence("engine time in those prefills", f.engine_share, "%")]
     if f.num_big_steps is not None:
         evidence.append(Evidence(f"steps over {f.step_bound:.0f} tokens", f.num_big_steps, "",
