@@ -45,8 +45,8 @@ def _first(report: DoctorReport) -> str | None:
 
 
 def test_requests_held_for_the_running_batch_are_static_batching(tmp_path: Path) -> None:
-    """Under load each request waited ~the batch's remaining answer (16 tokens of 12 ms) before its prompt ran,
-    with nothing waiting for a slot: llama-server --no-cont-batching. Named first, with the wait and the flag."""
+    """Under load each request waited ~the batch's remaining answer (15 steps of 12 ms) before its prompt ran, with
+    nothing waiting for a slot: llama-server --no-cont-batching. Named first, with the wait and the flag."""
     report = _diagnose(tmp_path, loaded_wait_ms=180.0)
     assert _first(report) == "static-batching", [(f.rule_id, f.severity) for f in report.findings]
     finding = report.findings[0]
@@ -69,12 +69,12 @@ def test_requests_that_waited_for_a_slot_are_not_static_batching(tmp_path: Path)
 
 def test_a_slow_hop_is_network_overhead_not_static_batching(tmp_path: Path) -> None:
     """Every request spends 150 ms on the path, at one in flight as under load: network-overhead, first and high;
-    the loaded gap is no larger than the one-request gap, so no static batching."""
+    the loaded requests' gap is no larger than the quickest ones', so no static batching."""
     report = _diagnose(tmp_path, loaded_wait_ms=TPOT_MS / 2, net_ms=150.0)
     assert _first(report) == "network-overhead", [(f.rule_id, f.severity) for f in report.findings]
     network = report.findings[0]
     assert network.severity is Severity.HIGH
-    assert any("at one request in flight" in e.source for e in network.evidence)
+    assert any("nothing waiting for a slot" in e.source for e in network.evidence)
     assert all(f.rule_id != "static-batching" or f.severity is Severity.LOW for f in report.findings)
 
 

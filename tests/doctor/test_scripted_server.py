@@ -155,10 +155,12 @@ def test_a_phase_the_probe_stalled_in_is_measured_again(scripted: ScriptedProces
     assert seeds == [0, probe.RETRY_SEED_OFFSET] and kept.num_tries == 2 and kept.phase == _stall_phase()
     assert kept.num_ok == 9
     stall = probe.own_stall(kept, Thresholds())
-    if stalled_tries == 1:
+    if stalled_tries == 1:  # the first try's requests stay counted as sent (the server's counters include them)
         assert stall is None and notes[0].startswith("'ramp-3' was measured twice"), notes
+        assert kept.set_aside is not None and len(kept.set_aside["runs"][0]["requests"]) == 9
     else:
         assert stall is not None and stall.lag_ms >= 100 and "stalled in both tries" in notes[0], notes
+        assert kept.set_aside is None
 
 
 def test_a_phase_the_probe_kept_up_with_runs_once(scripted: ScriptedProcess) -> None:

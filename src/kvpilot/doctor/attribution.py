@@ -31,7 +31,7 @@ from kvpilot.doctor.rules.client import SERVER_HISTOGRAM, client_added_ttft
 from kvpilot.doctor.rules.client_lag import stall_duty
 from kvpilot.doctor.inputs import RunData
 from kvpilot.doctor.rules.context import RuleContext
-from kvpilot.doctor.rules.prompt_gap import nothing_waited, one_in_flight_gap
+from kvpilot.doctor.rules.prompt_gap import nothing_waited, path_gap
 from kvpilot.doctor.signals import quantile
 
 CLIENT_RULE = "client-overload"
@@ -70,7 +70,7 @@ def _as_caveat(client: Finding, delay: LatencyShare, co_located: bool) -> Findin
 def _run_gap(ctx: RuleContext, run: RunData, base_ms: float) -> tuple[float, float, str] | None:
     """(p90 client TTFT beyond the server's own, p90 client TTFT, what the server's side is) of one run: kvpilot's
     per-request TTFT; else, where nothing waited for a slot, llama-server's prompt time plus the one-request
-    run's median wait before the prompt (``base_ms``: the path's own cost, rules/prompt_gap.py). None without
+    requests' quickest time outside their prompt (``base_ms``: the path's own cost, rules/prompt_gap.py). None without
     ``min_requests`` of either."""
     pairs = [(r.ttft_ms, r.server.ttft_ms) for r in run.with_server if r.ttft_ms is not None and r.server]
     of = "beyond the server's own"
@@ -91,10 +91,10 @@ def client_tail(ctx: RuleContext, lag_ms: float, min_share: float | None = None)
     stalls per request). Else a network hop could fill the gap (network-overhead's). None without timings."""
     th = ctx.th
     share = th.client_lag_share_most if min_share is None else min_share
-    base = one_in_flight_gap(ctx)
+    path = path_gap(ctx)
     best: LatencyShare | None = None
     for run in ctx.inputs.runs:
-        found = _run_gap(ctx, run, base.median_ms if base is not None else 0.0)
+        found = _run_gap(ctx, run, path.low_ms if path is not None else 0.0)
         if found is None:
             continue
         gap, ttft, of = found

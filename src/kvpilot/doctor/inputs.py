@@ -80,6 +80,9 @@ class DoctorInputs:
     served_roofline: RooflineRef | None = None
     engine_hint: str | None = None
     """The engine a live probe detected (/v1/models, headers, metric names); None for saved files."""
+    set_aside: tuple[RequestRecord, ...] = ()
+    """Requests a live probe sent but whose measurements it set aside (a phase measured again because its own loop
+    stalled): no rule reads their times, but the server's counters and histograms include them."""
 
     @property
     def engine(self) -> str | None:
@@ -248,10 +251,11 @@ def inputs_from_documents(docs: list[tuple[dict[str, Any], str]], metrics: Metri
                           model: str | None = None, gpu: str | None = None,
                           sources: tuple[str, ...] = (), server_config: ServerConfig | None = None,
                           resources: ResourceUsage | None = None, dtype: str | None = None,
-                          engine: str | None = None) -> DoctorInputs:
+                          engine: str | None = None,
+                          set_aside: list[tuple[dict[str, Any], str]] | None = None) -> DoctorInputs:
     """In-memory result documents (e.g. ``BenchOutcome.result``) with a name each -> inputs.
     ``dtype``: for the roofline (default: what the server reported, else the model's own); ``engine``: the one a
-    live probe detected."""
+    live probe detected; ``set_aside``: documents of phases a probe measured again (DoctorInputs.set_aside)."""
     runs = [run for doc, name in docs for run in runs_from_result(doc, name)]
     refused = any(kv_full_phrase(r.error) for run in runs for r in run.records)  # a finding (rules/kv_cache.py)
     if docs and not any(run.ok for run in runs) and not refused:
@@ -271,5 +275,6 @@ def inputs_from_documents(docs: list[tuple[dict[str, Any], str]], metrics: Metri
         served = _served_roofline(server_config, shape, served_dtype)
     if server_config is None and metrics is not None:
         server_config = config_from_metrics(metrics)
+    aside = tuple(r for doc, name in set_aside or () for run in runs_from_result(doc, name) for r in run.records)
     return DoctorInputs(tuple(runs), metrics, roofline, sources or tuple(name for _, name in docs),
-                        server_config, resources, served_roofline=served, engine_hint=engine)
+                        server_config, resources, served_roofline=served, engine_hint=engine, set_aside=aside)

@@ -116,6 +116,7 @@ class PhaseResult:
     num_sent: int
     ttft_p50_ms: float | None
     num_tries: int = 1
+    set_aside: dict[str, Any] | None = None  # the first try's result document, when a second try replaced it
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.phase.name, "looks_for": self.phase.looks_for, "wall_s": round(self.wall_s, 2),
@@ -151,8 +152,9 @@ class ProbeSession:
 
     def inputs(self, model: str | None = None, gpu: str | None = None) -> DoctorInputs:
         """The doctor's inputs: every phase's runs plus the metrics delta (same path as ``--from``)."""
+        aside = [(p.set_aside, f"probe:{p.phase.name} (first try)") for p in self.phases if p.set_aside is not None]
         return inputs_from_documents(self.documents(), self.metrics, model, gpu, self.sources,
-                                     self.server_config, self.resources, engine=self.engine)
+                                     self.server_config, self.resources, engine=self.engine, set_aside=aside)
 
     def to_json(self) -> dict[str, Any]:
         return {"url": self.endpoint.base_url, "model": self.endpoint.model,
@@ -222,7 +224,7 @@ def measured_phase(endpoint: Endpoint, phase: ProbePhase, tok: Tokenizer, timeou
     notes.append(f"'{phase.name}' was measured twice: the probe's own event loop stalled {stall.lag_ms:,.0f} ms "
                  f"(p99) in the first try, most of its {stall.ttft_ms or 0:,.0f} ms median TTFT, and not in the "
                  "second, which is kept")
-    return replace(again, phase=phase, num_tries=2)
+    return replace(again, phase=phase, num_tries=2, set_aside=first.result)
 
 
 def ramp_point(result: PhaseResult) -> RampPoint:

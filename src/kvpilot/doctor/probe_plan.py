@@ -158,6 +158,12 @@ def prompt_cap(max_model_len: int | None, output_len: int) -> int:
     return max(8, int((limit - output_len - 8) / TOKEN_SLACK))
 
 
+RAMP_LENGTH_SPREAD = 0.5
+"""The ramp's prompt and output lengths spread uniformly over +-50% of the short length and the output length: with
+outputs of one length a batch finishes together, so a server that starts new requests only when its batch has
+finished looks like one that batches continuously (rules/prompt_gap.py)."""
+
+
 def short_len(limits: ProbeLimits, max_model_len: int | None) -> int:
     """Short prompts: a chat turn, at most an eighth of what fits (so long ones can be 4x+ longer)."""
     return max(8, min(limits.max_short_len, prompt_cap(max_model_len, limits.output_len) // 8))
@@ -224,6 +230,7 @@ def plan_after_baseline(limits: ProbeLimits, max_model_len: int | None, base: Ba
         num = _num_requests(limits, concurrency, ramp_s, 2 * concurrency)
         phases.append(ProbePhase(
             f"ramp-{concurrency}", "queueing, static-batching, decode-bound (TPOT growth), kv-cache-pressure",
-            DatasetConfig(kind="random", input_len=short, output_len=out, seed=10 + concurrency),
+            DatasetConfig(kind="random", input_len=short, output_len=out, len_dist="uniform",
+                          range_ratio=RAMP_LENGTH_SPREAD, seed=10 + concurrency),
             _closed(limits, concurrency, num, ramp_s)))
     return phases

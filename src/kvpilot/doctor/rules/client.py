@@ -8,7 +8,7 @@ from kvpilot.doctor.findings import Evidence, Finding, Fix, LatencyShare, Severi
 from kvpilot.doctor.rules.client_lag import worst_client_lag
 from kvpilot.doctor.rules.context import RuleContext
 from kvpilot.doctor.rules.prompt_gap import SOURCE as PROMPT_GAP
-from kvpilot.doctor.rules.prompt_gap import one_in_flight_gap
+from kvpilot.doctor.rules.prompt_gap import path_gap
 from kvpilot.doctor.rules.starvation import defer_to_starvation
 from kvpilot.doctor.signals import median, ratio
 
@@ -103,8 +103,8 @@ def client_overload(ctx: RuleContext) -> Finding | None:
 
 def network_overhead(ctx: RuleContext) -> Finding | None:
     """Client TTFT well above the server's own TTFT: a proxy, gateway or long network path. The server's TTFT is
-    kvpilot's per-request timing, else vLLM's TTFT histogram mean, else (llama-server) the quickest requests'
-    time outside their prompt at one request in flight (rules/prompt_gap.py)."""
+    kvpilot's per-request timing, else vLLM's TTFT histogram mean, else (llama-server) its prompt time plus the
+    quickest requests' time outside their prompt: what every request spent on the path (rules/prompt_gap.py)."""
     th = ctx.th
     pairs = [(r.ttft_ms, r.server.ttft_ms) for run in ctx.inputs.runs for r in run.with_server
              if r.ttft_ms is not None and r.server is not None]
@@ -118,10 +118,10 @@ def network_overhead(ctx: RuleContext) -> Finding | None:
         ok = ctx.inputs.ok_records
         server_ttft = snap.mean_ms("ttft") if snap is not None else None
         client_ttft = sum(r.ttft_ms or 0.0 for r in ok) / len(ok) if len(ok) >= th.min_requests else None
-        path = one_in_flight_gap(ctx) if server_ttft is None or client_ttft is None else None
-        if path is not None:  # llama-server: the path's own cost, where nothing else ran (rules/prompt_gap.py)
-            gap, client_ttft, server_ttft = path.low_ms, path.ttft_ms, path.ttft_ms - path.median_ms
-            source, confidence = f"p10 of {PROMPT_GAP} at one request in flight", 0.7
+        path = path_gap(ctx) if server_ttft is None or client_ttft is None else None
+        if path is not None:  # llama-server: the quickest requests' time outside their prompt (rules/prompt_gap.py)
+            gap, client_ttft, server_ttft = path.low_ms, path.ttft_ms, path.ttft_ms - path.low_ms
+            source, confidence = f"p10 of {PROMPT_GAP}, nothing waiting for a slot", 0.7
         elif server_ttft is None or client_ttft is None:
             return None
         else:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvpilot.bench.records import RequestRecord
 from kvpilot.doctor.findings import Evidence, Finding, Fix, LatencyShare, Severity
 from kvpilot.doctor.prometheus import MetricsSnapshot
 from kvpilot.doctor.rules.context import RuleContext
@@ -63,6 +64,11 @@ def _measured_seconds(ctx: RuleContext) -> float:
     return total
 
 
+def _sent(ctx: RuleContext) -> list[RequestRecord]:
+    """The measured requests that succeeded, and those a probe set aside: the server prefilled both."""
+    return ctx.inputs.ok_records + [r for r in ctx.inputs.set_aside if r.ok]
+
+
 def _long_bound(ctx: RuleContext, ours: list[float]) -> float:
     """Prompts longer than this are long: beyond the measured runs' longest and ``long_prompt_ratio`` x their
     median."""
@@ -76,7 +82,7 @@ def measure_foreign_prefill(ctx: RuleContext) -> ForeignPrefill | None:
     snap, th = ctx.inputs.metrics, ctx.th
     prompts = snap.histograms.get("request_prompt_tokens") if snap is not None and snap.interval else None
     prefill = snap.histograms.get("prefill") if snap is not None else None
-    ours = [float(r.num_prompt_tokens or 0) for r in ctx.inputs.ok_records]
+    ours = [float(r.num_prompt_tokens or 0) for r in _sent(ctx)]
     if prompts is None and snap is not None and snap.interval and ours:
         return _counted_foreign_prefill(ctx, snap, ours)
     if prompts is None or prefill is None or not ours or prompts.total <= 0:
@@ -106,10 +112,13 @@ def _counted_foreign_prefill(ctx: RuleContext, snap: MetricsSnapshot, ours: list
     length)."""
     th = ctx.th
     tokens, seconds, longest = snap.get("prompt_tokens"), snap.get("prompt_seconds"), snap.get("max_seq_tokens")
-    wall, bound = _measured_seconds(ctx), _long_bound(ctx, ours)
+    sent = _sent(ctx)
+    # n_tokens_max counts a sequence's output too: beyond the longest the measured requests held
+    held = max((r.num_prompt_tokens or 0) + r.num_output_tokens for r in sent)
+    wall, bound = _measured_seconds(ctx), max(_long_bound(ctx, ours), float(held))
     if not tokens or not seconds or not longest or longest <= bound or wall <= 0:
         return None
-    own = sum(max(0, (r.num_prompt_tokens or 0) - (r.num_usage_cached_tokens or 0)) for r in ctx.inputs.ok_records)
+    own = sum(max(0, (r.num_prompt_tokens or 0) - (r.num_usage_cached_tokens or 0)) for r in sent)
     foreign_tokens = tokens - own
     num_long = foreign_tokens / longest
     if num_long < th.min_num_spikes:

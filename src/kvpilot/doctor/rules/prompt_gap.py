@@ -3,15 +3,16 @@
 llama-server puts ``timings.prompt_ms`` on each response (bench: ``RequestRecord.server_prompt_ms``): from the
 prompt's first batch to its last, without any wait before it. Client TTFT minus that *gap* is everything else:
 the network path and HTTP handling, waiting for a slot, waiting for the running batch, and client delay. No
-queue wait is reported, so the gap is read where one of its parts can be isolated:
+queue wait is reported, so the gap is read where one of its parts can be isolated, over runs of short prompts
+(the probe's baseline and ramp) during which the server's waiting gauge stayed 0 (no request waited for a slot):
 
-* **At one request in flight** (the probe's baseline) with no request waiting for a slot (the server's waiting
-  gauge stayed 0): nothing of the probe's own competes, so the quickest requests' gap (p10: a hop delays every
-  request, another user's batch only some) is the path's own cost: the network-overhead rule reads it.
-* **With several in flight**, uniform short prompts and still no request waiting for a slot, the gap should
-  stay within a decode step of the one-request gap: a continuously batching server adds a new request to its
-  next step. When it grows by several steps and most of the TTFT, new requests are held until the running
-  batch finishes: static batching (llama-server ``--no-cont-batching``).
+* **The path's own cost**: the quickest requests' gap (p10 over those runs). A hop delays every request; a wait
+  for the batch only some.
+* **Static batching**: a continuously batching server adds a new request to its next step, so the mean gap stays
+  within about one decode step (TPOT) of the path's cost: 0.6 steps measured on llama-server with 8 in flight
+  and outputs of 4-12 tokens. A server that starts new requests only when its running batch has finished
+  (``--no-cont-batching``) makes each wait for the longest answer in flight: 9.2 steps in the same run. Outputs of
+  one length hide it (the batch then finishes together), hence the probe's ramp varies them.
 
 kvpilot's per-request stage timings and vLLM's TTFT histogram are read by the rules themselves; this module is
 for servers that report neither.
@@ -19,6 +20,7 @@ for servers that report neither.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 
 from kvpilot.doctor.engines import LLAMACPP
@@ -26,42 +28,18 @@ from kvpilot.doctor.findings import Evidence, Finding, Fix, LatencyShare, Severi
 from kvpilot.doctor.inputs import RunData
 from kvpilot.doctor.rules.client_lag import run_client_lag
 from kvpilot.doctor.rules.context import RuleContext
+from kvpilot.doctor.rules.foreign_prefill import measure_foreign_prefill
 from kvpilot.doctor.signals import median, quantile
 
 SOURCE = "client TTFT - the server's timings.prompt_ms"
-UNIFORM_DATASETS = ("random", "")
-"""Runs whose prompts are all short and alike (the probe's baseline and ramp): a long prompt of the probe's own
-(the long-short phase) holds the batch a step long, which is not a wait for the batch to finish."""
+SHORT_PROMPT_DATASETS = ("random", "")
+"""Runs of short prompts of one size class (the probe's baseline and ramp): a long prompt of the probe's own (the
+long-short phase) holds a step long, which is not a wait for the batch to finish."""
 
 
-@dataclass(frozen=True)
-class PromptGap:
-    """One run's requests' client TTFT minus the server's prompt time (``gaps_ms``, ms, one per successful
-    request that has both), next to their median client TTFT and TPOT."""
-
-    run: RunData
-    gaps_ms: tuple[float, ...]
-    ttft_ms: float
-    tpot_ms: float | None
-
-    @property
-    def median_ms(self) -> float:
-        return median(self.gaps_ms) or 0.0
-
-    @property
-    def low_ms(self) -> float:
-        """The quickest requests' gap (p10): what every request spent outside its prompt."""
-        return quantile(self.gaps_ms, 0.1) or 0.0
-
-
-def prompt_gap(run: RunData, min_requests: int) -> PromptGap | None:
-    """The run's gaps, or None with fewer than ``min_requests`` requests that carry the server's prompt time."""
-    pairs = [(r.ttft_ms, r.server_prompt_ms) for r in run.ok
-             if r.ttft_ms is not None and r.server_prompt_ms is not None]
-    if len(pairs) < min_requests:
-        return None
-    return PromptGap(run, tuple(c - s for c, s in pairs), median(c for c, _ in pairs) or 0.0,
-                     median(r.tpot_ms for r in run.ok))
+def gaps_ms(run: RunData) -> list[float]:
+    """Client TTFT minus the server's prompt time, per successful request that has both."""
+    return [r.ttft_ms - r.server_prompt_ms for r in run.ok if r.ttft_ms is not None and r.server_prompt_ms is not None]
 
 
 def nothing_waited(run: RunData) -> bool:
@@ -71,78 +49,107 @@ def nothing_waited(run: RunData) -> bool:
     return waiting is not None and float(waiting) <= 0.0
 
 
-def _uniform(run: RunData) -> bool:
-    return str(run.dataset.get("kind") or "") in UNIFORM_DATASETS
+def readable(run: RunData) -> bool:
+    """A run whose gaps the module reads: short prompts, nothing waiting for a slot."""
+    return str(run.dataset.get("kind") or "") in SHORT_PROMPT_DATASETS and nothing_waited(run)
 
 
-def one_in_flight_gap(ctx: RuleContext) -> PromptGap | None:
-    """The gap of the lowest-load run at about one request in flight with nothing waiting for a slot (see the
-    module docstring), or None."""
-    runs = [r for r in ctx.inputs.runs if r.in_flight <= 1.5 and _uniform(r) and nothing_waited(r)]
-    gaps = [g for r in runs if (g := prompt_gap(r, ctx.th.min_requests)) is not None]
-    return min(gaps, key=lambda g: g.run.in_flight) if gaps else None
+@dataclass(frozen=True)
+class PathGap:
+    """The gaps of every readable run, pooled, next to those requests' median client TTFT."""
+
+    gaps_ms: tuple[float, ...]
+    ttft_ms: float
+
+    @property
+    def low_ms(self) -> float:
+        """The quickest requests' gap (p10): what every request spent outside its prompt, the path's cost."""
+        return quantile(self.gaps_ms, 0.1) or 0.0
+
+    @property
+    def median_ms(self) -> float:
+        return median(self.gaps_ms) or 0.0
+
+
+def path_gap(ctx: RuleContext) -> PathGap | None:
+    """The pooled gaps of the readable runs, or None with fewer than ``min_requests`` of them."""
+    runs = [r for r in ctx.inputs.runs if readable(r)]
+    gaps = [g for r in runs for g in gaps_ms(r)]
+    ttfts = [r.ttft_ms for run in runs for r in run.ok if r.ttft_ms is not None and r.server_prompt_ms is not None]
+    if len(gaps) < ctx.th.min_requests:
+        return None
+    return PathGap(tuple(gaps), median(ttfts) or 0.0)
 
 
 @dataclass(frozen=True)
 class BatchWait:
-    """At ``loaded``, requests waited ``extra_ms`` (median gap beyond the one-request run's) before their prompt
-    ran, while no request waited for a slot."""
+    """In ``run``, requests waited ``extra_ms`` on average beyond the path's cost before their prompt ran (mean
+    gap ``mean_ms``, path ``path_ms``), ``steps`` decode steps of ``tpot_ms``; ``ttft_ms``: their mean TTFT."""
 
-    base: PromptGap
-    loaded: PromptGap
-    extra_ms: float
+    run: RunData
+    mean_ms: float
+    path_ms: float
+    tpot_ms: float
+    ttft_ms: float
+
+    @property
+    def extra_ms(self) -> float:
+        return self.mean_ms - self.path_ms
+
+    @property
+    def steps(self) -> float:
+        return self.extra_ms / self.tpot_ms if self.tpot_ms > 0 else 0.0
 
     @property
     def share(self) -> float:
-        return clamp01(self.extra_ms / self.loaded.ttft_ms) if self.loaded.ttft_ms > 0 else 0.0
+        return clamp01(self.extra_ms / self.ttft_ms) if self.ttft_ms > 0 else 0.0
 
 
 def measure_batch_wait(ctx: RuleContext) -> BatchWait | None:
-    """The loaded run whose requests waited longest for the running batch, when that wait is at least
-    ``batch_wait_steps`` decode steps (its median TPOT), ``network_min_ms`` and ``batch_wait_share`` of its
-    median TTFT, and the client's own stalls there (p99) under ``client_lag_share_most`` of it; None otherwise,
-    or without a one-request run to compare with."""
-    th, base = ctx.th, one_in_flight_gap(ctx)
-    if base is None:
+    """The readable run of at least two in flight whose requests waited the most decode steps beyond the path's
+    cost, when that is at least ``batch_wait_steps`` steps and ``network_min_ms``, and the client's own stalls
+    there (p99) are under ``client_lag_share_most`` of it; None otherwise, and when other users' long prompts were
+    prefilled meanwhile (a request then waits for their step: foreign_prefill.py)."""
+    th, path = ctx.th, path_gap(ctx)
+    if path is None or measure_foreign_prefill(ctx) is not None:
         return None
     best: BatchWait | None = None
     for run in ctx.inputs.runs:
-        if run.in_flight < 2 or not _uniform(run) or not nothing_waited(run):
+        gaps, tpot = gaps_ms(run), median(r.tpot_ms for r in run.ok)
+        if run.in_flight < 2 or not readable(run) or len(gaps) < th.min_requests or not tpot:
             continue
-        loaded = prompt_gap(run, th.min_requests)
-        if loaded is None or not loaded.tpot_ms:
-            continue
-        found = BatchWait(base, loaded, loaded.median_ms - base.median_ms)
-        if found.extra_ms < max(th.network_min_ms, th.batch_wait_steps * loaded.tpot_ms) or \
-                found.share < th.batch_wait_share:
+        ttft = statistics.fmean(r.ttft_ms for r in run.ok if r.ttft_ms is not None and r.server_prompt_ms is not None)
+        found = BatchWait(run, statistics.fmean(gaps), path.low_ms, tpot, ttft)
+        if found.steps < th.batch_wait_steps or found.extra_ms < th.network_min_ms:
             continue
         if run_client_lag(run).lag_ms >= th.client_lag_share_most * found.extra_ms:
             continue  # a stalled client reads the first chunk late by as much: the wait may be its own
-        if best is None or found.share > best.share:
+        if best is None or found.steps > best.steps:
             best = found
     return best
 
 
 def batch_wait(ctx: RuleContext) -> Finding | None:
-    """Static batching seen in the requests' own times (module docstring); high."""
+    """Static batching seen in the requests' own times (module docstring); high when the wait is
+    ``batch_wait_share`` of the TTFT, else medium."""
     wait = measure_batch_wait(ctx)
     if wait is None:
         return None
-    run, tpot = wait.loaded.run, wait.loaded.tpot_ms or 0.0
-    where = f"at {run.in_flight:.1f} in flight"
+    where = f"at {wait.run.in_flight:.1f} in flight"
     return Finding(
         rule_id="static-batching", title="New requests wait for the running batch to finish",
-        severity=Severity.HIGH, confidence=0.8, impact=wait.share,
-        summary=(f"{where.capitalize()}, requests waited a median {wait.extra_ms:,.0f} ms more before their prompt ran "
-                 f"than at one in flight ({wait.share:.0%} of their {wait.loaded.ttft_ms:,.0f} ms median TTFT, "
-                 f"{wait.extra_ms / tpot:.0f} decode steps of {tpot:,.0f} ms), while no request waited for a slot: "
+        severity=Severity.HIGH if wait.share >= ctx.th.batch_wait_share else Severity.MEDIUM,
+        confidence=0.8, impact=wait.share,
+        summary=(f"{where[0].upper() + where[1:]}, requests waited {wait.extra_ms:,.0f} ms on average before their "
+                 f"prompt ran, beyond the path's {wait.path_ms:,.0f} ms ({wait.steps:.1f} decode steps of "
+                 f"{wait.tpot_ms:,.0f} ms; {wait.share:.0%} of their mean TTFT), while no request waited for a slot: "
                  "the server starts new requests only when its running batch has finished (static batching), so "
-                 "each waits for the longest answer in flight."),
-        evidence=(Evidence(f"median wait before the prompt ran {where}", wait.loaded.median_ms, "ms", SOURCE),
-                  Evidence(f"the same at {wait.base.run.in_flight:.1f} in flight", wait.base.median_ms, "ms", SOURCE),
-                  Evidence("requests waiting for a slot at most", 0.0, "", "server metrics (waiting)"),
-                  Evidence(f"median TPOT {where}", tpot, "ms", "client")),
-        explains=LatencyShare(wait.extra_ms, wait.loaded.ttft_ms, f"median client TTFT {where}"),
+                 "each waits for the longest answer in flight, and their prompts then run all at once."),
+        evidence=(Evidence(f"mean wait before the prompt ran {where}", wait.mean_ms, "ms", SOURCE),
+                  Evidence("the path's own (p10 of the same, nothing waiting for a slot)", wait.path_ms, "ms", SOURCE),
+                  Evidence("that wait in decode steps (median TPOT)", wait.steps, "x", "client"),
+                  Evidence("requests waiting for a slot at most", 0.0, "", "server metrics (waiting)")),
+        explains=LatencyShare(wait.extra_ms, wait.ttft_ms, f"mean client TTFT {where}"),
         fixes=(Fix("turn continuous batching on, so a new request joins the running batch at its next step "
                    "(llama-server: drop --no-cont-batching; it is on by default)",
                    engine=LLAMACPP, engine_flags="--cont-batching"),))
