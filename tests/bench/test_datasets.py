@@ -23,6 +23,15 @@ def test_random_prompts_are_token_exact_with_the_model_tokenizer(embedded_tok: T
     assert min(lengths) >= 50 and max(lengths) <= 150 and len(set(lengths)) > 5
 
 
+def test_output_lengths_alone_can_spread() -> None:
+    """``output_range_ratio``: outputs spread, prompts keep one length (the doctor's ramp)."""
+    items = build_dataset(DatasetConfig(input_len=20, output_len=8, len_dist="uniform", output_range_ratio=0.5),
+                          FALLBACK, 40)
+    assert {it.turns[0].num_prompt_tokens for it in items} == {20}
+    outs = [it.turns[0].max_tokens for it in items]
+    assert min(outs) >= 4 and max(outs) <= 12 and len(set(outs)) > 4
+
+
 @pytest.mark.slow
 def test_shared_prefix_groups_share_their_prefix_tokens(embedded_tok: Tokenizer) -> None:
     cfg = DatasetConfig(kind="shared-prefix", input_len=80, prefix_len=64, num_prefixes=3, num_suffixes=4)

@@ -30,13 +30,15 @@ class DatasetError(ValueError):
 
 @dataclass(frozen=True)
 class DatasetConfig:
-    """How to build prompts. Lengths are tokens; ``range_ratio`` widens uniform/normal lengths."""
+    """How to build prompts. Lengths are tokens; ``range_ratio`` widens uniform/normal lengths (of the output
+    alone: ``output_range_ratio``, when set)."""
 
     kind: DatasetKind = "random"
     input_len: int = 128
     output_len: int = 64
     len_dist: LenDist = "fixed"
     range_ratio: float = 0.0
+    output_range_ratio: float | None = None
     num_prefixes: int = 4
     num_suffixes: int = 8
     prefix_len: int = 512
@@ -66,7 +68,8 @@ def _turn(tok: Tokenizer, text: str, max_tokens: int) -> Turn:
 def random_dataset(cfg: DatasetConfig, tok: Tokenizer, n: int) -> list[WorkItem]:
     rng = np.random.default_rng(cfg.seed)
     ins = sample_lengths(rng, cfg.input_len, cfg.len_dist, cfg.range_ratio, n)
-    outs = sample_lengths(rng, cfg.output_len, cfg.len_dist, cfg.range_ratio, n)
+    spread = cfg.range_ratio if cfg.output_range_ratio is None else cfg.output_range_ratio
+    outs = sample_lengths(rng, cfg.output_len, cfg.len_dist, spread, n)
     return [WorkItem(i, (_turn(tok, text_of_length(tok, ins[i], rng), outs[i]),)) for i in range(n)]
 
 

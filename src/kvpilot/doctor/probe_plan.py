@@ -158,8 +158,8 @@ def prompt_cap(max_model_len: int | None, output_len: int) -> int:
     return max(8, int((limit - output_len - 8) / TOKEN_SLACK))
 
 
-RAMP_LENGTH_SPREAD = 0.5
-"""The ramp's prompt and output lengths spread uniformly over +-50% of the short length and the output length: with
+RAMP_OUTPUT_SPREAD = 0.5
+"""The ramp's output lengths spread uniformly over +-50% of the output length (its prompts keep one length): with
 outputs of one length a batch finishes together, so a server that starts new requests only when its batch has
 finished looks like one that batches continuously (rules/prompt_gap.py)."""
 
@@ -231,6 +231,6 @@ def plan_after_baseline(limits: ProbeLimits, max_model_len: int | None, base: Ba
         phases.append(ProbePhase(
             f"ramp-{concurrency}", "queueing, static-batching, decode-bound (TPOT growth), kv-cache-pressure",
             DatasetConfig(kind="random", input_len=short, output_len=out, len_dist="uniform",
-                          range_ratio=RAMP_LENGTH_SPREAD, seed=10 + concurrency),
+                          output_range_ratio=RAMP_OUTPUT_SPREAD, seed=10 + concurrency),
             _closed(limits, concurrency, num, ramp_s)))
     return phases

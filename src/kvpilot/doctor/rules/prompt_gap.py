@@ -12,7 +12,9 @@ queue wait is reported, so the gap is read where one of its parts can be isolate
   within about one decode step (TPOT) of the path's cost: 0.6 steps measured on llama-server with 8 in flight
   and outputs of 4-12 tokens. A server that starts new requests only when its running batch has finished
   (``--no-cont-batching``) makes each wait for the longest answer in flight: 9.2 steps in the same run. Outputs of
-  one length hide it (the batch then finishes together), hence the probe's ramp varies them.
+  one length hide it (the batch then finishes together), hence the probe's ramp varies them. The wait must also be
+  a tenth of the TTFT: behind a slow hop the gap's jitter alone is a few steps (101 ms, 3.4 steps, 4% of the TTFT
+  behind a proxy adding 1.4 s).
 
 kvpilot's per-request stage timings and vLLM's TTFT histogram are read by the rules themselves; this module is
 for servers that report neither.
@@ -107,7 +109,8 @@ class BatchWait:
 
 def measure_batch_wait(ctx: RuleContext) -> BatchWait | None:
     """The readable run of at least two in flight whose requests waited the most decode steps beyond the path's
-    cost, when that is at least ``batch_wait_steps`` steps and ``network_min_ms``, and the client's own stalls
+    cost, when that is at least ``batch_wait_steps`` steps, ``network_min_ms`` and ``batch_wait_min_share`` of their
+    mean TTFT (a slow hop's jitter is a few percent of it), and the client's own stalls
     there (p99) are under ``client_lag_share_most`` of it; None otherwise, and when other users' long prompts were
     prefilled meanwhile (a request then waits for their step: foreign_prefill.py)."""
     th, path = ctx.th, path_gap(ctx)
@@ -120,7 +123,8 @@ def measure_batch_wait(ctx: RuleContext) -> BatchWait | None:
             continue
         ttft = statistics.fmean(r.ttft_ms for r in run.ok if r.ttft_ms is not None and r.server_prompt_ms is not None)
         found = BatchWait(run, statistics.fmean(gaps), path.low_ms, tpot, ttft)
-        if found.steps < th.batch_wait_steps or found.extra_ms < th.network_min_ms:
+        if found.steps < th.batch_wait_steps or found.extra_ms < th.network_min_ms or \
+                found.share < th.batch_wait_min_share:
             continue
         if run_client_lag(run).lag_ms >= th.client_lag_share_most * found.extra_ms:
             continue  # a stalled client reads the first chunk late by as much: the wait may be its own
