@@ -93,3 +93,29 @@ def closed_loop(n: int, concurrency: int, make: Callable[[int, float], RequestRe
         out.append(r)
         free[w] = r.sent_s + (r.e2e_ms or 0) / 1000 + 0.001
     return out
+
+
+LLAMA_METRICS = """# TYPE llamacpp:prompt_tokens_total counter
+llamacpp:prompt_tokens_total {prompt_tokens}
+# TYPE llamacpp:prompt_seconds_total counter
+llamacpp:prompt_seconds_total {prompt_seconds}
+# TYPE llamacpp:tokens_predicted_total counter
+llamacpp:tokens_predicted_total {predicted}
+# TYPE llamacpp:tokens_predicted_seconds_total counter
+llamacpp:tokens_predicted_seconds_total {predicted_seconds}
+# TYPE llamacpp:n_tokens_max counter
+llamacpp:n_tokens_max {longest}
+# TYPE llamacpp:requests_processing gauge
+llamacpp:requests_processing 8
+# TYPE llamacpp:requests_deferred gauge
+llamacpp:requests_deferred 0
+"""
+"""llama-server's /metrics (the series the doctor reads), as its build in ~/.cache/kvpilot-peers writes them."""
+
+
+def llama_metrics(path: Path, *, prompt_tokens: float, prompt_seconds: float, predicted: float = 0.0,
+                  predicted_seconds: float = 0.0, longest: float = 0.0) -> str:
+    """One scrape of :data:`LLAMA_METRICS` written to ``path``; returns the path (for --metrics-file)."""
+    path.write_text(LLAMA_METRICS.format(prompt_tokens=prompt_tokens, prompt_seconds=prompt_seconds,
+                                         predicted=predicted, predicted_seconds=predicted_seconds, longest=longest))
+    return str(path)

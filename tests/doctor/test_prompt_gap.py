@@ -13,7 +13,7 @@ from kvpilot.bench.records import RequestRecord
 from kvpilot.doctor.diagnose import DoctorReport, diagnose
 from kvpilot.doctor.findings import Severity
 from kvpilot.doctor.inputs import load_inputs
-from tests.doctor.builders import closed_loop, req, run, samples, write
+from tests.doctor.builders import closed_loop, llama_metrics, req, run, samples, write
 
 PREFILL_MS, TPOT_MS = 20.0, 12.0
 
@@ -85,28 +85,6 @@ def test_engine_prompt_ms_reads_llama_server_timings() -> None:
     assert engine_prompt_ms({"timings": {"prompt_ms": True}}) is None
 
 
-LLAMA_METRICS = """# TYPE llamacpp:prompt_tokens_total counter
-llamacpp:prompt_tokens_total {prompt_tokens}
-# TYPE llamacpp:prompt_seconds_total counter
-llamacpp:prompt_seconds_total {prompt_seconds}
-# TYPE llamacpp:tokens_predicted_total counter
-llamacpp:tokens_predicted_total {predicted}
-# TYPE llamacpp:tokens_predicted_seconds_total counter
-llamacpp:tokens_predicted_seconds_total {predicted_seconds}
-# TYPE llamacpp:n_tokens_max counter
-llamacpp:n_tokens_max {longest}
-# TYPE llamacpp:requests_processing gauge
-llamacpp:requests_processing 8
-# TYPE llamacpp:requests_deferred gauge
-llamacpp:requests_deferred 0
-"""
-
-
-def _llama_metrics(path: Path, **values: float) -> str:
-    path.write_text(LLAMA_METRICS.format(**values))
-    return str(path)
-
-
 @pytest.mark.parametrize("longest", [2100.0, 70.0])
 def test_other_clients_long_prompts_seen_in_llama_server_counters(tmp_path: Path, longest: float) -> None:
     """llama-server exports no prompt histogram: the prompt tokens it processed beyond the probe's own (12 of
@@ -118,9 +96,9 @@ def test_other_clients_long_prompts_seen_in_llama_server_counters(tmp_path: Path
     result = write(tmp_path / "loaded.json", [run("concurrency=8", records, concurrency=8,
                                                   metrics=samples(end, running=8, waiting=0, kv=0.3))])
     own = sum(r.num_prompt_tokens or 0 for r in records)
-    before = _llama_metrics(tmp_path / "before.txt", prompt_tokens=1000, prompt_seconds=5, predicted=100,
+    before = llama_metrics(tmp_path / "before.txt", prompt_tokens=1000, prompt_seconds=5, predicted=100,
                             predicted_seconds=2, longest=longest)
-    after = _llama_metrics(tmp_path / "after.txt", prompt_tokens=1000 + own + 12 * 2000,
+    after = llama_metrics(tmp_path / "after.txt", prompt_tokens=1000 + own + 12 * 2000,
                            prompt_seconds=5 + 0.9 * end, predicted=100 + 16 * 32, predicted_seconds=2 + 0.5 * end,
                            longest=longest)
     report = diagnose(load_inputs([result], [before, after]))

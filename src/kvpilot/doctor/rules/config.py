@@ -12,6 +12,7 @@ import math
 
 from kvpilot.doctor.findings import Evidence, Finding, Fix, Severity, clamp01
 from kvpilot.doctor.rules.context import RuleContext
+from kvpilot.doctor.rules.kv_bound import estimated_pool_too_small
 from kvpilot.doctor.rules.kv_cache import prefix_cache_miss, shared_prefix_traffic
 from kvpilot.doctor.server_config import ServerConfig
 from kvpilot.doctor.signals import median, quantile
@@ -39,8 +40,11 @@ def _memory_for(cfg: ServerConfig, num_tokens: int) -> int | None:
 
 def kv_pool_too_small(ctx: RuleContext) -> Finding | None:
     """The KV pool holds fewer than a few ``max_model_len`` requests: one long request takes most of
-    it, and the others wait (or are preempted) however short they are."""
+    it, and the others wait (or are preempted) however short they are. A pool the server does not report is bounded
+    from the requests it failed for a full buffer (kv_bound.py)."""
     cfg, th = ctx.inputs.server_config, ctx.th
+    if cfg is not None and cfg.num_kv_tokens is None:  # a pool no endpoint reports (llama-server's unified buffer)
+        return estimated_pool_too_small(ctx)
     held = cfg.max_len_requests if cfg is not None else None
     if cfg is None or held is None or held >= th.min_max_len_requests:
         return None

@@ -65,8 +65,10 @@ def _measured_seconds(ctx: RuleContext) -> float:
 
 
 def _sent(ctx: RuleContext) -> list[RequestRecord]:
-    """The measured requests that succeeded, and those a probe set aside: the server prefilled both."""
-    return ctx.inputs.ok_records + [r for r in ctx.inputs.set_aside if r.ok]
+    """The requests the measurement sent, failed ones and those a probe set aside included: the server prefilled
+    them all (a request failed for a full KV buffer after its prompt ran)."""
+    return [r for run in ctx.inputs.runs for r in run.records if r.num_prompt_tokens] + \
+        [r for r in ctx.inputs.set_aside if r.num_prompt_tokens]
 
 
 def _long_bound(ctx: RuleContext, ours: list[float]) -> float:

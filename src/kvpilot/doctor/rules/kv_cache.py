@@ -5,6 +5,7 @@ from __future__ import annotations
 from kvpilot.doctor.findings import Evidence, Finding, Fix, Severity, clamp01
 from kvpilot.doctor.inputs import kv_full_phrase
 from kvpilot.doctor.rules.context import RuleContext
+from kvpilot.doctor.rules.kv_bound import estimated_pool_too_small
 from kvpilot.doctor.rules.prefix_reuse import (PrefixReuse, evicted_by_full_pool, expected_hit_rate,
                                                prefix_shortfall, shared_groups)
 from kvpilot.doctor.rules.routing import measure_routing
@@ -25,12 +26,14 @@ OFFLOAD_FIX = Fix("keep the prefix blocks the pool evicts in host memory and cop
 
 def kv_full_refusals(ctx: RuleContext) -> Finding | None:
     """Requests the server failed because its KV buffer was full: the pool is too small for the traffic in flight,
-    whatever its metrics say (a llama-server reports no pool size the doctor can read)."""
+    whatever its metrics say (a llama-server reports no pool size the doctor can read). Defers to kv-pool-too-small
+    when the failures bound the pool below a few requests of the context (kv_bound.py): that is the cause."""
     records = [r for run in ctx.inputs.runs for r in run.records]
     refused = [phrase for r in records if not r.ok and (phrase := kv_full_phrase(r.error))]
     if not refused:
         return None
     share = len(refused) / len(records)
+    bounded = estimated_pool_too_small(ctx)  # the pool holds too few requests of the context: the cause
     return Finding(
         rule_id="kv-cache-pressure", title="The KV cache is full: the server fails requests", severity=Severity.HIGH,
         confidence=0.95, impact=clamp01(max(share, 0.5)),
@@ -40,6 +43,7 @@ def kv_full_refusals(ctx: RuleContext) -> Finding | None:
                  "it (llama-server's unified KV buffer: --ctx-size, shared by its --parallel slots)."),
         evidence=(Evidence("requests failed for a full KV cache", len(refused), "", "client"),
                   Evidence("share of requests sent", share, "%", "client")),
+        defers_to=bounded.rule_id if bounded is not None else "",
         fixes=(Fix("give the KV buffer room for every slot's context (llama-server: --ctx-size = --parallel x the "
                    "context a request needs)", kvpilot="--kv-cache-memory <2x current>",
                    vllm="--gpu-memory-utilization 0.95 (or --kv-cache-memory-bytes)"),
