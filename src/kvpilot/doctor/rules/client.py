@@ -101,31 +101,48 @@ def client_overload(ctx: RuleContext) -> Finding | None:
         if worst.ttft_ms else None))
 
 
+@dataclass(frozen=True)
+class TtftGap:
+    """Client TTFT beyond the server's (``gap_ms``), both sides, where the server's side came from, and how far the
+    pairing of the two can be trusted."""
+
+    gap_ms: float
+    client_ms: float
+    server_ms: float
+    source: str
+    confidence: float
+
+
+def _ttft_gap(ctx: RuleContext) -> TtftGap | None:
+    """The client-server TTFT gap: medians of kvpilot's per-request timings; else means against the server's TTFT histogram over the same
+    interval (client_added_ttft; the same requests only if it was scraped around the run, hence the lower
+    confidence); else llama-server's prompt time plus the quickest requests' time outside their prompt
+    (rules/prompt_gap.py). None without any of them."""
+    pairs = [(r.ttft_ms, r.server.ttft_ms) for run in ctx.inputs.runs for r in run.with_server
+             if r.ttft_ms is not None and r.server is not None]
+    if len(pairs) >= ctx.th.min_requests:
+        return TtftGap(median(c - s for c, s in pairs) or 0.0, median(c for c, _ in pairs) or 0.0,
+                       median(s for _, s in pairs) or 0.0, "kvpilot server timings", 0.9)
+    added = client_added_ttft(ctx)
+    if added is not None and added.source == SERVER_HISTOGRAM:
+        return TtftGap(added.added_ms, added.client_ms, added.client_ms - added.added_ms,
+                       "client mean vs the server's TTFT histogram (vllm:time_to_first_token_seconds)", 0.5)
+    path = path_gap(ctx)
+    if path is not None:
+        return TtftGap(path.low_ms, path.ttft_ms, path.ttft_ms - path.low_ms,
+                       f"p10 of {PROMPT_GAP}, nothing waiting for a slot", 0.7)
+    return None
+
+
 def network_overhead(ctx: RuleContext) -> Finding | None:
     """Client TTFT well above the server's own TTFT: a proxy, gateway or long network path. The server's TTFT is
     kvpilot's per-request timing, else vLLM's TTFT histogram mean, else (llama-server) its prompt time plus the
     quickest requests' time outside their prompt: what every request spent on the path (rules/prompt_gap.py)."""
-    th = ctx.th
-    pairs = [(r.ttft_ms, r.server.ttft_ms) for run in ctx.inputs.runs for r in run.with_server
-             if r.ttft_ms is not None and r.server is not None]
-    source, confidence = "kvpilot server timings", 0.9
-    if len(pairs) >= th.min_requests:
-        gap, client_ttft = median(c - s for c, s in pairs), median(c for c, _ in pairs)
-        server_ttft = median(s for _, s in pairs)
-    else:  # vLLM: client mean TTFT against the server's TTFT histogram mean (same requests only if
-        # the metrics file was scraped around the run, hence the lower confidence)
-        snap = ctx.inputs.metrics
-        ok = ctx.inputs.ok_records
-        server_ttft = snap.mean_ms("ttft") if snap is not None else None
-        client_ttft = sum(r.ttft_ms or 0.0 for r in ok) / len(ok) if len(ok) >= th.min_requests else None
-        path = path_gap(ctx) if server_ttft is None or client_ttft is None else None
-        if path is not None:  # llama-server: the quickest requests' time outside their prompt (rules/prompt_gap.py)
-            gap, client_ttft, server_ttft = path.low_ms, path.ttft_ms, path.ttft_ms - path.low_ms
-            source, confidence = f"p10 of {PROMPT_GAP}, nothing waiting for a slot", 0.7
-        elif server_ttft is None or client_ttft is None:
-            return None
-        else:
-            gap, source, confidence = client_ttft - server_ttft, "client mean vs vllm:time_to_first_token_seconds", 0.5
+    th, found = ctx.th, _ttft_gap(ctx)
+    if found is None:
+        return None
+    gap, client_ttft, server_ttft = found.gap_ms, found.client_ms, found.server_ms
+    source, confidence = found.source, found.confidence
     share = ratio(gap, client_ttft)
     if gap is None or share is None or gap < th.network_min_ms or share < th.network_share_of_ttft:
         return None
