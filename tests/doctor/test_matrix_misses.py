@@ -209,17 +209,21 @@ def _server_metrics(tmp: Path, name: str, prompts: list[tuple[int, float]], step
     return str(path)
 
 
-def _long_prompts(tmp: Path, num_foreign: int) -> tuple[list[str], list[str]]:
+def _long_prompts(tmp: Path, num_foreign: int, queue_ms: float = 0.5) -> tuple[list[str], list[str]]:
     """The long-prompts cell: the probe's 48 short chats (64 tokens, 8 out) at 8 in flight decode a token every
     ~600 ms on a default kvpilot server (the embedded GGUF on a CPU), while another client's ``num_foreign``
     2,000-token prompts are each prefilled in one 1.2 s step. The probe sees none of them; the server's two
-    scrapes (before and after) count them."""
+    scrapes (before and after) count them. ``queue_ms``: what each probe request waited before it ran (for the
+    step under way: the waiting gauge stays 0, at most 7 of a cap of 256 run)."""
     rng = random.Random(13)
-    recs = closed_loop(48, 8, lambda i, t: req(i, t, prompt=64, prefill=jitter(rng, 100), num_out=8,
+    recs = closed_loop(48, 8, lambda i, t: req(i, t, prompt=64, prefill=jitter(rng, 100), num_out=8, queue=queue_ms,
                                                itl=[jitter(rng, 600, 0.3) for _ in range(7)]))
     capacity = capacity_json(2048, 8192, fit_model=str(default_model_path()), fit_device="cpu", dtype="bfloat16",
                              quantization="gguf", weight_bits=5.74, max_num_batched_tokens=4096)
-    result = write(tmp / f"long-{num_foreign}.json", [run("ramp-8", recs, concurrency=8)], capacity=capacity)
+    end = max(r.sent_s + (r.e2e_ms or 0) / 1000 for r in recs)
+    result = write(tmp / f"long-{num_foreign}.json",
+                   [run("ramp-8", recs, concurrency=8, metrics=samples(end, running=7, waiting=0, kv=0.2))],
+                   capacity=capacity)
     before = _server_metrics(tmp, "before.txt", [(64, 0.05)] * 5, [64] * 5)
     probe = [(64, 0.1)] * 48
     foreign = [(2000, 1.2)] * num_foreign
@@ -330,3 +334,16 @@ def test_histories_that_outgrow_the_pools_blocks_were_evicted() -> None:
     assert _evicting(ctx(ServerConfig("capacity", num_blocks=11, block_size=16)), turns)
     assert not _evicting(ctx(ServerConfig("capacity", num_blocks=12, block_size=16)), turns)
     assert not _evicting(ctx(None), turns)
+
+
+def test_a_queue_wait_for_other_clients_long_steps_defers_to_them(tmp_path: Path) -> None:
+    """The long-prompts cell once ranked queueing first: each probe request waited ~2.7 s before it ran, while no
+    request waited in the server's queue and 7 of a cap of 256 ran: they waited for the steps another client's
+    long prompts made long. queueing then says so and defers to prefill-interrupts-decode, which leads."""
+    results, metrics = _long_prompts(tmp_path, 12, queue_ms=2700.0)
+    report = diagnose(load_inputs(results, metrics))
+    assert report.findings[0].rule_id == "prefill-interrupts-decode", _ids(report)
+    queueing = next(f for f in report.findings if f.rule_id == "queueing")
+    assert queueing.defers_to == "prefill-interrupts-decode" and "long prompts" in queueing.summary
+    alone = diagnose(load_inputs(*_long_prompts(tmp_path, 0, queue_ms=2700.0)))
+    assert next(f for f in alone.findings if f.rule_id == "queueing").defers_to == ""

@@ -51,8 +51,9 @@ def test_candidates_follow_the_ranking_and_metrics_say_which_way_is_better(tmp_p
     report = diagnose(load_inputs(*SCENARIOS["queueing"](tmp_path)[:2]))
     candidates = _candidates(report, "kvpilot")
     assert candidates[0][0].rule_id == "queueing" and candidates[0][1] == ["--max-num-seqs", "2"]
-    throughput = METRICS["queueing"]  # a batch cap limits work done: higher is better
+    throughput = METRICS["static-batching"]  # a batch cap limits work done: higher is better
     assert not throughput.lower_is_better and _helped(throughput, 10.0, 11.5) and not _helped(throughput, 10.0, 10.5)
+    assert METRICS["queueing"].lower_is_better  # the queue wait is inside TTFT: lower is better
     ttft = METRICS["prefix-cache-miss"]
     assert ttft.lower_is_better and _helped(ttft, 1000.0, 850.0) and not _helped(ttft, 1000.0, 950.0)
     assert not _helped(ttft, 1000.0, None) and DEFAULT_METRIC.lower_is_better

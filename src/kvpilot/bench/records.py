@@ -5,6 +5,7 @@ All times in records are milliseconds; ``*_s`` fields are seconds on the run's c
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -117,6 +118,14 @@ class RequestRecord:
         if not self.ok or self.ttft_ms is None or self.e2e_ms is None or self.num_output_tokens < 2:
             return None
         return (self.e2e_ms - self.ttft_ms) / (self.num_output_tokens - 1)
+
+    @property
+    def chunk_times_s(self) -> list[float]:
+        """When each streamed chunk arrived, seconds on the run's clock (``sent_s``'s); empty without a first one."""
+        if self.ttft_ms is None:
+            return []
+        first = self.sent_s + self.ttft_ms / 1000.0
+        return [first + gap / 1000.0 for gap in itertools.accumulate((0.0, *self.itl_ms))]
 
     def to_json(self, include_text: bool = False) -> dict[str, Any]:
         d = asdict(self)

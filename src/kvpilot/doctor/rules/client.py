@@ -114,9 +114,9 @@ class TtftGap:
 
 
 def _ttft_gap(ctx: RuleContext) -> TtftGap | None:
-    """The client-server TTFT gap: medians of kvpilot's per-request timings; else means against the server's TTFT histogram over the same
-    interval (client_added_ttft; the same requests only if it was scraped around the run, hence the lower
-    confidence); else llama-server's prompt time plus the quickest requests' time outside their prompt
+    """The client-server TTFT gap: medians of kvpilot's per-request timings; else means against the server's TTFT
+    histogram over the same interval (client_added_ttft; the same requests only if it was scraped around the run,
+    hence the lower confidence); else llama-server's prompt time plus the quickest requests' time outside their prompt
     (rules/prompt_gap.py). None without any of them."""
     pairs = [(r.ttft_ms, r.server.ttft_ms) for run in ctx.inputs.runs for r in run.with_server
              if r.ttft_ms is not None and r.server is not None]

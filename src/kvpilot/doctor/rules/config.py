@@ -13,11 +13,10 @@ import math
 from kvpilot.doctor.findings import Evidence, Finding, Fix, Severity, clamp01
 from kvpilot.doctor.rules.context import RuleContext
 from kvpilot.doctor.rules.kv_bound import estimated_pool_too_small
-from kvpilot.doctor.rules.kv_cache import prefix_cache_miss, shared_prefix_traffic
+from kvpilot.doctor.rules.kv_cache import MIB, prefix_cache_miss, shared_prefix_traffic
 from kvpilot.doctor.server_config import ServerConfig
 from kvpilot.doctor.signals import median, quantile
 
-MIB = 2**20
 
 
 def _measured_pressure(ctx: RuleContext) -> bool:

@@ -20,6 +20,7 @@ from kvpilot.doctor.prometheus import MetricsSnapshot
 from kvpilot.doctor.rules.context import RuleContext
 from kvpilot.doctor.signals import median
 
+FOREIGN_TITLE = "Long prompts stall decodes"
 CHUNK_TOKENS = 512
 """The prefill chunk the fixes propose (kvpilot's and vLLM's --max-num-batched-tokens): short enough that a
 decode step sharing it waits a fraction of a long prompt's prefill."""
@@ -152,7 +153,7 @@ def long_prompts_stall_decodes(ctx: RuleContext) -> Finding | None:
     evidence.append(Evidence("median TPOT at the highest load", tpot, "ms", "client"))
     part = f.engine_share * tpot
     return Finding(
-        rule_id="prefill-interrupts-decode", title="Long prompts stall decodes",
+        rule_id="prefill-interrupts-decode", title=FOREIGN_TITLE,
         severity=Severity.HIGH if f.engine_share >= th.client_lag_share_most else Severity.MEDIUM,
         confidence=0.8 if unchunked else 0.6, impact=f.engine_share,
         summary=(f"{f.num_long:.0f} prompts of ~{f.long_tokens:,.0f} tokens that the measured clients did not send "

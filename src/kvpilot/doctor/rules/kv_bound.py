@@ -11,7 +11,6 @@ taken only when the server's prompt-token counter saw no more prompt tokens than
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 from kvpilot.bench.records import RequestRecord
@@ -24,21 +23,13 @@ FOREIGN_SLACK = 0.1
 request's prompt may have been processed in part, and a retried one twice."""
 
 
-def _chunk_times(r: RequestRecord) -> list[float]:
-    """When each streamed chunk arrived, seconds on the run's clock (a chunk carries about one token)."""
-    if r.ttft_ms is None:
-        return []
-    first = r.sent_s + r.ttft_ms / 1000.0
-    return [first + gap / 1000.0 for gap in itertools.accumulate((0.0, *r.itl_ms))]
-
-
 def _held_at(r: RequestRecord, t: float) -> int:
     """Tokens ``r`` held in the KV buffer at ``t`` as the client saw it: its prompt and the tokens received so far,
     from its send to its end (none outside)."""
     end = r.sent_s + (r.e2e_ms or 0.0) / 1000.0
     if not r.sent_s <= t < end:
         return 0
-    return (r.num_prompt_tokens or 0) + sum(1 for c in _chunk_times(r) if c <= t)
+    return (r.num_prompt_tokens or 0) + sum(1 for c in r.chunk_times_s if c <= t)
 
 
 @dataclass(frozen=True)
@@ -64,7 +55,7 @@ def pool_bound(ctx: RuleContext) -> PoolBound | None:
     best: PoolBound | None = None
     for r in refused:
         t = r.sent_s + (r.e2e_ms or 0.0) / 1000.0
-        needed = (r.num_prompt_tokens or 0) + len(_chunk_times(r)) + 1
+        needed = (r.num_prompt_tokens or 0) + len(r.chunk_times_s) + 1
         total = needed + sum(_held_at(o, t) for o in records if o is not r)
         if best is None or total < best.max_tokens:
             best = PoolBound(total, needed, len(refused))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from kvpilot.doctor.findings import Evidence, Finding, Fix, Severity, clamp01
 from kvpilot.doctor.inputs import kv_full_phrase
 from kvpilot.doctor.rules.context import RuleContext
@@ -10,6 +12,8 @@ from kvpilot.doctor.rules.prefix_reuse import (PrefixReuse, evicted_by_full_pool
                                                prefix_shortfall, shared_groups)
 from kvpilot.doctor.rules.routing import measure_routing
 from kvpilot.doctor.signals import ratio
+
+MIB = 2**20
 
 
 def pool_explains_pressure(ctx: RuleContext) -> float | None:
@@ -102,8 +106,7 @@ def kv_pressure(ctx: RuleContext) -> Finding | None:
                  + (", and running requests are preempted and recomputed" if preempt else "") + "."
                  + (_eviction_summary(reuse) if evicted and reuse is not None else "")),
         evidence=tuple(evidence),
-        fixes=((OFFLOAD_FIX,) if evicted else ()) + (Fix("give the KV cache more memory", kvpilot="--kv-cache-memory <2x current>",
-                   vllm="--gpu-memory-utilization 0.95 (or --kv-cache-memory-bytes)"),
+        fixes=_pressure_fixes(ctx, full or preempt > 0, bool(evicted)) + (
                Fix("store KV in fewer bits: fp8 halves a 16-bit cache, bfloat16 halves a float32 one",
                    kvpilot="--kv-cache-dtype fp8 (bfloat16 for a float32 model)", vllm="--kv-cache-dtype fp8"),
                Fix("cap the context length so fewer blocks are reserved per request",
@@ -112,6 +115,26 @@ def kv_pressure(ctx: RuleContext) -> Finding | None:
                    vllm="--max-num-seqs <lower>"),
                Fix("add memory: more GPUs (tensor parallel) or a larger GPU", vllm="--tensor-parallel-size 2")),
         defers_to="kv-pool-too-small" if held is not None else "")
+
+
+def _more_memory(ctx: RuleContext) -> Fix:
+    """Twice the KV memory the server reports (kvpilot's capacity endpoint), so --verify can apply it; a
+    placeholder where the current size is not known."""
+    cfg = ctx.inputs.server_config
+    current = cfg.kv_cache_memory_bytes if cfg is not None else None
+    return Fix("give the KV cache more memory",
+               kvpilot=f"--kv-cache-memory {math.ceil(2 * current / MIB)}MiB" if current else
+               "--kv-cache-memory <2x current>",
+               vllm="--gpu-memory-utilization 0.95 (or --kv-cache-memory-bytes)")
+
+
+def _pressure_fixes(ctx: RuleContext, full: bool, evicted: bool) -> tuple[Fix, ...]:
+    """A pool that filled (or preempted) needs room first; one that only evicted cached prefixes it still had room
+    around can keep them in a slower tier instead (KV offload), which adds a copy back to every reuse."""
+    room = _more_memory(ctx)
+    if not evicted:
+        return (room,)
+    return (room, OFFLOAD_FIX) if full else (OFFLOAD_FIX, room)
 
 
 def _eviction_summary(reuse: PrefixReuse) -> str:

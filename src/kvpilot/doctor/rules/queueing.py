@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kvpilot.doctor.findings import Evidence, Finding, Fix, LatencyShare, Severity, clamp01
 from kvpilot.doctor.rules.context import RuleContext
+from kvpilot.doctor.rules.foreign_prefill import measure_foreign_prefill
 from kvpilot.doctor.split import LatencySplit
 from kvpilot.doctor.signals import pearson, ratio, slope
 
@@ -35,6 +36,7 @@ def queueing(ctx: RuleContext) -> Finding | None:
         return None
     kv_full = (view.kv_usage_max or 0.0) >= th.kv_usage_high
     running = view.running_max
+    behind_prefill = _waited_for_foreign_prefill(ctx, running)
     evidence = []
     if queue is not None and share is not None and split is not None:
         stat = "median" if split.source == "server timings" else "mean"
@@ -49,6 +51,8 @@ def queueing(ctx: RuleContext) -> Finding | None:
         evidence.append(Evidence("requests refused (HTTP 429, admission queue full)", rejected, "",
                                  "client" if ctx.inputs.runs else "kvpilot:requests_rejected"))
     cause = ("the KV cache is full, so no new request fits (see kv-cache-pressure)" if kv_full else
+             "no slot was short (none waited for one): they waited for steps that other clients' long prompts "
+             "made long (see prefill-interrupts-decode)" if behind_prefill else
              f"at most {running:.0f} requests run at once: a batch-size cap (--max-num-seqs)"
              if running is not None else "the server runs fewer requests at once than arrive")
     cap = max(2, int(2 * (running or 1)))
@@ -72,7 +76,18 @@ def queueing(ctx: RuleContext) -> Finding | None:
         summary=(f"Queueing dominates: {cause}." if share is None else
                  f"Requests wait {queue:.0f} ms before running, {share:.0%} of the server's TTFT: {cause}."),
         evidence=tuple(evidence), fixes=tuple(fixes), explains=explains,
-        defers_to="kv-cache-pressure" if kv_full else "")
+        defers_to="kv-cache-pressure" if kv_full else "prefill-interrupts-decode" if behind_prefill else "")
+
+
+def _waited_for_foreign_prefill(ctx: RuleContext, running: float | None) -> bool:
+    """Whether the queue time was a wait for the running step rather than for a slot: fewer requests ran than the
+    server's cap, none waited in its queue (a request that arrives during a step waits for its end outside the
+    scheduler's queue), and other clients' long prompts were prefilled meanwhile (foreign_prefill.py)."""
+    cfg, waiting = ctx.inputs.server_config, ctx.view.waiting_max
+    cap = cfg.max_num_seqs if cfg is not None else None
+    if cap is None or running is None or running >= cap or waiting is None or waiting > 0:
+        return False
+    return measure_foreign_prefill(ctx) is not None
 
 
 def _at(split: LatencySplit) -> str:
