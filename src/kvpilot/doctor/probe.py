@@ -21,14 +21,13 @@ from kvpilot.bench.api import BenchConfig, BenchError, run_bench
 from kvpilot.bench.arrivals import LoadShapeError
 from kvpilot.bench.client import Target
 from kvpilot.bench.datasets import DatasetError
-from kvpilot.bench.records import RequestRecord
 from kvpilot.bench.tokens import Tokenizer, TokenizerError, load_tokenizer
 from kvpilot.doctor.engine_config import fetch_engine_config
 from kvpilot.doctor.engines import detect_engine
 from kvpilot.doctor.errors import DoctorInputError
 from kvpilot.doctor.inputs import DoctorInputs, inputs_from_documents, kv_full_phrase, runs_from_result
 from kvpilot.doctor.probe_plan import (Baseline, ProbeLimits, ProbePhase, RampPoint, baseline_phase,
-                                       knee_reason, plan_after_baseline)
+                                       knee_reason, plan_after_baseline, steady_throughput)
 from kvpilot.doctor.prometheus import MetricsSnapshot, metrics_delta, parse_prometheus_text
 from kvpilot.doctor.resources import ResourceUsage, meter_for, remote_usage
 from kvpilot.doctor.rules.client_lag import RunClientLag, lag_is_most, run_client_lag
@@ -235,18 +234,6 @@ def ramp_point(result: PhaseResult) -> RampPoint:
     throughput = (steady_throughput(runs[0].records) or runs[0].output_throughput) if runs else 0.0
     failed = 1.0 - result.num_ok / result.num_sent if result.num_sent else 1.0
     return RampPoint(result.phase.load.concurrency or 1, throughput, failed)
-
-
-def steady_throughput(records: tuple[RequestRecord, ...]) -> float | None:
-    """Streamed chunks a second (about one token each) from the first request sent to the last: while every client
-    of the closed loop had a request in flight. After the last send the clients run dry one by one, and with output
-    lengths spread (the ramp's) the slots idle for the rest of the longest answer: a tail that weighs more at a
-    lower concurrency and bent the saturation knee. None for a window under 0.1 s or without chunks in it."""
-    start, end = min((r.sent_s for r in records), default=0.0), max((r.sent_s for r in records), default=0.0)
-    if end - start < 0.1:
-        return None
-    chunks = sum(1 for r in records if r.ok for t in r.chunk_times_s if start <= t <= end)
-    return chunks / (end - start) if chunks else None
 
 
 def baseline_of(result: PhaseResult, url: str) -> Baseline:

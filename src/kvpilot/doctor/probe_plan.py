@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 
 from kvpilot.bench.datasets import DatasetConfig
 from kvpilot.bench.load import LoadShape
+from kvpilot.bench.records import RequestRecord
 
 DEFAULT_MAX_MODEL_LEN = 2048
 """Assumed context limit when ``/v1/models`` does not say (vLLM and kvpilot report ``max_model_len``)."""
@@ -91,6 +92,18 @@ class RampPoint:
     concurrency: int
     output_throughput: float
     failed_share: float = 0.0
+
+
+def steady_throughput(records: tuple[RequestRecord, ...]) -> float | None:
+    """Streamed chunks a second (about one token each) from the first request sent to the last: while every client
+    of the closed loop had a request in flight. After the last send the clients run dry one by one, and with output
+    lengths spread (the ramp's) the slots idle for the rest of the longest answer: a tail that weighs more at a
+    lower concurrency and bent the saturation knee. None for a window under 0.1 s or without chunks in it."""
+    start, end = min((r.sent_s for r in records), default=0.0), max((r.sent_s for r in records), default=0.0)
+    if end - start < 0.1:
+        return None
+    chunks = sum(1 for r in records if r.ok for t in r.chunk_times_s if start <= t <= end)
+    return chunks / (end - start) if chunks else None
 
 
 def knee_reason(points: list[RampPoint]) -> str | None:
