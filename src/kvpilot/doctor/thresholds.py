@@ -125,14 +125,15 @@ class Thresholds:
     batch_wait_steps: float = 2.0
     """Static batching seen in requests' own times (rules/prompt_gap.py): a loaded run's requests waited at least
     this many decode steps (median TPOT) beyond the path's cost before their prompt ran, on average. A continuously
-    batching server adds a new request to its next step: 0.6 steps measured on llama-server, 9.2 without."""
+    batching server adds a new request to its next step: under one step (docs/doctor.md, "llama-server's prompt
+    time per request")."""
 
     batch_wait_share: float = 0.3
     """Static batching seen in requests' own times: high when that wait is at least this share of the mean TTFT."""
 
     batch_wait_min_share: float = 0.1
-    """Static batching seen in requests' own times: no finding under this share of the mean TTFT (21% measured
-    without continuous batching; behind a slow hop the gap's jitter made 4%)."""
+    """Static batching seen in requests' own times: no finding under this share of the mean TTFT (behind a slow hop
+    the gap's jitter alone is a few steps, but a few percent of the TTFT)."""
 
     max_client_lag_ms: float = 10.0
     """Client limits: p99 dispatch or event-loop lag of the load generator above this taints latencies

@@ -110,7 +110,7 @@ OFFLOAD_FLAG = "--kv-offloading-size"
 METRICS: dict[str, Metric] = {
     "prefix-recomputed": REUSE_TTFT,
     # queueing is the wait for a slot, inside TTFT: on a compute-bound host a larger batch barely raises throughput
-    # (+9% from 2 to 4 sequences on 2 CPU cores) while the queue wait it removes is most of the TTFT
+    # while the queue wait it removes is most of the TTFT
     "queueing": TTFT_AT_PEAK, "static-batching": THROUGHPUT, "kv-cache-pressure": TTFT_AT_PEAK,
     "kv-pool-too-small": TTFT_AT_PEAK, "max-num-seqs-over-kv": TTFT_AT_PEAK,
     "token-budget-below-seqs": PEAK_TPOT, "decode-bound": PEAK_TPOT,

@@ -9,12 +9,11 @@ queue wait is reported, so the gap is read where one of its parts can be isolate
 * **The path's own cost**: the quickest requests' gap (p10 over those runs). A hop delays every request; a wait
   for the batch only some.
 * **Static batching**: a continuously batching server adds a new request to its next step, so the mean gap stays
-  within about one decode step (TPOT) of the path's cost: 0.6 steps measured on llama-server with 8 in flight
-  and outputs of 4-12 tokens. A server that starts new requests only when its running batch has finished
-  (``--no-cont-batching``) makes each wait for the longest answer in flight: 9.2 steps in the same run. Outputs of
-  one length hide it (the batch then finishes together), hence the probe's ramp varies them. The wait must also be
-  a tenth of the TTFT: behind a slow hop the gap's jitter alone is a few steps (101 ms, 3.4 steps, 4% of the TTFT
-  behind a proxy adding 1.4 s).
+  within about one decode step (TPOT) of the path's cost. A server that starts new requests only when its running
+  batch has finished (``--no-cont-batching``) makes each wait for the longest answer in flight: several steps
+  (docs/doctor.md has the measurement). Outputs of one length hide it (the batch then finishes together), hence
+  the probe's ramp varies them. The wait must also be a share of the TTFT: behind a slow hop the gap's jitter alone
+  is a few steps, but a small part of the TTFT.
 
 kvpilot's per-request stage timings and vLLM's TTFT histogram are read by the rules themselves; this module is
 for servers that report neither.
