@@ -103,13 +103,12 @@ def test_full_probe_ramps_to_the_saturation_knee_and_stops(scripted: ScriptedPro
     """A server that runs 4 requests at a time: throughput doubles from 1 to 2 to 4 in flight and stays flat
     at 8, so the full probe's ramp stops there (not at --max-concurrency 32) and names the knee at 4. A closed
     loop of 4 leaves a slot idle for the client's turnaround after each request (an 8-deep loop does not), so
-    requests last ~1.1 s: a turnaround of 30 ms on a loaded 2-core box is 3%, under a third of the knee's 10% (at
-    155 ms it once crossed it, and with requests of 0.58 s, 60 ms under a parallel test run did). 8-second phases
-    (24 by default) send whole rounds."""
-    scripted.set_script(Behavior(ttft_s=1.0, itl_s=0.005), max_running=4)
+    requests last ~0.58 s: a turnaround of 30 ms on a loaded 2-core box is 5%, half the knee's 10% (at 155 ms it
+    once crossed it). 5-second phases (24 by default) send whole rounds (16 requests at ramp-4, 32 at ramp-8)."""
+    scripted.set_script(Behavior(ttft_s=0.5, itl_s=0.005), max_running=4)
     try:
         result = CliRunner().invoke(_cli(), ["--url", scripted.base_url, "--json", "--max-concurrency", "32",
-                                             "--phase-seconds", "8"])
+                                             "--phase-seconds", "5"])
     finally:
         scripted.set_script(Behavior())
     doc = json.loads(result.stdout)

@@ -11,7 +11,7 @@ from kvpilot.doctor.current_settings import drop_noop_fixes
 from kvpilot.doctor.engine_flags import localize_fixes
 from kvpilot.doctor.findings import Finding, Severity
 from kvpilot.doctor.inputs import DoctorInputs, RunData
-from kvpilot.doctor.probe_plan import RampPoint, knee_reason, ramp_level, steady_throughput
+from kvpilot.doctor.probe_plan import RampPoint, knee_reason, ramp_level
 from kvpilot.doctor.ranking import rank
 from kvpilot.doctor.roofline_ref import RooflineRef, limit_words
 from kvpilot.doctor.rules import RULES, Rule, RuleContext
@@ -151,8 +151,7 @@ def _knee_line(ctx: RuleContext) -> str | None:
     series = sorted(ramp if ramp else runs, key=_load_level)
     if len(series) < 3:
         return None
-    points = [RampPoint(_load_level(r), steady_throughput(r.records) or r.output_throughput,
-                        1.0 - len(r.ok) / len(r.records)) for r in series]
+    points = [RampPoint(_load_level(r), r.output_throughput, 1.0 - len(r.ok) / len(r.records)) for r in series]
     for end in range(2, len(points) + 1):
         reason = knee_reason(points[:end])
         if reason is not None:

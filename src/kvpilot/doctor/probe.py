@@ -27,7 +27,7 @@ from kvpilot.doctor.engines import detect_engine
 from kvpilot.doctor.errors import DoctorInputError
 from kvpilot.doctor.inputs import DoctorInputs, inputs_from_documents, kv_full_phrase, runs_from_result
 from kvpilot.doctor.probe_plan import (Baseline, ProbeLimits, ProbePhase, RampPoint, baseline_phase,
-                                       knee_reason, plan_after_baseline, steady_throughput)
+                                       knee_reason, plan_after_baseline)
 from kvpilot.doctor.prometheus import MetricsSnapshot, metrics_delta, parse_prometheus_text
 from kvpilot.doctor.resources import ResourceUsage, meter_for, remote_usage
 from kvpilot.doctor.rules.client_lag import RunClientLag, lag_is_most, run_client_lag
@@ -228,10 +228,9 @@ def measured_phase(endpoint: Endpoint, phase: ProbePhase, tok: Tokenizer, timeou
 
 
 def ramp_point(result: PhaseResult) -> RampPoint:
-    """Concurrency, output throughput and failed share of one ramp phase (the baseline is the first). Throughput
-    over the phase's steady part (:func:`steady_throughput`) where it has one, else over the whole run."""
+    """Concurrency, output throughput and failed share of one ramp phase (the baseline is the first)."""
     runs = runs_from_result(result.result, result.phase.name)
-    throughput = (steady_throughput(runs[0].records) or runs[0].output_throughput) if runs else 0.0
+    throughput = runs[0].output_throughput if runs else 0.0
     failed = 1.0 - result.num_ok / result.num_sent if result.num_sent else 1.0
     return RampPoint(result.phase.load.concurrency or 1, throughput, failed)
 

@@ -12,7 +12,6 @@ from dataclasses import dataclass, replace
 
 from kvpilot.bench.datasets import DatasetConfig
 from kvpilot.bench.load import LoadShape
-from kvpilot.bench.records import RequestRecord
 
 DEFAULT_MAX_MODEL_LEN = 2048
 """Assumed context limit when ``/v1/models`` does not say (vLLM and kvpilot report ``max_model_len``)."""
@@ -94,18 +93,6 @@ class RampPoint:
     failed_share: float = 0.0
 
 
-def steady_throughput(records: tuple[RequestRecord, ...]) -> float | None:
-    """Streamed chunks a second (about one token each) from the first request sent to the last: while every client
-    of the closed loop had a request in flight. After the last send the clients run dry one by one, and with output
-    lengths spread (the ramp's) the slots idle for the rest of the longest answer: a tail that weighs more at a
-    lower concurrency and bent the saturation knee. None for a window under 0.1 s or without chunks in it."""
-    start, end = min((r.sent_s for r in records), default=0.0), max((r.sent_s for r in records), default=0.0)
-    if end - start < 0.1:
-        return None
-    chunks = sum(1 for r in records if r.ok for t in r.chunk_times_s if start <= t <= end)
-    return chunks / (end - start) if chunks else None
-
-
 def knee_reason(points: list[RampPoint]) -> str | None:
     """Why the ramp stops after the last point, or None to go on. Pure: the probe measures, this decides.
     The knee is the last point that still raised throughput by KNEE_MIN_GAIN over the one before."""
@@ -174,7 +161,8 @@ def prompt_cap(max_model_len: int | None, output_len: int) -> int:
 RAMP_OUTPUT_SPREAD = 0.5
 """The ramp's output lengths spread uniformly over +-50% of the output length (its prompts keep one length): with
 outputs of one length a batch finishes together, so a server that starts new requests only when its batch has
-finished looks like one that batches continuously (rules/prompt_gap.py)."""
+finished looks like one that batches continuously (rules/prompt_gap.py). Not where the ramp looks for the
+saturation knee (the full probe): the spread's idle tail at the end of a closed loop bends the knee."""
 
 
 def short_len(limits: ProbeLimits, max_model_len: int | None) -> int:
@@ -244,6 +232,6 @@ def plan_after_baseline(limits: ProbeLimits, max_model_len: int | None, base: Ba
         phases.append(ProbePhase(
             f"ramp-{concurrency}", "queueing, static-batching, decode-bound (TPOT growth), kv-cache-pressure",
             DatasetConfig(kind="random", input_len=short, output_len=out, len_dist="uniform",
-                          output_range_ratio=RAMP_OUTPUT_SPREAD, seed=10 + concurrency),
+                          output_range_ratio=0.0 if limits.find_knee else RAMP_OUTPUT_SPREAD, seed=10 + concurrency),
             _closed(limits, concurrency, num, ramp_s)))
     return phases
