@@ -31,7 +31,7 @@ from kvpilot.doctor.rules.client import SERVER_HISTOGRAM, client_added_ttft
 from kvpilot.doctor.rules.client_lag import stall_duty
 from kvpilot.doctor.inputs import RunData
 from kvpilot.doctor.rules.context import RuleContext
-from kvpilot.doctor.rules.prompt_gap import nothing_waited, path_gap
+from kvpilot.doctor.rules.prompt_gap import nothing_waited, path_gap, prompt_timed
 from kvpilot.doctor.signals import quantile
 
 CLIENT_RULE = "client-overload"
@@ -75,8 +75,7 @@ def _run_gap(ctx: RuleContext, run: RunData, base_ms: float) -> tuple[float, flo
     pairs = [(r.ttft_ms, r.server.ttft_ms) for r in run.with_server if r.ttft_ms is not None and r.server]
     of = "beyond the server's own"
     if len(pairs) < ctx.th.min_requests and nothing_waited(run):
-        pairs = [(r.ttft_ms, r.server_prompt_ms + base_ms) for r in run.ok
-                 if r.ttft_ms is not None and r.server_prompt_ms is not None]
+        pairs = [(ttft, prompt + base_ms) for ttft, prompt in prompt_timed(run)]
         of = "beyond the server's prompt time and the path's own wait"
     gap, ttft = quantile([c - s for c, s in pairs], 0.9), quantile([c for c, _ in pairs], 0.9)
     return None if len(pairs) < ctx.th.min_requests or gap is None or not ttft else (gap, ttft, of)

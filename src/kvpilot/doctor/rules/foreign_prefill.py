@@ -85,9 +85,10 @@ def measure_foreign_prefill(ctx: RuleContext) -> ForeignPrefill | None:
     snap, th = ctx.inputs.metrics, ctx.th
     prompts = snap.histograms.get("request_prompt_tokens") if snap is not None and snap.interval else None
     prefill = snap.histograms.get("prefill") if snap is not None else None
-    ours = [float(r.num_prompt_tokens or 0) for r in _sent(ctx)]
-    if prompts is None and snap is not None and snap.interval and ours:
-        return _counted_foreign_prefill(ctx, snap, ours)
+    sent = _sent(ctx)
+    ours = [float(r.num_prompt_tokens or 0) for r in sent]
+    if prompts is None and snap is not None and snap.interval and sent:
+        return _counted_foreign_prefill(ctx, snap, sent)
     if prompts is None or prefill is None or not ours or prompts.total <= 0:
         return None
     bound = _long_bound(ctx, ours)
@@ -106,7 +107,8 @@ def measure_foreign_prefill(ctx: RuleContext) -> ForeignPrefill | None:
     return ForeignPrefill(num_long, long_tokens, big, step_bound, long_tokens * per_token_ms, share)
 
 
-def _counted_foreign_prefill(ctx: RuleContext, snap: MetricsSnapshot, ours: list[float]) -> ForeignPrefill | None:
+def _counted_foreign_prefill(ctx: RuleContext, snap: MetricsSnapshot,
+                             sent: list[RequestRecord]) -> ForeignPrefill | None:
     """llama-server has no prompt histogram, but counts the prompt tokens it processed (cached ones apart) and the
     seconds of the batches that carried them, and gauges the longest sequence it has held since it started
     (``n_tokens_max``). Prompt tokens beyond the measured requests' own uncached ones are other clients'; when
@@ -115,9 +117,9 @@ def _counted_foreign_prefill(ctx: RuleContext, snap: MetricsSnapshot, ours: list
     length)."""
     th = ctx.th
     tokens, seconds, longest = snap.get("prompt_tokens"), snap.get("prompt_seconds"), snap.get("max_seq_tokens")
-    sent = _sent(ctx)
     # n_tokens_max counts a sequence's output too: beyond the longest the measured requests held
     held = max((r.num_prompt_tokens or 0) + r.num_output_tokens for r in sent)
+    ours = [float(r.num_prompt_tokens or 0) for r in sent]
     wall, bound = _measured_seconds(ctx), max(_long_bound(ctx, ours), float(held))
     if not tokens or not seconds or not longest or longest <= bound or wall <= 0:
         return None

@@ -38,9 +38,14 @@ SHORT_PROMPT_DATASETS = ("random", "")
 long-short phase) holds a step long, which is not a wait for the batch to finish."""
 
 
+def prompt_timed(run: RunData) -> list[tuple[float, float]]:
+    """(client TTFT, the server's prompt time) of each successful request that has both."""
+    return [(r.ttft_ms, r.server_prompt_ms) for r in run.ok if r.ttft_ms is not None and r.server_prompt_ms is not None]
+
+
 def gaps_ms(run: RunData) -> list[float]:
     """Client TTFT minus the server's prompt time, per successful request that has both."""
-    return [r.ttft_ms - r.server_prompt_ms for r in run.ok if r.ttft_ms is not None and r.server_prompt_ms is not None]
+    return [ttft - prompt for ttft, prompt in prompt_timed(run)]
 
 
 def nothing_waited(run: RunData) -> bool:
@@ -76,7 +81,7 @@ def path_gap(ctx: RuleContext) -> PathGap | None:
     """The pooled gaps of the readable runs, or None with fewer than ``min_requests`` of them."""
     runs = [r for r in ctx.inputs.runs if readable(r)]
     gaps = [g for r in runs for g in gaps_ms(r)]
-    ttfts = [r.ttft_ms for run in runs for r in run.ok if r.ttft_ms is not None and r.server_prompt_ms is not None]
+    ttfts = [ttft for run in runs for ttft, _ in prompt_timed(run)]
     if len(gaps) < ctx.th.min_requests:
         return None
     return PathGap(tuple(gaps), median(ttfts) or 0.0)
@@ -120,7 +125,7 @@ def measure_batch_wait(ctx: RuleContext) -> BatchWait | None:
         gaps, tpot = gaps_ms(run), median(r.tpot_ms for r in run.ok)
         if run.in_flight < 2 or not readable(run) or len(gaps) < th.min_requests or not tpot:
             continue
-        ttft = statistics.fmean(r.ttft_ms for r in run.ok if r.ttft_ms is not None and r.server_prompt_ms is not None)
+        ttft = statistics.fmean(ttft for ttft, _ in prompt_timed(run))
         found = BatchWait(run, statistics.fmean(gaps), path.low_ms, tpot, ttft)
         if found.steps < th.batch_wait_steps or found.extra_ms < th.network_min_ms or \
                 found.share < th.batch_wait_min_share:
