@@ -71,6 +71,10 @@ KvOffloadDirSizeOpt = Annotated[Optional[str], typer.Option(
 KvOffloadOverlapOpt = Annotated[bool, typer.Option(
     "--kv-offload-overlap/--no-kv-offload-overlap", help="Load a waiting request's offloaded prefix beside a "
     "step of the running requests, admitting it at the next step (default), or before its own first step.")]
+DisableHybridKvOpt = Annotated[bool, typer.Option(
+    "--disable-hybrid-kv-cache-manager", help="Keep a model with both sliding-window and full-attention layers "
+    "(Gemma 2/3, gpt-oss) in one KV block table: its sliding layers then keep the whole context, as the full "
+    "ones do. Default: a table per layer kind, freeing sliding layers' blocks that left their window.")]
 KvRoleOpt = Annotated[Optional[str], typer.Option(
     "--kv-role", help="Prefill/decode disaggregation (docs/disaggregation.md): prefill (serves requests with "
     "kv_transfer_params.do_remote_decode and holds their KV for a decode worker), decode (pulls it for requests "

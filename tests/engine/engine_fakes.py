@@ -49,11 +49,16 @@ def window_context(tokens: list[int], window: int | None) -> list[int]:
     return tokens if window is None else [len(tokens), *tokens[-window:]]
 
 
-def generate_alone(prompt: list[int], max_tokens: int, window: int | None = None) -> list[int]:
-    """What the fake model produces for one prompt run by itself (ignore_eos, max_tokens tokens)."""
+def generate_alone(prompt: list[int], max_tokens: int, window: int | None = None,
+                   extra_windows: tuple[int | None, ...] = ()) -> list[int]:
+    """What the fake model produces for one prompt run by itself (ignore_eos, max_tokens tokens); with KV
+    groups 1.. of `extra_windows`, from what each group's layers read, one after the other."""
     tokens = list(prompt)
     for _ in range(max_tokens):
-        tokens.append(next_token(window_context(tokens, window)))
+        context = window_context(tokens, window)
+        for extra in extra_windows:
+            context = [*context, *window_context(tokens, extra)]
+        tokens.append(next_token(context))
     return tokens[len(prompt):]
 
 
@@ -65,16 +70,22 @@ class _FakeRow:
     block_ids: list[int]
     num_computed: int
     sampled: list[int] = field(default_factory=list)
+    extra_block_ids: list[list[int]] = field(default_factory=list)  # KV groups 1..
 
 
 class FakePagedModel:
     """Writes chunks into a slot map (slot -> (position, token)) and samples from what it reads back: the whole
-    context, or with `window` only the last `window` positions (as sliding-window attention reads them)."""
+    context, or with `window` only the last `window` positions (as sliding-window attention reads them). With
+    KV groups (`extra_windows`: groups 1..'s windows) it writes every token through each group's table too,
+    remembers which group wrote each slot, and samples from what every group reads (generate_alone's order)."""
 
-    def __init__(self, block_size: int, pool: BlockPool | None = None, window: int | None = None) -> None:
+    def __init__(self, block_size: int, pool: BlockPool | None = None, window: int | None = None,
+                 extra_windows: tuple[int | None, ...] = ()) -> None:
         self.block_size = block_size
         self.pool = pool
         self.window = window
+        self.windows = (window, *extra_windows)
+        self.slot_groups: dict[int, int] = {}
         self.slots: dict[int, tuple[int, int]] = {}
         self.rows: dict[str, _FakeRow] = {}
         self.num_steps = 0
@@ -94,13 +105,16 @@ class FakePagedModel:
             if new.request_id in self.rows:
                 raise AssertionError(f"{new.request_id} sent as new while the runner holds it")
             self.rows[new.request_id] = _FakeRow([*new.prompt_token_ids, *new.output_token_ids],
-                                                 list(new.block_ids), new.num_computed_tokens)
+                                                 list(new.block_ids), new.num_computed_tokens,
+                                                 extra_block_ids=[list(ids) for ids in new.extra_block_ids])
         for running in output.running_requests:
             row = self.rows[running.request_id]
             if row.num_computed != running.num_computed_tokens:
                 raise AssertionError(f"{running.request_id}: runner computed {row.num_computed}, diff says "
                                      f"{running.num_computed_tokens}")
             row.block_ids.extend(running.new_block_ids)
+            for ids, new_ids in zip(row.extra_block_ids, running.new_extra_block_ids, strict=False):
+                ids.extend(new_ids)
 
     def _block(self, block_id: int) -> list[tuple[int, int] | None]:
         return [self.slots.get(block_id * self.block_size + i) for i in range(self.block_size)]
@@ -147,14 +161,17 @@ class FakePagedModel:
             if chunk.start_position != row.num_computed:
                 raise AssertionError(f"{chunk.request_id}: chunk starts at {chunk.start_position}, runner "
                                      f"computed {row.num_computed}")
-            if self.window is not None:  # the chunk's first query reads these earlier keys: still there?
-                for position in range(max(0, chunk.start_position - self.window + 1), chunk.start_position):
-                    self._read(row.block_ids, position)
-            for position in range(chunk.start_position, chunk.start_position + chunk.num_tokens):
-                block_id = row.block_ids[position // self.block_size]
-                if self.pool is not None and self.pool.blocks[block_id].block_hash is not None:
-                    raise AssertionError(f"{chunk.request_id} writes into cached (immutable) block {block_id}")
-                self.slots[self._slot(row.block_ids, position)] = (position, row.token_ids[position])
+            for group, (window, block_ids) in enumerate(zip(self.windows, self._tables(row))):
+                if window is not None:  # the chunk's first query reads these earlier keys: still there?
+                    for position in range(max(0, chunk.start_position - window + 1), chunk.start_position):
+                        self._read(block_ids, position, group)
+                for position in range(chunk.start_position, chunk.start_position + chunk.num_tokens):
+                    block_id = block_ids[position // self.block_size]
+                    if self.pool is not None and self.pool.blocks[block_id].block_hash is not None:
+                        raise AssertionError(f"{chunk.request_id} writes into cached (immutable) block {block_id}")
+                    slot = self._slot(block_ids, position)
+                    self.slots[slot] = (position, row.token_ids[position])
+                    self.slot_groups[slot] = group
             row.num_computed += chunk.num_tokens
         sampled: dict[str, int] = {}
         for chunk in output.chunks:
@@ -163,18 +180,30 @@ class FakePagedModel:
                 if row.num_computed != len(row.token_ids):
                     raise AssertionError(f"{chunk.request_id} samples with {row.num_computed} of "
                                          f"{len(row.token_ids)} tokens computed")
-                first = 0 if self.window is None else max(0, row.num_computed - self.window)
-                context = [self._read(row.block_ids, p) for p in range(first, row.num_computed)]
-                token = next_token(context if self.window is None else [row.num_computed, *context])
+                context: list[int] = []
+                for group, (window, block_ids) in enumerate(zip(self.windows, self._tables(row))):
+                    first = 0 if window is None else max(0, row.num_computed - window)
+                    read = [self._read(block_ids, p, group) for p in range(first, row.num_computed)]
+                    context += read if window is None else [row.num_computed, *read]
+                token = next_token(context)
                 row.token_ids.append(token)
                 sampled[chunk.request_id] = token
         self._copy_beside(output)
         return sampled
 
-    def _read(self, block_ids: list[int], position: int) -> int:
-        stored_position, token = self.slots[self._slot(block_ids, position)]
+    def _tables(self, row: _FakeRow) -> list[list[int]]:
+        if len(row.extra_block_ids) != len(self.windows) - 1:
+            raise AssertionError(f"{len(row.extra_block_ids)} extra block tables for {len(self.windows)} groups")
+        return [row.block_ids, *row.extra_block_ids]
+
+    def _read(self, block_ids: list[int], position: int, group: int = 0) -> int:
+        slot = self._slot(block_ids, position)
+        stored_position, token = self.slots[slot]
         if stored_position != position:
             raise AssertionError(f"slot for position {position} holds position {stored_position}")
+        if self.slot_groups.get(slot, group) != group:
+            raise AssertionError(f"group {group} reads position {position} from a slot group "
+                                 f"{self.slot_groups[slot]} wrote")
         return token
 
 
@@ -199,12 +228,14 @@ def make_scheduler(
     hash_fn: HashFn = chained_block_hash,
     enable_kv_cache_events: bool = False,
     sliding_window: int | None = None,
+    extra_group_windows: tuple[int | None, ...] = (),
     num_offload_blocks: int = 0,
     num_disk_offload_blocks: int = 0,
     overlap_offload_loads: bool = True,
 ) -> Scheduler:
     cache = CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching,
                         enable_kv_cache_events=enable_kv_cache_events, sliding_window=sliding_window,
+                        extra_group_windows=extra_group_windows,
                         num_offload_blocks=num_offload_blocks, num_disk_offload_blocks=num_disk_offload_blocks,
                         overlap_offload_loads=overlap_offload_loads)
     sched = SchedulerConfig(

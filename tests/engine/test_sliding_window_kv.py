@@ -11,8 +11,8 @@ import random
 import pytest
 
 from kvpilot.engine.block_pool import BlockPool
-from kvpilot.engine.config import (CacheConfig, EngineConfigError, SchedulerConfig, check_model_len_fits,
-                                   uniform_sliding_window)
+from kvpilot.engine.config import CacheConfig, EngineConfigError, SchedulerConfig, check_model_len_fits
+from kvpilot.engine.kv_groups import plan_kv_groups
 from kvpilot.engine.kv_manager import NULL_BLOCK_ID
 from kvpilot.engine.request import RequestStatus
 from kvpilot.engine.scheduler import Scheduler
@@ -218,11 +218,14 @@ def test_admission_counts_only_the_blocks_a_windowed_request_holds() -> None:
         CacheConfig(num_blocks=6, sliding_window=0)
 
 
-def test_only_a_model_whose_every_layer_slides_gets_a_window() -> None:
-    assert uniform_sliding_window([4096] * 32) == 4096  # Mistral v0.1, Mixtral
-    assert uniform_sliding_window([512, None] * 14) is None  # Gemma-style interleave: full layers read all
-    assert uniform_sliding_window([None] * 4) is None and uniform_sliding_window([]) is None
-    assert uniform_sliding_window([128, 256]) == 256  # the largest window is safe for every layer
+def test_one_group_gets_a_window_only_when_every_layer_slides() -> None:
+    def one_group(windows):
+        return plan_kv_groups(windows, hybrid=False).group_windows
+
+    assert plan_kv_groups([4096] * 32).group_windows == (4096,)  # Mistral v0.1, Mixtral: one group
+    assert one_group([512, None] * 14) == (None,)  # Gemma-style interleave in one group: full layers read all
+    assert one_group([None] * 4) == (None,) and one_group([]) == (None,)
+    assert one_group([128, 256]) == (256,)  # the largest window is safe for every layer
 
 
 def test_fit_capacity_follows_the_window() -> None:

@@ -49,11 +49,12 @@ def test_a_sliding_window_caps_per_sequence_bytes_when_every_layer_slides() -> N
     assert kv_bytes_per_sequence(spec, 8192, 2, block_size=16) == 32 * (4096 + 16) * per_layer
 
 
-def test_interleaved_sliding_layers_hold_the_whole_context_in_kvpilot() -> None:
+def test_interleaved_sliding_layers_hold_only_their_window() -> None:
     spec = load_model("gemma-2-9b").spec  # 42 layers, 21 sliding with a 4096 window
     per_layer = 2 * 8 * 256 * 2
-    # one block serves every layer, and the 21 full layers read all of them: nothing is freed
-    assert kv_bytes_per_sequence(spec, 8192, 2) == 42 * 8192 * per_layer
+    # the engine's KV groups: the 21 full layers keep every token, the 21 sliding ones their window's blocks
+    assert kv_bytes_per_sequence(spec, 8192, 2, block_size=16) == (21 * 8192 + 21 * 4096 + 21 * 16) * per_layer
+    assert kv_bytes_per_sequence(spec, 2048, 2, block_size=16) == 42 * 2048 * per_layer  # inside the window
 
 
 def test_engine_block_bytes_by_hand() -> None:

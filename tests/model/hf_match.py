@@ -74,10 +74,11 @@ def assert_prefix_hit_matches(llm: LLM, hf: HfGreedy, prefix: list[int], tails: 
 
 
 def assert_preempted_matches(llm: LLM, hf: HfGreedy, prompts: list[list[int]], max_tokens: int,
-                             kv_cache_memory: str, max_model_len: int, label: str) -> None:
-    """`llm`'s weights with a KV cache too small for all prompts at once: requests are preempted, recomputed,
-    and still exact."""
+                             kv_cache_memory: str, max_model_len: int, label: str, **engine_args) -> LLM:
+    """`llm`'s weights with a KV cache too small for all prompts at once (and `engine_args`): requests are
+    preempted, recomputed, and still exact. Returns that LLM."""
     llm = LLM(loaded=llm.loaded, kv_cache_memory=kv_cache_memory, max_model_len=max_model_len,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, **engine_args)
     outputs = assert_batch_matches(llm, hf, prompts, max_tokens, label)
     assert sum(o.metrics.num_preemptions for o in outputs) > 0, f"{label}: no request was preempted"
+    return llm

@@ -92,10 +92,13 @@ def _generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 
 def test_greedy_matches_transformers_with_preemption_and_prefix_caching(tiny):
     name, _, directory, expected = tiny
-    # 3 layers x 2 KV heads x 32 x 2 x 4 bytes = 1.5 KiB a token: 6 blocks of 16, where the first three
-    # requests need 8 at once
-    llm = LLM(model=str(directory), dtype="float32", kv_cache_memory="144KiB", max_model_len=96)
+    # three KV groups of one layer each (one full, two sliding): 2 KV heads x 32 x 2 x 4 bytes = 512 bytes a
+    # token, 12 blocks of 16, what one request of 96 tokens holds at once in chunks of 16 (6 full-layer blocks,
+    # 3 in each sliding group); the first three requests need more at once
+    llm = LLM(model=str(directory), dtype="float32", kv_cache_memory="96KiB", max_model_len=96,
+              max_num_batched_tokens=16, max_num_seqs=4)
     assert llm.loaded.config.family == CONFIGS[name]["model_type"]
+    assert llm.engine.scheduler.cache_config.group_windows == (None, 8, 8)
     prompts = _prompts()
     assert _generate(llm, prompts[:3]) == expected[:3]
     assert llm.engine.scheduler.make_stats().num_preemptions > 0
@@ -142,6 +145,19 @@ def test_bf16_logits_stay_close_to_float32(tiny):
     with torch.inference_mode():
         reference = model(torch.tensor([prompt])).logits[0, -1]
     assert (logits[0] - reference).abs().max().item() < BF16_LOGIT_BOUND
+
+
+def test_ngram_speculation_over_kv_groups_matches_transformers(built):
+    """Drafts written into every KV group's blocks, and the rejected ones' blocks trimmed from each table:
+    still HF's tokens (a repetitive prompt, so n-gram drafts come and some are rejected)."""
+    model, directory, _ = built("gemma2")
+    prompt = [7, 8, 9, 10, 11] * 8
+    expected = hf_greedy(model, prompt, NEW_TOKENS)
+    llm = LLM(model=str(directory), dtype="float32", kv_cache_memory="1MiB", max_model_len=96,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
+    assert llm.engine.scheduler.cache_config.num_groups == 3
+    (output,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    assert output.outputs[0].token_ids == expected and output.metrics.num_draft_tokens > 0
 
 
 def test_two_tensor_parallel_ranks_match_transformers(built):

@@ -83,9 +83,12 @@ def test_generate_matches_transformers(saved):
     shared = prompt_ids([40], VOCAB, seed=5)[0]  # two 16-token blocks shared, read from the prefix cache
     tails = [[7, 8, 9], [100, 200]]
     assert_prefix_hit_matches(llm, hf, shared, tails, NEW_TOKENS, "gpt-oss prefix")
-    # 12 blocks of 16 tokens, half what these prompts need at once (the full layer keeps every token)
-    assert_preempted_matches(llm, hf, prompts + [shared + tail for tail in tails], NEW_TOKENS,
-                             f"{12 * 16 * KV_BYTES_PER_TOKEN}B", 160, "gpt-oss preemption")
+    # three KV groups of one layer each (sliding, full, sliding): 16 blocks of 16 tokens of one layer, what one
+    # request of 160 tokens holds at once in chunks of 16 (10 full-layer blocks, 3 in each sliding group)
+    small = assert_preempted_matches(llm, hf, prompts + [shared + tail for tail in tails], NEW_TOKENS,
+                                     f"{16 * 16 * KV_BYTES_PER_TOKEN // 3}B", 160, "gpt-oss preemption",
+                                     max_num_batched_tokens=16, max_num_seqs=4)
+    assert small.engine.scheduler.cache_config.group_windows == (None, 8, 8)
 
 
 def _pack_mxfp4(shape: tuple[int, ...], generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

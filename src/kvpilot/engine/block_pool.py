@@ -92,8 +92,10 @@ class BlockPool:
             return None
         return block
 
-    def cache_block(self, block: KVBlock, block_hash: int, parent_hash: int, token_ids: tuple[int, ...]) -> bool:
+    def cache_block(self, block: KVBlock, block_hash: int, parent_hash: int, token_ids: tuple[int, ...],
+                    kv_group: int = 0) -> bool:
         """Register a full, computed block under block_hash; False (block stays uncached) if the hash is taken.
+        A block of KV group > 0 (its hash salted: kv_groups.group_block_hash) is kept out of the KV events.
 
         A taken hash means another block already holds the same prefix (two requests computed it at once)
         or a true collision; keeping the first holder is correct in both cases.
@@ -101,8 +103,9 @@ class BlockPool:
         if block.block_hash is not None or block_hash in self._cached:
             return False
         block.block_hash, block.parent_hash, block.token_ids = block_hash, parent_hash, token_ids
+        block.kv_group = kv_group
         self._cached[block_hash] = block
-        if self.events is not None:
+        if self.events is not None and not kv_group:
             self.events.stored(block_hash, None if parent_hash == ROOT_PARENT_HASH else parent_hash, token_ids)
         return True
 
@@ -167,7 +170,7 @@ class BlockPool:
         if self.on_evict is not None:
             self.on_evict(block)
         del self._cached[block.block_hash]
-        if self.events is not None:
+        if self.events is not None and not block.kv_group:
             self.events.removed(block.block_hash)
         block.clear_hash()
         self.num_evictions += 1
@@ -180,14 +183,15 @@ class BlockPool:
         if block.ref_cnt == 0:
             self._num_idle_cached -= 1
         del self._cached[block.block_hash]
-        if self.events is not None:
+        if self.events is not None and not block.kv_group:
             self.events.removed(block.block_hash)
         block.clear_hash()
 
     @property
     def cached_hashes(self) -> set[int]:
-        """Every hash the prefix cache holds now (blocks in use or idle): what replaying the KV events gives."""
-        return set(self._cached)
+        """Every hash the prefix cache holds now (blocks in use or idle) for KV group 0: what replaying the KV
+        events gives."""
+        return {h for h, block in self._cached.items() if not block.kv_group}
 
     def check_integrity(self) -> None:
         """Raise KVCacheIntegrityError unless free + cached + in use == total and all links/tables agree."""

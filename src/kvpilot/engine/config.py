@@ -7,7 +7,6 @@ every message names the setting (vLLM spelling) and says what to change.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from collections.abc import Sequence
 from typing import Literal
 
 SchedulingPolicy = Literal["fcfs", "priority"]
@@ -41,13 +40,15 @@ class CacheConfig:
     and prefix reuse on or off; enable_kv_cache_events records the pool's cached-block changes (kv_events.py)
     for a publisher to drain. sliding_window is None, or W >= 1 when EVERY layer of the model attends only to
     the last W keys (a query at position p reads keys j with p - W < j <= p): the KV manager then releases a
-    request's blocks that lie wholly before that window (kv_manager.py). A model with any full-attention
-    layer (Gemma 2/3, gpt-oss interleave) passes None: one pool shared by all layers cannot free a block a
-    full layer still reads (that needs a pool per layer group).
+    request's blocks that lie wholly before that window (kv_manager.py). An interleaved model (Gemma 2/3,
+    gpt-oss: engine/kv_groups.py) has several KV groups: sliding_window is group 0's window and
+    extra_group_windows those of groups 1.., each group with its own block table per request over the one
+    pool, so a sliding group's blocks are freed while a full group keeps its own.
 
     KV offload (kv_offload.py): num_offload_blocks > 0 keeps evicted prefix blocks in a host-memory tier of that
     many blocks, num_disk_offload_blocks > 0 in a local-disk tier below it (only with a host tier). Both need
-    prefix caching (a tier is keyed by block hashes); the KV manager ignores them under a sliding window.
+    prefix caching (a tier is keyed by block hashes); the KV manager ignores them under a sliding window or
+    several groups.
     overlap_offload_loads: a waiting request's tier blocks are loaded beside a step of the running requests
     (kv_manager.py's prefetch), the request admitted at the step after; False, or with nothing running: loaded
     before the forward of the request's own first step, lengthening it.
@@ -58,6 +59,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     enable_kv_cache_events: bool = False
     sliding_window: int | None = None
+    extra_group_windows: tuple[int | None, ...] = ()
     num_offload_blocks: int = 0
     num_disk_offload_blocks: int = 0
     overlap_offload_loads: bool = True
@@ -72,8 +74,9 @@ class CacheConfig:
         _require_int("num_blocks", self.num_blocks, 1)
         if not isinstance(self.enable_prefix_caching, bool):
             raise EngineConfigError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
-        if self.sliding_window is not None:
-            _require_int("sliding_window", self.sliding_window, 1)
+        for window in (self.sliding_window, *self.extra_group_windows):
+            if window is not None:
+                _require_int("sliding_window", window, 1)
         _require_int("num_offload_blocks", self.num_offload_blocks, 0)
         _require_int("num_disk_offload_blocks", self.num_disk_offload_blocks, 0)
         if self.num_disk_offload_blocks and not self.num_offload_blocks:
@@ -84,8 +87,19 @@ class CacheConfig:
 
     @property
     def offload_enabled(self) -> bool:
-        """Whether evicted prefix blocks go to an offload tier (never under a sliding window: kv_manager.py)."""
-        return self.num_offload_blocks > 0 and self.enable_prefix_caching and self.sliding_window is None
+        """Whether evicted prefix blocks go to an offload tier (never under a sliding window or with several
+        KV groups: kv_manager.py)."""
+        return self.num_offload_blocks > 0 and self.enable_prefix_caching and self.sliding_window is None \
+            and not self.extra_group_windows
+
+    @property
+    def num_groups(self) -> int:
+        return 1 + len(self.extra_group_windows)
+
+    @property
+    def group_windows(self) -> tuple[int | None, ...]:
+        """The window of each KV group (None: full attention); one entry unless the model is interleaved."""
+        return (self.sliding_window, *self.extra_group_windows)
 
     @property
     def num_tokens(self) -> int:
@@ -94,22 +108,12 @@ class CacheConfig:
 
     def max_blocks_per_request(self, num_tokens: int, max_chunk_tokens: int) -> int:
         """The most blocks one request of num_tokens KV tokens holds at once when chunks are at most
-        max_chunk_tokens long: all of them, or with a sliding window those of the window before a chunk's
-        first token plus the chunk's own (cdiv(W - 1 + chunk, block_size) + 1: the window may start
-        mid-block), whichever is fewer."""
+        max_chunk_tokens long, summed over its KV groups: in each, all of them, or with a sliding window those
+        of the window before a chunk's first token plus the chunk's own (cdiv(W - 1 + chunk, block_size) + 1:
+        the window may start mid-block), whichever is fewer."""
         whole = cdiv(num_tokens, self.block_size)
-        if self.sliding_window is None:
-            return whole
-        return min(whole, cdiv(self.sliding_window - 1 + max_chunk_tokens, self.block_size) + 1)
-
-
-def uniform_sliding_window(layer_windows: Sequence[int | None]) -> int | None:
-    """CacheConfig.sliding_window for a model whose layer i attends to the last layer_windows[i] keys (None:
-    the whole context): the largest window when every layer slides, else None (a full layer reads every
-    block, so none can be freed). The largest is safe for mixed windows: a block outside it is outside all."""
-    if not layer_windows or any(w is None for w in layer_windows):
-        return None
-    return max(w for w in layer_windows if w is not None)
+        return sum(whole if window is None else min(whole, cdiv(window - 1 + max_chunk_tokens, self.block_size) + 1)
+                   for window in self.group_windows)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -146,12 +150,18 @@ def check_model_len_fits(scheduler_config: SchedulerConfig, cache_config: CacheC
     """Raise unless one request of max_model_len tokens fits in the whole KV cache (with a sliding window:
     the blocks it holds at once, CacheConfig.max_blocks_per_request)."""
     capacity = cache_config.num_tokens
-    num_blocks = cache_config.max_blocks_per_request(scheduler_config.max_model_len,
-                                                     scheduler_config.max_num_batched_tokens)
-    # without a window this is max_model_len > capacity; with one it implies that, so the advice holds
+    chunk = scheduler_config.max_num_batched_tokens
+    num_blocks = cache_config.max_blocks_per_request(scheduler_config.max_model_len, chunk)
     if num_blocks > cache_config.num_blocks:
+        # the blocks held grow with the length (by one a group at each block boundary): bisect over it
+        low, high = 0, scheduler_config.max_model_len  # fits(low), not fits(high)
+        while high - low > 1:
+            mid = (low + high) // 2
+            low, high = (mid, high) if cache_config.max_blocks_per_request(mid, chunk) <= cache_config.num_blocks \
+                else (low, mid)
         raise EngineConfigError(
             f"max_model_len ({scheduler_config.max_model_len}) does not fit in the KV cache of "
-            f"{cache_config.num_blocks} blocks x {cache_config.block_size} tokens = {capacity} tokens: "
-            f"the largest max_model_len that fits is {capacity}; lower max_model_len or give the cache more memory"
+            f"{cache_config.num_blocks} blocks x {cache_config.block_size} tokens = {capacity} tokens"
+            f"{'' if cache_config.num_groups == 1 else f' over {cache_config.num_groups} KV groups'}: the largest "
+            f"max_model_len that fits is {low}; lower max_model_len or give the cache more memory"
         )

@@ -14,8 +14,13 @@ only appends, so the runner's row still holds the old id). Attention must give e
 at p zero weight without reading meaning into its slot: skip those blocks, or mask their scores to -inf
 (the cache is zero-initialised and only ever holds finite K/V, so a masked read cannot turn into NaN).
 Nothing is ever written through a placeholder: a step's new tokens lie in blocks allocated for them.
-Models with any full-attention layer (Gemma 2/3's interleave) get W = None: one pool serves every layer, so
-no block can be freed while a full layer still reads it (that needs a pool per layer group, as in vLLM).
+KV groups (engine/kv_groups.py: interleaved models such as Gemma 2/3 and gpt-oss): group 0 is the table
+above (request.block_ids); groups 1.. each keep a table of their own (request.extra_block_ids), of the same
+length, over the same pool, with their own window. Every allocation takes as many new blocks in each group; a
+prefix hit of n blocks must hold in every group (a full group: blocks 0..n-1 cached; a sliding one: its
+window's blocks), and a group's cached blocks are found under the block's hash salted with the group (one
+block id holds one group's layers, so group 1's block for a prefix is not group 0's). KV events report group
+0's blocks only, so a router sees one hash per prefix block. KV offload and disaggregation serve one group.
 
 KV offload prefetch (kv_offload.py): a waiting request whose prefix hit lies partly in an offload tier can have
 those blocks loaded beside a step of other requests (prefetch) instead of before one: the loads then overlap
@@ -42,6 +47,7 @@ from kvpilot.engine.block_pool import (
 )
 from kvpilot.engine.config import CacheConfig, cdiv
 from kvpilot.engine.kv_block import KVBlock
+from kvpilot.engine.kv_groups import group_block_hash
 from kvpilot.engine.kv_events import KVEventLog
 from kvpilot.engine.kv_offload import OffloadOrders, OffloadTiers, TierHit
 from kvpilot.engine.kv_transfer import KVLoad, PulledKV
@@ -67,6 +73,7 @@ class PrefixHit:
     tier_hits: tuple[tuple[int, TierHit], ...] = ()
     remote: PulledKV | None = None  # disaggregation: num_tokens pulled from a prefill worker, in new blocks
     num_prefetched_tier_blocks: int = 0  # of the pool's blocks, those a prefetch loaded from a tier
+    extra_blocks: tuple[tuple[KVBlock | None, ...], ...] = ()  # KV groups 1..: the hit's blocks in each
 
     @property
     def block_ids(self) -> list[int]:
@@ -103,11 +110,20 @@ class _Prefetch:
 @dataclass
 class _Table:
     """One request's blocks, how many leading ones are registered in the prefix cache, and how many leading
-    ones are placeholders (None: released, out of the sliding window; blocks[:num_null_blocks] only)."""
+    ones are placeholders (None: released, out of the sliding window; blocks[:num_null_blocks] only). `extra`:
+    with KV groups, the tables of groups 1.. (each as long as this one; their own `extra` empty)."""
 
     blocks: list[KVBlock | None] = field(default_factory=list)
     num_cached_blocks: int = 0
     num_null_blocks: int = 0
+    extra: list[_Table] = field(default_factory=list)
+
+    def all_blocks(self) -> list[KVBlock]:
+        """Every block the table holds, over all groups (placeholders left out), last block first."""
+        held = [b for b in reversed(self.blocks) if b is not None]
+        for table in self.extra:
+            held.extend(b for b in reversed(table.blocks) if b is not None)
+        return held
 
 
 class KVCacheManager:
@@ -122,6 +138,7 @@ class KVCacheManager:
     def __init__(self, cache_config: CacheConfig, *, hash_fn: HashFn = chained_block_hash) -> None:
         self.block_size = cache_config.block_size
         self.sliding_window = cache_config.sliding_window
+        self.extra_windows = cache_config.extra_group_windows  # KV groups 1.. (module docstring)
         self.enable_prefix_caching = cache_config.enable_prefix_caching
         events = KVEventLog(cache_config.block_size) if cache_config.enable_kv_cache_events else None
         # KV offload (kv_offload.py): evicted prefix blocks are saved to a host tier, found there by later hits
@@ -157,7 +174,7 @@ class KVCacheManager:
         The hit stops one token short of the end: the last token is always computed so there are logits to
         sample, hence at most (num_tokens - 1) // block_size blocks. With a sliding window a hit of n blocks
         needs only the blocks the first token to compute (position n * block_size) reads, so the earlier
-        ones may have been evicted (_windowed_hit).
+        ones may have been evicted (_grouped_hit, as with KV groups).
         """
         if request.remote_kv is not None and not request.num_computed_tokens:
             return self._remote_hit(request, request.remote_kv)
@@ -165,9 +182,8 @@ class KVCacheManager:
             return PrefixHit(num_query_tokens=request.num_tokens)
         hashes = self._block_hashes(request, request.num_tokens)
         max_blocks = (request.num_tokens - 1) // self.block_size
-        if self.sliding_window is not None:
-            hit = self._windowed_hit(request, hashes[:max_blocks])
-            return PrefixHit(tuple(hit), len(hit) * self.block_size, request.num_tokens)
+        if self.sliding_window is not None or self.extra_windows:
+            return self._grouped_hit(request, hashes[:max_blocks])
         found: list[KVBlock | None] = []
         tier_hits: list[tuple[int, TierHit]] = []
         parent = ROOT_PARENT_HASH
@@ -195,31 +211,54 @@ class KVCacheManager:
         return PrefixHit((), num_tokens, request.num_tokens, remote=remote) if num_tokens > 0 else \
             PrefixHit(num_query_tokens=request.num_tokens)
 
-    def _windowed_hit(self, request: Request, hashes: list[int]) -> list[KVBlock | None]:
-        """The longest hit of n blocks whose window blocks, [num_outside_window(n * block_size), n), are all
-        cached; None for the blocks before them. Block n - 1 itself must be cached (always in the window
-        when W >= 2): a hit of placeholders only would be a guess. Every cached block of the prompt is looked
-        up, since an earlier miss no longer ends the search (the chained hash still pins each block's whole
-        prefix)."""
-        present: list[KVBlock | None] = []
-        run_start, best = 0, 0  # run_start: first index of the current run of cached blocks
+    def _grouped_hit(self, request: Request, hashes: list[int]) -> PrefixHit:
+        """The longest hit of n blocks usable in every KV group (_usable_lengths): in a full group blocks
+        0..n-1 cached, in a sliding one the blocks the first token to compute (position n * block_size) reads,
+        [num_outside(n * block_size), n), with None for the blocks before them. A sliding group looks up every
+        cached block of the prompt, since an earlier miss no longer ends its search (the chained hash still
+        pins each block's whole prefix)."""
+        windows = (self.sliding_window, *self.extra_windows)
+        present = [self._lookup_group(request, hashes, group, window) for group, window in enumerate(windows)]
+        usable = [self._usable_lengths(blocks, window) for blocks, window in zip(present, windows)]
+        n = max(k for k in range(len(hashes) + 1) if all(u[k] for u in usable))
+        hit = []
+        for blocks, window in zip(present, windows):
+            first = self._num_outside(n * self.block_size, window)
+            hit.append((None,) * first + tuple(blocks[first:n]))
+        return PrefixHit(hit[0], n * self.block_size, request.num_tokens, extra_blocks=tuple(hit[1:]))
+
+    def _lookup_group(self, request: Request, hashes: list[int], group: int,
+                      window: int | None) -> list[KVBlock | None]:
+        """The group's cached block for each of `hashes` (None where absent; a full group stops at its
+        first miss, past which no hit can reach)."""
+        present: list[KVBlock | None] = [None] * len(hashes)
         parent = ROOT_PARENT_HASH
         for i, block_hash in enumerate(hashes):
-            block = self.pool.lookup(block_hash, parent, self._block_tokens(request, i))
-            present.append(block)
+            present[i] = self.pool.lookup(group_block_hash(block_hash, group), parent, self._block_tokens(request, i))
+            if present[i] is None and window is None:
+                break
             parent = block_hash
-            if block is None:
-                run_start = i + 1
-            elif run_start <= self._num_outside_window((i + 1) * self.block_size):
-                best = i + 1
-        first = self._num_outside_window(best * self.block_size)
-        return [None] * first + present[first:best]
+        return present
 
-    def _num_outside_window(self, position: int) -> int:
+    def _usable_lengths(self, present: list[KVBlock | None], window: int | None) -> list[bool]:
+        """usable[n]: whether a hit of n blocks has every block the group reads (n = 0: always). A sliding
+        group needs block n - 1 itself (always in the window when W >= 2): placeholders only would be a guess."""
+        usable = [True] + [False] * len(present)
+        run_start = 0  # first index of the current run of cached blocks
+        for i, block in enumerate(present):
+            if block is None:
+                if window is None:
+                    break
+                run_start = i + 1
+            elif run_start <= self._num_outside((i + 1) * self.block_size, window):
+                usable[i + 1] = True
+        return usable
+
+    def _num_outside(self, position: int, window: int | None) -> int:
         """Leading blocks wholly before the window of a query at `position` (0 without a window)."""
-        if self.sliding_window is None:
+        if window is None:
             return 0
-        return max(0, position - self.sliding_window + 1) // self.block_size
+        return max(0, position - window + 1) // self.block_size
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, prefix_hit: PrefixHit | None = None
@@ -234,12 +273,15 @@ class KVCacheManager:
         """
         table = self._tables.get(request.request_id)
         if table is None:
-            table = _Table()
+            table = _Table(extra=[_Table() for _ in self.extra_windows])
         elif prefix_hit is None and \
                 request.num_computed_tokens + num_new_tokens <= len(table.blocks) * self.block_size:
             return []  # the common decode step: the last block still has room
         if self.sliding_window is not None and len(table.blocks) > table.num_null_blocks:
-            self._release_outside_window(request, table)
+            self._release_outside_window(request, table, self.sliding_window, request.block_ids)
+        for extra, window, ids in zip(table.extra, self.extra_windows, request.extra_block_ids):
+            if window is not None and len(extra.blocks) > extra.num_null_blocks:
+                self._release_outside_window(request, extra, window, ids)
         hit = list(prefix_hit.blocks) if prefix_hit is not None else []
         tier_hits = prefix_hit.tier_hits if prefix_hit is not None else ()
         num_hit_tokens = prefix_hit.num_tokens if prefix_hit is not None else 0
@@ -248,11 +290,18 @@ class KVCacheManager:
         if num_new_blocks == 0 and prefix_hit is None:
             return []  # the common decode step: the last block still has room
         held = [b for b in hit if b is not None]  # a windowed hit leads with placeholders
-        num_revived = sum(1 for b in held if b.ref_cnt == 0)  # these leave the free queue when touched
-        if num_new_blocks + len(tier_hits) > self.pool.num_free_blocks - num_revived:
+        extra_hits = prefix_hit.extra_blocks if prefix_hit is not None else ()
+        extra_held = [b for blocks in extra_hits for b in blocks if b is not None]
+        num_revived = sum(1 for b in held if b.ref_cnt == 0) + \
+            sum(1 for b in extra_held if b.ref_cnt == 0)  # these leave the free queue when touched
+        num_taken = num_new_blocks * (1 + len(self.extra_windows)) + len(tier_hits)  # as many in each group
+        if num_taken > self.pool.num_free_blocks - num_revived:
             return None
         self._tables[request.request_id] = table
         self.pool.touch(held)
+        if table.extra:  # first: no allocation below may evict a block of this very hit
+            self.pool.touch(extra_held)
+            self._grow_extra(request, table, extra_hits, num_new_blocks)
         table.num_null_blocks += len(hit) - len(held) - len(tier_hits)  # a hit only ever starts an empty table
         if tier_hits:
             self._load_tier_hits(hit, tier_hits)
@@ -270,6 +319,22 @@ class KVCacheManager:
             request.block_ids.extend(NULL_BLOCK_ID if b is None else b.block_id for b in hit)
         request.block_ids.extend(new_ids)
         return new_ids
+
+    def _grow_extra(self, request: Request, table: _Table, extra_hits: tuple[tuple[KVBlock | None, ...], ...],
+                    num_new_blocks: int) -> None:
+        """Extends the tables of KV groups 1.. (and their mirrors) by their part of the hit, touched already,
+        then num_new_blocks new blocks each: every group's table stays as long as group 0's."""
+        if not request.extra_block_ids:
+            request.extra_block_ids = [[] for _ in table.extra]
+        for group, (extra, ids) in enumerate(zip(table.extra, request.extra_block_ids)):
+            hit = extra_hits[group] if extra_hits else ()
+            new_blocks = self.pool.allocate(num_new_blocks)
+            extra.num_null_blocks += sum(1 for b in hit if b is None)
+            extra.blocks.extend(hit)
+            extra.blocks.extend(new_blocks)
+            extra.num_cached_blocks = max(extra.num_cached_blocks, len(hit))
+            ids.extend(NULL_BLOCK_ID if b is None else b.block_id for b in hit)
+            ids.extend(b.block_id for b in new_blocks)
 
     def _load_tier_hits(self, hit: list[KVBlock | None], tier_hits: tuple[tuple[int, TierHit], ...],
                         beside: bool = False) -> list[tuple[KVBlock, TierHit]]:
@@ -379,7 +444,7 @@ class KVCacheManager:
         table = self._held.pop(request_id, None)
         if table is None:
             return False
-        self.pool.free([b for b in reversed(table.blocks) if b is not None])
+        self.pool.free(table.all_blocks())
         return True
 
     @property
@@ -416,18 +481,18 @@ class KVCacheManager:
         """The copy orders of the step being scheduled (None without offload or when nothing moved)."""
         return self.offload.take_orders() if self.offload is not None else None
 
-    def _release_outside_window(self, request: Request, table: _Table) -> None:
-        """Put placeholders where the table's blocks lie wholly before the window of the request's next
-        query (position num_computed_tokens) and drop its references to them, oldest first: at ref_cnt 0 a
-        cached one joins the tail of the free queue still cached, evicted before the window's blocks."""
-        num_outside = min(self._num_outside_window(request.num_computed_tokens), len(table.blocks))
+    def _release_outside_window(self, request: Request, table: _Table, window: int, ids: list[int]) -> None:
+        """Put placeholders where the table's blocks (mirrored in `ids`) lie wholly before the `window` of the
+        request's next query (position num_computed_tokens) and drop its references to them, oldest first: at
+        ref_cnt 0 a cached one joins the tail of the free queue still cached, evicted before the window's."""
+        num_outside = min(self._num_outside(request.num_computed_tokens, window), len(table.blocks))
         start = table.num_null_blocks
         if num_outside <= start:
             return
         released = table.blocks[start:num_outside]
         for i in range(start, num_outside):
             table.blocks[i] = None
-            request.block_ids[i] = NULL_BLOCK_ID
+            ids[i] = NULL_BLOCK_ID
         table.num_null_blocks = num_outside
         self.pool.free(released)  # type: ignore[arg-type]  # past num_null_blocks every entry is a block
 
@@ -450,11 +515,16 @@ class KVCacheManager:
             return
         hashes = self._block_hashes(request, num_full * self.block_size)
         for i in range(table.num_cached_blocks, num_full):
-            block = table.blocks[i]
-            if block is None:
-                continue  # released from the window before its step's output came (async scheduling)
             parent = hashes[i - 1] if i else ROOT_PARENT_HASH
-            self.pool.cache_block(block, hashes[i], parent, self._block_tokens(request, i))
+            tokens = self._block_tokens(request, i)
+            # a None was released from the window before its step's output came (async scheduling)
+            block = table.blocks[i]
+            if block is not None:
+                self.pool.cache_block(block, hashes[i], parent, tokens)
+            for group, extra in enumerate(table.extra, 1):
+                block = extra.blocks[i]
+                if block is not None:
+                    self.pool.cache_block(block, group_block_hash(hashes[i], group), parent, tokens, kv_group=group)
         table.num_cached_blocks = num_full
 
     def trim(self, request: Request, num_tokens: int) -> int | None:
@@ -469,10 +539,14 @@ class KVCacheManager:
         if table.num_cached_blocks > keep:
             raise KVCacheIntegrityError(f"request {request.request_id}: trimming to {keep} blocks would free "
                                         f"{table.num_cached_blocks - keep} cached ones")
-        freed = table.blocks[keep:]
+        freed = [b for b in reversed(table.blocks[keep:]) if b is not None]
         del table.blocks[keep:]
         del request.block_ids[keep:]
-        self.pool.free([b for b in reversed(freed) if b is not None])
+        for extra, ids in zip(table.extra, request.extra_block_ids):
+            freed.extend(b for b in reversed(extra.blocks[keep:]) if b is not None)
+            del extra.blocks[keep:]
+            del ids[keep:]
+        self.pool.free(freed)
         return keep
 
     def free(self, request: Request) -> None:
@@ -482,8 +556,9 @@ class KVCacheManager:
             self.release_prefetch(request.request_id)
         table = self._tables.pop(request.request_id, None)
         request.block_ids = []
+        request.extra_block_ids = []
         if table is not None:
-            self.pool.free([b for b in reversed(table.blocks) if b is not None])
+            self.pool.free(table.all_blocks())
 
     def check_integrity(self, requests: list[Request] | None = None) -> None:
         """Pool invariants, plus: ref counts equal table references, and given requests mirror their tables."""
@@ -492,9 +567,8 @@ class KVCacheManager:
             self.offload.check_integrity()
         refs = [0] * self.pool.num_blocks
         for table in [*self._tables.values(), *self._held.values()]:
-            for block in table.blocks:
-                if block is not None:
-                    refs[block.block_id] += 1
+            for block in table.all_blocks():
+                refs[block.block_id] += 1
         for prefetch in self._prefetches.values():
             for block in prefetch.blocks:
                 refs[block.block_id] += 1
@@ -507,24 +581,38 @@ class KVCacheManager:
             self._check_table(request, self._tables.get(request.request_id))
 
     def _check_table(self, request: Request, table: _Table | None) -> None:
-        """request.block_ids mirrors its table (placeholders as NULL_BLOCK_ID), which covers its computed
-        tokens and holds placeholders only as a leading run, wholly before the window of its next query."""
+        """request.block_ids (and extra_block_ids) mirror its tables (placeholders as NULL_BLOCK_ID), which
+        cover its computed tokens and hold placeholders only as a leading run, wholly before the window of its
+        next query, all of one length."""
         rid = request.request_id
+        tables = [table, *table.extra] if table is not None else [None]
+        mirrors = [request.block_ids, *request.extra_block_ids] if table is not None and table.extra else \
+            [request.block_ids]
+        if len(mirrors) != len(tables) or (table is None and request.extra_block_ids):
+            raise KVCacheIntegrityError(f"request {rid} mirrors {len(mirrors)} block tables, not {len(tables)}")
+        if len({len(t.blocks) for t in tables if t is not None}) > 1:
+            raise KVCacheIntegrityError(f"request {rid} has block tables of different lengths")
+        for group, (ids, group_table, window) in enumerate(zip(mirrors, tables,
+                                                               (self.sliding_window, *self.extra_windows))):
+            self._check_group(request, f"request {rid} group {group}", ids, group_table, window)
+
+    def _check_group(self, request: Request, where: str, ids: list[int], table: _Table | None,
+                     window: int | None) -> None:
         blocks = table.blocks if table else []
-        ids = [NULL_BLOCK_ID if b is None else b.block_id for b in blocks]
-        if request.block_ids != ids:
-            raise KVCacheIntegrityError(f"request {rid} block_ids {request.block_ids} != its table {ids}")
+        expected = [NULL_BLOCK_ID if b is None else b.block_id for b in blocks]
+        if ids != expected:
+            raise KVCacheIntegrityError(f"{where} block_ids {ids} != its table {expected}")
         if len(ids) * self.block_size < request.num_computed_tokens:
-            raise KVCacheIntegrityError(f"request {rid} has {request.num_computed_tokens} "
+            raise KVCacheIntegrityError(f"{where} has {request.num_computed_tokens} "
                                         f"computed tokens but only {len(ids)} blocks")
         if table is None:
             return
         num_null = sum(1 for b in blocks if b is None)
         if num_null != table.num_null_blocks or any(b is not None for b in blocks[:num_null]):
-            raise KVCacheIntegrityError(f"request {rid} has {num_null} placeholders, not the leading "
+            raise KVCacheIntegrityError(f"{where} has {num_null} placeholders, not the leading "
                                         f"{table.num_null_blocks} of its table")
-        if num_null > self._num_outside_window(request.num_computed_tokens):
-            raise KVCacheIntegrityError(f"request {rid} has a placeholder inside the window of its "
+        if num_null > self._num_outside(request.num_computed_tokens, window):
+            raise KVCacheIntegrityError(f"{where} has a placeholder inside the window of its "
                                         f"{request.num_computed_tokens} computed tokens")
 
     @property

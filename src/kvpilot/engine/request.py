@@ -88,6 +88,8 @@ class Request:
         self.num_kv_transfer_tokens = 0
         self.kv_transfer_time = 0.0
         self.block_ids: list[int] = []
+        # KV groups 1.. of an interleaved model (engine/kv_groups.py): their tables, as long as block_ids
+        self.extra_block_ids: list[list[int]] = []
         # Chained hashes of the full blocks of all_token_ids, extended by the KV manager as tokens arrive
         # (tokens are only appended, so they never go stale).
         self.block_hashes: list[int] = []

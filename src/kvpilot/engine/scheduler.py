@@ -228,12 +228,14 @@ class Scheduler:
             if admitted:
                 new.append(NewRequestData(request.request_id, request.prompt_token_ids,
                                           list(request.output_token_ids), request.sampling_params,
-                                          list(request.block_ids), request.num_computed_tokens))
+                                          list(request.block_ids), request.num_computed_tokens,
+                                          tuple(list(ids) for ids in request.extra_block_ids)))
             else:
                 block_ids = request.block_ids
-                running.append(RunningRequestData(request.request_id,
-                                                  block_ids[num_blocks_before:] if len(block_ids) > num_blocks_before
-                                                  else [], request.num_computed_tokens))
+                grew = len(block_ids) > num_blocks_before
+                running.append(RunningRequestData(
+                    request.request_id, block_ids[num_blocks_before:] if grew else [], request.num_computed_tokens,
+                    tuple(ids[num_blocks_before:] for ids in request.extra_block_ids) if grew else ()))
             request.num_computed_tokens += chunk.num_tokens
             request.num_output_placeholders += chunk.needs_sample
             num_sampled += chunk.needs_sample

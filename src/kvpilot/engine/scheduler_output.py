@@ -26,7 +26,8 @@ class NewRequestData:
     tokens; with a sliding window its leading entries may be kv_manager.NULL_BLOCK_ID, placeholders for
     blocks wholly before the window that attention never reads; output_token_ids is empty unless the
     request was preempted (then its tokens are recomputed as if they were prompt, but still count as outputs
-    for penalties and min_tokens).
+    for penalties and min_tokens). extra_block_ids: with KV groups (engine/kv_groups.py) the tables of groups
+    1.., each as long as block_ids; () otherwise.
     """
 
     request_id: str
@@ -35,6 +36,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int  # before this step: the prefix-cache hit
+    extra_block_ids: tuple[list[int], ...] = ()
 
 
 @dataclass(slots=True)
@@ -46,6 +48,7 @@ class RunningRequestData:
     request_id: str
     new_block_ids: list[int]  # appended to its block table (usually empty for a decode)
     num_computed_tokens: int  # before this step
+    new_extra_block_ids: tuple[list[int], ...] = ()  # KV groups 1..: as many new blocks each, when any
 
 
 @dataclass(slots=True)

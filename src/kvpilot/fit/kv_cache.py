@@ -27,17 +27,22 @@ class KvShape(Protocol):
     def head_dim(self) -> int: ...
 
 
-def kv_cache_bytes_per_block(spec: KvShape, block_size: int, kv_dtype_bytes: int) -> int:
+def kv_cache_bytes_per_block(spec: KvShape, block_size: int, kv_dtype_bytes: int,
+                             num_cache_layers: int | None = None) -> int:
     """Bytes of one block in the engine's cache, which holds K and V for every layer (per layer
-    [2, num_key_value_heads, num_blocks, block_size, head_dim]): 2 * layers * block * heads * dim * bytes."""
+    [2, num_key_value_heads, num_blocks, block_size, head_dim]): 2 * layers * block * heads * dim * bytes.
+    An interleaved model's block serves one KV group (engine/kv_groups.py): num_cache_layers is then the
+    group size, the layers' cache tensors (None: every layer)."""
     if block_size <= 0 or kv_dtype_bytes <= 0:
         raise ValueError(f"block_size ({block_size}) and kv_dtype_bytes ({kv_dtype_bytes}) must be positive")
-    return 2 * spec.num_hidden_layers * block_size * spec.num_key_value_heads * spec.head_dim * kv_dtype_bytes
+    layers = spec.num_hidden_layers if num_cache_layers is None else num_cache_layers
+    return 2 * layers * block_size * spec.num_key_value_heads * spec.head_dim * kv_dtype_bytes
 
 
-def num_kv_blocks_for_memory(spec: KvShape, memory_bytes: int, block_size: int, kv_dtype_bytes: int) -> int:
+def num_kv_blocks_for_memory(spec: KvShape, memory_bytes: int, block_size: int, kv_dtype_bytes: int,
+                             num_cache_layers: int | None = None) -> int:
     """Whole blocks that fit in `memory_bytes` (0 when the budget is negative or smaller than a block)."""
-    return max(0, memory_bytes // kv_cache_bytes_per_block(spec, block_size, kv_dtype_bytes))
+    return max(0, memory_bytes // kv_cache_bytes_per_block(spec, block_size, kv_dtype_bytes, num_cache_layers))
 
 
 def window_blocks(sliding_window: int, block_size: int) -> int:
@@ -51,8 +56,9 @@ class KvCapacity:
     """The engine's KV capacity, predicted (by `fit`) or actual (reported by a running server).
 
     Invariant: num_tokens == num_blocks * block_size; max_concurrency = num_blocks / the blocks one request
-    of max_model_len holds (all its tokens', or with sliding_window - set only when every layer slides - at
-    most window_blocks).
+    of max_model_len holds, summed over its KV groups (sliding_window: group 0's window, set when every layer
+    slides; extra_group_windows: an interleaved model's groups 1..): in each, all its tokens', or with a window
+    at most window_blocks.
     """
 
     num_blocks: int
@@ -60,6 +66,7 @@ class KvCapacity:
     bytes_per_block: int
     max_model_len: int
     sliding_window: int | None = None
+    extra_group_windows: tuple[int | None, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -72,9 +79,9 @@ class KvCapacity:
     @property
     def max_concurrency(self) -> float:
         """Requests of max_model_len tokens that fit at once (vLLM's "Maximum concurrency" figure)."""
-        blocks_per_request = math.ceil(self.max_model_len / self.block_size)
-        if self.sliding_window is not None:
-            blocks_per_request = min(blocks_per_request, window_blocks(self.sliding_window, self.block_size))
+        whole = math.ceil(self.max_model_len / self.block_size)
+        blocks_per_request = sum(whole if w is None else min(whole, window_blocks(w, self.block_size))
+                                 for w in (self.sliding_window, *self.extra_group_windows))
         return self.num_blocks / blocks_per_request
 
     def to_json(self) -> dict[str, Any]:
@@ -84,16 +91,19 @@ class KvCapacity:
 
 def kv_capacity_for_memory(
     spec: KvShape, memory_bytes: int, block_size: int, kv_dtype_bytes: int, max_model_len: int,
-    sliding_window: int | None = None,
+    sliding_window: int | None = None, extra_group_windows: tuple[int | None, ...] = (),
+    num_cache_layers: int | None = None,
 ) -> KvCapacity:
-    """The capacity the engine gets from a KV memory budget (same arithmetic the engine allocates with);
-    sliding_window only when every layer slides (the engine's CacheConfig.sliding_window)."""
+    """The capacity the engine gets from a KV memory budget (same arithmetic the engine allocates with):
+    sliding_window, extra_group_windows and num_cache_layers as the engine's KV group plan has them
+    (engine/kv_groups.py; by default one group over every layer, no window)."""
     return KvCapacity(
-        num_blocks=num_kv_blocks_for_memory(spec, memory_bytes, block_size, kv_dtype_bytes),
+        num_blocks=num_kv_blocks_for_memory(spec, memory_bytes, block_size, kv_dtype_bytes, num_cache_layers),
         block_size=block_size,
-        bytes_per_block=kv_cache_bytes_per_block(spec, block_size, kv_dtype_bytes),
+        bytes_per_block=kv_cache_bytes_per_block(spec, block_size, kv_dtype_bytes, num_cache_layers),
         max_model_len=max_model_len,
         sliding_window=sliding_window,
+        extra_group_windows=extra_group_windows,
     )
 
 
@@ -101,6 +111,10 @@ def format_capacity_line(capacity: KvCapacity) -> str:
     """One start-up line, e.g. 'KV cache: 1,234 blocks x 16 = 19,744 tokens (1.13 GiB); maximum
     concurrency for 8,192 tokens per request: 2.41x'."""
     window = "" if capacity.sliding_window is None else f" (sliding window of {capacity.sliding_window:,})"
+    if capacity.extra_group_windows:
+        window = f" ({1 + len(capacity.extra_group_windows)} KV groups: windows " + \
+            ", ".join("full" if w is None else f"{w:,}" for w in (capacity.sliding_window,
+                                                                 *capacity.extra_group_windows)) + ")"
     return (
         f"KV cache: {capacity.num_blocks:,} blocks x {capacity.block_size} = {capacity.num_tokens:,} tokens "
         f"({capacity.num_bytes / 2**30:.2f} GiB); maximum concurrency for {capacity.max_model_len:,} "
@@ -133,10 +147,13 @@ def kv_bytes_per_sequence(
 ) -> int:
     """Cache bytes of one sequence of `num_tokens` on one GPU, rounded up to whole blocks, as kvpilot's engine
     holds them: when every layer slides, at most the window (plus one block, as a paged cache frees whole
-    blocks); with any full-attention layer (Gemma 2/3's interleave) the whole context in every layer, since
-    one block serves all layers and a full layer still reads it (vLLM's per-group pools would save more)."""
+    blocks); an interleaved model (Gemma 2/3, gpt-oss) keeps the whole context in its full layers and the
+    window in its sliding ones, as the engine's KV groups do (engine/kv_groups.py; ignoring the unused slots
+    of a short last group)."""
     per_layer = kv_bytes_per_token_per_layer(spec, kv_dtype_bytes, tensor_parallel_size)
     tokens = math.ceil(num_tokens / block_size) * block_size
-    if spec.sliding_window and spec.num_sliding_layers == spec.num_hidden_layers:
-        tokens = min(tokens, window_blocks(spec.sliding_window, block_size) * block_size)
-    return spec.num_hidden_layers * tokens * per_layer
+    if not spec.sliding_window:
+        return spec.num_hidden_layers * tokens * per_layer
+    windowed = min(tokens, window_blocks(spec.sliding_window, block_size) * block_size)
+    num_full = spec.num_hidden_layers - spec.num_sliding_layers
+    return (num_full * tokens + spec.num_sliding_layers * windowed) * per_layer

@@ -53,6 +53,14 @@ class CapacityComparison:
         ]
 
 
+def _group_windows(server_json: dict[str, Any]) -> tuple[int | None, ...]:
+    """The KV groups' windows a kvpilot server reports (None: full attention), (None,) when it reports none."""
+    windows = server_json.get("kv_group_windows") or [None]
+    if not isinstance(windows, list) or any(w is not None and (not isinstance(w, int) or w < 1) for w in windows):
+        raise ConfigError(f"server capacity JSON has kv_group_windows {windows!r}, not a list of windows.")
+    return tuple(windows)
+
+
 def compare_capacity(server_json: dict[str, Any]) -> CapacityComparison:
     """Predicted (from the reported shape and KV budget) vs actual (reported blocks).
     ConfigError when a key is missing or not a positive integer."""
@@ -64,12 +72,19 @@ def compare_capacity(server_json: dict[str, Any]) -> CapacityComparison:
     if bad:
         raise ConfigError(f"server capacity JSON has non-integer or negative {', '.join(bad)}.")
     shape = _Shape(values["num_hidden_layers"], values["num_key_value_heads"], values["head_dim"])
+    windows = _group_windows(server_json)
+    num_cache_layers = server_json.get("num_cache_layers") if len(windows) > 1 else None
+    if num_cache_layers is not None and (not isinstance(num_cache_layers, int) or num_cache_layers < 1):
+        raise ConfigError(f"server capacity JSON has num_cache_layers {num_cache_layers!r}, not a positive integer.")
     predicted = kv_capacity_for_memory(shape, values["kv_cache_memory_bytes"], values["block_size"],
-                                       values["kv_dtype_bytes"], values["max_model_len"])
+                                       values["kv_dtype_bytes"], values["max_model_len"], windows[0], windows[1:],
+                                       num_cache_layers)
     actual = KvCapacity(
         num_blocks=values["num_blocks"],
         block_size=values["block_size"],
         bytes_per_block=int(server_json.get("bytes_per_block", predicted.bytes_per_block)),
         max_model_len=values["max_model_len"],
+        sliding_window=windows[0],
+        extra_group_windows=windows[1:],
     )
     return CapacityComparison(str(server_json.get("model", "?")), predicted, actual)

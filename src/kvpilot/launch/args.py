@@ -74,6 +74,9 @@ class EngineArgs:
     # --kv-transfer-config dict/JSON mapped onto it; the KV sender's port (0: a free one), the address it
     # advertises (None: kv_transfer_config's kv_ip, else 127.0.0.1), and how long held blocks wait for a pull
     kv_role: str | None = None
+    # vLLM's flag: keep an interleaved model (Gemma 2/3, gpt-oss) in one KV group, its sliding layers' blocks
+    # kept for the whole context like the full layers' (engine/kv_groups.py); default: a group per layer kind
+    disable_hybrid_kv_cache_manager: bool = False
     kv_transfer_config: dict | str | None = None
     kv_transfer_port: int | None = None
     kv_transfer_host: str | None = None

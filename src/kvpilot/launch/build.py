@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpilot.engine.config import (CacheConfig, EngineConfigError, SchedulerConfig, check_model_len_fits,
-                                   uniform_sliding_window)
+from kvpilot.engine.config import CacheConfig, EngineConfigError, SchedulerConfig, check_model_len_fits
 from kvpilot.engine.engine import LLMEngine
+from kvpilot.engine.kv_groups import KVGroupPlan
 from kvpilot.engine.ngram_proposer import NgramProposer
 from kvpilot.engine.scheduler import Scheduler
 from kvpilot.engine.spec_config import SpeculativeConfig
@@ -30,6 +30,7 @@ from kvpilot.model.choices import cuda_graph_sizes
 from kvpilot.model.kv_dtype import kv_dtype_name, resolve_kv_cache_dtype
 from kvpilot.model.layers.rope import RotaryEmbedding
 from kvpilot.model.hub import resolve_model
+from kvpilot.model.config import ModelConfig
 from kvpilot.model.loader import LoadedModel, load_model
 from kvpilot.model.onednn_caches import bound_onednn_caches
 from kvpilot.model.parallel.worker import KVBudgetRequest, RunnerSpec, make_runner, rank_kv_budget
@@ -53,6 +54,7 @@ class KVCachePlan:
     budget_bytes: int
     capacity: KvCapacity
     offload: OffloadPlan | None = None  # KV offload tiers (--kv-offloading-size, --kv-offload-dir)
+    groups: KVGroupPlan | None = None  # how the layers share the blocks (engine/kv_groups.py); None: one group
 
 
 @dataclass(frozen=True)
@@ -122,20 +124,23 @@ def _build(args: EngineArgs, loaded: LoadedModel, tp: TPLaunch | None) -> BuiltE
         budget -= int(budget * draft_kv_share(loaded, draft, args.block_size, args.kv_cache_dtype))
     element_size = torch.tensor([], dtype=kv_dtype).element_size()
     config = loaded.config
-    # only when every layer slides: then the KV manager frees blocks that fell out of the window
-    window = uniform_sliding_window([config.layer_window(i) for i in range(config.num_hidden_layers)])
+    groups = kv_group_plan(config, args)
+    window, extra_windows = groups.group_windows[0], groups.group_windows[1:]
     # The same function `kvpilot fit` predicts with: plan and engine agree by construction.
     capacity = kv_capacity_for_memory(rank_config(loaded), budget, args.block_size, element_size,
-                                      args.max_model_len or config.max_position_embeddings, window)
+                                      args.max_model_len or config.max_position_embeddings, window,
+                                      extra_windows, groups.num_slots)
     if capacity.num_blocks < 1:
         raise EngineConfigError(f"the KV cache budget of {format_bytes(budget)} holds no block of "
                                 f"{format_bytes(capacity.bytes_per_block)}: raise kv_cache_memory")
     events = args.kv_events_config
-    offload = plan_offload(args, capacity.bytes_per_block, window, pinned=loaded.device.type == "cuda")
+    offload = plan_offload(args, capacity.bytes_per_block, groups.group_windows,
+                           pinned=loaded.device.type == "cuda")
     cache_config = CacheConfig(num_blocks=capacity.num_blocks, block_size=args.block_size,
                                enable_prefix_caching=args.enable_prefix_caching,
                                enable_kv_cache_events=events is not None and events.publishes,
-                               sliding_window=window, num_offload_blocks=offload.num_host_blocks if offload else 0,
+                               sliding_window=window, extra_group_windows=extra_windows,
+                               num_offload_blocks=offload.num_host_blocks if offload else 0,
                                num_disk_offload_blocks=offload.num_disk_blocks if offload else 0,
                                overlap_offload_loads=args.kv_offload_overlap)
     context_fits = cache_config.max_blocks_per_request(
@@ -151,10 +156,13 @@ def _build(args: EngineArgs, loaded: LoadedModel, tp: TPLaunch | None) -> BuiltE
     logger.info("%s; KV stored as %s", format_capacity_line(capacity), kv_dtype_name(kv_dtype))
     eos_token_ids = eos_token_ids_of(loaded)
     spec = RunnerSpec(kv_dtype, capacity.num_blocks, args.block_size, args.max_num_seqs, max_model_len,
-                      args.attention_backend, tuple(eos_token_ids), offload.spec if offload else None)
+                      args.attention_backend, tuple(eos_token_ids), offload.spec if offload else None, groups)
     runner = tp.executor(spec) if tp is not None else make_runner(loaded, spec)
     if loaded.device.type == "cuda" and not args.enforce_eager and method == "eagle3":
         logger.info("CUDA graphs off: the EAGLE-3 head reads the target's aux layers, which a graph does not leave")
+    elif loaded.device.type == "cuda" and not args.enforce_eager and groups.is_hybrid:
+        logger.info("CUDA graphs off: the decode graphs replay one block table per step, and this model's "
+                    "layers read %d (KV groups)", groups.num_groups)
     elif loaded.device.type == "cuda" and not args.enforce_eager:
         _capture_decode_graphs(runner, args, max_num_batched_tokens)
     build_proposer = build_eagle_proposer if method in ("eagle", "eagle3") else build_draft_proposer
@@ -169,7 +177,19 @@ def _build(args: EngineArgs, loaded: LoadedModel, tp: TPLaunch | None) -> BuiltE
         loaded.device.type == "cuda" and speculative is None
     engine = LLMEngine(scheduler, runner, loaded.tokenizer, loaded.config.vocab_size,
                        async_scheduling=async_scheduling)
-    return BuiltEngine(engine, loaded, KVCachePlan(kv_dtype, element_size, budget, capacity, offload))
+    return BuiltEngine(engine, loaded, KVCachePlan(kv_dtype, element_size, budget, capacity, offload, groups))
+
+
+def kv_group_plan(config: ModelConfig, args: EngineArgs) -> KVGroupPlan:
+    """How the model's layers share the KV pool (engine/kv_groups.py): an interleaved model gets several groups,
+    so its sliding layers' blocks are freed once out of their window, unless disable_hybrid_kv_cache_manager
+    or disaggregation moves the KV (its transfers carry one block table: then one group, with an INFO line)."""
+    plan = config.kv_group_plan(hybrid=not args.disable_hybrid_kv_cache_manager)
+    if plan.is_hybrid and args.kv_role is not None:
+        logger.info("KV groups off with kv_role %s: disaggregation moves one block table per request, so the "
+                    "sliding layers' blocks are kept for the whole context", args.kv_role)
+        return config.kv_group_plan(hybrid=False)
+    return plan
 
 
 def make_speculator(config: SpeculativeConfig | None, proposer: DraftProposer | None = None) -> Speculator | None:

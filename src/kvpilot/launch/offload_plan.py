@@ -29,17 +29,19 @@ class OffloadPlan:
         return OffloadSpec(self.num_host_blocks, self.num_disk_blocks, self.disk_dir)
 
 
-def plan_offload(args: EngineArgs, bytes_per_block: int, sliding_window: int | None,
+def plan_offload(args: EngineArgs, bytes_per_block: int, group_windows: tuple[int | None, ...],
                  pinned: bool) -> OffloadPlan | None:
-    """None when offload is off, or (INFO line) for a model whose every layer slides (its blocks leave the
-    window and are freed: the KV manager keeps no tier for them). EngineConfigError for a tier too small to
-    hold one block, or a disk tier larger than the free space of its folder."""
+    """None when offload is off, or (INFO line) for a model with sliding-window layers (group_windows: the
+    KV groups' windows, engine/kv_groups.py): their blocks leave the window and are freed, and the tiers keep
+    one group's blocks. EngineConfigError for a tier too small to hold one block, or a disk tier larger than
+    the free space of its folder."""
     host_bytes, disk_bytes = args.kv_offload_bytes()
     if not host_bytes:
         return None
-    if sliding_window is not None:
-        logger.info("KV offload off: every layer of this model attends to a sliding window, and blocks that "
-                    "leave it are freed, not cached")
+    if any(window is not None for window in group_windows):
+        logger.info("KV offload off: %s of this model attend%s to a sliding window, and blocks that leave it "
+                    "are freed, not cached", "every layer" if len(group_windows) == 1 else "some layers",
+                    "s" if len(group_windows) == 1 else "")
         return None
     ranks = args.tensor_parallel_size
     num_host = host_bytes // ranks // bytes_per_block

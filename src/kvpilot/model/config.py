@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpilot.engine.kv_groups import KVGroupPlan, plan_kv_groups
 from kvpilot.fit.model_spec import ModelSpec, layer_types, spec_from_hf_config, text_config
 from kvpilot.fit.runtime_spec import RopeScaling, RuntimeSpec, runtime_spec_from_hf_config
 from kvpilot.model.errors import ModelLoadError, config_errors_as_load_errors
@@ -82,6 +83,16 @@ class ModelConfig:
         """The sliding window of layer `layer`; None when it attends to the whole context."""
         sliding = self.layer_types and self.layer_types[layer] == "sliding_attention"
         return self.sliding_window if sliding else None
+
+    def kv_group_plan(self, hybrid: bool = True) -> KVGroupPlan:
+        """How the layers share the KV pool (engine/kv_groups.py): several groups for an interleaved model
+        unless hybrid is False."""
+        return plan_kv_groups([self.layer_window(i) for i in range(self.num_hidden_layers)], hybrid=hybrid)
+
+    def layer_kv_group(self, layer: int) -> int:
+        """The KV group layer `layer` reads its block table from when the engine gives the model several (its
+        LayerAttention.kv_group; a one-group engine ignores it)."""
+        return self.kv_group_plan().layer_groups[layer]
 
 
 def _family(arch: str | None, source: str) -> str:

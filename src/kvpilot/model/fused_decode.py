@@ -137,8 +137,9 @@ class FusedDecode:
     def applies(self, x: torch.Tensor, kv_caches: list[torch.Tensor], attn: StepAttention) -> bool:
         meta = attn.meta
         rows = x.shape[0]
+        # one block table for every layer: a model with several KV groups runs layer by layer
         if (x.dtype != self.dtype or rows > self.max_rows or attn.backend.name != ATTENTION_BACKEND
-                or meta.prefills or len(meta.decodes) != 1 or kv_caches[0].dtype != self.dtype):
+                or attn.group_metas or meta.prefills or len(meta.decodes) != 1 or kv_caches[0].dtype != self.dtype):
             return False
         return meta.decodes[0].row_range == (0, rows)
 

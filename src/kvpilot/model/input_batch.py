@@ -29,6 +29,7 @@ class BatchLimits:
     max_num_seqs: int
     max_model_len: int
     block_size: int
+    num_kv_groups: int = 1  # engine/kv_groups.py: one block table per group
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -40,7 +41,8 @@ class InputBatch:
     token_ids[r, :num_tokens[r]] are its prompt then output tokens, of which the first num_known[r] are on
     the host and the rest placeholders (sampled by steps whose results are not committed yet: their ids are
     still on the device); block_table[r, :num_blocks[r]] is its block table; num_output[r] counts its
-    outputs, placeholders included."""
+    outputs, placeholders included. With KV groups, extra_tables[g - 1, r, :num_blocks[r]] is group g's table
+    (every group's table has num_blocks[r] entries)."""
 
     def __init__(self, limits: BatchLimits) -> None:
         self.limits = limits
@@ -51,6 +53,7 @@ class InputBatch:
         self.num_output = np.zeros(n, dtype=np.int64)
         self.num_known = np.zeros(n, dtype=np.int64)
         self.block_table = np.zeros((n, limits.max_blocks_per_seq), dtype=np.int64)
+        self.extra_tables = np.zeros((limits.num_kv_groups - 1, n, limits.max_blocks_per_seq), dtype=np.int64)
         self.num_blocks = np.zeros(n, dtype=np.int64)
         self.num_computed = np.zeros(n, dtype=np.int64)  # before the current step, from the diff
         self.temperature = np.zeros(n, dtype=np.float32)
@@ -96,6 +99,8 @@ class InputBatch:
         self.num_output[row] = len(new.output_token_ids)
         self.num_known[row] = len(tokens)
         self.block_table[row, :len(new.block_ids)] = new.block_ids
+        for table, ids in zip(self.extra_tables, new.extra_block_ids):
+            table[row, :len(ids)] = ids
         self.num_blocks[row] = len(new.block_ids)
         self.num_computed[row] = new.num_computed_tokens
         self._set_params(row, new.sampling_params)
@@ -146,6 +151,8 @@ class InputBatch:
         if end > self.limits.max_blocks_per_seq:
             raise BatchFullError(f"request {running.request_id!r} has {end} blocks: over max_model_len")
         self.block_table[row, start:end] = running.new_block_ids
+        for table, ids in zip(self.extra_tables, running.new_extra_block_ids):
+            table[row, start:end] = ids
         self.num_blocks[row] = end
 
     def remove(self, request_id: str) -> int | None:

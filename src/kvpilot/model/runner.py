@@ -15,8 +15,10 @@ from typing import TYPE_CHECKING, Protocol, Sequence
 import numpy as np
 import torch
 
+from kvpilot.engine.kv_groups import KVGroupPlan
 from kvpilot.engine.scheduler_output import NewRequestData, RunnerOutput, SchedulerOutput
 from kvpilot.model.attention import StepAttention, select_attention_backend
+from kvpilot.model.attention.layout import StepLayout
 from kvpilot.model.attention.selector import model_attention_features
 from kvpilot.model.cuda_graphs import DecodeGraphs
 from kvpilot.model.device_staging import PackedArrays
@@ -117,10 +119,13 @@ class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int,
                  kv_dtype: torch.dtype | None = None, *, limits: RunnerLimits = RunnerLimits(),
                  attention_backend: str = "auto", eos_token_ids: Sequence[int] = (),
-                 tp: "TPGroup | None" = None, offload: OffloadSpec | None = None) -> None:
+                 tp: "TPGroup | None" = None, offload: OffloadSpec | None = None,
+                 kv_groups: KVGroupPlan | None = None) -> None:
         """kv_dtype: how K/V are stored (None: the model's dtype). eos_token_ids: masked until min_tokens.
         tp: the tensor-parallel group of a sharded model: every rank takes rank 0's sampled ids.
-        offload: the KV offload tiers to allocate (model/kv_offload.py; each TP rank its own share)."""
+        offload: the KV offload tiers to allocate (model/kv_offload.py; each TP rank its own share).
+        kv_groups: how layers share the cache (engine/kv_groups.py; None: one group, the engine's plan must
+        then be one group too): a cache tensor per slot, layer i's the one of its slot."""
         self.loaded = loaded
         self.model = loaded.model
         self.device = loaded.device
@@ -133,10 +138,13 @@ class ModelRunner:
                                                   needed=model_attention_features(loaded.model))
         config = loaded.config
         shape = self.attention.kv_cache_shape(num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-        self.kv_caches = allocate_kv_cache(shape, config.num_hidden_layers, self.kv_dtype, loaded.device)
+        self.kv_groups = kv_groups or config.kv_group_plan(hybrid=False)
+        slots = allocate_kv_cache(shape, self.kv_groups.num_slots, self.kv_dtype, loaded.device)
+        self.kv_caches = [slots[slot] for slot in self.kv_groups.layer_slots]
         self.offload = KVOffloadStore(self.kv_caches, offload) if offload is not None else None
         max_model_len = limits.max_model_len or config.max_position_embeddings
-        self.batch = InputBatch(BatchLimits(limits.max_num_seqs, max_model_len, block_size))
+        self.batch = InputBatch(BatchLimits(limits.max_num_seqs, max_model_len, block_size,
+                                            self.kv_groups.num_groups))
         self.penalties = PenaltyState(limits.max_num_seqs, self.vocab_size, loaded.device)
         self.eos_token_ids = tuple(t for t in eos_token_ids if 0 <= t < self.vocab_size)
         self.logit_bias = LogitBiasState(limits.max_num_seqs)
@@ -281,8 +289,14 @@ class ModelRunner:
         size = self.graphs.size_for(inputs.layout) if self.graphs is not None else None
         if size is not None:
             return self.graphs.forward(inputs.token_ids, inputs.positions, inputs.layout, size)
-        attn = StepAttention(self.attention, self.attention.build(inputs.layout, self.device))
-        return self.model(inputs.token_ids, inputs.positions, self.kv_caches, attn)
+        return self.model(inputs.token_ids, inputs.positions, self.kv_caches, self.step_attention(inputs.layout))
+
+    def step_attention(self, layout: StepLayout) -> StepAttention:
+        """The attention backend bound to this step's metadata: one per KV group when there are several."""
+        if layout.num_groups == 1:
+            return StepAttention(self.attention, self.attention.build(layout, self.device))
+        metas = [self.attention.build(layout.for_group(g), self.device, group=g) for g in range(layout.num_groups)]
+        return StepAttention(self.attention, metas[0], metas)
 
     def _forward_logits(self, inputs: StepInputs) -> torch.Tensor:
         hidden = self._forward_hidden(inputs)

@@ -136,14 +136,15 @@ def flatten_step(batch: InputBatch, rows: np.ndarray, starts: np.ndarray, query_
         token_rows = np.repeat(rows, query_lens)
         positions = np.arange(int(ends[-1]), dtype=np.int64) + np.repeat(starts - query_start, query_lens)
     sampled = None if samples.all() else np.flatnonzero(samples)
-    block_ids = batch.block_table[token_rows, positions // block_size]
-    slots = block_ids * block_size + positions % block_size
+    block_index, offset = np.divmod(positions, block_size)
+    slots = batch.block_table[token_rows, block_index] * block_size + offset
     integers = [batch.token_ids[token_rows, positions], positions, ends - 1 if sampled is None else ends[sampled] - 1]
     token_ids, positions_t, sample_rows = _integer_inputs(batch, integers, token_rows, previous, staging, device,
                                                           all_known)
     max_blocks = int(-(-(starts + query_lens).max() // block_size))
     layout = StepLayout(query_start=query_start, query_lens=query_lens, start_positions=starts,
-                        block_tables=batch.block_table[rows, :max_blocks], slot_mapping=slots, block_size=block_size)
+                        block_tables=batch.block_table[rows, :max_blocks], slot_mapping=slots, block_size=block_size,
+                        extra_groups=_extra_groups(batch, rows, token_rows, block_index, offset, max_blocks))
     return FlatStep(token_ids, positions_t, sample_rows, layout, sampled)
 
 
@@ -159,12 +160,22 @@ def _decode_inputs(batch: InputBatch, chunks: Sequence[ScheduledChunk], rows: np
     query_start = batch.arange[:num_seqs]  # shared by every step, never written
     block_index, offset = np.divmod(positions, block_size)
     slots = batch.block_table[rows, block_index] * block_size + offset
-    tables = batch.block_table[rows, :int(block_index.max()) + 1]
+    max_blocks = int(block_index.max()) + 1
+    tables = batch.block_table[rows, :max_blocks]
     integers = [batch.token_ids[rows, positions], positions, query_start]
     token_ids, positions_t, sample_rows = _integer_inputs(batch, integers, rows, previous, staging, device)
-    layout = StepLayout.of_decodes(query_start, batch.ones[:num_seqs], positions, tables, slots, block_size)
+    layout = StepLayout.of_decodes(query_start, batch.ones[:num_seqs], positions, tables, slots, block_size,
+                                   _extra_groups(batch, rows, rows, block_index, offset, max_blocks))
     return StepInputs(token_ids=token_ids, positions=positions_t, layout=layout, sample_rows=sample_rows,
                       sample_request_ids=[c.request_id for c in chunks], sample_batch_rows=rows)
+
+
+def _extra_groups(batch: InputBatch, rows: np.ndarray, token_rows: np.ndarray, block_index: np.ndarray,
+                  offset: np.ndarray, max_blocks: int) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
+    """StepLayout.extra_groups: KV groups 1..'s block tables and slots for the same tokens (() with one group)."""
+    block_size = batch.limits.block_size
+    return tuple((tables[rows, :max_blocks], tables[token_rows, block_index] * block_size + offset)
+                 for tables in batch.extra_tables)
 
 
 def _integer_inputs(batch: InputBatch, integers: list[np.ndarray], token_rows: np.ndarray,

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 import typer
 
 from kvpilot.cli_options import (AsyncSchedulingOpt, AttentionBackendOpt, BlockSizeOpt, CudaGraphSizesOpt,
-                                 DeviceOpt, DownloadDirOpt, DtypeOpt, EnforceEagerOpt, GgufFileOpt, GpuUtilOpt,
+                                 DeviceOpt, DisableHybridKvOpt, DownloadDirOpt, DtypeOpt, EnforceEagerOpt,
+                                 GgufFileOpt, GpuUtilOpt,
                                  KvCacheDtypeOpt, KvCacheMemoryOpt, KvOffloadDirOpt, KvOffloadDirSizeOpt,
                                  KvOffloadingBackendOpt, KvOffloadingSizeOpt, KvOffloadOverlapOpt, KvRoleOpt,
                                  KvTransferConfigOpt, KvTransferHostOpt, KvTransferPortOpt, KvTransferTimeoutOpt,
@@ -57,7 +58,7 @@ def serve_command(
     block_size: BlockSizeOpt = 16, kv_offloading_size: KvOffloadingSizeOpt = None,
     kv_offloading_backend: KvOffloadingBackendOpt = "native", kv_offload_dir: KvOffloadDirOpt = None,
     kv_offload_dir_size: KvOffloadDirSizeOpt = None, kv_offload_overlap: KvOffloadOverlapOpt = True,
-    kv_role: KvRoleOpt = None,
+    kv_role: KvRoleOpt = None, disable_hybrid_kv_cache_manager: DisableHybridKvOpt = False,
     kv_transfer_config: KvTransferConfigOpt = None, kv_transfer_port: KvTransferPortOpt = None,
     kv_transfer_host: KvTransferHostOpt = None, kv_transfer_timeout: KvTransferTimeoutOpt = 120.0,
     enable_prefix_caching: PrefixCachingOpt = True, scheduling_policy: PolicyOpt = "fcfs", seed: SeedOpt = 0,
@@ -98,6 +99,7 @@ def serve_command(
             kv_offloading_size=kv_offloading_size, kv_offloading_backend=kv_offloading_backend,
             kv_offload_dir=kv_offload_dir, kv_offload_dir_size=kv_offload_dir_size,
             kv_offload_overlap=kv_offload_overlap, kv_role=kv_role,
+            disable_hybrid_kv_cache_manager=disable_hybrid_kv_cache_manager,
             kv_transfer_config=kv_transfer_config, kv_transfer_port=kv_transfer_port,
             kv_transfer_host=_kv_transfer_host(kv_transfer_host, kv_transfer_config, host),
             kv_transfer_timeout=kv_transfer_timeout)

@@ -3,6 +3,7 @@ a StepLayout, and runs attention over the paged cache for every layer, as that l
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Protocol
@@ -30,12 +31,15 @@ class LayerAttention:
 
     Invariants: scale > 0; sliding_window >= 1 or None; logit_softcap > 0 or None; sinks a 1-D float32 tensor
     of the layer's query heads, on the model's device, or None. `features` names the variants in use (a subset
-    of ATTENTION_FEATURES). eq=False: compared by identity (a tensor field has no truth value)."""
+    of ATTENTION_FEATURES). kv_group: the KV group whose block tables the layer reads when a step has several
+    (engine/kv_groups.py; ModelConfig.layer_kv_group). eq=False: compared by identity (a tensor field has no
+    truth value)."""
 
     scale: float
     sliding_window: int | None = None
     logit_softcap: float | None = None
     sinks: torch.Tensor | None = None
+    kv_group: int = 0
     features: frozenset[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -88,8 +92,9 @@ class AttentionBackend(Protocol):
         """Shape of one layer's cache tensor."""
         ...
 
-    def build(self, layout: StepLayout, device: torch.device) -> Any:
-        """The step's metadata, on `device`."""
+    def build(self, layout: StepLayout, device: torch.device, *, group: int = 0) -> Any:
+        """The step's metadata, on `device`; `group`: the KV group whose layout it is (engine/kv_groups.py):
+        the metadata of a step's groups must all stay valid until its forward ends."""
         ...
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: Any,
@@ -104,11 +109,14 @@ class UnsupportedAttentionError(RuntimeError):
 
 
 class StepAttention:
-    """A backend bound to one step's metadata: what the model's layers call (no hidden globals)."""
+    """A backend bound to one step's metadata: what the model's layers call (no hidden globals). With KV
+    groups (engine/kv_groups.py) `group_metas` holds each group's metadata, `meta` group 0's, and a layer
+    reads its LayerAttention.kv_group's; with one group every layer reads `meta`."""
 
-    def __init__(self, backend: AttentionBackend, meta: Any) -> None:
+    def __init__(self, backend: AttentionBackend, meta: Any, group_metas: Sequence[Any] = ()) -> None:
         self.backend = backend
         self.meta = meta
+        self.group_metas = group_metas
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                  scale_or_layer: float | LayerAttention) -> torch.Tensor:
@@ -117,4 +125,5 @@ class StepAttention:
         if layer.features and not layer.features <= self.backend.features:
             missing = ", ".join(sorted(layer.features - self.backend.features))
             raise UnsupportedAttentionError(f"the {self.backend.name} attention backend does not compute {missing}")
-        return self.backend.forward(q, k, v, kv_cache, self.meta, layer)
+        meta = self.group_metas[layer.kv_group] if self.group_metas else self.meta
+        return self.backend.forward(q, k, v, kv_cache, meta, layer)

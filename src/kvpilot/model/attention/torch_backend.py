@@ -72,7 +72,8 @@ class TorchAttentionBackend:
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         return (2, num_kv_heads, num_blocks, block_size, head_dim)
 
-    def build(self, layout: StepLayout, device: torch.device) -> AttentionMetadata:
+    def build(self, layout: StepLayout, device: torch.device, *, group: int = 0) -> AttentionMetadata:
+        """`group` is not needed: each call builds new tensors."""
         all_decode = layout.all_decode
         is_decode = None if all_decode else layout.is_decode
         return AttentionMetadata(slot_mapping=host_tensor(layout.slot_mapping, device),

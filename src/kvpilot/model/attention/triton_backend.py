@@ -54,6 +54,8 @@ class TritonAttentionBackend:
         self.decode_partition = decode_partition
         self.num_kv_heads = DEFAULT_KV_HEADS
         self._packed: PackedArrays | None = None
+        # KV groups 1.. (engine/kv_groups.py): their metadata lives beside group 0's in a step, in buffers of its own
+        self._group_packed: dict[int, PackedArrays] = {}
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         if num_blocks * block_size >= MAX_SLOTS:
@@ -83,15 +85,22 @@ class TritonAttentionBackend:
                                    self.decode_partition)
 
     def build(self, layout: StepLayout, device: torch.device, table_width: int | None = None,
-              decode_split: DecodeSplit | None = None) -> TritonAttentionMetadata:
+              decode_split: DecodeSplit | None = None, group: int = 0) -> TritonAttentionMetadata:
         """table_width: block-table columns to send (None: the step's widest need; a CUDA graph passes its
         fixed width, so the metadata lands at the same addresses every replay). decode_split: None chooses
-        one for the step's decodes; a CUDA graph fixes one per batch size."""
+        one for the step's decodes; a CUDA graph fixes one per batch size. group: the KV group whose layout
+        this is (each group's metadata in its own buffers, so all of a step's stay valid together)."""
         if decode_split is None:
             decodes = layout.is_decode
             max_decode_context = int(layout.context_lens[decodes].max()) if decodes.any() else 1
             decode_split = self.decode_split_for(int(np.count_nonzero(decodes)), max_decode_context, device)
-        return pack_layout(layout, self._buffers(device), decode_split, table_width)
+        if group:
+            packed = self._group_packed.get(group)
+            if packed is None or packed.device != device:
+                packed = self._group_packed[group] = PackedArrays(device)
+        else:
+            packed = self._buffers(device)
+        return pack_layout(layout, packed, decode_split, table_width)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: TritonAttentionMetadata, layer: LayerAttention | float) -> torch.Tensor:

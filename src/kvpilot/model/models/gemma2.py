@@ -108,7 +108,8 @@ class Gemma2Attention(Attention):
         super().__init__(config, layer_idx)
         settings = gemma_settings(config)
         self.scale = settings.query_pre_attn_scalar ** -0.5
-        self.layer_attention = LayerAttention(self.scale, self.sliding_window, settings.attn_logit_softcapping)
+        self.layer_attention = LayerAttention(self.scale, self.sliding_window, settings.attn_logit_softcapping,
+                                              kv_group=config.layer_kv_group(layer_idx))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
                 attn: StepAttention) -> torch.Tensor:

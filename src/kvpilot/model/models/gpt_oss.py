@@ -43,6 +43,7 @@ class GptOssAttention(nn.Module):
         self.head_dim, self.q_size, self.kv_size = config.head_dim, config.q_size, config.kv_size
         self.scale = self.head_dim ** -0.5
         self.sliding_window = config.layer_window(layer_idx)
+        self.kv_group = config.layer_kv_group(layer_idx)
         bias = bool(config.extra.get("attention_bias", True))  # transformers' default for gpt-oss
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bias)
@@ -57,7 +58,8 @@ class GptOssAttention(nn.Module):
         sinks = self.sinks
         key = (sinks.data_ptr(), sinks._version, sinks.device, sinks.dtype)
         if self._layer_attention is None or key != self._sinks_key:
-            self._layer_attention = LayerAttention(self.scale, self.sliding_window, sinks=sinks.detach().float())
+            self._layer_attention = LayerAttention(self.scale, self.sliding_window, sinks=sinks.detach().float(),
+                                                   kv_group=self.kv_group)
             self._sinks_key = key
         return self._layer_attention
 

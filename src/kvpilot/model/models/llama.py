@@ -40,7 +40,8 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
         self.scale = self.head_dim ** -0.5
-        self.layer_attention = LayerAttention(self.scale, sliding_window=self.sliding_window)
+        self.layer_attention = LayerAttention(self.scale, sliding_window=self.sliding_window,
+                                              kv_group=config.layer_kv_group(layer_idx))
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None

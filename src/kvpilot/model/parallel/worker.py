@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from kvpilot.engine.kv_groups import KVGroupPlan
 from kvpilot.model.kv_offload import OffloadSpec
 from kvpilot.model.parallel.group import TPGroup, rank_device
 from kvpilot.model.parallel.shard import parallelize
@@ -51,6 +52,7 @@ class RunnerSpec:
     attention_backend: str
     eos_token_ids: tuple[int, ...] = ()
     offload: OffloadSpec | None = None  # KV offload tiers (model/kv_offload.py): each rank holds its share
+    kv_groups: KVGroupPlan | None = None  # how layers share the cache (engine/kv_groups.py); None: one group
 
 
 @dataclass(frozen=True)
@@ -92,7 +94,7 @@ def make_runner(loaded, spec: RunnerSpec, tp: TPGroup | None = None) -> ModelRun
     return ModelRunner(loaded, spec.num_blocks, spec.block_size, spec.kv_dtype,
                        limits=RunnerLimits(spec.max_num_seqs, spec.max_model_len),
                        attention_backend=spec.attention_backend, eos_token_ids=spec.eos_token_ids, tp=tp,
-                       offload=spec.offload)
+                       offload=spec.offload, kv_groups=spec.kv_groups)
 
 
 def rank_kv_budget(loaded, request: KVBudgetRequest) -> int:

@@ -13,9 +13,12 @@ from typing import Any
 class KVCacheInfo:
     """The KV cache as allocated, computed once when the engine is built.
 
-    Invariants: num_blocks >= 1; bytes_per_block = 2 (K and V) * num_hidden_layers * block_size *
-    num_key_value_heads * head_dim * dtype_bytes; `budget_bytes` is the memory the cache was sized from
-    (kv_cache_memory, the CPU default, or on CUDA what was allocated from gpu_memory_utilization).
+    Invariants: num_blocks >= 1; bytes_per_block = 2 (K and V) * num_cache_layers * block_size *
+    num_key_value_heads * head_dim * dtype_bytes, num_cache_layers being num_hidden_layers (0 here) unless the
+    model's layers form several KV groups (engine/kv_groups.py: then a group's size); kv_group_windows the
+    groups' windows (None: full attention) when any layer slides, else (); `budget_bytes` is the memory the
+    cache was sized from (kv_cache_memory, the CPU default, or on CUDA what was allocated from
+    gpu_memory_utilization).
     """
 
     dtype: str
@@ -29,6 +32,8 @@ class KVCacheInfo:
     head_dim: int
     num_offload_blocks: int = 0  # KV offload's host tier (vLLM's num_cpu_blocks); 0: off
     num_disk_offload_blocks: int = 0
+    num_cache_layers: int = 0
+    kv_group_windows: tuple[int | None, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,8 @@ class EngineInfo:
                 "kv_dtype_bytes": kv.dtype_bytes, "kv_cache_dtype": kv.dtype,
                 "kv_cache_memory_bytes": kv.budget_bytes, "block_size": kv.block_size,
                 "num_blocks": kv.num_blocks, "bytes_per_block": kv.bytes_per_block,
+                "num_cache_layers": kv.num_cache_layers or kv.num_hidden_layers,
+                "kv_group_windows": list(kv.kv_group_windows),
                 "max_model_len": self.max_model_len, "max_num_seqs": self.max_num_seqs,
                 "max_num_batched_tokens": self.max_num_batched_tokens,
                 "enable_prefix_caching": self.enable_prefix_caching, "dtype": self.dtype,

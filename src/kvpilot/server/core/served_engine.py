@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 from kvpilot.engine.engine import LLMEngine
 from kvpilot.engine.kv_events_config import KVEventsConfig
+from kvpilot.engine.kv_groups import KVGroupPlan
 from kvpilot.engine.kv_transfer import KVTransferConfig
 from kvpilot.launch.args import EngineArgs
 from kvpilot.launch.build import BuiltEngine, build_engine
@@ -32,6 +34,14 @@ class ServedEngine:
     kv_transfer: KVTransferConfig | None = None  # disaggregation: the engine core starts a KV connector
 
 
+def _kv_groups(groups: KVGroupPlan | None) -> dict[str, Any]:
+    """KVCacheInfo's KV-group fields: the groups' windows when any layer slides, the cache layers a block
+    spans when the layers form several groups."""
+    if groups is None or groups.group_windows == (None,):
+        return {}
+    return {"num_cache_layers": groups.num_slots if groups.is_hybrid else 0, "kv_group_windows": groups.group_windows}
+
+
 def describe(built: BuiltEngine) -> EngineInfo:
     """Everything the HTTP side needs to know, from what build_engine computed once (KV dtype, bytes per
     block, budget, blocks)."""
@@ -42,7 +52,8 @@ def describe(built: BuiltEngine) -> EngineInfo:
                      budget_bytes=plan.budget_bytes, num_hidden_layers=config.num_hidden_layers,
                      num_key_value_heads=config.num_key_value_heads, head_dim=config.head_dim,
                      num_offload_blocks=cache.num_offload_blocks if cache.offload_enabled else 0,
-                     num_disk_offload_blocks=cache.num_disk_offload_blocks if cache.offload_enabled else 0)
+                     num_disk_offload_blocks=cache.num_disk_offload_blocks if cache.offload_enabled else 0,
+                     **_kv_groups(plan.groups))
     return EngineInfo(model=built.loaded.name, max_model_len=limits.max_model_len,
                       max_num_batched_tokens=limits.max_num_batched_tokens,
                       vocab_size=engine.vocab_size, kv=kv, max_num_seqs=limits.max_num_seqs,
