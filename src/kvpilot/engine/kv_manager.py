@@ -2,7 +2,7 @@
 
 The scheduler sees only block ids and token counts; KVBlock objects stay inside this module and the pool.
 
-Sliding window (CacheConfig.sliding_window = W, set only when every layer slides): a query at position p
+Sliding window (CacheConfig.sliding_window = W: group 0's layers slide, see KV groups below): a query at position p
 reads keys j with p - W < j <= p, so once a request's next query is at position c, its blocks wholly before
 position c - W + 1 are never read again. allocate_slots releases them to the pool (a block holding a cached
 prefix stays cached-evictable, so another request can still hit it) and leaves NULL_BLOCK_ID in their place
@@ -119,11 +119,13 @@ class _Table:
     extra: list[_Table] = field(default_factory=list)
 
     def all_blocks(self) -> list[KVBlock]:
-        """Every block the table holds, over all groups (placeholders left out), last block first."""
-        held = [b for b in reversed(self.blocks) if b is not None]
-        for table in self.extra:
-            held.extend(b for b in reversed(table.blocks) if b is not None)
-        return held
+        """Every block the table holds (placeholders left out), last position first and, at each position,
+        every group's block: freed in this order, a prefix's tail is evicted before its head in all groups
+        alike (a hit needs every group's blocks)."""
+        if not self.extra:
+            return [b for b in reversed(self.blocks) if b is not None]
+        tables = [self.blocks, *(t.blocks for t in self.extra)]
+        return [b for i in range(len(self.blocks) - 1, -1, -1) for t in tables if (b := t[i]) is not None]
 
 
 class KVCacheManager:

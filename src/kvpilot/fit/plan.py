@@ -75,12 +75,13 @@ def _notes(report_plan: MemoryPlan, model: LoadedModel, group: DeviceGroup, inpu
 
 
 def _sliding_note(num_sliding: int, num_layers: int, window: int | None) -> str:
-    """What kvpilot's KV manager makes of the model's sliding window: it frees blocks only when every layer
-    slides (one block serves all layers)."""
+    """What kvpilot's KV manager makes of the model's sliding window: capped at the window in every sliding
+    layer (an interleaved model's layers form KV groups, engine/kv_groups.py)."""
     if num_sliding == num_layers:
         return f"every layer uses a {window}-token sliding window: a request's KV is capped at the window."
-    return (f"{num_sliding} of {num_layers} layers use a {window}-token sliding window; kvpilot still holds "
-            f"every layer's whole context (its single KV pool frees a block only when every layer slides).")
+    return (f"{num_sliding} of {num_layers} layers use a {window}-token sliding window: kvpilot keeps their KV "
+            f"to the window and the other layers' whole context (a block table per layer kind; "
+            f"--disable-hybrid-kv-cache-manager keeps every layer's whole context).")
 
 
 def check_lengths(model: LoadedModel, inputs: FitInputs) -> None:
