@@ -1,10 +1,12 @@
 """KV offload's overlap (issue #49) side by side in one run: streams decode while sessions return whose contexts
-the pool had to evict to the host tier. One engine loads a returning turn's blocks beside the streams' next step
-(`--kv-offload-overlap`, the default), the other before the forward of the step that admits the turn
+the pool had to evict to the host tier. Three engines: the default loads a returning turn's blocks beside the
+streams' next steps, paced so that each step's copy hides behind it (`--kv-offload-overlap`; on a CPU
+engine/load_pacing.py spreads a long context over several steps); "one round" loads them all beside one step (the
+pacer removed: the behaviour before pacing); "no overlap" before the forward of the step that admits the turn
 (`--no-kv-offload-overlap`). Prints, for each, the streams' inter-token gaps (p50, p99, max) and the returning
-turns' TTFT p50, the ratio of the streams' p99 gaps (no overlap / overlap), median over passes with the spread,
-and whether every greedy output was token-identical between the two (checked with `--dtype float32`: in bf16 a
-returning turn admitted one step later shares its steps with other rows, and bf16 sums depend on the batch).
+turns' TTFT p50, the ratios of the streams' p99 gaps (each other engine's / the default's), median over passes
+with the spread, and whether every greedy output was token-identical among them (checked with `--dtype float32`:
+in bf16 a returning turn admitted a step later shares its steps with other rows, and bf16 sums depend on the batch).
 
     .venv/bin/python benchmarks/kv_offload_overlap.py              # 5 passes (a few minutes)
     .venv/bin/python benchmarks/kv_offload_overlap.py --smoke      # 1 short pass: does it run
@@ -66,15 +68,22 @@ class Run:
         return 1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def _engine(base: LLM, shape: Shape, overlap: bool, disk: str | None) -> LLM:
+MODES = ("paced", "one round", "no overlap")
+
+
+def _engine(base: LLM, shape: Shape, mode: str, disk: str | None) -> LLM:
     per_token = _bytes_per_token(base)
     tier_tokens = 2 * shape.sessions * (shape.context_tokens + shape.answer_tokens + shape.user_tokens)
     tiers: dict = dict(kv_offloading_size=f"{tier_tokens * per_token}B")
     if disk is not None:  # a host tier of a few blocks: the contexts are demoted on to disk
         tiers = dict(kv_offloading_size=f"{64 * 16 * per_token}B", kv_offload_dir=disk,
                      kv_offload_dir_size=f"{tier_tokens * per_token}B")
-    return LLM(loaded=base.loaded, kv_cache_memory=(shape.pool_tokens + 32) * per_token,
-               max_model_len=shape.pool_tokens, max_num_seqs=shape.streams + 2, kv_offload_overlap=overlap, **tiers)
+    llm = LLM(loaded=base.loaded, kv_cache_memory=(shape.pool_tokens + 32) * per_token,
+              max_model_len=shape.pool_tokens, max_num_seqs=shape.streams + 2,
+              kv_offload_overlap=mode != "no overlap", **tiers)
+    if mode == "one round":
+        llm.engine.scheduler.kv.pacer = None  # every tier block of a turn beside one step
+    return llm
 
 
 def run_engine(llm: LLM, shape: Shape, seed: int) -> Run:
@@ -139,24 +148,26 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{shape.sessions} sessions of {shape.context_tokens} tokens returning among {shape.streams} streams "
           f"(one every {shape.return_every} steps), a pool of {shape.pool_tokens} tokens, "
           f"{'disk' if args.disk else 'host'} tier; {passes} pass(es)")
-    ratios, identical = [], True
+    ratios: dict[str, list[float]] = {mode: [] for mode in MODES[1:]}
+    identical = True
     for i in range(passes):
-        runs: dict[bool, Run] = {}
-        for overlap in ([True, False] if i % 2 == 0 else [False, True]):
-            runs[overlap] = run_engine(_engine(base, shape, overlap, args.disk), shape, seed=2000 + i)
-        identical &= runs[True].answers == runs[False].answers
-        ratio = runs[False].gap_ms(0.99) / runs[True].gap_ms(0.99)
-        ratios.append(ratio)
-        for overlap in (True, False):
-            run = runs[overlap]
-            print(f"pass {i + 1} {'overlap   ' if overlap else 'no overlap'}: stream gaps p50 "
-                  f"{run.gap_ms(0.5):.1f} p99 {run.gap_ms(0.99):.1f} max {max(run.gaps) * 1000:.1f} ms; returning "
-                  f"TTFT p50 {statistics.median(run.return_ttfts) * 1000:.1f} ms; {run.loaded_blocks} blocks "
-                  f"loaded, {run.overlapped_blocks} beside a step")
-        print(f"pass {i + 1}: stream gap p99, no overlap / overlap: {ratio:.2f}x")
-    print(f"stream gap p99, no overlap / overlap: median {statistics.median(ratios):.2f}x, spread "
-          f"{min(ratios):.2f}-{max(ratios):.2f}x over {passes} pass(es); outputs identical: {identical}"
-          + ("" if args.dtype == "float32" else " (exact only in float32: --dtype float32)"))
+        runs: dict[str, Run] = {}
+        for mode in MODES[i % 3:] + MODES[:i % 3]:  # each engine goes first in turn
+            runs[mode] = run_engine(_engine(base, shape, mode, args.disk), shape, seed=2000 + i)
+        identical &= all(runs[mode].answers == runs["paced"].answers for mode in MODES[1:])
+        for mode in MODES:
+            run = runs[mode]
+            print(f"pass {i + 1} {mode:10}: stream gaps p50 {run.gap_ms(0.5):.1f} p99 {run.gap_ms(0.99):.1f} max "
+                  f"{max(run.gaps) * 1000:.1f} ms; returning TTFT p50 {statistics.median(run.return_ttfts) * 1000:.1f}"
+                  f" ms; {run.loaded_blocks} blocks loaded, {run.overlapped_blocks} beside a step")
+        for mode in MODES[1:]:
+            ratios[mode].append(runs[mode].gap_ms(0.99) / runs["paced"].gap_ms(0.99))
+        print(f"pass {i + 1}: stream gap p99 / paced's: " + ", ".join(f"{m} {ratios[m][-1]:.2f}x" for m in MODES[1:]))
+    for mode in MODES[1:]:
+        print(f"stream gap p99, {mode} / paced: median {statistics.median(ratios[mode]):.2f}x, spread "
+              f"{min(ratios[mode]):.2f}-{max(ratios[mode]):.2f}x over {passes} pass(es)")
+    print(f"outputs identical: {identical}" + ("" if args.dtype == "float32" else
+                                               " (exact only in float32: --dtype float32)"))
     return 0 if identical or args.dtype != "float32" else 1
 
 

@@ -46,6 +46,17 @@ def test_tiny_pool_is_high_with_the_numbers_and_the_flag(tmp_path: Path) -> None
     assert any(line.startswith("KV pool 544 tokens: 1.1 requests of max_model_len 512") for line in report.headroom)
 
 
+def test_a_grouped_pool_counts_each_groups_blocks() -> None:
+    """A kvpilot server with KV groups (Gemma-style: a full group and a sliding one of 256 tokens): a request of
+    max_model_len holds all its blocks in the full group and the window's in the sliding one."""
+    cfg = from_capacity(capacity_json(24, 4096, num_blocks=600, kv_group_windows=[None, 256]))
+    assert cfg.kv_group_windows == (None, 256)
+    assert cfg.blocks_for(4096) == 256 + 17 and cfg.blocks_for(100) == 7 + 7
+    assert cfg.max_len_requests == pytest.approx(600 / 273)
+    assert cfg.num_kv_tokens == 600 * 16 // 2
+    assert from_capacity(capacity_json(24, 4096, kv_group_windows="bad")).kv_group_windows == ()
+
+
 def _full_pool(tmp: Path) -> DoctorInputs:
     rng = random.Random(5)
     recs = closed_loop(30, 8, lambda i, t: req(i, t, prompt=48, num_out=8, prefill=jitter(rng, 40), queue=300.0))

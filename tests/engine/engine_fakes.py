@@ -232,12 +232,13 @@ def make_scheduler(
     num_offload_blocks: int = 0,
     num_disk_offload_blocks: int = 0,
     overlap_offload_loads: bool = True,
+    pace_offload_loads: bool = False,
 ) -> Scheduler:
     cache = CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching,
                         enable_kv_cache_events=enable_kv_cache_events, sliding_window=sliding_window,
                         extra_group_windows=extra_group_windows,
                         num_offload_blocks=num_offload_blocks, num_disk_offload_blocks=num_disk_offload_blocks,
-                        overlap_offload_loads=overlap_offload_loads)
+                        overlap_offload_loads=overlap_offload_loads, pace_offload_loads=pace_offload_loads)
     sched = SchedulerConfig(
         max_model_len=max_model_len or block_size * num_blocks,
         max_num_seqs=max_num_seqs,
@@ -297,6 +298,28 @@ class Driver:
         self._in_flight = launched
         self.scheduler.check_integrity()
         return output
+
+
+def evict_cached(pool: BlockPool, keys: list[int]) -> None:
+    """Evicts the idle cached blocks under these keys (hashes, salted for a KV group > 0): moved to the head of
+    the free queue, then taken."""
+    for key in keys:
+        block = pool._cached[key]
+        pool.free_queue.remove(block)
+        pool.free_queue.appendleft(block)
+    pool.free(pool.allocate(len(keys)))
+
+
+def most_running(scheduler: Scheduler, model: FakePagedModel, requests: list[Request]) -> tuple[int, int]:
+    """Adds the requests and runs them to completion: (most requests running at once, preemptions)."""
+    for request in requests:
+        scheduler.add_request(request)
+    most = 0
+    driver = Driver(scheduler, model)
+    while driver.busy:
+        driver.step()
+        most = max(most, scheduler.num_running)
+    return most, scheduler.num_preemptions
 
 
 def run_to_completion(

@@ -10,7 +10,6 @@ import random
 
 import pytest
 
-from kvpilot.engine.block_pool import BlockPool
 from kvpilot.engine.config import CacheConfig, EngineConfigError, SchedulerConfig, check_model_len_fits
 from kvpilot.engine.kv_events import BlockRemoved, BlockStored
 from kvpilot.engine.kv_groups import MAX_KV_GROUPS, group_block_hash, plan_kv_groups
@@ -19,7 +18,8 @@ from kvpilot.engine.request import RequestStatus
 from kvpilot.engine.scheduler import Scheduler
 from kvpilot.fit.kv_cache import KvCapacity
 
-from .engine_fakes import Driver, FakePagedModel, generate_alone, make_request, make_scheduler, run_to_completion, step
+from .engine_fakes import (FakePagedModel, evict_cached, generate_alone, make_request, make_scheduler, most_running,
+                           run_to_completion, step)
 
 BLOCK = 4
 WINDOW = 6
@@ -37,15 +37,6 @@ def _grouped(windows: tuple[int | None, ...] = (None, WINDOW), **settings: objec
 
 def _alone(prompt: list[int], max_tokens: int, windows: tuple[int | None, ...] = (None, WINDOW)) -> list[int]:
     return generate_alone(prompt, max_tokens, windows[0], windows[1:])
-
-
-def _evict(pool: BlockPool, keys: list[int]) -> None:
-    """Evict the idle cached blocks under these keys: to the head of the free queue, then taken."""
-    for key in keys:
-        block = pool._cached[key]
-        pool.free_queue.remove(block)
-        pool.free_queue.appendleft(block)
-    pool.free(pool.allocate(len(keys)))
 
 
 # ---- the plan ------------------------------------------------------------------------------------------------
@@ -128,16 +119,10 @@ def _most_running(windows: tuple[int | None, ...], num_blocks: int) -> tuple[int
     """(most requests running at once, preemptions) for 4 requests of 24 + 16 tokens."""
     sched, model = _grouped(windows, num_blocks=num_blocks, max_num_batched_tokens=16)
     requests = [make_request(f"r{i}", _prompt(10 + i, 24), max_tokens=16) for i in range(4)]
-    for request in requests:
-        sched.add_request(request)
-    most = 0
-    driver = Driver(sched, model)
-    while driver.busy:
-        driver.step()
-        most = max(most, sched.num_running)
+    counts = most_running(sched, model, requests)
     for i, request in enumerate(requests):
         assert request.output_token_ids == _alone(_prompt(10 + i, 24), 16, windows)
-    return most, sched.num_preemptions
+    return counts
 
 
 def test_more_requests_run_at_once_than_with_one_group_of_the_same_memory() -> None:
@@ -181,7 +166,7 @@ def _cached_run(seed: int) -> tuple[Scheduler, FakePagedModel, list[int], list[i
 
 def test_a_hit_takes_the_full_groups_blocks_and_the_sliding_groups_window() -> None:
     sched, model, prompt, hashes = _cached_run(40)
-    _evict(sched.kv.pool, [group_block_hash(h, 1) for h in hashes[:3]])  # sliding blocks before the window
+    evict_cached(sched.kv.pool, [group_block_hash(h, 1) for h in hashes[:3]])  # sliding blocks before the window
     second = make_request("second", prompt + [92, 93], max_tokens=3)
     hit = sched.kv.get_computed_blocks(second)
     # position 24 reads 19..24 in the sliding group: its blocks 4 and 5; the full group reads all six
@@ -199,7 +184,7 @@ def test_a_hit_takes_the_full_groups_blocks_and_the_sliding_groups_window() -> N
 @pytest.mark.parametrize(("group", "index", "num_tokens"), [(1, 4, 16), (0, 2, 8)])
 def test_a_hit_stops_where_any_group_misses_a_block_it_reads(group: int, index: int, num_tokens: int) -> None:
     sched, model, prompt, hashes = _cached_run(41)
-    _evict(sched.kv.pool, [group_block_hash(hashes[index], group)])
+    evict_cached(sched.kv.pool, [group_block_hash(hashes[index], group)])
     second = make_request("second", prompt + [92], max_tokens=2)
     # sliding block 4 is read by hits of 5 and 6 blocks; full block 2 by every hit of more than 2
     assert sched.kv.get_computed_blocks(second).num_tokens == num_tokens
@@ -218,7 +203,7 @@ def test_kv_events_announce_group_zeros_blocks_only() -> None:
     stored = [e for e in events if isinstance(e, BlockStored)]
     assert [h for e in stored for h in e.block_hashes] == request.block_hashes[:6]
     assert sched.kv.pool.cached_hashes == set(request.block_hashes[:6])
-    _evict(sched.kv.pool, [group_block_hash(h, 1) for h in request.block_hashes[:6]])
+    evict_cached(sched.kv.pool, [group_block_hash(h, 1) for h in request.block_hashes[:6]])
     assert not [e for e in sched.kv.pool.events.take() if isinstance(e, BlockRemoved)]
 
 

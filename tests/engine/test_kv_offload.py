@@ -12,6 +12,7 @@ import pytest
 from kvpilot.engine.config import CacheConfig, EngineConfigError
 from kvpilot.engine.kv_events import BlockRemoved, BlockStored, KVEventLog
 from kvpilot.engine.kv_offload import DISK_MEDIUM, HOST_MEDIUM, OffloadTier, OffloadTiers
+from kvpilot.engine.load_pacing import FIRST_ROUND_BLOCKS, HIDE_SHARE, LoadPacer
 from kvpilot.engine.request import Request
 
 from .engine_fakes import Driver, FakePagedModel, generate_alone, make_request, make_scheduler, step
@@ -141,12 +142,13 @@ def test_a_step_that_failed_to_launch_forgets_what_its_copies_were_to_fill() -> 
     sched.check_integrity()
 
 
-def _returning_beside_a_stream(overlap: bool = True):
+def _returning_beside_a_stream(overlap: bool = True, pace: bool = False):
     """A session's first turn (21 tokens), two long prompts that evict it from the pool (12 blocks of 4) into
     the host tier, then a stream that decodes while the session's second turn arrives."""
     rng = random.Random(5)
     sched = make_scheduler(block_size=BLOCK, num_blocks=12, max_num_batched_tokens=64, max_num_seqs=4,
-                           max_model_len=48, num_offload_blocks=32, overlap_offload_loads=overlap)
+                           max_model_len=48, num_offload_blocks=32, overlap_offload_loads=overlap,
+                           pace_offload_loads=pace)
     model = FakePagedModel(BLOCK, sched.kv.pool)
     first = [rng.randrange(1, 90) for _ in range(21)]
     _run_all(sched, model, [make_request("t1", first, max_tokens=3)])
@@ -180,6 +182,64 @@ def test_a_returning_turn_loads_beside_a_running_stream_and_joins_the_next_step(
     stats = sched.make_stats()
     assert stats.num_offload_overlapped_blocks == stats.num_offload_loaded_blocks == 5
     assert stats.offload_prefix_cache_hits == 20 and stats.num_used_blocks == 0
+
+
+def _one_block_a_round(sched) -> None:
+    """The pacer's model as if a block's copy took a whole step: one block a prefetch round."""
+    sched.kv.pacer.seconds_per_block, sched.kv.pacer.step_seconds = 1.0, 1.0
+    assert sched.kv.pacer.max_blocks() == 1
+
+
+def test_a_paced_prefetch_loads_over_several_steps_beside_the_stream() -> None:
+    sched, model, stream, second = _returning_beside_a_stream(pace=True)
+    sched.kv.pacer.seconds_per_block, sched.kv.pacer.step_seconds = 1.0, 2.5  # 0.8 x 2.5 / 1: two a round
+    rounds = []
+    while not second.block_ids:
+        output, _ = step(sched, model)
+        assert "stream" in [c.request_id for c in output.chunks]  # the stream decodes every step
+        if output.offload is not None and output.offload.has_beside_loads:
+            rounds.append(len(output.offload.beside_loads))
+            assert not output.offload.loads and output.offload.prefetch_ids == ["t2"]
+    assert rounds == [2, 2, 1]  # the session's 5 tier blocks, then admitted from a plain pool hit
+    _run_all(sched, model, [])
+    assert second.output_token_ids == generate_alone(second.prompt_token_ids, 4)
+    assert stream.output_token_ids == generate_alone(stream.prompt_token_ids, 10)
+    assert second.num_tier_cached_tokens == 20
+    stats = sched.make_stats()
+    assert stats.num_offload_overlapped_blocks == stats.num_offload_loaded_blocks == 5
+    assert stats.num_used_blocks == 0 and sched.kv.num_prefetched_blocks == 0
+
+
+def test_a_round_whose_blocks_were_evicted_again_ends_the_prefetching() -> None:
+    sched, model, stream, second = _returning_beside_a_stream(pace=True)
+    _one_block_a_round(sched)
+    first, _ = step(sched, model)
+    assert first.offload is not None and len(first.offload.beside_loads) == 1
+    block = sched.kv.pool._cached[second.block_hashes[0]]  # the round's block, idle in the pool: evict it
+    sched.kv.pool.free_queue.remove(block)
+    sched.kv.pool.free_queue.appendleft(block)
+    sched.kv.pool.free(sched.kv.pool.allocate(1))  # saved to the host tier again, as the pool's evictions are
+    hit = sched.kv.get_computed_blocks(second)
+    assert len(hit.tier_hits) == 5 and not sched.kv.can_prefetch(second, hit)  # no progress: no next round
+    loading, _ = step(sched, model)
+    assert "t2" in [c.request_id for c in loading.chunks]  # admitted, its blocks loaded before its step
+    assert loading.offload is not None and len(loading.offload.loads) == 5 and not loading.offload.beside_loads
+    _run_all(sched, model, [])
+    assert second.output_token_ids == generate_alone(second.prompt_token_ids, 4)
+    assert sched.make_stats().num_used_blocks == 0
+
+
+def test_the_pacer_hides_a_round_behind_a_step() -> None:
+    pacer = LoadPacer()
+    assert pacer.max_blocks() == FIRST_ROUND_BLOCKS  # nothing measured yet: a small first round measures it
+    pacer.observe(0.010, 0.0, 0)  # a 10 ms step without beside loads
+    pacer.observe(0.012, 0.008, 8)  # 8 blocks copied in 8 ms beside a step
+    assert pacer.max_blocks() == int(HIDE_SHARE * 0.010 / 0.001) == 8
+    for _ in range(30):
+        pacer.observe(0.040, 0.0, 0)  # steps grow to 40 ms (more streams): more blocks hide behind one
+    assert pacer.max_blocks() == pytest.approx(32, abs=1)
+    pacer.observe(0.040, 4.0, 1)  # a very slow copy: never below one block a round
+    assert pacer.max_blocks() >= 1
 
 
 def test_without_overlap_the_returning_turn_loads_before_its_own_step() -> None:
@@ -250,15 +310,21 @@ def _replay(events: list, held: dict[str, set[int]]) -> None:
             medium.difference_update(event.block_hashes)
 
 
-@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("loads", ["beside", "paced", "before"])
 @pytest.mark.parametrize("pipelined", [False, True])
 @pytest.mark.parametrize("seed,host,disk", [(1, 6, 0), (2, 3, 8), (3, 12, 0), (4, 2, 2)])
 def test_outputs_equal_each_prompt_alone_with_offload(seed: int, host: int, disk: int, pipelined: bool,
-                                                      overlap: bool) -> None:
+                                                      loads: str) -> None:
+    """loads: beside another step (a prefetch), beside several steps a block a round (paced), or before the
+    request's own step."""
     rng = random.Random(seed)
+    overlap = loads != "before"
     sched = make_scheduler(block_size=BLOCK, num_blocks=12, max_num_batched_tokens=16, max_num_seqs=4,
                            max_model_len=40, num_offload_blocks=host, num_disk_offload_blocks=disk,
-                           enable_kv_cache_events=True, overlap_offload_loads=overlap)
+                           enable_kv_cache_events=True, overlap_offload_loads=overlap,
+                           pace_offload_loads=loads == "paced")
+    if loads == "paced":
+        _one_block_a_round(sched)
     driver = Driver(sched, FakePagedModel(BLOCK, sched.kv.pool), pipelined=pipelined)
     pending, added, aborted = _workload(rng, 50), [], set()
     held: dict[str, set[int]] = {}

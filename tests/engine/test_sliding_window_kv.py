@@ -10,7 +10,6 @@ import random
 
 import pytest
 
-from kvpilot.engine.block_pool import BlockPool
 from kvpilot.engine.config import CacheConfig, EngineConfigError, SchedulerConfig, check_model_len_fits
 from kvpilot.engine.kv_groups import plan_kv_groups
 from kvpilot.engine.kv_manager import NULL_BLOCK_ID
@@ -18,8 +17,8 @@ from kvpilot.engine.request import RequestStatus
 from kvpilot.engine.scheduler import Scheduler
 from kvpilot.fit.kv_cache import KvCapacity, format_capacity_line, window_blocks
 
-from .engine_fakes import (Driver, FakePagedModel, generate_alone, make_request, make_scheduler, run_to_completion,
-                           step)
+from .engine_fakes import (FakePagedModel, evict_cached, generate_alone, make_request, make_scheduler, most_running,
+                           run_to_completion, step)
 
 BLOCK = 4
 
@@ -32,15 +31,6 @@ def _scheduler(**settings: object) -> Scheduler:
 
 def _num_null(sched: Scheduler, request_id: str) -> int:
     return sched.kv._tables[request_id].num_null_blocks
-
-
-def _evict(pool: BlockPool, block_hashes: list[int]) -> None:
-    """Evict the idle cached blocks of these hashes: move them to the head of the free queue, take them."""
-    for block_hash in block_hashes:
-        block = pool._cached[block_hash]
-        pool.free_queue.remove(block)
-        pool.free_queue.appendleft(block)
-    pool.free(pool.allocate(len(block_hashes)))
 
 
 def _prompt(seed: int, n: int) -> list[int]:
@@ -103,16 +93,10 @@ def _most_running(window: int | None) -> tuple[int, int]:
     sched = _scheduler(num_blocks=12, max_num_batched_tokens=16, sliding_window=window)
     model = FakePagedModel(BLOCK, sched.kv.pool, window=window)
     requests = [make_request(f"r{i}", _prompt(10 + i, 16), max_tokens=16) for i in range(4)]
-    for request in requests:
-        sched.add_request(request)
-    most = 0
-    driver = Driver(sched, model)
-    while driver.busy:
-        driver.step()
-        most = max(most, sched.num_running)
+    counts = most_running(sched, model, requests)
     for i, request in enumerate(requests):
         assert request.output_token_ids == generate_alone(_prompt(10 + i, 16), 16, window)
-    return most, sched.num_preemptions
+    return counts
 
 
 def test_more_requests_run_at_once_than_without_the_window() -> None:
@@ -169,7 +153,7 @@ def test_a_prefix_hit_needs_only_the_blocks_in_the_window() -> None:
     run_to_completion(sched, model)
     pool = sched.kv.pool
     hashes = first.block_hashes[:6]
-    _evict(pool, hashes[:3])  # the prompt's first 3 blocks leave the cache
+    evict_cached(pool, hashes[:3])  # the prompt's first 3 blocks leave the cache
     assert [h in pool.cached_hashes for h in hashes] == [False, False, False, True, True, True]
 
     second = make_request("second", prompt + [92, 93], max_tokens=3)
@@ -195,7 +179,7 @@ def test_a_hit_stops_where_a_block_of_its_window_is_missing() -> None:
     run_to_completion(sched, model)
     pool = sched.kv.pool
     hashes = sched.kv._block_hashes(make_request("probe", prompt + [91]), 24)
-    _evict(pool, [hashes[4]])  # block 4 is in the window of positions 20..24
+    evict_cached(pool, [hashes[4]])  # block 4 is in the window of positions 20..24
     second = make_request("second", prompt + [92], max_tokens=2)
     hit = sched.kv.get_computed_blocks(second)
     # 6 blocks would need block 4; 5 blocks (position 20 reads 15..20: blocks 3 and 4) too; 4 blocks need

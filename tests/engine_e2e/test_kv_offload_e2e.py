@@ -75,6 +75,8 @@ def test_a_turn_loading_beside_a_new_stream_keeps_both_outputs(llm_fp32, corpus_
     assert second.metrics.num_tier_cached_tokens == 64
     stats = on.engine.scheduler.make_stats()
     assert stats.num_offload_loaded_blocks == 4 and stats.num_offload_overlapped_blocks == (4 if overlap else 0)
+    pacer = on.engine.scheduler.kv.pacer  # CPU: the runner timed the beside copy, the pacer learned from it
+    assert pacer is not None and pacer.step_seconds > 0 and (pacer.seconds_per_block is not None) == overlap
     assert_no_leak(on)
 
 

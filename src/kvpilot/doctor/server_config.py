@@ -22,8 +22,10 @@ CAPACITY_PATH = "/v1/kvpilot/capacity"
 class ServerConfig:
     """The serving limits the doctor's configuration rules read (None: not known).
 
-    Invariants: counts are >= 1 when set; ``num_kv_tokens`` is ``num_blocks * block_size``;
-    ``source`` names where the values came from, for evidence lines."""
+    Invariants: counts are >= 1 when set; ``num_kv_tokens`` is ``num_blocks * block_size``, divided by the KV
+    groups' count for a kvpilot server whose layers form several (``kv_group_windows``: each group's sliding
+    window, None for full attention; a request holds blocks in every group: ``blocks_for``); ``source`` names
+    where the values came from, for evidence lines."""
 
     source: str
     num_blocks: int | None = None
@@ -41,22 +43,33 @@ class ServerConfig:
     weight_bits: float | None = None  # bits a weight takes as the decode reads it (kvpilot's capacity endpoint)
     engine: str | None = None  # the engine that reported these (kvpilot.doctor.engines), None: not told
     speculative_config: str | None = None  # the --speculative-config JSON a --serve command runs with
+    kv_group_windows: tuple[int | None, ...] = ()
 
     @property
     def num_kv_tokens(self) -> int | None:
-        return self.num_blocks * self.block_size if self.num_blocks and self.block_size else None
+        if not self.num_blocks or not self.block_size:
+            return None
+        return self.num_blocks * self.block_size // max(1, len(self.kv_group_windows))
 
     @property
     def max_len_requests(self) -> float | None:
         """How many requests of ``max_model_len`` tokens the KV pool holds at once."""
+        if len(self.kv_group_windows) > 1 and self.num_blocks and self.max_model_len:
+            blocks = self.blocks_for(self.max_model_len)
+            return self.num_blocks / blocks if blocks else None
         tokens = self.num_kv_tokens
         return tokens / self.max_model_len if tokens and self.max_model_len else None
 
     def blocks_for(self, num_tokens: float) -> int | None:
-        """Blocks one request of ``num_tokens`` tokens (prompt + output) occupies."""
+        """Blocks one request of ``num_tokens`` tokens (prompt + output) occupies (with KV groups: in all of
+        them, a sliding group its window's blocks once decoding)."""
         if not self.block_size:
             return None
-        return max(1, -(-int(num_tokens) // self.block_size))
+        whole = max(1, -(-int(num_tokens) // self.block_size))
+        if len(self.kv_group_windows) <= 1:
+            return whole
+        return sum(whole if w is None else min(whole, -(-(w - 1) // self.block_size) + 1)
+                   for w in self.kv_group_windows)
 
     def to_json(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -91,7 +104,14 @@ def from_capacity(doc: dict[str, Any]) -> ServerConfig:
         fit_model=str(doc["fit_model"]) if doc.get("fit_model") else None,
         fit_device=str(doc["fit_device"]) if doc.get("fit_device") else None,
         quantization=str(doc["quantization"]) if doc.get("quantization") else None,
-        weight_bits=_float(doc.get("weight_bits")))
+        weight_bits=_float(doc.get("weight_bits")), kv_group_windows=_windows(doc.get("kv_group_windows")))
+
+
+def _windows(value: Any) -> tuple[int | None, ...]:
+    """The capacity JSON's kv_group_windows: () when absent or malformed (then one group is assumed)."""
+    if not isinstance(value, list) or any(w is not None and _int(w) is None for w in value):
+        return ()
+    return tuple(None if w is None else _int(w) for w in value)
 
 
 def _float(value: Any) -> float | None:

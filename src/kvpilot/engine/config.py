@@ -51,7 +51,9 @@ class CacheConfig:
     several groups.
     overlap_offload_loads: a waiting request's tier blocks are loaded beside a step of the running requests
     (kv_manager.py's prefetch), the request admitted at the step after; False, or with nothing running: loaded
-    before the forward of the request's own first step, lengthening it.
+    before the forward of the request's own first step, lengthening it. pace_offload_loads: such a load takes
+    at most the blocks whose copy hides behind one step, over as many steps as it needs (load_pacing.py; CPU
+    engines, where the step waits for the copy).
     """
 
     num_blocks: int
@@ -63,6 +65,7 @@ class CacheConfig:
     num_offload_blocks: int = 0
     num_disk_offload_blocks: int = 0
     overlap_offload_loads: bool = True
+    pace_offload_loads: bool = False
 
     def __post_init__(self) -> None:
         _require_int("block_size", self.block_size, 1)

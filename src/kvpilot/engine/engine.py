@@ -252,7 +252,7 @@ class LLMEngine:
         outputs.extend(self._process_or_fail(update, logprobs.get(update.request_id) if logprobs else None)
                        for update in updates)
         duration = self.clock() - step.started
-        self.scheduler.observe_step_time(step.scheduled, duration, result.draft_seconds)
+        self.scheduler.observe_step_time(step.scheduled, duration, result.draft_seconds, result.beside_seconds)
         if self.on_step is not None:
             self.on_step(_step_stats(step.scheduled, updates, duration, result.verified_token_ids))
         return outputs

@@ -29,8 +29,10 @@ every block of the hit (the pool's hits too, so none is evicted meanwhile); once
 (finish_prefetches) the loaded blocks are registered under their hashes (before that no reader may find
 them) and every reference is dropped, the blocks joining the free queue's tail still cached, so the request,
 admitted at a later step, finds its whole hit in the pool. Holding nothing across steps keeps a waiting
-request from pinning blocks that running or preempted requests need. A request is prefetched at most once:
-if its blocks were evicted again before its admission, they are loaded before its own step.
+request from pinning blocks that running or preempted requests need. On a CPU a round loads at most the blocks
+whose copy hides behind one step (load_pacing.py); the request takes further rounds in the next steps while each
+leaves fewer of its blocks in a tier. A round that made no progress (its blocks were evicted again before the
+next) ends the prefetching: what is left is loaded before the request's own step.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from kvpilot.engine.kv_groups import group_block_hash
 from kvpilot.engine.kv_events import KVEventLog
 from kvpilot.engine.kv_offload import OffloadOrders, OffloadTiers, TierHit
 from kvpilot.engine.kv_transfer import KVLoad, PulledKV
+from kvpilot.engine.load_pacing import LoadPacer
 from kvpilot.engine.request import Request
 
 # The block id a request's table holds where a block fell out of its sliding window (module docstring).
@@ -101,10 +104,12 @@ class PrefixCacheStats:
 @dataclass
 class _Prefetch:
     """A waiting request's prefix hit held in the pool while its loads run: `blocks` (each referenced once by
-    the prefetch), of which `loaded` were ordered copied from a tier (with their tier entries)."""
+    the prefetch), of which `loaded` were ordered copied from a tier (with their tier entries), at `indices` of
+    the hit."""
 
     blocks: list[KVBlock]
     loaded: list[tuple[KVBlock, TierHit]]
+    indices: list[int]
 
 
 @dataclass
@@ -156,7 +161,11 @@ class KVCacheManager:
         self._held: dict[str, _Table] = {}
         self._kv_loads: list[KVLoad] = []
         self._prefetches: dict[str, _Prefetch] = {}  # waiting requests' prefix hits whose loads are in flight
-        self._prefetched: dict[str, int] = {}  # waiting requests prefetched: how many blocks came from a tier
+        # waiting requests prefetched: the indices of their hit's blocks a round loaded, and how many tier blocks
+        # their hit had when their last round began (a next round must find fewer)
+        self._prefetched: dict[str, set[int]] = {}
+        self._prefetch_tiers: dict[str, int] = {}
+        self.pacer = LoadPacer() if cache_config.pace_offload_loads and self.offload is not None else None
 
     @property
     def num_free_blocks(self) -> int:
@@ -200,9 +209,10 @@ class KVCacheManager:
                 tier_hits.append((i, tier_hit))
             found.append(block)
             parent = block_hash
-        # a prefetch's tier blocks count as tier hits (those evicted again and found in a tier only once)
-        num_prefetched = max(0, min(self._prefetched.get(request.request_id, 0), len(found)) - len(tier_hits)) \
-            if self._prefetched else 0
+        # blocks a prefetch round loaded count as tier hits while the pool holds them (evicted again, they are
+        # among tier_hits: counted once)
+        prefetched = self._prefetched.get(request.request_id) if self._prefetched else None
+        num_prefetched = sum(1 for i in prefetched if i < len(found) and found[i] is not None) if prefetched else 0
         return PrefixHit(tuple(found), len(found) * self.block_size, request.num_tokens, tuple(tier_hits),
                          num_prefetched_tier_blocks=num_prefetched)
 
@@ -360,25 +370,38 @@ class KVCacheManager:
     # ---- prefetch: tier loads beside another step (module docstring) --------------------------------------
 
     def can_prefetch(self, request: Request, prefix_hit: PrefixHit) -> bool:
-        """Whether prefetch() may take the hit: it has tier blocks and the request was not prefetched before."""
-        return bool(prefix_hit.tier_hits) and request.request_id not in self._prefetched and \
-            request.request_id not in self._prefetches
+        """Whether prefetch() may take the hit: it has tier blocks, no round of the request is in flight, and
+        an earlier round (if any) left fewer of them in a tier than it began with."""
+        rid = request.request_id
+        return bool(prefix_hit.tier_hits) and rid not in self._prefetches and \
+            len(prefix_hit.tier_hits) < self._prefetch_tiers.get(rid, len(prefix_hit.tier_hits) + 1)
 
     def prefetch(self, request: Request, prefix_hit: PrefixHit) -> bool:
-        """Holds the hit's pool blocks and orders its tier blocks loaded into new pool blocks beside this step's
-        forward; False (nothing taken) when the pool lacks free blocks for them."""
+        """Holds the hit's pool blocks and orders its tier blocks (on a CPU the pacer's share of them: the
+        leading ones) loaded into new pool blocks beside this step's forward; False (nothing taken) when the
+        pool lacks free blocks for them."""
         if self.offload is None or not self.can_prefetch(request, prefix_hit):
-            raise KVCacheIntegrityError(f"request {request.request_id}: nothing to prefetch, or prefetched twice")
+            raise KVCacheIntegrityError(f"request {request.request_id}: nothing to prefetch, or no progress")
+        tier_hits = prefix_hit.tier_hits[:self.pacer.max_blocks()] if self.pacer is not None else \
+            prefix_hit.tier_hits
         held = [b for b in prefix_hit.blocks if b is not None]
         num_revived = sum(1 for b in held if b.ref_cnt == 0)
-        if len(prefix_hit.tier_hits) > self.pool.num_free_blocks - num_revived:
+        if len(tier_hits) > self.pool.num_free_blocks - num_revived:
             return False
         self.pool.touch(held)  # first: the allocation below must not evict a block of this very hit
         blocks: list[KVBlock | None] = list(prefix_hit.blocks)
-        loaded = self._load_tier_hits(blocks, prefix_hit.tier_hits, beside=True)
+        loaded = self._load_tier_hits(blocks, tier_hits, beside=True)
         self.offload.prefetching(request.request_id)
-        self._prefetches[request.request_id] = _Prefetch([b for b in blocks if b is not None], loaded)
+        self._prefetch_tiers[request.request_id] = len(prefix_hit.tier_hits)
+        self._prefetches[request.request_id] = _Prefetch([b for b in blocks if b is not None], loaded,
+                                                         [index for index, _ in tier_hits])
         return True
+
+    def observe_step(self, orders: OffloadOrders | None, seconds: float, beside_seconds: float) -> None:
+        """A finished step's wall time and what its beside loads took (the pacer's cost model)."""
+        if self.pacer is not None:
+            num_beside = len(orders.beside_loads) + len(orders.beside_disk_loads) if orders is not None else 0
+            self.pacer.observe(seconds, beside_seconds, num_beside)
 
     def is_prefetching(self, request_id: str) -> bool:
         """True while the step loading the request's prefetched blocks has not run (finish_prefetches)."""
@@ -395,13 +418,14 @@ class KVCacheManager:
             for block, tier_hit in prefetch.loaded:
                 self.pool.cache_block(block, tier_hit.block_hash, tier_hit.parent_hash, tier_hit.token_ids)
             self.pool.free(list(reversed(prefetch.blocks)))
-            self._prefetched[request_id] = len(prefetch.loaded)
+            self._prefetched.setdefault(request_id, set()).update(prefetch.indices)
 
     def release_prefetch(self, request_id: str) -> None:
         """Forgets the request's prefetch (at its admission, when it ends, or when the step carrying its loads
         failed): references still held are dropped, and blocks whose loads may not have run leave
         unregistered. No-op without one."""
         self._prefetched.pop(request_id, None)
+        self._prefetch_tiers.pop(request_id, None)
         prefetch = self._prefetches.pop(request_id, None)
         if prefetch is not None:
             self.pool.free(list(reversed(prefetch.blocks)))

@@ -330,11 +330,15 @@ class Scheduler:
                 self._trimmed[request.request_id] = kept
         return RequestUpdate(request.request_id, appended, reason)
 
-    def observe_step_time(self, output: SchedulerOutput, seconds: float, draft_seconds: float = 0.0) -> None:
+    def observe_step_time(self, output: SchedulerOutput, seconds: float, draft_seconds: float = 0.0,
+                          beside_seconds: float = 0.0) -> None:
         """How long a step took, schedule to update, of which draft_seconds computed its drafts (the
-        speculator's cost model learns from both)."""
+        speculator's cost model learns from both), and what its beside loads' copy took (the KV offload pacer's
+        model, engine/load_pacing.py)."""
         if self.speculator is not None:
             self.speculator.observe_step(output, seconds, draft_seconds)
+        if self.kv.pacer is not None:
+            self.kv.observe_step(output.offload, seconds, beside_seconds)
 
     def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
         """EOS (unless ignore_eos) or a stop token -> stop, not before min_tokens; max_tokens -> length."""

@@ -148,13 +148,15 @@ class RunnerOutput:
     verified_token_ids: for each request that had drafts, every token the verification emitted, the accepted
     drafts then the target's own next token (1 .. k + 1 tokens; token_ids holds the first of them).
     draft_seconds: what computing the step's drafts took in the runner (a draft model's steps; 0 for n-grams,
-    which the scheduler proposes itself)."""
+    which the scheduler proposes itself). beside_seconds: what the copy of the step's beside loads (KV offload
+    prefetches) took in the runner's copy thread (0: none, or a CUDA side stream the host did not time)."""
 
     token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, SampledToken] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
     verified_token_ids: dict[str, list[int]] = field(default_factory=dict)
     draft_seconds: float = 0.0
+    beside_seconds: float = 0.0
 
 
 @dataclass(slots=True)

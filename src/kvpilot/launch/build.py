@@ -142,7 +142,8 @@ def _build(args: EngineArgs, loaded: LoadedModel, tp: TPLaunch | None) -> BuiltE
                                sliding_window=window, extra_group_windows=extra_windows,
                                num_offload_blocks=offload.num_host_blocks if offload else 0,
                                num_disk_offload_blocks=offload.num_disk_blocks if offload else 0,
-                               overlap_offload_loads=args.kv_offload_overlap)
+                               overlap_offload_loads=args.kv_offload_overlap,
+                               pace_offload_loads=loaded.device.type == "cpu")
     context_fits = cache_config.max_blocks_per_request(
         config.max_position_embeddings, max_num_batched_tokens) <= cache_config.num_blocks
     max_model_len = default_max_model_len(args.max_model_len, config.max_position_embeddings, capacity,

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -78,15 +79,18 @@ class KVOffloadStore:
                 self._beside_loads(kv_caches, orders)
                 done = torch.cuda.Event()
                 done.record(self._side_stream)
-            return BesideCopy(lambda: compute.wait_event(done))
+            return BesideCopy(lambda: compute.wait_event(done) or 0.0)
         if self._copier is None:
             self._copier = ThreadPoolExecutor(1, thread_name_prefix="kvpilot-kv-load")
-        future: Future[None] = self._copier.submit(self._beside_loads_inference, kv_caches, orders)
+        future: Future[float] = self._copier.submit(self._beside_loads_inference, kv_caches, orders)
         return BesideCopy(future.result)
 
-    def _beside_loads_inference(self, kv_caches: Sequence[torch.Tensor], orders: OffloadOrders) -> None:
+    def _beside_loads_inference(self, kv_caches: Sequence[torch.Tensor], orders: OffloadOrders) -> float:
+        """The copy thread's work; returns its seconds (the KV manager paces later prefetches by them)."""
+        start = time.perf_counter()
         with torch.inference_mode():  # thread-local: the caches are inference tensors
             self._beside_loads(kv_caches, orders)
+        return time.perf_counter() - start
 
     def _beside_loads(self, kv_caches: Sequence[torch.Tensor], orders: OffloadOrders) -> None:
         if orders.beside_loads:
@@ -153,13 +157,14 @@ class KVOffloadStore:
 
 class BesideCopy:
     """Beside loads in progress: wait() returns once later work of the step's device sees them (CPU: the copy
-    thread finished, re-raising its error; CUDA: the compute stream waits for them, the host does not)."""
+    thread finished, re-raising its error; CUDA: the compute stream waits for them, the host does not), with
+    the copy's seconds (CUDA: 0, not timed)."""
 
-    def __init__(self, wait: Callable[[], object]) -> None:
+    def __init__(self, wait: Callable[[], float]) -> None:
         self._wait = wait
 
-    def wait(self) -> None:
-        self._wait()
+    def wait(self) -> float:
+        return self._wait()
 
 
 def _disk_file(directory: str | None, num_slots: int, bytes_per_slot: int) -> np.memmap:

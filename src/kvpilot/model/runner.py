@@ -75,6 +75,7 @@ class StepResult:
                  verification: Verification | None = None) -> None:
         self.failed: dict[str, str] = {}
         self.draft_seconds = 0.0  # what the draft model's fill took in this step (RunnerOutput.draft_seconds)
+        self.beside_seconds = 0.0  # what the step's beside loads' copy took (RunnerOutput.beside_seconds)
         self._verification = verification
         self._runner, self._request_ids, self._rows, self._positions = runner, list(request_ids), rows, positions
         self._num_removed = num_removed  # the batch's count of freed rows at launch (InputBatch.commit)
@@ -88,7 +89,8 @@ class StepResult:
 
     def result(self) -> RunnerOutput:
         if self._output is None and not self._request_ids:
-            self._output = RunnerOutput(failed=self.failed, draft_seconds=self.draft_seconds)
+            self._output = RunnerOutput(failed=self.failed, draft_seconds=self.draft_seconds,
+                                        beside_seconds=self.beside_seconds)
         if self._output is None:
             assert self._copy is not None and self._positions is not None and self._rows is not None \
                 and self._runner is not None
@@ -104,7 +106,7 @@ class StepResult:
             logprobs = sampled_logprobs(self._request_ids, ids, self._num_top, Logprobs(*host[1:])) \
                 if self._has_logprobs else {}
             self._output = RunnerOutput(dict(zip(self._request_ids, ids)), logprobs, self.failed, verified,
-                                        self.draft_seconds)
+                                        self.draft_seconds, self.beside_seconds)
         return self._output
 
 
@@ -204,13 +206,15 @@ class ModelRunner:
         failed in it are failed alone (StepResult.failed), not raised: their step mates go on."""
         self._draft_seconds = 0.0
         beside = self._copy_offload(output)
+        beside_seconds = 0.0
         try:
             step = self._execute(output)
         finally:
             if beside is not None:  # a prefetch's loads ran beside the forward (model/kv_offload.py)
-                beside.wait()
+                beside_seconds = beside.wait()
         step.failed = self.grammars.take_failures()
         step.draft_seconds = self._draft_seconds
+        step.beside_seconds = beside_seconds
         return step
 
     def _execute(self, output: SchedulerOutput) -> StepResult:
