@@ -165,6 +165,7 @@ class KVCacheManager:
         # their hit had when their last round began (a next round must find fewer)
         self._prefetched: dict[str, set[int]] = {}
         self._prefetch_tiers: dict[str, int] = {}
+        self._prefetch_first: dict[str, int] = {}  # ... and when their first round began (the pacer's floor)
         self.pacer = LoadPacer() if cache_config.pace_offload_loads and self.offload is not None else None
 
     @property
@@ -382,8 +383,9 @@ class KVCacheManager:
         pool lacks free blocks for them."""
         if self.offload is None or not self.can_prefetch(request, prefix_hit):
             raise KVCacheIntegrityError(f"request {request.request_id}: nothing to prefetch, or no progress")
-        tier_hits = prefix_hit.tier_hits[:self.pacer.max_blocks()] if self.pacer is not None else \
-            prefix_hit.tier_hits
+        rid = request.request_id
+        tier_hits = prefix_hit.tier_hits[:self.pacer.max_blocks(self._prefetch_first.get(
+            rid, len(prefix_hit.tier_hits)))] if self.pacer is not None else prefix_hit.tier_hits
         held = [b for b in prefix_hit.blocks if b is not None]
         num_revived = sum(1 for b in held if b.ref_cnt == 0)
         if len(tier_hits) > self.pool.num_free_blocks - num_revived:
@@ -392,7 +394,8 @@ class KVCacheManager:
         blocks: list[KVBlock | None] = list(prefix_hit.blocks)
         loaded = self._load_tier_hits(blocks, tier_hits, beside=True)
         self.offload.prefetching(request.request_id)
-        self._prefetch_tiers[request.request_id] = len(prefix_hit.tier_hits)
+        self._prefetch_tiers[rid] = len(prefix_hit.tier_hits)
+        self._prefetch_first.setdefault(rid, len(prefix_hit.tier_hits))
         self._prefetches[request.request_id] = _Prefetch([b for b in blocks if b is not None], loaded,
                                                          [index for index, _ in tier_hits])
         return True
@@ -426,6 +429,7 @@ class KVCacheManager:
         unregistered. No-op without one."""
         self._prefetched.pop(request_id, None)
         self._prefetch_tiers.pop(request_id, None)
+        self._prefetch_first.pop(request_id, None)
         prefetch = self._prefetches.pop(request_id, None)
         if prefetch is not None:
             self.pool.free(list(reversed(prefetch.blocks)))

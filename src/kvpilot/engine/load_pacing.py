@@ -9,8 +9,10 @@ further rounds in the next steps (kv_manager.can_prefetch), until its whole hit 
 The cost model: the runner reports each step's beside copy (seconds, blocks) and the engine each step's wall
 time. `seconds_per_block` is an exponential average of the copies' seconds per block, `step_seconds` one of
 the wall time of steps without beside loads (what a copy can hide behind); max_blocks() is the blocks whose copy
-takes HIDE_SHARE of a step (at least one, so every prefetch progresses). Until a copy and a step were measured,
-a round takes FIRST_ROUND_BLOCKS, which measures them. Only CPU engines pace (CacheConfig.pace_offload_loads):
+takes HIDE_SHARE of a step (at least one, so every prefetch progresses), but never fewer than a MAX_ROUNDS-th of
+the request's first round's tier blocks: the returning request waits a round's step each time, so its TTFT
+grows by at most about MAX_ROUNDS steps. Until a copy and a step were measured, a round takes
+FIRST_ROUND_BLOCKS, which measures them. Only CPU engines pace (CacheConfig.pace_offload_loads):
 on CUDA the loads run on a side stream the host does not wait for, and one round takes every tier block.
 """
 
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 
 HIDE_SHARE = 0.8  # of a step's time a beside copy may take (the rest: the copy thread's start and join)
 FIRST_ROUND_BLOCKS = 8
+MAX_ROUNDS = 4
 SMOOTHING = 0.3  # weight of the newest observation in each average
 
 
@@ -38,11 +41,13 @@ class LoadPacer:
         elif step_seconds > 0:
             self.step_seconds = _average(self.step_seconds, step_seconds)
 
-    def max_blocks(self) -> int:
-        """The tier blocks the next prefetch round may load."""
+    def max_blocks(self, num_first_round: int = 0) -> int:
+        """The tier blocks the next prefetch round of a request may load; num_first_round: its tier blocks when
+        its first round began."""
+        floor = -(-num_first_round // MAX_ROUNDS)
         if self.seconds_per_block is None or self.step_seconds is None:
-            return FIRST_ROUND_BLOCKS
-        return max(1, int(HIDE_SHARE * self.step_seconds / self.seconds_per_block))
+            return max(FIRST_ROUND_BLOCKS, floor)
+        return max(1, floor, int(HIDE_SHARE * self.step_seconds / self.seconds_per_block))
 
 
 def _average(current: float | None, value: float) -> float:

@@ -86,10 +86,16 @@ class KVOffloadStore:
         return BesideCopy(future.result)
 
     def _beside_loads_inference(self, kv_caches: Sequence[torch.Tensor], orders: OffloadOrders) -> float:
-        """The copy thread's work; returns its seconds (the KV manager paces later prefetches by them)."""
+        """The copy thread's work; returns its seconds (the KV manager paces later prefetches by them). Host
+        loads are numpy copies on this one thread: torch's would open a second OpenMP team beside the forward's,
+        and on a CPU whose cores the forward fills each team then waits for the other at every barrier."""
         start = time.perf_counter()
-        with torch.inference_mode():  # thread-local: the caches are inference tensors
-            self._beside_loads(kv_caches, orders)
+        if orders.beside_loads:
+            slots, blocks = _columns(orders.beside_loads)
+            _scatter_numpy(kv_caches, blocks, _int_view(self.host)[slots])
+        if orders.beside_disk_loads:
+            with torch.inference_mode():  # thread-local: the caches are inference tensors
+                self._disk_load(kv_caches, orders.beside_disk_loads)
         return time.perf_counter() - start
 
     def _beside_loads(self, kv_caches: Sequence[torch.Tensor], orders: OffloadOrders) -> None:
@@ -205,6 +211,18 @@ def _gather(kv_caches: Sequence[torch.Tensor], block_ids: list[int]) -> torch.Te
     """[n, num_layers, 2, kv_heads, block_size, head_dim]: the blocks' K/V of every layer (a view of a copy)."""
     index = _index(block_ids, kv_caches[0].device)
     return torch.stack([cache.index_select(2, index) for cache in kv_caches]).permute(3, 0, 1, 2, 4, 5)
+
+
+def _int_view(tensor: torch.Tensor) -> np.ndarray:
+    """The tensor's memory as a numpy array of same-size integers (numpy has no bf16 or fp8)."""
+    dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[tensor.element_size()]
+    return tensor.view(dtype).numpy()
+
+
+def _scatter_numpy(kv_caches: Sequence[torch.Tensor], block_ids: list[int], data: np.ndarray) -> None:
+    """_scatter with numpy on the calling thread: data [n, num_layers, 2, kv_heads, block_size, head_dim]."""
+    for layer, cache in enumerate(kv_caches):
+        _int_view(cache)[:, :, block_ids] = data[:, layer].transpose(1, 2, 0, 3, 4)
 
 
 def _scatter(kv_caches: Sequence[torch.Tensor], block_ids: list[int], data: torch.Tensor) -> None:
