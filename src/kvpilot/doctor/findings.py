@@ -73,7 +73,9 @@ class Finding:
     rule measured it in milliseconds, is that share with its numbers (``impact`` then equals its share), else
     ``impact_basis`` says what the estimate is a share of;
     ``evidence`` holds the numbers the rule compared with its thresholds; ``defers_to`` names the finding
-    that explains this one's symptom (this one then ranks below it and says so), "" when none.
+    that explains this one's symptom (this one then ranks below it and says so), "" when none; ``judged_by``
+    names the measure a ``--verify`` trial of its fix is judged by when it is not the rule's usual one
+    (verify.JUDGED_BY's keys), "" otherwise.
     """
 
     rule_id: str
@@ -87,6 +89,7 @@ class Finding:
     explains: LatencyShare | None = None
     defers_to: str = ""
     impact_basis: str = ""  # what ``impact`` is a share of when no stage timing measures it ("" : unstated)
+    judged_by: str = ""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.confidence <= 1.0 or not 0.0 <= self.impact <= 1.0:

@@ -28,7 +28,6 @@ from kvpilot.doctor.findings import Finding, Fix, Severity
 from kvpilot.doctor.inputs import DoctorInputs, RunData
 from kvpilot.doctor.probe import ProbeSession, check_endpoint, probe_endpoint
 from kvpilot.doctor.probe_plan import RAMP_PREFIX, ProbeLimits, ramp_level
-from kvpilot.doctor.rules.foreign_prefill import FOREIGN_TITLE
 from kvpilot.doctor.serve import engine_of, served
 from kvpilot.doctor.server_config import from_serve_flags
 from kvpilot.doctor.signals import median
@@ -123,6 +122,7 @@ METRICS: dict[str, Metric] = {
     "prompt-copying": Metric("median TPOT at the lowest load", "ms", True, _low_tpot),
 }
 DEFAULT_METRIC = Metric("median E2E at the highest load", "ms", True, lambda i: _peak(i, "e2e_ms"))
+JUDGED_BY: dict[str, Metric] = {"peak-tpot": PEAK_TPOT}  # Finding.judged_by's names
 
 
 def _within_slos(inputs: DoctorInputs) -> float | None:
@@ -135,17 +135,17 @@ WITHIN_SLOS = Metric("share of requests within the SLOs at the highest load", ""
 
 
 def metric_for(rule_id: str, workload: str | None = None, flags: tuple[str, ...] | list[str] = (),
-               title: str = "") -> Metric:
+               judged_by: str = "") -> Metric:
     """What a trial of ``rule_id``'s fix (``flags``) is judged by; workload tuning by its goal (throughput for
-    batch); a KV offload tier by the requests that reuse a prefix, whichever finding proposed it; other clients'
-    long prompts (prefill-interrupts-decode titled ``FOREIGN_TITLE``) by the TPOT of the busiest load, where
-    they stall the probe's decodes (the long-short phase measures the probe's own long prompts)."""
+    batch); a KV offload tier by the requests that reuse a prefix, whichever finding proposed it; a finding that
+    names its measure (``Finding.judged_by``: other clients' long prompts stall the probe's decodes at the
+    busiest load, not in the long-short phase, which measures the probe's own) by that one."""
     if rule_id == "workload-tuning":
         return THROUGHPUT if workload == "batch" else WITHIN_SLOS
     if OFFLOAD_FLAG in flags:
         return REUSE_TTFT
-    if title == FOREIGN_TITLE:
-        return PEAK_TPOT
+    if judged_by:
+        return JUDGED_BY[judged_by]
     return METRICS.get(rule_id, DEFAULT_METRIC)
 
 
@@ -278,7 +278,7 @@ def run_verify(command: list[str], limits: ProbeLimits, console: Console, seed: 
     candidates = _candidates(report, engine_of(command))
     above_low = [f for f in report.findings if f.severity is not Severity.LOW]
     top = candidates[0][0] if candidates else (above_low[0] if above_low else None)
-    metric = metric_for(top.rule_id, goal.workload, title=top.title) if top else None
+    metric = metric_for(top.rule_id, goal.workload, judged_by=top.judged_by) if top else None
     result = VerifyResult(report, session, top, metric)
     if not candidates:
         result.stopped = "healthy: nothing to verify" if top is None else "no concrete flag fix to try"
@@ -292,7 +292,7 @@ def run_verify(command: list[str], limits: ProbeLimits, console: Console, seed: 
         if time.monotonic() - started + round_s > budget_s:
             result.stopped = f"time budget of {budget_s:.0f} s reached"
             break
-        metric = metric_for(finding.rule_id, goal.workload, flags, finding.title)
+        metric = metric_for(finding.rule_id, goal.workload, flags, finding.judged_by)
         result.finding, result.metric = finding, metric
         t0 = time.monotonic()
         console.print(f"verify: restarting with {' '.join(flags)} ({finding.rule_id})", markup=False)

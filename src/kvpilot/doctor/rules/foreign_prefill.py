@@ -155,7 +155,7 @@ def long_prompts_stall_decodes(ctx: RuleContext) -> Finding | None:
     evidence.append(Evidence("median TPOT at the highest load", tpot, "ms", "client"))
     part = f.engine_share * tpot
     return Finding(
-        rule_id="prefill-interrupts-decode", title=FOREIGN_TITLE,
+        rule_id="prefill-interrupts-decode", title=FOREIGN_TITLE, judged_by="peak-tpot",
         severity=Severity.HIGH if f.engine_share >= th.client_lag_share_most else Severity.MEDIUM,
         confidence=0.8 if unchunked else 0.6, impact=f.engine_share,
         summary=(f"{f.num_long:.0f} prompts of ~{f.long_tokens:,.0f} tokens that the measured clients did not send "
