@@ -11,6 +11,7 @@ the generated tokens, which the tests compare against the same function run on e
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -298,6 +299,23 @@ class Driver:
         self._in_flight = launched
         self.scheduler.check_integrity()
         return output
+
+
+def fake_prompt(seed: int, n: int) -> list[int]:
+    """A deterministic prompt of n token ids in 1..90, different for each seed."""
+    return [1 + (seed * 31 + i * 7) % 90 for i in range(n)]
+
+
+def add_random_mix(scheduler: Scheduler, rng: random.Random, trial: int) -> list[tuple[Request, list[int]]]:
+    """Adds 3-7 requests, about half of them sharing a 12-token prefix, prompts of 1-30 more tokens, 1-25 tokens
+    out; returns (request, prompt) pairs."""
+    shared = fake_prompt(trial, 12)
+    cases = []
+    for i in range(rng.randint(3, 7)):
+        prompt = (shared if rng.random() < 0.5 else []) + fake_prompt(100 * trial + i, rng.randint(1, 30))
+        cases.append((make_request(f"t{trial}-{i}", prompt, max_tokens=rng.randint(1, 25)), prompt))
+        scheduler.add_request(cases[-1][0])
+    return cases
 
 
 def evict_cached(pool: BlockPool, keys: list[int]) -> None:

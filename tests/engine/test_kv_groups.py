@@ -18,15 +18,11 @@ from kvpilot.engine.request import RequestStatus
 from kvpilot.engine.scheduler import Scheduler
 from kvpilot.fit.kv_cache import KvCapacity
 
-from .engine_fakes import (FakePagedModel, evict_cached, generate_alone, make_request, make_scheduler, most_running,
-                           run_to_completion, step)
+from .engine_fakes import (FakePagedModel, add_random_mix, evict_cached, fake_prompt, generate_alone, make_request,
+                           make_scheduler, most_running, run_to_completion, step)
 
 BLOCK = 4
 WINDOW = 6
-
-
-def _prompt(seed: int, n: int) -> list[int]:
-    return [1 + (seed * 31 + i * 7) % 90 for i in range(n)]
 
 
 def _grouped(windows: tuple[int | None, ...] = (None, WINDOW), **settings: object) -> tuple[Scheduler, FakePagedModel]:
@@ -100,7 +96,7 @@ def test_fit_capacity_sums_the_groups() -> None:
 
 def test_the_full_group_keeps_every_block_and_the_sliding_one_its_window() -> None:
     sched, model = _grouped(num_blocks=30, max_num_batched_tokens=8)
-    prompt = _prompt(1, 40)
+    prompt = fake_prompt(1, 40)
     request = make_request("long", prompt, max_tokens=30)
     sched.add_request(request)
     while sched.has_unfinished_requests():
@@ -118,10 +114,10 @@ def test_the_full_group_keeps_every_block_and_the_sliding_one_its_window() -> No
 def _most_running(windows: tuple[int | None, ...], num_blocks: int) -> tuple[int, int]:
     """(most requests running at once, preemptions) for 4 requests of 24 + 16 tokens."""
     sched, model = _grouped(windows, num_blocks=num_blocks, max_num_batched_tokens=16)
-    requests = [make_request(f"r{i}", _prompt(10 + i, 24), max_tokens=16) for i in range(4)]
+    requests = [make_request(f"r{i}", fake_prompt(10 + i, 24), max_tokens=16) for i in range(4)]
     counts = most_running(sched, model, requests)
     for i, request in enumerate(requests):
-        assert request.output_token_ids == _alone(_prompt(10 + i, 24), 16, windows)
+        assert request.output_token_ids == _alone(fake_prompt(10 + i, 24), 16, windows)
     return counts
 
 
@@ -140,12 +136,7 @@ def test_random_mixes_with_shared_prefixes_and_preemption_stay_exact(pipelined: 
         budget = rng.choice([4, 8, 16])
         sched, model = _grouped(windows, num_blocks=rng.choice([30, 36, 48]), max_num_batched_tokens=budget,
                                 max_num_seqs=4)
-        shared = _prompt(trial, 12)
-        cases = []
-        for i in range(rng.randint(3, 7)):
-            prompt = (shared if rng.random() < 0.5 else []) + _prompt(100 * trial + i, rng.randint(1, 30))
-            cases.append((make_request(f"t{trial}-{i}", prompt, max_tokens=rng.randint(1, 25)), prompt))
-            sched.add_request(cases[-1][0])
+        cases = add_random_mix(sched, rng, trial)
         run_to_completion(sched, model, pipelined=pipelined)
         for request, prompt in cases:
             assert request.output_token_ids == _alone(prompt, request.max_tokens, windows), \
@@ -157,7 +148,7 @@ def _cached_run(seed: int) -> tuple[Scheduler, FakePagedModel, list[int], list[i
     """A scheduler whose cache holds a 24-token prompt (6 blocks) in both groups: (scheduler, model, prompt,
     the prompt's block hashes)."""
     sched, model = _grouped(num_blocks=40, max_num_batched_tokens=32)
-    prompt = _prompt(seed, 24)
+    prompt = fake_prompt(seed, 24)
     first = make_request("first", prompt + [91], max_tokens=1)
     sched.add_request(first)
     run_to_completion(sched, model)
@@ -196,7 +187,7 @@ def test_a_hit_stops_where_any_group_misses_a_block_it_reads(group: int, index: 
 
 def test_kv_events_announce_group_zeros_blocks_only() -> None:
     sched, model = _grouped(num_blocks=40, max_num_batched_tokens=32, enable_kv_cache_events=True)
-    request = make_request("a", _prompt(3, 24) + [5], max_tokens=1)
+    request = make_request("a", fake_prompt(3, 24) + [5], max_tokens=1)
     sched.add_request(request)
     run_to_completion(sched, model)
     events = sched.kv.pool.events.take()
@@ -209,7 +200,7 @@ def test_kv_events_announce_group_zeros_blocks_only() -> None:
 
 def test_trim_cuts_every_groups_table() -> None:
     sched, _ = _grouped(num_blocks=40, max_num_batched_tokens=32)
-    request = make_request("a", _prompt(4, 10), max_tokens=8)
+    request = make_request("a", fake_prompt(4, 10), max_tokens=8)
     request.status = RequestStatus.RUNNING
     assert sched.kv.allocate_slots(request, 10) is not None
     request.num_computed_tokens = 10

@@ -17,8 +17,8 @@ from kvpilot.engine.request import RequestStatus
 from kvpilot.engine.scheduler import Scheduler
 from kvpilot.fit.kv_cache import KvCapacity, format_capacity_line, window_blocks
 
-from .engine_fakes import (FakePagedModel, evict_cached, generate_alone, make_request, make_scheduler, most_running,
-                           run_to_completion, step)
+from .engine_fakes import (FakePagedModel, add_random_mix, evict_cached, fake_prompt, generate_alone, make_request,
+                           make_scheduler, most_running, run_to_completion, step)
 
 BLOCK = 4
 
@@ -33,16 +33,12 @@ def _num_null(sched: Scheduler, request_id: str) -> int:
     return sched.kv._tables[request_id].num_null_blocks
 
 
-def _prompt(seed: int, n: int) -> list[int]:
-    return [1 + (seed * 31 + i * 7) % 90 for i in range(n)]
-
-
 def test_a_long_request_holds_a_bounded_number_of_blocks() -> None:
     window, budget = 8, 8
     # 10 blocks hold 40 tokens; the request has 69 of KV: only a window lets it run at all
     sched = _scheduler(num_blocks=10, max_num_batched_tokens=budget, sliding_window=window)
     model = FakePagedModel(BLOCK, sched.kv.pool, window=window)
-    prompt = _prompt(1, 40)
+    prompt = fake_prompt(1, 40)
     request = make_request("long", prompt, max_tokens=30)
     sched.add_request(request)
     bound_prefill = -(-(window - 1 + budget) // BLOCK) + 1
@@ -65,13 +61,13 @@ def test_a_long_request_holds_a_bounded_number_of_blocks() -> None:
 def test_the_same_request_is_refused_without_a_window() -> None:
     sched = _scheduler(num_blocks=10, max_num_batched_tokens=8)
     with pytest.raises(ValueError, match="KV blocks but the whole cache has 10"):
-        sched.add_request(make_request("long", _prompt(1, 40), max_tokens=30))
+        sched.add_request(make_request("long", fake_prompt(1, 40), max_tokens=30))
 
 
 def test_released_blocks_are_reused_by_another_request() -> None:
     sched = _scheduler(num_blocks=6, max_num_batched_tokens=8, sliding_window=4, enable_prefix_caching=False)
     model = FakePagedModel(BLOCK, sched.kv.pool, window=4)
-    a = make_request("a", _prompt(2, 16), max_tokens=12)
+    a = make_request("a", fake_prompt(2, 16), max_tokens=12)
     sched.add_request(a)
     held: set[int] = set()
     for _ in range(3):  # two chunks of 8, then a decode: blocks 0..2 fall out of a's window
@@ -79,23 +75,23 @@ def test_released_blocks_are_reused_by_another_request() -> None:
         held |= set(a.block_ids[_num_null(sched, "a"):])
     released = held - set(a.block_ids[_num_null(sched, "a"):])  # (a reused one itself: block 0 for 8..11)
     assert _num_null(sched, "a") == 3 and len(a.block_ids) - 3 == 2 and released
-    b = make_request("b", _prompt(3, 12), max_tokens=4)
+    b = make_request("b", fake_prompt(3, 12), max_tokens=4)
     sched.add_request(b)
     step(sched, model)
     assert b.status is RequestStatus.RUNNING and set(b.block_ids) & released  # a's old blocks, now b's
     run_to_completion(sched, model)
-    assert a.output_token_ids == generate_alone(_prompt(2, 16), 12, 4)
-    assert b.output_token_ids == generate_alone(_prompt(3, 12), 4, 4)
+    assert a.output_token_ids == generate_alone(fake_prompt(2, 16), 12, 4)
+    assert b.output_token_ids == generate_alone(fake_prompt(3, 12), 4, 4)
 
 
 def _most_running(window: int | None) -> tuple[int, int]:
     """(most requests running at once, preemptions) for 4 requests of 16 + 16 tokens on 12 blocks of 4."""
     sched = _scheduler(num_blocks=12, max_num_batched_tokens=16, sliding_window=window)
     model = FakePagedModel(BLOCK, sched.kv.pool, window=window)
-    requests = [make_request(f"r{i}", _prompt(10 + i, 16), max_tokens=16) for i in range(4)]
+    requests = [make_request(f"r{i}", fake_prompt(10 + i, 16), max_tokens=16) for i in range(4)]
     counts = most_running(sched, model, requests)
     for i, request in enumerate(requests):
-        assert request.output_token_ids == generate_alone(_prompt(10 + i, 16), 16, window)
+        assert request.output_token_ids == generate_alone(fake_prompt(10 + i, 16), 16, window)
     return counts
 
 
@@ -109,7 +105,7 @@ def test_preemption_and_resume_under_a_window_are_exact() -> None:
     window = 6
     sched = _scheduler(num_blocks=9, max_num_batched_tokens=8, sliding_window=window)
     model = FakePagedModel(BLOCK, sched.kv.pool, window=window)
-    prompts = [_prompt(20 + i, 10 + 3 * i) for i in range(5)]
+    prompts = [fake_prompt(20 + i, 10 + 3 * i) for i in range(5)]
     requests = [make_request(f"p{i}", p, max_tokens=20) for i, p in enumerate(prompts)]
     for request in requests:
         sched.add_request(request)
@@ -131,12 +127,7 @@ def test_random_mixes_stay_exact(pipelined: bool) -> None:
         sched = _scheduler(num_blocks=rng.choice([8, 10, 14]), max_num_batched_tokens=budget,
                                max_num_seqs=4, sliding_window=window)
         model = FakePagedModel(BLOCK, sched.kv.pool, window=window)
-        shared = _prompt(trial, 12)
-        cases = []
-        for i in range(rng.randint(3, 7)):
-            prompt = (shared if rng.random() < 0.5 else []) + _prompt(100 * trial + i, rng.randint(1, 30))
-            cases.append((make_request(f"t{trial}-{i}", prompt, max_tokens=rng.randint(1, 25)), prompt))
-            sched.add_request(cases[-1][0])
+        cases = add_random_mix(sched, rng, trial)
         run_to_completion(sched, model, pipelined=pipelined)
         for request, prompt in cases:
             assert request.output_token_ids == generate_alone(prompt, request.max_tokens, window), \
@@ -147,7 +138,7 @@ def test_a_prefix_hit_needs_only_the_blocks_in_the_window() -> None:
     window = 6  # the first new token at position p reads keys p-5..p
     sched = _scheduler(num_blocks=12, max_num_batched_tokens=32, sliding_window=window)
     model = FakePagedModel(BLOCK, sched.kv.pool, window=window)
-    prompt = _prompt(40, 24)  # 6 full blocks
+    prompt = fake_prompt(40, 24)  # 6 full blocks
     first = make_request("first", prompt + [91], max_tokens=2)
     sched.add_request(first)
     run_to_completion(sched, model)
@@ -174,7 +165,7 @@ def test_a_hit_stops_where_a_block_of_its_window_is_missing() -> None:
     window = 6
     sched = _scheduler(num_blocks=12, max_num_batched_tokens=32, sliding_window=window)
     model = FakePagedModel(BLOCK, sched.kv.pool, window=window)
-    prompt = _prompt(41, 24)
+    prompt = fake_prompt(41, 24)
     sched.add_request(make_request("first", prompt + [91], max_tokens=1))
     run_to_completion(sched, model)
     pool = sched.kv.pool
