@@ -277,7 +277,8 @@ def verify_lines(engine: str, fault: Fault, result: dict) -> list[str]:
         change = f" ({t['change']:+.0%})" if t.get("change") is not None else ""
         before = "n/a" if t["before"] is None else f"{t['before']:,.1f}"
         after = "n/a" if t["after"] is None else f"{t['after']:,.1f}"
-        lines.append(f"    {' '.join(t['flags'])} ({t['rule_id']}): {t['metric']} {before} -> {after}{change}; "
+        probes = ", means of 2 probes" if t.get("probes", 1) > 1 else ""
+        lines.append(f"    {' '.join(t['flags'])} ({t['rule_id']}): {t['metric']} {before} -> {after}{change}{probes}; "
                      f"{'kept' if t['kept'] else 'withdrawn'} ({t['wall_s']:.0f} s)")
     return lines
 

@@ -111,3 +111,27 @@ def test_no_gain_on_a_starved_host_is_undecided_not_withdrawn(tmp_path: Path, mo
         assert "undecided: the CPU was starved in the before and after probe" in out.getvalue()
     else:
         assert not result.stopped.startswith("host too busy")
+
+
+@pytest.mark.parametrize(("again", "kept"), [(0.85, True), (1.05, False)])
+def test_a_change_within_the_noise_band_is_measured_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          again: float, kept: bool) -> None:
+    """A 15% gain (inside NOISE_BAND) gets a second before and after probe and is judged on the means: kept when
+    the second after repeats it, withdrawn when the second after is worse than before."""
+    scales = iter([1.0, 0.85, 1.0, again, 1.0, 1.0, 1.0, 1.0])  # baseline, after, before again, after again, ...
+    argvs: list[list[str]] = []
+
+    def recorded(argv: list[str], *_: object) -> tuple[_RecordedProbe, DoctorReport]:
+        argvs.append(argv)
+        return _shared_prefix_probe(tmp_path, next(scales), False)
+
+    monkeypatch.setattr(verify, "_probe", recorded)
+    result = verify.run_verify(["kvpilot", "serve", "--no-enable-prefix-caching"], QUICK, Console(file=io.StringIO()),
+                               seed=1, budget_s=1e9, serve_timeout_s=1.0)
+    first = result.trials[0]
+    assert first.num_probes == 2 and first.kept is kept
+    assert [("--enable-prefix-caching" in argv) for argv in argvs[:4]] == [False, True, False, True]
+    assert first.change == pytest.approx((0.85 + again) / 2 - 1, abs=0.02)
+    out = io.StringIO()
+    verify.print_verify(Console(file=out, width=200), result)
+    assert "(means of 2 probes each)" in out.getvalue() and result.to_json()["trials"][0]["probes"] == 2

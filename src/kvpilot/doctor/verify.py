@@ -7,6 +7,10 @@ prompt seed), and compare the metric that fix's finding is about. A fix that doe
 round would overrun the time budget (the last round's duration predicts the next). A top finding
 without a flag fix (cpu-starvation: move the other processes) leaves the next finding's fixes.
 
+A trial whose change lies within NOISE_BAND of none (either way) is measured once more, if the budget allows:
+the original command and the fix are each probed again and the trial is judged on the mean of both probes of
+each (the staged background loads of the fault matrix moved one cell's "before" by a third between runs).
+
 A fix that shows no gain while the doctor measured the host starving the server (cpu-starvation in the
 probe before or after it) is not withdrawn but left undecided, and no further fix is tried: other
 processes' load moves every latency by more than ``MIN_GAIN``, so no before/after there tells a fix
@@ -35,6 +39,8 @@ from kvpilot.doctor.slo import Goal, good_fraction, run_slos
 
 MIN_GAIN = 0.1
 """A fix must move its finding's metric by at least this share (beyond run-to-run noise on a CPU)."""
+NOISE_BAND = 2 * MIN_GAIN
+"""A change smaller than this either way is measured again before it is judged."""
 
 
 @dataclass(frozen=True)
@@ -204,6 +210,7 @@ class Trial:
     wall_s: float
     metric: Metric = DEFAULT_METRIC
     host_busy: tuple[str, ...] = ()  # the probes ("before", "after") in which the doctor found the CPU starved
+    num_probes: int = 1  # probes of each side before and after averaged (2: a borderline change measured again)
 
     @property
     def undecided(self) -> bool:
@@ -234,7 +241,7 @@ class VerifyResult:
                             "before": t.before, "after": t.after,
                             "change": t.change,
                             "finding_after": t.finding_after, "kept": t.kept, "undecided": t.undecided,
-                            "host_busy": list(t.host_busy), "wall_s": round(t.wall_s, 1)}
+                            "host_busy": list(t.host_busy), "probes": t.num_probes, "wall_s": round(t.wall_s, 1)}
                            for t in self.trials], "stopped": self.stopped}
 
 
@@ -247,11 +254,20 @@ def _probe(argv: list[str], limits: ProbeLimits, console: Console, seed: int, ti
     return session, diagnose(goal.apply(session.inputs(model, gpu)))
 
 
-def _helped(metric: Metric, before: float | None, after: float | None) -> bool:
+def _gain(metric: Metric, before: float | None, after: float | None) -> float | None:
+    """The improvement as a share of before (negative: worse), None when either is unknown."""
     if before is None or after is None or before <= 0:
-        return False
-    gain = (before - after) / before if metric.lower_is_better else (after - before) / before
-    return gain >= MIN_GAIN
+        return None
+    return (before - after) / before if metric.lower_is_better else (after - before) / before
+
+
+def _helped(metric: Metric, before: float | None, after: float | None) -> bool:
+    gain = _gain(metric, before, after)
+    return gain is not None and gain >= MIN_GAIN
+
+
+def _mean(a: float | None, b: float | None) -> float | None:
+    return (a + b) / 2 if a is not None and b is not None else a if b is None else b
 
 
 STARVED = "cpu-starvation"
@@ -303,11 +319,22 @@ def run_verify(command: list[str], limits: ProbeLimits, console: Console, seed: 
                                              model, gpu, goal)
         before = metric.measure(goal.apply(session.inputs()))
         after = metric.measure(goal.apply(after_session.inputs()))
+        num_probes = 1
+        gain = _gain(metric, before, after)
+        if gain is not None and abs(gain) < NOISE_BAND and \
+                time.monotonic() - started + 3 * (time.monotonic() - t0) <= budget_s:
+            console.print(f"verify: {gain:+.0%} is within the noise band: measuring both again", markup=False)
+            again_before, _ = _probe(command, limits, console, seed, serve_timeout_s, model, gpu, goal)
+            again_after, _ = _probe(apply_flags(command, flags), limits, console, seed, serve_timeout_s, model, gpu,
+                                    goal)
+            before = _mean(before, metric.measure(goal.apply(again_before.inputs())))
+            after = _mean(after, metric.measure(goal.apply(again_after.inputs())))
+            num_probes = 2
         still = next((f for f in after_report.findings if f.rule_id == finding.rule_id), None)
         helped = _helped(metric, before, after)  # the finding may remain (a 2x cap still queues), smaller
-        round_s = time.monotonic() - t0
+        round_s = (time.monotonic() - t0) / (2 * num_probes - 1)  # one probe: what a next trial's first costs
         trial = Trial(finding.rule_id, tuple(flags), before, after, still.severity.value if still else "gone",
-                      helped, round_s, metric, _host_busy(report, after_report))
+                      helped, time.monotonic() - t0, metric, _host_busy(report, after_report), num_probes)
         result.trials.append(trial)
         if helped:
             result.stopped = "a fix helped"
@@ -336,6 +363,7 @@ def print_verify(console: Console, result: VerifyResult) -> None:
         verdict = "kept: it helps" if t.kept else (
             f"undecided: the CPU was starved in the {' and '.join(t.host_busy)} probe" if t.undecided
             else "withdrawn: no measurable help")
-        console.print(f"  {' '.join(t.flags)}: before {before}, after {after}{change}; finding after: "
+        probes = " (means of 2 probes each)" if t.num_probes > 1 else ""
+        console.print(f"  {' '.join(t.flags)}: before {before}, after {after}{change}{probes}; finding after: "
                       f"{t.finding_after}; {verdict} ({t.wall_s:.0f} s)", markup=False)
     console.print(f"verify: {result.stopped}", markup=False)
