@@ -69,7 +69,8 @@ def _not_in_schema(error: dict) -> bool:
 
 
 def _summary(exc: BaseException) -> str:
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip().startswith("- ")]
+    """The failed checks ("- ..." lines) and schemathesis's curl line that reproduces the case."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip().startswith(("- ", "curl "))]
     return "; ".join(lines) or str(exc)[:300]
 
 
