@@ -73,8 +73,14 @@ def test_a_client_that_cannot_keep_up_is_detected(scripted: ScriptedProcess) -> 
     # its own work stalled it, not the host: the loop's thread hardly waited for a CPU (Linux schedstat)
     assert lag.loop_late_ms > 200 and lag.loop_run_delay_ms is not None
     assert 0 <= lag.loop_run_delay_ms < 0.5 * lag.loop_late_ms
-    ok_out = run_scripted(scripted, LoadShape(request_rate=50.0, num_requests=5, arrival="constant"), num_items=5)
-    assert not judge_client_lag(ok_out.records, ok_out.loop_lag_ms, max_lag_ms=30).overloaded
+
+    def keeps_up() -> bool:
+        ok_out = run_scripted(scripted, LoadShape(request_rate=50.0, num_requests=5, arrival="constant"),
+                              num_items=5)
+        return not judge_client_lag(ok_out.records, ok_out.loop_lag_ms, max_lag_ms=30).overloaded
+
+    # a client that keeps up, measured up to twice: the other pytest worker once stalled its loop 105 ms
+    assert keeps_up() or keeps_up()
 
 
 def test_duration_bounds_a_closed_loop_run(scripted: ScriptedProcess) -> None:
