@@ -146,6 +146,7 @@ class KVCacheManager:
         self.block_size = cache_config.block_size
         self.sliding_window = cache_config.sliding_window
         self.extra_windows = cache_config.extra_group_windows  # KV groups 1.. (module docstring)
+        self.group_windows = cache_config.group_windows  # every group's, group 0's first
         self.enable_prefix_caching = cache_config.enable_prefix_caching
         events = KVEventLog(cache_config.block_size) if cache_config.enable_kv_cache_events else None
         # KV offload (kv_offload.py): evicted prefix blocks are saved to a host tier, found there by later hits
@@ -230,7 +231,7 @@ class KVCacheManager:
         [num_outside(n * block_size), n), with None for the blocks before them. A sliding group looks up every
         cached block of the prompt, since an earlier miss no longer ends its search (the chained hash still
         pins each block's whole prefix)."""
-        windows = (self.sliding_window, *self.extra_windows)
+        windows = self.group_windows
         present = [self._lookup_group(request, hashes, group, window) for group, window in enumerate(windows)]
         usable = [self._usable_lengths(blocks, window) for blocks, window in zip(present, windows)]
         n = max(k for k in range(len(hashes) + 1) if all(u[k] for u in usable))
@@ -290,11 +291,10 @@ class KVCacheManager:
         elif prefix_hit is None and \
                 request.num_computed_tokens + num_new_tokens <= len(table.blocks) * self.block_size:
             return []  # the common decode step: the last block still has room
-        if self.sliding_window is not None and len(table.blocks) > table.num_null_blocks:
-            self._release_outside_window(request, table, self.sliding_window, request.block_ids)
-        for extra, window, ids in zip(table.extra, self.extra_windows, request.extra_block_ids):
-            if window is not None and len(extra.blocks) > extra.num_null_blocks:
-                self._release_outside_window(request, extra, window, ids)
+        for group_table, window, ids in zip((table, *table.extra), self.group_windows,
+                                            (request.block_ids, *request.extra_block_ids)):
+            if window is not None and len(group_table.blocks) > group_table.num_null_blocks:
+                self._release_outside_window(request, group_table, window, ids)
         hit = list(prefix_hit.blocks) if prefix_hit is not None else []
         tier_hits = prefix_hit.tier_hits if prefix_hit is not None else ()
         num_hit_tokens = prefix_hit.num_tokens if prefix_hit is not None else 0
@@ -463,6 +463,7 @@ class KVCacheManager:
         neither evicted nor reused until release_held. Returns their ids."""
         table = self._tables.pop(request.request_id, None)
         request.block_ids = []
+        request.extra_block_ids = []
         if table is None:
             return []
         self.release_held(request.request_id)  # an id reused while its old blocks wait: those are given up
@@ -547,13 +548,9 @@ class KVCacheManager:
         for i in range(table.num_cached_blocks, num_full):
             parent = hashes[i - 1] if i else ROOT_PARENT_HASH
             tokens = self._block_tokens(request, i)
-            # a None was released from the window before its step's output came (async scheduling)
-            block = table.blocks[i]
-            if block is not None:
-                self.pool.cache_block(block, hashes[i], parent, tokens)
-            for group, extra in enumerate(table.extra, 1):
-                block = extra.blocks[i]
-                if block is not None:
+            for group, group_table in enumerate((table, *table.extra)):
+                block = group_table.blocks[i]
+                if block is not None:  # None: released from the window before its step's output came (async)
                     self.pool.cache_block(block, group_block_hash(hashes[i], group), parent, tokens, kv_group=group)
         table.num_cached_blocks = num_full
 
@@ -569,12 +566,10 @@ class KVCacheManager:
         if table.num_cached_blocks > keep:
             raise KVCacheIntegrityError(f"request {request.request_id}: trimming to {keep} blocks would free "
                                         f"{table.num_cached_blocks - keep} cached ones")
-        freed = [b for b in reversed(table.blocks[keep:]) if b is not None]
-        del table.blocks[keep:]
-        del request.block_ids[keep:]
-        for extra, ids in zip(table.extra, request.extra_block_ids):
-            freed.extend(b for b in reversed(extra.blocks[keep:]) if b is not None)
-            del extra.blocks[keep:]
+        freed: list[KVBlock] = []
+        for group_table, ids in zip((table, *table.extra), (request.block_ids, *request.extra_block_ids)):
+            freed.extend(b for b in reversed(group_table.blocks[keep:]) if b is not None)
+            del group_table.blocks[keep:]
             del ids[keep:]
         self.pool.free(freed)
         return keep
@@ -616,14 +611,12 @@ class KVCacheManager:
         next query, all of one length."""
         rid = request.request_id
         tables = [table, *table.extra] if table is not None else [None]
-        mirrors = [request.block_ids, *request.extra_block_ids] if table is not None and table.extra else \
-            [request.block_ids]
-        if len(mirrors) != len(tables) or (table is None and request.extra_block_ids):
+        mirrors = [request.block_ids, *request.extra_block_ids]
+        if len(mirrors) != len(tables):
             raise KVCacheIntegrityError(f"request {rid} mirrors {len(mirrors)} block tables, not {len(tables)}")
         if len({len(t.blocks) for t in tables if t is not None}) > 1:
             raise KVCacheIntegrityError(f"request {rid} has block tables of different lengths")
-        for group, (ids, group_table, window) in enumerate(zip(mirrors, tables,
-                                                               (self.sliding_window, *self.extra_windows))):
+        for group, (ids, group_table, window) in enumerate(zip(mirrors, tables, self.group_windows)):
             self._check_group(request, f"request {rid} group {group}", ids, group_table, window)
 
     def _check_group(self, request: Request, where: str, ids: list[int], table: _Table | None,
