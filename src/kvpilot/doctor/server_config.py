@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 
 from kvpilot.doctor.prometheus import MetricsSnapshot
+from kvpilot.fit.kv_cache import blocks_held
 
 CAPACITY_PATH = "/v1/kvpilot/capacity"
 
@@ -65,11 +66,8 @@ class ServerConfig:
         them, a sliding group its window's blocks once decoding)."""
         if not self.block_size:
             return None
-        whole = max(1, -(-int(num_tokens) // self.block_size))
-        if len(self.kv_group_windows) <= 1:
-            return whole
-        return sum(whole if w is None else min(whole, -(-(w - 1) // self.block_size) + 1)
-                   for w in self.kv_group_windows)
+        windows = self.kv_group_windows if len(self.kv_group_windows) > 1 else (None,)
+        return max(1, blocks_held(int(num_tokens), self.block_size, windows))
 
     def to_json(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -51,6 +51,13 @@ def window_blocks(sliding_window: int, block_size: int) -> int:
     return math.ceil((sliding_window - 1) / block_size) + 1
 
 
+def blocks_held(num_tokens: int, block_size: int, group_windows: tuple[int | None, ...] = (None,)) -> int:
+    """Blocks a decoding request of num_tokens KV tokens holds, summed over the engine's KV groups (their
+    windows, None: full attention): all its blocks in a full group, at most window_blocks in a sliding one."""
+    whole = math.ceil(num_tokens / block_size)
+    return sum(whole if w is None else min(whole, window_blocks(w, block_size)) for w in group_windows)
+
+
 @dataclass(frozen=True)
 class KvCapacity:
     """The engine's KV capacity, predicted (by `fit`) or actual (reported by a running server).
@@ -79,10 +86,11 @@ class KvCapacity:
     @property
     def max_concurrency(self) -> float:
         """Requests of max_model_len tokens that fit at once (vLLM's "Maximum concurrency" figure)."""
-        whole = math.ceil(self.max_model_len / self.block_size)
-        blocks_per_request = sum(whole if w is None else min(whole, window_blocks(w, self.block_size))
-                                 for w in (self.sliding_window, *self.extra_group_windows))
-        return self.num_blocks / blocks_per_request
+        return self.num_blocks / blocks_held(self.max_model_len, self.block_size, self.group_windows)
+
+    @property
+    def group_windows(self) -> tuple[int | None, ...]:
+        return (self.sliding_window, *self.extra_group_windows)
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "num_tokens": self.num_tokens, "num_bytes": self.num_bytes,
@@ -113,8 +121,7 @@ def format_capacity_line(capacity: KvCapacity) -> str:
     window = "" if capacity.sliding_window is None else f" (sliding window of {capacity.sliding_window:,})"
     if capacity.extra_group_windows:
         window = f" ({1 + len(capacity.extra_group_windows)} KV groups: windows " + \
-            ", ".join("full" if w is None else f"{w:,}" for w in (capacity.sliding_window,
-                                                                 *capacity.extra_group_windows)) + ")"
+            ", ".join("full" if w is None else f"{w:,}" for w in capacity.group_windows) + ")"
     return (
         f"KV cache: {capacity.num_blocks:,} blocks x {capacity.block_size} = {capacity.num_tokens:,} tokens "
         f"({capacity.num_bytes / 2**30:.2f} GiB); maximum concurrency for {capacity.max_model_len:,} "
