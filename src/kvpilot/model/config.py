@@ -11,6 +11,7 @@ stay in `extra` (the raw config) and are read by that family's module.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from kvpilot.engine.kv_groups import KVGroupPlan, plan_kv_groups
@@ -89,10 +90,15 @@ class ModelConfig:
         unless hybrid is False."""
         return plan_kv_groups([self.layer_window(i) for i in range(self.num_hidden_layers)], hybrid=hybrid)
 
+    @cached_property
+    def _hybrid_groups(self) -> tuple[int, ...]:
+        """Each layer's group under kv_group_plan(): computed once, not once a layer."""
+        return self.kv_group_plan().layer_groups
+
     def layer_kv_group(self, layer: int) -> int:
         """The KV group layer `layer` reads its block table from when the engine gives the model several (its
         LayerAttention.kv_group; a one-group engine ignores it)."""
-        return self.kv_group_plan().layer_groups[layer]
+        return self._hybrid_groups[layer]
 
 
 def _family(arch: str | None, source: str) -> str:

@@ -53,9 +53,8 @@ class TritonAttentionBackend:
         self.k_scale, self.v_scale = float(k_scale), float(v_scale)
         self.decode_partition = decode_partition
         self.num_kv_heads = DEFAULT_KV_HEADS
-        self._packed: PackedArrays | None = None
-        # KV groups 1.. (engine/kv_groups.py): their metadata lives beside group 0's in a step, in buffers of its own
-        self._group_packed: dict[int, PackedArrays] = {}
+        # each KV group's metadata buffer (engine/kv_groups.py: a step's groups' metadata live side by side)
+        self._packed: dict[int, PackedArrays] = {}
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         if num_blocks * block_size >= MAX_SLOTS:
@@ -69,16 +68,17 @@ class TritonAttentionBackend:
         self._buffers(device).reserve(4 * max_num_seqs + 1 + max_num_tokens + max_num_seqs * max_blocks_per_seq,
                                       num_arrays=PACKED_ARRAYS)
 
-    def _buffers(self, device: torch.device) -> PackedArrays:
-        if self._packed is None or self._packed.device != device:
-            self._packed = PackedArrays(device)
-        return self._packed
+    def _buffers(self, device: torch.device, group: int = 0) -> PackedArrays:
+        packed = self._packed.get(group)
+        if packed is None or packed.device != device:
+            packed = self._packed[group] = PackedArrays(device)
+        return packed
 
     def freeze(self) -> None:
         """The metadata buffer stays where it is from now on (CUDA graphs read it): a step that would need
         more than was reserved raises instead of moving it."""
-        if self._packed is not None:
-            self._packed.freeze()
+        if 0 in self._packed:  # group 0's: CUDA graphs run models of one group
+            self._packed[0].freeze()
 
     def decode_split_for(self, num_decodes: int, max_context: int, device: torch.device) -> DecodeSplit:
         return choose_decode_split(num_decodes, self.num_kv_heads, max_context, _num_sms(device),
@@ -94,13 +94,7 @@ class TritonAttentionBackend:
             decodes = layout.is_decode
             max_decode_context = int(layout.context_lens[decodes].max()) if decodes.any() else 1
             decode_split = self.decode_split_for(int(np.count_nonzero(decodes)), max_decode_context, device)
-        if group:
-            packed = self._group_packed.get(group)
-            if packed is None or packed.device != device:
-                packed = self._group_packed[group] = PackedArrays(device)
-        else:
-            packed = self._buffers(device)
-        return pack_layout(layout, packed, decode_split, table_width)
+        return pack_layout(layout, self._buffers(device, group), decode_split, table_width)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: TritonAttentionMetadata, layer: LayerAttention | float) -> torch.Tensor:
