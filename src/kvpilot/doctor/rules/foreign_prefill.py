@@ -88,7 +88,7 @@ def measure_foreign_prefill(ctx: RuleContext) -> ForeignPrefill | None:
     sent = _sent(ctx)
     ours = [float(r.num_prompt_tokens or 0) for r in sent]
     if prompts is None and snap is not None and snap.interval and sent:
-        return _counted_foreign_prefill(ctx, snap, sent)
+        return _counted_foreign_prefill(ctx, snap, sent, ours)
     if prompts is None or prefill is None or not ours or prompts.total <= 0:
         return None
     bound = _long_bound(ctx, ours)
@@ -107,8 +107,8 @@ def measure_foreign_prefill(ctx: RuleContext) -> ForeignPrefill | None:
     return ForeignPrefill(num_long, long_tokens, big, step_bound, long_tokens * per_token_ms, share)
 
 
-def _counted_foreign_prefill(ctx: RuleContext, snap: MetricsSnapshot,
-                             sent: list[RequestRecord]) -> ForeignPrefill | None:
+def _counted_foreign_prefill(ctx: RuleContext, snap: MetricsSnapshot, sent: list[RequestRecord],
+                             ours: list[float]) -> ForeignPrefill | None:
     """llama-server has no prompt histogram, but counts the prompt tokens it processed (cached ones apart) and the
     seconds of the batches that carried them, and gauges the longest sequence it has held since it started
     (``n_tokens_max``). Prompt tokens beyond the measured requests' own uncached ones are other clients'; when
@@ -119,7 +119,6 @@ def _counted_foreign_prefill(ctx: RuleContext, snap: MetricsSnapshot,
     tokens, seconds, longest = snap.get("prompt_tokens"), snap.get("prompt_seconds"), snap.get("max_seq_tokens")
     # n_tokens_max counts a sequence's output too: beyond the longest the measured requests held
     held = max((r.num_prompt_tokens or 0) + r.num_output_tokens for r in sent)
-    ours = [float(r.num_prompt_tokens or 0) for r in sent]
     wall, bound = _measured_seconds(ctx), max(_long_bound(ctx, ours), float(held))
     if not tokens or not seconds or not longest or longest <= bound or wall <= 0:
         return None

@@ -79,12 +79,10 @@ class PathGap:
 
 def path_gap(ctx: RuleContext) -> PathGap | None:
     """The pooled gaps of the readable runs, or None with fewer than ``min_requests`` of them."""
-    runs = [r for r in ctx.inputs.runs if readable(r)]
-    gaps = [g for r in runs for g in gaps_ms(r)]
-    ttfts = [ttft for run in runs for ttft, _ in prompt_timed(run)]
-    if len(gaps) < ctx.th.min_requests:
+    pairs = [p for run in ctx.inputs.runs if readable(run) for p in prompt_timed(run)]
+    if len(pairs) < ctx.th.min_requests:
         return None
-    return PathGap(tuple(gaps), median(ttfts) or 0.0)
+    return PathGap(tuple(ttft - prompt for ttft, prompt in pairs), median(ttft for ttft, _ in pairs) or 0.0)
 
 
 @dataclass(frozen=True)
