@@ -242,7 +242,7 @@ def test_other_clients_long_prompts_are_named_from_the_servers_metrics(tmp_path:
     report = diagnose(load_inputs(results, metrics))
     first = report.findings[0]
     assert (first.rule_id, first.title) == ("prefill-interrupts-decode", "Long prompts stall decodes"), _ids(report)
-    assert first.judged_by == "peak-tpot"  # --verify judges its fix by the TPOT at the busiest load
+    assert first.judged_by == "peak-itl-p99"  # --verify judges a chunk cap by the streams' longest gaps
     names = {e.name: e.value for e in first.evidence}
     assert names["prompts longer than any measured request's"] == 12
     assert abs(names["their mean length (estimated)"] - 2000) < 1 and names["steps over 1000 tokens"] == 12
@@ -275,14 +275,14 @@ def test_recomputed_history_names_the_offload_saving(tmp_path: Path) -> None:
 
 
 def test_verify_judges_an_offload_fix_by_the_turns_that_reuse_a_prefix() -> None:
-    from kvpilot.doctor.verify import PEAK_TPOT, REUSE_TTFT, metric_for  # noqa: PLC0415
+    from kvpilot.doctor.verify import PEAK_ITL_P99, REUSE_TTFT, metric_for  # noqa: PLC0415
 
     assert metric_for("prefix-recomputed") is REUSE_TTFT
     assert metric_for("kv-cache-pressure", None, ["--kv-offloading-size", "2"]) is REUSE_TTFT
     assert metric_for("kv-cache-pressure").name == "median E2E at the highest load"  # preemptions come after TTFT
     # other clients' long prompts are judged where they stall the probe's decodes, not in its long-short phase
     assert metric_for("prefill-interrupts-decode").name == "median TPOT beside long prompts"
-    assert metric_for("prefill-interrupts-decode", judged_by="peak-tpot") is PEAK_TPOT
+    assert metric_for("prefill-interrupts-decode", judged_by="peak-itl-p99") is PEAK_ITL_P99
 
 
 def _refused(i: int, sent_s: float, error: str) -> RequestRecord:

@@ -34,7 +34,7 @@ from kvpilot.doctor.probe import ProbeSession, check_endpoint, probe_endpoint
 from kvpilot.doctor.probe_plan import RAMP_PREFIX, ProbeLimits, ramp_level
 from kvpilot.doctor.serve import engine_of, served
 from kvpilot.doctor.server_config import from_serve_flags
-from kvpilot.doctor.signals import median
+from kvpilot.doctor.signals import median, quantile
 from kvpilot.doctor.slo import Goal, good_fraction, run_slos
 
 MIN_GAIN = 0.1
@@ -112,6 +112,19 @@ def _reuse_ttft(inputs: DoctorInputs) -> float | None:
 
 REUSE_TTFT = Metric("median TTFT of requests reusing a prefix", "ms", True, _reuse_ttft)
 E2E_AT_PEAK = Metric("median E2E at the highest load", "ms", True, lambda i: _peak(i, "e2e_ms"))
+MIN_GAPS = 20
+"""A p99 of fewer inter-token gaps is one request's accident, not a measure."""
+
+
+def _peak_itl_p99(inputs: DoctorInputs) -> float | None:
+    """p99 of every gap between streamed tokens at the highest load: the stall a step of someone else's prefill
+    puts into each running stream (a median TPOT averages a few long stalls into many short gaps)."""
+    run = _top_ramp(inputs)
+    gaps = [gap for r in run.ok for gap in r.itl_ms] if run is not None else []
+    return quantile(gaps, 0.99) if len(gaps) >= MIN_GAPS else None
+
+
+PEAK_ITL_P99 = Metric("p99 inter-token gap at the highest load", "ms", True, _peak_itl_p99)
 OFFLOAD_FLAG = "--kv-offloading-size"
 METRICS: dict[str, Metric] = {
     "prefix-recomputed": REUSE_TTFT,
@@ -131,7 +144,7 @@ METRICS: dict[str, Metric] = {
     "prompt-copying": Metric("median TPOT at the lowest load", "ms", True, _low_tpot),
 }
 DEFAULT_METRIC = E2E_AT_PEAK
-JUDGED_BY: dict[str, Metric] = {"peak-tpot": PEAK_TPOT}  # Finding.judged_by's names
+JUDGED_BY: dict[str, Metric] = {"peak-itl-p99": PEAK_ITL_P99}  # Finding.judged_by's names
 
 
 def _within_slos(inputs: DoctorInputs) -> float | None:
@@ -147,7 +160,7 @@ def metric_for(rule_id: str, workload: str | None = None, flags: tuple[str, ...]
                judged_by: str = "") -> Metric:
     """What a trial of ``rule_id``'s fix (``flags``) is judged by; workload tuning by its goal (throughput for
     batch); a KV offload tier by the requests that reuse a prefix, whichever finding proposed it; a finding that
-    names its measure (``Finding.judged_by``: other clients' long prompts stall the probe's decodes at the
+    names its measure (``Finding.judged_by``: other clients' long prompts stall the probe's streams at the
     busiest load, not in the long-short phase, which measures the probe's own) by that one."""
     if rule_id == "workload-tuning":
         return THROUGHPUT if workload == "batch" else WITHIN_SLOS

@@ -18,7 +18,7 @@ from kvpilot.bench.records import RequestRecord
 from kvpilot.doctor.findings import Evidence, Finding, Fix, LatencyShare, Severity
 from kvpilot.doctor.prometheus import MetricsSnapshot
 from kvpilot.doctor.rules.context import RuleContext
-from kvpilot.doctor.signals import median
+from kvpilot.doctor.signals import median, quantile
 
 FOREIGN_TITLE = "Long prompts stall decodes"
 CHUNK_TOKENS = 512
@@ -152,16 +152,20 @@ def long_prompts_stall_decodes(ctx: RuleContext) -> Finding | None:
         evidence.append(Evidence(f"steps over {f.step_bound:.0f} tokens", f.num_big_steps, "",
                                  "vllm:iteration_tokens_total"))
     evidence.append(Evidence("median TPOT at the highest load", tpot, "ms", "client"))
+    gaps = [gap for r in peak.ok for gap in r.itl_ms]
+    if gaps:
+        evidence.append(Evidence("p99 inter-token gap at the highest load", quantile(gaps, 0.99), "ms", "client"))
     part = f.engine_share * tpot
     return Finding(
-        rule_id="prefill-interrupts-decode", title=FOREIGN_TITLE, judged_by="peak-tpot",
+        rule_id="prefill-interrupts-decode", title=FOREIGN_TITLE, judged_by="peak-itl-p99",
         severity=Severity.HIGH if f.engine_share >= th.client_lag_share_most else Severity.MEDIUM,
         confidence=0.8 if unchunked else 0.6, impact=f.engine_share,
         summary=(f"{f.num_long:.0f} prompts of ~{f.long_tokens:,.0f} tokens that the measured clients did not send "
                  f"were prefilled during the measurement (~{f.prefill_ms:,.0f} ms each"
                  + (f", {f.num_big_steps:.0f} steps of over {f.step_bound:.0f} tokens: unchunked" if unchunked
                     else "") + f"): about {f.engine_share:.0%} of the engine's time, and every decode step sharing "
-                 f"a step with them waited, so they explain ~{part:,.0f} of the {tpot:,.0f} ms median TPOT. Cap the "
-                 "prefill per step, or disaggregate prefill and decode."),
+                 f"a step with them waited, so they explain ~{part:,.0f} of the {tpot:,.0f} ms median TPOT. Capping "
+                 "the prefill per step cuts each stall to one chunk's prefill (the streams' longest gaps); "
+                 "disaggregating prefill and decode removes the stalls."),
         evidence=tuple(evidence), fixes=(CAP_FIX, DISAGG_FIX),
         explains=LatencyShare(part, tpot, "median TPOT at the highest load (estimated from the server's metrics)"))
