@@ -34,15 +34,25 @@ from peers.venvs import PeerVenv
 ALARM_LEVELS = {"critical", "warning", "high", "medium"}
 """A statement at one of these levels is a finding; kvpilot's "low" and the peers' "info" are notes."""
 
+QUEUEING = r"queu|max[-_ ]num[-_ ]seqs|concurrency (limit|cap)|saturates near concurrency"
 CAUSE_KEYWORDS = {
-    "queueing": r"queu|max[-_ ]num[-_ ]seqs|concurrency (limit|cap)",
+    # inference-profiler's "Throughput saturates near concurrency N" points at a concurrency cap too.
+    "queueing": QUEUEING,
+    # No peer has a static-batching rule; "under-filled" batches and queueing are the nearest it can say.
+    "static-batching": QUEUEING + r"|static|continuous batching|under-filled",
     "prefix-caching": r"prefix",
     # "near capacity" is inferpilot's headline for "the KV cache is full, no preemptions yet";
     # preemptions are how vLLM-style engines show an exhausted KV pool.
     "kv-pool": r"kv[-_ ]?cache|kv[-_ ]?bound|kv[-_ ]?pool|memory|near capacity|preempt",
+    # inference-profiler's "Requests wait ... in queue vs ... of prefill" counts: it blames prefill.
+    "long-prompts": r"prefill|prompt length|long (prompt|request|input)|chunk",
+    "cpu-starvation": r"cpu|starv|contention|noisy|steal",
+    "network": r"network|proxy|rtt|\bhop\b",
+    "client": r"client|load generator|benchmark (tool|harness)",
 }
 """Matched (case-insensitive) against the headline of a peer's first finding only, not its advice text:
-advice mentions other causes ("with no queue pressure", "memory bandwidth pressure")."""
+advice mentions other causes ("with no queue pressure", "memory bandwidth pressure"). Generous where a headline
+could be read either way: a peer is never marked wrong for wording."""
 
 
 @dataclass(frozen=True)

@@ -188,6 +188,22 @@ def hogged_cli(stall_s: float) -> list[str]:
     return [sys.executable, "-c", HOGGED_CLI.format(root=str(REPO_ROOT), interval=stall_s, preload=HOG_PRELOAD)]
 
 
+STALLED_CLI = """import sys
+sys.path.insert(0, {root!r})
+from kvpilot.cli import main
+from tests.doctor.fault_staging import gil_stalls
+with gil_stalls({interval!r}):
+    main()
+"""
+"""The kvpilot CLI beside :func:`gil_stalls` from start to end: a slow client whose command is not the doctor (the
+`kvpilot bench` that feeds the peer doctors of benchmarks/doctor_peers.py)."""
+
+
+def stalled_cli(stall_s: float) -> list[str]:
+    """argv prefix running the whole kvpilot CLI beside :func:`gil_stalls` of ``stall_s`` (append ``bench ...``)."""
+    return [sys.executable, "-c", STALLED_CLI.format(root=str(REPO_ROOT), interval=stall_s)]
+
+
 # ---- other users' traffic beside the probe -------------------------------------------------------------------
 
 WORDS = ("the of and to in is was for on that with as by at from it his an were are which this be or had not but "
