@@ -281,7 +281,7 @@ def test_verify_judges_an_offload_fix_by_the_turns_that_reuse_a_prefix() -> None
     assert metric_for("kv-cache-pressure", None, ["--kv-offloading-size", "2"]) is REUSE_TTFT
     assert metric_for("kv-cache-pressure").name == "median E2E at the highest load"  # preemptions come after TTFT
     # other clients' long prompts are judged where they stall the probe's decodes, not in its long-short phase
-    assert metric_for("prefill-interrupts-decode").name == "median TPOT beside long prompts"
+    assert metric_for("prefill-interrupts-decode").name == "p99 inter-token gap beside long prompts"
     assert metric_for("prefill-interrupts-decode", judged_by="peak-itl-p99") is PEAK_ITL_P99
 
 

@@ -116,12 +116,17 @@ MIN_GAPS = 20
 """A p99 of fewer inter-token gaps is one request's accident, not a measure."""
 
 
-def _peak_itl_p99(inputs: DoctorInputs) -> float | None:
-    """p99 of every gap between streamed tokens at the highest load: the stall a step of someone else's prefill
-    puts into each running stream (a median TPOT averages a few long stalls into many short gaps)."""
-    run = _top_ramp(inputs)
-    gaps = [gap for r in run.ok for gap in r.itl_ms] if run is not None else []
+def _gaps_p99(runs: list[RunData]) -> float | None:
+    """p99 of every gap between streamed tokens of the runs' requests: the stall a step carrying a long prefill
+    puts into each running stream (a chunk cap splits it into short ones with the same prefill work, so a
+    median TPOT hardly moves)."""
+    gaps = [gap for run in runs for r in run.ok for gap in r.itl_ms]
     return quantile(gaps, 0.99) if len(gaps) >= MIN_GAPS else None
+
+
+def _peak_itl_p99(inputs: DoctorInputs) -> float | None:
+    run = _top_ramp(inputs)
+    return _gaps_p99([run] if run is not None else [])
 
 
 PEAK_ITL_P99 = Metric("p99 inter-token gap at the highest load", "ms", True, _peak_itl_p99)
@@ -137,8 +142,8 @@ METRICS: dict[str, Metric] = {
     "token-budget-below-seqs": PEAK_TPOT, "decode-bound": PEAK_TPOT,
     "prefix-cache-miss": SHARED_PREFIX_TTFT, "prefix-caching-off": SHARED_PREFIX_TTFT,
     "long-short-mixing": Metric("median TTFT of short requests beside long ones", "ms", True, _shorts_ttft),
-    "prefill-interrupts-decode": Metric("median TPOT beside long prompts", "ms", True,
-                                        lambda i: _phase(i, "long-short", "tpot_ms")),
+    "prefill-interrupts-decode": Metric("p99 inter-token gap beside long prompts", "ms", True, lambda i: _gaps_p99(
+        [r for r in i.runs if r.source == "probe:long-short"])),
     # speculation is judged where it acts: the busiest load (costs) and one stream (n-gram copying)
     "speculation-costs": THROUGHPUT,
     "prompt-copying": Metric("median TPOT at the lowest load", "ms", True, _low_tpot),

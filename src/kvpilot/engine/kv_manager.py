@@ -113,6 +113,17 @@ class _Prefetch:
 
 
 @dataclass
+class _Rounds:
+    """A waiting request's prefetch rounds so far: how many tier blocks its hit had when the first round began
+    (the pacer's floor) and when the last one began (a next round must find fewer), and the indices of its
+    hit's blocks the finished rounds loaded (counted as tier hits while the pool holds them)."""
+
+    num_first_tier_blocks: int
+    num_last_tier_blocks: int
+    loaded_indices: set[int] = field(default_factory=set)
+
+
+@dataclass
 class _Table:
     """One request's blocks, how many leading ones are registered in the prefix cache, and how many leading
     ones are placeholders (None: released, out of the sliding window; blocks[:num_null_blocks] only). `extra`:
@@ -162,11 +173,7 @@ class KVCacheManager:
         self._held: dict[str, _Table] = {}
         self._kv_loads: list[KVLoad] = []
         self._prefetches: dict[str, _Prefetch] = {}  # waiting requests' prefix hits whose loads are in flight
-        # waiting requests prefetched: the indices of their hit's blocks a round loaded, and how many tier blocks
-        # their hit had when their last round began (a next round must find fewer)
-        self._prefetched: dict[str, set[int]] = {}
-        self._prefetch_tiers: dict[str, int] = {}
-        self._prefetch_first: dict[str, int] = {}  # ... and when their first round began (the pacer's floor)
+        self._rounds: dict[str, _Rounds] = {}  # waiting requests that took a prefetch round
         self.pacer = LoadPacer() if cache_config.pace_offload_loads and self.offload is not None else None
 
     @property
@@ -213,8 +220,9 @@ class KVCacheManager:
             parent = block_hash
         # blocks a prefetch round loaded count as tier hits while the pool holds them (evicted again, they are
         # among tier_hits: counted once)
-        prefetched = self._prefetched.get(request.request_id) if self._prefetched else None
-        num_prefetched = sum(1 for i in prefetched if i < len(found) and found[i] is not None) if prefetched else 0
+        rounds = self._rounds.get(request.request_id) if self._rounds else None
+        num_prefetched = sum(1 for i in rounds.loaded_indices if i < len(found) and found[i] is not None) \
+            if rounds is not None else 0
         return PrefixHit(tuple(found), len(found) * self.block_size, request.num_tokens, tuple(tier_hits),
                          num_prefetched_tier_blocks=num_prefetched)
 
@@ -373,9 +381,9 @@ class KVCacheManager:
     def can_prefetch(self, request: Request, prefix_hit: PrefixHit) -> bool:
         """Whether prefetch() may take the hit: it has tier blocks, no round of the request is in flight, and
         an earlier round (if any) left fewer of them in a tier than it began with."""
-        rid = request.request_id
-        return bool(prefix_hit.tier_hits) and rid not in self._prefetches and \
-            len(prefix_hit.tier_hits) < self._prefetch_tiers.get(rid, len(prefix_hit.tier_hits) + 1)
+        rounds = self._rounds.get(request.request_id)
+        return bool(prefix_hit.tier_hits) and request.request_id not in self._prefetches and \
+            (rounds is None or len(prefix_hit.tier_hits) < rounds.num_last_tier_blocks)
 
     def prefetch(self, request: Request, prefix_hit: PrefixHit) -> bool:
         """Holds the hit's pool blocks and orders its tier blocks (on a CPU the pacer's share of them: the
@@ -383,9 +391,10 @@ class KVCacheManager:
         pool lacks free blocks for them."""
         if self.offload is None or not self.can_prefetch(request, prefix_hit):
             raise KVCacheIntegrityError(f"request {request.request_id}: nothing to prefetch, or no progress")
-        rid = request.request_id
-        tier_hits = prefix_hit.tier_hits[:self.pacer.max_blocks(self._prefetch_first.get(
-            rid, len(prefix_hit.tier_hits)))] if self.pacer is not None else prefix_hit.tier_hits
+        num_tier_blocks = len(prefix_hit.tier_hits)
+        rounds = self._rounds.get(request.request_id) or _Rounds(num_tier_blocks, num_tier_blocks)
+        tier_hits = prefix_hit.tier_hits[:self.pacer.max_blocks(rounds.num_first_tier_blocks)] \
+            if self.pacer is not None else prefix_hit.tier_hits
         held = [b for b in prefix_hit.blocks if b is not None]
         num_revived = sum(1 for b in held if b.ref_cnt == 0)
         if len(tier_hits) > self.pool.num_free_blocks - num_revived:
@@ -394,8 +403,8 @@ class KVCacheManager:
         blocks: list[KVBlock | None] = list(prefix_hit.blocks)
         loaded = self._load_tier_hits(blocks, tier_hits, beside=True)
         self.offload.prefetching(request.request_id)
-        self._prefetch_tiers[rid] = len(prefix_hit.tier_hits)
-        self._prefetch_first.setdefault(rid, len(prefix_hit.tier_hits))
+        rounds.num_last_tier_blocks = num_tier_blocks
+        self._rounds[request.request_id] = rounds  # recorded only once a round is under way
         self._prefetches[request.request_id] = _Prefetch([b for b in blocks if b is not None], loaded,
                                                          [index for index, _ in tier_hits])
         return True
@@ -421,15 +430,13 @@ class KVCacheManager:
             for block, tier_hit in prefetch.loaded:
                 self.pool.cache_block(block, tier_hit.block_hash, tier_hit.parent_hash, tier_hit.token_ids)
             self.pool.free(list(reversed(prefetch.blocks)))
-            self._prefetched.setdefault(request_id, set()).update(prefetch.indices)
+            self._rounds[request_id].loaded_indices.update(prefetch.indices)
 
     def release_prefetch(self, request_id: str) -> None:
         """Forgets the request's prefetch (at its admission, when it ends, or when the step carrying its loads
         failed): references still held are dropped, and blocks whose loads may not have run leave
         unregistered. No-op without one."""
-        self._prefetched.pop(request_id, None)
-        self._prefetch_tiers.pop(request_id, None)
-        self._prefetch_first.pop(request_id, None)
+        self._rounds.pop(request_id, None)
         prefetch = self._prefetches.pop(request_id, None)
         if prefetch is not None:
             self.pool.free(list(reversed(prefetch.blocks)))
@@ -577,7 +584,7 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release the request's blocks, last block first, so a sequence's tail is evicted before its head (and
         a prefetch's, for a request that ends while waiting)."""
-        if self._prefetches or self._prefetched:
+        if self._prefetches or self._rounds:
             self.release_prefetch(request.request_id)
         table = self._tables.pop(request.request_id, None)
         request.block_ids = []
