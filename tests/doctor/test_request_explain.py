@@ -15,7 +15,8 @@ import pytest
 from typer.testing import CliRunner
 
 from kvpilot.doctor.errors import DoctorInputError
-from kvpilot.doctor.request_explain import explain, fetch_timelines
+from kvpilot.doctor.render_html import slowest_html
+from kvpilot.doctor.request_explain import client_lines, explain, explain_slowest, fetch_timelines, slowest_records
 from kvpilot.server.observe.request_timelines import RequestTimeline, TimelineRing
 from tests.doctor.live_staging import MODEL, kvpilot_server
 
@@ -78,9 +79,44 @@ def test_doctor_request_names_the_long_prompt_a_short_one_waited_behind(llm_fp32
             fetch_timelines(server.url, ids["short"], {})
         answer = explain(fetch_timelines(server.url, ids["short"], {"Authorization": f"Bearer {KEY}"}))
         cli = CliRunner().invoke(_app(), ["doctor", "--url", server.url, "--request", ids["short"], "--api-key", KEY])
+        # the bench report's doctor section: the run's slowest requests, as bench records them
+        result = {"config": {"target": {"base_url": server.url}},
+                  "runs": [{"requests": [_record(ids["short"], 1500.0, lag=40.0), _record(ids["long "], 900.0),
+                                         _record("cmpl-gone", 1200.0)]}]}
+        explained, notes = explain_slowest(result, {"Authorization": f"Bearer {KEY}"})
     assert [b.request_id for b in answer.blockers][:1] == [ids["long "]], answer.lines
     assert answer.blockers[0].prompt_tokens > 500
     assert cli.exit_code == 0 and f"waited behind request {ids['long ']}" in cli.output, cli.output
+    assert [e.request_id for e in explained] == [ids["short"], ids["long "]]  # slowest first, the unknown one noted
+    assert any(f"waited behind request {ids['long ']}" in line for line in explained[0].lines)
+    assert "sent it 40 ms after it was due" in " ".join(explained[0].lines)
+    assert len(notes) == 1 and "cmpl-gone" in notes[0] and "no timeline" in notes[0]
+    html = slowest_html(explained, notes)
+    assert f"waited behind request {ids['long ']}" in html and "cmpl-gone" in html
+
+
+def _record(request_id: str, e2e_ms: float, lag: float = 0.0, server_e2e_ms: float = 100.0) -> dict[str, Any]:
+    """The parts of a bench request record the report's explanation reads."""
+    return {"ok": True, "e2e_ms": e2e_ms, "sched_lag_ms": lag,
+            "server": {"request_id": request_id, "e2e_ms": server_e2e_ms}}
+
+
+def test_the_slowest_records_and_what_the_client_adds() -> None:
+    """Only requests with kvpilot's timings, slowest first; late sending and time outside the server are said,
+    sub-millisecond noise is not."""
+    records = [_record("a", 300.0), _record("b", 900.0, lag=25.0, server_e2e_ms=700.0),
+               {"ok": True, "e2e_ms": 5000.0, "server": None}, {"ok": False, "e2e_ms": 9000.0},
+               _record("c", 600.0), _record("d", 100.4, server_e2e_ms=100.0)]
+    result = {"runs": [{"requests": records[:3]}, {"requests": records[3:]}]}
+    assert [r["server"]["request_id"] for r in slowest_records(result)] == ["b", "c", "a"]
+    assert client_lines(records[1]) == ["the load generator sent it 25 ms after it was due (a busy client)",
+                                        "200 ms of the 900 ms the client measured were outside the server "
+                                        "(network, the client's own event loop)"]
+    assert client_lines(records[5]) == []
+    assert explain_slowest({"runs": result["runs"]}, {}) == ([], [])  # no base URL: nothing to ask
+    gone = {"config": {"target": {"base_url": "http://127.0.0.1:9"}}, **result}  # nothing listens on port 9
+    explained, notes = explain_slowest(gone, {})
+    assert explained == [] and len(notes) == 1 and notes[0].startswith("the server did not answer")
 
 
 def _app() -> Any:

@@ -7,9 +7,13 @@ way, doctor -> bench: bench only knows the callable's shape.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from rich.console import Console
+
+KEY_ENV = ("OPENAI_API_KEY", "KVPILOT_API_KEY")
+"""Where `kvpilot bench --api-key` and `kvpilot doctor --api-key` also read the key."""
 
 
 def doctor_report_section(result: dict[str, Any], console: Console) -> str:
@@ -22,7 +26,19 @@ def doctor_report_section(result: dict[str, Any], console: Console) -> str:
     from kvpilot.doctor.render_html import doctor_html_section  # noqa: PLC0415
 
     try:
-        return doctor_html_section(diagnose(inputs_from_documents([(result, "this run")])))
+        section = doctor_html_section(diagnose(inputs_from_documents([(result, "this run")])))
     except DoctorInputError as exc:
         console.print(f"[yellow]doctor section left out of the report: {exc}[/yellow]")
         return ""
+    return section + _slowest_section(result)
+
+
+def _slowest_section(result: dict[str, Any]) -> str:
+    """The run's slowest requests explained by the server (kvpilot's ring of request timelines); '' for a run
+    whose server sent no per-request timings. The result keeps no API key: the environment's is used."""
+    from kvpilot.doctor.render_html import slowest_html  # noqa: PLC0415
+    from kvpilot.doctor.request_explain import explain_slowest  # noqa: PLC0415
+
+    key = next((os.environ[name] for name in KEY_ENV if os.environ.get(name)), None)
+    explained, notes = explain_slowest(result, {"Authorization": f"Bearer {key}"} if key else {})
+    return slowest_html(explained, notes) if explained or notes else ""

@@ -10,6 +10,7 @@ from html import escape
 
 from kvpilot.doctor.diagnose import DoctorReport
 from kvpilot.doctor.findings import Finding, Fix, Severity
+from kvpilot.doctor.request_explain import Explanation
 from kvpilot.doctor.render_console import SPLIT_COLUMNS, fix_flags, fmt_ms
 
 COLORS = {Severity.HIGH: "#c62828", Severity.MEDIUM: "#ef6c00", Severity.LOW: "#0277bd"}
@@ -55,3 +56,11 @@ def doctor_html_section(report: DoctorReport) -> str:
             + (f"<h3>{'Headroom' if report.healthy else 'Measured'}</h3><ul>{headroom}</ul>" if headroom else "")
             + f"<p><small>inputs: {escape(', '.join(report.sources) or '-')}; server metrics: "
             f"{escape(report.metrics_source)}</small></p></section>")
+
+
+def slowest_html(explained: list[Explanation], notes: list[str]) -> str:
+    """The slowest requests, each with the server's explanation (request_explain), and why others have none."""
+    items = "".join("<li>" + "<br>".join(escape(line) for line in e.lines) + "</li>" for e in explained)
+    missing = "".join(f"<li><small>{escape(note)}</small></li>" for note in notes)
+    return (f'<section id="kvpilot-slowest"><h3>The slowest requests, explained</h3><ol>{items}</ol>'
+            + (f"<ul>{missing}</ul>" if missing else "") + "</section>")

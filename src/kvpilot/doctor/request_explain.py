@@ -10,12 +10,15 @@ ones whose life overlapped it; each with its stage timings, prompt and cached to
 * **what else happened to it**: preemptions (its KV was freed and its prefill recomputed), and how much of its
   prompt the prefix cache served (0 of many tokens on a repeated prompt is a miss).
 
-Pure except :func:`fetch_timelines`; :func:`explain` returns an :class:`Explanation` the CLI prints or dumps.
+Pure except :func:`fetch_timelines` and :func:`explain_slowest`; :func:`explain` returns an :class:`Explanation`
+the CLI prints or dumps. :func:`explain_slowest` does the same for the slowest requests of a ``kvpilot bench``
+result (its HTML report's doctor section), adding what the client measured beyond the server: how late the load
+generator sent the request, and its end-to-end time outside the server (network, the client's own loop).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
@@ -25,6 +28,13 @@ from kvpilot.doctor.errors import DoctorInputError
 PATH = "/v1/kvpilot/requests/"
 STAGES = ("tokenize", "queue", "prefill", "decode", "serialize")
 MAX_BLOCKERS = 3
+MAX_SLOWEST = 3
+MIN_CLIENT_MS = 1.0
+"""A client-side delay below this is measurement noise, not worth a line."""
+
+
+class ServerUnreachable(DoctorInputError):
+    """No answer from the server at all (not an answer without the request's timeline)."""
 
 
 @dataclass(frozen=True)
@@ -89,7 +99,7 @@ def fetch_timelines(base_url: str, request_id: str, headers: dict[str, str],
     try:
         resp = httpx.get(url, headers=headers, timeout=timeout_s)
     except httpx.HTTPError as exc:
-        raise DoctorInputError(f"cannot reach {url}: {type(exc).__name__}: {exc}") from exc
+        raise ServerUnreachable(f"cannot reach {url}: {type(exc).__name__}: {exc}") from exc
     if resp.status_code in (401, 403):
         raise DoctorInputError(f"{url} refused the request (HTTP {resp.status_code}): pass the server's key with "
                                "--api-key")
@@ -147,3 +157,48 @@ def _lines(e: Explanation) -> list[str]:
     if e.prompt_tokens:
         lines.append(f"prefix cache served {e.cached_tokens:,} of its {e.prompt_tokens:,} prompt tokens")
     return lines
+
+
+# ---- the slowest requests of a bench result -----------------------------------------------------------------
+
+def slowest_records(result: dict[str, Any], max_requests: int = MAX_SLOWEST) -> list[dict[str, Any]]:
+    """The bench result's successful requests that carry kvpilot's timings (a request id), slowest end to end
+    at the client first; at most ``max_requests``."""
+    records = [r for run in result.get("runs") or [] for r in run.get("requests") or []
+               if r.get("ok") and r.get("e2e_ms") is not None and (r.get("server") or {}).get("request_id")]
+    return sorted(records, key=lambda r: -float(r["e2e_ms"]))[:max_requests]
+
+
+def client_lines(record: dict[str, Any]) -> list[str]:
+    """What the client measured beyond the server, for one bench record."""
+    lines = []
+    late = float(record.get("sched_lag_ms") or 0.0)
+    if late >= MIN_CLIENT_MS:
+        lines.append(f"the load generator sent it {late:,.0f} ms after it was due (a busy client)")
+    outside = float(record["e2e_ms"]) - float(record["server"]["e2e_ms"])
+    if outside >= MIN_CLIENT_MS:
+        lines.append(f"{outside:,.0f} ms of the {float(record['e2e_ms']):,.0f} ms the client measured were outside "
+                     "the server (network, the client's own event loop)")
+    return lines
+
+
+def explain_slowest(result: dict[str, Any], headers: dict[str, str],
+                    max_requests: int = MAX_SLOWEST) -> tuple[list[Explanation], list[str]]:
+    """The slowest requests of a bench result explained from the server's ring of timelines (the result's base
+    URL), each with :func:`client_lines` added; and a note for each request the server could not explain (a
+    server other than kvpilot has no ring; kvpilot keeps its last finished requests only)."""
+    base_url = str(((result.get("config") or {}).get("target") or {}).get("base_url") or "")
+    explained, notes = [], []
+    for record in slowest_records(result, max_requests) if base_url else []:
+        request_id = str(record["server"]["request_id"])
+        try:
+            e = explain(fetch_timelines(base_url, request_id, headers))
+        except ServerUnreachable as exc:  # gone since the run: asking for the others would say the same
+            notes.append(f"the server did not answer ({exc}): run `kvpilot doctor --url URL --request ID` while "
+                         "it is up")
+            break
+        except DoctorInputError as exc:
+            notes.append(f"request {request_id}: {exc}")
+            continue
+        explained.append(replace(e, lines=(*e.lines, *client_lines(record))))
+    return explained, notes
