@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
-from peers.doctor_tools import checked_subset, run_command
+from peers.doctor_tools import checked_subset, run_command, stop_group
 from peers.fault_matrix import (ENGINES, FAULT_NAMES, FAULTS, SMOKE_FAULTS, VERIFY_ENGINES, EngineSetup, Fault,
                                 Load, Row, confusion_json, confusion_lines, first_finding, first_past_host, is_right,
                                 serve_command_line, server_spec)
@@ -178,12 +178,7 @@ def load_process(url: str, load: Load, log_path: Path, placement: Placement,
     try:
         yield
     finally:
-        for sig, wait_s in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 5.0)):
-            if process.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, sig)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    process.wait(timeout=wait_s)
+        stop_group(process, signal.SIGTERM)
         lines = [ln for ln in log_path.read_text().splitlines() if ln.startswith("background load:")]
         notes["background_load"] = lines[-1] if lines else f"no summary (exit {process.returncode}); see {log_path}"
 

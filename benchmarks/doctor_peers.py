@@ -44,7 +44,7 @@ import httpx
 from doctor_matrix import (Placement, Staged, doctor_run, engine_setup, fault_json, served_model, set_up_peers,
                            staged)
 from peers.doctor_tools import (CAUSE_KEYWORDS, TOOLS, DoctorTool, Statement, Target, ToolOutputError, ToolRun,
-                                checked_subset, install_tool, judge, keyword_matcher, run_command)
+                                checked_subset, install_tool, judge, keyword_matcher, run_command, stop_group)
 from peers.fault_matrix import ENGINES, FAULT_NAMES, FAULTS, EngineSetup, Fault, server_spec
 from peers.report import describe_machine
 from peers.servers import ServerStartError, free_port, running_server
@@ -158,12 +158,7 @@ def peers_load(fault: Fault, stage: Staged, log_path: Path) -> Iterator[subproce
     try:
         yield process
     finally:
-        for sig, wait_s in ((signal.SIGINT, 15), (signal.SIGKILL, 5)):
-            if process.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, sig)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    process.wait(timeout=wait_s)
+        stop_group(process, signal.SIGINT)  # bench prints its summary on an interrupt
         wait_drained(stage.url, fault.load.concurrency if fault.load else 0)
 
 

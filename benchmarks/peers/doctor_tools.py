@@ -203,6 +203,16 @@ def run_command(command: list[str], timeout_s: float, cwd: Path) -> tuple[ToolRu
     return run, stdout
 
 
+def stop_group(process: subprocess.Popen, first: signal.Signals, wait_s: float = 15.0) -> None:
+    """Stops the process's group: ``first``, then SIGKILL if it has not exited ``wait_s`` later."""
+    for sig, wait in ((first, wait_s), (signal.SIGKILL, 5.0)):
+        if process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=wait)
+
+
 def _kill_group(process: subprocess.Popen) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGKILL)

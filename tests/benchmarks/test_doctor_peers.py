@@ -65,3 +65,18 @@ def test_parse_args_checks_subsets_and_fills_the_matrix_defaults():
     assert args.phase_seconds is None and args.max_concurrency is None
     with pytest.raises(SystemExit):
         dp.parse_args(["--faults", "no-such-fault"])
+
+
+def test_stop_group_stops_a_process_group_that_ignores_the_first_signal():
+    """The staged loads are stopped by their group: SIGINT first (bench prints its summary), SIGKILL after."""
+    import signal  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    from peers.doctor_tools import stop_group  # noqa: PLC0415
+
+    code = "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); print('up', flush=True); time.sleep(60)"
+    process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, start_new_session=True)
+    assert process.stdout.readline() == b"up\n"
+    stop_group(process, signal.SIGINT, wait_s=0.5)
+    assert process.poll() == -signal.SIGKILL

@@ -12,9 +12,6 @@ from typing import Any
 
 from rich.console import Console
 
-KEY_ENV = ("OPENAI_API_KEY", "KVPILOT_API_KEY")
-"""Where `kvpilot bench --api-key` and `kvpilot doctor --api-key` also read the key."""
-
 
 def doctor_report_section(result: dict[str, Any], console: Console) -> str:
     """The doctor's diagnosis of one bench result document as an HTML ``<section>``; '' (with a note on the
@@ -36,9 +33,10 @@ def doctor_report_section(result: dict[str, Any], console: Console) -> str:
 def _slowest_section(result: dict[str, Any]) -> str:
     """The run's slowest requests explained by the server (kvpilot's ring of request timelines); '' for a run
     whose server sent no per-request timings. The result keeps no API key: the environment's is used."""
+    from kvpilot.doctor.cli_options import API_KEY_ENV  # noqa: PLC0415
     from kvpilot.doctor.render_html import slowest_html  # noqa: PLC0415
     from kvpilot.doctor.request_explain import explain_slowest  # noqa: PLC0415
 
-    key = next((os.environ[name] for name in KEY_ENV if os.environ.get(name)), None)
+    key = next((os.environ[name] for name in API_KEY_ENV if os.environ.get(name)), None)
     explained, notes = explain_slowest(result, {"Authorization": f"Bearer {key}"} if key else {})
     return slowest_html(explained, notes) if explained or notes else ""

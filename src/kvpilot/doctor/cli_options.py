@@ -38,8 +38,10 @@ MaxConcurrencyOpt = Annotated[int | None, typer.Option(
 PhaseSecondsOpt = Annotated[float | None, typer.Option(
     "--phase-seconds", help="With --url/--serve: how long each probe phase sends requests "
     "(default 24 s, 8 s with --quick); shorter probes finish sooner and measure more noise.")]
+API_KEY_ENV = ("OPENAI_API_KEY", "KVPILOT_API_KEY")
+"""Where the key is read from when --api-key is not given (the client's first), as bench reads it."""
 ApiKeyOpt = Annotated[str | None, typer.Option(
-    "--api-key", envvar=["OPENAI_API_KEY", "KVPILOT_API_KEY"],
+    "--api-key", envvar=list(API_KEY_ENV),
     help="With --url: bearer token for the server (also OPENAI_API_KEY, then KVPILOT_API_KEY).")]
 ModelNameOpt = Annotated[str | None, typer.Option(
     "--model-name", help="With --url: the served model to probe (default: the first of "

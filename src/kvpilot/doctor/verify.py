@@ -84,14 +84,17 @@ def _peak_throughput(inputs: DoctorInputs) -> float | None:
     return run.output_throughput if run is not None else None
 
 
+def _phase_runs(inputs: DoctorInputs, name: str) -> list[RunData]:
+    return [r for r in inputs.runs if r.source == f"probe:{name}"]
+
+
 def _phase(inputs: DoctorInputs, name: str, key: str) -> float | None:
-    runs = [r for r in inputs.runs if r.source == f"probe:{name}"]
+    runs = _phase_runs(inputs, name)
     return median(getattr(r, key) for run in runs for r in run.ok) if runs else None
 
 
 def _shorts_ttft(inputs: DoctorInputs) -> float | None:
-    runs = [r for r in inputs.runs if r.source == "probe:long-short"]
-    return median(r.ttft_ms for run in runs for r in run.ok if r.group_id != "long")
+    return median(r.ttft_ms for run in _phase_runs(inputs, "long-short") for r in run.ok if r.group_id != "long")
 
 
 # A batch or admission cap limits how much work gets done at the top load: with it raised, requests the
@@ -142,8 +145,8 @@ METRICS: dict[str, Metric] = {
     "token-budget-below-seqs": PEAK_TPOT, "decode-bound": PEAK_TPOT,
     "prefix-cache-miss": SHARED_PREFIX_TTFT, "prefix-caching-off": SHARED_PREFIX_TTFT,
     "long-short-mixing": Metric("median TTFT of short requests beside long ones", "ms", True, _shorts_ttft),
-    "prefill-interrupts-decode": Metric("p99 inter-token gap beside long prompts", "ms", True, lambda i: _gaps_p99(
-        [r for r in i.runs if r.source == "probe:long-short"])),
+    "prefill-interrupts-decode": Metric("p99 inter-token gap beside long prompts", "ms", True,
+                                        lambda i: _gaps_p99(_phase_runs(i, "long-short"))),
     # speculation is judged where it acts: the busiest load (costs) and one stream (n-gram copying)
     "speculation-costs": THROUGHPUT,
     "prompt-copying": Metric("median TPOT at the lowest load", "ms", True, _low_tpot),
