@@ -123,3 +123,14 @@ def _app() -> Any:
     from kvpilot.cli import app  # noqa: PLC0415
 
     return app
+
+
+def test_a_timeline_of_another_shape_is_a_note_not_a_broken_report(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bench report is written after the run: an answer at the timeline route that is not kvpilot's must not
+    stop it (the request's note says so)."""
+    import kvpilot.doctor.request_explain as request_explain  # noqa: PLC0415
+
+    monkeypatch.setattr(request_explain, "fetch_timelines", lambda *_: {"request": {"timings": None}})
+    result = {"config": {"target": {"base_url": "http://127.0.0.1:9"}}, "runs": [{"requests": [_record("x", 5.0)]}]}
+    explained, notes = explain_slowest(result, {})
+    assert explained == [] and len(notes) == 1 and "not kvpilot's" in notes[0]

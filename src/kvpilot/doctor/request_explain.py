@@ -200,5 +200,8 @@ def explain_slowest(result: dict[str, Any], headers: dict[str, str],
         except DoctorInputError as exc:
             notes.append(f"request {request_id}: {exc}")
             continue
+        except (KeyError, TypeError, ValueError) as exc:  # an answer of another shape: the report goes on
+            notes.append(f"request {request_id}: the server's timeline is not kvpilot's ({type(exc).__name__}: {exc})")
+            continue
         explained.append(replace(e, lines=(*e.lines, *client_lines(record))))
     return explained, notes
