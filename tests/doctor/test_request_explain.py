@@ -17,7 +17,8 @@ from typer.testing import CliRunner
 from kvpilot.doctor.errors import DoctorInputError
 from kvpilot.doctor.render_html import slowest_html
 from kvpilot.doctor.request_explain import client_lines, explain, explain_slowest, fetch_timelines, slowest_records
-from kvpilot.server.observe.request_timelines import RequestTimeline, TimelineRing
+from kvpilot.engine.timeline import RequestMetrics
+from kvpilot.server.observe.request_timelines import RequestTimeline, TimelineRing, longest_gaps
 from tests.doctor.live_staging import MODEL, kvpilot_server
 
 KEY = "doctor-test-key"
@@ -50,6 +51,53 @@ def test_preemptions_and_cache_are_reported() -> None:
     assert any("served 512 of its 600" in line for line in e.lines)
 
 
+def _chunks(*steps: tuple[int, int, float, float]) -> tuple[dict[str, float], ...]:
+    """(step, tokens, start ms, end ms after the request's arrival) as the route records them."""
+    return tuple({"step": st, "num_tokens": n, "start_ms": a, "end_ms": b} for st, n, a, b in steps)
+
+
+def _stepped(rid: str, arrival: float, prompt: int, queue: float, prefill: float, decode: float, *,
+             queued_step: int, chunks: tuple[dict[str, float], ...], gaps: tuple[dict[str, float], ...] = (),
+             preempt: int = 0) -> dict[str, Any]:
+    return {**_timeline(rid, arrival, prompt, queue, prefill, decode, preempt=preempt), "queued_step": queued_step,
+            "prefill_chunks": chunks, "longest_gaps": gaps}
+
+
+def test_the_steps_it_waited_through_name_the_prompt_chunks_computed_in_them() -> None:
+    """s (20 tokens) is queued before step 5 while l's 2,048-token prompt goes in 512-token chunks (steps 4-7);
+    s is prefilled in step 7 beside l's last chunk. c's chunk (step 9) came after s's first token; d decoded only.
+    s's 400 ms pause between tokens came while b's prompt was computed, and its preemption's recompute later."""
+    s = _stepped("s", 100.0, 20, queue=350.0, prefill=100.0, decode=700.0, queued_step=5,
+                 chunks=_chunks((7, 20, 351.0, 451.0), (14, 28, 1100.0, 1130.0)),
+                 gaps=({"gap_ms": 400.0, "end_ms": 1000.0}, {"gap_ms": 40.0, "end_ms": 500.0}), preempt=1)
+    others = [_stepped("l", 99.8, 2048, queue=0.0, prefill=650.0, decode=50.0, queued_step=4,
+                       chunks=_chunks(*((4 + i, 512, 1.0 + 100 * i, 101.0 + 100 * i) for i in range(4)))),
+              _stepped("c", 100.5, 300, queue=0.0, prefill=50.0, decode=50.0, queued_step=8,
+                       chunks=_chunks((9, 300, 1.0, 51.0))),
+              _stepped("b", 100.6, 900, queue=0.0, prefill=380.0, decode=50.0, queued_step=10,
+                       chunks=_chunks((11, 900, 1.0, 381.0))),
+              _timeline("d", 99.0, 10, queue=0.0, prefill=5.0, decode=3000.0)]
+    e = explain({"request": s, "overlapping": others})
+    assert e.steps_to_first_token == 3 and e.chunk_tokens == (20,) and e.recomputed_tokens == 28
+    assert [(b.request_id, b.num_tokens, b.num_chunks) for b in e.blockers] == [("l", 1536, 3)]
+    assert e.blockers[0].overlap_ms == pytest.approx(300.0, abs=0.5)
+    assert [(st.gap_ms, [x.request_id for x in st.shares]) for st in e.stalls] == [(400.0, ["b"])]
+    text = "\n".join(e.lines)
+    assert "first token came in the 3rd engine step after it was queued; its prompt was computed in one step" in text
+    assert "waited behind request l: 3 chunk(s) of its 2,048-token prompt (1,536 tokens" in text
+    assert "a 400 ms pause between its tokens (1.00 s after arrival) came while the engine computed request b's " \
+           "prompt (900 tokens)" in text
+    assert "(28 tokens recomputed)" in text and e.to_json()["stalls"][0]["by"][0]["request_id"] == "b"
+
+
+def test_the_longest_gaps_the_ring_keeps() -> None:
+    metrics = RequestMetrics("r", 10, 5, 0, 0, "length", 0.0, 0.0, 0.1, 0.2, 0.7, 0.9,
+                             inter_token_latencies=(0.1, 0.4, 0.05, 0.15))
+    assert longest_gaps(metrics, 2) == ({"gap_ms": 400.0, "end_ms": pytest.approx(700.0)},
+                                        {"gap_ms": 150.0, "end_ms": pytest.approx(900.0)})
+    assert longest_gaps(RequestMetrics("q", 1, 1, 0, 0, "length", 0, 0, 0.1, 0.1, 0.0, 0.1, ())) == ()
+
+
 def test_the_ring_is_bounded_and_keeps_the_newest() -> None:
     ring = TimelineRing(size=3)
     for i in range(5):
@@ -69,7 +117,7 @@ def _complete(url: str, prompt: str, out: dict[str, Any], key: str) -> None:
 def test_doctor_request_names_the_long_prompt_a_short_one_waited_behind(llm_fp32) -> None:
     long_prompt = "long " + " ".join(["the quick brown fox jumps over the lazy dog"] * 100)  # ~900 tokens
     ids: dict[str, Any] = {}
-    with kvpilot_server(llm_fp32.loaded, api_key=KEY, max_num_batched_tokens=4096) as server:
+    with kvpilot_server(llm_fp32.loaded, api_key=KEY, max_num_batched_tokens=256) as server:
         first = threading.Thread(target=_complete, args=(server.url, long_prompt, ids, KEY))
         first.start()
         time.sleep(0.1)  # the long prompt is in its (one-step) prefill of several hundred ms on this CPU
@@ -78,6 +126,7 @@ def test_doctor_request_names_the_long_prompt_a_short_one_waited_behind(llm_fp32
         with pytest.raises(DoctorInputError, match="--api-key"):
             fetch_timelines(server.url, ids["short"], {})
         answer = explain(fetch_timelines(server.url, ids["short"], {"Authorization": f"Bearer {KEY}"}))
+        blocker = explain(fetch_timelines(server.url, ids["long "], {"Authorization": f"Bearer {KEY}"}))
         cli = CliRunner().invoke(_app(), ["doctor", "--url", server.url, "--request", ids["short"], "--api-key", KEY])
         # the bench report's doctor section: the run's slowest requests, as bench records them
         result = {"config": {"target": {"base_url": server.url}},
@@ -86,6 +135,13 @@ def test_doctor_request_names_the_long_prompt_a_short_one_waited_behind(llm_fp32
         explained, notes = explain_slowest(result, {"Authorization": f"Bearer {KEY}"})
     assert [b.request_id for b in answer.blockers][:1] == [ids["long "]], answer.lines
     assert answer.blockers[0].prompt_tokens > 500
+    # the 256-token step budget splits the long prompt into chunks, one per step; the short one waited through
+    # some of those steps (it is admitted beside the long prompt's last chunk, the one that leaves room)
+    assert len(blocker.chunk_tokens) == -(-blocker.prompt_tokens // 256) and max(blocker.chunk_tokens) == 256
+    assert blocker.blockers == ()  # the short prompt shared its last step, but 3 tokens held nothing up
+    assert answer.steps_to_first_token is not None and answer.steps_to_first_token >= 2, answer.lines
+    assert answer.blockers[0].num_chunks is not None and answer.blockers[0].num_chunks >= 2, answer.lines
+    assert answer.blockers[0].num_tokens == 256 * (answer.blockers[0].num_chunks - 1) + blocker.chunk_tokens[-1]
     assert cli.exit_code == 0 and f"waited behind request {ids['long ']}" in cli.output, cli.output
     assert [e.request_id for e in explained] == [ids["short"], ids["long "]]  # slowest first, the unknown one noted
     assert any(f"waited behind request {ids['long ']}" in line for line in explained[0].lines)

@@ -46,6 +46,30 @@ def test_timeline_is_stamped_at_every_transition() -> None:
     assert m.inter_token_latencies == (1.0, 1.0)
     assert (m.num_prompt_tokens, m.num_generated_tokens, m.finish_reason) == (12, 3, "length")
     assert (m.num_cached_tokens, m.num_preemptions) == (0, 0)
+    # its prompt's two chunks, by step: what `kvpilot doctor --request` reads (times after arrival in metrics)
+    assert t.queued_step == 0
+    assert [(c.step_index, c.num_tokens, c.start, c.end) for c in t.prefill_chunks] == [(0, 8, 100.0, 101.0),
+                                                                                       (1, 4, 101.0, 102.0)]
+    assert [(c.step_index, c.num_tokens, c.start, c.end) for c in m.prefill_chunks] == [(0, 8, 1.0, 2.0),
+                                                                                       (1, 4, 2.0, 3.0)]
+    assert m.queued_step == 0
+
+
+def test_a_request_queued_later_counts_the_steps_from_its_arrival_and_shares_them() -> None:
+    """b arrives while a's 12-token prompt is prefilled in 4-token chunks: it waits through steps 1-2 (a's
+    chunks fill the budget) and is prefilled in step 3; each chunk names its step, so the two can be joined."""
+    sched = make_scheduler(max_num_batched_tokens=4, max_num_seqs=4, clock=ManualClock(0.0))
+    model = FakePagedModel(4, sched.kv.pool)
+    a, b = make_request("a", list(range(1, 13)), max_tokens=2), make_request("b", [7, 8, 9], max_tokens=2)
+    sched.add_request(a)
+    step(sched, model)
+    sched.add_request(b)
+    for _ in range(4):
+        step(sched, model)
+    assert (a.timeline.queued_step, b.timeline.queued_step) == (0, 1)
+    assert [(c.step_index, c.num_tokens) for c in a.timeline.prefill_chunks] == [(0, 4), (1, 4), (2, 4)]
+    # step 3: a's first decode (1 token) then b's 3-token prompt; a decode is not a prefill chunk
+    assert [(c.step_index, c.num_tokens) for c in b.timeline.prefill_chunks] == [(3, 3)]
 
 
 def test_metrics_of_a_request_aborted_in_the_queue() -> None:

@@ -50,6 +50,9 @@ def test_newest_request_is_preempted_and_recomputed() -> None:
     assert b.block_ids == [1, 3, 2]
     assert b.num_cached_tokens == 0  # the hit at first admission, not the recompute
     assert b.timeline.resumed_times and len(b.timeline.preempted_times) == 1
+    # its prompt's chunk, then the recompute of 5 tokens when it resumed (step 8)
+    assert [(c.step_index, c.num_tokens) for c in b.timeline.prefill_chunks] == [(0, 4), (8, 5)]
+    assert [(c.step_index, c.num_tokens) for c in a.timeline.prefill_chunks] == [(0, 4)]
     run_to_completion(sched, model)
     assert b.output_token_ids == generate_alone(B_PROMPT, 8)
     stats = sched.make_stats()

@@ -4,11 +4,14 @@ kvpilot keeps the timelines of its last finished requests (``GET /v1/kvpilot/req
 ones whose life overlapped it; each with its stage timings, prompt and cached tokens, preemptions). From them:
 
 * **where its time went**: the stage that took the most of its E2E (tokenize, queue, prefill, decode);
-* **who it waited behind**: while it waited for a slot or for its first token, which other requests were
-  prefilling (their prefill window overlapped its [arrival, first token]): a long prompt prefilled in the same
-  steps is head-of-line blocking; named by id, longest overlap first, with their prompt and prefill time;
-* **what else happened to it**: preemptions (its KV was freed and its prefill recomputed), and how much of its
-  prompt the prefix cache served (0 of many tokens on a repeated prompt is a miss).
+* **who it waited behind**: the engine steps from its queueing to its first token, its prompt's chunks in them,
+  and the other requests whose prompt chunks were computed in those steps (request_steps.py: exact step
+  membership), most tokens first, by id with their prompt and tokens; a long prompt prefilled in the same
+  steps is head-of-line blocking. From a server that records no steps: the requests whose prefill window
+  overlapped its [arrival, first token], longest overlap first;
+* **its stalls**: its longest pauses between tokens (several times its mean) and the prompts computed in them;
+* **what else happened to it**: preemptions (its KV was freed and its tokens recomputed: how many), and how much
+  of its prompt the prefix cache served (0 of many tokens on a repeated prompt is a miss).
 
 Pure except :func:`fetch_timelines` and :func:`explain_slowest`; :func:`explain` returns an :class:`Explanation`
 the CLI prints or dumps. :func:`explain_slowest` does the same for the slowest requests of a ``kvpilot bench``
@@ -24,11 +27,13 @@ from typing import Any
 import httpx
 
 from kvpilot.doctor.errors import DoctorInputError
+from kvpilot.doctor.request_steps import Stall, StepShare, Wait, chunks_of, shares_in_steps, stalls_of, wait_of
 
 PATH = "/v1/kvpilot/requests/"
 STAGES = ("tokenize", "queue", "prefill", "decode", "serialize")
 MAX_BLOCKERS = 3
 MAX_SLOWEST = 3
+MIN_BLOCKER_TOKENS = 16
 MIN_CLIENT_MS = 1.0
 """A client-side delay below this is measurement noise, not worth a line."""
 
@@ -59,12 +64,15 @@ class Window:
 
 @dataclass(frozen=True)
 class Blocker:
-    """Another request whose prefill ran while the target waited for its first token."""
+    """Another request whose prefill ran while the target waited for its first token: ``overlap_ms`` of it in
+    the target's wait; with steps recorded, ``num_tokens`` of its prompt in ``num_chunks`` chunks of those steps."""
 
     request_id: str
     prompt_tokens: int
     prefill_ms: float
     overlap_ms: float
+    num_tokens: int | None = None
+    num_chunks: int | None = None
 
 
 @dataclass(frozen=True)
@@ -82,6 +90,10 @@ class Explanation:
     preemptions: int
     blockers: tuple[Blocker, ...]
     ran_alongside: int
+    steps_to_first_token: int | None = None
+    chunk_tokens: tuple[int, ...] = ()
+    recomputed_tokens: int = 0
+    stalls: tuple[Stall, ...] = ()
     lines: tuple[str, ...] = field(default=())
 
     def to_json(self) -> dict[str, Any]:
@@ -89,6 +101,10 @@ class Explanation:
                 "stage_ms": self.stage_ms, "slowest_stage": self.slowest_stage, "prompt_tokens": self.prompt_tokens,
                 "cached_tokens": self.cached_tokens, "preemptions": self.preemptions,
                 "blockers": [b.__dict__ for b in self.blockers], "ran_alongside": self.ran_alongside,
+                "steps_to_first_token": self.steps_to_first_token, "chunk_tokens": list(self.chunk_tokens),
+                "recomputed_tokens": self.recomputed_tokens,
+                "stalls": [{"gap_ms": s.gap_ms, "end_ms": s.end_ms, "by": [x.__dict__ for x in s.shares]}
+                           for s in self.stalls],
                 "explanation": list(self.lines)}
 
 
@@ -125,18 +141,37 @@ def _blockers(target: Window, others: list[Window]) -> list[Blocker]:
     return sorted(found, key=lambda b: -b.overlap_ms)[:MAX_BLOCKERS]
 
 
+def _step_blockers(wait: Wait, others: list[Window], docs: list[dict[str, Any]]) -> list[Blocker]:
+    """Others whose prompt chunks were computed in the steps of the target's wait, most tokens first; only
+    those that computed at least half as many tokens there as the target's own prompt (and MIN_BLOCKER_TOKENS):
+    a short prompt admitted beside a long one's last chunk shares its step but did not hold it up."""
+    by_id = {o.request_id: o for o in others}
+    floor = max(MIN_BLOCKER_TOKENS, sum(c.num_tokens for c in wait.own) / 2)
+    shares: list[StepShare] = shares_in_steps(wait.queued_step, wait.first_token_step,
+                                              [c for d in docs for c in chunks_of(d)])
+    return [Blocker(s.request_id, by_id[s.request_id].prompt_tokens, by_id[s.request_id].prefill_ms,
+                    s.seconds * 1000.0, s.num_tokens, s.num_chunks)
+            for s in shares if s.num_tokens >= floor][:MAX_BLOCKERS]
+
+
 def explain(doc: dict[str, Any]) -> Explanation:
     """The explanation of ``doc["request"]`` against ``doc["overlapping"]`` (the server route's answer)."""
     t = doc["request"]
     ms = t["timings"]
     target = Window.of(t)
-    others = [Window.of(o) for o in doc.get("overlapping") or []]
+    docs = list(doc.get("overlapping") or [])
+    others = [Window.of(o) for o in docs]
     stage_ms = {s: float(ms[f"{s}_ms"]) for s in STAGES}
     slowest = max(STAGES, key=lambda s: stage_ms[s])
     ran = sum(1 for o in others if o.scheduled < target.scheduled and o.end > target.arrival)  # ran while it queued
+    wait = wait_of(t)
+    blockers = _step_blockers(wait, others, docs) if wait else _blockers(target, others)
     out = Explanation(str(t["request_id"]), float(ms["e2e_ms"]), float(ms["ttft_ms"]), stage_ms, slowest,
                       int(t["num_prompt_tokens"]), int(t["num_cached_tokens"]), int(t["num_preemptions"]),
-                      tuple(_blockers(target, others)), ran)
+                      tuple(blockers), ran, steps_to_first_token=wait.num_steps if wait else None,
+                      chunk_tokens=tuple(c.num_tokens for c in wait.own) if wait else (),
+                      recomputed_tokens=sum(c.num_tokens for c in wait.recomputed) if wait else 0,
+                      stalls=tuple(stalls_of(t, [c for d in docs for c in chunks_of(d)])))
     return Explanation(**{**out.__dict__, "lines": tuple(_lines(out))})
 
 
@@ -147,16 +182,45 @@ def _lines(e: Explanation) -> list[str]:
     if e.stage_ms["queue"] > 0 and e.ran_alongside:
         lines.append(f"it waited {e.stage_ms['queue']:,.0f} ms to be scheduled while {e.ran_alongside} other "
                      "request(s) were running")
+    if e.steps_to_first_token is not None:
+        done = (f"in one step ({e.chunk_tokens[0]:,} tokens)" if len(e.chunk_tokens) == 1 else
+                f"in {len(e.chunk_tokens)} chunks of " + " + ".join(f"{n:,}" for n in e.chunk_tokens) + " tokens")
+        lines.append(f"its first token came in the {_ordinal(e.steps_to_first_token)} engine step after it was "
+                     f"queued; its prompt was computed {done}")
     for b in e.blockers:
-        lines.append(f"waited behind request {b.request_id}: its {b.prompt_tokens:,}-token prompt was prefilled "
-                     f"({b.prefill_ms:,.0f} ms) during {b.overlap_ms:,.0f} ms of this request's wait for its first "
-                     "token")
+        lines.append(_blocker_line(b))
+    for stall in e.stalls:
+        lines.append(_stall_line(e.request_id, stall))
     if e.preemptions:
-        lines.append(f"preempted {e.preemptions} time(s): its KV blocks were freed and its prefill recomputed "
+        redone = f" ({e.recomputed_tokens:,} tokens recomputed)" if e.recomputed_tokens else ""
+        lines.append(f"preempted {e.preemptions} time(s): its KV blocks were freed and its prefill recomputed{redone} "
                      "(the KV pool was full: see kv-cache-pressure)")
     if e.prompt_tokens:
         lines.append(f"prefix cache served {e.cached_tokens:,} of its {e.prompt_tokens:,} prompt tokens")
     return lines
+
+
+def _ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n:,}{suffix}"
+
+
+def _blocker_line(b: Blocker) -> str:
+    if b.num_tokens is None:  # a server that records no steps: inferred from overlapping windows
+        return (f"waited behind request {b.request_id}: its {b.prompt_tokens:,}-token prompt was prefilled "
+                f"({b.prefill_ms:,.0f} ms) during {b.overlap_ms:,.0f} ms of this request's wait for its first token")
+    return (f"waited behind request {b.request_id}: {b.num_chunks} chunk(s) of its {b.prompt_tokens:,}-token prompt "
+            f"({b.num_tokens:,} tokens, {b.overlap_ms:,.0f} ms of steps) ran in the steps from this request's "
+            "queueing to its first token")
+
+
+def _stall_line(request_id: str, stall: Stall) -> str:
+    head = f"a {stall.gap_ms:,.0f} ms pause between its tokens ({stall.end_ms / 1000.0:,.2f} s after arrival)"
+    if not stall.shares:
+        return f"{head}: no prompt was computed in it (a slow step, or the host: see cpu-starvation)"
+    causes = ", ".join("its own recompute" if s.request_id == request_id else
+                       f"request {s.request_id}'s prompt ({s.num_tokens:,} tokens)" for s in stall.shares)
+    return f"{head} came while the engine computed {causes}"
 
 
 # ---- the slowest requests of a bench result -----------------------------------------------------------------

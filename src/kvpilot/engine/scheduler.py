@@ -32,6 +32,7 @@ from kvpilot.engine.scheduler_integrity import check_scheduler_integrity
 from kvpilot.engine.scheduler_stats import SchedulerStats, offload_stats
 from kvpilot.engine.speculator import Speculator
 from kvpilot.engine.step_builder import StepBuilder
+from kvpilot.engine.timeline import PrefillChunk
 
 
 class Scheduler:
@@ -73,6 +74,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.speculator = speculator
         self._trimmed: dict[str, int] = {}  # request id -> blocks kept after rejected drafts, for the runner
+        self.num_steps = 0  # steps scheduled so far: the next step's index
+        self._last_update = 0.0  # clock at the last update_from_output: a step queued behind it starts there
 
     # ---- requests in and out -------------------------------------------------------------------------
 
@@ -88,6 +91,7 @@ class Scheduler:
         self._order[rid] = self._next_order
         self._next_order += 1
         self._waiting.add(request, self._order[rid])
+        request.timeline.queued_step = self.num_steps
 
     def abort_requests(self, request_ids: str | Iterable[str]) -> None:
         """Finish the requests with reason abort, freeing their blocks at once; unknown ids are ignored."""
@@ -243,11 +247,13 @@ class Scheduler:
         trimmed = self._trimmed
         if trimmed:
             self._trimmed = {}
+        step_index, self.num_steps = self.num_steps, self.num_steps + 1
         return SchedulerOutput(chunks=chunks, new_requests=new, running_requests=running,
                                preempted_request_ids=preempted_ids, finished_request_ids=finished_ids,
                                num_batched_tokens=step.num_tokens, num_sampled=num_sampled,
                                draft_token_ids=step.drafts, trimmed_tables=trimmed if trimmed else {},
-                               offload=self.kv.take_offload_orders(), kv_loads=self.kv.take_kv_loads())
+                               offload=self.kv.take_offload_orders(), kv_loads=self.kv.take_kv_loads(),
+                               step_index=step_index, scheduled_at=self.clock())
 
     # ---- after the model ran -------------------------------------------------------------------------
 
@@ -270,6 +276,8 @@ class Scheduler:
             self.kv.finish_prefetches(output.offload.prefetch_ids)
         requests, cache_computed_blocks = self._requests, self.kv.cache_computed_blocks
         verified = verified_token_ids or None
+        drafts = output.draft_token_ids
+        started, self._last_update = max(output.scheduled_at, self._last_update), now
         for chunk in output.chunks:  # every running request every step: plain attributes, few calls
             request = requests.get(chunk.request_id)
             if request is None:
@@ -278,6 +286,11 @@ class Scheduler:
                 # (only what this step computed: a later step in flight may have computed more; capped at
                 # the known tokens, so a draft's position is never hashed)
                 cache_computed_blocks(request, chunk.start_position + chunk.num_tokens)
+                # a prompt's chunk (or a recompute): not a decode's one token, nor a verification of drafts
+                if (chunk.num_tokens > 1 and chunk.request_id not in drafts
+                        or chunk.start_position < len(request.prompt_token_ids)):
+                    request.timeline.prefill_chunks.append(
+                        PrefillChunk(output.step_index, chunk.num_tokens, started, now))
             if not chunk.needs_sample:
                 continue
             if request.num_output_placeholders <= 0:

@@ -89,6 +89,9 @@ class SchedulerOutput:
     the runner executes them before anything else of the step (None: nothing to copy). Disaggregation:
     `kv_loads` carries K/V pulled from a prefill worker into new blocks (engine/kv_transfer.py), copied by the
     runner right after the offload orders.
+
+    step_index counts the scheduler's steps from 0 and scheduled_at is its clock when it built this one (for
+    the requests' timelines; -1 and 0.0 in a diff built by hand).
     """
 
     chunks: list[ScheduledChunk]
@@ -104,6 +107,8 @@ class SchedulerOutput:
     trimmed_tables: dict[str, int] = field(default_factory=dict)
     offload: OffloadOrders | None = None
     kv_loads: tuple[KVLoad, ...] = ()
+    step_index: int = -1
+    scheduled_at: float = 0.0
 
     def __post_init__(self) -> None:
         if self.num_batched_tokens < 0:

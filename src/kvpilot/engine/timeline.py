@@ -6,7 +6,20 @@ All stamps come from the scheduler's injected clock (seconds, monotonic by defau
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillChunk:
+    """One step's chunk of a request's prompt (or of its tokens recomputed after a preemption): the step's
+    index in the scheduler's count, the tokens it computed, and when the step ran (start: the later of its
+    scheduling and the previous step's end; end: when its output was applied). In a Timeline the times are
+    clock seconds; in RequestMetrics, seconds after the request's arrival."""
+
+    step_index: int
+    num_tokens: int
+    start: float
+    end: float
 
 
 @dataclass
@@ -15,7 +28,9 @@ class Timeline:
 
     Invariants: arrival <= tokenized <= first_scheduled <= token_times[0] <= ... <= finished when set;
     token_times has one entry per generated token (kept across preemptions); preempted_times and
-    resumed_times have one entry per preemption / re-admission.
+    resumed_times have one entry per preemption / re-admission; prefill_chunks in step order, one per step
+    that computed prompt or recomputed tokens of it; queued_step is the index of the first step scheduled
+    after the request was queued (so every step from it to its first token's ran while it waited).
     """
 
     arrival: float
@@ -25,6 +40,8 @@ class Timeline:
     preempted_times: list[float] = field(default_factory=list)
     resumed_times: list[float] = field(default_factory=list)
     finished: float | None = None
+    queued_step: int | None = None
+    prefill_chunks: list[PrefillChunk] = field(default_factory=list)
 
     @property
     def first_token(self) -> float | None:
@@ -51,7 +68,8 @@ class RequestMetrics:
     accepted in one step share its stamp. num_tier_cached_tokens: of num_cached_tokens (the prefix hit at
     first admission), those copied back from a KV offload tier rather than found in the pool;
     num_kv_transfer_tokens: of num_cached_tokens, those pulled from a prefill worker (disaggregation), in
-    kv_transfer_time seconds.
+    kv_transfer_time seconds. queued_step and prefill_chunks (times after arrival) as in the Timeline: which
+    steps the request waited through and what each of its prompt's chunks computed.
     """
 
     request_id: str
@@ -74,6 +92,8 @@ class RequestMetrics:
     num_tier_cached_tokens: int = 0
     num_kv_transfer_tokens: int = 0
     kv_transfer_time: float = 0.0
+    queued_step: int | None = None
+    prefill_chunks: tuple[PrefillChunk, ...] = ()
 
     @property
     def draft_acceptance_rate(self) -> float | None:
@@ -122,4 +142,7 @@ class RequestMetrics:
             num_tier_cached_tokens=num_tier_cached_tokens,
             num_kv_transfer_tokens=num_kv_transfer_tokens,
             kv_transfer_time=kv_transfer_time,
+            queued_step=t.queued_step,
+            prefill_chunks=tuple(replace(c, start=c.start - t.arrival, end=c.end - t.arrival)
+                                 for c in t.prefill_chunks),
         )

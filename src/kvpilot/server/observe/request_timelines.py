@@ -10,14 +10,19 @@ A timeline is recorded where the access-log line and the trace are (``Finisher.l
 .record`` once per finished engine request): :func:`add_request_timeline_routes` wraps the server's tracer in a
 :class:`RecordingTracer` that adds each request to the ring and then passes the call on, so no serving code changes.
 Times: ``arrival_unix`` is wall-clock seconds (from the engine's monotonic stamp), every stage in ms after it, as
-in the ``kvpilot`` field (tokenize + queue + prefill = ttft; ttft + decode + serialize = e2e).
+in the ``kvpilot`` field (tokenize + queue + prefill = ttft; ttft + decode + serialize = e2e). Per step: the engine
+step the request was queued before (``queued_step``), each chunk of its prompt (and of a recompute after a
+preemption) with its step index, tokens and ms after arrival, and its ``MAX_GAPS`` longest pauses between output
+tokens; steps are counted by the engine core, so two requests' chunks with one index ran in the same step.
 """
 
 from __future__ import annotations
 
+import heapq
 import threading
 import time
 from collections import OrderedDict
+from itertools import accumulate
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -33,6 +38,7 @@ from kvpilot.server.state import ServerState
 PATH = "/v1/kvpilot/requests"
 RING_SIZE = 2048
 """Requests kept: minutes of traffic on a busy server, a few hundred KB of memory."""
+MAX_GAPS = 3
 
 
 @dataclass(frozen=True)
@@ -48,6 +54,9 @@ class RequestTimeline:
     num_preemptions: int
     num_output_tokens: int
     timings: dict[str, float]
+    queued_step: int | None = None
+    prefill_chunks: tuple[dict[str, float], ...] = ()
+    longest_gaps: tuple[dict[str, float], ...] = ()
 
     @property
     def end_unix(self) -> float:
@@ -95,7 +104,23 @@ def timeline_of(prepared: Prepared, status: int, timings: RequestTimings,
         num_prompt_tokens=len(prepared.message.prompt_token_ids),
         num_cached_tokens=metrics.num_cached_tokens if metrics else 0,
         num_preemptions=metrics.num_preemptions if metrics else 0,
-        num_output_tokens=metrics.num_generated_tokens if metrics else 0, timings=asdict(timings))
+        num_output_tokens=metrics.num_generated_tokens if metrics else 0, timings=asdict(timings),
+        queued_step=metrics.queued_step if metrics else None,
+        prefill_chunks=tuple({"step": c.step_index, "num_tokens": c.num_tokens, "start_ms": c.start * 1000.0,
+                              "end_ms": c.end * 1000.0} for c in metrics.prefill_chunks) if metrics else (),
+        longest_gaps=longest_gaps(metrics) if metrics else ())
+
+
+def longest_gaps(metrics: RequestMetrics, num_gaps: int = MAX_GAPS) -> tuple[dict[str, float], ...]:
+    """The request's ``num_gaps`` longest pauses between output tokens, longest first: how long (``gap_ms``) and
+    when the token that ended it came (``end_ms`` after arrival)."""
+    if metrics.ttft is None or not metrics.inter_token_latencies:
+        return ()
+    gaps = metrics.inter_token_latencies
+    ends = accumulate(gaps, initial=metrics.ttft)
+    next(ends)  # the first token's time: the first gap ends one token later
+    top = heapq.nlargest(num_gaps, zip(gaps, ends))
+    return tuple({"gap_ms": gap * 1000.0, "end_ms": end * 1000.0} for gap, end in top)
 
 
 class RecordingTracer:
