@@ -53,7 +53,7 @@ def queueing(ctx: RuleContext) -> Finding | None:
     cause = ("the KV cache is full, so no new request fits (see kv-cache-pressure)" if kv_full else
              "no slot was short (none waited for one): they waited for steps that other clients' long prompts "
              "made long (see prefill-interrupts-decode)" if behind_prefill else
-             f"at most {running:.0f} requests run at once: a batch-size cap (--max-num-seqs)"
+             f"at most {running:.0f} requests run at once: the server's cap on running requests"
              if running is not None else "the server runs fewer requests at once than arrive")
     cap = max(2, int(2 * (running or 1)))
     fixes = [Fix("let more requests run at once if memory allows",
