@@ -56,6 +56,7 @@ def test_a_config_file_gives_lanes_over_shared_engine_settings(tmp_path: Path) -
      "set lane fields for several lanes"),
     ({"gpu_memory_utilization": "2"}, "lane 'default': gpu_memory_utilization must be in (0, 1]"),
     ({"config": "/nonexistent/lanes.yaml"}, "cannot read the Ray app config /nonexistent/lanes.yaml"),
+    ({"gpus_per_replica": "-1"}, "gpus_per_replica must be >= 0"),
 ])
 def test_bad_configs_name_the_key(args: dict[str, object], message: str) -> None:
     with pytest.raises(RayConfigError) as info:
@@ -247,3 +248,27 @@ def test_the_shipped_lanes_example_parses() -> None:
     assert [lane.name for lane in config.lanes] == ["interactive", "long"]
     assert config.lanes[0].engine == {"max_model_len": 8192, "max_num_batched_tokens": 512, "max_num_seqs": 64}
     assert config.lanes[1].autoscaling_config == {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 8}
+
+
+def _options(cluster_gpus: float, **args: object) -> dict[str, object]:
+    from kvpilot.server.ray_app.app import _lane_options  # noqa: PLC0415 (imports Ray Serve)
+
+    config = parse_app_config({"model": "dummy:llama", **args})
+    return _lane_options(config.lanes[0], config, cluster_gpus)
+
+
+def test_replicas_ask_ray_for_the_gpus_their_engine_uses() -> None:
+    """CPU engines ask for CPUs only; a CUDA engine (or auto on a cluster with GPUs) for one GPU per
+    tensor-parallel rank, several of them as one STRICT_PACK bundle (the ranks are the replica's children)."""
+    pytest.importorskip("ray.serve")
+    assert _options(0.0)["ray_actor_options"] == {"num_cpus": 1.0}
+    assert _options(8.0, device="cpu")["ray_actor_options"] == {"num_cpus": 1.0}
+    one = _options(8.0, cpus_per_replica="4")
+    assert one["ray_actor_options"] == {"num_cpus": 4.0, "num_gpus": 1.0} and "placement_group_bundles" not in one
+    assert _options(0.0, device="cuda")["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 1.0}
+    tp = _options(8.0, tensor_parallel_size="4", cpus_per_replica="2")
+    assert tp["ray_actor_options"] == {"num_cpus": 2.0, "num_gpus": 4.0}
+    assert tp["placement_group_bundles"] == [{"CPU": 2.0, "GPU": 4.0}] and tp["placement_group_strategy"] == \
+        "STRICT_PACK"
+    assert _options(8.0, gpus_per_replica="0.5")["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 0.5}
+    assert _options(8.0, gpus_per_replica="0")["ray_actor_options"] == {"num_cpus": 1.0}

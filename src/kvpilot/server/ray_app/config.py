@@ -6,7 +6,7 @@ Shape (every key optional; docs/ray.md):
     served_model_name: [names]   api_key: KEY   max_request_body_bytes: N   max_local_prefill_tokens: N
     engine: {EngineArgs fields}                        # shared by every lane
     lanes: [{name, num_replicas, max_prompt_chars, priorities, engine: {...}, autoscaling_config: {...},
-             cpus_per_replica, max_ongoing_requests, engine_process}]
+             cpus_per_replica, gpus_per_replica, max_ongoing_requests, engine_process}]
 A lane whose engine has kv_role prefill makes the application disaggregated: generate requests are prefilled
 there, then answered by a serving lane of kv_role decode workers (docs/disaggregation.md).
 Flat keys (the `serve run` form, values as strings) are EngineArgs fields or fields of the single lane.
@@ -39,7 +39,8 @@ class RayConfigError(ValueError):
 class LaneConfig:
     """One replica pool. Invariants: num_replicas >= 1 (the initial count under autoscaling);
     max_prompt_chars is None (takes any prompt) or >= 1; cpus_per_replica > 0 (Ray's num_cpus, also the
-    replica's torch threads); `engine` holds EngineArgs fields (already coerced) layered over the app's."""
+    replica's torch threads); gpus_per_replica None (from the engine's device, resources.replica_gpus) or >= 0;
+    `engine` holds EngineArgs fields (already coerced) layered over the app's."""
 
     name: str = DEFAULT_LANE
     num_replicas: int = 1
@@ -48,6 +49,7 @@ class LaneConfig:
     engine: Mapping[str, Any] = field(default_factory=dict)
     autoscaling_config: Mapping[str, Any] | None = None
     cpus_per_replica: float = 1.0
+    gpus_per_replica: float | None = None
     max_ongoing_requests: int = 64
     engine_process: bool = True
 
@@ -201,6 +203,9 @@ def _lane(raw: Mapping[str, Any], shared_engine: Mapping[str, Any], index: int) 
         raise RayConfigError(f"lane {out.name!r}: num_replicas and max_ongoing_requests must be >= 1 and "
                              f"cpus_per_replica > 0, got {out.num_replicas}, {out.max_ongoing_requests}, "
                              f"{out.cpus_per_replica}")
+    if out.gpus_per_replica is not None and out.gpus_per_replica < 0:
+        raise RayConfigError(f"lane {out.name!r}: gpus_per_replica must be >= 0 (leave it out to follow the "
+                             f"engine's device), got {out.gpus_per_replica}")
     if out.max_prompt_chars is not None and out.max_prompt_chars < 1:
         raise RayConfigError(f"lane {out.name!r}: max_prompt_chars must be >= 1, got {out.max_prompt_chars}")
     return out
