@@ -95,6 +95,9 @@ KvCacheDtypeOpt = Annotated[str, typer.Option(
     "--kv-cache-dtype", help="How K/V are stored: auto (the model dtype), float32, bfloat16, float16 or fp8 "
     "(e4m3). 2-byte or 1-byte KV holds 2-4x the tokens in the same memory and speeds up CPU decode; outputs "
     "may differ slightly from auto.")]
+CalculateKvScalesOpt = Annotated[bool, typer.Option(
+    "--calculate-kv-scales/--no-calculate-kv-scales", help="fp8 KV cache: per-layer, per-head scales from the "
+    "first step's keys and values (on by default; off: 1.0, as vLLM without this flag).")]
 GpuUtilOpt = Annotated[float, typer.Option(
     "--gpu-memory-utilization", help="CUDA: share of GPU memory for weights + activations + KV cache.")]
 BlockSizeOpt = Annotated[int, typer.Option("--block-size", help="Tokens per KV cache block (power of two).")]

@@ -47,6 +47,7 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     kv_cache_memory: int | str | None = None
     kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = True  # fp8 KV: per-layer, per-head scales from the first step (False: 1.0)
     gpu_memory_utilization: float = 0.9
     block_size: int = 16
     enable_prefix_caching: bool = True

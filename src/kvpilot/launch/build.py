@@ -156,8 +156,11 @@ def _build(args: EngineArgs, loaded: LoadedModel, tp: TPLaunch | None) -> BuiltE
     check_model_len_fits(scheduler_config, cache_config)
     logger.info("%s; KV stored as %s", format_capacity_line(capacity), kv_dtype_name(kv_dtype))
     eos_token_ids = eos_token_ids_of(loaded)
+    # fp8 KV scales from the first step, unless turned off or K/V cross processes (disaggregation: both sides
+    # must read them with one scale, 1)
     spec = RunnerSpec(kv_dtype, capacity.num_blocks, args.block_size, args.max_num_seqs, max_model_len,
-                      args.attention_backend, tuple(eos_token_ids), offload.spec if offload else None, groups)
+                      args.attention_backend, tuple(eos_token_ids), offload.spec if offload else None, groups,
+                      calibrate_kv_scales=args.calculate_kv_scales and args.kv_role is None)
     runner = tp.executor(spec) if tp is not None else make_runner(loaded, spec)
     if loaded.device.type == "cuda" and not args.enforce_eager and method == "eagle3":
         logger.info("CUDA graphs off: the EAGLE-3 head reads the target's aux layers, which a graph does not leave")

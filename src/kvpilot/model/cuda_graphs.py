@@ -24,7 +24,7 @@ import bisect
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -70,10 +70,13 @@ class DecodeGraphs:
     metadata at fixed offsets (the Triton backend: build(..., table_width, decode_split), reserve, freeze)."""
 
     def __init__(self, model: torch.nn.Module, backend, kv_caches: list[torch.Tensor], sizes: Sequence[int],
-                 block_size: int, max_blocks_per_seq: int, max_model_len: int, device: torch.device) -> None:
+                 block_size: int, max_blocks_per_seq: int, max_model_len: int, device: torch.device, *,
+                 kv_scales: Mapping[int, Any] | None = None) -> None:
+        """kv_scales: the runner's fp8 KV scales (model/kv_scales.py): captured as the products that read them,
+        so a replay uses the values calibration later writes in place."""
         if not sizes:
             raise ValueError("DecodeGraphs needs at least one batch size")
-        self.model, self.backend, self.kv_caches = model, backend, kv_caches
+        self.model, self.backend, self.kv_caches, self.kv_scales = model, backend, kv_caches, kv_scales
         self.sizes = sorted(set(sizes))
         self.block_size, self.width, self.max_model_len = block_size, max_blocks_per_seq, max_model_len
         self.device = device
@@ -101,7 +104,7 @@ class DecodeGraphs:
         split = self.backend.decode_split_for(size, self.max_model_len, self.device)
         meta = self.backend.build(_padding_layout(size, self.block_size), self.device, table_width=self.width,
                                   decode_split=split)
-        attn = StepAttention(self.backend, meta)
+        attn = StepAttention(self.backend, meta, kv_scales=self.kv_scales)
         token_ids, positions = self.token_ids[:size], self.positions[:size]
 
         def run() -> torch.Tensor:

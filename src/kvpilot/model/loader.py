@@ -72,6 +72,9 @@ class LoadedModel:
     # whether its layers stay quantized (`quantization` is then the same name) or were dequantized ("none")
     checkpoint_quantization: str | None = None
     checkpoint_bits: float | None = None
+    # a checkpoint's fp8 KV cache scales, (k_scale, v_scale) by layer index (quant/checkpoint_tensors.py); an fp8
+    # cache uses them instead of calibrating (model/kv_scales.py)
+    kv_cache_scales: dict[int, tuple[float, float]] | None = None
 
     @property
     def weight_bits(self) -> float:
@@ -209,6 +212,8 @@ def _load_hf_dir(path: Path, max_model_len: int | None, dtype: torch.dtype, devi
         raise ModelLoadError(f"{path}: pre-quantized ({scheme.method}) checkpoints do not run with tensor parallelism "
                              "yet; use --tensor-parallel-size 1")
     state = load_safetensors_state_dict(path, index=plan.index if plan else None)
+    from kvpilot.model.quant.checkpoint_tensors import take_kv_cache_scales
+    kv_cache_scales = take_kv_cache_scales(state)
     prequantized = None
     prepare: Callable[[LlamaForCausalLM], object] | None = None
     if scheme is not None:
@@ -224,7 +229,8 @@ def _load_hf_dir(path: Path, max_model_len: int | None, dtype: torch.dtype, devi
     if prequantized is not None:
         prequantized.install(model)
     tokenizer = tokenizer_from_hf_dir(path, config.eos_token_ids) if (path / "tokenizer.json").is_file() else None
-    loaded = LoadedModel(config, model, tokenizer, path.name, str(path), "safetensors", dtype, device, shard=plan)
+    loaded = LoadedModel(config, model, tokenizer, path.name, str(path), "safetensors", dtype, device, shard=plan,
+                         kv_cache_scales=kv_cache_scales or None)
     if prequantized is not None:
         loaded.quantization = prequantized.quantization
         loaded.checkpoint_quantization, loaded.checkpoint_bits = scheme.method, scheme.bits

@@ -28,7 +28,9 @@ from kvpilot.model.grammar_state import GrammarState
 from kvpilot.model.host_copy import HostCopy
 from kvpilot.model.input_batch import BatchLimits, InputBatch
 from kvpilot.model.kv_cache import allocate_kv_cache
+from kvpilot.model.kv_dtype import FP8_DTYPES
 from kvpilot.model.kv_offload import BesideCopy, KVOffloadStore, OffloadSpec
+from kvpilot.model.kv_scales import KvScales, make_kv_scales
 from kvpilot.model.kv_transfer import write_blocks
 from kvpilot.model.loader import LoadedModel
 from kvpilot.model.logit_bias import LogitBiasState
@@ -122,12 +124,15 @@ class ModelRunner:
                  kv_dtype: torch.dtype | None = None, *, limits: RunnerLimits = RunnerLimits(),
                  attention_backend: str = "auto", eos_token_ids: Sequence[int] = (),
                  tp: "TPGroup | None" = None, offload: OffloadSpec | None = None,
-                 kv_groups: KVGroupPlan | None = None) -> None:
+                 kv_groups: KVGroupPlan | None = None, calibrate_kv_scales: bool = True) -> None:
         """kv_dtype: how K/V are stored (None: the model's dtype). eos_token_ids: masked until min_tokens.
         tp: the tensor-parallel group of a sharded model: every rank takes rank 0's sampled ids.
         offload: the KV offload tiers to allocate (model/kv_offload.py; each TP rank its own share).
         kv_groups: how layers share the cache (engine/kv_groups.py; None: one group, the engine's plan must
-        then be one group too): a cache tensor per slot, layer i's the one of its slot."""
+        then be one group too): a cache tensor per slot, layer i's the one of its slot. An fp8 cache gets
+        per-layer, per-head scales (model/kv_scales.py): the checkpoint's (loaded.kv_cache_scales), else from the
+        first serving step's K/V unless calibrate_kv_scales is False (then 1: K/V another process writes or
+        reads, or vLLM's default)."""
         self.loaded = loaded
         self.model = loaded.model
         self.device = loaded.device
@@ -143,6 +148,8 @@ class ModelRunner:
         self.kv_groups = kv_groups or config.kv_group_plan(hybrid=False)
         slots = allocate_kv_cache(shape, self.kv_groups.num_slots, self.kv_dtype, loaded.device)
         self.kv_caches = [slots[slot] for slot in self.kv_groups.layer_slots]
+        self._kv_scales = make_kv_scales(self.model, loaded.dtype, loaded.device, frozen_at_one=not calibrate_kv_scales,
+                                         checkpoint=loaded.kv_cache_scales) if self.kv_dtype in FP8_DTYPES else {}
         self.offload = KVOffloadStore(self.kv_caches, offload) if offload is not None else None
         max_model_len = limits.max_model_len or config.max_position_embeddings
         self.batch = InputBatch(BatchLimits(limits.max_num_seqs, max_model_len, block_size,
@@ -235,7 +242,7 @@ class ModelRunner:
         else:
             inputs = build_step_inputs(self.batch, output.chunks, rows, self._previous, self.device, self._staging,
                                        decodes=output.is_all_decode)
-        hidden = self._forward_hidden(inputs)
+        hidden = self._forward_hidden(inputs, calibrate=True)
         observe = getattr(self.drafter, "observe", None)
         if observe is not None:  # an EAGLE head drafts from the target's hidden states (model/eagle_proposer.py)
             observe(output.chunks, output.draft_token_ids, hidden, getattr(self.model, "aux_hidden", None))
@@ -284,23 +291,33 @@ class ModelRunner:
         limits = self.batch.limits
         self.attention.reserve(limits.max_num_seqs, max_num_batched_tokens, limits.max_blocks_per_seq, self.device)
         graphs = DecodeGraphs(self.model, self.attention, self.kv_caches, sizes, self.block_size,
-                              limits.max_blocks_per_seq, limits.max_model_len, self.device)
+                              limits.max_blocks_per_seq, limits.max_model_len, self.device,
+                              kv_scales=self._kv_scales or None)
         graphs.capture()
         self.graphs = graphs
 
-    def _forward_hidden(self, inputs: StepInputs) -> torch.Tensor:
-        """The last layer's normed hidden states [T, hidden] of the step's tokens."""
+    def _forward_hidden(self, inputs: StepInputs, calibrate: bool = False) -> torch.Tensor:
+        """The last layer's normed hidden states [T, hidden] of the step's tokens (calibrate: a serving step,
+        whose K/V may set the fp8 KV scales; a replayed graph never does, but a step with a prompt is eager)."""
         size = self.graphs.size_for(inputs.layout) if self.graphs is not None else None
         if size is not None:
             return self.graphs.forward(inputs.token_ids, inputs.positions, inputs.layout, size)
-        return self.model(inputs.token_ids, inputs.positions, self.kv_caches, self.step_attention(inputs.layout))
+        return self.model(inputs.token_ids, inputs.positions, self.kv_caches,
+                          self.step_attention(inputs.layout, calibrate))
 
-    def step_attention(self, layout: StepLayout) -> StepAttention:
+    def step_attention(self, layout: StepLayout, calibrate: bool = False) -> StepAttention:
         """The attention backend bound to this step's metadata: one per KV group when there are several."""
+        scales = self._kv_scales or None
         if layout.num_groups == 1:
-            return StepAttention(self.attention, self.attention.build(layout, self.device))
+            return StepAttention(self.attention, self.attention.build(layout, self.device), kv_scales=scales,
+                                 calibrate=calibrate)
         metas = [self.attention.build(layout.for_group(g), self.device, group=g) for g in range(layout.num_groups)]
-        return StepAttention(self.attention, metas[0], metas)
+        return StepAttention(self.attention, metas[0], metas, kv_scales=scales, calibrate=calibrate)
+
+    @property
+    def kv_scales(self) -> list[KvScales]:
+        """The fp8 KV cache's scales, one per layer in layer order ([] for another KV dtype)."""
+        return list(self._kv_scales.values())
 
     def _forward_logits(self, inputs: StepInputs) -> torch.Tensor:
         hidden = self._forward_hidden(inputs)

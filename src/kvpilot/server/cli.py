@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from kvpilot.cli_options import (AsyncSchedulingOpt, AttentionBackendOpt, BlockSizeOpt, CudaGraphSizesOpt,
+from kvpilot.cli_options import (AsyncSchedulingOpt, AttentionBackendOpt, BlockSizeOpt, CalculateKvScalesOpt,
+                                 CudaGraphSizesOpt,
                                  DeviceOpt, DisableHybridKvOpt, DownloadDirOpt, DtypeOpt, EnforceEagerOpt,
                                  GgufFileOpt, GpuUtilOpt,
                                  KvCacheDtypeOpt, KvCacheMemoryOpt, KvOffloadDirOpt, KvOffloadDirSizeOpt,
@@ -54,8 +55,8 @@ def serve_command(
     quantization: QuantizationOpt = "auto", prompt_gemm_dtype: PromptGemmDtypeOpt = "auto",
     max_model_len: MaxModelLenOpt = None, max_num_seqs: MaxNumSeqsOpt = 256,
     max_num_batched_tokens: MaxBatchedTokensOpt = None, kv_cache_memory: KvCacheMemoryOpt = None,
-    kv_cache_dtype: KvCacheDtypeOpt = "auto", gpu_memory_utilization: GpuUtilOpt = 0.9,
-    block_size: BlockSizeOpt = 16, kv_offloading_size: KvOffloadingSizeOpt = None,
+    kv_cache_dtype: KvCacheDtypeOpt = "auto", calculate_kv_scales: CalculateKvScalesOpt = True,
+    gpu_memory_utilization: GpuUtilOpt = 0.9, block_size: BlockSizeOpt = 16, kv_offloading_size: KvOffloadingSizeOpt = None,
     kv_offloading_backend: KvOffloadingBackendOpt = "native", kv_offload_dir: KvOffloadDirOpt = None,
     kv_offload_dir_size: KvOffloadDirSizeOpt = None, kv_offload_overlap: KvOffloadOverlapOpt = True,
     kv_role: KvRoleOpt = None, disable_hybrid_kv_cache_manager: DisableHybridKvOpt = False,
@@ -91,8 +92,8 @@ def serve_command(
             download_dir=download_dir, gguf_file=gguf_file, quantization=quantization,
             prompt_gemm_dtype=prompt_gemm_dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv_cache_memory,
-            kv_cache_dtype=kv_cache_dtype, gpu_memory_utilization=gpu_memory_utilization, block_size=block_size,
-            enable_prefix_caching=enable_prefix_caching, scheduling_policy=scheduling_policy, seed=seed,
+            kv_cache_dtype=kv_cache_dtype, calculate_kv_scales=calculate_kv_scales,
+            gpu_memory_utilization=gpu_memory_utilization, block_size=block_size, enable_prefix_caching=enable_prefix_caching, scheduling_policy=scheduling_policy, seed=seed,
             attention_backend=attention_backend, async_scheduling=async_scheduling, enforce_eager=enforce_eager,
             tensor_parallel_size=tensor_parallel_size, cuda_graph_sizes=parse_cuda_graph_sizes(cuda_graph_sizes),
             kv_events_config=kv_events_config, speculative_config=speculative_config,

@@ -3,7 +3,7 @@ a StepLayout, and runs attention over the paged cache for every layer, as that l
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Protocol
@@ -33,7 +33,7 @@ class LayerAttention:
     of the layer's query heads, on the model's device, or None. `features` names the variants in use (a subset
     of ATTENTION_FEATURES). kv_group: the KV group whose block tables the layer reads when a step has several
     (engine/kv_groups.py; ModelConfig.layer_kv_group). eq=False: compared by identity (a tensor field has no
-    truth value)."""
+    truth value; a runner's fp8 KV scales are keyed by it, model/kv_scales.py)."""
 
     scale: float
     sliding_window: int | None = None
@@ -113,10 +113,16 @@ class StepAttention:
     groups (engine/kv_groups.py) `group_metas` holds each group's metadata, `meta` group 0's, and a layer
     reads its LayerAttention.kv_group's; with one group every layer reads `meta`."""
 
-    def __init__(self, backend: AttentionBackend, meta: Any, group_metas: Sequence[Any] = ()) -> None:
+    def __init__(self, backend: AttentionBackend, meta: Any, group_metas: Sequence[Any] = (), *,
+                 kv_scales: Mapping[int, Any] | None = None, calibrate: bool = False) -> None:
+        """kv_scales: the runner's fp8 KV scales by id of each layer's LayerAttention (model/kv_scales.py), folded
+        around the backend; calibrate: a serving step's forward, whose K/V may set those not set yet (never a
+        profiling or graph-capture run)."""
         self.backend = backend
         self.meta = meta
         self.group_metas = group_metas
+        self.kv_scales = kv_scales
+        self.calibrate = calibrate
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                  scale_or_layer: float | LayerAttention) -> torch.Tensor:
@@ -126,4 +132,6 @@ class StepAttention:
             missing = ", ".join(sorted(layer.features - self.backend.features))
             raise UnsupportedAttentionError(f"the {self.backend.name} attention backend does not compute {missing}")
         meta = self.group_metas[layer.kv_group] if self.group_metas else self.meta
+        if self.kv_scales:
+            return self.kv_scales[id(layer)].attend(self.backend, q, k, v, kv_cache, meta, layer, self.calibrate)
         return self.backend.forward(q, k, v, kv_cache, meta, layer)

@@ -53,6 +53,7 @@ class RunnerSpec:
     eos_token_ids: tuple[int, ...] = ()
     offload: OffloadSpec | None = None  # KV offload tiers (model/kv_offload.py): each rank holds its share
     kv_groups: KVGroupPlan | None = None  # how layers share the cache (engine/kv_groups.py); None: one group
+    calibrate_kv_scales: bool = True  # fp8 KV: scales from the first step (False: fixed at 1; model/kv_scales.py)
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ def make_runner(loaded, spec: RunnerSpec, tp: TPGroup | None = None) -> ModelRun
     return ModelRunner(loaded, spec.num_blocks, spec.block_size, spec.kv_dtype,
                        limits=RunnerLimits(spec.max_num_seqs, spec.max_model_len),
                        attention_backend=spec.attention_backend, eos_token_ids=spec.eos_token_ids, tp=tp,
-                       offload=spec.offload, kv_groups=spec.kv_groups)
+                       offload=spec.offload, kv_groups=spec.kv_groups, calibrate_kv_scales=spec.calibrate_kv_scales)
 
 
 def rank_kv_budget(loaded, request: KVBudgetRequest) -> int:

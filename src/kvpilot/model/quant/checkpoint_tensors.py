@@ -9,6 +9,7 @@ KV-cache scales (static input scales, k/v scales) are dropped: kvpilot does not 
 from __future__ import annotations
 
 import logging
+import re
 
 import torch
 
@@ -23,6 +24,24 @@ logger = logging.getLogger("kvpilot")
 QuantizedWeight = Int4Weight | Fp8Weight
 UNUSED_SUFFIXES = ("input_scale", "input_zero_point", "output_scale", "output_zero_point", "k_scale", "v_scale",
                    "kv_scale", "q_scale", "prob_scale")
+
+
+_KV_SCALE = re.compile(r"\.layers\.(\d+)\.self_attn\.(k_scale|v_scale|kv_scale|k_proj\.output_scale|"
+                       r"v_proj\.output_scale)$")
+
+
+def take_kv_cache_scales(state: dict[str, torch.Tensor]) -> dict[int, tuple[float, float]]:
+    """Removes a checkpoint's fp8 KV cache scales from `state` (vLLM's and llm-compressor's names: a layer's
+    `self_attn.k_scale` / `v_scale`, one `kv_scale` for both, or `k_proj` / `v_proj.output_scale`); returns
+    (k_scale, v_scale) per layer index, for layers that have both (stored = value / scale, as kvpilot's)."""
+    found: dict[int, dict[str, float]] = {}
+    for name, match in [(n, m) for n in state if (m := _KV_SCALE.search(n)) is not None]:
+        kind = match[2].split(".")[0].replace("_proj", "_scale")  # k_proj.output_scale -> k_scale
+        value = float(state.pop(name).float().max())
+        for k in ("k_scale", "v_scale") if kind == "kv_scale" else (kind,):
+            found.setdefault(int(match[1]), {})[k] = value
+    return {layer: (s["k_scale"], s["v_scale"]) for layer, s in sorted(found.items())
+            if "k_scale" in s and "v_scale" in s}
 
 
 def take_quantized(state: dict[str, torch.Tensor], scheme: CheckpointScheme,
