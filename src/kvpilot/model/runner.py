@@ -148,7 +148,8 @@ class ModelRunner:
         self.kv_groups = kv_groups or config.kv_group_plan(hybrid=False)
         slots = allocate_kv_cache(shape, self.kv_groups.num_slots, self.kv_dtype, loaded.device)
         self.kv_caches = [slots[slot] for slot in self.kv_groups.layer_slots]
-        self._kv_scales = make_kv_scales(self.model, loaded.dtype, loaded.device, frozen_at_one=not calibrate_kv_scales,
+        self._kv_scales = make_kv_scales(self.model, loaded.dtype, loaded.device,
+                                         frozen_at_one=not calibrate_kv_scales,
                                          checkpoint=loaded.kv_cache_scales) if self.kv_dtype in FP8_DTYPES else {}
         self.offload = KVOffloadStore(self.kv_caches, offload) if offload is not None else None
         max_model_len = limits.max_model_len or config.max_position_embeddings

@@ -132,6 +132,7 @@ class StepAttention:
             missing = ", ".join(sorted(layer.features - self.backend.features))
             raise UnsupportedAttentionError(f"the {self.backend.name} attention backend does not compute {missing}")
         meta = self.group_metas[layer.kv_group] if self.group_metas else self.meta
-        if self.kv_scales:
-            return self.kv_scales[id(layer)].attend(self.backend, q, k, v, kv_cache, meta, layer, self.calibrate)
+        scales = self.kv_scales.get(id(layer)) if self.kv_scales else None  # a layer without any: scale 1
+        if scales is not None:
+            return scales.attend(self.backend, q, k, v, kv_cache, meta, layer, self.calibrate)
         return self.backend.forward(q, k, v, kv_cache, meta, layer)
