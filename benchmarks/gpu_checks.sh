@@ -57,7 +57,7 @@ run_tests() {  # TESTS="file ..." runs only those
     $PY -m pytest -q -p no:cacheprovider --timeout 120 ${TESTS:-tests/model/test_triton_attention.py \
         tests/model/test_triton_runner.py tests/model/test_triton_split.py tests/model/test_cuda_graphs.py \
         tests/model/test_triton_small_ops.py tests/model/test_device_staging.py tests/model/test_kv_groups_runner.py \
-        tests/model/test_kv_scales.py}
+        tests/model/test_kv_scales.py tests/model/test_nccl_group.py}
 }
 
 export -f run_env run_tests run_server
