@@ -30,6 +30,19 @@ def test_fix_flags_only_for_concrete_flag_changes() -> None:
         ["--gpu-memory-utilization", "0.95"]
 
 
+def test_other_engines_get_the_fix_the_diagnosis_translated_for_them() -> None:
+    """llama-server, SGLang, TGI: the flags localize_fixes gave the fix for the engine it probed; none when it
+    was translated for another engine or has no counterpart there."""
+    slots = Fix("x", kvpilot="--max-num-seqs 4", vllm="--max-num-seqs 4", engine="llama.cpp",
+                engine_flags="--parallel 4 --ctx-size 8192")
+    assert fix_flags(slots, "llama.cpp") == ["--parallel", "4", "--ctx-size", "8192"]
+    assert fix_flags(slots, "sglang") is None and fix_flags(slots, "vllm") == ["--max-num-seqs", "4"]
+    assert fix_flags(Fix("x", vllm="--data-parallel-size 2", engine="llama.cpp"), "llama.cpp") is None
+    argv = ["/opt/llama-server", "--model", "m.gguf", "--parallel", "1", "--ctx-size", "2048", "--metrics"]
+    assert apply_flags(argv, ["--parallel", "4", "--ctx-size", "8192"]) == \
+        ["/opt/llama-server", "--model", "m.gguf", "--metrics", "--parallel", "4", "--ctx-size", "8192"]
+
+
 def test_apply_flags_replaces_values_and_boolean_forms() -> None:
     argv = ["kvpilot", "serve", "--max-num-seqs", "1", "--no-enable-prefix-caching", "--port=9"]
     assert apply_flags(argv, ["--max-num-seqs", "2"]) == \
@@ -45,6 +58,9 @@ def test_serve_command_gets_a_port_and_its_engine() -> None:
     assert engine_of(["vllm", "serve", "m"]) == "vllm" and engine_of(["kvpilot", "serve"]) == "kvpilot"
     assert engine_of(["env", "VLLM_CPU_KVCACHE_SPACE=2", "/opt/venv/bin/vllm", "serve", "m"]) == "vllm"
     assert engine_of(["env", "A=1", "kvpilot", "serve"]) == "kvpilot"
+    assert engine_of(["/root/llama-build/bin/llama-server", "--model", "m.gguf"]) == "llama.cpp"
+    assert engine_of(["python", "-m", "sglang.launch_server", "--model-path", "m"]) == "sglang"
+    assert engine_of(["text-generation-launcher", "--model-id", "m"]) == "tgi"
 
 
 def test_candidates_follow_the_ranking_and_metrics_say_which_way_is_better(tmp_path: Path) -> None:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from kvpilot.doctor.engines import KVPILOT, LLAMACPP, SGLANG, TGI, VLLM
 from kvpilot.doctor.errors import DoctorInputError
 from kvpilot.doctor.resources import server_tree
 
@@ -43,7 +44,7 @@ class ServedServer:
 
 
 def parse_command(command: str) -> list[str]:
-    """Split a --serve command line; DoctorInputError when it is empty or not kvpilot/vllm serve."""
+    """Split a --serve command line; DoctorInputError when it is empty or cannot be parsed."""
     try:
         argv = shlex.split(command)
     except ValueError as exc:
@@ -54,13 +55,24 @@ def parse_command(command: str) -> list[str]:
 
 
 def engine_of(argv: list[str]) -> str:
-    """"vllm" for a ``vllm serve`` command (fixes then use vLLM's flags), else "kvpilot". A leading
-    ``env NAME=VALUE ...`` (vLLM's CPU build is configured by environment variables) is looked past."""
+    """The engine a command starts (kvpilot.doctor.engines' names), so verify applies fixes as its flags:
+    ``vllm serve``, ``llama-server``, SGLang's ``launch_server`` / ``sglang serve``, TGI's
+    ``text-generation-launcher``; anything else is kvpilot's. A leading ``env NAME=VALUE ...`` (vLLM's CPU build
+    is configured by environment variables) is looked past."""
     if argv and os.path.basename(argv[0]) == "env":
         argv = [arg for arg in argv[1:] if "=" not in arg or arg.startswith("-")]
     if not argv:
-        return "kvpilot"
-    return "vllm" if os.path.basename(argv[0]) == "vllm" or "vllm.entrypoints" in " ".join(argv[:3]) else "kvpilot"
+        return KVPILOT
+    program, head = os.path.basename(argv[0]), " ".join(argv[:3])
+    if program == "vllm" or "vllm.entrypoints" in head:
+        return VLLM
+    if program == "llama-server":
+        return LLAMACPP
+    if program == "sglang" or "sglang.launch_server" in head:
+        return SGLANG
+    if program == "text-generation-launcher":
+        return TGI
+    return KVPILOT
 
 
 def resolve(argv: list[str]) -> list[str]:

@@ -28,6 +28,7 @@ from typing import Any
 from rich.console import Console
 
 from kvpilot.doctor.diagnose import DoctorReport, diagnose
+from kvpilot.doctor.engines import KVPILOT, VLLM
 from kvpilot.doctor.findings import Finding, Fix, Severity
 from kvpilot.doctor.inputs import DoctorInputs, RunData
 from kvpilot.doctor.probe import ProbeSession, check_endpoint, probe_endpoint
@@ -180,9 +181,13 @@ def metric_for(rule_id: str, workload: str | None = None, flags: tuple[str, ...]
 
 
 def fix_flags(fix: Fix, engine: str) -> list[str] | None:
-    """The fix as flags for ``engine``; None when it is not a concrete flag change (placeholders,
-    prose, another process)."""
-    text = fix.vllm if engine == "vllm" else fix.kvpilot
+    """The fix as flags for ``engine``: vLLM's or kvpilot's, or for another engine (llama-server, SGLang, TGI)
+    the translation the diagnosis gave it (engine_flags.localize_fixes, from the server it probed); None when it
+    is not a concrete flag change (placeholders, prose, another process, no counterpart there)."""
+    if engine in (VLLM, KVPILOT):
+        text = fix.vllm if engine == VLLM else fix.kvpilot
+    else:
+        text = fix.engine_flags if fix.engine == engine else ""
     if not text.startswith("--") or "<" in text or "(" in text:
         return None
     return shlex.split(text)
