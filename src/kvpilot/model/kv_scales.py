@@ -82,7 +82,7 @@ class KvScales:
         """The backend's forward with the scales folded in (calibrating first when `calibrate` and not set)."""
         if calibrate and not self.frozen:
             self.calibrate(k, v)
-        if self.identity:  # fixed at 1 from the start (install_kv_scales(frozen_at_one)): graphs never fold
+        if self.identity:  # fixed at 1 from the start (make_kv_scales(frozen_at_one)): graphs never fold
             return backend.forward(q, k, v, kv_cache, meta, layer)
         out = backend.forward(q * self.q_mul, k * self.k_mul, v * self.v_mul, kv_cache, meta, layer)
         return out * self.out_mul
