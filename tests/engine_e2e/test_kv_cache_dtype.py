@@ -64,3 +64,18 @@ def test_fp8_kv_still_answers_and_frees_its_blocks(llm_fp32):
     outputs = llm.generate(PROMPTS, GREEDY_32)
     assert all(len(o.outputs[0].token_ids) == 32 for o in outputs)
     assert_no_leak(llm)
+
+
+def test_fp8_kv_scales_are_calibrated_by_the_first_step_unless_turned_off(llm_fp32):
+    """`calculate_kv_scales` (serve's --calculate-kv-scales, on by default) reaches the runner: scales set by the
+    first generate, powers of two; off, every scale is 1 from the start (vLLM's default)."""
+    on = _llm(llm_fp32, "fp8")
+    assert on.engine.runner.kv_scales and not any(s.frozen for s in on.engine.runner.kv_scales)
+    on.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=2))
+    scales = on.engine.runner.kv_scales
+    assert all(s.frozen for s in scales) and not all(s.identity for s in scales)
+    assert all(float(x).is_integer() or (1 / float(x)).is_integer() for s in scales for x in s.v_scale)
+    off = LLM(loaded=llm_fp32.loaded, kv_cache_memory="64MiB", max_model_len=1024, kv_cache_dtype="fp8",
+              calculate_kv_scales=False)
+    assert all(s.frozen and s.identity for s in off.engine.runner.kv_scales)
+    assert _llm(llm_fp32, "auto").engine.runner.kv_scales == []
