@@ -27,7 +27,8 @@ from typing import Any
 import httpx
 
 from kvpilot.doctor.errors import DoctorInputError
-from kvpilot.doctor.request_steps import Stall, StepShare, Wait, chunks_of, shares_in_steps, stalls_of, wait_of
+from kvpilot.doctor.request_steps import (Chunk, Stall, StepShare, Wait, chunks_of, shares_in_steps, stalls_of,
+                                          wait_of)
 
 PATH = "/v1/kvpilot/requests/"
 STAGES = ("tokenize", "queue", "prefill", "decode", "serialize")
@@ -141,14 +142,13 @@ def _blockers(target: Window, others: list[Window]) -> list[Blocker]:
     return sorted(found, key=lambda b: -b.overlap_ms)[:MAX_BLOCKERS]
 
 
-def _step_blockers(wait: Wait, others: list[Window], docs: list[dict[str, Any]]) -> list[Blocker]:
+def _step_blockers(wait: Wait, others: list[Window], other_chunks: list[Chunk]) -> list[Blocker]:
     """Others whose prompt chunks were computed in the steps of the target's wait, most tokens first; only
     those that computed at least half as many tokens there as the target's own prompt (and MIN_BLOCKER_TOKENS):
     a short prompt admitted beside a long one's last chunk shares its step but did not hold it up."""
     by_id = {o.request_id: o for o in others}
     floor = max(MIN_BLOCKER_TOKENS, sum(c.num_tokens for c in wait.own) / 2)
-    shares: list[StepShare] = shares_in_steps(wait.queued_step, wait.first_token_step,
-                                              [c for d in docs for c in chunks_of(d)])
+    shares: list[StepShare] = shares_in_steps(wait.queued_step, wait.first_token_step, other_chunks)
     return [Blocker(s.request_id, by_id[s.request_id].prompt_tokens, by_id[s.request_id].prefill_ms,
                     s.seconds * 1000.0, s.num_tokens, s.num_chunks)
             for s in shares if s.num_tokens >= floor][:MAX_BLOCKERS]
@@ -165,13 +165,14 @@ def explain(doc: dict[str, Any]) -> Explanation:
     slowest = max(STAGES, key=lambda s: stage_ms[s])
     ran = sum(1 for o in others if o.scheduled < target.scheduled and o.end > target.arrival)  # ran while it queued
     wait = wait_of(t)
-    blockers = _step_blockers(wait, others, docs) if wait else _blockers(target, others)
+    other_chunks = [c for d in docs for c in chunks_of(d)]
+    blockers = _step_blockers(wait, others, other_chunks) if wait else _blockers(target, others)
     out = Explanation(str(t["request_id"]), float(ms["e2e_ms"]), float(ms["ttft_ms"]), stage_ms, slowest,
                       int(t["num_prompt_tokens"]), int(t["num_cached_tokens"]), int(t["num_preemptions"]),
                       tuple(blockers), ran, steps_to_first_token=wait.num_steps if wait else None,
                       chunk_tokens=tuple(c.num_tokens for c in wait.own) if wait else (),
                       recomputed_tokens=sum(c.num_tokens for c in wait.recomputed) if wait else 0,
-                      stalls=tuple(stalls_of(t, [c for d in docs for c in chunks_of(d)])))
+                      stalls=tuple(stalls_of(t, other_chunks)))
     return Explanation(**{**out.__dict__, "lines": tuple(_lines(out))})
 
 

@@ -2,8 +2,9 @@
 
 A module is quantized when its marker tensor is there (`qweight` for AWQ / GPTQ, `weight_packed` for
 compressed-tensors 4-bit, an e4m3 `weight` with its scale for fp8): checkpoints name the layers they keep dense
-(lm_head, MoE routers) only in tool-specific lists, while the tensors say it unambiguously. Activation and
-KV-cache scales (static input scales, k/v scales) are dropped: kvpilot does not quantize activations from them.
+(lm_head, MoE routers) only in tool-specific lists, while the tensors say it unambiguously. A layer's fp8 KV
+cache scales are taken out first (take_kv_cache_scales, for model/kv_scales.py); the other activation scales
+(static input scales, any k/v scale left) are dropped: kvpilot does not quantize activations from them.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.deployment import Application
@@ -43,8 +44,6 @@ def replica_gpus(lane: LaneConfig, cluster_gpus: float) -> float:
 
 def _cluster_gpus() -> float:
     """The GPUs of the Ray cluster this process is connected to (0 when it is not connected yet)."""
-    import ray  # noqa: PLC0415
-
     return float(ray.cluster_resources().get("GPU", 0)) if ray.is_initialized() else 0.0
 
 
