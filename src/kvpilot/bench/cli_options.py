@@ -10,6 +10,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from kvpilot.fit.server_capacity import API_KEY_ENV
+
 DATASETS_HELP = "random, shared-prefix, long-short, multi-turn, jsonl, trace"
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 
@@ -30,7 +32,7 @@ ModelOpt = Annotated[str | None, typer.Option(
     "--model", help="Model name to send; default: the first one listed by /v1/models.")]
 ApiKeyOpt = Annotated[str | None, typer.Option(
     "--api-key", help="Bearer token for the server (also read from OPENAI_API_KEY, then KVPILOT_API_KEY).",
-    envvar=["OPENAI_API_KEY", "KVPILOT_API_KEY"])]
+    envvar=list(API_KEY_ENV))]
 StreamOpt = Annotated[bool, typer.Option(
     "--stream/--no-stream",
     help="Stream responses (needed for TTFT, TPOT and ITL); --no-stream measures E2E only.")]

@@ -33,7 +33,7 @@ def doctor_report_section(result: dict[str, Any], console: Console) -> str:
 def _slowest_section(result: dict[str, Any]) -> str:
     """The run's slowest requests explained by the server (kvpilot's ring of request timelines); '' for a run
     whose server sent no per-request timings. The result keeps no API key: the environment's is used."""
-    from kvpilot.doctor.cli_options import API_KEY_ENV  # noqa: PLC0415
+    from kvpilot.fit.server_capacity import API_KEY_ENV  # noqa: PLC0415
     from kvpilot.doctor.render_html import slowest_html  # noqa: PLC0415
     from kvpilot.doctor.request_explain import explain_slowest  # noqa: PLC0415
 

@@ -9,6 +9,8 @@ from typing import Annotated
 
 import typer
 
+from kvpilot.fit.server_capacity import API_KEY_ENV
+
 # what to diagnose: saved measurements, or a live server
 FromOpt = Annotated[list[str] | None, typer.Option(
     "--from", help="Saved `kvpilot bench --output` result JSON (repeatable: several runs or "
@@ -38,8 +40,6 @@ MaxConcurrencyOpt = Annotated[int | None, typer.Option(
 PhaseSecondsOpt = Annotated[float | None, typer.Option(
     "--phase-seconds", help="With --url/--serve: how long each probe phase sends requests "
     "(default 24 s, 8 s with --quick); shorter probes finish sooner and measure more noise.")]
-API_KEY_ENV = ("OPENAI_API_KEY", "KVPILOT_API_KEY")
-"""Where the key is read from when --api-key is not given (the client's first), as bench reads it."""
 ApiKeyOpt = Annotated[str | None, typer.Option(
     "--api-key", envvar=list(API_KEY_ENV),
     help="With --url: bearer token for the server (also OPENAI_API_KEY, then KVPILOT_API_KEY).")]

@@ -17,7 +17,7 @@ from kvpilot.fit.model_catalog import get_repo_id, list_models
 from kvpilot.fit.model_source import LoadedModel, load_model
 from kvpilot.fit.plan import build_report, compare_gpus, report_to_json
 from kvpilot.fit.render import render_calibration, render_capacity_comparison, render_comparison, render_report
-from kvpilot.fit.server_capacity import compare_capacity
+from kvpilot.fit.server_capacity import API_KEY_ENV, compare_capacity
 from kvpilot.fit.workload import FitInputs
 from kvpilot.memory_size import parse_memory_size
 
@@ -51,7 +51,6 @@ def _print_catalogs(console: Console) -> None:
 CAPACITY_PATH = "/v1/kvpilot/capacity"
 
 
-API_KEY_ENVVARS = ["OPENAI_API_KEY", "KVPILOT_API_KEY"]  # as bench and doctor: the client's, then the server's
 
 
 def fetch_server_capacity(url: str, api_key: str | None = None, timeout_s: float = 10.0) -> dict[str, Any]:
@@ -170,7 +169,7 @@ def fit_command(
         help="A running kvpilot server (http://host:port): show its actual KV capacity next to the "
              "prediction from its reported shape and KV budget (GET /v1/kvpilot/capacity).")] = None,
     api_key: Annotated[str | None, typer.Option(
-        "--api-key", envvar=API_KEY_ENVVARS,
+        "--api-key", envvar=list(API_KEY_ENV),
         help="With --url: the server's key (also read from OPENAI_API_KEY, then KVPILOT_API_KEY).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
     list_catalog: Annotated[bool, typer.Option("--list", help="List catalog models and devices.")] = False,

@@ -19,6 +19,9 @@ from typing import Any
 from kvpilot.fit.errors import ConfigError
 from kvpilot.fit.kv_cache import KvCapacity, kv_capacity_for_memory
 
+API_KEY_ENV = ("OPENAI_API_KEY", "KVPILOT_API_KEY")
+"""Where a client of a kvpilot server (fit --url, bench, doctor) reads the key when --api-key is not given: the
+OpenAI client's variable first, then the server's own."""
 _REQUIRED_KEYS = ("num_hidden_layers", "num_key_value_heads", "head_dim", "kv_dtype_bytes",
                   "kv_cache_memory_bytes", "block_size", "num_blocks", "max_model_len")
 
