@@ -47,13 +47,13 @@ def test_gguf_weight_bytes_are_the_files_tensor_bytes(embedded_model: LoadedMode
 
 def test_gguf_weight_bytes_are_what_kvpilot_holds(embedded_model: LoadedModel) -> None:
     """On a CPU with AVX-512 VNNI in bf16: the Q4_1 layers packed (tiled int8 copies: the blocks' 20 bytes per 32),
-    the tied head a packed Q8_0 copy with a float16 offset per block (36 bytes per 32), the embedding table dense
-    in bf16; on AVX2 without VNNI the same copies; without either the head keeps its blocks' 34 bytes."""
+    the tied head a packed Q8_0 copy of its blocks' 34 bytes per 32 (the offsets derived from the scales), the
+    embedding table dense in bf16; on AVX2 without VNNI, and without either, the same bytes."""
     weights = weight_bytes(embedded_model, cpu_int8="vnni", cpu_fast_bf16=True)
     assert weights.num_bytes_file == embedded_model.gguf.num_bytes
     assert weights.format_name.endswith("held packed")
     assert weights.num_bytes_embedding == 49152 * 576 * 2
-    assert weights.num_bytes_lm_head == 49152 * 576 // 32 * 36
+    assert weights.num_bytes_lm_head == 49152 * 576 // 32 * 34
     linear = embedded_model.params.num_linear_total
     assert weights.num_bytes_layers == linear // 32 * 20 + 2 * embedded_model.params.num_vector  # norms in bf16
     # a decode step reads the packed layers and the packed head, not the dense lookup table (this machine's CPU)

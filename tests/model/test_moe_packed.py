@@ -140,9 +140,8 @@ def test_int8_experts_hold_the_file_bytes_and_stay_near_the_dequantized_values(g
     loaded = load_model(str(path), dtype="bfloat16", quantization="gguf", max_model_len=64)
     experts = _experts(loaded)
     assert len(experts) == 2 and all(e.int8_copies is not None and e.blocks is None for e in experts)
-    # what fit predicts for the experts' int8 copies, to the byte; about the file's bytes (Q4_0 and Q8_0 copies add
-    # a float16 offset a block: 20/18 and 36/34; Q4_K's 6-bit scales take a byte: 148/144; MXFP4's exponent byte a
-    # float16: 18/17)
+    # what fit predicts for the experts' int8 copies, to the byte; about the file's bytes (Q4_0 and Q8_0 copies take
+    # the blocks' bytes; Q4_K's 6-bit scales take a byte: 148/144; MXFP4's exponent byte a float16: 18/17)
     tensors = [t for t in fit_load(str(path)).gguf.tensors if is_expert(t)]
     predicted = sum(packed_bytes(t, int8_copy=True) for t in tensors)
     assert loaded.packed_memory.expert_bytes == predicted

@@ -5,8 +5,8 @@ As kvpilot's loader decides (model/loader.py, model/quant/model_pack.py):
   matrices and the output head) is of a type the kernels compute on (PACKED_TYPES). Each such tensor keeps its
   GGUF blocks, 8 * type_size / block_size bits a weight (block layouts from `gguf.GGML_QUANT_SIZES`). With bf16
   activations the int8 path holds a column-tiled copy instead (model/quant/vnni_gemm.py, tiled_kquant.py), the
-  same bytes except that Q4_0 and Q8_0 blocks gain a float16 offset (-8 d, -128 d: 20 bytes per 32 values, 5.0
-  bits, and 36, 9.0 bits; the blocks: 18 and 34) and the 6-bit sub-block scales (and minimums) take a byte each:
+  same bytes (Q4_0's and Q8_0's offsets, -8 d and -128 d, are derived, not stored) except that the 6-bit sub-block
+  scales (and minimums) take a byte each:
   Q4_K 148 bytes per 256 values (4.625 bits; the block: 144, 4.5), Q5_K 180 (5.625; 176, 5.5), IQ4_XS 138 (4.3125;
   136, 4.25), and MXFP4's exponent byte becomes a float16 scale (18 bytes per 32 values; the block: 17); Q4_1, Q5_0,
   Q5_1, Q6_K and IQ4_NL keep their blocks' bytes.
@@ -31,10 +31,10 @@ from dataclasses import dataclass
 
 from kvpilot.fit.gguf_sizes import GgufTensor
 
-# GGUF type -> bytes its column-tiled int8 copy adds per block (a float16 offset; the K-quants' 12 bytes of packed
-# 6-bit scales and minimums become 16, IQ4_XS's 6 bytes of 6-bit scales 8; MXFP4's exponent byte a float16); the set
-# equals kvpilot.model.quant.formats.PACKED_FORMATS (tests/fit check)
-PACKED_TYPES: dict[str, int] = {"Q8_0": 2, "Q4_0": 2, "Q4_1": 0, "Q5_0": 0, "Q5_1": 0, "Q4_K": 4, "Q5_K": 4,
+# GGUF type -> bytes its column-tiled int8 copy adds per block (the K-quants' 12 bytes of packed 6-bit scales and
+# minimums become 16, IQ4_XS's 6 bytes of 6-bit scales 8; MXFP4's exponent byte a float16); the set equals
+# kvpilot.model.quant.formats.PACKED_FORMATS (tests/fit check)
+PACKED_TYPES: dict[str, int] = {"Q8_0": 0, "Q4_0": 0, "Q4_1": 0, "Q5_0": 0, "Q5_1": 0, "Q4_K": 4, "Q5_K": 4,
                                 "Q6_K": 0, "IQ4_NL": 0, "MXFP4": 1, "IQ4_XS": 2}
 # HF model types whose GGUF weights stay packed (model/models/registry.py `packed_gguf`; tests/fit check it)
 PACKED_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral"})

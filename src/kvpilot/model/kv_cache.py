@@ -10,14 +10,11 @@ import mmap
 
 import torch
 
-from kvpilot.model.huge_pages import advise_huge_pages
-
 
 def allocate_kv_cache(shape: tuple[int, ...], num_layers: int, dtype: torch.dtype,
                       device: torch.device) -> list[torch.Tensor]:
     """One zeroed cache per layer in the attention backend's layout (zeros keep padded, masked-out slots
-    finite). `dtype` is the storage (kv_cache_dtype). On CPU on huge pages where the system grants them
-    (kvpilot.model.huge_pages: blocks are read at scattered places)."""
+    finite). `dtype` is the storage (kv_cache_dtype)."""
     return [_zeros(shape, dtype, device) for _ in range(num_layers)]
 
 
@@ -29,7 +26,9 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     # A private anonymous mapping reads as zeros and takes memory only where it is written: start-up does not
     # write the whole cache (~1 s for 2 GiB on 2 cores), and the server's resident memory grows with the
     # blocks in use. The tensor holds the mapping (torch.frombuffer keeps a reference).
+    # On 4 KiB pages: 2 MiB pages (madvise(MADV_HUGEPAGE)) made scattered block reads ~12% faster, but where the
+    # kernel compacts memory to grant one at its first write (THP defrag "madvise", a common default), a prompt's
+    # first write to fresh blocks took ~10x as long (~25 ms a 128-token prompt on a 2-vCPU VM): a cost every
+    # request pays until the whole pool has been used once (docs/benchmark-log.md, 2026-12-02).
     region = mmap.mmap(-1, nbytes, flags=flags[0] | flags[1])
-    cache = torch.frombuffer(region, dtype=torch.uint8).view(dtype).view(shape)
-    advise_huge_pages(cache)  # before any write: the pages are chosen at the first one
-    return cache
+    return torch.frombuffer(region, dtype=torch.uint8).view(dtype).view(shape)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from kvpilot.model.quant.block_decode import tiles_exactly
-from kvpilot.model.quant.formats import (IQ4_XS, Q4_K, Q5_1, Q5_K, Q6_K, Q8_0, SUPER_BLOCK_VALUES, TABLE_VALUES,
+from kvpilot.model.quant.formats import (IQ4_XS, Q4_1, Q4_K, Q5_1, Q5_K, Q6_K, Q8_0, SUPER_BLOCK_VALUES, TABLE_VALUES,
                                           QuantFormat)
 from kvpilot.model.quant.kernel import require_quant_kernel
 from kvpilot.model.quant.tiled_kquant import KTiledWeight
@@ -50,8 +50,8 @@ def _allocate(fmt: QuantFormat, tiles: int, blocks: int) -> list[torch.Tensor]:
     """(tq, td, to | ts) at the shapes tile() / ktile() give for `tiles` tiles of `blocks` 32-value blocks a row."""
     if not fmt.kept_as_blocks:
         half = torch.empty(tiles, blocks, TILE_ROWS, dtype=torch.float16)
-        return [torch.empty(tiles, blocks, 512 if fmt == Q8_0 else 256, dtype=torch.uint8), half,
-                torch.empty_like(half)]
+        offsets = torch.empty_like(half) if fmt == Q4_1 else torch.empty(0, dtype=torch.float16)
+        return [torch.empty(tiles, blocks, 512 if fmt == Q8_0 else 256, dtype=torch.uint8), half, offsets]
     qbytes = 384 if fmt == Q6_K else 256 if fmt in (Q4_K, IQ4_XS) or fmt.name in TABLE_VALUES else 320
     super_blocks = fmt.block_values == SUPER_BLOCK_VALUES  # the K-quants and IQ4_XS: d a super-block, ts a block
     groups = blocks // 8 if super_blocks else blocks

@@ -4,8 +4,9 @@
 Weight rows go in tiles of 16; for each tile and block, Q4: pair p (0..3) holds each row's GGUF nibble bytes
 4p..4p+3 side by side (64 bytes); Q8_0: group g (0..7) holds each row's values 4g..4g+3 as q + 128 (unsigned, as
 vpdpbusd takes them). So one 512-bit vpdpbusd advances 16 outputs of an x row by 4 values, and a tile of 8 x rows
-reuses each weight register 8 times. Scales and offsets ("d * q + o": Q4_1's m, Q4_0's -8 d, Q8_0's -128 d, exact
-in float16) are laid out the same way, 16 per tile and block. The copy takes as many bytes as the GGUF blocks.
+reuses each weight register 8 times. Scales and offsets ("d * q + o") are laid out the same way, 16 per tile and
+block; only Q4_1 stores offsets (its m): Q4_0's -8 d and Q8_0's -128 d are derived by the kernel (exact), so `to`
+is empty and a decode step streams one array less. The copy takes no more bytes than the GGUF blocks.
 
 Invariant: dequantize_tiled(tile(w)) equals w.dequantize().
 """
@@ -26,7 +27,8 @@ TILE_ROWS = 16
 
 @dataclass(frozen=True)
 class TiledWeight:
-    """tq: uint8 [N / 16, KB, 256] (Q4) or [N / 16, KB, 512] (Q8_0); td, to: float16 [N / 16, KB, 16]."""
+    """tq: uint8 [N / 16, KB, 256] (Q4) or [N / 16, KB, 512] (Q8_0); td, to: float16 [N / 16, KB, 16], `to` empty
+    but for Q4_1 (Q4_0's and Q8_0's offsets derive from td)."""
 
     tq: torch.Tensor
     td: torch.Tensor
@@ -68,12 +70,12 @@ def tile(w: PackedWeight) -> TiledWeight:
     n, kb = w.d.shape
     t = n // TILE_ROWS
     d = w.d.numpy()
+    no_offsets = torch.empty(0, dtype=torch.float16)
     if w.format == Q8_0:
-        offset = (d.astype(np.float32) * -128.0).astype(np.float16)
         q = w.qs.numpy().view(np.uint8) ^ np.uint8(0x80)  # int8 q + 128 as a byte
-        return TiledWeight(_groups_by_row(q, t, kb, 8), _tiles(d, t, kb), _tiles(offset, t, kb))
-    offset = w.m.numpy() if w.format == Q4_1 else (d.astype(np.float32) * -8.0).astype(np.float16)
-    return TiledWeight(_groups_by_row(w.qs.numpy(), t, kb, 4), _tiles(d, t, kb), _tiles(offset, t, kb))
+        return TiledWeight(_groups_by_row(q, t, kb, 8), _tiles(d, t, kb), no_offsets)
+    offsets = _tiles(w.m.numpy(), t, kb) if w.format == Q4_1 else no_offsets
+    return TiledWeight(_groups_by_row(w.qs.numpy(), t, kb, 4), _tiles(d, t, kb), offsets)
 
 
 def _groups_by_row(q: np.ndarray, t: int, kb: int, groups: int) -> torch.Tensor:
@@ -97,5 +99,8 @@ def dequantize_tiled(v: TiledWeight) -> torch.Tensor:
     else:
         raw = v.tq.numpy().reshape(t, kb, 4, TILE_ROWS, 4).transpose(0, 3, 1, 2, 4).reshape(t * TILE_ROWS, kb, 16)
         q = np.concatenate([raw & 0x0F, raw >> 4], axis=-1).astype(np.float32)  # values 0..15, then 16..31
-    scales = [a.numpy().transpose(0, 2, 1).reshape(t * TILE_ROWS, kb, 1).astype(np.float32) for a in (v.td, v.to)]
-    return torch.from_numpy((q * scales[0] + scales[1]).reshape(t * TILE_ROWS, -1))
+    d, o = (a.numpy().transpose(0, 2, 1).reshape(t * TILE_ROWS, kb, 1).astype(np.float32) if a.numel() else None
+            for a in (v.td, v.to))
+    if o is None:  # Q4_0's and Q8_0's offsets: -8 d and -128 d
+        o = d * (-128.0 if width == 512 else -8.0)
+    return torch.from_numpy((q * d + o).reshape(t * TILE_ROWS, -1))

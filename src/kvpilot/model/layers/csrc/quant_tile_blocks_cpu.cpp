@@ -1,35 +1,12 @@
 // GGUF blocks -> the column-tiled int8 copy the tiled kernels read, at load: quant/vnni_gemm.py's tile() layout for
-// Q8_0 / Q4_0 / Q4_1 (tq, td, to) and quant/tiled_kquant.py's ktile() layout for the formats kept as GGUF blocks
-// (tq, td, ts; quant_tiled_kq.h's header has it), written straight from the blocks into tensors the caller allocated
-// (a slice of a stacked experts' copy: no intermediate arrays). Built after quant_tiled_kq.h (ktile_qbytes,
-// ktile_groups, ktile_td_width).
+// Q8_0 / Q4_0 / Q4_1 (tq, td, to: Q4_1's offsets, empty for the others) and quant/tiled_kquant.py's ktile() layout
+// for the formats kept as GGUF blocks (tq, td, ts; quant_tiled_kq.h's header has it), written straight from the
+// blocks into tensors the caller allocated (a slice of a stacked experts' copy: no intermediate arrays). Built
+// after quant_tiled_kq.h (ktile_qbytes, ktile_groups, ktile_td_width).
 //
 // Invariant: the bytes equal those of the numpy tile() / ktile() on the same blocks, for every bit pattern (NaN,
-// infinite and subnormal scales included: scaled_half).
+// infinite and subnormal scales included).
 namespace {
-
-// f16(-2^shift * d) exactly as numpy's f16(f32(d) * -2^shift) (the product is exact but for overflow to infinity; a
-// NaN keeps sign and payload, its quiet bit set), in integers: -ffast-math would drop the infinities of a float path
-inline uint16_t scaled_half(uint16_t d, int shift) {
-  const uint16_t sign = (d ^ 0x8000) & 0x8000;
-  int e = (d >> 10) & 0x1F;
-  uint32_t m = d & 0x03FF;
-  if (e == 0x1F) return m != 0 ? (d | 0x0200) : (sign | 0x7C00);
-  if (e == 0 && m == 0) return sign;
-  if (e == 0) {  // subnormal: m * 2^-24, normalized to an implicit bit
-    e = 1;
-    while (!(m & 0x0400)) {
-      m <<= 1;
-      --e;
-    }
-  } else {
-    m |= 0x0400;
-  }
-  e += shift;
-  if (e >= 0x1F) return sign | 0x7C00;
-  if (e <= 0) return sign | static_cast<uint16_t>(m >> (1 - e));  // still subnormal: the bits shifted out are 0
-  return sign | static_cast<uint16_t>(e << 10) | static_cast<uint16_t>(m & 0x03FF);
-}
 
 inline uint16_t load_half(const uint8_t* p) { return static_cast<uint16_t>(p[0] | (p[1] << 8)); }
 
@@ -124,14 +101,14 @@ void ktile_block(const uint8_t* row, int64_t KB, int64_t t, int64_t kb, int j, u
   if (width == 32) td[at + 16 + j] = load_half(b + 2);  // Q5_1's m, Q4_K / Q5_K's dmin
 }
 
-// Row j of tile t, block kb of Q8_0 / Q4_0 / Q4_1: its bytes of tq, td and to
+// Row j of tile t, block kb of Q8_0 / Q4_0 / Q4_1: its bytes of tq, td and (Q4_1) to
 void tile_block(const uint8_t* row, int64_t fmt, int64_t KB, int64_t t, int64_t kb, int j, uint8_t* tq, uint16_t* td,
                 uint16_t* to) {
   const int64_t bytes = fmt == kQ8_0 ? 34 : fmt == kQ4_0 ? 18 : 20;
   const uint8_t* b = row + kb * bytes;
   const uint16_t d = load_half(b);
   td[(t * KB + kb) * 16 + j] = d;
-  to[(t * KB + kb) * 16 + j] = fmt == kQ4_1 ? load_half(b + 2) : scaled_half(d, fmt == kQ8_0 ? 7 : 3);
+  if (fmt == kQ4_1) to[(t * KB + kb) * 16 + j] = load_half(b + 2);
   if (fmt == kQ8_0) {
     uint8_t* out = tq + (t * KB + kb) * 512;
     for (int g = 0; g < 8; ++g)
@@ -146,9 +123,9 @@ void tile_block(const uint8_t* row, int64_t fmt, int64_t KB, int64_t t, int64_t 
 }  // namespace
 
 // Writes the column-tiled copy of `raw` (uint8 [N, row bytes], GGUF blocks of format fmt, N a multiple of 16) into
-// tq, td and third, contiguous at the shapes tile() / ktile() give them (third: `to` float16, or `ts` uint8, empty
-// but for the K-quants and IQ4_XS). MXFP4 blocks must tile exactly (every exponent in [104, 143]: tiled_kquant.py
-// checks).
+// tq, td and third, contiguous at the shapes tile() / ktile() give them (third: `to` float16, empty but for Q4_1, or
+// `ts` uint8, empty but for the K-quants and IQ4_XS). MXFP4 blocks must tile exactly (every exponent in
+// [104, 143]: tiled_kquant.py checks).
 void quant_tile_blocks(torch::Tensor raw, int64_t fmt, torch::Tensor tq, torch::Tensor td, torch::Tensor third) {
   TORCH_CHECK(fmt >= kQ8_0 && fmt <= kIQ4_XS, "tile blocks: unknown format ", fmt);
   TORCH_CHECK(raw.scalar_type() == torch::kUInt8 && raw.dim() == 2 && raw.is_contiguous() && raw.size(0) % 16 == 0,
@@ -160,7 +137,7 @@ void quant_tile_blocks(torch::Tensor raw, int64_t fmt, torch::Tensor tq, torch::
   TORCH_CHECK(row_bytes % block_bytes == 0 && KB > 0, "tile blocks: rows of whole blocks");
   const int64_t qbytes = blocks ? ktile_qbytes(fmt) : fmt == kQ8_0 ? 512 : 256;
   const int64_t td_numel = blocks ? T * ktile_groups(fmt, KB) * ktile_td_width(fmt) : T * KB * 16;
-  const int64_t third_numel = !blocks ? T * KB * 16 : T * KB * ktile_ts_width(fmt);
+  const int64_t third_numel = !blocks ? (fmt == kQ4_1 ? T * KB * 16 : 0) : T * KB * ktile_ts_width(fmt);
   TORCH_CHECK(tq.scalar_type() == torch::kUInt8 && tq.is_contiguous() && tq.numel() == T * KB * qbytes &&
               td.scalar_type() == torch::kFloat16 && td.is_contiguous() && td.numel() == td_numel &&
               third.is_contiguous() && third.numel() == third_numel &&
@@ -170,7 +147,7 @@ void quant_tile_blocks(torch::Tensor raw, int64_t fmt, torch::Tensor tq, torch::
   uint8_t* q = tq.data_ptr<uint8_t>();
   uint16_t* d = reinterpret_cast<uint16_t*>(td.data_ptr<at::Half>());
   uint8_t* ts = blocks && third_numel ? third.data_ptr<uint8_t>() : nullptr;
-  uint16_t* to = blocks ? nullptr : reinterpret_cast<uint16_t*>(third.data_ptr<at::Half>());
+  uint16_t* to = fmt == kQ4_1 ? reinterpret_cast<uint16_t*>(third.data_ptr<at::Half>()) : nullptr;
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
       for (int j = 0; j < 16; ++j) {

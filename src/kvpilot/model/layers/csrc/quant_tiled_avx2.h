@@ -116,7 +116,9 @@ KVP_AVX2 void tiled_tile256(const uint8_t* tq, const uint16_t* td, const uint16_
     block_dots256<MR, Q8>(tq + b * width, xq, K, b, dot);
     for (int h = 0; h < 2; ++h) {
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(td + b * 16 + 8 * h)));
-      const __m256 o = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(to + b * 16 + 8 * h)));
+      const __m256 o = to != nullptr
+          ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(to + b * 16 + 8 * h)))
+          : _mm256_mul_ps(d, _mm256_set1_ps(kDerivedOffset<Q8>));
       for (int r = 0; r < MR; ++r) {
         acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][h]), _mm256_mul_ps(d, _mm256_set1_ps(xd[r * KB + b])),
                                     acc[r][h]);
@@ -148,7 +150,7 @@ KVP_AVX2 void tiled_rows256(const uint8_t* tq, const uint16_t* td, const uint16_
   for (int64_t t = t0; t < t1; ++t) {  // a tile's weights (KB * 256 or 512 bytes) stay in L1 across all x rows
     const uint8_t* q = tq + t * KB * (Q8 ? 512 : 256);
     const uint16_t* d = td + t * KB * 16;
-    const uint16_t* o = to + t * KB * 16;
+    const uint16_t* o = to != nullptr ? to + t * KB * 16 : nullptr;
     for (int64_t i = 0; i < M; i += kTiledMR256) {
       const int64_t mr = std::min<int64_t>(kTiledMR256, M - i);
       float* dst = out_bf16 != nullptr ? tile_out : out + i * ldo + (t - t0) * 16;
@@ -170,7 +172,8 @@ KVP_AVX2 void tiled_dequant_rows256(const uint8_t* tq, const uint16_t* td, const
     for (int64_t b = 0; b < KB; ++b) {
       const uint8_t* w = tq + (t * KB + b) * width;
       for (int64_t r = 0; r < 16; ++r) {
-        const float d = _cvtsh_ss(td[(t * KB + b) * 16 + r]), o = _cvtsh_ss(to[(t * KB + b) * 16 + r]);
+        const float d = _cvtsh_ss(td[(t * KB + b) * 16 + r]);
+        const float o = to != nullptr ? _cvtsh_ss(to[(t * KB + b) * 16 + r]) : d * kDerivedOffset<Q8>;
         const int64_t row = (t - t0) * 16 + r;
         float* dst = out_bf16 != nullptr ? block : out + row * K + b * kBlock;
         for (int p = 0; p < (Q8 ? 8 : 4); ++p)

@@ -36,7 +36,8 @@ Q8Rows quantize_rows_q8(const torch::Tensor& x, int64_t KB) {
 }
 
 // The tiled weights' tile count T, blocks per row KB and format (Q8_0: 512 quant bytes a tile and block, Q4: 256),
-// checked (on a CPU with VNNI, or AVX2: has_int8_tiles)
+// checked (on a CPU with VNNI, or AVX2: has_int8_tiles); `to` is empty for tiles whose offsets derive from their
+// scales (Q4_0, Q8_0: quant_vnni_gemm.h)
 struct TiledShape {
   int64_t T, KB;
   bool q8;
@@ -45,14 +46,20 @@ struct TiledShape {
 TiledShape tiled_shape(const torch::Tensor& tq, const torch::Tensor& td, const torch::Tensor& to) {
   TORCH_CHECK(has_int8_tiles(), "needs AVX-512 VNNI or AVX2");
   TORCH_CHECK(tq.is_contiguous() && td.is_contiguous() && to.is_contiguous() && tq.scalar_type() == torch::kUInt8 &&
-              td.scalar_type() == torch::kFloat16 && to.scalar_type() == torch::kFloat16 && td.sizes() == to.sizes() &&
-              td.dim() == 3 && td.size(2) == 16 && tq.dim() == 3,
-              "tiled weights: tq uint8, td / to float16 [N / 16, KB, 16], contiguous");
+              td.scalar_type() == torch::kFloat16 && to.scalar_type() == torch::kFloat16 &&
+              (to.numel() == 0 || td.sizes() == to.sizes()) && td.dim() == 3 && td.size(2) == 16 && tq.dim() == 3,
+              "tiled weights: tq uint8, td / to float16 [N / 16, KB, 16] (to empty: offsets from the scales), "
+              "contiguous");
   const int64_t T = td.size(0), KB = td.size(1);
   const bool q8 = tq.size(2) == 512;
   TORCH_CHECK((q8 || tq.size(2) == 256) && tq.size(0) == T && tq.size(1) == KB,
               "tiled weights: tq [N / 16, KB, 256] (Q4) or [N / 16, KB, 512] (Q8_0)");
   return {T, KB, q8};
+}
+
+// The tiles' stored offsets, or nullptr where they derive from the scales
+const uint16_t* tiled_offsets(const torch::Tensor& to) {
+  return to.numel() == 0 ? nullptr : reinterpret_cast<const uint16_t*>(to.data_ptr<at::Half>());
 }
 
 // tiled_shape, with x [M, K] checked against it (float32 or bfloat16, contiguous)
@@ -175,7 +182,7 @@ void quant_matmul_tiled(torch::Tensor out, torch::Tensor x, torch::Tensor tq, to
   float* op = bf16_out ? nullptr : out.data_ptr<float>();
   uint16_t* ob = bf16_out ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr;
   const auto* d = reinterpret_cast<const uint16_t*>(td.data_ptr<at::Half>());
-  const auto* o = reinterpret_cast<const uint16_t*>(to.data_ptr<at::Half>());
+  const uint16_t* o = tiled_offsets(to);
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
     tiled_rows_for(q8)(tq.data_ptr<uint8_t>(), d, o, KB, t0, t1, xq.q.data(), xq.d.data(), xq.s.data(), M,
                        op == nullptr ? nullptr : op + t0 * 16, ob == nullptr ? nullptr : ob + t0 * 16, N);
@@ -195,7 +202,7 @@ void quant_dequantize_tiled(torch::Tensor out, torch::Tensor tq, torch::Tensor t
               out.size(1), "]");
   const bool bf16 = out.scalar_type() == torch::kBFloat16;
   const auto* d = reinterpret_cast<const uint16_t*>(td.data_ptr<at::Half>());
-  const auto* o = reinterpret_cast<const uint16_t*>(to.data_ptr<at::Half>());
+  const uint16_t* o = tiled_offsets(to);
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
     float* of = bf16 ? nullptr : out.data_ptr<float>() + t0 * 16 * K;
     uint16_t* ob = bf16 ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) + t0 * 16 * K : nullptr;
@@ -243,7 +250,7 @@ torch::Tensor quant_argmax_tiled(torch::Tensor x, torch::Tensor tq, torch::Tenso
   const int64_t KB = shape.KB, M = x.size(0);
   const Q8Rows xq = quantize_rows_q8(x, KB);
   const auto* d = reinterpret_cast<const uint16_t*>(td.data_ptr<at::Half>());
-  const auto* o = reinterpret_cast<const uint16_t*>(to.data_ptr<at::Half>());
+  const uint16_t* o = tiled_offsets(to);
   const uint8_t* q = tq.data_ptr<uint8_t>();
   return argmax_over_tiles(shape.T, M, [&](int64_t t, int64_t te, float* block, int64_t width) {
     tiled_rows_for(shape.q8)(q, d, o, KB, t, te, xq.q.data(), xq.d.data(), xq.s.data(), M,

@@ -12,7 +12,7 @@ struct TiledPart {
   int64_t fmt, T;
   const uint8_t* tq;
   const uint16_t* td;
-  const uint16_t* to;  // split formats
+  const uint16_t* to;  // split formats: Q4_1's offsets (nullptr: derived from the scales)
   const uint8_t* ts;   // K-quants, IQ4_XS
 };
 
@@ -20,11 +20,11 @@ TiledPart tiled_part(const torch::Tensor* w, int64_t fmt, int64_t& KB) {
   const torch::Tensor &tq = w[0], &td = w[1], &third = w[2];
   if (!kept_as_blocks(fmt)) {
     const TiledShape shape = tiled_shape(tq, td, third);
-    TORCH_CHECK(shape.q8 == (fmt == kQ8_0) && fmt >= kQ8_0 && fmt <= kQ4_1, "tiled part: format ", fmt,
-                " does not match its weights");
+    TORCH_CHECK(shape.q8 == (fmt == kQ8_0) && fmt >= kQ8_0 && fmt <= kQ4_1 && (fmt != kQ4_1 || third.numel() > 0),
+                "tiled part: format ", fmt, " does not match its weights");
     KB = shape.KB;
     return {fmt, shape.T, tq.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(td.data_ptr<at::Half>()),
-            reinterpret_cast<const uint16_t*>(third.data_ptr<at::Half>()), nullptr};
+            tiled_offsets(third), nullptr};
   }
   TORCH_CHECK(tq.is_contiguous() && td.is_contiguous() && third.is_contiguous() && tq.dim() == 3 && td.dim() == 3 &&
               tq.scalar_type() == torch::kUInt8 && td.scalar_type() == torch::kFloat16, "tiled part: tq uint8 [T, KB, "

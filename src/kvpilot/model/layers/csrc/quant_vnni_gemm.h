@@ -11,8 +11,21 @@
 // block b, Q4: 256 bytes: pair p (0..3) holds, for weight row j of the tile, 4 bytes: the GGUF nibble bytes
 // 4p..4p+3 of that row's block (low nibble: values 4p.., high nibble: values 16 + 4p..); Q8_0: 512 bytes: group g
 // (0..7) holds values 4g..4g+3 of each row as q + 128 (vpdpbusd's unsigned operand). td / to: float16
-// [N / 16, KB, 16], the block scales and offsets (Q4_1 m, Q4_0 -8 d, Q8_0 -128 d), so a value is d * q + o.
+// [N / 16, KB, 16], the block scales and offsets, so a value is d * q + o. Only Q4_1 stores its offsets (m); Q4_0's
+// and Q8_0's are -8 d and -128 d, exact in float32 from d, so their tiles carry none (to == nullptr): a stream of
+// 32 bytes a block less to read (docs/benchmark-log.md, 2026-12-02).
 namespace {
+
+// The offset of a block of Q4 (Q4_0) or Q8 (Q8_0) tiles that carry none, as a multiple of its scale
+template <bool Q8>
+constexpr float kDerivedOffset = Q8 ? -128.f : -8.f;
+
+// The 16 offsets of a tile's block: stored (to) or derived from the scales d
+template <bool Q8>
+KVP_VNNI inline __m512 block_offsets512(const uint16_t* to, int64_t s, __m512 d) {
+  if (to == nullptr) return _mm512_mul_ps(d, _mm512_set1_ps(kDerivedOffset<Q8>));
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(to + s)));
+}
 
 // x rows per call: one tile (16 columns) takes 8 rows (8 int32 and 8 float accumulators); a pair of tiles (32
 // columns) takes 4 (the same 16 registers), so every broadcast x value feeds two vpdpbusd instead of one: a
@@ -72,7 +85,7 @@ KVP_VNNI void tiled_tile(const uint8_t* tq, const uint16_t* td, const uint16_t* 
     for (int j = 0; j < NT; ++j) {
       const int64_t s = (j * KB + b) * 16;
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(td + s)));
-      const __m512 o = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(to + s)));
+      const __m512 o = block_offsets512<Q8>(to, s, d);
       for (int r = 0; r < MR; ++r) {
         acc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r][j]), _mm512_mul_ps(d, _mm512_set1_ps(xd[r * KB + b])),
                                     acc[r][j]);
@@ -107,7 +120,7 @@ KVP_VNNI void tiled_rows(const uint8_t* tq, const uint16_t* td, const uint16_t* 
     const int nt = t + 1 < t1 && M >= kPairMinRows ? 2 : 1, step = nt == 2 ? kPairMR : kTiledMR;
     const uint8_t* q = tq + t * KB * (Q8 ? 512 : 256);
     const uint16_t* d = td + t * KB * 16;
-    const uint16_t* o = to + t * KB * 16;
+    const uint16_t* o = to != nullptr ? to + t * KB * 16 : nullptr;
     for (int64_t i = 0; i < M; i += step) {
       const int64_t mr = std::min<int64_t>(step, M - i);
       const int8_t* x = xq + i * K;
@@ -126,7 +139,8 @@ KVP_VNNI void tiled_rows(const uint8_t* tq, const uint16_t* td, const uint16_t* 
 }
 
 // The dense [16 * (t1 - t0), K] rows of tiles [t0, t1): d * q + o per block (one fused multiply-add, as the packed
-// blocks' own dequantization), float32 into out or rounded to bfloat16 (nearest even) into out_bf16; row n of
+// blocks' own dequantization; offsets as tiled_tile's), float32 into out or rounded to bfloat16 (nearest even) into
+// out_bf16; row n of
 // the result at (n - 16 t0) * K. A row's block gathers its 4-byte groups back into GGUF order: Q4 16 nibble bytes
 // (low nibbles values 0..15, high 16..31), Q8_0 32 bytes of q + 128.
 template <bool Q8>
@@ -139,7 +153,7 @@ KVP_VNNI void tiled_dequant_rows(const uint8_t* tq, const uint16_t* td, const ui
     for (int64_t b = 0; b < KB; ++b) {
       const uint8_t* w = tq + (t * KB + b) * width;
       const __m512 d16 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(td + (t * KB + b) * 16)));
-      const __m512 o16 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(to + (t * KB + b) * 16)));
+      const __m512 o16 = block_offsets512<Q8>(to, (t * KB + b) * 16, d16);
       alignas(64) float ds[16], os[16];
       _mm512_store_ps(ds, d16);
       _mm512_store_ps(os, o16);
