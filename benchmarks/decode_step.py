@@ -5,6 +5,8 @@ the mean step time (ms), tokens/s, and the top operators by self CPU time (torch
     .venv/bin/python benchmarks/decode_step.py --model ~/.cache/kvpilot-peers/models/SmolLM2-135M-Instruct.Q4_K_M.gguf \
         --dtype auto --batch 1 --steps 200
     .venv/bin/python benchmarks/decode_step.py --dtype auto --batch 64 --steps 80 --compare-greedy-head
+    .venv/bin/python benchmarks/decode_step.py --model <a GGUF> --dtype auto --batch 1 --context 128 --steps 128 \
+        --breakdown
 
 This is the micro-benchmark behind engine speed changes: the offline throughput's decode phase is these steps.
 """
@@ -72,6 +74,40 @@ def compare_fused(llm: LLM, batch: int, steps: int) -> None:
           f"threads)")
 
 
+def breakdown(llm: LLM, steps: int) -> None:
+    """Per step: the fused decode layers, the output head's greedy argmax and everything else (inputs, embedding,
+    norms, scheduling, outputs), medians over the steps; each part timed around its call."""
+    from kvpilot.model.fused_decode import FusedDecode
+    from kvpilot.model.quant.linear import PackedLinear
+
+    parts: dict[str, float] = {}
+
+    def timed(cls: type, name: str, label: str) -> None:
+        original = getattr(cls, name)
+
+        def call(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - a pass-through
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                parts[label] = parts.get(label, 0.0) + time.perf_counter() - start
+        setattr(cls, name, call)
+
+    timed(FusedDecode, "__call__", "layers (fused)")
+    timed(PackedLinear, "greedy_ids", "output head argmax")
+    rows: dict[str, list[float]] = {"step": [], "layers (fused)": [], "output head argmax": [], "the rest": []}
+    for _ in range(steps):
+        parts.clear()
+        start = time.perf_counter()
+        llm.engine.step()
+        rows["step"].append(time.perf_counter() - start)
+        rows["layers (fused)"].append(parts.get("layers (fused)", 0.0))
+        rows["output head argmax"].append(parts.get("output head argmax", 0.0))
+        rows["the rest"].append(rows["step"][-1] - sum(parts.values()))
+    print(", ".join(f"{name} {statistics.median(values) * 1e3:.3f} ms" for name, values in rows.items())
+          + f" (medians of {steps} steps; {torch.get_num_threads()} threads)")
+
+
 def compare_greedy_head(llm: LLM, batch: int, steps: int) -> None:
     """Greedy ids folded in the output head (LlamaForCausalLM.greedy_ids) against float32 logits + argmax."""
     model = llm.engine.runner.model
@@ -93,6 +129,8 @@ def main() -> None:
                         help="Enough for batch x (context + steps) tokens, or preemptions distort the steps.")
     parser.add_argument("--quantization", default="auto", help="auto | gguf (packed) | none (dense)")
     parser.add_argument("--profile", action="store_true", help="Also print the top operators.")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="Time each step's fused decode layers, the packed output head's argmax and the rest.")
     parser.add_argument("--compare-fused", action="store_true",
                         help="packed models (bf16 or float32) and dense bf16 ones: alternate the fused decode kernel "
                              "(kvpilot.model.fused_decode) and the layer-by-layer forward on the same requests; print both and the ratio.")
@@ -106,6 +144,9 @@ def main() -> None:
     gc.collect()
     gc.freeze()  # as the server does after start-up: steps then time without collecting the model's objects
     timed_steps(llm, 2)  # warm-up
+    if args.breakdown:
+        breakdown(llm, args.steps)
+        return
     if args.compare_fused or args.compare_greedy_head:
         (compare_fused if args.compare_fused else compare_greedy_head)(llm, args.batch, args.steps)
         return
