@@ -38,7 +38,7 @@ def measure(num_blocks: int, prompts: int, huge: bool) -> tuple[float, float]:
     """Median us a layer's write of a 128-token prompt: into fresh blocks, then into the same blocks again."""
     caches = allocate_kv_cache((2, 3, num_blocks, 16, 64), 30, torch.bfloat16, torch.device("cpu"))
     if huge and not all(advise_huge(c) for c in caches):
-        raise SystemExit("madvise(MADV_HUGEPAGE) was refused here")
+        raise SystemExit("no whole 2 MiB page to advise in a layer's cache (--blocks too few), or madvise refused it")
     k, v = torch.randn(128, 3, 64, dtype=torch.bfloat16), torch.randn(128, 3, 64, dtype=torch.bfloat16)
 
     def write(prompt: int) -> float:
@@ -59,7 +59,6 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     for _ in range(args.rounds):
         for huge in (False, True):
             fresh, again = measure(args.blocks, args.prompts, huge)

@@ -51,8 +51,6 @@ def _print_catalogs(console: Console) -> None:
 CAPACITY_PATH = "/v1/kvpilot/capacity"
 
 
-
-
 def fetch_server_capacity(url: str, api_key: str | None = None, timeout_s: float = 10.0) -> dict[str, Any]:
     """GET the server's capacity JSON; FitError with one line saying what went wrong."""
     import httpx

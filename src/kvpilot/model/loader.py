@@ -202,6 +202,7 @@ def _load_hf_dir(path: Path, max_model_len: int | None, dtype: torch.dtype, devi
                  tp: TPRank, quantization: str = "auto", gemm_dtype: torch.dtype | None = None) -> LoadedModel:
     from kvpilot.model.hf_dir import load_safetensors_state_dict, read_hf_config
     from kvpilot.model.quant.checkpoint_scheme import read_checkpoint_scheme, resolve_checkpoint_quantization
+    from kvpilot.model.quant.checkpoint_tensors import take_kv_cache_scales
     from kvpilot.model.tokenizer import tokenizer_from_hf_dir
 
     hf_config = read_hf_config(path)
@@ -212,7 +213,6 @@ def _load_hf_dir(path: Path, max_model_len: int | None, dtype: torch.dtype, devi
         raise ModelLoadError(f"{path}: pre-quantized ({scheme.method}) checkpoints do not run with tensor parallelism "
                              "yet; use --tensor-parallel-size 1")
     state = load_safetensors_state_dict(path, index=plan.index if plan else None)
-    from kvpilot.model.quant.checkpoint_tensors import take_kv_cache_scales
     kv_cache_scales = take_kv_cache_scales(state)
     prequantized = None
     prepare: Callable[[LlamaForCausalLM], object] | None = None
