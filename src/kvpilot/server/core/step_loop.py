@@ -194,7 +194,6 @@ class EngineCore:
         self._step_stats.clear()
         self._rejected.clear()
 
-
     def _send_step(self, result: StepResult) -> None:
         try:
             self.endpoint.send(result)
