@@ -8,7 +8,9 @@ call: an extra pass over every weight byte per GEMM, which dominates at few rows
 shapes x 30 layers (2-vCPU Zen 4 EPYC, 2026-11-27), F.linear on the [in, out] layout (weight_layout.py) vs
 prepacked: 16 rows 23.8 -> 18.3 ms, 64: 64.1 -> 43.1, 144: 82.0 -> 74.3, 512: 285.9 -> 278.1, 1,536: 820.7 ->
 787.3. The products are bit for bit F.linear's (the same oneDNN kernels; checked at 1-1,536 rows on those shapes
-and the output layer's, and in tests/model/test_onednn_linear.py).
+and the output layer's, and in tests/model/test_onednn_linear.py), except on CPUs with AMX: there oneDNN picks its
+blocking of the sums by the call's row count and the weight's layout, so a row's product may differ by a bf16
+rounding from F.linear's and from the same row's in a call of another size (F.linear's own results do too).
 
 The blocked tensor is opaque (no strides, no storage): `dense()` gives the plain values back, by a copy.
 """
@@ -30,7 +32,8 @@ def onednn_bf16_applies(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 class OneDnnWeight:
-    """y = x @ W^T for bf16 x [M, in] and W [out, in]. Invariant: the result equals F.linear(x, W) exactly."""
+    """y = x @ W^T for bf16 x [M, in] and W [out, in]. Invariant: the result equals F.linear(x, W) exactly
+    (within a bf16 rounding on AMX CPUs: see the module docstring)."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         self.out_features, self.in_features = weight.shape
