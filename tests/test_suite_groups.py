@@ -17,8 +17,8 @@ import pytest
 
 CONFTEST = Path(__file__).parent / "conftest.py"
 # the files of the small suite, by the group each belongs to
-FILES = {"tests/ray/test_one.py": "ray", "tests/ray/test_two.py": "ray",
-         "tests/doctor/test_live_one.py": "doctor-live", "tests/doctor/test_live_two.py": "doctor-live",
+FILES = {"tests/ray/test_one.py": "live-timing", "tests/ray/test_two.py": "live-timing",
+         "tests/doctor/test_live_one.py": "live-timing", "tests/doctor/test_live_two.py": "live-timing",
          "tests/engine_e2e/test_batching.py": "engine_e2e-alone",
          "tests/engine_e2e/test_speculative.py": "engine_e2e-alone",
          "tests/model/test_three.py": "tests/model/test_three.py", "tests/model/test_four.py": "tests/model/test_four.py"}
