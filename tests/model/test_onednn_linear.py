@@ -115,3 +115,41 @@ def test_float32_prompt_copies_keep_onednn(tmp_path) -> None:
     model = loaded.model.to(torch.bfloat16)
     assert prepack_bf16_linears(model, float32_min_rows=32) == 4 * len(model.layers) + 1
     assert isinstance(model.layers[0].mlp.down_proj, OneDnnLinear) and isinstance(model.output_head, OneDnnLinear)
+
+
+def test_amx_cpus_keep_prepacked_copies_for_many_rows(tmp_path, monkeypatch) -> None:
+    """On an AMX CPU (its flag patched in here, so any CPU with the AVX512_BF16 kernel checks the mechanism) a dense
+    bf16 model's decoder projections keep a oneDNN-prepacked copy: calls of ONEDNN_MIN_ROWS rows or more run it,
+    fewer the kernel, and the fused decode step takes the copies from that many rows on. The output head (the
+    tied table) keeps float32 logits: no copy. Copies that would not fit the memory share are not made."""
+    from torch import nn
+
+    from kvpilot.fit.model_catalog import get_hf_config
+    from kvpilot.model.fused_decode import DENSE_FUSED_MAX_ROWS
+    from kvpilot.model.layers import onednn_linear
+    from kvpilot.model.layers.bf16_linear import ONEDNN_MIN_ROWS, Bf16Linear, bf16_gemm_kernel
+    from kvpilot.model.loader import load_model
+
+    if bf16_gemm_kernel(torch.bfloat16, CPU) is None:
+        pytest.skip("no AVX512_BF16 kernel on this CPU: dense bf16 layers are OneDnnLinear")
+    monkeypatch.setattr(onednn_linear, "cpu_flags", lambda: frozenset({"amx_bf16"}))
+    small = nn.Module()
+    small.layers = nn.ModuleList([nn.Sequential(nn.Linear(64, 64, bias=False).to(torch.bfloat16))])
+    assert onednn_linear.amx_onednn_copies(small, 10**9) and not onednn_linear.amx_onednn_copies(small, 4 * 64 * 64)
+    config = get_hf_config("smollm2-135m")
+    config["num_hidden_layers"] = 2
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    model = load_model(str(path), load_format="dummy", dtype="bfloat16", max_model_len=64).model
+    projections = [m for m in model.layers.modules() if isinstance(m, Bf16Linear)]
+    assert len(projections) == 4 * 2 and all(isinstance(m.onednn, OneDnnWeight) for m in projections)
+    assert isinstance(model.output_head, Bf16Linear) and model.output_head.onednn is None
+    fused = model.fused_decode
+    assert fused is not None and fused.wide_min_rows == ONEDNN_MIN_ROWS and fused.max_rows == DENSE_FUSED_MAX_ROWS
+    down = model.layers[0].mlp.down_proj
+    gen = torch.Generator().manual_seed(1)
+    for rows in (ONEDNN_MIN_ROWS - 1, ONEDNN_MIN_ROWS, 3 * ONEDNN_MIN_ROWS):
+        x = torch.randn(rows, down.in_features, generator=gen).to(torch.bfloat16)
+        by_kernel = torch.empty(rows, down.out_features, dtype=torch.bfloat16)
+        down.kernel.bf16_linear(by_kernel, x, down.weight.detach(), None)
+        assert torch.equal(down(x), by_kernel if rows < ONEDNN_MIN_ROWS else down.onednn.linear(x)), rows

@@ -14,7 +14,9 @@ packed projections without bias or q/k norms (a fused projection's parts may dif
 takes the int8 path or none does), norm weights and a KV cache in the activations' dtype (bf16 or float32), and
 to a step whose tokens are all decodes, in one consecutive batch, no more than the packed kernels' row limit, run
 by the cpu attention backend. A dense bf16 model whose every projection is a Bf16Linear (AVX512_BF16, no bias)
-qualifies too, up to the rows its kernel takes (bf16_linear.KERNEL_MAX_ROWS), and so does one whose every
+qualifies too, up to the rows its kernel takes (bf16_linear.KERNEL_MAX_ROWS; where every one also keeps a
+prepacked copy, AMX CPUs, steps of ONEDNN_MIN_ROWS rows or more run the copies, up to DENSE_FUSED_MAX_ROWS), and so
+does one whose every
 projection is a OneDnnLinear (oneDNN-prepacked): its projections run the op OneDnnLinear runs, up to the rows
 from which that layer turns to its float32 copy (DENSE_FUSED_MAX_ROWS at most). Anything else takes the modules.
 """
@@ -31,7 +33,7 @@ import torch
 from kvpilot.model.attention.base import StepAttention
 from kvpilot.model.layers.cpp_build import CppKernel, build_cpp_kernel
 from kvpilot.model.layers.cpu_bf16_ops import get_bf16_ops
-from kvpilot.model.layers.bf16_linear import KERNEL_MAX_ROWS, Bf16Linear
+from kvpilot.model.layers.bf16_linear import KERNEL_MAX_ROWS, ONEDNN_MIN_ROWS, Bf16Linear
 from kvpilot.model.layers.onednn_linear import OneDnnLinear
 from kvpilot.model.quant.kernel import SOURCE_NAMES as QUANT_SOURCE_NAMES
 from kvpilot.model.quant.linear import INT8_MAX_ROWS, TILED_COPIES, PackedLinear
@@ -97,9 +99,13 @@ class FusedDecode:
         self.dtype = dtype  # the activations', norm weights' and KV cache's (_qualifying_dtype)
         self.scale = float(config.head_dim ** -0.5)
         linears = [lin for layer in model.layers for lin in _projections(layer)]
+        # from this many rows a step runs the Bf16Linears' prepacked copies (wide_weights), where all have one
+        self.wide_min_rows: int | None = None
         if isinstance(linears[0], Bf16Linear):  # a dense bf16 model (_qualifying_dtype: all of them, no bias)
             self.int8_activations, self.isa = False, 0
             self.max_rows = KERNEL_MAX_ROWS  # the rows its kernel takes (more: oneDNN, in the modules)
+            if all(lin.onednn is not None for lin in linears):
+                self.wide_min_rows, self.max_rows = ONEDNN_MIN_ROWS, DENSE_FUSED_MAX_ROWS
         elif isinstance(linears[0], OneDnnLinear):  # the same, on oneDNN-prepacked weights
             self.int8_activations, self.isa = False, 0
             self.max_rows = min([DENSE_FUSED_MAX_ROWS, *(lin.float32_min_rows - 1 for lin in linears
@@ -115,14 +121,19 @@ class FusedDecode:
         # its part count then their codes, its weights 3 per part (_projection_weights)
         self.weights: list[torch.Tensor] = []
         self.formats: list[int] = []
+        self.wide_weights: list[torch.Tensor] = []
+        self.wide_formats: list[int] = []
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             for norm, projections in ((layer.input_layernorm, (attn.qkv_proj, attn.o_proj)),
                                       (layer.post_attention_layernorm, (mlp.gate_up_proj, mlp.down_proj))):
                 self.weights.append(norm.weight.detach())
+                self.wide_weights.append(norm.weight.detach())
                 for lin in projections:
                     self.weights += _projection_weights(lin)
                     self.formats += _projection_formats(lin)
+                    self.wide_weights += _projection_weights(lin, wide=True)
+                    self.wide_formats += _projection_formats(lin, wide=True)
 
     @classmethod
     def for_model(cls, model: torch.nn.Module) -> FusedDecode | None:
@@ -148,28 +159,31 @@ class FusedDecode:
         meta = attn.meta
         batch = meta.decodes[0]
         int8 = self.int8_activations
+        wide = self.wide_min_rows is not None and x.shape[0] >= self.wide_min_rows
+        weights, formats = (self.wide_weights, self.wide_formats) if wide else (self.weights, self.formats)
         return self.kernel.decode_layers(
-            x.contiguous(), cos.contiguous(), sin.contiguous(), self.weights, self.formats, kv_caches,
+            x.contiguous(), cos.contiguous(), sin.contiguous(), weights, formats, kv_caches,
             meta.slot_mapping, batch.block_tables, batch.context_lens, self.num_heads, self.num_kv_heads,
             self.eps, self.scale, int8, self.isa)
 
 
-def _projection_formats(lin: PackedLinear | OneDnnLinear | Bf16Linear) -> list[int]:
-    """The part count, then each part's code."""
-    if isinstance(lin, OneDnnLinear):
+def _projection_formats(lin: PackedLinear | OneDnnLinear | Bf16Linear, wide: bool = False) -> list[int]:
+    """The part count, then each part's code (`wide`: a Bf16Linear's prepacked copy where it has one)."""
+    if isinstance(lin, OneDnnLinear) or (wide and isinstance(lin, Bf16Linear) and lin.onednn is not None):
         return [1, ONEDNN_BF16_CODE]
     if isinstance(lin, Bf16Linear):
         return [1, PLAIN_BF16_CODE]
     return [len(lin.parts), *(part.format.code for part in lin.parts)]
 
 
-def _projection_weights(lin: PackedLinear | OneDnnLinear | Bf16Linear) -> list[torch.Tensor]:
+def _projection_weights(lin: PackedLinear | OneDnnLinear | Bf16Linear, wide: bool = False) -> list[torch.Tensor]:
     """3 tensors a part: the int8 path's copy where the layer has one (the kernel tells tiled from interleaved by
     td's rank), else the packed blocks (qs, d, m) for the float32 kernel; a dense layer's weight (OneDnnLinear's
-    prepacked, Bf16Linear's plain) and two unused tensors."""
+    prepacked, Bf16Linear's plain, or with `wide` its prepacked copy where it has one) and two unused tensors."""
     if isinstance(lin, DENSE_LINEARS):
         empty = torch.empty(0)
-        return [lin.onednn.packed if isinstance(lin, OneDnnLinear) else lin.weight.detach(), empty, empty]
+        prepacked = isinstance(lin, OneDnnLinear) or (wide and lin.onednn is not None)
+        return [lin.onednn.packed if prepacked else lin.weight.detach(), empty, empty]
     copy = lin.int8_weight
     if isinstance(copy, TiledSet):
         return copy.tensors()

@@ -24,7 +24,7 @@ from kvpilot.model.errors import ModelLoadError, config_errors_as_load_errors
 from kvpilot.model.fused_decode import FusedDecode
 from kvpilot.model.hub import missing_model_message
 from kvpilot.model.layers.moe import prepack_experts
-from kvpilot.model.layers.onednn_linear import prepack_bf16_linears
+from kvpilot.model.layers.onednn_linear import amx_onednn_copies, prepack_bf16_linears
 from kvpilot.model.layers.prompt_gemm import dense_float32_min_rows, resolve_prompt_gemm_dtype
 from kvpilot.model.models.llama import LlamaForCausalLM
 from kvpilot.model.models.registry import ModelFamily, family_for_architecture
@@ -348,7 +348,8 @@ def _load_model(model: str | None, load_format: str, dtype: str, device: str | N
     if torch_device.type == "cpu":
         float32_rows = dense_float32_min_rows(loaded.model, loaded.prompt_gemm_dtype,
                                               psutil.virtual_memory().available)
-        prepack_bf16_linears(loaded.model, float32_rows)  # bf16: oneDNN's layout, once
+        onednn_copies = float32_rows is None and amx_onednn_copies(loaded.model, psutil.virtual_memory().available)
+        prepack_bf16_linears(loaded.model, float32_rows, onednn_copies)  # bf16: oneDNN's layout, once
         prepack_experts(loaded.model)  # mixture-of-experts weights: the same, one expert at a time
         relayout_linear_weights(loaded.model)
         # no fused decode for a TP rank: the C++ layer loop knows nothing of a rank's all-reduces

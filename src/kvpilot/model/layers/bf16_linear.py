@@ -9,9 +9,14 @@ table) on every call; the kernel streams each weight once in its own layout (doc
 figures). Prompts' many rows are compute-bound, where oneDNN on the plain weight is as fast as on its prepacked
 copy, so the weight is held once.
 
-Invariant: up to KERNEL_MAX_ROWS rows, each output row is the kernel's float32 sum (+ bias) rounded once to bf16
-(forward) or kept in float32 (forward_float32), the same whatever other rows share the call; more rows give
-F.linear's result.
+On CPUs with AMX, oneDNN's tile kernels outrun this one from ~8 rows (1.5x at 16, 3.8x at 64 on the embedded
+model's projections): there a decoder projection also keeps a oneDNN-prepacked copy (`onednn`, set by
+onednn_linear.prepack_bf16_linears where the copies fit in memory) for calls of ONEDNN_MIN_ROWS rows or more.
+
+Invariant: up to KERNEL_MAX_ROWS rows (below ONEDNN_MIN_ROWS where a layer has the prepacked copy), each output
+row is the kernel's float32 sum (+ bias) rounded once to bf16 (forward) or kept in float32 (forward_float32), the
+same whatever other rows share the call; more rows give oneDNN's result (F.linear's, or the prepacked copy's,
+which on AMX rounds by the call's row count: onednn_linear.py).
 """
 
 from __future__ import annotations
@@ -26,6 +31,9 @@ from kvpilot.model.layers.cpu_bf16_ops import get_bf16_ops
 
 # up to here the kernel, beyond it oneDNN (about even at 64-128 rows on the embedded model's shapes)
 KERNEL_MAX_ROWS = 64
+# from here a layer with a prepacked copy (AMX CPUs) runs it: even with the kernel at 6-8 rows, 1.5x at 16
+# (benchmarks/bf16_gemm.py, docs/benchmark-log.md 2026-12-02 11:29)
+ONEDNN_MIN_ROWS = 8
 
 
 def bf16_gemm_kernel(dtype: torch.dtype, device: torch.device) -> Any | None:
@@ -45,6 +53,8 @@ class Bf16Linear(nn.Module):
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
         self.bias = bias
         self.kernel = kernel
+        # a OneDnnWeight of the same values for calls of ONEDNN_MIN_ROWS rows or more (AMX CPUs), else None
+        self.onednn: Any | None = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, kernel: Any) -> Bf16Linear:
@@ -60,7 +70,10 @@ class Bf16Linear(nn.Module):
 
     def _forward(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if rows.dtype != torch.bfloat16 or rows.shape[0] > KERNEL_MAX_ROWS:
+        if self.onednn is not None and rows.dtype == out_dtype == torch.bfloat16 \
+                and rows.shape[0] >= ONEDNN_MIN_ROWS:
+            out = self.onednn.linear(rows, self.bias)
+        elif rows.dtype != torch.bfloat16 or rows.shape[0] > KERNEL_MAX_ROWS:
             out = F.linear(rows, self.weight, self.bias).to(out_dtype)
         else:
             out = torch.empty(rows.shape[0], self.out_features, dtype=out_dtype)

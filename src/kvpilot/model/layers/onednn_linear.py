@@ -17,11 +17,20 @@ The blocked tensor is opaque (no strides, no storage): `dense()` gives the plain
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvpilot.fit.fingerprint import cpu_flags
 from kvpilot.model.layers.bf16_linear import Bf16Linear, bf16_gemm_kernel
+
+logger = logging.getLogger("kvpilot")
+
+# AMX CPUs: the prepacked copies of a dense bf16 model's decoder projections (beside the kernel's plain weights)
+# may take at most this share of the memory available at load
+ONEDNN_COPY_MAX_MEMORY_SHARE = 0.25
 
 
 def onednn_bf16_applies(dtype: torch.dtype, device: torch.device) -> bool:
@@ -110,19 +119,40 @@ def bf16_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
     return found
 
 
+def amx_onednn_copies(model: nn.Module, available_bytes: int) -> bool:
+    """Whether the Bf16Linear decoder projections of `model` should also keep oneDNN-prepacked copies: on a CPU
+    with AMX (bf16_linear.py: oneDNN's tile kernels win from ONEDNN_MIN_ROWS rows), where the copies fit
+    ONEDNN_COPY_MAX_MEMORY_SHARE of `available_bytes` (else logged)."""
+    if "amx_bf16" not in cpu_flags():
+        return False
+    copy_bytes = 2 * sum(linear.weight.numel() for parent, name, linear in bf16_linears(model)
+                         if not (name == "lm_head" and parent is model))
+    if copy_bytes > ONEDNN_COPY_MAX_MEMORY_SHARE * available_bytes:
+        logger.info("decode steps of many rows without AMX tiles: a prepacked copy of the weights would take "
+                    "%.1f GiB of the %.1f GiB available", copy_bytes / 2**30, available_bytes / 2**30)
+        return False
+    return copy_bytes > 0
+
+
 @torch.no_grad()
-def prepack_bf16_linears(model: nn.Module, float32_min_rows: int | None = None) -> int:
+def prepack_bf16_linears(model: nn.Module, float32_min_rows: int | None = None, onednn_copies: bool = False) -> int:
     """Replaces the layers bf16_linears finds: on a CPU with AVX512_BF16 (and no float32 copies asked for) by
-    Bf16Linear, plain weights run by kvpilot's kernel at few rows, and a tied output layer (the embedding table)
+    Bf16Linear, plain weights run by kvpilot's kernel at few rows (with `onednn_copies`, the decoder projections
+    also keep a prepacked copy for many rows: amx_onednn_copies), and a tied output layer (the embedding table)
     gets one too as the model's `output_head`; elsewhere by OneDnnLinear (with `float32_min_rows`: and a float32
     copy for calls of that many rows). An untied output layer becomes the model's `output_head` either way.
     Returns how many layers were replaced (a CPU model's; none elsewhere)."""
     found = bf16_linears(model)
     kernel = bf16_gemm_kernel(torch.bfloat16, torch.device("cpu")) if found and float32_min_rows is None else None
     for parent, name, linear in found:
-        setattr(parent, name, OneDnnLinear(linear, float32_min_rows) if kernel is None
-                else Bf16Linear.from_linear(linear, kernel))
-        if name == "lm_head" and parent is model:
+        head = name == "lm_head" and parent is model
+        if kernel is None:
+            setattr(parent, name, OneDnnLinear(linear, float32_min_rows))
+        else:
+            setattr(parent, name, Bf16Linear.from_linear(linear, kernel))
+            if onednn_copies and not head:  # the head's logits stay float32: the kernel's, or F.linear's
+                getattr(parent, name).onednn = OneDnnWeight(linear.weight.detach())
+        if head:
             model.output_head = model.lm_head
     output_weight = getattr(model, "output_weight", None)
     table = output_weight() if callable(output_weight) and getattr(model, "lm_head", None) is None else None
