@@ -24,8 +24,23 @@ LLAMA_CPP_PYTHON = "llama-cpp-python[server]==0.3.36"
 # off in llama-cpp-python's build; with them on, llama.cpp's tools/ adds mtmd itself (so LLAVA_BUILD, which
 # adds it again, goes off: the Python package imports mtmd only for multimodal chat). The web UI would be
 # fetched from the network, so it is left out.
-CMAKE_ARGS = ("-DGGML_NATIVE=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON -DLLAVA_BUILD=OFF "
-              "-DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF")
+BUILD_ARGS = ("-DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON -DLLAVA_BUILD=OFF -DLLAMA_USE_PREBUILT_UI=OFF "
+              "-DLLAMA_BUILD_UI=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF")
+# On a CPU with AMX, -march=native also compiles ggml's AMX matmuls, whose worker threads run tile instructions
+# without asking the kernel for the AMX state (Linux grants it per thread: XFD); llama-server then dies with SIGILL
+# or SIGSEGV at its first matmul (a 2-vCPU Sapphire Rapids-class KVM guest, 2026-12-02; llama.cpp PR 26954, open).
+# There the build names this CPU's AVX-512 features instead, as users of such machines build it.
+AMX_SAFE_FEATURES = ("-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON "
+                     "-DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON")
+
+
+@functools.cache
+def cmake_args() -> str:
+    """The CMake arguments of this machine's build: GGML_NATIVE, or without AMX (AMX_SAFE_FEATURES) on AMX CPUs."""
+    from kvpilot.fit.fingerprint import cpu_flags
+
+    features = AMX_SAFE_FEATURES if "amx_int8" in cpu_flags() else "-DGGML_NATIVE=ON"
+    return f"{features} {BUILD_ARGS}"
 
 
 KV_UNIFIED_FLAG = "--kv-unified"  # one KV buffer all slots share; older builds lack it (see llama_server_help)
@@ -45,17 +60,17 @@ def install_llamacpp(cache_dir: Path, num_build_jobs: int) -> PeerVenv:
     The sdist is unpacked once into the cache and built there with a kept build directory, so an
     interrupted compile resumes where it stopped (pip's temporary source folders would start it anew)."""
     venv = llamacpp_venv(cache_dir)
-    if venv.is_installed():
+    if venv.is_installed() and f"CMAKE_ARGS={cmake_args()};" in venv.marker.read_text():
         return venv
     venv.create_fresh()
     source = _unpacked_sdist(venv, cache_dir)
     _drop_stale_build(cache_dir, source)
-    env = {"CMAKE_ARGS": CMAKE_ARGS, "CMAKE_BUILD_PARALLEL_LEVEL": str(num_build_jobs), "FORCE_CMAKE": "1"}
+    env = {"CMAKE_ARGS": cmake_args(), "CMAKE_BUILD_PARALLEL_LEVEL": str(num_build_jobs), "FORCE_CMAKE": "1"}
     # --no-cache-dir: a wheel cached from a build without the kept build dir would skip llama-server.
     venv.pip(["install", "--no-cache-dir", f"--config-settings=build-dir={build_dir(cache_dir)}",
               f"{source}[server]"], "build and install llama-cpp-python[server]", env)
     server = find_llama_server(cache_dir)
-    venv.mark_installed(f"{LLAMA_CPP_PYTHON}; CMAKE_ARGS={CMAKE_ARGS}; llama-server: {server}")
+    venv.mark_installed(f"{LLAMA_CPP_PYTHON}; CMAKE_ARGS={cmake_args()}; llama-server: {server}")
     return venv
 
 
@@ -80,9 +95,9 @@ def _unpacked_sdist(venv: PeerVenv, cache_dir: Path) -> Path:
 
 
 def _drop_stale_build(cache_dir: Path, source: Path) -> None:
-    """Keeps the build directory only if it was configured from `source` with today's CMAKE_ARGS."""
+    """Keeps the build directory only if it was configured from `source` with today's cmake_args()."""
     build, stamp = build_dir(cache_dir), build_dir(cache_dir) / "kvpilot-build-stamp.txt"
-    expected = f"{source}\n{CMAKE_ARGS}\n"
+    expected = f"{source}\n{cmake_args()}\n"
     if not (stamp.is_file() and stamp.read_text() == expected):
         shutil.rmtree(build, ignore_errors=True)
         build.mkdir(parents=True)
