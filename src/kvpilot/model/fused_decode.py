@@ -15,10 +15,10 @@ takes the int8 path or none does), norm weights and a KV cache in the activation
 to a step whose tokens are all decodes, in one consecutive batch, no more than the packed kernels' row limit, run
 by the cpu attention backend. A dense bf16 model whose every projection is a Bf16Linear (AVX512_BF16, no bias)
 qualifies too, up to the rows its kernel takes (bf16_linear.KERNEL_MAX_ROWS; where every one also keeps a
-prepacked copy, AMX CPUs, steps of ONEDNN_MIN_ROWS rows or more run the copies, up to DENSE_FUSED_MAX_ROWS), and so
-does one whose every
-projection is a OneDnnLinear (oneDNN-prepacked): its projections run the op OneDnnLinear runs, up to the rows
-from which that layer turns to its float32 copy (DENSE_FUSED_MAX_ROWS at most). Anything else takes the modules.
+prepacked copy, on AMX CPUs, steps of ONEDNN_MIN_ROWS rows or more run the copies, up to DENSE_FUSED_MAX_ROWS),
+and so does one whose every projection is a OneDnnLinear (oneDNN-prepacked): its projections run the op
+OneDnnLinear runs, up to the rows from which that layer turns to its float32 copy (DENSE_FUSED_MAX_ROWS at most).
+Anything else takes the modules.
 """
 
 from __future__ import annotations
