@@ -117,23 +117,9 @@ class FusedDecode:
                                 TILED_FUSED_MAX_ROWS if tiled else
                                 INT8_MAX_ROWS if self.int8_activations else FLOAT32_KERNEL_MAX_ROWS)
             self.isa = linears[0].isa
-        # per layer, in the kernel's order: in_norm, qkv, o, post_norm, gate_up, down; a projection's formats are
-        # its part count then their codes, its weights 3 per part (_projection_weights)
-        self.weights: list[torch.Tensor] = []
-        self.formats: list[int] = []
-        self.wide_weights: list[torch.Tensor] = []
-        self.wide_formats: list[int] = []
-        for layer in model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            for norm, projections in ((layer.input_layernorm, (attn.qkv_proj, attn.o_proj)),
-                                      (layer.post_attention_layernorm, (mlp.gate_up_proj, mlp.down_proj))):
-                self.weights.append(norm.weight.detach())
-                self.wide_weights.append(norm.weight.detach())
-                for lin in projections:
-                    self.weights += _projection_weights(lin)
-                    self.formats += _projection_formats(lin)
-                    self.wide_weights += _projection_weights(lin, wide=True)
-                    self.wide_formats += _projection_formats(lin, wide=True)
+        self.weights, self.formats = _kernel_weights(model)
+        self.wide_weights, self.wide_formats = (_kernel_weights(model, wide=True) if self.wide_min_rows is not None
+                                                else (self.weights, self.formats))
 
     @classmethod
     def for_model(cls, model: torch.nn.Module) -> FusedDecode | None:
@@ -165,6 +151,22 @@ class FusedDecode:
             x.contiguous(), cos.contiguous(), sin.contiguous(), weights, formats, kv_caches,
             meta.slot_mapping, batch.block_tables, batch.context_lens, self.num_heads, self.num_kv_heads,
             self.eps, self.scale, int8, self.isa)
+
+
+def _kernel_weights(model: torch.nn.Module, wide: bool = False) -> tuple[list[torch.Tensor], list[int]]:
+    """The kernel's weights and formats: per layer, in its order, in_norm, qkv, o, post_norm, gate_up, down; a
+    projection's formats are its part count then their codes, its weights 3 per part (_projection_weights)."""
+    weights: list[torch.Tensor] = []
+    formats: list[int] = []
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for norm, projections in ((layer.input_layernorm, (attn.qkv_proj, attn.o_proj)),
+                                  (layer.post_attention_layernorm, (mlp.gate_up_proj, mlp.down_proj))):
+            weights.append(norm.weight.detach())
+            for lin in projections:
+                weights += _projection_weights(lin, wide)
+                formats += _projection_formats(lin, wide)
+    return weights, formats
 
 
 def _projection_formats(lin: PackedLinear | OneDnnLinear | Bf16Linear, wide: bool = False) -> list[int]:

@@ -346,9 +346,9 @@ def _load_model(model: str | None, load_format: str, dtype: str, device: str | N
         quantize_fp8_layers(loaded.model)
         loaded.quantization = "fp8"
     if torch_device.type == "cpu":
-        float32_rows = dense_float32_min_rows(loaded.model, loaded.prompt_gemm_dtype,
-                                              psutil.virtual_memory().available)
-        onednn_copies = float32_rows is None and amx_onednn_copies(loaded.model, psutil.virtual_memory().available)
+        available = psutil.virtual_memory().available
+        float32_rows = dense_float32_min_rows(loaded.model, loaded.prompt_gemm_dtype, available)
+        onednn_copies = float32_rows is None and amx_onednn_copies(loaded.model, available)
         prepack_bf16_linears(loaded.model, float32_rows, onednn_copies)  # bf16: oneDNN's layout, once
         prepack_experts(loaded.model)  # mixture-of-experts weights: the same, one expert at a time
         relayout_linear_weights(loaded.model)

@@ -149,9 +149,10 @@ def prepack_bf16_linears(model: nn.Module, float32_min_rows: int | None = None, 
         if kernel is None:
             setattr(parent, name, OneDnnLinear(linear, float32_min_rows))
         else:
-            setattr(parent, name, Bf16Linear.from_linear(linear, kernel))
+            layer = Bf16Linear.from_linear(linear, kernel)
             if onednn_copies and not head:  # the head's logits stay float32: the kernel's, or F.linear's
-                getattr(parent, name).onednn = OneDnnWeight(linear.weight.detach())
+                layer.onednn = OneDnnWeight(linear.weight.detach())
+            setattr(parent, name, layer)
         if head:
             model.output_head = model.lm_head
     output_weight = getattr(model, "output_weight", None)
