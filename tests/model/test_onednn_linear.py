@@ -121,13 +121,16 @@ def test_amx_cpus_keep_prepacked_copies_for_many_rows(tmp_path, monkeypatch) -> 
     """On an AMX CPU (its flag patched in here, so any CPU with the AVX512_BF16 kernel checks the mechanism) a dense
     bf16 model's decoder projections keep a oneDNN-prepacked copy: calls of ONEDNN_MIN_ROWS rows or more run it,
     fewer the kernel, and the fused decode step takes the copies from that many rows on. The output head (the
-    tied table) keeps float32 logits: no copy. Copies that would not fit the memory share are not made."""
+    tied table) keeps float32 logits, from a float32 copy of the table in oneDNN's bf16 math mode from
+    FLOAT32_COPY_MIN_ROWS rows (the float32 sums of exact products, the mode restored after the call). Copies
+    that would not fit the memory share are not made."""
     from torch import nn
 
     from kvpilot.fit.model_catalog import get_hf_config
     from kvpilot.model.fused_decode import DENSE_FUSED_MAX_ROWS
     from kvpilot.model.layers import onednn_linear
-    from kvpilot.model.layers.bf16_linear import ONEDNN_MIN_ROWS, Bf16Linear, bf16_gemm_kernel
+    from kvpilot.model.layers.bf16_linear import FLOAT32_COPY_MIN_ROWS, ONEDNN_MIN_ROWS, Bf16Linear, \
+        bf16_gemm_kernel, bf16_math_linear
     from kvpilot.model.loader import load_model
 
     if bf16_gemm_kernel(torch.bfloat16, CPU) is None:
@@ -143,7 +146,9 @@ def test_amx_cpus_keep_prepacked_copies_for_many_rows(tmp_path, monkeypatch) -> 
     model = load_model(str(path), load_format="dummy", dtype="bfloat16", max_model_len=64).model
     projections = [m for m in model.layers.modules() if isinstance(m, Bf16Linear)]
     assert len(projections) == 4 * 2 and all(isinstance(m.onednn, OneDnnWeight) for m in projections)
-    assert isinstance(model.output_head, Bf16Linear) and model.output_head.onednn is None
+    head = model.output_head
+    assert isinstance(head, Bf16Linear) and head.onednn is None and head.weight is model.embed_tokens.weight
+    assert head.float32_copy.dtype == torch.float32 and torch.equal(head.float32_copy, head.weight.float())
     fused = model.fused_decode
     assert fused is not None and fused.wide_min_rows == ONEDNN_MIN_ROWS and fused.max_rows == DENSE_FUSED_MAX_ROWS
     down = model.layers[0].mlp.down_proj
@@ -153,3 +158,14 @@ def test_amx_cpus_keep_prepacked_copies_for_many_rows(tmp_path, monkeypatch) -> 
         by_kernel = torch.empty(rows, down.out_features, dtype=torch.bfloat16)
         down.kernel.bf16_linear(by_kernel, x, down.weight.detach(), None)
         assert torch.equal(down(x), by_kernel if rows < ONEDNN_MIN_ROWS else down.onednn.linear(x)), rows
+    precision = torch.backends.mkldnn.matmul.fp32_precision
+    for rows in (FLOAT32_COPY_MIN_ROWS - 1, FLOAT32_COPY_MIN_ROWS, 64):
+        x = torch.randn(rows, head.in_features, generator=gen).to(torch.bfloat16)
+        by_kernel = torch.empty(rows, head.out_features, dtype=torch.float32)
+        head.kernel.bf16_linear(by_kernel, x, head.weight.detach(), None)
+        logits = head.forward_float32(x)
+        exact = F.linear(x.double(), head.weight.double())
+        assert logits.dtype == torch.float32 and torch.allclose(logits.double(), exact, rtol=0, atol=1e-5), rows
+        by_copy = bf16_math_linear(x.float(), head.float32_copy, None)
+        assert torch.equal(logits, by_kernel if rows < FLOAT32_COPY_MIN_ROWS else by_copy), rows
+        assert torch.backends.mkldnn.matmul.fp32_precision == precision

@@ -11,12 +11,17 @@ copy, so the weight is held once.
 
 On CPUs with AMX, oneDNN's tile kernels outrun this one from ~8 rows (1.5x at 16, 3.8x at 64 on the embedded
 model's projections): there a decoder projection also keeps a oneDNN-prepacked copy (`onednn`, set by
-onednn_linear.prepack_bf16_linears where the copies fit in memory) for calls of ONEDNN_MIN_ROWS rows or more.
+onednn_linear.prepack_bf16_linears where the copies fit in memory) for calls of ONEDNN_MIN_ROWS rows or more, and
+the output head a float32 copy (`float32_copy`) for float32 logits of FLOAT32_COPY_MIN_ROWS rows or more: oneDNN
+has no bf16 GEMM with float32 results, but runs a float32 GEMM on AMX tiles in bf16 when told to (its fp32 math
+mode 'bf16'); the rows and the copy hold bf16 values, so the products are exact and the sums float32, as the
+kernel's.
 
 Invariant: up to KERNEL_MAX_ROWS rows (below ONEDNN_MIN_ROWS where a layer has the prepacked copy), each output
 row is the kernel's float32 sum (+ bias) rounded once to bf16 (forward) or kept in float32 (forward_float32), the
 same whatever other rows share the call; more rows give oneDNN's result (F.linear's, or the prepacked copy's,
-which on AMX rounds by the call's row count: onednn_linear.py).
+which on AMX rounds by the call's row count: onednn_linear.py; the float32 copy's sums are added in another
+order than the kernel's, so they may differ from them in the last float32 bits).
 """
 
 from __future__ import annotations
@@ -34,6 +39,9 @@ KERNEL_MAX_ROWS = 64
 # from here a layer with a prepacked copy (AMX CPUs) runs it: even with the kernel at 6-8 rows, 1.5x at 16
 # (benchmarks/bf16_gemm.py, docs/benchmark-log.md 2026-12-02 11:29)
 ONEDNN_MIN_ROWS = 8
+# from here an output head with a float32 copy (AMX CPUs) runs it (even with the kernel at ~24 rows in a decode
+# step: the copy is twice the bytes; docs/benchmark-log.md 2026-12-02 14:02)
+FLOAT32_COPY_MIN_ROWS = 32
 
 
 def bf16_gemm_kernel(dtype: torch.dtype, device: torch.device) -> Any | None:
@@ -55,6 +63,8 @@ class Bf16Linear(nn.Module):
         self.kernel = kernel
         # a OneDnnWeight of the same values for calls of ONEDNN_MIN_ROWS rows or more (AMX CPUs), else None
         self.onednn: Any | None = None
+        # an output head's [out, in] float32 copy for float32 calls of FLOAT32_COPY_MIN_ROWS rows or more (AMX)
+        self.float32_copy: torch.Tensor | None = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, kernel: Any) -> Bf16Linear:
@@ -73,9 +83,23 @@ class Bf16Linear(nn.Module):
         if self.onednn is not None and rows.dtype == out_dtype == torch.bfloat16 \
                 and rows.shape[0] >= ONEDNN_MIN_ROWS:
             out = self.onednn.linear(rows, self.bias)
+        elif self.float32_copy is not None and out_dtype == torch.float32 and rows.dtype == torch.bfloat16 \
+                and rows.shape[0] >= FLOAT32_COPY_MIN_ROWS:
+            out = bf16_math_linear(rows.float(), self.float32_copy, self.bias)
         elif rows.dtype != torch.bfloat16 or rows.shape[0] > KERNEL_MAX_ROWS:
             out = F.linear(rows, self.weight, self.bias).to(out_dtype)
         else:
             out = torch.empty(rows.shape[0], self.out_features, dtype=out_dtype)
             self.kernel.bf16_linear(out, rows.contiguous(), self.weight.detach(), self.bias)
         return out.view(*x.shape[:-1], self.out_features)
+
+
+def bf16_math_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x, weight) in float32 with oneDNN's float32 math mode 'bf16' (AMX tiles; inputs rounded to bf16,
+    float32 sums): exact products where x and weight hold bf16 values. The mode is restored after the call."""
+    precision = torch.backends.mkldnn.matmul.fp32_precision
+    torch.backends.mkldnn.matmul.fp32_precision = "bf16"
+    try:
+        return F.linear(x, weight, None if bias is None else bias.float())
+    finally:
+        torch.backends.mkldnn.matmul.fp32_precision = precision

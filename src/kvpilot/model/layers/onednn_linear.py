@@ -120,13 +120,15 @@ def bf16_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
 
 
 def amx_onednn_copies(model: nn.Module, available_bytes: int) -> bool:
-    """Whether the Bf16Linear decoder projections of `model` should also keep oneDNN-prepacked copies: on a CPU
-    with AMX (bf16_linear.py: oneDNN's tile kernels win from ONEDNN_MIN_ROWS rows), where the copies fit
-    ONEDNN_COPY_MAX_MEMORY_SHARE of `available_bytes` (else logged)."""
+    """Whether the Bf16Linear decoder projections of `model` should also keep oneDNN-prepacked copies, and its
+    bf16 output head a float32 copy: on a CPU with AMX (bf16_linear.py: oneDNN's tile kernels win from
+    ONEDNN_MIN_ROWS rows), where the copies fit ONEDNN_COPY_MAX_MEMORY_SHARE of `available_bytes` (else logged)."""
     if "amx_bf16" not in cpu_flags():
         return False
     copy_bytes = 2 * sum(linear.weight.numel() for parent, name, linear in bf16_linears(model)
                          if not (name == "lm_head" and parent is model))
+    head = _dense_head_weight(model) if getattr(model, "output_head", None) is None else None  # else packed
+    copy_bytes += 0 if head is None else 4 * head.numel()
     if copy_bytes > ONEDNN_COPY_MAX_MEMORY_SHARE * available_bytes:
         logger.info("decode steps of many rows without AMX tiles: a prepacked copy of the weights would take "
                     "%.1f GiB of the %.1f GiB available", copy_bytes / 2**30, available_bytes / 2**30)
@@ -150,14 +152,26 @@ def prepack_bf16_linears(model: nn.Module, float32_min_rows: int | None = None, 
             setattr(parent, name, OneDnnLinear(linear, float32_min_rows))
         else:
             layer = Bf16Linear.from_linear(linear, kernel)
-            if onednn_copies and not head:  # the head's logits stay float32: the kernel's, or F.linear's
+            if onednn_copies and head:  # float32 logits: the kernel's sums, or the float32 copy's on AMX tiles
+                layer.float32_copy = linear.weight.detach().float()
+            elif onednn_copies:
                 layer.onednn = OneDnnWeight(linear.weight.detach())
             setattr(parent, name, layer)
         if head:
             model.output_head = model.lm_head
-    output_weight = getattr(model, "output_weight", None)
-    table = output_weight() if callable(output_weight) and getattr(model, "lm_head", None) is None else None
-    if kernel is not None and table is not None and getattr(model, "output_head", None) is None \
-            and table.dtype == torch.bfloat16 and table.device.type == "cpu":
+    table = _dense_head_weight(model) if getattr(model, "lm_head", None) is None else None
+    if kernel is not None and table is not None and getattr(model, "output_head", None) is None:
         model.output_head = Bf16Linear(table, None, kernel)  # the table itself, shared with the lookup
+        if onednn_copies:
+            model.output_head.float32_copy = table.detach().float()
     return len(found)
+
+
+def _dense_head_weight(model: nn.Module) -> torch.Tensor | None:
+    """The bf16 CPU weight of `model`'s output layer (the embedding table when tied), None when it has none or
+    the layer is packed or of another dtype or device."""
+    output_weight = getattr(model, "output_weight", None)
+    weight = output_weight() if callable(output_weight) else None
+    if weight is None or weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+        return None
+    return weight
