@@ -19,6 +19,8 @@ import gguf
 import numpy as np
 from gguf.quants import dequantize
 
+from kvpilot.fit.gguf_metadata import open_gguf
+
 from tests.model.kquant_blocks import quantize_blocks
 
 MIXES = ("Q4_K_M", "Q5_K_M", "Q4_0", "TABLE_MIX")
@@ -67,7 +69,7 @@ def _copy_fields(reader: gguf.GGUFReader, writer: gguf.GGUFWriter) -> None:
 def requantize(source: Path, target: Path, mix: str) -> dict[str, str]:
     """Writes `source` as `mix` to `target` (under a .partial name, renamed when complete); returns the types by
     tensor name."""
-    reader = gguf.GGUFReader(source)
+    reader = open_gguf(source)  # kvpilot's reader: the vocabulary's arrays in bulk (gguf's own took ~3.4 s)
     layers = int(reader.fields["llama.block_count"].contents())
     partial = target.with_name(target.name + ".partial")
     writer = gguf.GGUFWriter(partial, str(reader.fields["general.architecture"].contents()))
