@@ -19,6 +19,9 @@ MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed's upper bound
 MAX_TOKEN_ID = 2**31 - 1  # token ids are stored as int32 (the runner's persistent batch)
 MAX_TOP_K = 2**31 - 1  # any value over the vocabulary size keeps every token
 MIN_TEMPERATURE = 1e-2  # smaller positive temperatures are raised to it (as vLLM does): float32 overflows
+# larger ones are lowered to it: past float32's range a temperature became inf and a banned token's -inf / inf a
+# NaN probability; at 1e8 the allowed tokens are drawn practically uniformly, as at any larger temperature
+MAX_TEMPERATURE = 1e8
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-2, 1e2  # beyond these float32 logits reach inf
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100  # OpenAI's range
@@ -34,7 +37,7 @@ class SamplingParams:
 
     Invariants (checked in __post_init__; SamplingParamsError names the field): integer fields are ints
     (not bools) and float fields finite real numbers; max_tokens >= 1, 0 <= min_tokens <= max_tokens,
-    temperature == 0 (greedy) or in [MIN_TEMPERATURE, inf) (a smaller positive one is raised to it),
+    temperature == 0 (greedy) or in [MIN_TEMPERATURE, MAX_TEMPERATURE] (one outside is moved to the nearer bound),
     0 < top_p <= 1, top_k 0 or -1 (off, as vLLM and HF accept) or 1..MAX_TOP_K, 0 <= min_p <= 1, repetition_penalty in
     [MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY], presence/frequency penalties in [-2, 2],
     seed None or 0..MAX_SEED, stop strings non-empty, stop_token_ids in 0..MAX_TOKEN_ID,
@@ -73,6 +76,7 @@ class SamplingParams:
         self._check_structured_outputs()
         if 0 < self.temperature < MIN_TEMPERATURE:
             self.temperature = MIN_TEMPERATURE
+        self.temperature = min(self.temperature, MAX_TEMPERATURE)
 
     def _check_types(self) -> None:
         for name in ("max_tokens", "top_k", "min_tokens"):

@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 
 from kvpilot import LLM, SamplingParams, StructuredOutputsParams
-from kvpilot.sampling_params import SamplingParamsError
+from kvpilot.sampling_params import MAX_TEMPERATURE, SamplingParamsError
 from kvpilot.structured_outputs import StructuredOutputsError
 from tests.engine_e2e.conftest import assert_no_leak
 
@@ -57,6 +57,17 @@ def test_regex_choice_and_json_object(llm_fp32: LLM) -> None:
                         SamplingParams(temperature=0, max_tokens=40,
                                        structured_outputs=StructuredOutputsParams(json_object=True)))
     assert isinstance(json.loads(obj[0].outputs[0].text), dict), obj[0].outputs[0].text
+
+
+def test_a_temperature_past_float32_still_samples_only_allowed_tokens(llm_fp32: LLM) -> None:
+    """1e300 is a finite temperature, lowered to MAX_TEMPERATURE: as float32 it was inf, and a banned token's
+    -inf / inf a NaN probability (the request failed on a token id past the vocabulary)."""
+    params = SamplingParams(temperature=1e300, seed=4, max_tokens=10,
+                            structured_outputs=StructuredOutputsParams(choice=["yes", "no", "maybe not"]))
+    assert params.temperature == MAX_TEMPERATURE
+    outputs = llm_fp32.generate(["Is the sky green?"] * 3, [params] * 3)
+    assert all(o.outputs[0].finish_reason == "stop" for o in outputs), [o.outputs[0].finish_reason for o in outputs]
+    assert set(_texts(outputs)) <= {"yes", "no", "maybe not"}, _texts(outputs)
 
 
 def test_unconstrained_rows_are_unchanged_next_to_constrained_ones(llm_fp32: LLM) -> None:
