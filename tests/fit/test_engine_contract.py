@@ -95,3 +95,18 @@ def test_a_cpus_auto_dtype_is_the_engines(embedded_model: LoadedModel) -> None:
     assert (fast, slow) == (2 * params, 4 * params)
     assert weight_bytes(dense, on_gpu=True, cpu_fast_bf16=False).num_bytes == 2 * params  # a GPU: the checkpoint's
     assert weight_bytes(dense, dtype="bf16", on_gpu=False, cpu_fast_bf16=False).num_bytes == 2 * params
+
+
+def test_a_dense_bf16_model_on_an_amx_cpu_notes_the_decode_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On this machine's CPU (cpu_fast_bf16 None) with AMX, a dense bf16 model's weights carry the note of the
+    prepacked and float32 copies the loader keeps there (model/layers/onednn_linear.py); not on a GPU, not without
+    AMX, not in float32."""
+    from kvpilot.fit import weights
+
+    dense = load_model("qwen3-0.6b")
+    monkeypatch.setattr(weights, "cpu_flags", lambda: frozenset({"avx512_bf16", "amx_bf16"}))
+    assert weight_bytes(dense, dtype="bf16", on_gpu=False).notes == (weights.AMX_COPIES_NOTE,)
+    assert weight_bytes(dense, dtype="bf16", on_gpu=True).notes == ()
+    assert weight_bytes(dense, dtype="float32", on_gpu=False).notes == ()
+    monkeypatch.setattr(weights, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
+    assert weight_bytes(dense, dtype="bf16", on_gpu=False).notes == ()

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvpilot.fit.checkpoint_formats import checkpoint_linear_bits
-from kvpilot.fit.fingerprint import cpu_int8_path
+from kvpilot.fit.fingerprint import cpu_flags, cpu_int8_path
 from kvpilot.fit.gguf_holding import PACKED_FAMILIES, held_gguf, int8_path_takes_all, packed_bits
 from kvpilot.fit.gguf_mixes import BASE_TYPES, file_bits_per_weight, mix_tensors
 from kvpilot.fit.gguf_sizes import GgufTensor
@@ -69,7 +69,15 @@ def weight_bytes(model: LoadedModel, weight_dtype: str = "auto", dtype: str = "a
     if key == "auto" and isinstance(quant, dict) and quant.get("quant_method"):
         name, bits, note = checkpoint_linear_bits(quant, on_gpu, compute_bits)
         return _by_role(model, WeightFormat(name, bits, compute_bits, compute_bits), (note,))
-    return _by_role(model, weight_format(weight_dtype, model.spec, dtype))
+    fmt = weight_format(weight_dtype, model.spec, dtype)
+    amx = not on_gpu and cpu_fast_bf16 is None and fmt.name == "bf16" and "amx_bf16" in cpu_flags()
+    return _by_role(model, fmt, (AMX_COPIES_NOTE,) if amx else ())
+
+
+# model/layers/onednn_linear.py's amx_onednn_copies: not counted in the bytes, as the prompt GEMMs' dense copies
+AMX_COPIES_NOTE = ("On this CPU (AMX) kvpilot also keeps oneDNN-prepacked copies of the decoder's bf16 projections "
+                   "(2 bytes a weight) and a float32 copy of the output layer (4 bytes a weight) for decode steps of "
+                   "many rows, where they fit a quarter of the free memory; not counted above.")
 
 
 def int8_packed(model: LoadedModel, weight_dtype: str = "auto", cpu_int8: str | None = None) -> bool:
