@@ -6,6 +6,7 @@ read 30 times (from cache). Prints ms per 30 layers, GB/s of K/V read, and the r
 
     .venv/bin/python benchmarks/cpu_decode_attention.py
     .venv/bin/python benchmarks/cpu_decode_attention.py --batch 16 --context 1000 --threads 1 2
+    .venv/bin/python benchmarks/cpu_decode_attention.py --block-size 16 64 128
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 from kvpilot.model.layers.cpu_decode_kernel import get_kernel
 
-NUM_LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 30, 9, 3, 64, 16
+NUM_LAYERS, HEADS, KV_HEADS, HEAD_DIM = 30, 9, 3, 64
 
 
 def read_bandwidth(num_bytes: int = 512 * 2**20) -> float:
@@ -46,32 +47,39 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=200)
     parser.add_argument("--threads", type=int, nargs="+", default=[2])
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--block-size", type=int, nargs="+", default=[16], help="KV block sizes (tokens) to compare")
     args = parser.parse_args()
     kernel = get_kernel()
     if kernel is None:
         raise SystemExit("the CPU decode kernel could not be built here (no C++ compiler?)")
+    print(f"# batch {args.batch}, context {args.context}: "
+          f"{NUM_LAYERS * args.batch * args.context * KV_HEADS * HEAD_DIM * 4 / 1e6:.0f} MB of bf16 K/V per 30 layers")
+    for block_size in args.block_size:
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            time_block_size(kernel, args, block_size, threads)
+
+
+def time_block_size(kernel, args: argparse.Namespace, block_size: int, threads: int) -> None:  # noqa: ANN001
+    """Prints the three block placements' times for one block size and thread count."""
     gen = torch.Generator().manual_seed(0)
-    blocks_per_seq = -(-args.context // BLOCK_SIZE)
+    blocks_per_seq = -(-args.context // block_size)
     num_blocks = args.batch * blocks_per_seq
-    caches = [tuple(torch.randn(KV_HEADS, num_blocks, BLOCK_SIZE, HEAD_DIM, generator=gen).to(torch.bfloat16)
+    caches = [tuple(torch.randn(KV_HEADS, num_blocks, block_size, HEAD_DIM, generator=gen).to(torch.bfloat16)
                     for _ in range(2)) for _ in range(NUM_LAYERS)]
     layouts = {"random blocks": torch.randperm(num_blocks, generator=gen).view(args.batch, blocks_per_seq),
                "consecutive blocks": torch.arange(num_blocks).view(args.batch, blocks_per_seq)}
     lens = torch.full((args.batch,), args.context, dtype=torch.long)
     q, out = torch.randn(args.batch, HEADS, HEAD_DIM, generator=gen), torch.empty(args.batch, HEADS, HEAD_DIM)
     kv_bytes = NUM_LAYERS * args.batch * args.context * KV_HEADS * HEAD_DIM * 2 * 2
-    print(f"# batch {args.batch}, context {args.context}: {kv_bytes / 1e6:.0f} MB of bf16 K/V per 30 layers")
-    for threads in args.threads:
-        torch.set_num_threads(threads)
-        roof = read_bandwidth()
-        runs = [(name, caches, table) for name, table in layouts.items()]
-        runs.append(("one layer x30 (cached)", [caches[0]] * NUM_LAYERS, layouts["random blocks"]))
-        for name, layer_caches, table in runs:
-            seconds = time_layers(kernel, layer_caches, table.long(), lens, q, out, args.reps)
-            rate = kv_bytes / seconds / 1e9
-            print(f"{threads} threads, {name:24s}: {seconds * 1e3:7.2f} ms, {rate:5.1f} GB/s = {rate / roof:.2f}x "
-                  f"the {roof:.1f} GB/s memory read")
-
+    roof = read_bandwidth()
+    runs = [(name, caches, table) for name, table in layouts.items()]
+    runs.append(("one layer x30 (cached)", [caches[0]] * NUM_LAYERS, layouts["random blocks"]))
+    for name, layer_caches, table in runs:
+        seconds = time_layers(kernel, layer_caches, table.long(), lens, q, out, args.reps)
+        rate = kv_bytes / seconds / 1e9
+        print(f"blocks of {block_size}, {threads} threads, {name:24s}: {seconds * 1e3:7.2f} ms, {rate:5.1f} GB/s = "
+              f"{rate / roof:.2f}x the {roof:.1f} GB/s memory read")
 
 if __name__ == "__main__":
     main()

@@ -67,3 +67,41 @@ def test_the_cpu_backend_runs_prompt_chunks_in_the_kernel():
     expected = torch.empty_like(q)
     get_prefill_kernel().prefill_attention_bf16(expected, q, cache[0], cache[1], block_ids, 32, 0.125)
     assert torch.equal(out, expected)
+
+
+def _batch_case(spans: list[tuple[int, int]], seed: int):
+    """One cache holding several sequences (start, num_query) in shuffled blocks, and all their queries as one
+    step's rows: (cache, block ids of each sequence, q of all rows, PrefillSeqs)."""
+    g = torch.Generator().manual_seed(seed)
+    needs = [-(-(start + n) // BLOCK) for start, n in spans]
+    cache = torch.randn(2, 3, sum(needs) + 2, BLOCK, 64, generator=g).to(torch.bfloat16)
+    order = torch.randperm(sum(needs) + 2, generator=g)
+    tables = list(torch.split(order[:sum(needs)], needs))
+    q = torch.randn(sum(n for _, n in spans), 9, 64, generator=g).to(torch.bfloat16)
+    starts = [sum(n for _, n in spans[:i]) for i in range(len(spans))]
+    seqs = [PrefillSeq(q0, n, start + n, table, None) for q0, (start, n), table in zip(starts, spans, tables)]
+    return cache, q, seqs
+
+
+@pytest.mark.parametrize("window,softcap,sinks", [(0, 0.0, False), (40, 0.0, False), (0, 30.0, True)])
+def test_one_call_for_a_steps_chunks_equals_a_call_per_chunk(window, softcap, sinks):
+    """prefill_attention_bf16_batch (the backend's forward, one kernel call for the step) gives every row of
+    several chunks (prompts from the start, continued chunks, lengths off the 32-key steps) exactly what one call
+    per chunk gives, for plain causal attention and the layer variants."""
+    from kvpilot.model.attention.base import LayerAttention
+    from kvpilot.model.attention.metadata import AttentionMetadata
+
+    cache, q, seqs = _batch_case([(0, 37), (48, 5), (0, 1), (70, 33), (0, 130)], seed=3)
+    sink_logits = torch.linspace(-1, 1, 9) if sinks else None
+    layer = LayerAttention(scale=0.125, sliding_window=window or None, logit_softcap=softcap or None, sinks=sink_logits)
+    none = torch.empty(0, 3, 64, dtype=torch.bfloat16)
+    meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), prefills=seqs, decodes=[],
+                             num_tokens=q.shape[0])
+    out = CpuKernelAttentionBackend().forward(q, none, none, cache, meta, layer)
+    for seq in seqs:
+        rows = q[seq.query_start: seq.query_start + seq.query_len]
+        alone = torch.empty_like(rows)
+        get_prefill_kernel().prefill_attention_bf16_variant(
+            alone, rows, cache[0], cache[1], seq.block_ids, seq.context_len - seq.query_len, 0.125, window, softcap,
+            sink_logits if sinks else torch.empty(0))
+        assert torch.equal(out[seq.query_start: seq.query_start + seq.query_len], alone), seq.query_start

@@ -1,8 +1,8 @@
 """The CPU backend: decodes in the C++ kernel (layers/csrc), which reads each K/V row once, in place, through
 the block table, for all decodes in one unpadded batch (no gather copy, no padding, no bias tensor), for float32
 / bf16 / fp16 queries (float32 math) with float32/bf16/fp16/fp8 K/V on CPU. Prompt chunks with bf16 queries and
-K/V on an AVX512_BF16 CPU run the C++ flash-style prefill kernel (layers/cpu_prefill_kernel.py), others the
-torch backend's scaled_dot_product_attention.
+K/V on an AVX512_BF16 CPU run the C++ flash-style prefill kernel (layers/cpu_prefill_kernel.py), all of a step's
+chunks in one call, others the torch backend's scaled_dot_product_attention.
 
 Both kernels compute every LayerAttention variant (sliding window, logit soft-cap, sinks). Sliding window
 invariant: a block-table entry whose block lies wholly before the window of every query of the step is never
@@ -14,17 +14,20 @@ from __future__ import annotations
 import torch
 
 from kvpilot.model.attention.base import ATTENTION_FEATURES, LayerAttention, as_layer_attention
-from kvpilot.model.attention.metadata import DecodeBatch, PrefillSeq
+from kvpilot.model.attention.metadata import AttentionMetadata, DecodeBatch, PrefillSeq
 from kvpilot.model.attention.torch_backend import TorchAttentionBackend
 from kvpilot.model.layers.cpu_decode_kernel import kernel_applies
 from kvpilot.model.layers.cpu_prefill_kernel import get_prefill_kernel, prefill_kernel_applies
-from kvpilot.model.layers.paged_attention import NO_SINKS, decode_kernel
+from kvpilot.model.layers.paged_attention import NO_SINKS, decode_kernel, write_kv
 
 
 class CpuKernelAttentionBackend(TorchAttentionBackend):
     name = "cpu"
     batch_all_decodes = True
     features: frozenset[str] = ATTENTION_FEATURES
+    # the step metadata whose prompt chunks _spans describes (the batched prefill kernel's arguments)
+    _spans_of: AttentionMetadata | None = None
+    _spans: tuple[torch.Tensor, ...] = ()
 
     @staticmethod
     def applies(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
@@ -42,6 +45,36 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
             out, queries, kv_cache[0], kv_cache[1], seq.block_ids, seq.context_len - seq.query_len, layer.scale,
             layer.window, layer.softcap, sinks)
         return out
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, layer: LayerAttention | float) -> torch.Tensor:
+        """As TorchAttentionBackend.forward, with all of the step's prompt chunks in one prefill kernel call where
+        it applies (its rows equal the per-chunk calls' bit for bit)."""
+        if not meta.prefills or not prefill_kernel_applies(q, kv_cache):
+            return super().forward(q, k, v, kv_cache, meta, layer)
+        layer = as_layer_attention(layer)
+        write_kv(kv_cache, k, v, meta.slot_mapping)
+        out = torch.empty_like(q)
+        sinks = layer.sinks.contiguous() if layer.sinks is not None else NO_SINKS
+        get_prefill_kernel().prefill_attention_bf16_batch(
+            out, q, kv_cache[0], kv_cache[1], *self._prefill_spans(meta), layer.scale, layer.window, layer.softcap,
+            sinks)
+        for batch in meta.decodes:
+            self.decode(q, kv_cache, batch, layer, out)
+        return out
+
+    def _prefill_spans(self, meta: AttentionMetadata) -> tuple[torch.Tensor, ...]:
+        """The batched kernel's block_tables [S, max_blocks], query_starts, query_lens and starts [S] of `meta`'s
+        prompt chunks: built at a step's first layer, kept for its other layers (the same metadata object)."""
+        if self._spans_of is not meta:
+            seqs = meta.prefills
+            tables = torch.zeros(len(seqs), max(len(s.block_ids) for s in seqs), dtype=torch.int64)
+            for row, seq in zip(tables, seqs):
+                row[:len(seq.block_ids)] = seq.block_ids
+            columns = torch.tensor([(s.query_start, s.query_len, s.context_len - s.query_len) for s in seqs],
+                                   dtype=torch.int64).t().contiguous()
+            self._spans_of, self._spans = meta, (tables, *columns)
+        return self._spans
 
     def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, batch: DecodeBatch, layer: LayerAttention | float,
                out: torch.Tensor) -> None:

@@ -3,7 +3,8 @@ after csrc/simd_exp.h): AVX512_BF16 dot products, flash-style, K/V read through 
 -march=native (the module name carries the CPU's identity), so it exists only where the CPU has AVX512_BF16;
 `prefill_kernel_applies` says when the cpu attention backend may use it instead of scaled_dot_product_attention.
 `prefill_attention_bf16_variant` adds a layer's sliding window (reading only the blocks some query of the chunk
-sees), logit soft-cap and attention sinks (kvpilot.model.attention.base.LayerAttention).
+sees), logit soft-cap and attention sinks (kvpilot.model.attention.base.LayerAttention);
+`prefill_attention_bf16_batch` runs a step's prompt chunks in one call, the work split between the threads by cost.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ SOURCE_PATHS = tuple(Path(__file__).parent / "csrc" / name for name in ("simd_ex
 
 _KERNEL = CppKernel(label="CPU prefill attention kernel", name_prefix="kvpilot_cpu_prefill_", sources=SOURCE_PATHS,
                     functions=("prefill_attention_bf16", "prefill_attention_bf16_variant",
-                               "prefill_kernel_available"),
+                               "prefill_attention_bf16_batch", "prefill_kernel_available"),
                     cflags=("-O3", "-march=native"), serial="prefill attention runs on one thread",
                     fallback="using torch's scaled_dot_product_attention")
 PREFILL_KERNEL_HEAD_DIMS = (64, 128)

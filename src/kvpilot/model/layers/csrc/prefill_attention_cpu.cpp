@@ -193,43 +193,85 @@ void attend_rows(const Task<D>& task, const PackedKV& kv, float scale, float sof
   store_rows<D>(task, acc, l);
 }
 
+// One sequence of a call: query rows q0 .. q0 + T - 1 at positions start .. start + T - 1, keys read through
+// `table` from lo (the first key any of its queries sees) to start + T - 1.
+struct SeqSpan {
+  int64_t q0, T, start, lo;
+  const int64_t* table;
+};
+
+// A task: kRows rows (query-major, G heads per query) of KV head h of sequence seq, from row `first` of its
+// T x G rows; `cost` the keys its last row sees (tasks are split between threads by it).
+struct TaskRef {
+  int64_t seq, h, first, cost;
+};
+
+std::vector<TaskRef> make_tasks(const std::vector<SeqSpan>& seqs, int64_t kvH, int64_t G, int64_t window) {
+  std::vector<TaskRef> tasks;
+  for (int64_t s = 0; s < static_cast<int64_t>(seqs.size()); ++s) {
+    const int64_t rows = seqs[s].T * G;
+    for (int64_t h = 0; h < kvH; ++h)
+      for (int64_t first = 0; first < rows; first += kRows) {
+        const int64_t pos = seqs[s].start + (std::min(first + kRows, rows) - 1) / G;
+        tasks.push_back({s, h, first, window > 0 ? std::min(window, pos + 1) : pos + 1});
+      }
+  }
+  return tasks;
+}
+
+// bounds[i] .. bounds[i + 1] - 1: the tasks of part i of n, each part about the same total cost (a later query
+// sees more keys, so equal task counts would leave the thread with the early rows idle).
+std::vector<int64_t> cost_parts(const std::vector<TaskRef>& tasks, int64_t n) {
+  int64_t total = 0;
+  for (const TaskRef& t : tasks) total += t.cost;
+  std::vector<int64_t> bounds(n + 1, static_cast<int64_t>(tasks.size()));
+  bounds[0] = 0;
+  int64_t before = 0, part = 1;
+  for (int64_t k = 0; k < static_cast<int64_t>(tasks.size()) && part < n; ++k) {
+    while (part < n && before * n >= part * total) bounds[part++] = k;  // task k starts at or past part's share
+    before += tasks[k].cost;
+  }
+  return bounds;
+}
+
 template <int64_t D>
 void run(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-         const int64_t* table, int64_t start, int64_t L, float scale, const Variant& var) {
-  const int64_t T = q.size(0), H = q.size(1), kvH = k_cache.size(0), G = H / kvH;
+         const std::vector<SeqSpan>& seqs, float scale, const Variant& var) {
+  const int64_t H = q.size(1), kvH = k_cache.size(0), G = H / kvH, S = static_cast<int64_t>(seqs.size());
   const int64_t block_size = k_cache.size(2), block_stride = k_cache.stride(1);
   const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const auto* kc = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>());
   const auto* vc = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>());
-  // the first key any query sees: the first query's window start (keys and blocks before it are never read)
-  const int64_t lo = var.window > 0 ? std::max<int64_t>(0, start - var.window + 1) : 0;
-  std::vector<PackedKV> packed(kvH);
-  at::parallel_for(0, kvH, 1, [&](int64_t h0, int64_t h1) {
-    for (int64_t h = h0; h < h1; ++h)
-      pack_head(packed[h], kc + h * k_cache.stride(0), vc + h * v_cache.stride(0), table, lo, L, block_size,
-                block_stride, D);
+  std::vector<PackedKV> packed(S * kvH);  // (sequence, KV head) -> its keys and values, repacked once
+  at::parallel_for(0, S * kvH, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const SeqSpan& seq = seqs[i / kvH];
+      const int64_t h = i % kvH;
+      pack_head(packed[i], kc + h * k_cache.stride(0), vc + h * v_cache.stride(0), seq.table, seq.lo,
+                seq.start + seq.T, block_size, block_stride, D);
+    }
   });
-  // rows of KV head h: (query i, head h * G + g) in query-major order; tasks of kRows rows. A later task sees
-  // more keys (causal), so tasks go in zig-zag order (first, last, second, ...): each thread's contiguous share
-  // of them costs about the same.
-  const int64_t rows_per_head = T * G, tasks_per_head = (rows_per_head + kRows - 1) / kRows;
-  at::parallel_for(0, kvH * tasks_per_head, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t h = t % kvH, j = t / kvH;
-      const int64_t first = (j % 2 == 0 ? j / 2 : tasks_per_head - 1 - j / 2) * kRows;
+  const std::vector<TaskRef> tasks = make_tasks(seqs, kvH, G, var.window);
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks.size()));
+  const std::vector<int64_t> bounds = cost_parts(tasks, parts);
+  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t k = bounds[p0]; k < bounds[p1]; ++k) {
+      const TaskRef& ref = tasks[k];
+      const SeqSpan& seq = seqs[ref.seq];
+      const int64_t rows = seq.T * G;
       Task<D> task;
-      task.n = std::min(kRows, rows_per_head - first);
+      task.n = std::min(kRows, rows - ref.first);
       for (int64_t r = 0; r < task.n; ++r) {
-        const int64_t i = (first + r) / G, head = h * G + (first + r) % G;
-        task.q[r] = qp + i * q.stride(0) + head * q.stride(1);
-        task.out[r] = op + i * out.stride(0) + head * out.stride(1);
-        const int64_t pos = start + i;
-        task.pos[r] = pos - lo;
-        task.first[r] = var.window > 0 ? std::max<int64_t>(0, pos - var.window + 1) - lo : 0;
+        const int64_t i = (ref.first + r) / G, head = ref.h * G + (ref.first + r) % G;
+        task.q[r] = qp + (seq.q0 + i) * q.stride(0) + head * q.stride(1);
+        task.out[r] = op + (seq.q0 + i) * out.stride(0) + head * out.stride(1);
+        const int64_t pos = seq.start + i;
+        task.pos[r] = pos - seq.lo;
+        task.first[r] = var.window > 0 ? std::max<int64_t>(0, pos - var.window + 1) - seq.lo : 0;
         task.sink[r] = var.sinks != nullptr ? var.sinks[head] : -std::numeric_limits<float>::infinity();
       }
-      attend_rows<D>(task, packed[h], scale, var.softcap);
+      attend_rows<D>(task, packed[ref.seq * kvH + ref.h], scale, var.softcap);
     }
   });
 }
@@ -244,8 +286,10 @@ bool prefill_kernel_available() { return kAvailable; }
 
 namespace {
 
+// num_queries: the sequence's rows of q (all of q for a one-sequence call)
 void check_prefill_args(const torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
-                        const torch::Tensor& v_cache, const torch::Tensor& block_ids, int64_t start) {
+                        const torch::Tensor& v_cache, const torch::Tensor& block_ids, int64_t start,
+                        int64_t num_queries) {
   TORCH_CHECK(kAvailable, "the prefill attention kernel needs AVX512_BF16");
   TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && out.scalar_type() == torch::kBFloat16 &&
               k_cache.scalar_type() == torch::kBFloat16 && v_cache.scalar_type() == torch::kBFloat16,
@@ -253,22 +297,43 @@ void check_prefill_args(const torch::Tensor& out, const torch::Tensor& q, const 
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && q.stride(2) == 1 && out.stride(2) == 1 &&
               k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides() &&
               k_cache.stride(3) == 1 && k_cache.stride(2) == k_cache.size(3), "layouts");
-  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), kvH = k_cache.size(0), L = start + T;
+  const int64_t H = q.size(1), D = q.size(2), kvH = k_cache.size(0), L = start + num_queries;
   TORCH_CHECK(H % kvH == 0 && k_cache.size(3) == D && block_ids.scalar_type() == torch::kInt64 &&
               block_ids.is_contiguous() && block_ids.numel() * k_cache.size(2) >= L, "shapes");
   TORCH_CHECK(D == 64 || D == 128, "head dim ", D, ": the prefill attention kernel takes 64 or 128");
 }
 
+// The first key any query of a sequence whose first query is at `start` sees: its window's start (keys and
+// blocks before it are never read).
+int64_t first_key(int64_t start, const Variant& var) {
+  return var.window > 0 ? std::max<int64_t>(0, start - var.window + 1) : 0;
+}
+
+void run_spans(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
+               const torch::Tensor& v_cache, const std::vector<SeqSpan>& seqs, double scale, const Variant& var) {
+#if defined(__AVX512BF16__)
+  if (q.size(2) == 64) run<64>(out, q, k_cache, v_cache, seqs, static_cast<float>(scale), var);
+  else run<128>(out, q, k_cache, v_cache, seqs, static_cast<float>(scale), var);
+#endif
+}
+
 void prefill_impl(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
                   const torch::Tensor& v_cache, const torch::Tensor& block_ids, int64_t start, double scale,
                   const Variant& var) {
-  check_prefill_args(out, q, k_cache, v_cache, block_ids, start);
-#if defined(__AVX512BF16__)
-  const int64_t L = start + q.size(0);
-  const int64_t* table = block_ids.data_ptr<int64_t>();
-  if (q.size(2) == 64) run<64>(out, q, k_cache, v_cache, table, start, L, static_cast<float>(scale), var);
-  else run<128>(out, q, k_cache, v_cache, table, start, L, static_cast<float>(scale), var);
-#endif
+  check_prefill_args(out, q, k_cache, v_cache, block_ids, start, q.size(0));
+  run_spans(out, q, k_cache, v_cache, {SeqSpan{0, q.size(0), start, first_key(start, var),
+                                               block_ids.data_ptr<int64_t>()}}, scale, var);
+}
+
+Variant make_variant(const torch::Tensor& q, int64_t window, double softcap, const torch::Tensor& sinks) {
+  TORCH_CHECK(window >= 0 && softcap >= 0, "prefill attention: window and softcap must be >= 0");
+  Variant var{window, static_cast<float>(softcap), nullptr};
+  if (sinks.numel() > 0) {
+    TORCH_CHECK(sinks.scalar_type() == torch::kFloat32 && sinks.is_contiguous() && sinks.numel() == q.size(1),
+                "prefill attention: sinks must be float32 [heads], contiguous");
+    var.sinks = sinks.data_ptr<float>();
+  }
+  return var;
 }
 
 }  // namespace
@@ -287,12 +352,36 @@ void prefill_attention_bf16(torch::Tensor out, torch::Tensor q, torch::Tensor k_
 void prefill_attention_bf16_variant(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache,
                                     torch::Tensor v_cache, torch::Tensor block_ids, int64_t start, double scale,
                                     int64_t window, double softcap, torch::Tensor sinks) {
-  TORCH_CHECK(window >= 0 && softcap >= 0, "prefill_attention_bf16_variant: window and softcap must be >= 0");
-  Variant var{window, static_cast<float>(softcap), nullptr};
-  if (sinks.numel() > 0) {
-    TORCH_CHECK(sinks.scalar_type() == torch::kFloat32 && sinks.is_contiguous() && sinks.numel() == q.size(1),
-                "prefill_attention_bf16_variant: sinks must be float32 [heads], contiguous");
-    var.sinks = sinks.data_ptr<float>();
+  prefill_impl(out, q, k_cache, v_cache, block_ids, start, scale, make_variant(q, window, softcap, sinks));
+}
+
+// prefill_attention_bf16_variant for several sequences in one call (one step's prompt chunks): sequence s has
+// query rows query_starts[s] .. + query_lens[s] - 1 of q / out (the rows of different sequences must not
+// overlap), its first query at position starts[s], its blocks in row s of block_tables [S, max_blocks] int64
+// (covering starts[s] + query_lens[s] keys); query_starts, query_lens, starts: [S] int64. The work of all
+// sequences is split between the threads by cost, in two parallel regions in all. Each row equals the
+// one-sequence call's, bit for bit.
+void prefill_attention_bf16_batch(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                  torch::Tensor block_tables, torch::Tensor query_starts, torch::Tensor query_lens,
+                                  torch::Tensor starts, double scale, int64_t window, double softcap,
+                                  torch::Tensor sinks) {
+  const int64_t S = query_starts.numel();
+  for (const torch::Tensor* t : {&query_starts, &query_lens, &starts})
+    TORCH_CHECK(t->scalar_type() == torch::kInt64 && t->is_contiguous() && t->numel() == S,
+                "prefill_attention_bf16_batch: query_starts, query_lens and starts: [S] int64, contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && block_tables.dim() == 2 && block_tables.size(0) == S &&
+              block_tables.is_contiguous(), "prefill_attention_bf16_batch: block_tables [S, max_blocks] int64");
+  const Variant var = make_variant(q, window, softcap, sinks);
+  const int64_t* q0 = query_starts.data_ptr<int64_t>();
+  const int64_t* lens = query_lens.data_ptr<int64_t>();
+  const int64_t* pos = starts.data_ptr<int64_t>();
+  std::vector<SeqSpan> seqs;
+  for (int64_t s = 0; s < S; ++s) {
+    TORCH_CHECK(q0[s] >= 0 && lens[s] >= 1 && q0[s] + lens[s] <= q.size(0) && pos[s] >= 0,
+                "prefill_attention_bf16_batch: sequence ", s, "'s rows are out of range");
+    check_prefill_args(out, q, k_cache, v_cache, block_tables[s], pos[s], lens[s]);
+    const int64_t* table = block_tables.data_ptr<int64_t>() + s * block_tables.size(1);
+    seqs.push_back({q0[s], lens[s], pos[s], first_key(pos[s], var), table});
   }
-  prefill_impl(out, q, k_cache, v_cache, block_ids, start, scale, var);
+  if (!seqs.empty()) run_spans(out, q, k_cache, v_cache, seqs, scale, var);
 }
