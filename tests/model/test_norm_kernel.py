@@ -63,3 +63,19 @@ def test_silu_mul_matches_the_torch_ops(tokens: int, intermediate: int) -> None:
     assert float((fused != reference).float().mean()) < 0.01
     step = reference.float().abs() * 2.0 ** -7
     assert bool(((fused.float() - reference.float()).abs() <= step + 1e-30).all())
+
+
+@pytest.mark.parametrize("rows, width", [(1, 576), (300, 960), (7, 40)])
+def test_the_residual_add_fused_into_the_norm_is_the_add_then_the_norm(rows: int, width: int) -> None:
+    """add_rms_norm_bf16 (the bf16 CPU layer loop's deferred residual add): the sum is torch's bf16 add, bit for
+    bit, and the norm of it the norm kernel's, bit for bit; 40 wide takes the scalar rows."""
+    from kvpilot.model.layers.cpu_bf16_ops import residual_ops_for
+
+    gen = torch.Generator().manual_seed(rows + width)
+    x, residual = ((torch.randn(rows, width, generator=gen) * 3.0).to(torch.bfloat16) for _ in range(2))
+    weight = (torch.randn(width, generator=gen) * 0.5 + 1.0).to(torch.bfloat16)
+    ops = residual_ops_for(x, weight)
+    assert ops is not None and residual_ops_for(x, weight.float()) is None
+    total, normed = ops.add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(total, x + residual)
+    assert torch.equal(normed, get_bf16_ops().rms_norm_bf16((x + residual).contiguous(), weight, 1e-5))

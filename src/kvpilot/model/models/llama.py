@@ -7,7 +7,8 @@ an HF-named state dict and fuses it, checking every shape against the config.
 Seams for other families (each overridable in a subclass): `DecoderLayer.attention_class` and `make_mlp`
 (the per-layer modules), `LlamaForCausalLM.layer_class`, `embed` (input scaling), `logits` (soft-capping),
 and `hf_state_dict` (HF names -> module names). A layer class whose forward differs from the pre-norm
-residual pattern sets `supports_deferred_add = False` (the CUDA fused add+norm loop then runs forward()).
+residual pattern sets `supports_deferred_add = False` (the fused add+norm loop, CUDA or bf16 CPU, then runs
+forward()).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from torch import nn
 from kvpilot.model.config import ModelConfig
 from kvpilot.model.errors import ModelLoadError
 from kvpilot.model.attention.base import LayerAttention, StepAttention
-from kvpilot.model.layers.cpu_bf16_ops import bf16_ops_for
+from kvpilot.model.layers.cpu_bf16_ops import bf16_ops_for, residual_ops_for
 from kvpilot.model.layers.gpu_small_ops import small_ops_for
 from kvpilot.model.layers.norm import RMSNorm
 from kvpilot.model.layers.rope import RotaryEmbedding, apply_rotary
@@ -99,7 +100,7 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     attention_class: type[nn.Module] = Attention
-    supports_deferred_add = True  # forward_deferred_add below computes forward() (the CUDA residual fusion)
+    supports_deferred_add = True  # forward_deferred_add below computes forward() (the residual fusion)
 
     def __init__(self, config: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
@@ -118,17 +119,18 @@ class DecoderLayer(nn.Module):
 
     def forward_deferred_add(self, delta: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                              sin: torch.Tensor, kv_cache: torch.Tensor, attn: StepAttention,
-                             gpu: Any) -> tuple[torch.Tensor, torch.Tensor]:
+                             fused: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """forward() with each residual add done by the Triton kernel of the norm after it: takes and returns
         (delta, residual) whose sum is the hidden state (residual None: delta is the whole state, the first
         layer's input); bit for bit forward()'s sums and norms."""
         if residual is None:
             residual, normed = delta, self.input_layernorm(delta)
         else:
-            residual, normed = gpu.add_rms_norm(delta, residual, self.input_layernorm.weight, self.input_layernorm.eps)
+            residual, normed = fused.add_rms_norm(delta, residual, self.input_layernorm.weight,
+                                                  self.input_layernorm.eps)
         attn_out = self.self_attn(normed, cos, sin, kv_cache, attn)
         norm = self.post_attention_layernorm
-        residual, normed = gpu.add_rms_norm(attn_out, residual, norm.weight, norm.eps)
+        residual, normed = fused.add_rms_norm(attn_out, residual, norm.weight, norm.eps)
         return self.mlp(normed), residual
 
 
@@ -171,17 +173,23 @@ class LlamaForCausalLM(nn.Module):
             return self._forward_keeping_aux(x, cos, sin, kv_caches, attn)
         if self.fused_decode is not None and self.fused_decode.applies(x, kv_caches, attn):
             return self.norm(self.fused_decode(x, cos, sin, kv_caches, attn))
-        gpu = small_ops_for(x) if x.dim() == 2 and x.stride(-1) == 1 and self.layer_class.supports_deferred_add \
-            else None
-        if gpu is not None:  # CUDA: each residual add fused into the norm after it
+        fused = self._residual_ops(x)
+        if fused is not None:  # CUDA or bf16 rows on CPU: each residual add fused into the norm after it
             residual = None
             for layer, kv_cache in zip(self.layers, kv_caches):
-                x, residual = layer.forward_deferred_add(x, residual, cos, sin, kv_cache, attn, gpu)
-            return gpu.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[1] if residual is not None \
+                x, residual = layer.forward_deferred_add(x, residual, cos, sin, kv_cache, attn, fused)
+            return fused.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[1] if residual is not None \
                 else self.norm(x)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, kv_cache, attn)
         return self.norm(x)
+
+    def _residual_ops(self, x: torch.Tensor) -> Any | None:
+        """What fuses a residual add into the next norm for rows `x` (Triton on CUDA, C++ for bf16 on CPU), where
+        the layers have the plain residual pattern; None: the layers' own forward."""
+        if x.dim() != 2 or x.stride(-1) != 1 or not self.layer_class.supports_deferred_add:
+            return None
+        return small_ops_for(x) or residual_ops_for(x, self.norm.weight)
 
     def _forward_keeping_aux(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                              kv_caches: list[torch.Tensor], attn: StepAttention) -> torch.Tensor:

@@ -49,6 +49,11 @@ KVP_BF16_AVX2 inline void store_bf16x8(uint16_t* p, __m256 v) {
                    _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
 }
 
+// out = bf16(a + b) for one row, K a multiple of 8 (add_row512's arithmetic in 8 lanes)
+KVP_BF16_AVX2 void add_row256(const uint16_t* a, const uint16_t* b, uint16_t* out, int64_t K) {
+  for (int64_t k = 0; k < K; k += 8) store_bf16x8(out + k, _mm256_add_ps(load_bf16x8(a + k), load_bf16x8(b + k)));
+}
+
 // RMSNorm of one row, K a multiple of 16: norm_row's arithmetic with the sum of squares in 8 lanes
 KVP_BF16_AVX2 void norm_row256(const uint16_t* x, const uint16_t* w, uint16_t* out, int64_t K, float eps) {
   __m256 sums = _mm256_setzero_ps();
@@ -112,6 +117,7 @@ inline bool bf16_avx2() { return false; }
 inline void widen_row256(const uint16_t*, float*, int64_t) {}
 inline void narrow_row256(const float*, uint16_t*, int64_t) {}
 inline void norm_row256(const uint16_t*, const uint16_t*, uint16_t*, int64_t, float) {}
+inline void add_row256(const uint16_t*, const uint16_t*, uint16_t*, int64_t) {}
 inline void rope_row256(const uint16_t*, const uint16_t*, const uint16_t*, uint16_t*, int64_t) {}
 inline void silu_mul_row256(const uint16_t*, const uint16_t*, uint16_t*, int64_t) {}
 }  // namespace

@@ -98,6 +98,11 @@ KVP_BF16_AVX512 void silu_mul_row512(const uint16_t* gate, const uint16_t* up, u
   }
 }
 
+// out = bf16(a + b) for one row, K a multiple of 16 (the float32 sum rounded once, as torch adds bf16 tensors)
+KVP_BF16_AVX512 void add_row512(const uint16_t* a, const uint16_t* b, uint16_t* out, int64_t K) {
+  for (int64_t k = 0; k < K; k += 16) store_bf16x16(out + k, _mm512_add_ps(load_bf16x16(a + k), load_bf16x16(b + k)));
+}
+
 // The first n - n % 16 values of a row widened to float32 (exact) / rounded to bfloat16 (nearest even, as torch);
 // the caller converts the rest
 KVP_BF16_AVX512 void widen_row512(const uint16_t* in, float* out, int64_t n) {
@@ -117,6 +122,7 @@ inline bool bf16_avx512() { return false; }
 inline void widen_row512(const uint16_t*, float*, int64_t) {}
 inline void narrow_row512(const float*, uint16_t*, int64_t) {}
 inline void norm_row512(const uint16_t*, const uint16_t*, uint16_t*, int64_t, float) {}
+inline void add_row512(const uint16_t*, const uint16_t*, uint16_t*, int64_t) {}
 inline void rope_row512(const uint16_t*, const uint16_t*, const uint16_t*, uint16_t*, int64_t) {}
 inline void silu_mul_row512(const uint16_t*, const uint16_t*, uint16_t*, int64_t) {}
 }  // namespace

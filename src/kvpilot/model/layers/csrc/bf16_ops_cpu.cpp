@@ -50,6 +50,10 @@ void norm_row(const uint16_t* x, const uint16_t* w, uint16_t* out, int64_t K, fl
   }
 }
 
+void add_row(const uint16_t* a, const uint16_t* b, uint16_t* out, int64_t K) {
+  for (int64_t k = 0; k < K; ++k) out[k] = float_to_bf16(bf16_to_float(a[k]) + bf16_to_float(b[k]));
+}
+
 // out = bf16(bf16(silu(gate)) * up), silu(g) = g / (1 + exp(-g)) as torch writes it
 void silu_mul_row(const uint16_t* gate, const uint16_t* up, uint16_t* out, int64_t I) {
   for (int64_t i = 0; i < I; ++i) {
@@ -93,6 +97,46 @@ torch::Tensor rms_norm_bf16(torch::Tensor x, torch::Tensor weight, double eps) {
     for (int64_t r = r0; r < r1; ++r) norm_row(xp + r * K, wp, op + r * K, K, e, widened.data());
   });
   return out;
+}
+
+// (total, out) [..., K] bfloat16, new: total = x + residual (each float32 sum rounded to bfloat16, as torch adds
+// bf16 tensors), out = rms_norm_bf16(total). A decoder layer's residual add and the norm after it in one pass,
+// bit for bit the two calls (the row's sum is normed while in cache).
+std::vector<torch::Tensor> add_rms_norm_bf16(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
+                                             double eps) {
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && residual.scalar_type() == torch::kBFloat16 &&
+              weight.scalar_type() == torch::kBFloat16, "add_rms_norm_bf16: x, residual and weight must be bfloat16");
+  TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && weight.is_contiguous() && x.dim() >= 1 &&
+              x.sizes() == residual.sizes() && x.size(-1) == weight.numel(),
+              "add_rms_norm_bf16: contiguous x and residual [..., K] of one shape, weight [K]");
+  torch::Tensor total = torch::empty_like(x);
+  torch::Tensor out = torch::empty_like(x);
+  const int64_t K = weight.numel();
+  const int64_t rows = K == 0 ? 0 : x.numel() / K;
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const auto* rp = reinterpret_cast<const uint16_t*>(residual.data_ptr<at::BFloat16>());
+  const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
+  auto* tp = reinterpret_cast<uint16_t*>(total.data_ptr<at::BFloat16>());
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const float e = static_cast<float>(eps);
+  const VectorRows rows_isa = K % 16 == 0 ? vector_rows() : VectorRows::kNone;
+  at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / std::max<int64_t>(K, 1)), [&](int64_t r0, int64_t r1) {
+    std::vector<float> widened(rows_isa == VectorRows::kNone ? K : 0);
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t at = r * K;
+      if (rows_isa == VectorRows::kAvx512) {
+        add_row512(xp + at, rp + at, tp + at, K);
+        norm_row512(tp + at, wp, op + at, K, e);
+      } else if (rows_isa == VectorRows::kAvx2) {
+        add_row256(xp + at, rp + at, tp + at, K);
+        norm_row256(tp + at, wp, op + at, K, e);
+      } else {
+        add_row(xp + at, rp + at, tp + at, K);
+        norm_row(tp + at, wp, op + at, K, e, widened.data());
+      }
+    }
+  });
+  return {total, out};
 }
 
 // out [T, H, D] bfloat16 (new, contiguous) = x * cos + rotate_half(x) * sin for x [T, H, D] bfloat16 with unit
