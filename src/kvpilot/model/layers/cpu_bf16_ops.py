@@ -1,7 +1,8 @@
 """The C++ small ops for bfloat16 activations on CPU (csrc/bf16_ops_cpu.cpp: RMSNorm, a residual add fused with
-the RMSNorm after it, rotary embedding and SiLU-and-mul; AVX-512 rows in csrc/bf16_ops_avx512.h, AVX2 rows in csrc/bf16_ops_avx2.h, where the CPU has them),
-built once with torch's cpp_extension like the other CPU kernels. Each call replaces several torch ops (two
-of RMSNorm's eight are dtype conversions); a decode step of a bf16 model runs 61 norms and 30 rotations.
+the RMSNorm after it, rotary embedding and SiLU-and-mul; AVX-512 rows in csrc/bf16_ops_avx512.h, AVX2 rows in
+csrc/bf16_ops_avx2.h, where the CPU has them), built once with torch's cpp_extension like the other CPU kernels.
+Each call replaces several torch ops (two of RMSNorm's eight are dtype conversions); a decode step of a bf16
+model runs 61 norms and 30 rotations.
 None (the torch ops) when it cannot be built or KVPILOT_CPU_KERNELS=0.
 """
 
