@@ -120,9 +120,9 @@ class DecoderLayer(nn.Module):
     def forward_deferred_add(self, delta: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                              sin: torch.Tensor, kv_cache: torch.Tensor, attn: StepAttention,
                              fused: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """forward() with each residual add done by the Triton kernel of the norm after it: takes and returns
-        (delta, residual) whose sum is the hidden state (residual None: delta is the whole state, the first
-        layer's input); bit for bit forward()'s sums and norms."""
+        """forward() with each residual add done by `fused`'s kernel of the norm after it (Triton on CUDA, C++ for
+        bf16 rows on CPU): takes and returns (delta, residual) whose sum is the hidden state (residual None: delta
+        is the whole state, the first layer's input); bit for bit forward()'s sums and norms."""
         if residual is None:
             residual, normed = delta, self.input_layernorm(delta)
         else:
