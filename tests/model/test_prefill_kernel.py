@@ -97,7 +97,16 @@ def test_one_call_for_a_steps_chunks_equals_a_call_per_chunk(window, softcap, si
     none = torch.empty(0, 3, 64, dtype=torch.bfloat16)
     meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), prefills=seqs, decodes=[],
                              num_tokens=q.shape[0])
-    out = CpuKernelAttentionBackend().forward(q, none, none, cache, meta, layer)
+    # a second KV group's metadata in between (layers alternate groups): each keeps its own kernel arguments
+    other = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), prefills=seqs[3:], decodes=[],
+                              num_tokens=q.shape[0])
+    backend = CpuKernelAttentionBackend()
+    first = backend.forward(q, none, none, cache, meta, layer)
+    partial = backend.forward(q, none, none, cache, other, layer)
+    out = backend.forward(q, none, none, cache, meta, layer)
+    assert torch.equal(out, first) and len(backend._spans) == 2
+    rows = slice(seqs[3].query_start, None)
+    assert torch.equal(partial[rows], out[rows])
     for seq in seqs:
         rows = q[seq.query_start: seq.query_start + seq.query_len]
         alone = torch.empty_like(rows)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from kvpilot.engine.kv_groups import MAX_KV_GROUPS
 from kvpilot.model.attention.base import ATTENTION_FEATURES, LayerAttention, as_layer_attention
 from kvpilot.model.attention.metadata import AttentionMetadata, DecodeBatch, PrefillSeq
 from kvpilot.model.attention.torch_backend import TorchAttentionBackend
@@ -25,9 +26,13 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
     name = "cpu"
     batch_all_decodes = True
     features: frozenset[str] = ATTENTION_FEATURES
-    # the step metadata whose prompt chunks _spans describes (the batched prefill kernel's arguments)
-    _spans_of: AttentionMetadata | None = None
-    _spans: tuple[torch.Tensor, ...] = ()
+    # the batched prefill kernel's arguments by id of the step's metadata (one per KV group; the metadata kept with
+    # them, so an id is not reused while cached), cleared when a new step's would make more than MAX_KV_GROUPS
+    _spans: dict[int, tuple[AttentionMetadata, tuple[torch.Tensor, ...]]]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._spans = {}
 
     @staticmethod
     def applies(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
@@ -65,16 +70,22 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
 
     def _prefill_spans(self, meta: AttentionMetadata) -> tuple[torch.Tensor, ...]:
         """The batched kernel's block_tables [S, max_blocks], query_starts, query_lens and starts [S] of `meta`'s
-        prompt chunks: built at a step's first layer, kept for its other layers (the same metadata object)."""
-        if self._spans_of is not meta:
-            seqs = meta.prefills
-            tables = torch.zeros(len(seqs), max(len(s.block_ids) for s in seqs), dtype=torch.int64)
-            for row, seq in zip(tables, seqs):
-                row[:len(seq.block_ids)] = seq.block_ids
-            columns = torch.tensor([(s.query_start, s.query_len, s.context_len - s.query_len) for s in seqs],
-                                   dtype=torch.int64).t().contiguous()
-            self._spans_of, self._spans = meta, (tables, *columns)
-        return self._spans
+        prompt chunks: built at a step's first layer of each KV group, kept for its other layers (the same metadata
+        object)."""
+        cache = self._spans
+        hit = cache.get(id(meta))
+        if hit is not None and hit[0] is meta:
+            return hit[1]
+        seqs = meta.prefills
+        tables = torch.zeros(len(seqs), max(len(s.block_ids) for s in seqs), dtype=torch.int64)
+        for row, seq in zip(tables, seqs):
+            row[:len(seq.block_ids)] = seq.block_ids
+        columns = torch.tensor([(s.query_start, s.query_len, s.context_len - s.query_len) for s in seqs],
+                               dtype=torch.int64).t().contiguous()
+        if len(cache) >= MAX_KV_GROUPS:
+            cache.clear()
+        cache[id(meta)] = (meta, (tables, *columns))
+        return cache[id(meta)][1]
 
     def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, batch: DecodeBatch, layer: LayerAttention | float,
                out: torch.Tensor) -> None:
