@@ -66,6 +66,26 @@ def package_imports(src_root: Path = SRC_ROOT, package: str = PACKAGE) -> list[I
     return [imp for f in files for imp in _imports_in(f, src_root, known)]
 
 
+def module_edges(imports: list[Import]) -> set[tuple[str, str]]:
+    """(importer, imported) between kvpilot's modules, with the imports Python makes on the way: importing
+    `a.b.c` first runs the `__init__` of each package above it that is not also above the importer (those run
+    before the importer itself)."""
+    known = {i.importer for i in imports}
+
+    def packages_above(module: str) -> set[str]:
+        parts = module.split(".")
+        return {".".join(parts[:k]) for k in range(1, len(parts))}
+
+    edges = set()
+    for i in imports:
+        if unit_of(i.imported) is None or i.importer == i.imported:
+            continue
+        edges.add((i.importer, i.imported))
+        edges |= {(i.importer, p) for p in packages_above(i.imported) - packages_above(i.importer)
+                  if p in known and p != i.importer}
+    return edges
+
+
 def unit_of(module: str) -> str | None:
     """`kvpilot.bench.api` -> `bench`; `kvpilot.cli` -> `cli`; `kvpilot` -> `kvpilot`; others -> None."""
     parts = module.split(".")

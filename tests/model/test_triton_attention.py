@@ -145,7 +145,7 @@ def test_metadata_lands_at_the_same_addresses_for_a_fixed_batch_and_width():
 
 
 def test_selector_refuses_triton_where_it_cannot_run(monkeypatch):
-    from kvpilot.model.attention import select_attention_backend
+    from kvpilot.model.attention.selector import select_attention_backend
     from kvpilot.model.errors import ModelLoadError
     if not ON_GPU:
         with pytest.raises(ModelLoadError, match="bfloat16"):

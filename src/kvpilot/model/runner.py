@@ -17,9 +17,9 @@ import torch
 
 from kvpilot.engine.kv_groups import KVGroupPlan
 from kvpilot.engine.scheduler_output import NewRequestData, RunnerOutput, SchedulerOutput
-from kvpilot.model.attention import StepAttention, select_attention_backend
+from kvpilot.model.attention import StepAttention
 from kvpilot.model.attention.layout import StepLayout
-from kvpilot.model.attention.selector import model_attention_features
+from kvpilot.model.attention.selector import model_attention_features, select_attention_backend
 from kvpilot.model.cuda_graphs import DecodeGraphs
 from kvpilot.model.device_staging import PackedArrays
 from kvpilot.model.errors import ModelLoadError

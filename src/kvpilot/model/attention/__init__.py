@@ -1,11 +1,10 @@
-"""Attention backends over the paged KV cache (see base.AttentionBackend) and their per-step metadata."""
+"""Attention backends over the paged KV cache (see base.AttentionBackend) and their per-step metadata. The backends
+and their choice live in `selector` (imported from there, not re-exported here: layers/paged_attention.py, which
+the backends use, imports base, and a package that imported the backends on the way would close a cycle)."""
 
 from kvpilot.model.attention.base import (ATTENTION_FEATURES, AttentionBackend, LayerAttention, StepAttention,
                                           UnsupportedAttentionError)
 from kvpilot.model.attention.layout import StepLayout
-from kvpilot.model.attention.selector import (ATTENTION_BACKENDS, check_backend_features,
-                                              model_attention_features, select_attention_backend)
 
-__all__ = ["ATTENTION_BACKENDS", "ATTENTION_FEATURES", "AttentionBackend", "LayerAttention", "StepAttention",
-           "StepLayout", "UnsupportedAttentionError", "check_backend_features", "model_attention_features",
-           "select_attention_backend"]
+__all__ = ["ATTENTION_FEATURES", "AttentionBackend", "LayerAttention", "StepAttention", "StepLayout",
+           "UnsupportedAttentionError"]
