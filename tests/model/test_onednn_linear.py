@@ -169,3 +169,15 @@ def test_amx_cpus_keep_prepacked_copies_for_many_rows(tmp_path, monkeypatch) -> 
         by_copy = bf16_math_linear(x.float(), head.float32_copy, None)
         assert torch.equal(logits, by_kernel if rows < FLOAT32_COPY_MIN_ROWS else by_copy), rows
         assert torch.backends.mkldnn.matmul.fp32_precision == precision
+
+
+def test_the_onednn_layout_is_tuned_for_64_rows_on_amx_cpus_only(monkeypatch) -> None:
+    """The batch-size hint of the prepacked layout (AMX: 64, measured faster from 8 to 2,048 rows; else 1). The
+    products of either layout are checked above, with this CPU's hint."""
+    from kvpilot.model.layers import onednn_linear
+
+    for flags, hint in ((frozenset({"avx512_bf16", "amx_bf16"}), 64), (frozenset({"avx512_bf16"}), 1)):
+        onednn_linear.onednn_batch_hint.cache_clear()
+        monkeypatch.setattr(onednn_linear, "cpu_flags", lambda flags=flags: flags)
+        assert onednn_linear.onednn_batch_hint() == hint
+    onednn_linear.onednn_batch_hint.cache_clear()

@@ -18,6 +18,7 @@ The blocked tensor is opaque (no strides, no storage): `dense()` gives the plain
 from __future__ import annotations
 
 import logging
+from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,14 @@ logger = logging.getLogger("kvpilot")
 ONEDNN_COPY_MAX_MEMORY_SHARE = 0.25
 
 
+@lru_cache(maxsize=1)
+def onednn_batch_hint() -> int:
+    """The row count a weight's oneDNN layout is tuned for (the products are the same GEMM's): without AMX, calls
+    of 16-1,536 rows ran as fast with 1 as with 128 or 512; with AMX, a layout for 64 rows ran the embedded model's
+    projections faster at every row count measured, 8 to 2,048 (docs/benchmark-log.md 2026-12-02 14:02)."""
+    return 64 if "amx_bf16" in cpu_flags() else 1
+
+
 def onednn_bf16_applies(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether bf16 GEMMs on `device` can take prepacked weights: a CPU torch built with oneDNN, on a CPU
     oneDNN runs bf16 on (AVX-512 at least)."""
@@ -46,8 +55,7 @@ class OneDnnWeight:
 
     def __init__(self, weight: torch.Tensor) -> None:
         self.out_features, self.in_features = weight.shape
-        # the batch-size hint only tunes the layout; measured rows 16-1,536 ran as fast with 1 as with 128 or 512
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), onednn_batch_hint())
 
     @property
     def nbytes(self) -> int:

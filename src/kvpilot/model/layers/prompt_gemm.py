@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from kvpilot.model.choices import check_prompt_gemm_dtype
-from kvpilot.model.layers.onednn_linear import bf16_linears, onednn_bf16_applies
+from kvpilot.model.layers.onednn_linear import bf16_linears, onednn_batch_hint, onednn_bf16_applies
 
 logger = logging.getLogger("kvpilot")
 
@@ -75,7 +75,7 @@ def _time_probe() -> GemmProbe:
     generator = torch.Generator().manual_seed(0)
     x16 = torch.randn(PROBE_ROWS, PROBE_IN, generator=generator).to(torch.bfloat16)
     w16 = torch.randn(PROBE_OUT, PROBE_IN, generator=generator).to(torch.bfloat16)
-    packed = torch.ops.mkldnn._reorder_linear_weight(w16, 1)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w16, onednn_batch_hint())
     w32 = w16.float().t().contiguous().t()  # the [in, out] layout the float32 copies use (weight_layout.py)
     runs = {"bf16": lambda: torch.ops.mkldnn._linear_pointwise(x16, packed, None, "none", [], ""),
             "float32": lambda: torch.nn.functional.linear(x16.float(), w32).to(torch.bfloat16)}
