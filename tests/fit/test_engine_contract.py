@@ -104,9 +104,9 @@ def test_a_dense_bf16_model_on_an_amx_cpu_notes_the_decode_copies(monkeypatch: p
     from kvpilot.fit import weights
 
     dense = load_model("qwen3-0.6b")
-    monkeypatch.setattr(weights, "cpu_flags", lambda: frozenset({"avx512_bf16", "amx_bf16"}))
+    monkeypatch.setattr(weights, "cpu_has_amx_bf16", lambda: True)
     assert weight_bytes(dense, dtype="bf16", on_gpu=False).notes == (weights.AMX_COPIES_NOTE,)
     assert weight_bytes(dense, dtype="bf16", on_gpu=True).notes == ()
     assert weight_bytes(dense, dtype="float32", on_gpu=False).notes == ()
-    monkeypatch.setattr(weights, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
+    monkeypatch.setattr(weights, "cpu_has_amx_bf16", lambda: False)
     assert weight_bytes(dense, dtype="bf16", on_gpu=False).notes == ()

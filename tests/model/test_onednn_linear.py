@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvpilot.fit.fingerprint import cpu_flags
+from kvpilot.fit.fingerprint import cpu_has_amx_bf16
 from kvpilot.model.layers.onednn_linear import OneDnnWeight, onednn_bf16_applies
 
 CPU = torch.device("cpu")
-AMX = "amx_bf16" in cpu_flags()
+AMX = cpu_has_amx_bf16()
 pytestmark = pytest.mark.skipif(not onednn_bf16_applies(torch.bfloat16, CPU),
                                 reason="this CPU or torch build has no oneDNN bf16 GEMM")
 
@@ -135,7 +135,7 @@ def test_amx_cpus_keep_prepacked_copies_for_many_rows(tmp_path, monkeypatch) -> 
 
     if bf16_gemm_kernel(torch.bfloat16, CPU) is None:
         pytest.skip("no AVX512_BF16 kernel on this CPU: dense bf16 layers are OneDnnLinear")
-    monkeypatch.setattr(onednn_linear, "cpu_flags", lambda: frozenset({"amx_bf16"}))
+    monkeypatch.setattr(onednn_linear, "cpu_has_amx_bf16", lambda: True)
     small = nn.Module()
     small.layers = nn.ModuleList([nn.Sequential(nn.Linear(64, 64, bias=False).to(torch.bfloat16))])
     assert onednn_linear.amx_onednn_copies(small, 10**9) and not onednn_linear.amx_onednn_copies(small, 4 * 64 * 64)
@@ -176,8 +176,8 @@ def test_the_onednn_layout_is_tuned_for_64_rows_on_amx_cpus_only(monkeypatch) ->
     products of either layout are checked above, with this CPU's hint."""
     from kvpilot.model.layers import onednn_linear
 
-    for flags, hint in ((frozenset({"avx512_bf16", "amx_bf16"}), 64), (frozenset({"avx512_bf16"}), 1)):
+    for amx, hint in ((True, 64), (False, 1)):
         onednn_linear.onednn_batch_hint.cache_clear()
-        monkeypatch.setattr(onednn_linear, "cpu_flags", lambda flags=flags: flags)
+        monkeypatch.setattr(onednn_linear, "cpu_has_amx_bf16", lambda amx=amx: amx)
         assert onednn_linear.onednn_batch_hint() == hint
     onednn_linear.onednn_batch_hint.cache_clear()

@@ -71,6 +71,12 @@ def cpu_has_fast_bf16(cpuinfo_path: str | Path = CPUINFO_PATH) -> bool:
     return bool(cpu_flags(Path(cpuinfo_path)) & {"avx512_bf16", "amx_bf16"})
 
 
+def cpu_has_amx_bf16(cpuinfo_path: str | Path = CPUINFO_PATH) -> bool:
+    """True when the CPU has AMX tiles for bf16 (oneDNN's GEMMs run on them: the decode copies and layout of
+    model/layers/onednn_linear.py, and fit's note of them)."""
+    return "amx_bf16" in cpu_flags(Path(cpuinfo_path))
+
+
 def cpu_int8_path(cpuinfo_path: Path = CPUINFO_PATH) -> str:
     """Which int8 path this CPU takes for packed weights in bf16, read here without building the kernels:
     "vnni" (AVX-512 VNNI and BW: the kernels' has_vnni), "avx2" (AVX2 and FMA: has_int8_tiles; the same copies, no

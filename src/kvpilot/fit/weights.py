@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvpilot.fit.checkpoint_formats import checkpoint_linear_bits
-from kvpilot.fit.fingerprint import cpu_flags, cpu_int8_path
+from kvpilot.fit.fingerprint import cpu_has_amx_bf16, cpu_int8_path
 from kvpilot.fit.gguf_holding import PACKED_FAMILIES, held_gguf, int8_path_takes_all, packed_bits
 from kvpilot.fit.gguf_mixes import BASE_TYPES, file_bits_per_weight, mix_tensors
 from kvpilot.fit.gguf_sizes import GgufTensor
@@ -70,7 +70,7 @@ def weight_bytes(model: LoadedModel, weight_dtype: str = "auto", dtype: str = "a
         name, bits, note = checkpoint_linear_bits(quant, on_gpu, compute_bits)
         return _by_role(model, WeightFormat(name, bits, compute_bits, compute_bits), (note,))
     fmt = weight_format(weight_dtype, model.spec, dtype)
-    amx = not on_gpu and cpu_fast_bf16 is None and fmt.name == "bf16" and "amx_bf16" in cpu_flags()
+    amx = not on_gpu and cpu_fast_bf16 is None and fmt.name == "bf16" and cpu_has_amx_bf16()
     return _by_role(model, fmt, (AMX_COPIES_NOTE,) if amx else ())
 
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvpilot.fit.fingerprint import cpu_flags
+from kvpilot.fit.fingerprint import cpu_has_amx_bf16
 from kvpilot.model.layers.bf16_linear import Bf16Linear, bf16_gemm_kernel
 
 logger = logging.getLogger("kvpilot")
@@ -39,7 +39,7 @@ def onednn_batch_hint() -> int:
     """The row count a weight's oneDNN layout is tuned for (the products are the same GEMM's): without AMX, calls
     of 16-1,536 rows ran as fast with 1 as with 128 or 512; with AMX, a layout for 64 rows ran the embedded model's
     projections faster at every row count measured, 8 to 2,048 (docs/benchmark-log.md 2026-12-02 14:02)."""
-    return 64 if "amx_bf16" in cpu_flags() else 1
+    return 64 if cpu_has_amx_bf16() else 1
 
 
 def onednn_bf16_applies(dtype: torch.dtype, device: torch.device) -> bool:
@@ -131,7 +131,7 @@ def amx_onednn_copies(model: nn.Module, available_bytes: int) -> bool:
     """Whether the Bf16Linear decoder projections of `model` should also keep oneDNN-prepacked copies, and its
     bf16 output head a float32 copy: on a CPU with AMX (bf16_linear.py: oneDNN's tile kernels win from
     ONEDNN_MIN_ROWS rows), where the copies fit ONEDNN_COPY_MAX_MEMORY_SHARE of `available_bytes` (else logged)."""
-    if "amx_bf16" not in cpu_flags():
+    if not cpu_has_amx_bf16():
         return False
     copy_bytes = 2 * sum(linear.weight.numel() for parent, name, linear in bf16_linears(model)
                          if not (name == "lm_head" and parent is model))
