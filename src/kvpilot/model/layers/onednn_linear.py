@@ -29,9 +29,20 @@ from kvpilot.model.layers.bf16_linear import Bf16Linear, bf16_gemm_kernel
 
 logger = logging.getLogger("kvpilot")
 
-# AMX CPUs: the prepacked copies of a dense bf16 model's decoder projections (beside the kernel's plain weights)
-# may take at most this share of the memory available at load
-ONEDNN_COPY_MAX_MEMORY_SHARE = 0.25
+# Each kind of copy a CPU model keeps beside its weights for speed (a packed model's dense copy for many-row GEMMs,
+# a dense model's float32 copies for prompt GEMMs, its prepacked decode copies on AMX) may take at most this share
+# of the memory available at load: a big model on a small machine keeps its weights only (a copy alone could
+# exhaust the RAM the KV cache needs).
+COPY_MAX_MEMORY_SHARE = 0.25
+
+
+def copy_fits(copy_bytes: int, available_bytes: int, copy: str) -> bool:
+    """Whether a copy of `copy_bytes` fits COPY_MAX_MEMORY_SHARE of `available_bytes`; else logs that `copy` (what
+    runs without it, then what it is: "prompt GEMMs in bf16: a float32 copy of the weights") would take too much."""
+    if copy_bytes <= COPY_MAX_MEMORY_SHARE * available_bytes:
+        return True
+    logger.info("%s would take %.1f GiB of the %.1f GiB available", copy, copy_bytes / 2**30, available_bytes / 2**30)
+    return False
 
 
 @lru_cache(maxsize=1)
@@ -130,18 +141,15 @@ def bf16_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
 def amx_onednn_copies(model: nn.Module, available_bytes: int) -> bool:
     """Whether the Bf16Linear decoder projections of `model` should also keep oneDNN-prepacked copies, and its
     bf16 output head a float32 copy: on a CPU with AMX (bf16_linear.py: oneDNN's tile kernels win from
-    ONEDNN_MIN_ROWS rows), where the copies fit ONEDNN_COPY_MAX_MEMORY_SHARE of `available_bytes` (else logged)."""
+    ONEDNN_MIN_ROWS rows), where the copies fit (copy_fits)."""
     if not cpu_has_amx_bf16():
         return False
     copy_bytes = 2 * sum(linear.weight.numel() for parent, name, linear in bf16_linears(model)
                          if not (name == "lm_head" and parent is model))
     head = _dense_head_weight(model) if getattr(model, "output_head", None) is None else None  # else packed
     copy_bytes += 0 if head is None else 4 * head.numel()
-    if copy_bytes > ONEDNN_COPY_MAX_MEMORY_SHARE * available_bytes:
-        logger.info("decode steps of many rows without AMX tiles: a prepacked copy of the weights would take "
-                    "%.1f GiB of the %.1f GiB available", copy_bytes / 2**30, available_bytes / 2**30)
-        return False
-    return copy_bytes > 0
+    return copy_bytes > 0 and copy_fits(copy_bytes, available_bytes,
+                                        "decode steps of many rows without AMX tiles: a prepacked copy of the weights")
 
 
 @torch.no_grad()

@@ -12,7 +12,7 @@ float32 prompt GEMMs read a float32 copy of the weights (twice the bf16 copy's b
 converted at the GEMM (bf16 -> float32 is exact) and the outputs rounded back to bf16 (float32 for logits).
 Packed layers (GGUF, int8/int4) take it in steps with prompt tokens, decode steps keeping the int8 path; dense
 bf16 layers (layers/onednn_linear.py) in calls of DENSE_FLOAT32_MIN_ROWS rows or more, where the copy fits
-FLOAT32_COPY_MAX_MEMORY_SHARE of the memory available at load.
+(onednn_linear.copy_fits).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from kvpilot.model.choices import check_prompt_gemm_dtype
-from kvpilot.model.layers.onednn_linear import bf16_linears, onednn_batch_hint, onednn_bf16_applies
+from kvpilot.model.layers.onednn_linear import bf16_linears, copy_fits, onednn_batch_hint, onednn_bf16_applies
 
 logger = logging.getLogger("kvpilot")
 
@@ -36,8 +36,6 @@ FLOAT32_MIN_SPEEDUP = 1.2
 # the bytes (the embedded model's projections from DRAM, ~15 GB/s and 150 vs 300 GFLOP/s: bf16 wins at 16 rows,
 # float32 from ~24)
 DENSE_FLOAT32_MIN_ROWS = 32
-# the float32 copies of a dense model's weights may take at most this share of the memory available at load
-FLOAT32_COPY_MAX_MEMORY_SHARE = 0.25
 # the probe's GEMM: a 256-token chunk through a gate/up-sized projection (~0.45 GFLOP, a few ms each way)
 PROBE_ROWS, PROBE_IN, PROBE_OUT, PROBE_ROUNDS = 256, 576, 1536, 9
 
@@ -115,14 +113,9 @@ def resolve_prompt_gemm_dtype(name: str, compute_dtype: torch.dtype, device: tor
 def dense_float32_min_rows(model: torch.nn.Module, prompt_dtype: torch.dtype | None,
                            available_bytes: int) -> int | None:
     """DENSE_FLOAT32_MIN_ROWS when the model's dense bf16 layers should keep float32 copies (prompt GEMMs in
-    float32, and the copies fit FLOAT32_COPY_MAX_MEMORY_SHARE of `available_bytes`; else logged), or None."""
+    float32, and the copies fit: onednn_linear.copy_fits), or None."""
     if prompt_dtype != torch.float32:
         return None
     copy_bytes = 4 * sum(linear.weight.numel() for _, _, linear in bf16_linears(model))
-    if not copy_bytes:
-        return None
-    if copy_bytes > FLOAT32_COPY_MAX_MEMORY_SHARE * available_bytes:
-        logger.info("prompt GEMMs in bf16: a float32 copy of the weights would take %.1f GiB of the %.1f GiB "
-                    "available", copy_bytes / 2**30, available_bytes / 2**30)
-        return None
-    return DENSE_FLOAT32_MIN_ROWS
+    fits = copy_bytes and copy_fits(copy_bytes, available_bytes, "prompt GEMMs in bf16: a float32 copy of the weights")
+    return DENSE_FLOAT32_MIN_ROWS if fits else None

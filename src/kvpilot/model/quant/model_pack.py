@@ -35,6 +35,7 @@ from torch import nn
 
 from kvpilot.model.config import ModelConfig
 from kvpilot.model.errors import ModelLoadError
+from kvpilot.model.layers.onednn_linear import copy_fits
 from kvpilot.model.quant.formats import SUPPORTED_NAMES, packed_format
 from kvpilot.model.quant.kernel import best_isa, has_int8_tiles
 from kvpilot.model.quant.linear import DenseScratch, Int8Gate, PackedLinear
@@ -104,28 +105,19 @@ def _mixed_expert_formats(types: dict[str, str]) -> str | None:
     return None
 
 
-# The hybrid layout's dense copy may take at most this share of the memory available at load: a big model
-# on a small machine stays packed only (its dense copy alone could exhaust the RAM the KV cache needs).
-HYBRID_MAX_MEMORY_SHARE = 0.25
-
-
 def keeps_dense(quantization: str, compute_dtype: torch.dtype, packed: dict[str, PackedWeight],
                 available_bytes: int, gemm_dtype: torch.dtype | None = None) -> bool:
     """The hybrid layout (see the module docstring): auto, non-float32 activations, and a dense copy of the
     packed weights in `gemm_dtype` (the many-row GEMMs' dtype; default compute_dtype) that fits in
-    HYBRID_MAX_MEMORY_SHARE of `available_bytes`."""
+    `available_bytes` (onednn_linear.copy_fits)."""
     if quantization != "auto" or compute_dtype == torch.float32 or not packed:
         return False
     gemm_dtype = gemm_dtype or compute_dtype
     # a tied output head's many-row path reads the embedding table itself: it builds no copy; experts keep none
     dense_bytes = sum(w.out_features * w.in_features for name, w in packed.items()
                       if name != EMBED and isinstance(w, PackedWeight)) * gemm_dtype.itemsize
-    if dense_bytes > HYBRID_MAX_MEMORY_SHARE * available_bytes:
-        logger.info("packed weights only: their dense %s copy for many-row GEMMs would take %.1f GiB of the "
-                    "%.1f GiB available", str(gemm_dtype).removeprefix("torch."), dense_bytes / 2**30,
-                    available_bytes / 2**30)
-        return False
-    return True
+    dtype = str(gemm_dtype).removeprefix("torch.")
+    return copy_fits(dense_bytes, available_bytes, f"packed weights only: their dense {dtype} copy for many-row GEMMs")
 
 
 def install_int8_gate(model: nn.Module, compute_dtype: torch.dtype) -> Int8Gate | None:
