@@ -19,7 +19,7 @@ from kvpilot.model.attention.metadata import AttentionMetadata, DecodeBatch, Pre
 from kvpilot.model.attention.torch_backend import TorchAttentionBackend
 from kvpilot.model.layers.cpu_decode_kernel import kernel_applies
 from kvpilot.model.layers.cpu_prefill_kernel import get_prefill_kernel, prefill_kernel_applies
-from kvpilot.model.layers.paged_attention import NO_SINKS, decode_kernel, write_kv
+from kvpilot.model.layers.paged_attention import NO_SINKS, decode_kernel
 
 
 class CpuKernelAttentionBackend(TorchAttentionBackend):
@@ -51,22 +51,17 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
             layer.window, layer.softcap, sinks)
         return out
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, layer: LayerAttention | float) -> torch.Tensor:
-        """As TorchAttentionBackend.forward, with all of the step's prompt chunks in one prefill kernel call where
-        it applies (its rows equal the per-chunk calls' bit for bit)."""
+    def prefill_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                     meta: AttentionMetadata, layer: LayerAttention, out: torch.Tensor) -> None:
+        """All of the step's prompt chunks in one prefill kernel call where it applies (its rows equal the
+        per-chunk calls' bit for bit), else the torch backend's a chunk at a time."""
         if not meta.prefills or not prefill_kernel_applies(q, kv_cache):
-            return super().forward(q, k, v, kv_cache, meta, layer)
-        layer = as_layer_attention(layer)
-        write_kv(kv_cache, k, v, meta.slot_mapping)
-        out = torch.empty_like(q)
+            super().prefill_rows(q, k, v, kv_cache, meta, layer, out)
+            return
         sinks = layer.sinks.contiguous() if layer.sinks is not None else NO_SINKS
         get_prefill_kernel().prefill_attention_bf16_batch(
             out, q, kv_cache[0], kv_cache[1], *self._prefill_spans(meta), layer.scale, layer.window, layer.softcap,
             sinks)
-        for batch in meta.decodes:
-            self.decode(q, kv_cache, batch, layer, out)
-        return out
 
     def _prefill_spans(self, meta: AttentionMetadata) -> tuple[torch.Tensor, ...]:
         """The batched kernel's block_tables [S, max_blocks], query_starts, query_lens and starts [S] of `meta`'s

@@ -122,8 +122,13 @@ class TorchAttentionBackend:
         layer = as_layer_attention(layer)
         write_kv(kv_cache, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
-        for seq in meta.prefills:
-            out[seq.query_start: seq.query_start + seq.query_len] = self.prefill(q, k, v, kv_cache, seq, layer)
+        self.prefill_rows(q, k, v, kv_cache, meta, layer, out)
         for batch in meta.decodes:
             self.decode(q, kv_cache, batch, layer, out)
         return out
+
+    def prefill_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                     meta: AttentionMetadata, layer: LayerAttention, out: torch.Tensor) -> None:
+        """Writes the rows of the step's prompt chunks into `out`, a chunk at a time (prefill)."""
+        for seq in meta.prefills:
+            out[seq.query_start: seq.query_start + seq.query_len] = self.prefill(q, k, v, kv_cache, seq, layer)
