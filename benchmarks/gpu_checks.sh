@@ -56,6 +56,7 @@ run_server() {  # kvpilot serve vs LLM.generate on one workload (needs .whl: ben
 run_tests() {  # TESTS="file ..." runs only those
     $PY -m pytest -q -p no:cacheprovider --timeout 120 ${TESTS:-tests/model/test_triton_attention.py \
         tests/model/test_triton_runner.py tests/model/test_triton_split.py tests/model/test_cuda_graphs.py \
+        tests/model/test_piecewise_graphs.py \
         tests/model/test_triton_small_ops.py tests/model/test_device_staging.py tests/model/test_kv_groups_runner.py \
         tests/model/test_kv_scales.py tests/model/test_nccl_group.py}
 }
@@ -85,7 +86,7 @@ for s in "${selected[@]}"; do
         budget) for b in ${BUDGETS:-8192 16384}; do stage budget-$b 90 $PY benchmarks/gpu_throughput.py \
             --rows nano-vllm llama-ttft --skip-hf --step-breakdown --max-num-batched-tokens "$b"; done ;;
         profile-mixed) stage profile-mixed "${PROFILE_LIMIT:-120}" $PY benchmarks/gpu_step_profile.py --model qwen3-0.6b \
-            --batch 128 --context 512 --prefill-tokens 1900 --profile --modes "${MODES:-sync-eager,async-graphs}" ;;
+            --batch 128 --context 512 --prefill-tokens 1900 --profile --modes "${MODES:-sync-eager,async-decode,async-graphs}" ;;
         numerics) stage numerics 120 $PY benchmarks/gpu_numerics.py ;;
         moe) stage moe "${MOE_LIMIT:-150}" $PY benchmarks/moe_decode.py --device cuda --batch 64 --layers 48 \
             --vocab-size 151936 --rounds 3 ;;  # #45: Qwen3-30B-A3B's shapes at full depth, goal >= 3,000 tok/s

@@ -127,7 +127,9 @@ def main() -> None:
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--modes", default="sync-eager,async-eager,async-graphs",
-                        help="comma-separated {sync,async}-{eager,graphs}: scheduling and CUDA graphs")
+                        help="comma-separated {sync,async}-{eager,decode,graphs}: scheduling and CUDA graphs "
+                        "(decode: decode-only steps' graphs alone, FULL_DECODE_ONLY; graphs: the default, "
+                        "FULL_AND_PIECEWISE, steps with prompt tokens replaying piecewise graphs)")
     parser.add_argument("--profile", action="store_true", help="Profile the last mode's steps (kernels, time).")
     parser.add_argument("--sync-debug", action="store_true", help="Report where the last mode's back-to-back steps "
                         "waited for the device (torch.cuda.set_sync_debug_mode).")
@@ -135,7 +137,8 @@ def main() -> None:
                         "in each step beside the decodes (fits the token budget: N + batch <= 2,048 by default).")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
-    logging.getLogger("kvpilot.model.cuda_graphs").setLevel(logging.INFO)  # capture time and memory
+    for name in ("kvpilot.model.cuda_graphs", "kvpilot.model.piecewise_graphs"):  # capture time and memory
+        logging.getLogger(name).setLevel(logging.INFO)
     max_model_len = max(args.context, args.prefill_tokens) + 512
     loaded = load_model(args.model, load_format="dummy", dtype=args.dtype, max_model_len=max_model_len)
     modes = [m.strip() for m in args.modes.split(",")]
@@ -144,6 +147,7 @@ def main() -> None:
         llm = LLM(loaded=loaded, max_model_len=max_model_len, max_num_seqs=args.batch + 1,
                   attention_backend=args.attention_backend, async_scheduling=scheduling == "async",
                   enforce_eager=graphs == "eager",
+                  compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY"} if graphs == "decode" else None,
                   kv_cache_memory=None if loaded.device.type == "cuda" else "2GiB")
         fill_to_decode(llm, args.batch, args.context, max_tokens=4 * args.steps + 64)
         timed_steps(llm, 3, args.prefill_tokens)  # warm-up

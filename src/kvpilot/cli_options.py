@@ -113,12 +113,18 @@ TensorParallelOpt = Annotated[int, typer.Option(
     "--tensor-parallel-size", "-tp", help="Ranks that share every layer (Megatron-style sharding, one process "
     "each). CPU (gloo) so far; the model's heads and MLP width must divide (the error names sizes that do).")]
 EnforceEagerOpt = Annotated[bool, typer.Option(
-    "--enforce-eager", help="CUDA: run decode steps eagerly, without CUDA graphs (slower at small batches; "
-    "for debugging).")]
+    "--enforce-eager", help="CUDA: run every step eagerly, without CUDA graphs (slower at small batches; "
+    "for debugging; as --compilation-config '{\"cudagraph_mode\": \"NONE\"}').")]
 CudaGraphSizesOpt = Annotated[Optional[str], typer.Option(
     "--cuda-graph-sizes", help="CUDA: decode batch sizes to capture graphs at, comma or space separated "
     "(e.g. '1,2,4,8,16'); larger decode batches run eagerly. Default: 1, 2, 4, 8, then every 16 up to "
     "--max-num-seqs.")]
+
+CompilationConfigOpt = Annotated[Optional[str], typer.Option(
+    "--compilation-config", "-O", help="CUDA graphs, vLLM's JSON: '{\"cudagraph_mode\": \"FULL_AND_PIECEWISE\"}' "
+    "(the default: decode-only steps replay a whole-step graph, steps with prompt tokens of at most "
+    "\"max_cudagraph_capture_size\" (2048) tokens replay the pieces between attention calls), "
+    "FULL_DECODE_ONLY, PIECEWISE or NONE; \"cudagraph_capture_sizes\": the token counts to capture.")]
 
 
 def parse_cuda_graph_sizes(text: str | None) -> tuple[int, ...] | None:

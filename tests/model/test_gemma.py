@@ -107,6 +107,27 @@ def test_greedy_matches_transformers_with_preemption_and_prefix_caching(tiny):
     assert shared.outputs[0].token_ids == expected[3]
 
 
+def test_piecewise_graph_steps_match_transformers(tiny):
+    """The same run with every step replayed through the piecewise graphs' breakpoints (model/piecewise_graphs.py;
+    on a CPU the pieces run eagerly over the same static buffers): attention between the pieces reads each KV
+    group's metadata (Gemma 3's three groups), padding rows reach no cache, and the tokens stay HF's."""
+    name, _, directory, expected = tiny
+    llm = LLM(model=str(directory), dtype="float32", kv_cache_memory="96KiB", max_model_len=96,
+              max_num_batched_tokens=16, max_num_seqs=4)
+    runner = llm.engine.runner
+    runner.capture_piecewise_graphs([4, 8, 16])
+    buckets: list[tuple[int, int]] = []
+    forward = runner.piecewise.forward
+    runner.piecewise.forward = lambda ids, pos, attn, size: buckets.append((len(ids), size)) or \
+        forward(ids, pos, attn, size)
+    prompts = _prompts()
+    assert _generate(llm, prompts[:3]) == expected[:3]
+    assert llm.engine.scheduler.make_stats().num_preemptions > 0
+    assert _generate(llm, prompts[3:]) == expected[3:]
+    assert {size for _, size in buckets} == {4, 8, 16} and any(n < size for n, size in buckets)
+    assert all(n <= size for n, size in buckets)
+
+
 @contextmanager
 def _attention_scaled_by_head_dim(model):
     """The HF model as llama.cpp runs its GGUF, which stores no query_pre_attn_scalar: scaled by head_dim**-0.5

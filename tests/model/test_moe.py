@@ -138,6 +138,19 @@ def test_family_matches_transformers(name, saved):
 
 
 @pytest.mark.parametrize("name", list(FAMILY))
+def test_piecewise_graph_steps_match_transformers(name, saved):
+    """Every step through the piecewise graphs' breakpoints (model/piecewise_graphs.py, run eagerly on a CPU):
+    the routing and experts see the padded rows of a bucket, the tokens stay HF's."""
+    hf, path = saved[name]
+    llm = LLM(model=str(path), dtype="float32", kv_cache_memory="4MiB", max_model_len=256, max_num_batched_tokens=32,
+              max_num_seqs=4)
+    llm.engine.runner.capture_piecewise_graphs([8, 16, 32])
+    prompts = _prompts(512)
+    outputs = llm.generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+
+
+@pytest.mark.parametrize("name", list(FAMILY))
 def test_gguf_matches_transformers(name, tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -6,13 +6,10 @@ below and above the model's length."""
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from kvpilot.launch.args import EngineArgs
-from kvpilot.launch.build import _captures_graphs
 from kvpilot.model.kv_budget import profile_forward
 from kvpilot.fit.model_catalog import get_hf_config
 from kvpilot.model.loader import load_model
@@ -32,13 +29,3 @@ def loaded(tmp_path_factory):
 def test_profile_forward_takes_a_whole_budget(loaded, num_tokens):
     assert loaded.model.rotary.max_positions == 128  # positions past it fail (IndexError here, an assert on CUDA)
     assert profile_forward(loaded, num_tokens, 16, torch.float32, lambda: 7) == 7
-
-
-def test_cuda_graph_memory_is_set_aside_only_where_graphs_are_captured():
-    """The KV budget keeps 40 MiB a captured size back only when the engine will capture: CUDA, not
-    --enforce-eager, and an attention backend that replays (torch's builds per-step metadata)."""
-    cuda = SimpleNamespace(device=torch.device("cuda"), dtype=torch.bfloat16)
-    assert not _captures_graphs(EngineArgs(attention_backend="torch"), cuda, torch.bfloat16)
-    assert not _captures_graphs(EngineArgs(enforce_eager=True), cuda, torch.bfloat16)
-    cpu = SimpleNamespace(device=torch.device("cpu"), dtype=torch.bfloat16)
-    assert not _captures_graphs(EngineArgs(attention_backend="triton"), cpu, torch.bfloat16)

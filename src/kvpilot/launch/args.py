@@ -17,6 +17,7 @@ from kvpilot.engine.spec_config import SpeculativeConfig
 from kvpilot.fit.memory import CPU_DEFAULT_KV_CACHE_BYTES
 from kvpilot.memory_size import parse_memory_size
 from kvpilot.model.choices import ATTENTION_BACKENDS, check_kv_cache_dtype, check_prompt_gemm_dtype, cuda_graph_sizes
+from kvpilot.model.compilation_config import CompilationConfig
 
 # Like vLLM's VLLM_CPU_KVCACHE_SPACE (4 GiB there), 2 GiB here: RSS matters on small boxes. Defined in `fit`
 # so the planner and the engine use one number.
@@ -58,6 +59,9 @@ class EngineArgs:
     tensor_parallel_size: int = 1  # ranks sharing each layer (CPU: gloo, one process per rank)
     enforce_eager: bool = False  # CUDA: no CUDA graphs (decode steps launch their kernels one by one)
     cuda_graph_sizes: tuple[int, ...] | None = None  # decode batch sizes to capture; None: 1, 2, 4, 8, 16k..
+    # vLLM's dict (or JSON text): cudagraph_mode (FULL_AND_PIECEWISE, FULL_DECODE_ONLY, PIECEWISE, NONE) and the
+    # sizes graphs are captured at (model/compilation_config.py)
+    compilation_config: CompilationConfig | dict | str | None = None
     kv_events_config: KVEventsConfig | None = None  # publish KV-cache events (the engine core process does)
     usage_context: str = "llm"  # "llm" (offline) or "server": picks defaults that differ (step_budget.py)
     # speculative decoding, vLLM's dict (or its JSON text): {"method": "ngram", "num_speculative_tokens": 4, ...}
@@ -123,6 +127,14 @@ class EngineArgs:
         """speculative_config, parsed and checked (EngineConfigError naming the field); None: off."""
         return SpeculativeConfig.of(self.speculative_config)
 
+    @property
+    def compilation(self) -> CompilationConfig:
+        """compilation_config, parsed and checked (EngineConfigError naming the field)."""
+        try:
+            return CompilationConfig.of(self.compilation_config)
+        except ValueError as exc:
+            raise EngineConfigError(str(exc)) from exc
+
     def check(self) -> None:
         """Validates what can be checked before loading the model; EngineConfigError names the setting."""
         if self.usage_context not in USAGE_CONTEXTS:
@@ -149,11 +161,15 @@ class EngineArgs:
         if self.tensor_parallel_size > 1 and self.quantization not in ("auto", "none"):
             raise EngineConfigError(f"tensor parallelism shards dense weights: --quantization {self.quantization} "
                                     "keeps packed ones; use --quantization none (or auto)")
+        compilation = self.compilation  # EngineConfigError for a bad compilation_config
         if self.cuda_graph_sizes is not None:
             try:
                 cuda_graph_sizes(self.max_num_seqs, self.cuda_graph_sizes)
             except ValueError as exc:
                 raise EngineConfigError(str(exc)) from exc
+            if compilation.cudagraph_capture_sizes is not None:
+                raise EngineConfigError("cuda_graph_sizes and compilation_config's cudagraph_capture_sizes both "
+                                        "set the decode graphs' sizes: give one of them")
         self._check_speculative()
         self._check_offload()
         if self.kv_transfer() is not None and self.tensor_parallel_size > 1:  # the sender reads one rank's cache

@@ -21,12 +21,11 @@ from kvpilot.engine.speculator import DraftProposer, Speculator
 from kvpilot.launch.args import DEFAULT_CPU_KV_CACHE_BYTES, EngineArgs
 from kvpilot.launch.draft_model import build_draft_proposer, draft_kv_share, load_draft
 from kvpilot.launch.eagle import build_eagle_proposer, load_eagle
+from kvpilot.launch.graphs import GraphPlan, capture_graphs, graph_plan
 from kvpilot.launch.offload_plan import OffloadPlan, plan_offload
 from kvpilot.launch.tp import TPLaunch, rank_config
 from kvpilot.fit.kv_cache import KvCapacity, format_capacity_line, kv_capacity_for_memory
 from kvpilot.memory_size import format_bytes, parse_memory_size
-from kvpilot.model.attention.triton_support import triton_unusable_reason
-from kvpilot.model.choices import cuda_graph_sizes
 from kvpilot.model.kv_dtype import kv_dtype_name, resolve_kv_cache_dtype
 from kvpilot.model.layers.rope import RotaryEmbedding
 from kvpilot.model.hub import resolve_model
@@ -34,14 +33,9 @@ from kvpilot.model.config import ModelConfig
 from kvpilot.model.loader import LoadedModel, load_model
 from kvpilot.model.onednn_caches import bound_onednn_caches
 from kvpilot.model.parallel.worker import KVBudgetRequest, RunnerSpec, make_runner, rank_kv_budget
-from kvpilot.model.runner import ModelRunner
 from kvpilot.model.step_budget import default_max_num_batched_tokens
 
 logger = logging.getLogger("kvpilot")
-# set aside from the KV budget per captured decode graph (they are captured after the cache is allocated):
-# measured 35 MiB a size on an H200 (2026-11-26: Qwen3-0.6B 20 sizes 704 MiB, Llama-3.1-8B 8 sizes 284 MiB),
-# with a new warm-up stream per size (now one stream for all: expected lower, not yet measured)
-CUDA_GRAPH_BYTES_PER_SIZE = 40 * 2**20
 
 
 @dataclass(frozen=True)
@@ -65,16 +59,15 @@ class BuiltEngine:
 
 
 def kv_cache_budget_bytes(args: EngineArgs, loaded: LoadedModel, max_num_batched_tokens: int,
-                          kv_dtype: torch.dtype, tp: TPLaunch | None = None) -> int:
+                          kv_dtype: torch.dtype, tp: TPLaunch | None = None, graphs: GraphPlan = GraphPlan()) -> int:
     """Bytes for the KV cache: kv_cache_memory if given; on CUDA from gpu_memory_utilization (with tensor
-    parallelism: the smallest of the ranks' GPUs); else the CPU default."""
+    parallelism: the smallest of the ranks' GPUs) less what `graphs` will take; else the CPU default."""
     if args.kv_cache_memory is not None:
         return parse_memory_size(args.kv_cache_memory, "kv_cache_memory")
     if loaded.device.type == "cuda":
-        graphs = CUDA_GRAPH_BYTES_PER_SIZE * len(cuda_graph_sizes(args.max_num_seqs, args.cuda_graph_sizes)) \
-            if _captures_graphs(args, loaded, kv_dtype) else 0
+        set_aside = graphs.set_aside_bytes(loaded.config, loaded.dtype.itemsize)
         request = KVBudgetRequest(args.gpu_memory_utilization, max_num_batched_tokens, args.block_size, kv_dtype)
-        return (tp.kv_budget(request) if tp is not None else rank_kv_budget(loaded, request)) - graphs
+        return (tp.kv_budget(request) if tp is not None else rank_kv_budget(loaded, request)) - set_aside
     return DEFAULT_CPU_KV_CACHE_BYTES
 
 
@@ -119,12 +112,13 @@ def _build(args: EngineArgs, loaded: LoadedModel, tp: TPLaunch | None) -> BuiltE
     method = speculative.method if speculative is not None else None
     draft = load_draft(args, speculative, loaded) if method == "draft_model" else \
         load_eagle(args, speculative, loaded) if method in ("eagle", "eagle3") else None  # launch/eagle.py
-    budget = kv_cache_budget_bytes(args, loaded, max_num_batched_tokens, kv_dtype, tp)
+    groups = kv_group_plan(loaded.config, args)
+    graphs = graph_plan(args, loaded, kv_dtype, max_num_batched_tokens, hybrid=groups.is_hybrid)
+    budget = kv_cache_budget_bytes(args, loaded, max_num_batched_tokens, kv_dtype, tp, graphs)
     if draft is not None:  # the draft's cache: its share of the budget, as many blocks as the target's
         budget -= int(budget * draft_kv_share(loaded, draft, args.block_size, args.kv_cache_dtype))
     element_size = torch.tensor([], dtype=kv_dtype).element_size()
     config = loaded.config
-    groups = kv_group_plan(config, args)
     window, extra_windows = groups.group_windows[0], groups.group_windows[1:]
     # The same function `kvpilot fit` predicts with: plan and engine agree by construction.
     capacity = kv_capacity_for_memory(rank_config(loaded), budget, args.block_size, element_size,
@@ -162,13 +156,7 @@ def _build(args: EngineArgs, loaded: LoadedModel, tp: TPLaunch | None) -> BuiltE
                       args.attention_backend, tuple(eos_token_ids), offload.spec if offload else None, groups,
                       calibrate_kv_scales=args.calculate_kv_scales and args.kv_role is None)
     runner = tp.executor(spec) if tp is not None else make_runner(loaded, spec)
-    if loaded.device.type == "cuda" and not args.enforce_eager and method == "eagle3":
-        logger.info("CUDA graphs off: the EAGLE-3 head reads the target's aux layers, which a graph does not leave")
-    elif loaded.device.type == "cuda" and not args.enforce_eager and groups.is_hybrid:
-        logger.info("CUDA graphs off: the decode graphs replay one block table per step, and this model's "
-                    "layers read %d (KV groups)", groups.num_groups)
-    elif loaded.device.type == "cuda" and not args.enforce_eager:
-        _capture_decode_graphs(runner, args, max_num_batched_tokens)
+    capture_graphs(runner, graphs, max_num_batched_tokens)
     build_proposer = build_eagle_proposer if method in ("eagle", "eagle3") else build_draft_proposer
     proposer = build_proposer(draft, args, capacity.num_blocks, max_model_len, max_num_batched_tokens) \
         if draft is not None else None
@@ -207,32 +195,6 @@ def make_speculator(config: SpeculativeConfig | None, proposer: DraftProposer | 
                 "as many as the cost model finds worth their rows", config.method, config.num_speculative_tokens,
                 config.prompt_lookup_min, config.prompt_lookup_max)
     return Speculator(config, NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max))
-
-
-def _captures_graphs(args: EngineArgs, loaded: LoadedModel, kv_dtype: torch.dtype) -> bool:
-    """Whether the engine will capture decode graphs (so their memory comes out of the KV budget): on CUDA,
-    not --enforce-eager, with the triton backend (auto picks it where it runs), as _capture_decode_graphs."""
-    return (loaded.device.type == "cuda" and not args.enforce_eager and args.tensor_parallel_size == 1
-            and args.attention_backend in ("auto", "triton")
-            and triton_unusable_reason(loaded.device, loaded.dtype, kv_dtype) is None)
-
-
-def _capture_decode_graphs(runner: ModelRunner, args: EngineArgs, max_num_batched_tokens: int) -> None:
-    if args.tensor_parallel_size > 1:
-        logger.info("CUDA graphs off with tensor parallelism: decode steps run eagerly (the ranks' NCCL "
-                    "all-reduces are not captured yet)")
-        return
-    if runner.attention.name != "triton":
-        logger.info("CUDA graphs off: the %s attention backend builds per-step metadata a graph cannot "
-                    "replay (use --attention-backend triton or auto)", runner.attention.name)
-        return
-    try:
-        runner.capture_decode_graphs(cuda_graph_sizes(args.max_num_seqs, args.cuda_graph_sizes),
-                                     max_num_batched_tokens)
-    except RuntimeError as exc:  # serve eagerly rather than not at all; the log says why
-        runner.graphs = None
-        logger.warning("CUDA graph capture failed, decode steps run eagerly (--enforce-eager skips the "
-                       "capture): %s", exc)
 
 
 def _check_positions(loaded: LoadedModel, max_model_len: int) -> None:

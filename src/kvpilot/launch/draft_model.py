@@ -82,7 +82,8 @@ def build_draft_proposer(draft: LoadedModel, args: EngineArgs, num_blocks: int, 
                           max_model_len=max_model_len + config.num_speculative_tokens)
     runner = ModelRunner(draft, num_blocks, args.block_size, resolve_kv_cache_dtype(args.kv_cache_dtype, draft.dtype),
                          limits=limits, attention_backend=args.attention_backend)
-    if draft.device.type == "cuda" and not args.enforce_eager and runner.attention.name == "triton":
+    if draft.device.type == "cuda" and not args.enforce_eager and args.compilation.full_decode \
+            and runner.attention.name == "triton":
         try:
             runner.capture_decode_graphs(cuda_graph_sizes(args.max_num_seqs, args.cuda_graph_sizes),
                                          max_num_batched_tokens)

@@ -21,6 +21,7 @@ from kvpilot.model.attention import StepAttention
 from kvpilot.model.attention.layout import StepLayout
 from kvpilot.model.attention.selector import model_attention_features, select_attention_backend
 from kvpilot.model.cuda_graphs import DecodeGraphs
+from kvpilot.model.piecewise_graphs import PiecewiseGraphs
 from kvpilot.model.device_staging import PackedArrays
 from kvpilot.model.errors import ModelLoadError
 from kvpilot.model.grammar_compiler import GrammarCompiler
@@ -164,6 +165,7 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}  # per-request seeded streams
         self._previous: PreviousSample | None = None
         self.graphs: DecodeGraphs | None = None  # set by capture_decode_graphs (CUDA)
+        self.piecewise: PiecewiseGraphs | None = None  # set by capture_piecewise_graphs (CUDA)
         self.drafter: DraftFiller | None = None  # the draft model's proposer (speculative_config draft_model)
         self.tp = tp
         # CUDA: a step's integer inputs travel in one asynchronous copy (no wait for the step before)
@@ -297,14 +299,26 @@ class ModelRunner:
         graphs.capture()
         self.graphs = graphs
 
+    def capture_piecewise_graphs(self, sizes: Sequence[int]) -> None:
+        """Captures the forward's pieces between attention calls at these token counts
+        (kvpilot.model.piecewise_graphs); later steps the decode graphs do not take, of at most max(sizes)
+        tokens, replay them with attention run eagerly. Any attention backend."""
+        piecewise = PiecewiseGraphs(self.model, self.kv_caches, sizes, self.device)
+        piecewise.capture()
+        self.piecewise = piecewise
+
     def _forward_hidden(self, inputs: StepInputs, calibrate: bool = False) -> torch.Tensor:
         """The last layer's normed hidden states [T, hidden] of the step's tokens (calibrate: a serving step,
-        whose K/V may set the fp8 KV scales; a replayed graph never does, but a step with a prompt is eager)."""
+        whose K/V may set the fp8 KV scales in its attention: eager, also between piecewise graphs; a replayed
+        decode graph never does, but the first step, which has a prompt, is not one)."""
         size = self.graphs.size_for(inputs.layout) if self.graphs is not None else None
         if size is not None:
             return self.graphs.forward(inputs.token_ids, inputs.positions, inputs.layout, size)
-        return self.model(inputs.token_ids, inputs.positions, self.kv_caches,
-                          self.step_attention(inputs.layout, calibrate))
+        attn = self.step_attention(inputs.layout, calibrate)
+        bucket = self.piecewise.size_for(inputs.layout.num_tokens) if self.piecewise is not None else None
+        if bucket is not None:
+            return self.piecewise.forward(inputs.token_ids, inputs.positions, attn, bucket)
+        return self.model(inputs.token_ids, inputs.positions, self.kv_caches, attn)
 
     def step_attention(self, layout: StepLayout, calibrate: bool = False) -> StepAttention:
         """The attention backend bound to this step's metadata: one per KV group when there are several."""

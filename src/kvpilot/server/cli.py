@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import typer
 
 from kvpilot.cli_options import (AsyncSchedulingOpt, AttentionBackendOpt, BlockSizeOpt, CalculateKvScalesOpt,
-                                 CudaGraphSizesOpt,
+                                 CompilationConfigOpt, CudaGraphSizesOpt,
                                  DeviceOpt, DisableHybridKvOpt, DownloadDirOpt, DtypeOpt, EnforceEagerOpt,
                                  GgufFileOpt, GpuUtilOpt,
                                  KvCacheDtypeOpt, KvCacheMemoryOpt, KvOffloadDirOpt, KvOffloadDirSizeOpt,
@@ -66,7 +66,7 @@ def serve_command(
     enable_prefix_caching: PrefixCachingOpt = True, scheduling_policy: PolicyOpt = "fcfs", seed: SeedOpt = 0,
     attention_backend: AttentionBackendOpt = "auto", async_scheduling: AsyncSchedulingOpt = None,
     enforce_eager: EnforceEagerOpt = False, cuda_graph_sizes: CudaGraphSizesOpt = None,
-    tensor_parallel_size: TensorParallelOpt = 1, speculative_config: SpeculativeConfigOpt = None,
+    compilation_config: CompilationConfigOpt = None, tensor_parallel_size: TensorParallelOpt = 1, speculative_config: SpeculativeConfigOpt = None,
     host: HostOpt = "127.0.0.1", port: PortOpt = 8000, served_model_name: ServedModelNameOpt = None,
     api_key: ApiKeyOpt = None, metrics_public: MetricsPublicOpt = False,
     max_num_queued_reqs: MaxQueuedReqsOpt = None, max_num_queued_tokens: MaxQueuedTokensOpt = None,
@@ -98,6 +98,7 @@ def serve_command(
             enable_prefix_caching=enable_prefix_caching, scheduling_policy=scheduling_policy, seed=seed,
             attention_backend=attention_backend, async_scheduling=async_scheduling, enforce_eager=enforce_eager,
             tensor_parallel_size=tensor_parallel_size, cuda_graph_sizes=parse_cuda_graph_sizes(cuda_graph_sizes),
+            compilation_config=compilation_config,
             kv_events_config=kv_events_config, speculative_config=speculative_config,
             kv_offloading_size=kv_offloading_size, kv_offloading_backend=kv_offloading_backend,
             kv_offload_dir=kv_offload_dir, kv_offload_dir_size=kv_offload_dir_size,
