@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 
 @torch.inference_mode()
 def hf_greedy(model, prompt_ids: list[int], num_new_tokens: int) -> list[int]:
     """Plain greedy loop over transformers' forward with its own KV cache (no stop on EOS)."""
+    # transformers 5.x names the cache `cache` (`past_key_values` warns, and goes in 5.40); 4.x only knows the old
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     out = model(torch.tensor([prompt_ids]), use_cache=True)
-    past, generated = out.past_key_values, []
+    generated = []
     for _ in range(num_new_tokens):
         token = int(out.logits[0, -1].argmax())
         generated.append(token)
-        out = model(torch.tensor([[token]]), past_key_values=past, use_cache=True)
-        past = out.past_key_values
+        out = model(torch.tensor([[token]]), use_cache=True, **{name: out[name]})
     return generated
 
 
