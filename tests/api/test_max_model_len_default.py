@@ -4,6 +4,7 @@ refused with the largest value that would."""
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -50,3 +51,22 @@ def test_reused_weights_refuse_a_longer_max_model_len_than_their_rotary_tables(t
         LLM(loaded=base.loaded, kv_cache_memory="4MiB", max_model_len=512)
     shorter = LLM(loaded=base.loaded, kv_cache_memory="4MiB", max_model_len=128)
     assert shorter.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=2))[0].outputs[0].token_ids
+
+
+def test_an_interleaved_models_context_shrinks_to_what_its_kv_groups_fit(tmp_path: Path,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """Gemma 3's layers in 3 KV groups (one full, two sliding over 8 tokens): 12 blocks of 16 are 192 token slots,
+    but a request of L tokens holds cdiv(L, 16) full-layer blocks plus 3 in each sliding group, so 96 tokens fit.
+    The default was the slot count (192) and the engine then refused to start."""
+    from tests.model.test_gemma import CONFIGS
+
+    (tmp_path / "config.json").write_text(json.dumps(CONFIGS["gemma3"]))
+    with caplog.at_level(logging.INFO, logger="kvpilot"):
+        llm = LLM(str(tmp_path), load_format="dummy", dtype="float32", kv_cache_memory="96KiB",
+                  max_num_batched_tokens=16, max_num_seqs=4)
+    assert llm.engine.scheduler.config.max_model_len == 96
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("192 token slots over 3 KV groups); using max_model_len 96" in line for line in lines)
+    assert any(line.startswith("KV cache: 12 blocks x 16 = 192 token slots over 3 KV groups") for line in lines)
+    out = llm.generate([[5] * 80], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 16

@@ -153,18 +153,25 @@ def check_model_len_fits(scheduler_config: SchedulerConfig, cache_config: CacheC
     """Raise unless one request of max_model_len tokens fits in the whole KV cache (with a sliding window:
     the blocks it holds at once, CacheConfig.max_blocks_per_request)."""
     capacity = cache_config.num_tokens
-    chunk = scheduler_config.max_num_batched_tokens
-    num_blocks = cache_config.max_blocks_per_request(scheduler_config.max_model_len, chunk)
-    if num_blocks > cache_config.num_blocks:
-        # the blocks held grow with the length (by one a group at each block boundary): bisect over it
-        low, high = 0, scheduler_config.max_model_len  # fits(low), not fits(high)
-        while high - low > 1:
-            mid = (low + high) // 2
-            low, high = (mid, high) if cache_config.max_blocks_per_request(mid, chunk) <= cache_config.num_blocks \
-                else (low, mid)
+    fits = largest_model_len(cache_config, scheduler_config.max_num_batched_tokens, scheduler_config.max_model_len)
+    if fits < scheduler_config.max_model_len:
         raise EngineConfigError(
             f"max_model_len ({scheduler_config.max_model_len}) does not fit in the KV cache of "
             f"{cache_config.num_blocks} blocks x {cache_config.block_size} tokens = {capacity} tokens"
             f"{'' if cache_config.num_groups == 1 else f' over {cache_config.num_groups} KV groups'}: the largest "
-            f"max_model_len that fits is {low}; lower max_model_len or give the cache more memory"
+            f"max_model_len that fits is {fits}; lower max_model_len or give the cache more memory"
         )
+
+
+def largest_model_len(cache_config: CacheConfig, max_chunk_tokens: int, upper: int) -> int:
+    """The longest request, at most `upper` tokens, whose blocks (CacheConfig.max_blocks_per_request, over every
+    KV group) fit in the whole cache at once; 0 when not even one token's do."""
+    if cache_config.max_blocks_per_request(upper, max_chunk_tokens) <= cache_config.num_blocks:
+        return upper
+    # the blocks held grow with the length (by one a group at each block boundary): bisect over it
+    low, high = 0, upper  # fits(low), not fits(high)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if cache_config.max_blocks_per_request(mid, max_chunk_tokens) <= \
+            cache_config.num_blocks else (low, mid)
+    return low

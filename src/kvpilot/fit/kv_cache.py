@@ -123,10 +123,18 @@ def format_capacity_line(capacity: KvCapacity) -> str:
         window = f" ({1 + len(capacity.extra_group_windows)} KV groups: windows " + \
             ", ".join("full" if w is None else f"{w:,}" for w in capacity.group_windows) + ")"
     return (
-        f"KV cache: {capacity.num_blocks:,} blocks x {capacity.block_size} = {capacity.num_tokens:,} tokens "
+        f"KV cache: {capacity.num_blocks:,} blocks x {capacity.block_size} = {format_token_slots(capacity)} "
         f"({capacity.num_bytes / 2**30:.2f} GiB); maximum concurrency for {capacity.max_model_len:,} "
         f"tokens per request{window}: {capacity.max_concurrency:.2f}x"
     )
+
+
+def format_token_slots(capacity: KvCapacity) -> str:
+    """"19,744 tokens"; with KV groups "19,744 token slots over 3 KV groups": a block holds one group's layers,
+    so a token no window has dropped takes a slot in each group."""
+    groups = len(capacity.group_windows)
+    return f"{capacity.num_tokens:,} tokens" if groups == 1 else \
+        f"{capacity.num_tokens:,} token slots over {groups} KV groups"
 
 
 # ---- any architecture (fit's own model): MLA, sliding windows, tensor parallelism ----

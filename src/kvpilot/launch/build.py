@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpilot.engine.config import CacheConfig, EngineConfigError, SchedulerConfig, check_model_len_fits
+from kvpilot.engine.config import (CacheConfig, EngineConfigError, SchedulerConfig, check_model_len_fits,
+                                   largest_model_len)
 from kvpilot.engine.engine import LLMEngine
 from kvpilot.engine.kv_groups import KVGroupPlan
 from kvpilot.engine.ngram_proposer import NgramProposer
@@ -24,7 +25,7 @@ from kvpilot.launch.eagle import build_eagle_proposer, load_eagle
 from kvpilot.launch.graphs import GraphPlan, capture_graphs, graph_plan
 from kvpilot.launch.offload_plan import OffloadPlan, plan_offload
 from kvpilot.launch.tp import TPLaunch, rank_config
-from kvpilot.fit.kv_cache import KvCapacity, format_capacity_line, kv_capacity_for_memory
+from kvpilot.fit.kv_cache import KvCapacity, format_capacity_line, format_token_slots, kv_capacity_for_memory
 from kvpilot.memory_size import format_bytes, parse_memory_size
 from kvpilot.model.kv_dtype import kv_dtype_name, resolve_kv_cache_dtype
 from kvpilot.model.layers.rope import RotaryEmbedding
@@ -138,10 +139,8 @@ def _build(args: EngineArgs, loaded: LoadedModel, tp: TPLaunch | None) -> BuiltE
                                num_disk_offload_blocks=offload.num_disk_blocks if offload else 0,
                                overlap_offload_loads=args.kv_offload_overlap,
                                pace_offload_loads=loaded.device.type == "cpu")
-    context_fits = cache_config.max_blocks_per_request(
-        config.max_position_embeddings, max_num_batched_tokens) <= cache_config.num_blocks
     max_model_len = default_max_model_len(args.max_model_len, config.max_position_embeddings, capacity,
-                                          context_fits)
+                                          cache_config, max_num_batched_tokens)
     capacity = dataclasses.replace(capacity, max_model_len=max_model_len)
     _check_positions(loaded, max_model_len)
     scheduler_config = SchedulerConfig(
@@ -208,21 +207,24 @@ def _check_positions(loaded: LoadedModel, max_model_len: int) -> None:
 
 
 def default_max_model_len(requested: int | None, model_context: int, capacity: KvCapacity,
-                          context_fits: bool) -> int:
-    """max_model_len as given; left out, the model's context, or, when that does not fit the KV cache
-    (context_fits False: one request of it would hold more blocks than there are, which a sliding window
-    can spare), the largest length that does (whole cache for one request), with an INFO line saying how to
-    get more. vLLM fails there; a user who named no length gets a working engine. A requested length that
-    does not fit is left for check_model_len_fits to refuse with the largest value that fits."""
-    if requested is not None or context_fits:
-        return requested or model_context
-    blocks_needed = -(-model_context // capacity.block_size)
+                          cache_config: CacheConfig, max_chunk_tokens: int) -> int:
+    """max_model_len as given; left out, the model's context, or, when one request of it would hold more blocks
+    than there are (over every KV group: a sliding window spares some), the longest that fits the whole cache,
+    with an INFO line saying how to get more. vLLM fails there; a user who named no length gets a working
+    engine. A requested length that does not fit is left for check_model_len_fits to refuse with the largest
+    value that fits."""
+    if requested is not None:
+        return requested
+    fits = largest_model_len(cache_config, max_chunk_tokens, model_context)
+    if fits == model_context:
+        return model_context
+    blocks_needed = cache_config.max_blocks_per_request(model_context, max_chunk_tokens)
     mib_needed = -(-blocks_needed * capacity.bytes_per_block // 2**20)
-    logger.info("max_model_len: the model's context of %s tokens does not fit the %s KV cache (%s tokens); "
-                "using max_model_len %d. For the full context: --kv-cache-memory %dMiB (or set --max-model-len)",
-                f"{model_context:,}", format_bytes(capacity.num_bytes), f"{capacity.num_tokens:,}",
-                capacity.num_tokens, mib_needed)
-    return capacity.num_tokens
+    logger.info("max_model_len: the model's context of %s tokens does not fit the %s KV cache (%s); using "
+                "max_model_len %d. For the full context: --kv-cache-memory %dMiB (or set --max-model-len)",
+                f"{model_context:,}", format_bytes(capacity.num_bytes), format_token_slots(capacity), fits,
+                mib_needed)
+    return fits
 
 
 def eos_token_ids_of(loaded: LoadedModel) -> tuple[int, ...]:
