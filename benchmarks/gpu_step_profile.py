@@ -8,7 +8,8 @@ loop or launch overhead, not the GPU, sets the pace (what CUDA graphs and async 
     python benchmarks/gpu_step_profile.py --batch 128 --prefill-tokens 1900 --profile   # mixed steps
 
 --prefill-tokens N makes every timed step a mixed one, as under a steady stream of arrivals: a new N-token
-prompt (max_tokens 1) is added before each step, and the step runs its prefill beside the B decodes.
+prompt (max_tokens 1) is added before each step, and the step runs its prefill beside the B decodes; the
+decode-only steps are then timed too, and their ratio is a stream's p99 / median gap under rare long prompts.
 
 Each mode is timed twice: step by step with the device synchronized after each (the median: one step's own
 cost, nothing overlapped across steps) and back to back with one synchronize at the end (the mean: what the
@@ -158,6 +159,10 @@ def main() -> None:
         print(f"{args.model} decode, batch {args.batch}{mixed}, context ~{args.context}, {mode}: "
               f"{step * 1e3:.2f} ms a step (median of {args.steps} synchronized, min {min(times) * 1e3:.2f}); "
               f"back to back {loop * 1e3:.2f} ms = {args.batch / loop:,.0f} tok/s", flush=True)
+        if args.prefill_tokens:  # a stream's gap at a step a prompt joins, against one without (#48: <= 2x)
+            alone = timed_steps(llm, args.steps, sync_each=False)[0]
+            print(f"  decode-only steps back to back {alone * 1e3:.2f} ms: mixed / decode-only {loop / alone:.2f}x "
+                  "(ITL p99 / median where prompts join fewer than 1 step in 100)", flush=True)
         if mode == modes[-1] and args.sync_debug:
             sync_sites(llm, args.steps, args.prefill_tokens, args.top)
         if mode == modes[-1] and args.profile:
