@@ -12,6 +12,7 @@
 #                                                   # PYSPY=1: the server stages sample the server with py-spy;
 #                                                   # decode-splits (small-batch decode per split partition);
 #                                                   # sync-debug (where eager async steps wait for the device)
+#                                                   # disagg (#49: KV over CUDA IPC between two servers; .whl)
 #     DEADLINE=$(( $(date +%s) + 570 )) bash benchmarks/gpu_checks.sh ...   # fit one device call's limit
 #
 # The machine needs torch (CUDA), triton and transformers; kvpilot runs from src/ without being installed.
@@ -53,6 +54,14 @@ run_server() {  # kvpilot serve vs LLM.generate on one workload (needs .whl: ben
     [ -z "${PYSPY:-}" ] || $PY benchmarks/pyspy_summary.py "$OUT/spy-${CLIENT:-wire}-${CLIENT_PROCESSES:-1}.txt" --top 12
 }
 
+run_disagg() {  # two `kvpilot serve` processes on the GPU move KV over CUDA IPC (needs .whl, as run_server)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl || return 1
+    PYTHONPATH="/tmp/site:$PYTHONPATH" $PY -m pytest -q -p no:cacheprovider --timeout 240 \
+        "tests/server/test_disaggregation_device.py::test_cuda_ipc_descriptor_round_trip_is_json" \
+        "tests/server/test_disaggregation_device.py::test_cuda_ipc_between_two_gpu_servers"
+}
+
 run_tests() {  # TESTS="file ..." runs only those
     $PY -m pytest -q -p no:cacheprovider --timeout 120 ${TESTS:-tests/model/test_triton_attention.py \
         tests/model/test_triton_runner.py tests/model/test_triton_split.py tests/model/test_cuda_graphs.py \
@@ -61,7 +70,7 @@ run_tests() {  # TESTS="file ..." runs only those
         tests/model/test_kv_scales.py tests/model/test_nccl_group.py}
 }
 
-export -f run_env run_tests run_server
+export -f run_env run_tests run_server run_disagg
 export PY
 selected=("$@")
 [ ${#selected[@]} -eq 0 ] && selected=(env tests fp32 throughput profile kernels)
@@ -69,6 +78,7 @@ for s in "${selected[@]}"; do
     case $s in
         env) stage env 60 bash -c run_env ;;
         tests) stage tests "${TESTS_LIMIT:-150}" bash -c run_tests ;;
+        disagg) stage disagg 150 bash -c run_disagg ;;
         fp32) stage fp32 90 $PY benchmarks/gpu_throughput.py --smoke --dtype float32 ;;
         throughput) stage throughput "${THROUGHPUT_LIMIT:-260}" $PY benchmarks/gpu_throughput.py --hf-rows qwen3-b1 \
             --output "$OUT/throughput.json" ;;

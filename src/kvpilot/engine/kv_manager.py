@@ -451,8 +451,9 @@ class KVCacheManager:
         remote = prefix_hit.remote
         assert remote is not None
         num_blocks = cdiv(prefix_hit.num_tokens, self.block_size)
-        bytes_per_block = len(remote.data) // remote.num_blocks
-        data = remote.data if num_blocks == remote.num_blocks else remote.data[:num_blocks * bytes_per_block]
+        # bytes a block, or for a device tensor [blocks, ...] (a same-host transport's) one row a block
+        per_block = len(remote.data) // remote.num_blocks
+        data = remote.data if num_blocks == remote.num_blocks else remote.data[:num_blocks * per_block]
         self._kv_loads.append(KVLoad(tuple(new_ids[:num_blocks]), data))
         request.remote_kv = None
         request.num_kv_transfer_tokens = prefix_hit.num_tokens

@@ -51,20 +51,21 @@ class KVTransferRequest:
 @dataclass(frozen=True)
 class PulledKV:
     """K/V pulled for a decode request: num_blocks blocks in the wire layout (docs/disaggregation.md) holding the
-    first num_tokens prompt tokens, and how long the pull took."""
+    first num_tokens prompt tokens, and how long the pull took. `data`: the bytes, or from a same-host device
+    transport (CUDA IPC) a device tensor of that layout (torch-free here: the runner writes either)."""
 
     num_tokens: int
     num_blocks: int
-    data: bytes | bytearray
+    data: Any
     transfer_s: float
 
 
 @dataclass(frozen=True)
 class KVLoad:
-    """A copy order of one step: `data` (num blocks in the wire layout) into pool blocks `block_ids`."""
+    """A copy order of one step: `data` (num blocks in the wire layout: PulledKV.data) into pool blocks `block_ids`."""
 
     block_ids: tuple[int, ...]
-    data: bytes | bytearray
+    data: Any
 
 
 def tokens_digest(token_ids: list[int]) -> str:

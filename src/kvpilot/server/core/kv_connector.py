@@ -5,6 +5,10 @@ pulls on its TCP port and streams held blocks out of the KV cache; a decode work
 bytes before the step loop adds the request. Only the step-loop thread touches the engine: the threads hand
 their results over through queues that `tick` drains between steps (freeing held blocks, adding pulled requests).
 
+Between GPU workers of one host the pull negotiates a device transport instead (`share`: model/kv_transfer.py's
+CudaIpcShare): the sender answers with its caches' IPC handles, the puller copies the blocks device to device and
+acknowledges, and only then are the blocks freed. Either side may lack it (a CPU worker, another host): bytes then.
+
 Invariants: a held request is pulled at most once (a pull claims it); held blocks are freed exactly once, when
 their pull ends (sent, failed or the decode side gone) or, unclaimed, when kv_transfer_timeout passes; a claimed
 entry never times out, so the sender never reads a block that was freed.
@@ -13,6 +17,7 @@ entry never times out, so the sender never reads a block that was freed.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import queue
@@ -21,7 +26,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from kvpilot.engine.kv_transfer import KVTransferConfig, PulledKV, RemoteKVSource, tokens_digest
 
@@ -81,8 +86,10 @@ class KVConnector:
     """One engine core's sender (roles prefill/both) and puller (decode/both)."""
 
     def __init__(self, engine: LLMEngine, config: KVTransferConfig, layout: dict[str, Any],
-                 read_blocks: Callable[[list[int]], memoryview], bind_host: str | None = None) -> None:
-        self.engine, self.config, self.layout, self._read = engine, config, layout, read_blocks
+                 read_blocks: Callable[[list[int]], memoryview], bind_host: str | None = None,
+                 share: DeviceShare | None = None) -> None:
+        """share: this worker's same-host device transport (None: blocks travel as bytes only)."""
+        self.engine, self.config, self.layout, self._read, self.share = engine, config, layout, read_blocks, share
         self.engine_id = f"kvpilot-{uuid.uuid4().hex[:12]}"
         self.stats = KVTransferStats()
         self._lock = threading.Lock()
@@ -202,18 +209,36 @@ class KVConnector:
                     _send_line(conn, {"ok": False, "error": error})
                 return
             try:
-                data = self._read(held.block_ids)
-                _send_line(conn, {"ok": True, "num_blocks": len(held.block_ids),
-                                  "bytes_per_block": self.layout["bytes_per_block"]})
-                conn.sendall(data)
+                if self._shares_with(ask):
+                    self._send_shared(conn, held)
+                else:
+                    data = self._read(held.block_ids)
+                    _send_line(conn, {"ok": True, "num_blocks": len(held.block_ids),
+                                      "bytes_per_block": self.layout["bytes_per_block"]})
+                    conn.sendall(data)
                 self.stats.num_sent += 1
-                self.stats.num_sent_bytes += data.nbytes
+                self.stats.num_sent_bytes += len(held.block_ids) * self.layout["bytes_per_block"]
             except Exception as exc:  # noqa: BLE001 - the decode side gone, or reading the cache failed: the
                 # decode worker recomputes; the blocks are freed either way
                 self.stats.num_send_failures += 1
                 logger.warning("sending the KV of request %r failed: %s", rid, exc)
             finally:
                 self._release(rid)
+
+    def _shares_with(self, ask: dict[str, Any]) -> bool:
+        """Whether the puller takes this worker's device transport: it offered the same one, on the same host."""
+        return self.share is not None and self.share.name in (ask.get("transports") or ()) and \
+            ask.get("host_id") == host_id()
+
+    def _send_shared(self, conn: socket.socket, held: _Held) -> None:
+        """The device transport's reply (the caches' handles), then the puller's acknowledgement that it copied the
+        blocks: until then they stay held (KVPullError when it does not come)."""
+        assert self.share is not None
+        _send_line(conn, {"ok": True, "transport": self.share.name, "num_blocks": len(held.block_ids),
+                          "bytes_per_block": self.layout["bytes_per_block"], "share": self.share.descriptor()})
+        ack = json.loads(_read_line(conn))
+        if ack.get("done") is not True:
+            raise KVPullError(f"the decode worker did not copy the blocks: {ack.get('error', ack)}")
 
     def _claim(self, ask: dict[str, Any], rid: str) -> tuple[_Held | None, str]:
         """The held entry the pull asks for, claimed (removed from the registry); or None and why not. A pull
@@ -252,7 +277,7 @@ class KVConnector:
             data = self._fetch(pull, source)
             result = PulledKV(source.num_tokens, len(source.block_ids), data, time.monotonic() - started)
             self.stats.num_pulled += 1
-            self.stats.num_pulled_bytes += len(data)
+            self.stats.num_pulled_bytes += len(source.block_ids) * self.layout["bytes_per_block"]
         except (KVPullError, OSError, ValueError) as exc:  # ValueError: a reply that is not the protocol's JSON
             result = "" if pull.cancelled.is_set() else str(exc) if isinstance(exc, KVPullRefused) else RECOMPUTE
             if not pull.cancelled.is_set():
@@ -261,23 +286,63 @@ class KVConnector:
                                source.host, source.port, exc, "" if result else ": it is recomputed here")
         self._pulled.put((pull, result))
 
-    def _fetch(self, pull: _Pull, source: RemoteKVSource) -> bytearray:
+    def _fetch(self, pull: _Pull, source: RemoteKVSource) -> Any:
+        """The blocks' bytes (or, over the device transport, the share's tensor of them)."""
         prompt = pull.message.prompt_token_ids
         if len(prompt) < source.num_tokens:
             raise KVPullRefused(f"the prompt has {len(prompt)} tokens but the prefill worker held {source.num_tokens}: "
                               "send the same prompt to both workers")
         with socket.create_connection((source.host, source.port), timeout=CONNECT_TIMEOUT_S) as conn:
+            transports = [self.share.name, "tcp"] if self.share is not None else ["tcp"]
             _send_line(conn, {"protocol": PROTOCOL, "engine_id": source.engine_id,
                               "remote_request_id": source.request_id, "block_ids": list(source.block_ids),
-                              "tokens_digest": tokens_digest(prompt[:source.num_tokens]), "layout": self.layout})
+                              "tokens_digest": tokens_digest(prompt[:source.num_tokens]), "layout": self.layout,
+                              "transports": transports, "host_id": host_id()})
             conn.settimeout(RECV_POLL_S)
             reply = json.loads(_read_line(conn, pull.cancelled))
             if not reply.get("ok"):
                 raise KVPullRefused(f"the prefill worker refused the KV pull: {reply.get('error')}")
-            size = int(reply["num_blocks"]) * int(reply["bytes_per_block"])
             if int(reply["bytes_per_block"]) != self.layout["bytes_per_block"]:
                 raise KVPullRefused("the prefill worker's block size in bytes differs from this worker's")
+            if self.share is not None and reply.get("transport") == self.share.name:
+                return self._copy_shared(conn, source, reply)
+            size = int(reply["num_blocks"]) * int(reply["bytes_per_block"])
             return _read_exact(conn, size, pull.cancelled)
+
+    def _copy_shared(self, conn: socket.socket, source: RemoteKVSource, reply: dict[str, Any]) -> Any:
+        """Copies the held blocks over the device transport, then acknowledges (the sender frees them on it)."""
+        assert self.share is not None
+        try:
+            data = self.share.pull(source.engine_id, reply["share"], list(source.block_ids))
+        except Exception as exc:  # noqa: BLE001 - a handle this process cannot open: recomputed here
+            with contextlib.suppress(OSError):
+                _send_line(conn, {"done": False, "error": str(exc)[:200]})
+            raise KVPullError(f"the {self.share.name} copy failed: {exc}") from exc
+        _send_line(conn, {"done": True})
+        return data
+
+
+class DeviceShare(Protocol):
+    """A same-host device transport (model/kv_transfer.py's CudaIpcShare): the sender's descriptor() says how to
+    reach its caches, the puller's pull() copies the named blocks into a tensor of the wire layout."""
+
+    name: str
+
+    def descriptor(self) -> dict[str, Any]: ...
+
+    def pull(self, engine_id: str, descriptor: dict[str, Any], block_ids: list[int]) -> Any: ...
+
+
+@functools.lru_cache(maxsize=1)
+def host_id() -> str:
+    """This machine's identity for the device transport: the kernel's boot id (per boot, per machine) and the host
+    name; two workers with the same one share a host (and its GPUs' IPC)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
 
 
 def _mismatch(ours: dict[str, Any], theirs: dict[str, Any]) -> str:

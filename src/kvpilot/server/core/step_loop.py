@@ -254,11 +254,12 @@ def _start_kv_connector(served: ServedEngine) -> KVConnector | None:
     """The KV connector of a disaggregated worker (--kv-role), None otherwise; OSError when its port is taken."""
     if served.kv_transfer is None:
         return None
-    from kvpilot.model.kv_transfer import kv_layout, read_blocks
+    from kvpilot.model import kv_transfer
     from kvpilot.server.core.kv_connector import KVConnector
 
     caches = served.engine.runner.kv_caches  # type: ignore[attr-defined]  # one rank (EngineArgs refuses TP)
-    return KVConnector(served.engine, served.kv_transfer, kv_layout(caches), lambda ids: read_blocks(caches, ids))
+    return KVConnector(served.engine, served.kv_transfer, kv_transfer.kv_layout(caches),
+                       lambda ids: kv_transfer.read_blocks(caches, ids), share=kv_transfer.device_share_for(caches))
 
 
 def run_core(build: Callable[[], ServedEngine], endpoint: Endpoint) -> None:
