@@ -150,7 +150,8 @@ def role_of_vllm_config(config: dict[str, Any]) -> tuple[str, str | None, int | 
     connector = config.get("kv_connector")
     if connector not in KV_CONNECTORS:
         raise KVTransferParamsError(f"kv_transfer_config.kv_connector {connector!r} is not supported: kvpilot "
-                                    f"has one connector (TCP; CUDA IPC between GPUs of one host), named {' or '.join(KV_CONNECTORS)}")
+                                    "has one connector (TCP; CUDA IPC between GPUs of one host), named "
+                                    f"{' or '.join(KV_CONNECTORS)}")
     role = config.get("kv_role")
     if role not in VLLM_KV_ROLES:
         raise KVTransferParamsError(f"kv_transfer_config.kv_role must be one of {', '.join(VLLM_KV_ROLES)}, got "
