@@ -90,7 +90,10 @@ def capture_graphs(runner: ModelRunner, plan: GraphPlan, max_num_batched_tokens:
     """Captures the plan's graphs into `runner`; a failure is logged and those steps run eagerly."""
     for reason in plan.off_reasons:
         logger.info("CUDA graphs off for some steps: %s", reason)
-    if plan.decode_sizes:
+    if plan.decode_sizes and runner.attention.name != "triton":  # auto chose another backend for this model
+        logger.info("CUDA graphs off for decode steps: the %s attention backend builds per-step metadata a "
+                    "graph cannot replay", runner.attention.name)
+    elif plan.decode_sizes:
         try:
             runner.capture_decode_graphs(plan.decode_sizes, max_num_batched_tokens)
         except RuntimeError as exc:  # serve eagerly rather than not at all; the log says why
