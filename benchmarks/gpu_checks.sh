@@ -95,8 +95,8 @@ for s in "${selected[@]}"; do
         server-bench) CLIENT=bench CLIENT_PROCESSES=${CLIENT_PROCESSES:-4} stage server-bench 300 bash -c run_server ;;
         budget) for b in ${BUDGETS:-8192 16384}; do stage budget-$b 90 $PY benchmarks/gpu_throughput.py \
             --rows nano-vllm llama-ttft --skip-hf --step-breakdown --max-num-batched-tokens "$b"; done ;;
-        profile-mixed) stage profile-mixed "${PROFILE_LIMIT:-120}" $PY benchmarks/gpu_step_profile.py --model qwen3-0.6b \
-            --batch 128 --context 512 --prefill-tokens 1900 --profile --modes "${MODES:-sync-eager,async-decode,async-graphs}" ;;
+        profile-mixed) stage profile-mixed "${PROFILE_LIMIT:-180}" $PY benchmarks/gpu_step_profile.py --model qwen3-0.6b \
+            --batch 128 --context 512 --prefill-tokens 1900 --profile --modes "${MODES:-async-decode,async-graphs}" ;;
         numerics) stage numerics 120 $PY benchmarks/gpu_numerics.py ;;
         moe) stage moe "${MOE_LIMIT:-150}" $PY benchmarks/moe_decode.py --device cuda --batch 64 --layers 48 \
             --vocab-size 151936 --rounds 3 ;;  # #45: Qwen3-30B-A3B's shapes at full depth, goal >= 3,000 tok/s
