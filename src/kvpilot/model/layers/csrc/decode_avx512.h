@@ -73,6 +73,70 @@ inline void block_scores(float* dst, const float* qg, const KV* rows, int64_t n)
   }
 }
 
+// block_scores for all G query heads of a KV head at once (qs: G pre-scaled rows of kD; head g's scores to dst +
+// g * ld): each K row is loaded and widened once for all heads instead of once per head. Per (row, head) the
+// products, their order and the four-row sums are block_scores', so the scores are bit for bit the same.
+template <int kD, typename KV, int G>
+inline void block_scores_heads(float* dst, int64_t ld, const float* qs, const KV* rows, int64_t n) {
+  constexpr int NV = kD / 16;
+  __m512 qv[G][NV];  // in registers where they fit beside the 4 x G sums (G x NV <= 12)
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NV; ++c) qv[g][c] = _mm512_loadu_ps(qs + g * kD + c * 16);
+  int64_t t = 0;
+  for (; t + 4 <= n; t += 4) {
+    const KV* r = rows + t * kD;
+    __m512 a[4][G];
+    for (int j = 0; j < 4; ++j) {
+      const __m512 k = load16(r + j * kD);
+      for (int g = 0; g < G; ++g) a[j][g] = _mm512_mul_ps(qv[g][0], k);
+    }
+    for (int c = 1; c < NV; ++c) {
+      for (int j = 0; j < 4; ++j) {
+        const __m512 k = load16(r + j * kD + c * 16);
+        for (int g = 0; g < G; ++g) a[j][g] = _mm512_fmadd_ps(qv[g][c], k, a[j][g]);
+      }
+    }
+    for (int g = 0; g < G; ++g) _mm_storeu_ps(dst + g * ld + t, sum4(a[0][g], a[1][g], a[2][g], a[3][g]));
+  }
+  for (; t < n; ++t) {
+    const KV* r = rows + t * kD;
+    __m512 a[G];
+    const __m512 k0 = load16(r);
+    for (int g = 0; g < G; ++g) a[g] = _mm512_mul_ps(qv[g][0], k0);
+    for (int c = 1; c < NV; ++c) {
+      const __m512 k = load16(r + c * 16);
+      for (int g = 0; g < G; ++g) a[g] = _mm512_fmadd_ps(qv[g][c], k, a[g]);
+    }
+    for (int g = 0; g < G; ++g) dst[g * ld + t] = _mm512_reduce_add_ps(a[g]);
+  }
+}
+
+// block_values for all G query heads at once (head g's probabilities at p + g * ld, its accumulator at acc + g * kD):
+// each V row is loaded and widened once; per head the same FMAs in the same order as block_values.
+template <int kD, typename KV, int G>
+inline void block_values_heads(float* acc, const float* p, int64_t ld, const KV* rows, int64_t n) {
+  constexpr int NV = kD / 16;
+  __m512 a[G][NV];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NV; ++c) a[g][c] = _mm512_loadu_ps(acc + g * kD + c * 16);
+  for (int64_t t = 0; t < n; ++t) {
+    const KV* r = rows + t * kD;
+    __m512 v[NV];
+    for (int c = 0; c < NV; ++c) v[c] = load16(r + c * 16);
+    for (int g = 0; g < G; ++g) {
+      const __m512 w = _mm512_set1_ps(p[g * ld + t]);
+      for (int c = 0; c < NV; ++c) a[g][c] = _mm512_fmadd_ps(w, v[c], a[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + g * kD + c * 16, a[g][c]);
+}
+
+// The query heads a KV head serves that the *_heads steps take at once: their accumulators (G x kD / 16 vectors
+// for values) must stay in registers. 0: head by head.
+template <int kD>
+constexpr int64_t kMaxFusedHeads = kD == 64 ? 4 : kD == 128 ? 2 : 0;
+
 // In place: row[0..L) -> exp(row - max); returns 1 / sum. With a sink (a logit with no value) it counts in the
 // max and the sum.
 inline float softmax_numerators(float* row, int64_t L, const float* sink) {

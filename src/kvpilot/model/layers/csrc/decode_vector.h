@@ -4,6 +4,30 @@
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 namespace {
 
+// The scores (`values` false) or the value sums of one block for all G query heads: in one pass over its rows where
+// the ISA header fuses G heads (AVX-512: *_heads), else head by head. Either way bit for bit the same numbers.
+template <int kD, typename KV>
+inline void block_step(bool values, float* acc, float* sc, int64_t ld, const float* qs, const KV* rows,
+                       int64_t n, int64_t G) {
+#if defined(__AVX512F__)
+  if (G >= 2 && G <= kMaxFusedHeads<kD>) {
+    auto run = [&](auto heads) {
+      constexpr int kG = decltype(heads)::value;
+      if (values) block_values_heads<kD, KV, kG>(acc, sc, ld, rows, n);
+      else block_scores_heads<kD, KV, kG>(sc, ld, qs, rows, n);
+    };
+    if (G == 2) run(std::integral_constant<int, 2>{});
+    else if (G == 3) run(std::integral_constant<int, 3>{});
+    else run(std::integral_constant<int, 4>{});
+    return;
+  }
+#endif
+  for (int64_t g = 0; g < G; ++g) {
+    if (values) block_values<kD, KV>(acc + g * kD, sc + g * ld, rows, n);
+    else block_scores<kD, KV>(sc + g * ld, qs + g * kD, rows, n);
+  }
+}
+
 // The same task as paged_decode_cpu.cpp's attend_one: the G query heads of KV head h over the keys lo..L-1 the
 // variant lets them see (blocks before lo are never read, nor prefetched). Blocks are the outer loop so each K/V
 // block (<= a few KiB) is read from memory once and reused from L1 by all G heads.
@@ -33,8 +57,7 @@ void attend_one_vector(float* out, const float* q, const KV* kc, const KV* vc, c
         prefetch_block(j < nb ? block(kc, j) : block(vc, j - nb), rows(j < nb ? j : j - nb), kD);
     if (i + A < nb) prefetch_block(block(kc, i + A), rows(i + A), kD);
     else if (i + A - nb < nb) prefetch_block(block(vc, i + A - nb), rows(i + A - nb), kD);
-    for (int64_t g = 0; g < G; ++g)
-      block_scores<kD, KV>(sc + g * n + first(i) - lo, qs + g * kD, block(kc, i), rows(i));
+    block_step<kD, KV>(false, nullptr, sc + first(i) - lo, n, qs, block(kc, i), rows(i), G);
   }
   for (int64_t g = 0; g < G; ++g) {
     if (var.softcap > 0.f) softcap_row(sc + g * n, n, var.softcap);
@@ -42,8 +65,7 @@ void attend_one_vector(float* out, const float* q, const KV* kc, const KV* vc, c
   }
   for (int64_t i = 0; i < nb; ++i) {
     if (i + A < nb) prefetch_block(block(vc, i + A), rows(i + A), kD);
-    for (int64_t g = 0; g < G; ++g)
-      block_values<kD, KV>(ac + g * kD, sc + g * n + first(i) - lo, block(vc, i), rows(i));
+    block_step<kD, KV>(true, ac, sc + first(i) - lo, n, nullptr, block(vc, i), rows(i), G);
   }
   for (int64_t g = 0; g < G; ++g) scale_rows(out + g * kD, ac + g * kD, kD, scratch.inv[g]);
 }
