@@ -51,8 +51,8 @@ def make_prompts(num_requests: int, input_len: int, seed: int, vocab: int) -> li
 
 
 def load_offline(args: argparse.Namespace) -> LLM:
-    llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, max_num_seqs=args.concurrency,
-              kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
+    llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, quantization=args.quantization,
+              max_num_seqs=args.concurrency, kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
               max_num_batched_tokens=args.max_num_batched_tokens)
     llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=2))  # warm-up, as the server does
     return llm
@@ -229,6 +229,8 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", default="auto", help="both engines' --quantization (none with --dtype "
+                        "bfloat16: the dense bf16 model of peers_cpu.py's bf16 comparison)")
     parser.add_argument("--kv-cache-memory", default="1GiB", help="'' (empty): the device's default (CUDA: from "
                         "--gpu-memory-utilization)")
     parser.add_argument("--model", default=None, help="Default: the embedded model. A catalog name or config.json "
