@@ -90,8 +90,8 @@ class Served:
         memory = ["--kv-cache-memory", args.kv_cache_memory] if args.kv_cache_memory else []
         self.args = args
         self.process, self.url = start_server(
-            [*model, *memory, "--dtype", args.dtype, "--max-num-seqs", str(args.concurrency), "--max-model-len",
-             str(args.max_model_len), "--served-model-name", "bench", "--max-num-batched-tokens",
+            [*model, *memory, "--dtype", args.dtype, "--quantization", args.quantization, "--max-num-seqs",
+             str(args.concurrency), "--max-model-len", str(args.max_model_len), "--served-model-name", "bench", "--max-num-batched-tokens",
              str(args.max_num_batched_tokens)], log_path=args.server_log)
         self.spy = _start_py_spy(self.process.pid, args.py_spy) if args.py_spy else None
 
