@@ -147,3 +147,19 @@ def test_the_default_model_speculates_token_exactly():
     assert [o.outputs[0].token_ids for o in outputs] == want
     assert sum(o.metrics.num_accepted_tokens for o in outputs) > 16
     assert_no_leak(spec)
+
+
+def test_verify_steps_through_piecewise_graphs_match_plain_decoding(llm_fp32, sections_plain):
+    """A verify step (a decode and its drafts) replays the piecewise graphs' pieces on a GPU
+    (model/piecewise_graphs.py; here the same breakpoints run eagerly): the tokens stay plain decoding's."""
+    llm = _spec_llm(llm_fp32, kv_cache_memory="256MiB", max_model_len=2048)
+    runner = llm.engine.runner
+    runner.capture_piecewise_graphs([8, 16])
+    rows: list[int] = []
+    forward = runner.piecewise.forward
+    runner.piecewise.forward = lambda ids, pos, attn, size: rows.append(len(ids)) or forward(ids, pos, attn, size)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    (output,), _ = generate_with_steps(llm, [SECTIONS_PROMPT], params)
+    assert output.outputs[0].token_ids == sections_plain.token_ids
+    assert output.metrics.num_accepted_tokens > 16 and any(n > 1 for n in rows)  # verify steps went through them
+    assert_no_leak(llm)
