@@ -23,9 +23,8 @@ from kvpilot.model.loader import LoadedModel
 from kvpilot.model.runner import ModelRunner
 
 logger = logging.getLogger("kvpilot")
-# set aside from the KV budget per captured decode graph: measured 35 MiB a size on an H200 (2026-11-26:
-# Qwen3-0.6B 20 sizes 704 MiB, Llama-3.1-8B 8 sizes 284 MiB), with a new warm-up stream per size (now one
-# stream for all: expected lower, not yet measured)
+# set aside from the KV budget per captured decode graph: ~35 MiB a size measured on an H200 with a warm-up
+# stream per size (docs/benchmark-log.md; one stream for all now: expected lower, not yet measured)
 CUDA_GRAPH_BYTES_PER_SIZE = 40 * 2**20
 # piecewise graphs share one pool, which holds the largest bucket's activations (twice the estimate of
 # piecewise_pool_bytes, for the allocator's rounding), plus this per graph (not yet measured on a GPU)
