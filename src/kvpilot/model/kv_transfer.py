@@ -98,6 +98,10 @@ class CudaIpcShare:
         with torch.cuda.stream(self._stream):
             gathered = _gather(caches, list(block_ids)).to(self.device).contiguous()
         self._stream.synchronize()
+        expected = (len(block_ids), len(self.kv_caches), *self.kv_caches[0].shape[:2], *self.kv_caches[0].shape[3:])
+        if tuple(gathered.shape) != expected or gathered.dtype != self.kv_caches[0].dtype:  # never into the cache
+            raise ValueError(f"the prefill worker's caches give blocks of {tuple(gathered.shape)} {gathered.dtype}, "
+                             f"this worker's are {expected} {self.kv_caches[0].dtype}")
         return gathered
 
 
@@ -120,7 +124,9 @@ def _export(cache: torch.Tensor) -> dict[str, Any]:
 def _open(entry: dict[str, Any], device: int) -> torch.Tensor:
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-    dtype = getattr(torch, entry["dtype"])
+    dtype = getattr(torch, str(entry["dtype"]), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"not a dtype: {entry['dtype']!r}")
     return rebuild_cuda_tensor(torch.Tensor, torch.Size(entry["size"]), tuple(entry["stride"]), entry["offset"],
                                torch.storage.TypedStorage, dtype, device, _unb64(entry["handle"]),
                                entry["size_bytes"], entry["offset_bytes"], False, _unb64(entry["counter_handle"]),
