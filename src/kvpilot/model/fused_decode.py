@@ -62,10 +62,10 @@ _KERNEL = CppKernel(label="CPU fused decode kernel", name_prefix="kvpilot_cpu_fu
 
 ATTENTION_BACKEND = "cpu"
 # Rows up to which the fused path runs when the packed matmuls take the float32 kernel (no VNNI, or more rows
-# than the int8 path's INT8_MAX_ROWS): benchmarks/decode_step.py --compare-fused on the 2-vCPU Zen 4 EPYC
-# (2026-11-25), fused vs layer by layer: batch 1 6.89 vs 10.55 ms, 4: 12.74 vs 16.55, 8: 22.92 vs 26.93, but
-# 9: 37.14 vs 33.71 and 16: 59.58 vs 52.23: the float32 kernel's many-row tiles ran slower in this translation
-# unit (-march=native) than in their own; up to 4 rows that kernel takes its fused few-row path.
+# than the int8 path's INT8_MAX_ROWS): benchmarks/decode_step.py --compare-fused found it faster up to 8 rows and
+# slower from 9 (docs/benchmark-log.md, "Figures moved out of the code"): the float32 kernel's many-row tiles ran
+# slower in this translation unit (-march=native) than in their own; up to 4 rows that kernel takes its fused
+# few-row path.
 FLOAT32_KERNEL_MAX_ROWS = 4
 # Rows up to which it runs when every projection takes the int8 path on its tiled copy (vnni_gemm.py), which the
 # layer loop also takes at every row count: the same kernels either way, less Python per step (the scheduler's

@@ -37,26 +37,21 @@ from kvpilot.model.quant.vnni_layout import InterleavedWeight, dequantize_interl
 # weight is slow); in bfloat16, native bf16 GEMMs overtake it between 16 and 64 rows.
 DEFAULT_MAX_KERNEL_ROWS = {torch.float32: 1 << 30, torch.bfloat16: 32}
 # With resident dense weights (keep_dense) the bf16 GEMM needs no dequantization, so it wins from fewer rows than
-# the float32 kernel; the int8 path (INT8_MAX_ROWS, on VNNI CPUs) moves the crossover up. Whole decode steps of the
-# embedded model on the 2-vCPU AVX512_BF16 EPYC (2026-11-25, benchmarks/decode_step.py), int8 kernel vs resident
-# dense: batch 24 43.2 vs 54.2 ms, 32: 54.3 vs 62.8, 48: 97.1 vs 79.3, 64: 115.5 vs 96.5 (the float32 kernel
-# lost from 24 rows: 68.1 vs 64.9 ms).
+# the float32 kernel; the int8 path (INT8_MAX_ROWS, on VNNI CPUs) moves the crossover up: whole decode steps of the
+# embedded model (benchmarks/decode_step.py) favoured the int8 kernel up to 32 rows, dense from 48, and the float32
+# kernel lost from 24 (docs/benchmark-log.md, "Figures moved out of the code").
 HYBRID_MAX_KERNEL_ROWS = {torch.float32: 1 << 30, torch.bfloat16: 16}
 HYBRID_INT8_MAX_KERNEL_ROWS = {torch.float32: 1 << 30, torch.bfloat16: 32}
-# The int8-activation (VNNI) path up to this many rows: all the rows the hybrid layout gives the kernel
-# (benchmarks/quant_linear.py --part vnni, 2-vCPU Zen 4 EPYC, 2026-11-25, ms for the embedded model's 120 Q4_1
-# layers, float32 kernel vs int8 on the interleaved copy: 1 row 5.85 vs 3.06, 4: 7.94 vs 4.22, 16: 23.43 vs
-# 14.49, 32: 42.37 vs 33.39; its Q8_0 output layer: 1 row 2.15 vs 0.61, 16: 6.42 vs 3.63).
+# The int8-activation (VNNI) path up to this many rows: all the rows the hybrid layout gives the kernel, faster
+# than the float32 kernel at every one of them (benchmarks/quant_linear.py --part vnni; docs/benchmark-log.md,
+# "Figures moved out of the code").
 INT8_MAX_ROWS = HYBRID_INT8_MAX_KERNEL_ROWS[torch.bfloat16]
 # Q4_0 / Q4_1 layers of 16-row tiles take the int8 path through the column-tiled copy (vnni_gemm.py) at every row
-# count: it beats resident dense bf16 GEMMs from 1 row to prefill sizes (benchmarks/quant_linear.py --part vnni,
-# 2-vCPU Zen 4 EPYC, 2026-11-26, the embedded model's 120 Q4_1 layers, ms tiled vs dense bf16: 8 rows 7.0 vs
-# 25.1, 32: 18.8 vs 37.6, 128: 60.7 vs 95.5, 256: 103 vs 144, 512: 201 vs 283, 1024: 456 vs 591) -- in steps
-# without prompt tokens (Int8Gate): int8 activations on a prompt moved the embedded model's first-token logits by
-# ~0.12 (its README answer flipped), so prompt steps keep the dense bf16 GEMM. Q8_0 output layers are tiled too,
-# ungated (model_pack.py): the embedded model's [49152, 576] head, ms tiled vs interleaved vs dense bf16 (same box,
-# 2026-11-26): 1 row 0.49 vs 0.63 vs 3.27, 16: 2.03 vs 3.56 vs 5.26, 64: 7.29 vs 19.45 vs 11.49, 128: 13.8 vs - vs
-# 19.4; float32 logits at every row count.
+# count: it beats resident dense bf16 GEMMs from 1 row to prefill sizes (benchmarks/quant_linear.py --part vnni)
+# -- in steps without prompt tokens (Int8Gate): int8 activations on a prompt moved the embedded model's first-token
+# logits by ~0.12 (its README answer flipped), so prompt steps keep the dense bf16 GEMM. Q8_0 output layers are
+# tiled too, ungated (model_pack.py): the fastest of tiled, interleaved and dense bf16 at every row count, with
+# float32 logits (the figures: docs/benchmark-log.md, "Figures moved out of the code").
 TILED_MAX_ROWS = 1 << 30
 KERNEL_IO_DTYPES = (torch.float32, torch.bfloat16)
 # the column-tiled int8 copies: one split-format part, or any parts (formats kept as GGUF blocks, mixed formats)

@@ -111,12 +111,11 @@ inline void softcap_scores(float* scores, int64_t n, float softcap) {
 // Asks for a later block's bytes while this one is computed: blocks sit at random places, and the hardware
 // prefetcher stops at each 4 KiB page, so without this every block starts with a full memory latency. The
 // task asks kBlocksAhead blocks ahead (K blocks, then V blocks, as one sequence; the first ones at its start).
-// One ahead left it waiting on randomly placed blocks (batch 64, context 200, 2 threads, EPYC family 26: 14.4 ->
-// 12.8 ms per 30 layers at two; consecutive blocks unchanged). Three (2026-11-28, same box, alternating, min of
-// 4): random blocks 14.9 -> 13.9 ms at context 256, 61.0 -> 55.3 at 1,024, 7.2 -> 6.3 at 128; consecutive ones
-// 10.3 -> 10.2, 29.4 -> 27.3, 4.6 -> 4.6. A running server's tables are mostly scattered (7% of neighbouring
-// blocks consecutive at c64), which is where the third block pays; six or eight ahead were no better. Keep the
-// prefetches written out in the loops: the same logic as a capturing lambda ran the kernel 2x slower (GCC 12).
+// One ahead left it waiting on randomly placed blocks; two and then three were each faster there (consecutive
+// blocks unchanged), six or eight no better (docs/benchmark-log.md, "Figures moved out of the code"). A running
+// server's tables are mostly scattered (7% of neighbouring blocks consecutive at c64), which is where the third
+// block pays. Keep the prefetches written out in the loops: the same logic as a capturing lambda ran the kernel
+// 2x slower (GCC 12).
 constexpr int64_t kBlocksAhead = 3;
 
 template <typename KV>

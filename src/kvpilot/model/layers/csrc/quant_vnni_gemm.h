@@ -31,9 +31,8 @@ KVP_VNNI inline __m512 block_offsets512(const uint16_t* to, int64_t s, __m512 d)
 // columns) takes 4 (the same 16 registers), so every broadcast x value feeds two vpdpbusd instead of one: a
 // broadcast load per vpdpbusd held the VNNI units to ~73% of their rate (a loop of independent vpdpbusd on one core
 // of the EPYC family 26: 7.1 G/s, 5.2 G/s with a broadcast load each). Pairs from kPairMinRows rows, where the GEMM
-// is compute-bound (embedded model's decode step, same box, 2026-11-28, ms single vs pairs: batch 24 17.4-18.3 vs
-// 15.7, 32: 21.1-21.8 vs 19.3, 64: 37.0-37.2 vs 33.6-34.7, 16: even); below, the weights stream from memory and
-// pairs were slower (batch 1: 3.5-3.8 vs 3.9-4.0, 8: 6.7-7.5 vs 8.2-8.7).
+// is compute-bound (faster from 24 rows in the embedded model's decode step, even at 16); below, the weights stream
+// from memory and pairs were slower (docs/benchmark-log.md, "Figures moved out of the code").
 constexpr int kTiledMR = 8;
 constexpr int kPairMR = 4;
 constexpr int64_t kPairMinRows = 16;
