@@ -122,3 +122,21 @@ def test_piecewise_steps_give_the_eager_logits(tmp_path, backend):
     for step, (a, b) in enumerate(zip(got, expected)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"step {step}")
     assert graphed.piecewise.size_for(17) is None and graphed.piecewise.size_for(1) == 4
+
+
+def test_a_replay_that_computes_something_else_is_never_served(tmp_path, monkeypatch, caplog):
+    """The capture's own check (PiecewiseGraphs.check): pieces that lose attention's output (a stand-in for a
+    replay bug) differ from the eager forward, so capture_graphs logs it and those steps run eagerly."""
+    import logging
+
+    from kvpilot.launch.graphs import GraphPlan, capture_graphs
+    from kvpilot.model import piecewise_graphs
+
+    runner = ModelRunner(_loaded(tmp_path), num_blocks=17, block_size=BLOCK_SIZE, attention_backend="torch")
+    monkeypatch.setattr(piecewise_graphs._Breakpoints, "__call__",
+                        lambda self, q, k, v, kv_cache, layer: self.owner.attention_out(q, self.size).zero_())
+    with caplog.at_level(logging.WARNING, logger="kvpilot"):
+        capture_graphs(runner, GraphPlan(piecewise_sizes=(8, 16)), max_num_batched_tokens=64)
+    assert runner.piecewise is None
+    assert any("piecewise CUDA graph capture failed" in r.getMessage() and "off the eager forward" in r.getMessage()
+               for r in caplog.records)

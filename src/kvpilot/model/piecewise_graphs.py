@@ -24,13 +24,17 @@ import bisect
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 
 from kvpilot.model.attention.base import LayerAttention, StepAttention
+from kvpilot.model.attention.layout import StepLayout
 
 logger = logging.getLogger(__name__)
+# check(): a replay may differ from the eager forward by rounding (padded rows change GEMM tiles), not more
+CHECK_TOLERANCE = 0.05
 
 
 @dataclass
@@ -133,6 +137,24 @@ class PiecewiseGraphs:
                 raise RuntimeError("piecewise capture: the attention-output buffer must be sized by the warm-up")
             buffer = self._attention_out = torch.zeros(needed, dtype=q.dtype, device=q.device)
         return buffer[:needed].view(size, *q.shape[1:])
+
+    @torch.inference_mode()
+    def check(self, step_attention: Callable[[StepLayout], StepAttention], block_size: int, vocab_size: int) -> None:
+        """One short prompt through the eager forward and through the smallest bucket's pieces (its K/V written
+        into block 0, which nothing holds before the engine's first step): RuntimeError when they differ by more
+        than rounding (CHECK_TOLERANCE of the largest value), so a replay that computes something else is never
+        served (launch/graphs.py then runs those steps eagerly)."""
+        n = max(1, min(self.sizes[0] - 1, block_size))
+        layout = StepLayout(np.zeros(1, dtype=np.int64), np.array([n]), np.zeros(1, dtype=np.int64),
+                            np.zeros((1, 1), dtype=np.int64), np.arange(n, dtype=np.int64), block_size)
+        token_ids = torch.arange(n, device=self.device) % vocab_size
+        positions = torch.arange(n, device=self.device)
+        eager = self.model(token_ids, positions, self.kv_caches, step_attention(layout)).float()
+        replayed = self.forward(token_ids, positions, step_attention(layout), self.sizes[0]).float()
+        error = float((replayed - eager).abs().max() / eager.abs().max().clamp_min(1e-6))
+        if not error <= CHECK_TOLERANCE:
+            raise RuntimeError(f"piecewise graphs replayed a {n}-token prompt {error:.3g} off the eager forward "
+                               "(relative to its largest value): not used")
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, attn: StepAttention,
                 size: int) -> torch.Tensor:

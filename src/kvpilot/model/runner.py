@@ -305,6 +305,7 @@ class ModelRunner:
         tokens, replay them with attention run eagerly. Any attention backend."""
         piecewise = PiecewiseGraphs(self.model, self.kv_caches, sizes, self.device)
         piecewise.capture()
+        piecewise.check(self.step_attention, self.block_size, self.vocab_size)
         self.piecewise = piecewise
 
     def _forward_hidden(self, inputs: StepInputs, calibrate: bool = False) -> torch.Tensor:
