@@ -3,10 +3,10 @@
 Why: oneDNN keeps a primitive per GEMM shape (`ONEDNN_PRIMITIVE_CACHE_CAPACITY`, default 1,024) and
 ideep, torch's wrapper, a computation per shape (`LRU_CACHE_CAPACITY`, default 1,024), each holding about
 0.3-0.7 MiB here. A server's steps come in every row count up to its token budget, so at the defaults the
-engine grows by up to ~1 GiB over hours (the one-hour soak of 2026-11-25: +473 MiB, still rising). Measured
-on the 2-vCPU EPYC (40 random-length requests a round, bf16): 256 entries run as fast as 1,024 (1,026-1,058
-vs 1,012-1,060 tok/s) and grow a quarter as much; 32 or 128 entries thrash (~10% slower), since a mixed
-run's recurring decode batch sizes times five GEMM shapes (qkv, o, gate_up, down, lm_head) need more.
+engine grows by up to ~1 GiB over hours (a one-hour soak grew by ~0.5 GiB and still rose). 256 entries ran as
+fast as 1,024 and grew a quarter as much; 32 or 128 entries thrash (~10% slower), since a mixed run's
+recurring decode batch sizes times five GEMM shapes (qkv, o, gate_up, down, lm_head) need more (the figures:
+docs/benchmark-log.md, "Figures moved out of the code").
 
 Both libraries read the variables when they create their first cached object, not at import, so this works
 after `import torch` as long as no bf16 GEMM has run yet. A value the user set is kept. Torch-free.

@@ -25,9 +25,9 @@ from kvpilot.model.attention.triton_decode import LOG2E, dot_precision, paged_of
 
 def prefill_tiles(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
     """(BLOCK_M queries, BLOCK_N keys, num_warps, num_stages). From sm_90 compiles (cuobjdump resource
-    usage, triton 3.7) and, at head dim 128 in bf16, timings on an H100 (2026-11-27, attention_kernels.py:
-    128 x 128 took an 8k prompt from 1,669 to 1,349 us and a 2k chunk after a 30k prefix from 5,064 to
-    2,925 us against 128 x 32, though its compile spills a little). Head dim 64: 128 x 64 (8 warps, 224
+    usage, triton 3.7) and, at head dim 128 in bf16, timings on an H100 (attention_kernels.py: 128 x 128 beat
+    128 x 32 on long prompts and long prefixes, though its compile spills a little; docs/benchmark-log.md,
+    "Figures moved out of the code"). Head dim 64: 128 x 64 (8 warps, 224
     registers, untimed); head dim 256 and float32 (IEEE dots) spill at every size tried, least at 32 x 32
     (and 32 x 16 for float32 at 256)."""
     if dtype == torch.float32:

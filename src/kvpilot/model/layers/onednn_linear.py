@@ -4,10 +4,9 @@ layer on CPUs without AVX512_BF16, where layers/bf16_linear.py's kernel does not
 picks).
 
 `F.linear` on a plain bf16 weight runs oneDNN too, but reorders the weight into its blocked layout on every
-call: an extra pass over every weight byte per GEMM, which dominates at few rows. SmolLM2-135M's four projection
-shapes x 30 layers (2-vCPU Zen 4 EPYC, 2026-11-27), F.linear on the [in, out] layout (weight_layout.py) vs
-prepacked: 16 rows 23.8 -> 18.3 ms, 64: 64.1 -> 43.1, 144: 82.0 -> 74.3, 512: 285.9 -> 278.1, 1,536: 820.7 ->
-787.3. The products are bit for bit F.linear's (the same oneDNN kernels; checked at 1-1,536 rows on those shapes
+call: an extra pass over every weight byte per GEMM, which dominates at few rows (prepacked weights ran
+SmolLM2-135M's projections faster at every row count measured, most at 16-64 rows; docs/benchmark-log.md,
+"Figures moved out of the code"). The products are bit for bit F.linear's (the same oneDNN kernels; checked at 1-1,536 rows on those shapes
 and the output layer's, and in tests/model/test_onednn_linear.py), except on CPUs with AMX: there oneDNN picks its
 blocking of the sums by the call's row count and the weight's layout, so a row's product may differ by a bf16
 rounding from F.linear's and from the same row's in a call of another size (F.linear's own results do too).
