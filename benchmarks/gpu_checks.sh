@@ -13,6 +13,7 @@
 #                                                   # decode-splits (small-batch decode per split partition);
 #                                                   # sync-debug (where eager async steps wait for the device)
 #                                                   # disagg (#49: KV over CUDA IPC between two servers; .whl)
+#                                                   # peers (#48: kvpilot vs nano-vllm, carry .peers: gpu_peers.py)
 #     DEADLINE=$(( $(date +%s) + 570 )) bash benchmarks/gpu_checks.sh ...   # fit one device call's limit
 #
 # The machine needs torch (CUDA), triton and transformers; kvpilot runs from src/ without being installed.
@@ -100,6 +101,7 @@ for s in "${selected[@]}"; do
         numerics) stage numerics 120 $PY benchmarks/gpu_numerics.py ;;
         moe) stage moe "${MOE_LIMIT:-150}" $PY benchmarks/moe_decode.py --device cuda --batch 64 --layers 48 \
             --vocab-size 151936 --rounds 3 ;;  # #45: Qwen3-30B-A3B's shapes at full depth, goal >= 3,000 tok/s
+        peers) stage peers "${PEERS_LIMIT:-300}" $PY benchmarks/gpu_peers.py --output "$OUT/peers.json" ;;
         kv-groups) stage kv-groups 120 $PY benchmarks/kv_groups.py --passes 1 ;;
         ttft-torch) stage ttft-torch 90 $PY benchmarks/gpu_throughput.py --rows llama-ttft --attention-backend torch ;;
         kernels) stage kernels 120 $PY benchmarks/attention_kernels.py --prefill-tiles 128x32x8x3 128x64x8x3 \

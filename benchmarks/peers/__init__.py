@@ -5,4 +5,7 @@ Layers: venvs (cache dir, marker, logged commands) <- llamacpp / vllm_cpu (insta
 quantize (the Q4_0 / Q4_K_M copies, made by llama.cpp's quantizer) and kvpilot_engine; comparisons (which
 kvpilot configuration meets which peer, and the alternating run order); servers (start/stop one at a time,
 peak RSS); workloads (`kvpilot bench` runs -> rows); passes (which rows count, medians, ratios); report.
+For `benchmarks/gpu_peers.py` (offline engines on one GPU): random_model (one HF directory both load),
+engine_child (an engine in its own process, driven by JSON lines), nano_vllm (the peer: source export, child)
+and flash_attn_shim (the Triton stand-in for flash-attn that nano-vllm imports).
 """
