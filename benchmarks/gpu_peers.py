@@ -150,7 +150,8 @@ class PassResult:
         return self.num_tokens / self.seconds
 
 
-def run_row(row: PeerRow, children: dict, peer_label: str, vocab_size: int, args: argparse.Namespace) -> list[PassResult]:
+def run_row(row: PeerRow, children: dict, peer_label: str, vocab_size: int,
+            args: argparse.Namespace) -> list[PassResult]:
     for child in children.values():
         child.run(warmup_requests(row, vocab_size, args.seed), TEMPERATURE)
     results, counts = [], {label: 0 for label in children}

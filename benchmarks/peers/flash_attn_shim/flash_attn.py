@@ -97,8 +97,8 @@ def _varlen_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, cu_k_ptr, table_ptr, 
         scores = tl.where(visible, scores, float("-inf"))
         m_i, l_i, acc = _online_softmax(scores, v, m_i, l_i, acc)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=row_mask[:, None] & d_mask[None, :])
+    tl.store(out_ptr + q_rows[:, None] * stride_ot + head * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
 
 
 @triton.jit
@@ -218,7 +218,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     grid = (triton.cdiv(max_seqlen_q, block_m), num_seqs, heads)
     _varlen_kernel[grid](q, k, v, out, cu_seqlens_q, cu_seqlens_k, table, scale,
                          q.stride(0), q.stride(1), k.stride(-3), k.stride(-2), k.stride(0) if paged else 0,
-                         v.stride(-3), v.stride(-2), v.stride(0) if paged else 0, out.stride(0), out.stride(1), table.stride(0) if paged else 0,
+                         v.stride(-3), v.stride(-2), v.stride(0) if paged else 0, out.stride(0), out.stride(1),
+                         table.stride(0) if paged else 0,
                          GROUP=heads // kv_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
                          BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page, PAGED=paged, CAUSAL=causal,
                          num_warps=warps)

@@ -28,7 +28,7 @@ REQUEST_LIFETIMES_PER_WINDOW = 3
 A server that prefills a whole batch of prompts before decoding them (llama.cpp without chunked prefill, short
 outputs, a slow CPU) delivers its output tokens in bursts, one per cycle of its synchronized requests: windows
 about one cycle long hold zero, one or two bursts, and a healthy server's typical window looked a third of its
-best (the doctor matrix's llama-server cells, 2026-11-30). Three lifetimes hold three bursts, give or take one."""
+best (the doctor matrix's llama-server cells). Three lifetimes hold three bursts, give or take one."""
 
 LOAD_BAND = (2 / 3, 3 / 2)
 """Windows compared are those whose mean in-flight count lies within this factor of the median window's:

@@ -1,7 +1,7 @@
 """CUDA graphs for decode steps (off with --enforce-eager; batch sizes from --cuda-graph-sizes).
 
 An eager decode step launches some 50 kernels a layer, each costing host time; on a GPU that host time, not
-the kernels, set the pace (Qwen3-0.6B on an H200, 2026-11-26: 27-35 ms a step at batch 1 for 3 ms of kernels).
+the kernels, set the pace of small batches (about ten times the kernels' own time at batch 1: docs/benchmark-log.md).
 A graph captured at the step's batch size replays them all with one launch. Steps whose batch is not
 captured, or that hold prompt tokens, run eagerly.
 

@@ -7,7 +7,8 @@ which they are views. On a CPU the same object does the same copies (tests exerc
 
 Every view starts on a 16-byte boundary: Triton compiles a kernel variant per combination of its pointer
 arguments' 16-byte alignment, so views at offsets that follow the step's counts compiled a new variant on
-step after step (an H100 spent ~0.5 s a mixed step compiling, 2026-11-27).
+step after step (on a GPU that compiling cost more than the steps: docs/benchmark-log.md, "Figures moved out of
+the code").
 """
 
 from __future__ import annotations

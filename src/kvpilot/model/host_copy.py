@@ -2,7 +2,7 @@
 
 A plain `.tolist()` of a CUDA tensor queues its copy behind every kernel launched so far: with async
 scheduling the engine reads step N's tokens after launching step N+1, so the read waited for N+1 too and
-nothing overlapped (an H100 decoded as fast with async scheduling as without, 2026-11-27). Here the copies
+nothing overlapped (async scheduling measured no faster than without; docs/benchmark-log.md). Here the copies
 are queued right behind step N's sampling, into pinned host memory, and one event says when they landed.
 """
 

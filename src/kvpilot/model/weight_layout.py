@@ -31,7 +31,7 @@ def relayout_linear_weights(model: nn.Module) -> int:
     count = 0
     for weight in weights:
         # bf16 GEMMs run in oneDNN, which reads either layout and computes the same sums; [in, out] made a
-        # vocabulary-wide output layer slower there (49,152 x 576, 1 row: 7.11 vs 4.99 ms, 2026-11-27)
+        # vocabulary-wide output layer slower there (docs/benchmark-log.md, "Figures moved out of the code")
         if weight.dim() == 2 and weight.is_contiguous() and weight.dtype != torch.bfloat16:
             weight.data = weight.data.t().contiguous().t()
             count += 1

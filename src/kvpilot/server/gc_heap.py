@@ -2,9 +2,9 @@
 cyclic garbage collector's view, so its full collections scan only what requests create.
 
 Why: a full (generation 2) collection walks every tracked object of the process; in an engine core that is
-the model's modules, the tokenizer and the engine, and one pass took up to ~90-130 ms on a 2-vCPU EPYC
-(2026-11-28) — a stall of every stream, whenever enough requests' objects have survived to trigger one. vLLM
-freezes its engine core's start-up heap the same way. Only for processes that live as long as the server:
+the model's modules, the tokenizer and the engine, and one pass took a tenth of a second on a small CPU
+(docs/benchmark-log.md): a stall of every stream, whenever enough requests' objects have survived to trigger
+one. vLLM freezes its engine core's start-up heap the same way. Only for processes that live as long as the server:
 objects frozen are never collected, so a process that builds and drops engines (tests, `LLM` users) must
 not call it.
 

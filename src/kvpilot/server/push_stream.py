@@ -2,9 +2,9 @@
 
 A streamed response pulls: each step, the delivery puts the request's output on its ItemStream, which wakes the
 handler's task; the task resumes through Starlette's response loop, the event generator and SubRequests,
-renders the chunk and awaits the ASGI send, then goes back to waiting. At 64 streams and ~20 steps a second
-that round trip was ~7 of the HTTP process's ~35 us a token (2-vCPU EPYC, 2026-11-28), CPU the engine's
-threads share on a small machine.
+renders the chunk and awaits the ASGI send, then goes back to waiting. At 64 streams that round trip was a
+fifth of the HTTP process's time a token (docs/benchmark-log.md), CPU the engine's threads share on a small
+machine.
 
 So while the handler waits on an empty stream, a running output that needs no per-choice state (one choice,
 no logprobs, no tool-call parsing, no echo: `can_push`) is rendered and sent by the delivery callback itself,

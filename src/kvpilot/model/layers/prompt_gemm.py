@@ -2,8 +2,8 @@
 
 bf16 activations halve the bytes decode reads, and on Zen 4 a bf16 dot product (`vdpbf16ps`) also does twice the
 work of a float32 FMA a cycle, so prompt GEMMs run in bf16 (oneDNN, prepacked weights). On an Intel Xeon
-without AMX (family 6 model 207 in a VM, 2026-11-27) `vdpbf16ps` has no such edge: float32 GEMMs there measured
-1.4-1.9x oneDNN's bf16 on every prompt shape of the embedded model (benchmarks/prompt_gemm_dtype.py). The CPU
+without AMX `vdpbf16ps` has no such edge: float32 GEMMs there ran every prompt shape of the embedded model
+faster than oneDNN's bf16 (benchmarks/prompt_gemm_dtype.py; docs/benchmark-log.md). The CPU
 flags do not tell the two apart, so "auto" measures: one prompt-sized GEMM each way at load, float32 when it is
 at least FLOAT32_MIN_SPEEDUP x faster. The probe's answer is cached for the process (the CPU does not change).
 Where oneDNN runs no bf16 GEMMs at all (AVX2 CPUs) "auto" is float32 without a probe.

@@ -1,9 +1,9 @@
 """Fused small ops for CUDA, in Triton: RMSNorm, rotary embedding, SiLU-and-mul and fp8 activation
 quantization, one kernel each where torch launches six, six, two and seven, and q/k RMSNorm with rotary in one
 kernel for models with q/k norms (Qwen3: four launches a layer become one), and a residual add with the
-RMSNorm after it (two launches a layer fewer) (a decode step of a 28-layer
-model ran ~1,500 kernels of 1-2 us on an H200, 2026-11-26: at batch 1 they, not the weights, set the step
-time; the fused ones took an H100's batch-1 step from 4.75 to 2.98 ms, 2026-11-27).
+RMSNorm after it (two launches a layer fewer). A small-batch decode step is otherwise some 1,500
+kernels of a microsecond or two, and they, not the weights, set its time (docs/benchmark-log.md, "Figures moved
+out of the code").
 
 RMSNorm and SiLU-and-mul round to the activation dtype where the torch ops do (kvpilot.model.layers.norm,
 llama.MLP); rotary computes in float32 and rounds once. Imports triton at module level: reach it through

@@ -10,8 +10,8 @@ The 413 is written at once, then the rest of the body is read and discarded (ngi
 before the connection closes: a socket closed with unread data sends a reset, and a client that reads only
 once it has sent the whole body (http.client, requests) would see "connection reset" instead of the 413. The
 drain is bounded: a body of up to max_bytes + max(max_bytes, MIN_DRAIN_BYTES) bytes in all, within the same
-`timeout_s` deadline; past either the connection is closed (a reset for such a client). Draining is cheap:
-~100 MB of chunked body in ~0.1 s on loopback (2-vCPU EPYC, 2026-11-29). No drain when the client waits for
+`timeout_s` deadline; past either the connection is closed (a reset for such a client). Draining is cheap
+(about a gigabyte a second on loopback; docs/benchmark-log.md). No drain when the client waits for
 `100 Continue` before its body (it never sends it).
 """
 

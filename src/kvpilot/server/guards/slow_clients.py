@@ -7,10 +7,10 @@ connection is closed after `header_timeout_s` (408 if part of a request had arri
 request line and headers to MAX_HEADER_BYTES (431 and closed past it): h11 refuses past its own 16 KiB buffer
 (400), httptools' parser has no bound. The body's own deadline is BodyGuard's.
 
-The protocol is httptools' (its C parser) where the package is installed, else h11's: on a CPU box streaming
-64 requests, the HTTP process spent ~64 us a streamed chunk with httptools and ~79 with h11 (2-vCPU EPYC,
-2026-11-27, benchmarks/server_overhead.py), CPU the engine's threads share on a small machine and the one
-core the front end has at hundreds of GPU streams.
+The protocol is httptools' (its C parser) where the package is installed, else h11's: streaming 64 requests,
+the HTTP process spent a fifth less a streamed chunk with httptools (benchmarks/server_overhead.py;
+docs/benchmark-log.md), CPU the engine's threads share on a small machine and the one core the front end has
+at hundreds of GPU streams.
 """
 
 from __future__ import annotations
