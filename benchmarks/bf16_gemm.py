@@ -5,9 +5,12 @@ Part `projections`: the embedded model's four projection shapes x 30 layers (ran
 larger than the caches, as in a decode step) and its tied output layer (49,152 x 576), for each row count; the
 median of `--reps` passes, each engine in turn. Part `steps`: decode steps of the dense bf16 model (`--quantization
 none`) with Bf16Linear against the same model with OneDnnLinear, alternating step by step on the same requests.
+Part `head`: the output layer's float32 logits (an AMX CPU's paths): the kernel's float32 sums, oneDNN's bf16 math
+mode on a float32 copy, and the copy packed for AMX tiles (layers/amx_head.py) where the kernels can use them.
 
     .venv/bin/python benchmarks/bf16_gemm.py --rows 1 16 64 128
     .venv/bin/python benchmarks/bf16_gemm.py --part steps --batch 1 16 64
+    .venv/bin/python benchmarks/bf16_gemm.py --part head --rows 1 4 8 16 32 64 128
 
 Needs AVX512_BF16 (the kernel's CPUs). The machine may be shared: compare the ratios of one run.
 """
@@ -25,7 +28,8 @@ import torch.nn.functional as F
 
 from kvpilot import LLM, SamplingParams
 from kvpilot.model.layers import onednn_linear
-from kvpilot.model.layers.bf16_linear import bf16_gemm_kernel
+from kvpilot.model.layers.amx_head import AmxHeadWeight, amx_head_kernel
+from kvpilot.model.layers.bf16_linear import bf16_gemm_kernel, bf16_math_linear
 from kvpilot.model.layers.onednn_linear import OneDnnWeight
 
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # qkv, o, gate_up, down of SmolLM2-135M
@@ -70,6 +74,24 @@ def projections_part(rows_list: list[int], reps: int) -> None:
               f"{min(onednn, plain) / ours:.2f}x")
 
 
+def head_part(rows_list: list[int], reps: int) -> None:
+    kernel = bf16_gemm_kernel(torch.bfloat16, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    head = torch.randn(VOCAB, 576, generator=gen).to(torch.bfloat16)
+    float32_copy = head.float()
+    tiles = AmxHeadWeight(head, amx_head_kernel(kernel, head)) if amx_head_kernel(kernel, head) else None
+    print(f"the {VOCAB} x 576 output layer, float32 logits; ms, median of {reps}, {torch.get_num_threads()} threads"
+          f"{'' if tiles else ' (no AMX tiles here)'}")
+    for rows in rows_list:
+        x = torch.randn(rows, 576, generator=gen).to(torch.bfloat16)
+        by_kernel = _median_seconds(lambda: kernel.bf16_linear(torch.empty(rows, VOCAB), x, head, None), reps)
+        by_copy = _median_seconds(lambda: bf16_math_linear(x.float(), float32_copy, None), reps)
+        by_tiles = _median_seconds(lambda: tiles.linear_float32(x), reps) if tiles else None
+        print(f"rows {rows:4d}: kernel {by_kernel * 1e3:6.2f}, float32 copy (bf16 math) {by_copy * 1e3:6.2f}"
+              + (f", AMX tiles {by_tiles * 1e3:6.2f} ({min(by_kernel, by_copy) / by_tiles:.2f}x the best other)"
+                 if by_tiles else ""))
+
+
 def _dense_llm(with_kernel: bool, max_num_seqs: int) -> LLM:
     """The dense bf16 model; without the kernel, as a CPU without AVX512_BF16 holds it (OneDnnLinear)."""
     original = onednn_linear.bf16_gemm_kernel
@@ -105,7 +127,7 @@ def steps_part(batches: list[int], context: int, steps: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=("projections", "steps", "both"), default="both")
+    parser.add_argument("--part", choices=("projections", "steps", "head", "both"), default="both")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 32, 64, 128])
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
@@ -118,6 +140,8 @@ def main() -> None:
         projections_part(args.rows, args.reps)
     if args.part in ("steps", "both"):
         steps_part(args.batch, args.context, args.steps)
+    if args.part == "head":
+        head_part(args.rows, args.reps)
 
 
 if __name__ == "__main__":

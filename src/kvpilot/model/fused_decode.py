@@ -48,7 +48,7 @@ _CSRC = Path(__file__).resolve().parent / "layers" / "csrc"
 SOURCE_PATHS = tuple(_CSRC / name for name in (
     *QUANT_SOURCE_NAMES,
     "decode_common.h", "simd_exp.h", "decode_avx512.h", "decode_avx2.h", "decode_vector.h", "paged_decode_cpu.cpp",
-    "bf16_ops_avx512.h", "bf16_ops_avx2.h", "bf16_gemm_avx512.h",
+    "bf16_ops_avx512.h", "bf16_ops_avx2.h", "bf16_gemm_avx512.h", "bf16_gemm_amx.h",
     "bf16_ops_cpu.cpp", "decode_layers_cpu.cpp"))
 
 # The flags of the modules whose code it includes, so each function computes exactly what it computes there:

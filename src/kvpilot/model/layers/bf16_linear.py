@@ -12,16 +12,18 @@ copy, so the weight is held once.
 On CPUs with AMX, oneDNN's tile kernels outrun this one from ~8 rows (1.5x at 16, 3.8x at 64 on the embedded
 model's projections): there a decoder projection also keeps a oneDNN-prepacked copy (`onednn`, set by
 onednn_linear.prepack_bf16_linears where the copies fit in memory) for calls of ONEDNN_MIN_ROWS rows or more, and
-the output head a float32 copy (`float32_copy`) for float32 logits of FLOAT32_COPY_MIN_ROWS rows or more: oneDNN
+the output head a copy packed for AMX tiles (`amx_head`, layers/amx_head.py) for float32 logits of
+AMX_HEAD_MIN_ROWS rows or more: bf16 products, float32 sums, as the kernel's. Where the kernel module cannot use
+the tiles, the head keeps a float32 copy (`float32_copy`) for FLOAT32_COPY_MIN_ROWS rows or more instead: oneDNN
 has no bf16 GEMM with float32 results, but runs a float32 GEMM on AMX tiles in bf16 when told to (its fp32 math
-mode 'bf16'); the rows and the copy hold bf16 values, so the products are exact and the sums float32, as the
-kernel's.
+mode 'bf16'), reading twice the bytes.
 
 Invariant: up to KERNEL_MAX_ROWS rows (below ONEDNN_MIN_ROWS where a layer has the prepacked copy), each output
 row is the kernel's float32 sum (+ bias) rounded once to bf16 (forward) or kept in float32 (forward_float32), the
 same whatever other rows share the call; more rows give oneDNN's result (F.linear's, or the prepacked copy's,
 which on AMX rounds by the call's row count: onednn_linear.py; the float32 copy's sums are added in another
-order than the kernel's, so they may differ from them in the last float32 bits).
+order than the kernel's, so they may differ from them in the last float32 bits; so may the tile-packed copy's,
+whose rows are the same whatever the other rows of the call).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvpilot.model.layers.amx_head import AmxHeadWeight
 from kvpilot.model.layers.cpu_bf16_ops import get_bf16_ops
 
 # up to here the kernel, beyond it oneDNN (about even at 64-128 rows on the embedded model's shapes)
@@ -42,6 +45,9 @@ ONEDNN_MIN_ROWS = 8
 # from here an output head with a float32 copy (AMX CPUs) runs it (even with the kernel at ~24 rows in a decode
 # step: the copy is twice the bytes; docs/benchmark-log.md 2026-12-02 14:02)
 FLOAT32_COPY_MIN_ROWS = 32
+# from here an output head packed for AMX tiles runs them: the kernel's time grows with the rows, the tiles' stays
+# at the weight's bytes read once (faster than the kernel from 8 rows; benchmarks/bf16_gemm.py --part head)
+AMX_HEAD_MIN_ROWS = 8
 
 
 def bf16_gemm_kernel(dtype: torch.dtype, device: torch.device) -> Any | None:
@@ -63,7 +69,9 @@ class Bf16Linear(nn.Module):
         self.kernel = kernel
         # a OneDnnWeight of the same values for calls of ONEDNN_MIN_ROWS rows or more (AMX CPUs), else None
         self.onednn: Any | None = None
-        # an output head's [out, in] float32 copy for float32 calls of FLOAT32_COPY_MIN_ROWS rows or more (AMX)
+        # an output head's copy packed for AMX tiles, for float32 calls of AMX_HEAD_MIN_ROWS rows or more
+        self.amx_head: AmxHeadWeight | None = None
+        # else an output head's [out, in] float32 copy for float32 calls of FLOAT32_COPY_MIN_ROWS rows or more (AMX)
         self.float32_copy: torch.Tensor | None = None
 
     @classmethod
@@ -83,6 +91,9 @@ class Bf16Linear(nn.Module):
         if self.onednn is not None and rows.dtype == out_dtype == torch.bfloat16 \
                 and rows.shape[0] >= ONEDNN_MIN_ROWS:
             out = self.onednn.linear(rows, self.bias)
+        elif self.amx_head is not None and out_dtype == torch.float32 and rows.dtype == torch.bfloat16 \
+                and rows.shape[0] >= AMX_HEAD_MIN_ROWS and self.bias is None:
+            out = self.amx_head.linear_float32(rows)
         elif self.float32_copy is not None and out_dtype == torch.float32 and rows.dtype == torch.bfloat16 \
                 and rows.shape[0] >= FLOAT32_COPY_MIN_ROWS:
             out = bf16_math_linear(rows.float(), self.float32_copy, self.bias)

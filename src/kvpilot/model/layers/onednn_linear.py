@@ -18,13 +18,16 @@ from __future__ import annotations
 
 import logging
 from functools import lru_cache
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kvpilot.fit.fingerprint import cpu_has_amx_bf16
+from kvpilot.model.layers.amx_head import AmxHeadWeight, amx_head_kernel
 from kvpilot.model.layers.bf16_linear import Bf16Linear, bf16_gemm_kernel
+from kvpilot.model.layers.cpu_bf16_ops import get_bf16_ops
 
 logger = logging.getLogger("kvpilot")
 
@@ -139,14 +142,14 @@ def bf16_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
 
 def amx_onednn_copies(model: nn.Module, available_bytes: int) -> bool:
     """Whether the Bf16Linear decoder projections of `model` should also keep oneDNN-prepacked copies, and its
-    bf16 output head a float32 copy: on a CPU with AMX (bf16_linear.py: oneDNN's tile kernels win from
+    bf16 output head a copy for AMX tiles (_add_head_copy): on a CPU with AMX (bf16_linear.py: oneDNN's tile kernels win from
     ONEDNN_MIN_ROWS rows), where the copies fit (copy_fits)."""
     if not cpu_has_amx_bf16():
         return False
     copy_bytes = 2 * sum(linear.weight.numel() for parent, name, linear in bf16_linears(model)
                          if not (name == "lm_head" and parent is model))
     head = _dense_head_weight(model) if getattr(model, "output_head", None) is None else None  # else packed
-    copy_bytes += 0 if head is None else 4 * head.numel()
+    copy_bytes += 0 if head is None else head_copy_bytes(head)
     return copy_bytes > 0 and copy_fits(copy_bytes, available_bytes,
                                         "decode steps of many rows without AMX tiles: a prepacked copy of the weights")
 
@@ -167,8 +170,8 @@ def prepack_bf16_linears(model: nn.Module, float32_min_rows: int | None = None, 
             setattr(parent, name, OneDnnLinear(linear, float32_min_rows))
         else:
             layer = Bf16Linear.from_linear(linear, kernel)
-            if onednn_copies and head:  # float32 logits: the kernel's sums, or the float32 copy's on AMX tiles
-                layer.float32_copy = linear.weight.detach().float()
+            if onednn_copies and head:  # float32 logits: the kernel's sums, or the tiles'
+                _add_head_copy(layer, linear.weight, kernel)
             elif onednn_copies:
                 layer.onednn = OneDnnWeight(linear.weight.detach())
             setattr(parent, name, layer)
@@ -178,8 +181,23 @@ def prepack_bf16_linears(model: nn.Module, float32_min_rows: int | None = None, 
     if kernel is not None and table is not None and getattr(model, "output_head", None) is None:
         model.output_head = Bf16Linear(table, None, kernel)  # the table itself, shared with the lookup
         if onednn_copies:
-            model.output_head.float32_copy = table.detach().float()
+            _add_head_copy(model.output_head, table, kernel)
     return len(found)
+
+
+def head_copy_bytes(weight: torch.Tensor) -> int:
+    """The bytes of the copy _add_head_copy gives an output head of `weight` on this CPU."""
+    tiles = amx_head_kernel(get_bf16_ops(), weight) is not None
+    return (2 if tiles else 4) * weight.numel()
+
+
+def _add_head_copy(layer: Bf16Linear, weight: torch.Tensor, kernel: Any) -> None:
+    """An AMX CPU's output head: packed for the kernel module's tiles where it can use them (no bias), else a
+    float32 copy for oneDNN's bf16 math mode."""
+    if layer.bias is None and amx_head_kernel(kernel, weight) is not None:
+        layer.amx_head = AmxHeadWeight(weight, kernel)
+    else:
+        layer.float32_copy = weight.detach().float()
 
 
 def _dense_head_weight(model: nn.Module) -> torch.Tensor | None:
