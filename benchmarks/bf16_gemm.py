@@ -1,12 +1,13 @@
 """Dense bf16 GEMMs of decode-sized calls on CPU, side by side in one run: kvpilot's AVX512_BF16 kernel
-(layers/bf16_linear.py) against oneDNN on its prepacked copy (onednn_linear.py) and F.linear on the plain weight.
+(layers/bf16_linear.py) against oneDNN on its prepacked copy (onednn_linear.py), F.linear on the plain weight and,
+on AMX CPUs, the copy packed for tiles (layers/amx_tiles.py).
 
 Part `projections`: the embedded model's four projection shapes x 30 layers (random bf16 weights, ~212 MB: far
 larger than the caches, as in a decode step) and its tied output layer (49,152 x 576), for each row count; the
 median of `--reps` passes, each engine in turn. Part `steps`: decode steps of the dense bf16 model (`--quantization
 none`) with Bf16Linear against the same model with OneDnnLinear, alternating step by step on the same requests.
 Part `head`: the output layer's float32 logits (an AMX CPU's paths): the kernel's float32 sums, oneDNN's bf16 math
-mode on a float32 copy, and the copy packed for AMX tiles (layers/amx_head.py) where the kernels can use them.
+mode on a float32 copy, and the copy packed for AMX tiles (layers/amx_tiles.py) where the kernels can use them.
 
     .venv/bin/python benchmarks/bf16_gemm.py --rows 1 16 64 128
     .venv/bin/python benchmarks/bf16_gemm.py --part steps --batch 1 16 64
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 
 from kvpilot import LLM, SamplingParams
 from kvpilot.model.layers import onednn_linear
-from kvpilot.model.layers.amx_head import AmxHeadWeight, amx_head_kernel
+from kvpilot.model.layers.amx_tiles import AmxTileWeight, amx_tiles_kernel
 from kvpilot.model.layers.bf16_linear import bf16_gemm_kernel, bf16_math_linear
 from kvpilot.model.layers.onednn_linear import OneDnnWeight
 
@@ -51,6 +52,8 @@ def projections_part(rows_list: list[int], reps: int) -> None:
     gen = torch.Generator().manual_seed(0)
     layers = [[torch.randn(n, k, generator=gen).to(torch.bfloat16) for n, k in SHAPES] for _ in range(NUM_LAYERS)]
     packed = [[OneDnnWeight(w) for w in layer] for layer in layers]
+    tiles = [[AmxTileWeight(w, kernel) for w in layer] for layer in layers] \
+        if amx_tiles_kernel(kernel, layers[0][0]) else None
     head = torch.randn(VOCAB, 576, generator=gen).to(torch.bfloat16)
     flops = 2 * sum(w.numel() for layer in layers for w in layer)
 
@@ -66,10 +69,13 @@ def projections_part(rows_list: list[int], reps: int) -> None:
         ours = _median_seconds(lambda: [mine(xs[w.shape[1]], w) for layer in layers for w in layer], reps)
         onednn = _median_seconds(lambda: [p.linear(xs[p.in_features]) for layer in packed for p in layer], reps)
         plain = _median_seconds(lambda: [F.linear(xs[w.shape[1]], w) for layer in layers for w in layer], reps)
+        on_tiles = _median_seconds(lambda: [t.linear(xs[t.in_features]) for layer in tiles for t in layer], reps) \
+            if tiles else None
         head_ours = _median_seconds(lambda: kernel.bf16_linear(torch.empty(rows, VOCAB), xs[576], head, None), reps)
         head_plain = _median_seconds(lambda: F.linear(xs[576], head).float(), reps)
         print(f"rows {rows:4d}: projections kernel {ours * 1e3:7.2f} ({rows * flops / ours / 1e9:4.0f} GFLOP/s), "
-              f"oneDNN prepacked {onednn * 1e3:7.2f}, F.linear {plain * 1e3:7.2f} | output layer kernel "
+              f"oneDNN prepacked {onednn * 1e3:7.2f}, F.linear {plain * 1e3:7.2f}"
+              f"{f', AMX tiles {on_tiles * 1e3:7.2f}' if on_tiles else ''} | output layer kernel "
               f"{head_ours * 1e3:6.2f}, F.linear {head_plain * 1e3:6.2f} | kernel vs best other "
               f"{min(onednn, plain) / ours:.2f}x")
 
@@ -79,14 +85,14 @@ def head_part(rows_list: list[int], reps: int) -> None:
     gen = torch.Generator().manual_seed(0)
     head = torch.randn(VOCAB, 576, generator=gen).to(torch.bfloat16)
     float32_copy = head.float()
-    tiles = AmxHeadWeight(head, amx_head_kernel(kernel, head)) if amx_head_kernel(kernel, head) else None
+    tiles = AmxTileWeight(head, amx_tiles_kernel(kernel, head)) if amx_tiles_kernel(kernel, head) else None
     print(f"the {VOCAB} x 576 output layer, float32 logits; ms, median of {reps}, {torch.get_num_threads()} threads"
           f"{'' if tiles else ' (no AMX tiles here)'}")
     for rows in rows_list:
         x = torch.randn(rows, 576, generator=gen).to(torch.bfloat16)
         by_kernel = _median_seconds(lambda: kernel.bf16_linear(torch.empty(rows, VOCAB), x, head, None), reps)
         by_copy = _median_seconds(lambda: bf16_math_linear(x.float(), float32_copy, None), reps)
-        by_tiles = _median_seconds(lambda: tiles.linear_float32(x), reps) if tiles else None
+        by_tiles = _median_seconds(lambda: tiles.linear(x, None, torch.float32), reps) if tiles else None
         print(f"rows {rows:4d}: kernel {by_kernel * 1e3:6.2f}, float32 copy (bf16 math) {by_copy * 1e3:6.2f}"
               + (f", AMX tiles {by_tiles * 1e3:6.2f} ({min(by_kernel, by_copy) / by_tiles:.2f}x the best other)"
                  if by_tiles else ""))

@@ -123,7 +123,7 @@ def test_amx_cpus_keep_prepacked_copies_for_many_rows(tmp_path, monkeypatch) -> 
     fewer the kernel, and the fused decode step takes the copies from that many rows on. The output head (the
     tied table) keeps float32 logits, from a float32 copy of the table in oneDNN's bf16 math mode from
     FLOAT32_COPY_MIN_ROWS rows (the float32 sums of exact products, the mode restored after the call), where the
-    kernel module cannot use AMX tiles (patched so here; tests/model/test_amx_head.py has the tiles' head). Copies
+    kernel module cannot use AMX tiles (patched so here; tests/model/test_amx_tiles.py has the tiles). Copies
     that would not fit the memory share are not made."""
     from torch import nn
 
@@ -137,7 +137,7 @@ def test_amx_cpus_keep_prepacked_copies_for_many_rows(tmp_path, monkeypatch) -> 
     if bf16_gemm_kernel(torch.bfloat16, CPU) is None:
         pytest.skip("no AVX512_BF16 kernel on this CPU: dense bf16 layers are OneDnnLinear")
     monkeypatch.setattr(onednn_linear, "cpu_has_amx_bf16", lambda: True)
-    monkeypatch.setattr(onednn_linear, "amx_head_kernel", lambda kernel, weight: None)
+    monkeypatch.setattr(onednn_linear, "amx_tiles_kernel", lambda kernel, weight: None)
     small = nn.Module()
     small.layers = nn.ModuleList([nn.Sequential(nn.Linear(64, 64, bias=False).to(torch.bfloat16))])
     assert onednn_linear.amx_onednn_copies(small, 10**9) and not onednn_linear.amx_onednn_copies(small, 4 * 64 * 64)

@@ -75,10 +75,10 @@ def weight_bytes(model: LoadedModel, weight_dtype: str = "auto", dtype: str = "a
 
 
 # model/layers/onednn_linear.py's amx_onednn_copies: not counted in the bytes, as the prompt GEMMs' dense copies
-AMX_COPIES_NOTE = ("On this CPU (AMX) kvpilot also keeps oneDNN-prepacked copies of the decoder's bf16 projections "
-                   "(2 bytes a weight) and a copy of the output layer packed for AMX tiles (2 bytes a weight; 4, "
-                   "a float32 copy, where its kernels cannot be built) for decode steps of many rows, where they fit "
-                   "a quarter of the free memory; not counted above.")
+AMX_COPIES_NOTE = ("On this CPU (AMX) kvpilot also keeps copies of the bf16 projections and output layer packed for "
+                   "AMX tiles (2 bytes a weight; where its tile kernels cannot be built, oneDNN-prepacked ones and a "
+                   "float32 output layer, 4 bytes a weight) for decode steps, where they fit a quarter of the free "
+                   "memory; not counted above.")
 
 
 def int8_packed(model: LoadedModel, weight_dtype: str = "auto", cpu_int8: str | None = None) -> bool:

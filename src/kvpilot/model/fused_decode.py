@@ -14,8 +14,9 @@ packed projections without bias or q/k norms (a fused projection's parts may dif
 takes the int8 path or none does), norm weights and a KV cache in the activations' dtype (bf16 or float32), and
 to a step whose tokens are all decodes, in one consecutive batch, no more than the packed kernels' row limit, run
 by the cpu attention backend. A dense bf16 model whose every projection is a Bf16Linear (AVX512_BF16, no bias)
-qualifies too, up to the rows its kernel takes (bf16_linear.KERNEL_MAX_ROWS; where every one also keeps a
-prepacked copy, on AMX CPUs, steps of ONEDNN_MIN_ROWS rows or more run the copies, up to DENSE_FUSED_MAX_ROWS),
+qualifies too, up to the rows its kernel takes (bf16_linear.KERNEL_MAX_ROWS; where every one also keeps a copy
+for many rows, on AMX CPUs, steps from TILES_MIN_ROWS (tile-packed copies) or ONEDNN_MIN_ROWS (oneDNN-prepacked
+ones) rows run the copies, up to DENSE_FUSED_MAX_ROWS),
 and so does one whose every projection is a OneDnnLinear (oneDNN-prepacked): its projections run the op
 OneDnnLinear runs, up to the rows from which that layer turns to its float32 copy (DENSE_FUSED_MAX_ROWS at most).
 Anything else takes the modules.
@@ -33,7 +34,8 @@ import torch
 from kvpilot.model.attention.base import StepAttention
 from kvpilot.model.layers.cpp_build import CppKernel, build_cpp_kernel
 from kvpilot.model.layers.cpu_bf16_ops import get_bf16_ops
-from kvpilot.model.layers.bf16_linear import KERNEL_MAX_ROWS, ONEDNN_MIN_ROWS, Bf16Linear
+from kvpilot.model.layers.bf16_linear import KERNEL_MAX_ROWS, ONEDNN_MIN_ROWS, TILES_MAX_ROWS, TILES_MIN_ROWS, \
+    Bf16Linear
 from kvpilot.model.layers.onednn_linear import OneDnnLinear
 from kvpilot.model.quant.kernel import SOURCE_NAMES as QUANT_SOURCE_NAMES
 from kvpilot.model.quant.linear import INT8_MAX_ROWS, TILED_COPIES, PackedLinear
@@ -75,6 +77,7 @@ TILED_FUSED_MAX_ROWS = 256
 DENSE_FUSED_MAX_ROWS = 256
 ONEDNN_BF16_CODE = 100  # decode_layers_cpu.cpp's kOneDnnBf16: a part held as a oneDNN-prepacked bf16 weight
 PLAIN_BF16_CODE = 101  # its kPlainBf16: a Bf16Linear's plain weight, run by the kernel Bf16Linear runs
+TILES_BF16_CODE = 102  # its kTilesBf16: a Bf16Linear's copy packed for AMX tiles, run as Bf16Linear runs it
 DENSE_LINEARS = (OneDnnLinear, Bf16Linear)
 
 
@@ -104,7 +107,9 @@ class FusedDecode:
         if isinstance(linears[0], Bf16Linear):  # a dense bf16 model (_qualifying_dtype: all of them, no bias)
             self.int8_activations, self.isa = False, 0
             self.max_rows = KERNEL_MAX_ROWS  # the rows its kernel takes (more: oneDNN, in the modules)
-            if all(lin.onednn is not None for lin in linears):
+            if all(lin.tiles is not None for lin in linears):  # as the modules run them: rows 8-256
+                self.wide_min_rows, self.max_rows = TILES_MIN_ROWS, min(TILES_MAX_ROWS, DENSE_FUSED_MAX_ROWS)
+            elif all(lin.onednn is not None for lin in linears):
                 self.wide_min_rows, self.max_rows = ONEDNN_MIN_ROWS, DENSE_FUSED_MAX_ROWS
         elif isinstance(linears[0], OneDnnLinear):  # the same, on oneDNN-prepacked weights
             self.int8_activations, self.isa = False, 0
@@ -171,6 +176,8 @@ def _kernel_weights(model: torch.nn.Module, wide: bool = False) -> tuple[list[to
 
 def _projection_formats(lin: PackedLinear | OneDnnLinear | Bf16Linear, wide: bool = False) -> list[int]:
     """The part count, then each part's code (`wide`: a Bf16Linear's prepacked copy where it has one)."""
+    if wide and isinstance(lin, Bf16Linear) and lin.tiles is not None:
+        return [1, TILES_BF16_CODE]
     if isinstance(lin, OneDnnLinear) or (wide and isinstance(lin, Bf16Linear) and lin.onednn is not None):
         return [1, ONEDNN_BF16_CODE]
     if isinstance(lin, Bf16Linear):
@@ -184,6 +191,8 @@ def _projection_weights(lin: PackedLinear | OneDnnLinear | Bf16Linear, wide: boo
     prepacked, Bf16Linear's plain, or with `wide` its prepacked copy where it has one) and two unused tensors."""
     if isinstance(lin, DENSE_LINEARS):
         empty = torch.empty(0)
+        if wide and isinstance(lin, Bf16Linear) and lin.tiles is not None:
+            return [lin.tiles.packed, empty, empty]
         prepacked = isinstance(lin, OneDnnLinear) or (wide and lin.onednn is not None)
         return [lin.onednn.packed if prepacked else lin.weight.detach(), empty, empty]
     copy = lin.int8_weight

@@ -9,21 +9,21 @@ table) on every call; the kernel streams each weight once in its own layout (doc
 figures). Prompts' many rows are compute-bound, where oneDNN on the plain weight is as fast as on its prepacked
 copy, so the weight is held once.
 
-On CPUs with AMX, oneDNN's tile kernels outrun this one from ~8 rows (1.5x at 16, 3.8x at 64 on the embedded
-model's projections): there a decoder projection also keeps a oneDNN-prepacked copy (`onednn`, set by
-onednn_linear.prepack_bf16_linears where the copies fit in memory) for calls of ONEDNN_MIN_ROWS rows or more, and
-the output head a copy packed for AMX tiles (`amx_head`, layers/amx_head.py) for float32 logits of
-AMX_HEAD_MIN_ROWS rows or more: bf16 products, float32 sums, as the kernel's. Where the kernel module cannot use
-the tiles, the head keeps a float32 copy (`float32_copy`) for FLOAT32_COPY_MIN_ROWS rows or more instead: oneDNN
+On CPUs with AMX, tile kernels outrun this one from ~8 rows: there each layer also keeps a copy packed for AMX
+tiles (`tiles`, layers/amx_tiles.py, set by onednn_linear.prepack_bf16_linears where the copies fit in memory),
+run for calls of TILES_MIN_ROWS to TILES_MAX_ROWS rows: bf16 products, float32 sums, as the kernel's (faster
+than oneDNN's own tile kernels on a prepacked copy at every row count of a decode step). Where the kernel module
+cannot use the tiles, a decoder projection keeps a oneDNN-prepacked copy (`onednn`) for ONEDNN_MIN_ROWS rows or
+more instead, and the output head a float32 copy (`float32_copy`) for FLOAT32_COPY_MIN_ROWS rows or more: oneDNN
 has no bf16 GEMM with float32 results, but runs a float32 GEMM on AMX tiles in bf16 when told to (its fp32 math
 mode 'bf16'), reading twice the bytes.
 
-Invariant: up to KERNEL_MAX_ROWS rows (below ONEDNN_MIN_ROWS where a layer has the prepacked copy), each output
-row is the kernel's float32 sum (+ bias) rounded once to bf16 (forward) or kept in float32 (forward_float32), the
-same whatever other rows share the call; more rows give oneDNN's result (F.linear's, or the prepacked copy's,
-which on AMX rounds by the call's row count: onednn_linear.py; the float32 copy's sums are added in another
-order than the kernel's, so they may differ from them in the last float32 bits; so may the tile-packed copy's,
-whose rows are the same whatever the other rows of the call).
+Invariant: up to KERNEL_MAX_ROWS rows (below TILES_MIN_ROWS or ONEDNN_MIN_ROWS where a layer has a copy), each
+output row is the kernel's float32 sum (+ bias) rounded once to bf16 (forward) or kept in float32
+(forward_float32), the same whatever other rows share the call; so is each row of the tiles' (their sums are
+added in another order than the kernel's, so they may differ from its in the last float32 bits). More rows give
+oneDNN's result (F.linear's, or the prepacked copy's, which on AMX rounds by the call's row count:
+onednn_linear.py; the float32 copy's sums, too, may differ from the kernel's in the last float32 bits).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvpilot.model.layers.amx_head import AmxHeadWeight
+from kvpilot.model.layers.amx_tiles import AmxTileWeight
 from kvpilot.model.layers.cpu_bf16_ops import get_bf16_ops
 
 # up to here the kernel, beyond it oneDNN (about even at 64-128 rows on the embedded model's shapes)
@@ -45,9 +45,11 @@ ONEDNN_MIN_ROWS = 8
 # from here an output head with a float32 copy (AMX CPUs) runs it (even with the kernel at ~24 rows in a decode
 # step: the copy is twice the bytes; docs/benchmark-log.md 2026-12-02 14:02)
 FLOAT32_COPY_MIN_ROWS = 32
-# from here an output head packed for AMX tiles runs them: the kernel's time grows with the rows, the tiles' stays
-# at the weight's bytes read once (faster than the kernel from 8 rows; benchmarks/bf16_gemm.py --part head)
-AMX_HEAD_MIN_ROWS = 8
+# from here a layer packed for AMX tiles runs them: the kernel's time grows with the rows, the tiles' stays near the
+# weight's bytes read once, and they read them faster than the kernel even at one row (benchmarks/bf16_gemm.py)
+TILES_MIN_ROWS = 1
+# up to here (prompts' many rows: oneDNN's blocking on the plain weight caught up with the tiles by 512)
+TILES_MAX_ROWS = 256
 
 
 def bf16_gemm_kernel(dtype: torch.dtype, device: torch.device) -> Any | None:
@@ -69,8 +71,8 @@ class Bf16Linear(nn.Module):
         self.kernel = kernel
         # a OneDnnWeight of the same values for calls of ONEDNN_MIN_ROWS rows or more (AMX CPUs), else None
         self.onednn: Any | None = None
-        # an output head's copy packed for AMX tiles, for float32 calls of AMX_HEAD_MIN_ROWS rows or more
-        self.amx_head: AmxHeadWeight | None = None
+        # a copy packed for AMX tiles, for calls of TILES_MIN_ROWS to TILES_MAX_ROWS rows (AMX CPUs), else None
+        self.tiles: AmxTileWeight | None = None
         # else an output head's [out, in] float32 copy for float32 calls of FLOAT32_COPY_MIN_ROWS rows or more (AMX)
         self.float32_copy: torch.Tensor | None = None
 
@@ -88,12 +90,12 @@ class Bf16Linear(nn.Module):
 
     def _forward(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if self.onednn is not None and rows.dtype == out_dtype == torch.bfloat16 \
+        if self.tiles is not None and rows.dtype == torch.bfloat16 \
+                and TILES_MIN_ROWS <= rows.shape[0] <= TILES_MAX_ROWS:
+            out = self.tiles.linear(rows, self.bias, out_dtype)
+        elif self.onednn is not None and rows.dtype == out_dtype == torch.bfloat16 \
                 and rows.shape[0] >= ONEDNN_MIN_ROWS:
             out = self.onednn.linear(rows, self.bias)
-        elif self.amx_head is not None and out_dtype == torch.float32 and rows.dtype == torch.bfloat16 \
-                and rows.shape[0] >= AMX_HEAD_MIN_ROWS and self.bias is None:
-            out = self.amx_head.linear_float32(rows)
         elif self.float32_copy is not None and out_dtype == torch.float32 and rows.dtype == torch.bfloat16 \
                 and rows.shape[0] >= FLOAT32_COPY_MIN_ROWS:
             out = bf16_math_linear(rows.float(), self.float32_copy, self.bias)

@@ -23,7 +23,7 @@ _KERNEL = CppKernel(label="CPU bf16 ops kernel", name_prefix="kvpilot_cpu_bf16_o
                         "simd_exp.h", "bf16_ops_avx512.h", "bf16_ops_avx2.h", "bf16_gemm_avx512.h", "bf16_gemm_amx.h",
                         "bf16_ops_cpu.cpp")),
                     functions=("rms_norm_bf16", "add_rms_norm_bf16", "rope_bf16", "silu_mul_bf16", "has_bf16_gemm",
-                               "bf16_linear", "has_amx_bf16", "amx_linear_f32"),
+                               "bf16_linear", "has_amx_bf16", "amx_linear"),
                     cflags=("-O3",),
                     serial="norms and rotations of long prompts run on one thread", fallback="using torch ops")
 

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvpilot.fit.fingerprint import cpu_has_amx_bf16
-from kvpilot.model.layers.amx_head import AmxHeadWeight, amx_head_kernel
+from kvpilot.model.layers.amx_tiles import AmxTileWeight, amx_tiles_kernel
 from kvpilot.model.layers.bf16_linear import Bf16Linear, bf16_gemm_kernel
 from kvpilot.model.layers.cpu_bf16_ops import get_bf16_ops
 
@@ -141,8 +141,8 @@ def bf16_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
 
 
 def amx_onednn_copies(model: nn.Module, available_bytes: int) -> bool:
-    """Whether the Bf16Linear decoder projections of `model` should also keep oneDNN-prepacked copies, and its
-    bf16 output head a copy for AMX tiles (_add_head_copy): on a CPU with AMX (bf16_linear.py: oneDNN's tile kernels win from
+    """Whether the Bf16Linear layers of `model` should also keep copies for many rows (_add_amx_copy: packed for
+    AMX tiles, else oneDNN's): on a CPU with AMX (bf16_linear.py: oneDNN's tile kernels win from
     ONEDNN_MIN_ROWS rows), where the copies fit (copy_fits)."""
     if not cpu_has_amx_bf16():
         return False
@@ -170,10 +170,8 @@ def prepack_bf16_linears(model: nn.Module, float32_min_rows: int | None = None, 
             setattr(parent, name, OneDnnLinear(linear, float32_min_rows))
         else:
             layer = Bf16Linear.from_linear(linear, kernel)
-            if onednn_copies and head:  # float32 logits: the kernel's sums, or the tiles'
-                _add_head_copy(layer, linear.weight, kernel)
-            elif onednn_copies:
-                layer.onednn = OneDnnWeight(linear.weight.detach())
+            if onednn_copies:
+                _add_amx_copy(layer, linear.weight, kernel, head)
             setattr(parent, name, layer)
         if head:
             model.output_head = model.lm_head
@@ -181,23 +179,26 @@ def prepack_bf16_linears(model: nn.Module, float32_min_rows: int | None = None, 
     if kernel is not None and table is not None and getattr(model, "output_head", None) is None:
         model.output_head = Bf16Linear(table, None, kernel)  # the table itself, shared with the lookup
         if onednn_copies:
-            _add_head_copy(model.output_head, table, kernel)
+            _add_amx_copy(model.output_head, table, kernel, head=True)
     return len(found)
 
 
 def head_copy_bytes(weight: torch.Tensor) -> int:
-    """The bytes of the copy _add_head_copy gives an output head of `weight` on this CPU."""
-    tiles = amx_head_kernel(get_bf16_ops(), weight) is not None
+    """The bytes of the copy _add_amx_copy gives an output head of `weight` on this CPU."""
+    tiles = amx_tiles_kernel(get_bf16_ops(), weight) is not None
     return (2 if tiles else 4) * weight.numel()
 
 
-def _add_head_copy(layer: Bf16Linear, weight: torch.Tensor, kernel: Any) -> None:
-    """An AMX CPU's output head: packed for the kernel module's tiles where it can use them (no bias), else a
-    float32 copy for oneDNN's bf16 math mode."""
-    if layer.bias is None and amx_head_kernel(kernel, weight) is not None:
-        layer.amx_head = AmxHeadWeight(weight, kernel)
-    else:
+def _add_amx_copy(layer: Bf16Linear, weight: torch.Tensor, kernel: Any, head: bool) -> None:
+    """An AMX CPU's copy for many rows: packed for the kernel module's tiles where it can use them, else a
+    oneDNN-prepacked copy (a decoder projection) or a float32 copy for oneDNN's bf16 math mode (an output head,
+    whose float32 logits oneDNN's bf16 GEMM cannot give)."""
+    if amx_tiles_kernel(kernel, weight) is not None:
+        layer.tiles = AmxTileWeight(weight, kernel)
+    elif head:
         layer.float32_copy = weight.detach().float()
+    else:
+        layer.onednn = OneDnnWeight(weight.detach())
 
 
 def _dense_head_weight(model: nn.Module) -> torch.Tensor | None:

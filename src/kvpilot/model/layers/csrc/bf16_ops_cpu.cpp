@@ -244,38 +244,47 @@ void bf16_linear(torch::Tensor out, const torch::Tensor& x, const torch::Tensor&
 // Whether amx_linear_f32 runs here (AMX-BF16, and Linux granted the tile state).
 bool has_amx_bf16() { return amx_bf16_usable(); }
 
-// out [M, N] float32 (contiguous) = x [M, K] . W [N, K]^T, x bfloat16 with contiguous rows, W packed for tiles by
-// layers/amx_head.py: `packed` [N / 16, Kp / 32, 16, 32] bfloat16, Kp >= K a multiple of 32, N a multiple of 32.
-// bf16_gemm_amx.h's kernel: exact products, float32 sums, the same for a row whatever M and the threads.
-void amx_linear_f32(torch::Tensor out, const torch::Tensor& x, const torch::Tensor& packed) {
-  TORCH_CHECK(amx_bf16_usable(), "amx_linear_f32: this CPU (or process) cannot use AMX-BF16 tiles");
+// out [M, N] (float32 or bfloat16, contiguous) = x [M, K] . W [N, K]^T (+ bias [N] bfloat16), x bfloat16 with
+// contiguous rows, W packed for tiles by layers/amx_tiles.py: `packed` [N / 16, Kp / 32, 16, 32] bfloat16, Kp >= K a
+// multiple of 32, N a multiple of 32. bf16_gemm_amx.h's kernel: exact products, float32 sums rounded once to out's
+// dtype, the same for a row whatever M and the threads.
+void amx_linear(torch::Tensor out, const torch::Tensor& x, const torch::Tensor& packed,
+                const std::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(amx_bf16_usable(), "amx_linear: this CPU (or process) cannot use AMX-BF16 tiles");
 #if defined(__x86_64__)
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.is_contiguous(),
-              "amx_linear_f32: contiguous bfloat16 x [M, K]");
+              "amx_linear: contiguous bfloat16 x [M, K]");
   TORCH_CHECK(packed.scalar_type() == torch::kBFloat16 && packed.dim() == 4 && packed.is_contiguous() &&
               packed.size(2) == 16 && packed.size(3) == 32 && packed.size(0) % 2 == 0,
-              "amx_linear_f32: packed [N / 16, Kp / 32, 16, 32] bfloat16 from layers/amx_head.py, N a multiple of 32");
+              "amx_linear: packed [N / 16, Kp / 32, 16, 32] bfloat16 from layers/amx_tiles.py, N a multiple of 32");
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * 16, Kp = packed.size(1) * 32;
-  TORCH_CHECK(K <= Kp, "amx_linear_f32: x has ", K, " columns, the packed weight ", Kp);
-  TORCH_CHECK(out.scalar_type() == torch::kFloat32 && out.is_contiguous() && out.dim() == 2 && out.size(0) == M &&
-              out.size(1) == N, "amx_linear_f32: out [M, N] contiguous float32");
+  TORCH_CHECK(K <= Kp, "amx_linear: x has ", K, " columns, the packed weight ", Kp);
+  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == M && out.size(1) == N &&
+              (out.scalar_type() == torch::kFloat32 || out.scalar_type() == torch::kBFloat16),
+              "amx_linear: out [M, N] contiguous, float32 or bfloat16");
+  const uint16_t* bias_p = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kBFloat16 && bias->is_contiguous() && bias->numel() == N,
+                "amx_linear: bias [N] bfloat16");
+    bias_p = reinterpret_cast<const uint16_t*>(bias->data_ptr<at::BFloat16>());
+  }
   if (M == 0) return;
-  const int64_t Mp = (M + kAmxBlockRows - 1) / kAmxBlockRows * kAmxBlockRows;
   torch::Tensor rows = x;
-  if (Mp != M || Kp != K) {  // the tiles read whole 32-row, 32-value blocks: zeros beyond x
-    rows = x.new_zeros({Mp, Kp});
-    rows.narrow(0, 0, M).narrow(1, 0, K).copy_(x);
+  if (Kp != K) {  // the tiles read whole 32-value steps: zeros beyond K
+    rows = x.new_zeros({M, Kp});
+    rows.narrow(1, 0, K).copy_(x);
   }
   const auto* xp = reinterpret_cast<const uint16_t*>(rows.data_ptr<at::BFloat16>());
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-  float* op = out.data_ptr<float>();
+  const int64_t element = out.scalar_type() == torch::kBFloat16 ? 2 : 4;
   // ~64 KiB of weights a task at least, as bf16_linear
   const int64_t grain = std::max<int64_t>(1, 65536 / (kAmxBlockCols * Kp * 2));
   // rows in chunks of kAmxChunkRows, each over all columns: more rows a pass ran slower than two passes
   for (int64_t r0 = 0; r0 < M; r0 += kAmxChunkRows) {
-    const int64_t rows_here = std::min(kAmxChunkRows, M - r0), padded_here = std::min(kAmxChunkRows, Mp - r0);
+    const int64_t rows_here = std::min(kAmxChunkRows, M - r0);
+    const GemmOut o{static_cast<char*>(out.data_ptr()) + r0 * N * element, element == 2, bias_p, N};
     at::parallel_for(0, N / kAmxBlockCols, grain, [&](int64_t b0, int64_t b1) {
-      amx_gemm_blocks(xp + r0 * Kp, rows_here, padded_here, Kp, wp, op + r0 * N, N, b0, b1);
+      amx_gemm_blocks(xp + r0 * Kp, rows_here, Kp, wp, o, b0, b1);
     });
   }
 #endif

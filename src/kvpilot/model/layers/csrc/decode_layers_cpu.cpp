@@ -20,6 +20,9 @@ constexpr int64_t kOneDnnBf16 = 100;
 // A part held as a plain bf16 weight [N, K] (a dense bf16 model's Bf16Linear, AVX512_BF16): bf16_linear's kernel, as
 // Bf16Linear runs it up to its KERNEL_MAX_ROWS (fused steps stay within it)
 constexpr int64_t kPlainBf16 = 101;
+// A part held as a copy packed for AMX tiles (a dense bf16 model's Bf16Linear on an AMX CPU): amx_linear, as
+// Bf16Linear runs it from its TILES_MIN_ROWS
+constexpr int64_t kTilesBf16 = 102;
 
 torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed) {
   static const c10::OperatorHandle op =
@@ -92,6 +95,12 @@ torch::Tensor linear_rows(const torch::Tensor& x, const Projection& p, bool int8
   if (p.formats[0] == kOneDnnBf16) {
     TORCH_CHECK(p.parts == 1, "a oneDNN bf16 projection is one part");
     return onednn_linear(x, w[0]);
+  }
+  if (p.formats[0] == kTilesBf16) {
+    TORCH_CHECK(p.parts == 1, "a tile-packed bf16 projection is one part");
+    torch::Tensor out = torch::empty({x.size(0), w[0].size(0) * 16}, x.options());
+    amx_linear(out, x.contiguous(), w[0], std::nullopt);
+    return out;
   }
   if (p.formats[0] == kPlainBf16) {
     TORCH_CHECK(p.parts == 1, "a plain bf16 projection is one part");
