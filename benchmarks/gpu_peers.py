@@ -82,14 +82,20 @@ def pass_sequence(peer_label: str, passes: int) -> list[str]:
 
 
 class KvpilotEngine:
-    """The child side for kvpilot: `LLM` at its defaults, apart from the comparison's context length and share."""
+    """The child side for kvpilot: `LLM(model, **settings)`."""
 
-    def __init__(self, model_dir: Path, max_model_len: int, gpu_memory_utilization: float) -> None:
-        import torch
+    def __init__(self, model: str | None, **settings) -> None:
         from kvpilot import LLM
 
-        kwargs = {"gpu_memory_utilization": gpu_memory_utilization} if torch.cuda.is_available() else {}
-        self._llm = LLM(str(model_dir), max_model_len=max_model_len, **kwargs)
+        self._llm = LLM(model, **settings)
+
+    @classmethod
+    def for_gpu_peers(cls, model_dir: Path, max_model_len: int, gpu_memory_utilization: float) -> KvpilotEngine:
+        """At its defaults, apart from the comparison's context length and memory share."""
+        import torch
+
+        share = {"gpu_memory_utilization": gpu_memory_utilization} if torch.cuda.is_available() else {}
+        return cls(str(model_dir), max_model_len=max_model_len, **share)
 
     def generate(self, requests, temperature: float) -> list[int]:
         from kvpilot import SamplingParams
@@ -111,7 +117,7 @@ def run_child(args: argparse.Namespace) -> None:
         from peers.nano_vllm import NanoVllmEngine
         engine = NanoVllmEngine(args.model_dir, args.max_model_len, args.gpu_memory_utilization)
     else:
-        engine = KvpilotEngine(args.model_dir, args.max_model_len, args.gpu_memory_utilization)
+        engine = KvpilotEngine.for_gpu_peers(args.model_dir, args.max_model_len, args.gpu_memory_utilization)
     serve(engine)
 
 
@@ -150,15 +156,16 @@ class PassResult:
         return self.num_tokens / self.seconds
 
 
-def run_row(row: PeerRow, children: dict, peer_label: str, vocab_size: int,
-            args: argparse.Namespace) -> list[PassResult]:
+def run_row(row: PeerRow, children: dict, peer_label: str, vocab_size: int, args: argparse.Namespace,
+            temperature: float = TEMPERATURE) -> list[PassResult]:
+    """Warm-ups, then the passes of pass_sequence, each on its engine's next set of prompts."""
     for child in children.values():
-        child.run(warmup_requests(row, vocab_size, args.seed), TEMPERATURE)
+        child.run(warmup_requests(row, vocab_size, args.seed), temperature)
     results, counts = [], {label: 0 for label in children}
     for index, label in enumerate(pass_sequence(peer_label, args.passes)):
         requests = make_requests(row, vocab_size, args.seed + counts[label])  # pass k: the same prompts for both
         counts[label] += 1
-        reply = children[label].run(requests, TEMPERATURE)
+        reply = children[label].run(requests, temperature)
         results.append(PassResult(row.key, label, index, reply.num_tokens, reply.seconds, reply.num_short))
         print(f"  {row.key} pass {index} {label}: {reply.tokens_per_second:,.0f} tok/s ({reply.num_tokens} tokens "
               f"in {reply.seconds:.2f} s{f', {reply.num_short} short' if reply.num_short else ''})", flush=True)
