@@ -210,6 +210,19 @@ torch::Tensor silu_mul_bf16(torch::Tensor gate_up) {
 // Whether bf16_linear runs on this CPU (AVX512_BF16).
 bool has_bf16_gemm() { return bf16_gemm_avx512(); }
 
+// The checks both GEMM entry points make of out [M, N] (contiguous, float32 or bfloat16) and bias ([N] bfloat16,
+// optional); returns bias's values, or nullptr without one. `name` prefixes the messages.
+const uint16_t* checked_out_and_bias(const char* name, const torch::Tensor& out, int64_t M, int64_t N,
+                                     const std::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == M && out.size(1) == N &&
+              (out.scalar_type() == torch::kFloat32 || out.scalar_type() == torch::kBFloat16),
+              name, ": out [M, N] contiguous, float32 or bfloat16");
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == torch::kBFloat16 && bias->is_contiguous() && bias->numel() == N,
+              name, ": bias [N] bfloat16");
+  return reinterpret_cast<const uint16_t*>(bias->data_ptr<at::BFloat16>());
+}
+
 // out [M, N] (float32 or bfloat16, contiguous) = x [M, K] . w [N, K]^T (+ bias [N]), x, w and bias bfloat16, x's rows
 // and w contiguous: bf16_gemm_avx512.h's kernel, float32 sums rounded once to out's dtype. Threads split the 4-row
 // blocks of w; each output's sum is the same whatever M and the threads (the header's invariant).
@@ -220,15 +233,7 @@ void bf16_linear(torch::Tensor out, const torch::Tensor& x, const torch::Tensor&
               w.dim() == 2 && x.size(1) == w.size(1), "bf16_linear: bfloat16 x [M, K] and w [N, K]");
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "bf16_linear: contiguous x and w");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == M && out.size(1) == N &&
-              (out.scalar_type() == torch::kFloat32 || out.scalar_type() == torch::kBFloat16),
-              "bf16_linear: out [M, N] contiguous, float32 or bfloat16");
-  const uint16_t* bias_p = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == torch::kBFloat16 && bias->is_contiguous() && bias->numel() == N,
-                "bf16_linear: bias [N] bfloat16");
-    bias_p = reinterpret_cast<const uint16_t*>(bias->data_ptr<at::BFloat16>());
-  }
+  const uint16_t* bias_p = checked_out_and_bias("bf16_linear", out, M, N, bias);
   if (M == 0 || N == 0) return;
   const GemmOut o{out.data_ptr(), out.scalar_type() == torch::kBFloat16, bias_p, N};
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
@@ -259,15 +264,7 @@ void amx_linear(torch::Tensor out, const torch::Tensor& x, const torch::Tensor& 
               "amx_linear: packed [N / 16, Kp / 32, 16, 32] bfloat16 from layers/amx_tiles.py, N a multiple of 32");
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * 16, Kp = packed.size(1) * 32;
   TORCH_CHECK(K <= Kp, "amx_linear: x has ", K, " columns, the packed weight ", Kp);
-  TORCH_CHECK(out.is_contiguous() && out.dim() == 2 && out.size(0) == M && out.size(1) == N &&
-              (out.scalar_type() == torch::kFloat32 || out.scalar_type() == torch::kBFloat16),
-              "amx_linear: out [M, N] contiguous, float32 or bfloat16");
-  const uint16_t* bias_p = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == torch::kBFloat16 && bias->is_contiguous() && bias->numel() == N,
-                "amx_linear: bias [N] bfloat16");
-    bias_p = reinterpret_cast<const uint16_t*>(bias->data_ptr<at::BFloat16>());
-  }
+  const uint16_t* bias_p = checked_out_and_bias("amx_linear", out, M, N, bias);
   if (M == 0) return;
   torch::Tensor rows = x;
   if (Kp != K) {  // the tiles read whole 32-value steps: zeros beyond K
