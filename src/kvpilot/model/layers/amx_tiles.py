@@ -32,10 +32,12 @@ def pack_for_tiles(weight: torch.Tensor) -> torch.Tensor:
     """[N, K] bf16 -> [N / 16, Kp / 32, 16, 32] (the module docstring's layout)."""
     n, k = weight.shape
     padded_k = -(-k // TILE_K) * TILE_K
-    padded = torch.zeros(n, padded_k, dtype=weight.dtype)
-    padded[:, :k] = weight
+    padded = weight
+    if padded_k != k:  # else the permuted copy below is the only one made
+        padded = torch.zeros(n, padded_k, dtype=weight.dtype)
+        padded[:, :k] = weight
     # [n tile, column, k step, pair, 2] -> [n tile, k step, pair, column, 2]
-    tiles = padded.view(n // TILE_COLS, TILE_COLS, padded_k // TILE_K, TILE_K // 2, 2).permute(0, 2, 3, 1, 4)
+    tiles = padded.reshape(n // TILE_COLS, TILE_COLS, padded_k // TILE_K, TILE_K // 2, 2).permute(0, 2, 3, 1, 4)
     return tiles.reshape(n // TILE_COLS, padded_k // TILE_K, TILE_K // 2, 2 * TILE_COLS).contiguous()
 
 
