@@ -107,7 +107,7 @@ class FusedDecode:
         if isinstance(linears[0], Bf16Linear):  # a dense bf16 model (_qualifying_dtype: all of them, no bias)
             self.int8_activations, self.isa = False, 0
             self.max_rows = KERNEL_MAX_ROWS  # the rows its kernel takes (more: oneDNN, in the modules)
-            if all(lin.tiles is not None for lin in linears):  # as the modules run them: rows 8-256
+            if all(lin.tiles is not None for lin in linears):  # as the modules run them: their tiles rows
                 self.wide_min_rows, self.max_rows = TILES_MIN_ROWS, min(TILES_MAX_ROWS, DENSE_FUSED_MAX_ROWS)
             elif all(lin.onednn is not None for lin in linears):
                 self.wide_min_rows, self.max_rows = ONEDNN_MIN_ROWS, DENSE_FUSED_MAX_ROWS
